@@ -1,0 +1,388 @@
+"""Pure micro-batcher: pending claimed items in, released ``Batch`` values out.
+
+No I/O, no wall clock, no sleeps: time comes from the injected ``Clock`` (epoch seconds), so the
+policy is tested with a fake clock. The scoring loop calls :meth:`MicroBatcher.poll` only when
+the executor is free, so the next batch keeps growing while the model is busy (Triton, TF
+Serving, BentoML), and sleeps until :meth:`MicroBatcher.next_deadline` or new items.
+
+Policy:
+
+- **Buckets.** Each item goes to the length bucket of its ``cost``: the first edge of
+  ``policy.length_buckets`` that is >= cost; items above the last edge go to an overflow bucket,
+  so ``k`` edges make ``k + 1`` buckets (no edges: one bucket). A batch never mixes buckets.
+- **When.** A bucket is *full* when it holds ``max_batch_size`` items or its total cost reaches
+  ``max_batch_cost``. Otherwise it is *due* when its oldest item's age, measured from that item's
+  ``enqueued_at`` (not from when the batcher saw it), reaches ``max_wait_s``, or at
+  ``earliest deadline_at - service_time(n, max cost)``, where ``n`` and the max cost are those
+  of the bucket's next batch (capped at ``max_batch_size``; the cost is the bucket's largest, a
+  conservative estimate). A bucket is ready when full or due.
+- **Which bucket.** Among ready buckets the one with the earliest due time releases first, so an
+  overdue bucket goes before a full bucket that is not yet due, and under overload buckets are
+  served oldest-first (nothing starves across buckets). ``flush=True`` releases the most urgent
+  bucket even when none is ready.
+- **Who (online).** Within a bucket items are cut in order of priority (higher first), then
+  deadline (earliest first, none last), then ``enqueued_at``. The cut stops at the first item
+  that would break the size or cost cap; the first item always fits, so an item costlier than
+  the whole budget is released alone rather than stuck. Priority is strict inside a bucket: a
+  wait or deadline trigger decides *when*, priority decides *who*.
+- **Who (bulk, ``flush=True`` and ``drain``).** The batch is built around the bucket's most
+  urgent item (the anchor) and filled with the items nearest to it in cost, then sorted by cost.
+  Many pending items therefore give full, length-sorted batches with little padding, while the
+  anchor keeps long items from starving behind a stream of short ones.
+- **Reason.** ``"size"``/``"cost"`` when the bucket was full (size if the batch has
+  ``max_batch_size`` rows, else cost), else ``"deadline"`` or ``"wait"`` for the time trigger
+  that fired first, else ``"flush"``.
+
+The batcher never drops items (expired deadlines are released, not discarded). Each ``add`` is
+O(log n), each release O(b log n) for a batch of b items over n pending, plus O(number of
+buckets) per decision.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from batching import models, protocols
+
+if TYPE_CHECKING:
+    from batching.config import BatchingPolicy
+
+ServiceTime = Callable[[int, int], float]
+"""Predicted seconds of one forward pass: (n_items, largest item cost) -> seconds."""
+
+Reason = Literal["size", "cost", "wait", "deadline", "flush"]
+
+_Entry = TypeVar("_Entry", bound=tuple[Any, ...])
+_COMPACT_SLACK = 64  # stale heap entries tolerated before a rebuild, beyond 2x live items
+
+
+def bucket_index(cost: int, edges: Sequence[int]) -> int:
+    """Return the length bucket of ``cost``: the first edge >= cost, ``len(edges)`` above all."""
+    return bisect.bisect_left(edges, cost)
+
+
+def batch_stats(
+    items: Sequence[models.WorkItem], formed_at: float, max_batch_size: int
+) -> models.BatchStats:
+    """Describe a batch: size, total cost, fill, padding efficiency and waits (seconds).
+
+    Args:
+        items: the batch, at least one item.
+        formed_at: when the batch was released (epoch seconds).
+        max_batch_size: the policy's row cap (``fill`` = size / max_batch_size).
+
+    Waits run from each item's ``enqueued_at`` to ``formed_at``, clamped at 0 for clock skew.
+    ``padding_efficiency`` is sum(cost) / (size * max(cost)), 1.0 when all costs are equal.
+    """
+    size = len(items)
+    total = sum(item.cost for item in items)
+    widest = max(item.cost for item in items)
+    waits = [max(0.0, formed_at - item.enqueued_at) for item in items]
+    return models.BatchStats(
+        size=size,
+        cost=total,
+        fill=size / max_batch_size,
+        padding_efficiency=total / (size * widest) if widest > 0 else 1.0,
+        oldest_wait_s=max(waits),
+        mean_wait_s=sum(waits) / size,
+    )
+
+
+def _no_service_time(n_items: int, max_cost: int) -> float:
+    return 0.0
+
+
+def _live_top(heap: list[_Entry], live: dict[int, models.WorkItem]) -> _Entry | None:
+    """Drop released entries (seq is the last field) from the heap top; return the live top."""
+    while heap and heap[0][-1] not in live:
+        heapq.heappop(heap)
+    return heap[0] if heap else None
+
+
+def _compacted(heap: list[_Entry], live: dict[int, models.WorkItem]) -> list[_Entry]:
+    """Rebuild ``heap`` without released entries once they outnumber the live ones."""
+    if len(heap) <= 2 * len(live) + _COMPACT_SLACK:
+        return heap
+    kept = [entry for entry in heap if entry[-1] in live]
+    heapq.heapify(kept)
+    return kept
+
+
+@dataclass(frozen=True, slots=True)
+class _Budget:
+    """The per-batch caps: rows and, optionally, total cost."""
+
+    max_size: int
+    max_cost: int | None
+
+    def fits(self, n_taken: int, cost_taken: int, cost: int) -> bool:
+        """Whether one more item of ``cost`` fits; the first item always does."""
+        if n_taken == 0:
+            return True
+        if n_taken >= self.max_size:
+            return False
+        return self.max_cost is None or cost_taken + cost <= self.max_cost
+
+    def full(self, n_items: int, cost: int) -> bool:
+        """Whether pending items of this count and total cost make at least one capped batch."""
+        return n_items >= self.max_size or (self.max_cost is not None and cost >= self.max_cost)
+
+
+class _Bucket:
+    """Pending items of one length bucket, indexed for O(log n) decisions (lazy-deleted heaps)."""
+
+    def __init__(self) -> None:
+        self.items: dict[int, models.WorkItem] = {}  # seq -> item, the live set
+        self.cost = 0
+        self._order: list[tuple[int, float, float, int]] = []  # (-prio, deadline, enqueued, seq)
+        self._ages: list[tuple[float, int]] = []  # (enqueued_at, seq)
+        self._deadlines: list[tuple[float, int]] = []  # (deadline_at, seq)
+        self._groups: dict[int, dict[int, models.WorkItem]] = {}  # cost -> seq -> item
+        self._costs: list[int] = []  # sorted distinct costs present
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def push(self, seq: int, item: models.WorkItem) -> None:
+        """Add one item under its unique sequence number."""
+        self.items[seq] = item
+        self.cost += item.cost
+        deadline = math.inf if item.deadline_at is None else item.deadline_at
+        heapq.heappush(self._order, (-item.priority, deadline, item.enqueued_at, seq))
+        heapq.heappush(self._ages, (item.enqueued_at, seq))
+        if item.deadline_at is not None:
+            heapq.heappush(self._deadlines, (item.deadline_at, seq))
+        if item.cost not in self._groups:
+            self._groups[item.cost] = {}
+            bisect.insort(self._costs, item.cost)
+        self._groups[item.cost][seq] = item
+
+    def oldest_enqueued_at(self) -> float:
+        """``enqueued_at`` of the oldest pending item (bucket must be non-empty)."""
+        top = _live_top(self._ages, self.items)
+        assert top is not None
+        return top[0]
+
+    def earliest_deadline(self) -> float | None:
+        """Earliest ``deadline_at`` pending, or None when no item has one."""
+        top = _live_top(self._deadlines, self.items)
+        return None if top is None else top[0]
+
+    def max_cost(self) -> int:
+        """Largest pending item cost (bucket must be non-empty)."""
+        return self._costs[-1]
+
+    def cut_in_order(self, budget: _Budget) -> list[int]:
+        """Take items by (priority, deadline, enqueue) until the next would break the budget."""
+        seqs: list[int] = []
+        total = 0
+        while (top := _live_top(self._order, self.items)) is not None:
+            cost = self.items[top[-1]].cost
+            if not budget.fits(len(seqs), total, cost):
+                break
+            heapq.heappop(self._order)
+            seqs.append(top[-1])
+            total += cost
+        return seqs
+
+    def cut_by_length(self, budget: _Budget) -> list[int]:
+        """Take the most urgent item, then the items nearest to it in cost, within the budget."""
+        top = _live_top(self._order, self.items)
+        assert top is not None
+        anchor = top[-1]
+        seqs, total = [anchor], self.items[anchor].cost
+        for seq, item in self._nearest(self.items[anchor].cost):
+            if seq == anchor:
+                continue
+            if not budget.fits(len(seqs), total, item.cost):
+                break
+            seqs.append(seq)
+            total += item.cost
+        return seqs
+
+    def _nearest(self, cost: int) -> Iterator[tuple[int, models.WorkItem]]:
+        """Pending items by distance of their cost from ``cost`` (ties: cheaper first)."""
+        costs = self._costs
+        hi = bisect.bisect_left(costs, cost)
+        lo = hi - 1
+        while lo >= 0 or hi < len(costs):
+            if hi >= len(costs) or (lo >= 0 and cost - costs[lo] <= costs[hi] - cost):
+                group, lo = costs[lo], lo - 1
+            else:
+                group, hi = costs[hi], hi + 1
+            yield from self._groups[group].items()
+
+    def remove(self, seqs: Iterable[int]) -> list[models.WorkItem]:
+        """Remove the given items and return them in the same order."""
+        taken = [self._remove_one(seq) for seq in seqs]
+        self._order = _compacted(self._order, self.items)
+        self._ages = _compacted(self._ages, self.items)
+        self._deadlines = _compacted(self._deadlines, self.items)
+        return taken
+
+    def _remove_one(self, seq: int) -> models.WorkItem:
+        item = self.items.pop(seq)
+        self.cost -= item.cost
+        group = self._groups[item.cost]
+        del group[seq]
+        if not group:
+            del self._groups[item.cost]
+            del self._costs[bisect.bisect_left(self._costs, item.cost)]
+        return item
+
+
+@dataclass(frozen=True, slots=True)
+class _Readiness:
+    """One non-empty bucket's release state at a given time."""
+
+    index: int
+    full: bool
+    due_at: float  # epoch seconds when the wait or deadline trigger fires
+    trigger: Reason  # "wait" or "deadline": which trigger gives due_at
+
+    def ready(self, now: float) -> bool:
+        return self.full or self.due_at <= now
+
+    def ready_at(self, now: float) -> float:
+        """When this bucket can release: now if full (or its due time if earlier)."""
+        return min(self.due_at, now) if self.full else self.due_at
+
+
+class MicroBatcher:
+    """Forms micro-batches from claimed items under a ``BatchingPolicy`` (see module docstring).
+
+    Args:
+        policy: caps (``max_batch_size``, ``max_batch_cost``), ``max_wait_s`` (seconds) and
+            ``length_buckets`` (strictly increasing cost edges).
+        clock: returns the current time in epoch seconds.
+        service_time: predicted seconds of one forward pass for (n_items, max item cost);
+            used to release early enough to meet ``deadline_at``. None means 0 seconds.
+    """
+
+    def __init__(
+        self,
+        policy: BatchingPolicy,
+        clock: protocols.Clock,
+        service_time: ServiceTime | None = None,
+    ) -> None:
+        self._policy = policy
+        self._clock = clock
+        self._service_time = service_time or _no_service_time
+        self._edges = tuple(policy.length_buckets)
+        self._budget = _Budget(policy.max_batch_size, policy.max_batch_cost)
+        self._buckets = [_Bucket() for _ in range(len(self._edges) + 1)]
+        self._ids: set[int] = set()
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        """Number of pending items."""
+        return len(self._ids)
+
+    @property
+    def n_buckets(self) -> int:
+        """Number of length buckets (``len(length_buckets) + 1``)."""
+        return len(self._buckets)
+
+    def add(self, items: Iterable[models.WorkItem]) -> None:
+        """Add claimed items; they wait here until released in a batch.
+
+        Raises:
+            ValueError: an item id is already pending (or repeated), or an item's cost is < 0.
+                Nothing is added in that case.
+        """
+        batch = list(items)
+        self._check_new(batch)
+        for item in batch:
+            bucket = self._buckets[bucket_index(item.cost, self._edges)]
+            bucket.push(next(self._seq), item)
+            self._ids.add(item.id)
+
+    def poll(self, *, flush: bool = False) -> models.Batch | None:
+        """Release one batch if one must go now; call it when the executor is free.
+
+        Args:
+            flush: release the most urgent bucket even if no cap or trigger is reached (end of
+                run, bulk drain); the batch is then cut by length (see module docstring).
+
+        Returns:
+            A non-empty batch, or None when nothing is pending or nothing is ready yet.
+        """
+        if not self._ids:
+            return None
+        now = self._clock()
+        states = self._readiness()
+        best = min(states, key=lambda s: (not s.ready(now), s.due_at, s.index))
+        if not (flush or best.ready(now)):
+            return None
+        return self._release(best, now, by_length=flush)
+
+    def next_deadline(self) -> float | None:
+        """Clock time (epoch seconds) at which :meth:`poll` will next release a batch.
+
+        It may be in the past (a batch is overdue); it moves only when items are added or
+        released. None when nothing is pending.
+        """
+        if not self._ids:
+            return None
+        now = self._clock()
+        return min(state.ready_at(now) for state in self._readiness())
+
+    def drain(self) -> list[models.Batch]:
+        """Release every pending item as batches (shutdown); the batcher is empty afterwards."""
+        batches: list[models.Batch] = []
+        while (batch := self.poll(flush=True)) is not None:
+            batches.append(batch)
+        return batches
+
+    def _check_new(self, items: Sequence[models.WorkItem]) -> None:
+        seen: set[int] = set()
+        for item in items:
+            if item.id in self._ids or item.id in seen:
+                raise ValueError(
+                    f"item {item.id} ({item.item_key!r}) is already pending in the batcher; "
+                    "add each claimed item once"
+                )
+            if item.cost < 0:
+                raise ValueError(f"item {item.id} ({item.item_key!r}) has cost {item.cost} < 0")
+            seen.add(item.id)
+
+    def _readiness(self) -> list[_Readiness]:
+        return [self._state(i, bucket) for i, bucket in enumerate(self._buckets) if bucket]
+
+    def _state(self, index: int, bucket: _Bucket) -> _Readiness:
+        full = self._budget.full(len(bucket), bucket.cost)
+        wait_at = bucket.oldest_enqueued_at() + self._policy.max_wait_s
+        deadline = bucket.earliest_deadline()
+        if deadline is not None:
+            n = min(len(bucket), self._policy.max_batch_size)
+            deadline_at = deadline - max(0.0, self._service_time(n, bucket.max_cost()))
+            if deadline_at < wait_at:
+                return _Readiness(index, full, deadline_at, "deadline")
+        return _Readiness(index, full, wait_at, "wait")
+
+    def _release(self, state: _Readiness, now: float, *, by_length: bool) -> models.Batch:
+        bucket = self._buckets[state.index]
+        cut = bucket.cut_by_length if by_length else bucket.cut_in_order
+        seqs = cut(self._budget)
+        items = bucket.remove(seqs)
+        if by_length:
+            items.sort(key=lambda item: item.cost)
+        self._ids.difference_update(item.id for item in items)
+        return models.Batch(
+            items=tuple(items),
+            reason=self._reason(state, len(items), now),
+            formed_at=now,
+            stats=batch_stats(items, now, self._policy.max_batch_size),
+            bucket=state.index,
+        )
+
+    def _reason(self, state: _Readiness, n_items: int, now: float) -> Reason:
+        if state.full:
+            return "size" if n_items >= self._policy.max_batch_size else "cost"
+        return state.trigger if state.due_at <= now else "flush"

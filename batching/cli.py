@@ -1,0 +1,228 @@
+"""The ``batching`` command line. Exit codes: 0 ok, 1 failed, 2 bad usage or bad input.
+
+The CLI is an edge: it alone (with ``flows/``) reads environment variables
+(``BATCHING_DB_URL``) and turns them into arguments for the library.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, ParamSpec, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from batching import errors
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+app = typer.Typer(
+    name="batching",
+    help="Durable dynamic batching for model inference: queue, score, commit exactly once.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+DEFAULT_DB = "sqlite:///batching.db"
+DbOption = Annotated[
+    str,
+    typer.Option(
+        "--db",
+        envvar="BATCHING_DB_URL",
+        help="Database URL: sqlite:///FILE or postgresql://USER@HOST:PORT/DB.",
+        show_default=True,
+    ),
+]
+QueueOption = Annotated[str, typer.Option("--queue", "-q", help="Queue name.")]
+
+_USAGE = (errors.ConfigError, errors.InputError, errors.CheckpointError, errors.PolicyError)
+
+
+def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Print a ``BatchingError`` as one line and exit 2 (bad input) or 1 (failure)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except _USAGE as exc:
+            err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except errors.BatchingError as exc:
+            err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def open_queue(db: str, queue: str = "default", **kwargs: Any) -> Any:
+    """An ``SqlQueue`` for ``db`` (imports SQLAlchemy only when a command needs it)."""
+    from batching import queue as q
+
+    return q.SqlQueue(q.create_engine(db), queue, **kwargs)
+
+
+@app.command()
+@handle_errors
+def init(db: DbOption = DEFAULT_DB) -> None:
+    """Create or upgrade the queue schema (a second run changes nothing)."""
+    from batching import queue as q
+
+    result = open_queue(db).migrate()
+    where = q.redact(db)
+    if result.applied:
+        out.print(
+            f"{where}: schema upgraded from version {result.from_version} to {result.to_version}"
+        )
+    else:
+        out.print(f"{where}: schema already at version {result.to_version}; nothing to do")
+
+
+@app.command()
+@handle_errors
+def enqueue(
+    file: Annotated[Path, typer.Argument(help="JSONL or Parquet file of records.")],
+    db: DbOption = DEFAULT_DB,
+    queue: QueueOption = "default",
+    max_attempts: Annotated[int, typer.Option(min=1, help="Attempts before an item is dead.")] = 5,
+) -> None:
+    """Enqueue every record of FILE in one transaction (all or nothing), idempotent on item_key.
+
+    Each record: item_key, payload, and optionally tenant, priority, deadline, cost, lane.
+    """
+    from batching import ingest
+
+    records = ingest.read_records(file)
+    q = open_queue(db, queue, max_attempts=max_attempts)
+    q.check_schema()
+    result = q.enqueue(records)
+    out.print(
+        f"{file}: committed {result.inserted} new item(s) to queue {queue!r}; "
+        f"{len(result.duplicates)} already present (not enqueued again)"
+    )
+    if result.duplicates:
+        shown = ", ".join(result.duplicates[:5])
+        more = f" and {len(result.duplicates) - 5} more" if len(result.duplicates) > 5 else ""
+        out.print(f"duplicates: {shown}{more}")
+
+
+@app.command()
+@handle_errors
+def status(
+    db: DbOption = DEFAULT_DB,
+    queue: QueueOption = "default",
+    all_queues: Annotated[bool, typer.Option("--all", help="Every queue in the table.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Queue depth by state, oldest ready age, expired leases, per queue, lane and tenant."""
+    from dataclasses import asdict
+
+    q = open_queue(db, queue)
+    q.check_schema()
+    stats = q.stats(all_queues=all_queues)
+    if as_json:
+        sys.stdout.write(json.dumps(asdict(stats), indent=2) + "\n")
+        return
+    table = Table(title=f"queue {'(all)' if all_queues else repr(queue)}")
+    for col in (
+        "queue",
+        "lane",
+        "tenant",
+        "ready",
+        "leased",
+        "done",
+        "dead",
+        "expired",
+        "expired leases",
+        "oldest ready",
+    ):
+        table.add_column(col, justify="right" if col not in ("queue", "lane", "tenant") else "left")
+    for g in stats.groups:
+        age = f"{g.oldest_ready_age_s:.1f}s" if g.oldest_ready_age_s is not None else "-"
+        table.add_row(
+            g.queue,
+            g.lane or "-",
+            g.tenant,
+            *(str(v) for v in (g.ready, g.leased, g.done, g.dead, g.expired, g.expired_leases)),
+            age,
+        )
+    out.print(table)
+    totals = ", ".join(f"{k} {v}" for k, v in stats.by_state.items())
+    out.print(f"total: {totals}; expired leases {stats.expired_leases}")
+
+
+@app.command()
+@handle_errors
+def redrive(
+    db: DbOption = DEFAULT_DB,
+    queue: QueueOption = "default",
+    only: Annotated[str, typer.Option(help="Which items: dead, expired or all.")] = "all",
+) -> None:
+    """Move dead and/or expired items back to ready with fresh attempts."""
+    from batching import models
+
+    choices = {
+        "dead": (models.State.DEAD,),
+        "expired": (models.State.EXPIRED,),
+        "all": (models.State.DEAD, models.State.EXPIRED),
+    }
+    if only not in choices:
+        raise errors.ConfigError(f"--only must be dead, expired or all, got {only!r}")
+    q = open_queue(db, queue)
+    q.check_schema()
+    n = q.redrive(choices[only])
+    out.print(f"redrove {n} item(s) in queue {queue!r} back to ready")
+
+
+@app.command()
+@handle_errors
+def purge(
+    older_than: Annotated[
+        str, typer.Option(help="Age of done items to remove: 7d, 12h, 30m, 90s.")
+    ] = "7d",
+    db: DbOption = DEFAULT_DB,
+    queue: QueueOption = "default",
+    archive: Annotated[
+        bool, typer.Option(help="Copy to batching_items_archive before deleting.")
+    ] = False,
+) -> None:
+    """Remove done items older than --older-than (keep at least the reconcile window)."""
+    age_s = parse_duration(older_than, "--older-than")
+    q = open_queue(db, queue)
+    q.check_schema()
+    n = q.purge(age_s, archive=archive)
+    verb = "archived" if archive else "deleted"
+    out.print(f"{verb} {n} done item(s) older than {older_than} from queue {queue!r}")
+
+
+def parse_duration(text: str, name: str) -> float:
+    """``90s``/``30m``/``12h``/``7d`` (or plain seconds) to seconds; ``ConfigError`` otherwise."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    body, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        value = float(body)
+    except ValueError:
+        raise errors.ConfigError(
+            f"{name} must be a duration like 90s, 30m, 12h or 7d, got {text!r}"
+        ) from None
+    if value < 0:
+        raise errors.ConfigError(f"{name} must not be negative, got {text!r}")
+    return value * units[unit]
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Pydantic models of every setting, composed into one ``PipelineConfig`` loaded from YAML.
+
+Validation errors name the field and the fix. The library never reads environment variables:
+the CLI and ``flows/`` turn env and flags into overrides passed to :func:`load_config`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from batching import errors
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+DEFAULT_DB_URL = "sqlite:///batching.db"
+
+
+def check_identifier(value: str, what: str) -> str:
+    """Return ``value`` if it is a safe SQL identifier, else raise ``ConfigError`` naming ``what``."""
+    if not _IDENTIFIER.match(value):
+        raise errors.ConfigError(
+            f"{what} must be a SQL identifier (letters, digits, _; max 63 chars), got {value!r}"
+        )
+    return value
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DatabaseConfig(_Model):
+    """Where the queue table lives."""
+
+    url: str = DEFAULT_DB_URL
+
+
+class QueueConfig(_Model):
+    """Which items a scorer claims and how long it holds them."""
+
+    name: str = Field("default", min_length=1, max_length=200)
+    lane: str | None = None
+    lease_s: float = Field(60.0, gt=0)
+    heartbeat_s: float | None = Field(None, gt=0)
+    max_attempts: int = Field(5, ge=1, le=1000)
+    backoff_base_s: float = Field(1.0, ge=0)
+    backoff_max_s: float = Field(600.0, ge=0)
+    poll_s: float = Field(0.05, gt=0)
+
+    @model_validator(mode="after")
+    def _heartbeat_below_lease(self) -> QueueConfig:
+        if self.heartbeat_s is not None and self.heartbeat_s * 3 > self.lease_s:
+            raise ValueError(
+                f"heartbeat_s must be <= lease_s / 3 ({self.lease_s / 3:g}) so a live lease "
+                f"never expires between heartbeats, got {self.heartbeat_s:g}"
+            )
+        return self
+
+    @property
+    def effective_heartbeat_s(self) -> float:
+        """Heartbeat interval: the configured one, else a third of the lease."""
+        return self.heartbeat_s if self.heartbeat_s is not None else self.lease_s / 3
+
+
+class ModelSpec(_Model):
+    """A pinned model: built-in name or factory, checkpoint file and its mandatory sha256."""
+
+    name: str = Field(..., min_length=1)
+    version: str = Field(..., min_length=1, max_length=100)
+    checkpoint: str | None = None
+    sha256: str
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    autocast: Literal["none", "bf16", "fp16"] = "none"
+
+    @field_validator("sha256")
+    @classmethod
+    def _sha(cls, value: str) -> str:
+        value = value.lower()
+        if not _SHA256.match(value):
+            raise ValueError("sha256 must be 64 hex digits (run `sha256sum CHECKPOINT`)")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if ":" in value and not _FACTORY.match(value):
+            raise ValueError(f"factory must look like package.module:function, got {value!r}")
+        return value
+
+
+class BatchingPolicy(_Model):
+    """When a micro-batch is released, and how items are grouped."""
+
+    max_batch_size: int = Field(64, ge=1, le=65536)
+    max_batch_cost: int | None = Field(None, ge=1)
+    max_wait_s: float = Field(0.01, ge=0)
+    length_buckets: tuple[int, ...] = ()
+    claim_size: int | None = Field(None, ge=1)
+    max_inflight_batches: int = Field(2, ge=1, le=64)
+
+    @field_validator("length_buckets")
+    @classmethod
+    def _sorted(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if list(value) != sorted(set(value)) or any(v <= 0 for v in value):
+            raise ValueError("length_buckets must be strictly increasing positive bucket edges")
+        return value
+
+    @property
+    def effective_claim_size(self) -> int:
+        """Rows claimed per claim statement: configured, else 4 batches' worth."""
+        return self.claim_size or self.max_batch_size * 4
+
+
+class OutputConfig(_Model):
+    """Where committed outputs go: a Parquet dataset or a SQL results table."""
+
+    kind: Literal["parquet", "sql"] = "parquet"
+    path: str = "outputs"
+    table: str = "batching_results"
+
+    @field_validator("table")
+    @classmethod
+    def _table(cls, value: str) -> str:
+        if not _IDENTIFIER.match(value):
+            raise ValueError("table must be a SQL identifier (letters, digits, _)")
+        return value
+
+
+class LineageConfig(_Model):
+    """Where OpenLineage events go; a lineage outage never fails a run."""
+
+    transport: Literal["file", "http", "console", "none"] = "file"
+    path: str | None = None
+    url: str | None = None
+    endpoint: str = "api/v1/lineage"
+    namespace: str = "batching"
+    timeout_s: float = Field(2.0, gt=0, le=60)
+    retries: int = Field(1, ge=0, le=5)
+
+    @model_validator(mode="after")
+    def _url_for_http(self) -> LineageConfig:
+        if self.transport == "http" and not self.url:
+            raise ValueError("transport http needs url (e.g. http://localhost:5000)")
+        return self
+
+
+class PipelineConfig(_Model):
+    """One environment's whole pipeline, as in ``deployments/*.yaml``."""
+
+    name: str = Field("score", min_length=1)
+    profile: Literal["online", "bulk"] = "online"
+    database: DatabaseConfig = DatabaseConfig()
+    queue: QueueConfig = QueueConfig()
+    model: ModelSpec
+    batching: BatchingPolicy = BatchingPolicy()
+    output: OutputConfig = OutputConfig()
+    lineage: LineageConfig = LineageConfig()
+    latency_slo_s: float = Field(1.0, gt=0)
+    service_profile: str | None = None
+    backlog_alert_depth: int | None = Field(None, ge=1)
+    backlog_alert_age_s: float | None = Field(None, gt=0)
+    base_dir: str = Field(".", exclude=True)
+
+    @model_validator(mode="after")
+    def _window_below_slo(self) -> PipelineConfig:
+        if self.batching.max_wait_s >= self.latency_slo_s:
+            raise ValueError(
+                f"batching.max_wait_s must be < latency_slo_s ({self.latency_slo_s:g}), "
+                f"got {self.batching.max_wait_s:g}"
+            )
+        return self
+
+    def resolve(self, path: str | None) -> Path | None:
+        """Resolve a config-relative path against the config file's folder."""
+        if path is None:
+            return None
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else Path(self.base_dir) / p
+
+    def config_hash(self) -> str:
+        """sha256 of the canonical JSON of the settings (stable across key order)."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _format_validation(source: str, exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}")
+    return f"{source}: " + "; ".join(parts)
+
+
+def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_config(data: Any, *, source: str = "config", base_dir: str = ".") -> PipelineConfig:
+    """Validate a mapping into a ``PipelineConfig``; raises ``ConfigError`` naming each bad field."""
+    if not isinstance(data, dict):
+        raise errors.ConfigError(f"{source}: expected a mapping of settings at the top level")
+    try:
+        return PipelineConfig.model_validate({**data, "base_dir": base_dir})
+    except ValidationError as exc:
+        raise errors.ConfigError(_format_validation(source, exc)) from None
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Load and validate a YAML pipeline config; ``overrides`` (nested dicts) win over the file.
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, or a field is invalid (message names it).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise errors.ConfigError(
+            f"{p}: cannot read config ({exc.strerror}); check the path"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise errors.ConfigError(f"{p}:{where} is not valid YAML; fix the syntax") from None
+    if data is None:
+        data = {}
+    if overrides and isinstance(data, dict):
+        data = _deep_merge(data, overrides)
+    return parse_config(data, source=str(p), base_dir=str(p.parent.resolve()))

@@ -1,0 +1,58 @@
+"""The exception tree. Each leaf's docstring is its default message.
+
+BatchingError
+├── ConfigError            bad configuration (file, field, URL, identifier)
+├── InputError             bad input record or file (enqueue)
+├── SchemaError            database schema missing, too old or too new
+├── QueueError             the queue database failed (connection, statement)
+├── LeaseLost              a write needed a lease that is no longer held
+├── CheckpointError        a checkpoint is missing, has the wrong checksum or is unsafe
+├── ModelError             the model broke its contract (output count, shape)
+├── SinkError              an output could not be written or committed
+└── PolicyError            a config breaks the latency objective or the device budget
+"""
+
+from __future__ import annotations
+
+
+class BatchingError(Exception):
+    """A batching operation failed."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class ConfigError(BatchingError):
+    """The configuration is invalid."""
+
+
+class InputError(BatchingError):
+    """An input record is invalid."""
+
+
+class SchemaError(BatchingError):
+    """The database schema is not at the expected version; run `batching init`."""
+
+
+class QueueError(BatchingError):
+    """The queue database failed."""
+
+
+class LeaseLost(BatchingError):
+    """The lease is no longer held; the batch's results are discarded."""
+
+
+class CheckpointError(BatchingError):
+    """The model checkpoint cannot be trusted."""
+
+
+class ModelError(BatchingError):
+    """The model broke its contract."""
+
+
+class SinkError(BatchingError):
+    """The output could not be committed."""
+
+
+class PolicyError(BatchingError):
+    """The batching policy breaks the latency objective or the device budget."""

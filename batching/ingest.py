@@ -1,0 +1,226 @@
+"""Read enqueue files (JSONL, Parquet) into ``EnqueueRecord``s; the whole file or nothing.
+
+Each record: ``item_key`` (required), ``payload`` (required), optional ``tenant``, ``priority``,
+``deadline`` (epoch seconds or ISO 8601; naive times are UTC), ``cost`` (defaults to the token
+count of a ``tokens`` payload, the length of a list payload, else 1) and ``lane``.
+
+Parquet ``payload`` columns may be JSON strings, structs, or numeric list / fixed-size-list
+columns; the latter become binary tensor payloads (dtype, shape, raw bytes) without a
+per-value Python loop.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batching import errors, models
+
+_FIELDS = {"item_key", "payload", "tenant", "priority", "deadline", "cost", "lane"}
+_MAX_KEY = 500
+
+
+def read_records(path: str | Path) -> list[models.EnqueueRecord]:
+    """Parse a ``.jsonl``/``.json`` or ``.parquet`` file; raises ``InputError`` naming file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise errors.InputError(f"{p}: no such file; give a .jsonl or .parquet file")
+    suffix = p.suffix.lower()
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        return list(_read_jsonl(p))
+    if suffix == ".parquet":
+        return _read_parquet(p)
+    raise errors.InputError(f"{p}: unknown file type {suffix!r}; use .jsonl or .parquet")
+
+
+def _read_jsonl(p: Path) -> Iterator[models.EnqueueRecord]:
+    with p.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise errors.InputError(f"{where}: not valid JSON ({exc}); fix the line") from None
+            yield record_from_mapping(obj, where)
+
+
+def record_from_mapping(obj: Any, where: str) -> models.EnqueueRecord:
+    """Validate one JSON record; ``where`` (file:line) prefixes every error."""
+    if not isinstance(obj, dict):
+        raise errors.InputError(f"{where}: expected a JSON object with item_key and payload")
+    unknown = set(obj) - _FIELDS
+    if unknown:
+        raise errors.InputError(
+            f"{where}: unknown field(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(_FIELDS))}"
+        )
+    key = _key(obj.get("item_key"), where)
+    if "payload" not in obj:
+        raise errors.InputError(f"{where}: missing payload")
+    payload = obj["payload"]
+    if not isinstance(payload, (dict, list)):
+        raise errors.InputError(f"{where}: payload must be a JSON object or array")
+    data = json.dumps(payload, separators=(",", ":")).encode()
+    return models.EnqueueRecord(
+        item_key=key,
+        payload=models.Payload(data),
+        tenant=_str(obj.get("tenant", "default"), "tenant", where),
+        priority=_int(obj.get("priority", 0), "priority", where),
+        deadline_at=_deadline(obj.get("deadline"), where),
+        cost=_cost(obj.get("cost"), payload, where),
+        lane=_str(obj.get("lane", ""), "lane", where),
+    )
+
+
+def _key(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise errors.InputError(f"{where}: item_key must be a non-empty string")
+    if len(value) > _MAX_KEY:
+        raise errors.InputError(f"{where}: item_key longer than {_MAX_KEY} characters")
+    return value
+
+
+def _str(value: Any, name: str, where: str) -> str:
+    if not isinstance(value, str) or len(value) > 200:
+        raise errors.InputError(f"{where}: {name} must be a string of at most 200 characters")
+    return value
+
+
+def _int(value: Any, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > 2**31 - 1:
+        raise errors.InputError(f"{where}: {name} must be an integer, got {value!r}")
+    return value
+
+
+def _cost(value: Any, payload: Any, where: str) -> int:
+    if value is None:
+        if isinstance(payload, dict) and isinstance(payload.get("tokens"), list):
+            return max(1, len(payload["tokens"]))
+        return max(1, len(payload)) if isinstance(payload, list) else 1
+    cost = _int(value, "cost", where)
+    if cost < 1:
+        raise errors.InputError(f"{where}: cost must be >= 1, got {cost}")
+    return cost
+
+
+def _deadline(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            pass
+        else:
+            if parsed.tzinfo is None:
+                parsed = parsed.replace(tzinfo=dt.UTC)
+            return parsed.timestamp()
+    raise errors.InputError(
+        f"{where}: deadline must be epoch seconds or ISO 8601 (2026-01-31T12:00:00Z), got {value!r}"
+    )
+
+
+# -- Parquet ------------------------------------------------------------------------------
+
+
+def _read_parquet(p: Path) -> list[models.EnqueueRecord]:
+    try:
+        table = pq.read_table(p)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise errors.InputError(f"{p}: not a readable Parquet file ({exc})") from None
+    missing = {"item_key", "payload"} - set(table.column_names)
+    if missing:
+        raise errors.InputError(f"{p}: missing column(s) {', '.join(sorted(missing))}")
+    unknown = set(table.column_names) - _FIELDS
+    if unknown:
+        raise errors.InputError(f"{p}: unknown column(s) {', '.join(sorted(unknown))}")
+    col = table.column("payload").combine_chunks()
+    tensor = (
+        pa.types.is_list(col.type)
+        or pa.types.is_fixed_size_list(col.type)
+        or pa.types.is_large_list(col.type)
+    )
+    if tensor:
+        payloads, lengths = _tensor_payloads(p, col)
+    else:
+        payloads, lengths = _json_payloads(p, col), None
+    rest = {c: table.column(c).to_pylist() for c in table.column_names if c != "payload"}
+    out = []
+    for i, payload in enumerate(payloads):
+        where = f"{p}:row {i + 1}"
+        obj = {k: v[i] for k, v in rest.items() if v[i] is not None}
+        cost = obj.pop("cost", None)
+        key = _key(obj.get("item_key"), where)
+        out.append(
+            models.EnqueueRecord(
+                item_key=key,
+                payload=payload,
+                tenant=_str(obj.get("tenant", "default"), "tenant", where),
+                priority=_int(obj.get("priority", 0), "priority", where),
+                deadline_at=_deadline(_deadline_value(obj.get("deadline")), where),
+                cost=_int(cost, "cost", where)
+                if cost is not None
+                else (int(lengths[i]) if lengths is not None else 1),
+                lane=_str(obj.get("lane", ""), "lane", where),
+            )
+        )
+    return out
+
+
+def _deadline_value(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).isoformat()
+    return value
+
+
+def _tensor_payloads(p: Path, col: pa.Array) -> tuple[list[models.Payload], np.ndarray]:
+    if col.null_count:
+        raise errors.InputError(f"{p}: payload column has {col.null_count} null row(s)")
+    values = col.flatten()
+    if values.null_count or not (
+        pa.types.is_integer(values.type) or pa.types.is_floating(values.type)
+    ):
+        raise errors.InputError(
+            f"{p}: tensor payload column must hold non-null numbers, got {values.type}"
+        )
+    flat = values.to_numpy(zero_copy_only=False)
+    flat = np.ascontiguousarray(flat, dtype=flat.dtype.newbyteorder("<"))
+    if pa.types.is_fixed_size_list(col.type):
+        width = col.type.list_size
+        offsets = np.arange(len(col) + 1, dtype=np.int64) * width
+    else:
+        offsets = col.offsets.to_numpy().astype(np.int64)
+        offsets = offsets - offsets[0]
+    buf, size, dtype = flat.tobytes(), flat.dtype.itemsize, flat.dtype.name
+    lengths = np.diff(offsets)
+    payloads = [
+        models.Payload(buf[a * size : b * size], models.PayloadFormat.TENSOR, dtype, (int(b - a),))
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
+    ]
+    return payloads, lengths
+
+
+def _json_payloads(p: Path, col: pa.Array) -> list[models.Payload]:
+    out = []
+    for i, value in enumerate(col.to_pylist()):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise errors.InputError(
+                    f"{p}:row {i + 1}: payload is not valid JSON ({exc})"
+                ) from None
+        if not isinstance(value, (dict, list)):
+            raise errors.InputError(f"{p}:row {i + 1}: payload must be a JSON object or array")
+        out.append(models.Payload(json.dumps(value, separators=(",", ":")).encode()))
+    return out

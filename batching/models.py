@@ -1,0 +1,160 @@
+"""Value types shared by every component: plain frozen dataclasses, standard library only.
+
+Times are epoch seconds (float) from the injected clock; durations carry ``_s``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class State(enum.IntEnum):
+    """Item states as stored in ``batching_items.state`` (literal codes keep partial indexes usable)."""
+
+    READY = 0
+    LEASED = 1
+    DONE = 2
+    DEAD = 3
+    EXPIRED = 4
+
+
+class PayloadFormat(enum.StrEnum):
+    """How ``payload`` bytes are encoded."""
+
+    JSON = "json"  # UTF-8 JSON document
+    TENSOR = "tensor"  # raw little-endian bytes of an array with ``dtype`` and ``shape``
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """A request body: JSON bytes, or a binary tensor (dtype, shape, raw bytes)."""
+
+    data: bytes
+    format: PayloadFormat = PayloadFormat.JSON
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueRecord:
+    """One request to enqueue; ``item_key`` is the idempotency key within a queue."""
+
+    item_key: str
+    payload: Payload
+    tenant: str = "default"
+    priority: int = 0
+    deadline_at: float | None = None
+    cost: int = 1
+    lane: str = ""
+    max_attempts: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueResult:
+    """What an enqueue did: rows inserted, and keys that already existed (not inserted again)."""
+
+    inserted: int
+    duplicates: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """A claimed item, as the scorer sees it."""
+
+    id: int
+    item_key: str
+    payload: Payload
+    enqueued_at: float
+    queue: str = "default"
+    lane: str = ""
+    tenant: str = "default"
+    priority: int = 0
+    cost: int = 1
+    deadline_at: float | None = None
+    attempts: int = 1
+    max_attempts: int = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Items claimed under one lease (the fencing token for every later write)."""
+
+    lease_id: str
+    items: tuple[WorkItem, ...]
+    lease_expires_at: float
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@dataclass(frozen=True, slots=True)
+class FailResult:
+    """Outcome of ``fail``: rows scheduled for retry and rows dead-lettered."""
+
+    retried: int
+    dead: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReapResult:
+    """Outcome of ``release_expired``: leases returned to ready, or dead after max attempts."""
+
+    released: int
+    dead: int
+
+
+@dataclass(frozen=True, slots=True)
+class LaneStats:
+    """Queue metrics for one (queue, lane, tenant) group."""
+
+    queue: str
+    lane: str
+    tenant: str
+    ready: int = 0
+    leased: int = 0
+    done: int = 0
+    dead: int = 0
+    expired: int = 0
+    expired_leases: int = 0
+    oldest_ready_age_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """Queue metrics: totals by state plus one row per (queue, lane, tenant)."""
+
+    by_state: dict[str, int]
+    oldest_ready_age_s: float | None
+    expired_leases: int
+    groups: tuple[LaneStats, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStats:
+    """What one released micro-batch looked like.
+
+    ``fill`` is size / max_batch_size; ``padding_efficiency`` is real / padded length units
+    (1.0 for fixed-size inputs); waits are measured from each item's ``enqueued_at``.
+    """
+
+    size: int
+    cost: int
+    fill: float
+    padding_efficiency: float
+    oldest_wait_s: float
+    mean_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A micro-batch released by the batcher, with why it was released (size, cost, wait, deadline, flush)."""
+
+    items: tuple[WorkItem, ...]
+    reason: str
+    formed_at: float
+    stats: BatchStats
+    bucket: int = 0
+
+    def __len__(self) -> int:
+        return len(self.items)

@@ -1,0 +1,694 @@
+"""The SQL queue table: enqueue, claim, heartbeat, ack, fail, release, release_expired, stats.
+
+All dialect branches (SQLite / PostgreSQL) live here. Every write after a claim is a
+compare-and-set on ``(id, state, lease_id)``: the lease id stamped at claim is a fencing token,
+and a write with a stale lease changes nothing and reports 0 rows.
+
+SQLite: WAL, ``synchronous=NORMAL``, ``busy_timeout``, and every transaction starts with
+``BEGIN IMMEDIATE`` (a deferred transaction that upgrades to a write ignores the busy timeout).
+PostgreSQL: claims lock candidates in a ``MATERIALIZED`` CTE with ``FOR NO KEY UPDATE SKIP
+LOCKED``; enqueue sends one ``NOTIFY`` per batch and :class:`Waiter` listens, polling as a backstop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event, exc
+from sqlalchemy.engine import Connection, Engine
+
+from batching import errors, models, schema
+from batching.protocols import Clock
+
+logger = logging.getLogger(__name__)
+
+NOTIFY_CHANNEL = "batching_items"
+_ENQUEUE_CHUNK = 1000
+_T = schema.items
+_CLAIM_COLUMNS = (
+    "id",
+    "item_key",
+    "payload",
+    "payload_format",
+    "dtype",
+    "shape",
+    "enqueued_at",
+    "queue",
+    "lane",
+    "tenant",
+    "priority",
+    "cost",
+    "deadline_at",
+    "attempts",
+    "max_attempts",
+)
+
+
+def normalize_url(url: str) -> str:
+    """Map ``postgres://``/``postgresql://`` to the psycopg 3 driver; other URLs pass through."""
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced by ``***`` (safe to log or print)."""
+    try:
+        return sa.make_url(url).render_as_string(hide_password=True)
+    except exc.ArgumentError:
+        return "<unparseable database URL>"
+
+
+def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
+    """An engine tuned for the queue (SQLite: WAL + BEGIN IMMEDIATE; PostgreSQL: psycopg 3).
+
+    Raises:
+        ConfigError: the URL is malformed or names an unsupported database.
+    """
+    try:
+        parsed = sa.make_url(normalize_url(url))
+    except exc.ArgumentError:
+        raise errors.ConfigError(
+            f"database URL {url!r} is malformed; use sqlite:///FILE or postgresql://HOST/DB"
+        ) from None
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        engine = sa.create_engine(parsed, poolclass=sa.pool.NullPool)
+        _configure_sqlite(engine, sqlite_busy_timeout_ms)
+        return engine
+    if backend == "postgresql":
+        return sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
+    raise errors.ConfigError(
+        f"database {redact(url)} is not supported; use sqlite:///FILE or postgresql://HOST/DB"
+    )
+
+
+def _configure_sqlite(engine: Engine, busy_timeout_ms: int) -> None:
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute("PRAGMA synchronous = NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+@contextlib.contextmanager
+def translate_errors(url: str) -> Iterator[None]:
+    """Turn SQLAlchemy errors into ``QueueError`` with the URL redacted (the one place it happens)."""
+    try:
+        yield
+    except exc.OperationalError as e:
+        reason = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
+        raise errors.QueueError(f"database {redact(url)} failed: {reason}") from e
+    except exc.DBAPIError as e:
+        reason = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
+        raise errors.QueueError(f"database {redact(url)}: {reason}") from e
+
+
+def backoff_s(attempts: int, base_s: float, max_s: float, rng: random.Random) -> float:
+    """Exponential backoff with jitter: uniform in [0.5, 1] x min(max_s, base_s * 2^(attempts-1))."""
+    ceiling = min(max_s, base_s * (2 ** max(0, attempts - 1)))
+    return ceiling * (0.5 + 0.5 * rng.random())
+
+
+class SqlQueue:
+    """One named queue in a ``batching_items`` table, on SQLite or PostgreSQL.
+
+    Args:
+        engine: from :func:`create_engine`.
+        queue: queue name (lane/model routing lives in ``lane``).
+        clock: epoch-seconds clock; ``time.time`` unless a test drives time.
+        max_attempts: default for enqueued items.
+        backoff_base_s / backoff_max_s: retry backoff after ``fail``.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        queue: str = "default",
+        *,
+        clock: Clock = time.time,
+        max_attempts: int = 5,
+        backoff_base_s: float = 1.0,
+        backoff_max_s: float = 600.0,
+        worker: str | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.clock = clock
+        self.max_attempts = max_attempts
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.worker = worker or f"{uuid.uuid4().hex[:12]}"
+        self._rng = rng or random.Random()
+        self._url = engine.url.render_as_string(hide_password=True)
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    @contextlib.contextmanager
+    def begin(self) -> Iterator[Connection]:
+        """A write transaction (SQLite: BEGIN IMMEDIATE); errors become ``QueueError``."""
+        with translate_errors(self._url), self.engine.begin() as conn:
+            yield conn
+
+    def migrate(self) -> schema.MigrationResult:
+        """Create or upgrade the schema; a second run applies nothing."""
+        with translate_errors(self._url):
+            return schema.migrate(self.engine, self.clock)
+
+    def check_schema(self) -> None:
+        """Raise ``SchemaError`` unless the schema is current, ``QueueError`` if unreachable."""
+        with translate_errors(self._url), self.engine.connect() as conn:
+            schema.require_current(conn)
+
+    # -- ingress -----------------------------------------------------------------------------
+
+    def enqueue(self, records: Iterable[models.EnqueueRecord]) -> models.EnqueueResult:
+        """Insert records in one transaction, idempotent on ``(queue, item_key)``.
+
+        Keys already in the queue (or repeated within ``records``) are not inserted again and
+        are reported in ``duplicates``. PostgreSQL: one ``NOTIFY`` for the whole call.
+        """
+        now = self.clock()
+        rows: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        dupes: list[str] = []
+        for rec in records:
+            if rec.item_key in seen:
+                dupes.append(rec.item_key)
+                continue
+            seen.add(rec.item_key)
+            rows.append(self._row(rec, now))
+        inserted = 0
+        with self.begin() as conn:
+            for start in range(0, len(rows), _ENQUEUE_CHUNK):
+                chunk = rows[start : start + _ENQUEUE_CHUNK]
+                keys = self._insert_new(conn, chunk)
+                inserted += len(keys)
+                dupes.extend(r["item_key"] for r in chunk if r["item_key"] not in keys)
+            if inserted and self.dialect == "postgresql":
+                conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, self.queue)))
+        logger.info(
+            "items enqueued",
+            extra={"action": "enqueue", "queue": self.queue, "n_items": inserted},
+        )
+        return models.EnqueueResult(inserted=inserted, duplicates=tuple(dupes))
+
+    def _row(self, rec: models.EnqueueRecord, now: float) -> dict[str, Any]:
+        p = rec.payload
+        return {
+            "queue": self.queue,
+            "lane": rec.lane,
+            "item_key": rec.item_key,
+            "tenant": rec.tenant,
+            "priority": rec.priority,
+            "payload": p.data,
+            "payload_format": str(p.format),
+            "dtype": p.dtype,
+            "shape": json.dumps(list(p.shape)) if p.shape is not None else None,
+            "cost": rec.cost,
+            "state": int(models.State.READY),
+            "attempts": 0,
+            "max_attempts": rec.max_attempts or self.max_attempts,
+            "crash_count": 0,
+            "enqueued_at": now,
+            "run_after": now,
+            "deadline_at": rec.deadline_at,
+            "sort_deadline": rec.deadline_at if rec.deadline_at is not None else schema.NO_DEADLINE,
+        }
+
+    def _insert_new(self, conn: Connection, chunk: list[dict[str, Any]]) -> set[str]:
+        if self.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
+        stmt = (
+            insert(_T)
+            .values(chunk)
+            .on_conflict_do_nothing(index_elements=["queue", "item_key"])
+            .returning(_T.c.item_key)
+        )
+        return {row[0] for row in conn.execute(stmt)}
+
+    # -- claim -------------------------------------------------------------------------------
+
+    def claim(
+        self,
+        n: int,
+        *,
+        lease_s: float,
+        lane: str | None = None,
+        max_cost: int | None = None,
+    ) -> models.Claim:
+        """Lease up to ``n`` ready items in one statement, under one new lease id.
+
+        Order: priority (high first), then deadline (earliest first, none last), then age.
+        ``attempts`` is counted here, so an item that kills its worker still runs out of
+        attempts. ``max_cost`` caps the sum of cost hints (the first item is always taken, so an
+        oversized item is not starved). Items past their deadline are moved to ``expired`` first.
+        Returns a claim with zero items when nothing is ready.
+        """
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        lease_id = str(uuid.uuid4())
+        now = self.clock()
+        params = {
+            "queue": self.queue,
+            "lane": lane,
+            "now": now,
+            "n": n,
+            "lease": lease_id,
+            "worker": self.worker,
+            "expires": now + lease_s,
+            "budget": max_cost,
+        }
+        with self.begin() as conn:
+            self._expire_overdue(conn, now)
+            rows = conn.execute(sa.text(self._claim_sql(lane, max_cost)), params).all()
+        items = tuple(sorted((self._item(r) for r in rows), key=_claim_order))
+        return models.Claim(lease_id=lease_id, items=items, lease_expires_at=now + lease_s)
+
+    def _claim_sql(self, lane: str | None, max_cost: int | None) -> str:
+        where = "queue = :queue AND state = 0 AND run_after <= :now"
+        where += " AND lane = :lane" if lane is not None else ""
+        order = "priority DESC, sort_deadline, enqueued_at, id"
+        pg = self.dialect == "postgresql"
+        lock = " FOR NO KEY UPDATE SKIP LOCKED" if pg else ""
+        cand = (
+            "SELECT id, cost, priority, sort_deadline, enqueued_at FROM batching_items"
+            f" WHERE {where} ORDER BY {order} LIMIT :n{lock}"
+        )
+        if max_cost is None:
+            picked = cand
+        else:
+            # Lock first, pack afterwards: PostgreSQL refuses window functions beside FOR UPDATE.
+            # The first row is always taken, so an item costlier than the budget still runs.
+            picked = (
+                "SELECT id FROM (SELECT id, row_number() OVER w AS rn, sum(cost) OVER w AS run"
+                f" FROM cand WINDOW w AS (ORDER BY {order})) s WHERE rn = 1 OR run <= :budget"
+            )
+        cols = ", ".join(f"q.{c}" for c in _CLAIM_COLUMNS)
+        if pg:
+            ctes = f"cand AS MATERIALIZED ({cand})"
+            if max_cost is not None:
+                ctes += f", picked AS MATERIALIZED ({picked})"
+            source = "picked" if max_cost is not None else "cand"
+            return (
+                f"WITH {ctes} UPDATE batching_items q SET state = 1, attempts = q.attempts + 1,"
+                " lease_id = :lease, leased_by = :worker, lease_expires_at = :expires"
+                f" FROM {source} WHERE q.id = {source}.id AND q.state = 0 RETURNING {cols}"
+            )
+        ids = f"SELECT id FROM ({cand})" if max_cost is None else f"WITH cand AS ({cand}) {picked}"
+        return (
+            "UPDATE batching_items SET state = 1, attempts = attempts + 1, lease_id = :lease,"
+            f" leased_by = :worker, lease_expires_at = :expires WHERE id IN ({ids})"
+            f" RETURNING {', '.join(_CLAIM_COLUMNS)}"
+        )
+
+    @staticmethod
+    def _item(r: Any) -> models.WorkItem:
+        shape = tuple(json.loads(r.shape)) if r.shape else None
+        payload = models.Payload(
+            data=bytes(r.payload),
+            format=models.PayloadFormat(r.payload_format),
+            dtype=r.dtype,
+            shape=shape,
+        )
+        return models.WorkItem(
+            id=int(r.id),
+            item_key=r.item_key,
+            payload=payload,
+            enqueued_at=float(r.enqueued_at),
+            queue=r.queue,
+            lane=r.lane,
+            tenant=r.tenant,
+            priority=int(r.priority),
+            cost=int(r.cost),
+            deadline_at=r.deadline_at,
+            attempts=int(r.attempts),
+            max_attempts=int(r.max_attempts),
+        )
+
+    def _expire_overdue(self, conn: Connection, now: float) -> int:
+        stmt = (
+            sa.update(_T)
+            .where(
+                _T.c.queue == self.queue,
+                _T.c.state == sa.literal_column("0"),
+                _T.c.deadline_at.is_not(None),
+                _T.c.deadline_at < now,
+            )
+            .values(
+                state=int(models.State.EXPIRED),
+                finished_at=now,
+                last_error="deadline passed before scoring",
+            )
+        )
+        n = conn.execute(stmt).rowcount
+        if n:
+            logger.warning(
+                "items expired", extra={"action": "expire", "queue": self.queue, "n_items": n}
+            )
+        return n
+
+    def expire_overdue(self) -> int:
+        """Move ready items whose deadline has passed to ``expired``; returns how many."""
+        with self.begin() as conn:
+            return self._expire_overdue(conn, self.clock())
+
+    # -- lease writes (all compare-and-set on the lease) -------------------------------------
+
+    def _leased(self, lease_id: str, ids: Sequence[int] | None = None) -> sa.ColumnElement[bool]:
+        cond = sa.and_(_T.c.lease_id == lease_id, _T.c.state == sa.literal_column("1"))
+        if ids is not None:
+            cond = sa.and_(cond, _T.c.id.in_(list(ids)))
+        return cond
+
+    def heartbeat(self, lease_id: str, lease_s: float) -> int:
+        """Extend the lease; returns rows extended (0: the lease was lost, stop and write nothing)."""
+        with self.begin() as conn:
+            stmt = (
+                sa.update(_T)
+                .where(self._leased(lease_id))
+                .values(lease_expires_at=self.clock() + lease_s)
+            )
+            return conn.execute(stmt).rowcount
+
+    def ack(
+        self,
+        lease_id: str,
+        ids: Sequence[int],
+        *,
+        conn: Connection | None = None,
+        batch_id: str | None = None,
+    ) -> int:
+        """Mark items done if this lease still holds them; returns rows changed.
+
+        Pass ``conn`` to ack inside the caller's transaction (outputs and ack commit together).
+        """
+        if not ids:
+            return 0
+        stmt = (
+            sa.update(_T)
+            .where(self._leased(lease_id, ids))
+            .values(
+                state=int(models.State.DONE),
+                finished_at=self.clock(),
+                lease_id=None,
+                lease_expires_at=None,
+                batch_id=batch_id,
+                last_error=None,
+            )
+        )
+        if conn is not None:
+            return conn.execute(stmt).rowcount
+        with self.begin() as c:
+            return c.execute(stmt).rowcount
+
+    def ack_all_or_raise(
+        self, conn: Connection, lease_id: str, ids: Sequence[int], batch_id: str
+    ) -> None:
+        """Ack ``ids`` in ``conn``'s transaction, or raise ``LeaseLost`` if any is no longer held."""
+        n = self.ack(lease_id, ids, conn=conn, batch_id=batch_id)
+        if n != len(ids):
+            raise errors.LeaseLost(
+                f"lease {lease_id} holds {n} of {len(ids)} items; batch {batch_id} not committed"
+            )
+
+    def fail(
+        self, lease_id: str, failures: Mapping[int, str], *, retry: bool = True
+    ) -> models.FailResult:
+        """Fail items held by this lease: retry after backoff with jitter, or dead-letter.
+
+        An item goes to ``dead`` (keeping the error) when ``retry`` is false or its attempts
+        reached max attempts; otherwise back to ``ready`` with ``run_after`` pushed out.
+        """
+        if not failures:
+            return models.FailResult(0, 0)
+        now = self.clock()
+        retried = dead = 0
+        with self.begin() as conn:
+            rows = conn.execute(
+                sa.select(_T.c.id, _T.c.attempts, _T.c.max_attempts).where(
+                    self._leased(lease_id, list(failures))
+                )
+            ).all()
+            for row in rows:
+                is_dead = not retry or row.attempts >= row.max_attempts
+                values: dict[str, Any] = {
+                    "lease_id": None,
+                    "lease_expires_at": None,
+                    "leased_by": None,
+                    "last_error": failures[row.id][:2000],
+                }
+                if is_dead:
+                    values |= {"state": int(models.State.DEAD), "finished_at": now}
+                else:
+                    delay = backoff_s(
+                        row.attempts, self.backoff_base_s, self.backoff_max_s, self._rng
+                    )
+                    values |= {"state": int(models.State.READY), "run_after": now + delay}
+                n = conn.execute(
+                    sa.update(_T).where(self._leased(lease_id, [row.id])).values(**values)
+                ).rowcount
+                dead += n if is_dead else 0
+                retried += 0 if is_dead else n
+        logger.info(
+            "items failed",
+            extra={"action": "fail", "queue": self.queue, "n_retried": retried, "n_dead": dead},
+        )
+        return models.FailResult(retried=retried, dead=dead)
+
+    def release(self, lease_id: str, ids: Sequence[int] | None = None) -> int:
+        """Give items back to ``ready`` without using up an attempt (clean shutdown)."""
+        with self.begin() as conn:
+            stmt = (
+                sa.update(_T)
+                .where(self._leased(lease_id, ids))
+                .values(
+                    state=int(models.State.READY),
+                    attempts=_T.c.attempts - 1,
+                    lease_id=None,
+                    lease_expires_at=None,
+                    leased_by=None,
+                    run_after=self.clock(),
+                )
+            )
+            return conn.execute(stmt).rowcount
+
+    def release_expired(self, limit: int = 5000) -> models.ReapResult:
+        """The reaper: return items whose lease expired to ``ready`` (or ``dead`` past max attempts).
+
+        One conditional statement per outcome; each re-checks ``lease_expires_at < now`` so a
+        lease renewed or acked meanwhile is never clobbered.
+        """
+        now = self.clock()
+        with self.begin() as conn:
+            expired = self._expired_ids(conn, now, limit)
+            if not expired:
+                return models.ReapResult(0, 0)
+            base = sa.and_(
+                _T.c.id.in_(expired),
+                _T.c.state == sa.literal_column("1"),
+                _T.c.lease_expires_at < now,
+            )
+            common = {
+                "lease_id": None,
+                "lease_expires_at": None,
+                "leased_by": None,
+                "crash_count": _T.c.crash_count + 1,
+                "last_error": "lease expired (worker lost)",
+            }
+            dead = conn.execute(
+                sa.update(_T)
+                .where(base, _T.c.attempts >= _T.c.max_attempts)
+                .values(state=int(models.State.DEAD), finished_at=now, **common)
+            ).rowcount
+            released = conn.execute(
+                sa.update(_T)
+                .where(base)
+                .values(state=int(models.State.READY), run_after=now, **common)
+            ).rowcount
+        if released or dead:
+            logger.warning(
+                "expired leases released",
+                extra={"action": "release_expired", "n_released": released, "n_dead": dead},
+            )
+        return models.ReapResult(released=released, dead=dead)
+
+    def _expired_ids(self, conn: Connection, now: float, limit: int) -> list[int]:
+        q = (
+            sa.select(_T.c.id)
+            .where(_T.c.state == sa.literal_column("1"), _T.c.lease_expires_at < now)
+            .order_by(_T.c.lease_expires_at)
+            .limit(limit)
+        )
+        if self.dialect == "postgresql":
+            q = q.with_for_update(skip_locked=True, key_share=True)
+        return [r[0] for r in conn.execute(q)]
+
+    def lease_held(self, conn: Connection, lease_id: str, ids: Sequence[int]) -> bool:
+        """True when this lease still holds every one of ``ids`` (checked in ``conn``'s txn)."""
+        n = conn.execute(
+            sa.select(sa.func.count()).select_from(_T).where(self._leased(lease_id, ids))
+        ).scalar_one()
+        return int(n) == len(ids)
+
+    # -- operations --------------------------------------------------------------------------
+
+    def stats(self, *, all_queues: bool = False) -> models.QueueStats:
+        """Counts by state, oldest ready age and expired leases, per (queue, lane, tenant)."""
+        now = self.clock()
+        state, leased, ready = _T.c.state, _T.c.state == 1, _T.c.state == 0
+        q = sa.select(
+            _T.c.queue,
+            _T.c.lane,
+            _T.c.tenant,
+            *[
+                sa.func.sum(sa.case((state == s.value, 1), else_=0)).label(s.name.lower())
+                for s in models.State
+            ],
+            sa.func.sum(sa.case((sa.and_(leased, _T.c.lease_expires_at < now), 1), else_=0)).label(
+                "xl"
+            ),
+            sa.func.min(sa.case((ready, _T.c.enqueued_at))).label("oldest"),
+        ).group_by(_T.c.queue, _T.c.lane, _T.c.tenant)
+        if not all_queues:
+            q = q.where(_T.c.queue == self.queue)
+        with translate_errors(self._url), self.engine.connect() as conn:
+            rows = conn.execute(q.order_by(_T.c.queue, _T.c.lane, _T.c.tenant)).all()
+        groups = tuple(_lane_stats(r, now) for r in rows)
+        by_state = {
+            s.name.lower(): sum(getattr(g, s.name.lower()) for g in groups) for s in models.State
+        }
+        ages = [g.oldest_ready_age_s for g in groups if g.oldest_ready_age_s is not None]
+        return models.QueueStats(
+            by_state=by_state,
+            oldest_ready_age_s=max(ages) if ages else None,
+            expired_leases=sum(g.expired_leases for g in groups),
+            groups=groups,
+        )
+
+    def redrive(
+        self, states: Sequence[models.State] = (models.State.DEAD, models.State.EXPIRED)
+    ) -> int:
+        """Move dead and/or expired items back to ready with fresh attempts (deadline cleared)."""
+        codes = [int(s) for s in states]
+        with self.begin() as conn:
+            stmt = (
+                sa.update(_T)
+                .where(_T.c.queue == self.queue, _T.c.state.in_(codes))
+                .values(
+                    state=int(models.State.READY),
+                    attempts=0,
+                    crash_count=0,
+                    run_after=self.clock(),
+                    deadline_at=None,
+                    sort_deadline=schema.NO_DEADLINE,
+                    finished_at=None,
+                )
+            )
+            n = conn.execute(stmt).rowcount
+        logger.info("items redriven", extra={"action": "redrive", "n_items": n})
+        return n
+
+    def purge(self, older_than_s: float, *, archive: bool = False) -> int:
+        """Delete (or move to ``batching_items_archive``) done items finished before now - age."""
+        cutoff = self.clock() - older_than_s
+        cond = sa.and_(
+            _T.c.queue == self.queue,
+            _T.c.state == int(models.State.DONE),
+            _T.c.finished_at < cutoff,
+        )
+        with self.begin() as conn:
+            if archive:
+                cols = [c.name for c in _T.columns]
+                conn.execute(
+                    schema.items_archive.insert().from_select(
+                        cols, sa.select(*_T.columns).where(cond)
+                    )
+                )
+            n = conn.execute(sa.delete(_T).where(cond)).rowcount
+        logger.info("items purged", extra={"action": "purge", "n_items": n, "archived": archive})
+        return n
+
+
+def _claim_order(item: models.WorkItem) -> tuple[int, float, float, int]:
+    deadline = item.deadline_at if item.deadline_at is not None else schema.NO_DEADLINE
+    return (-item.priority, deadline, item.enqueued_at, item.id)
+
+
+def _lane_stats(r: Any, now: float) -> models.LaneStats:
+    return models.LaneStats(
+        queue=r.queue,
+        lane=r.lane,
+        tenant=r.tenant,
+        ready=int(r.ready or 0),
+        leased=int(r.leased or 0),
+        done=int(r.done or 0),
+        dead=int(r.dead or 0),
+        expired=int(r.expired or 0),
+        expired_leases=int(r.xl or 0),
+        oldest_ready_age_s=(now - float(r.oldest)) if r.oldest is not None else None,
+    )
+
+
+class Waiter:
+    """Waits for new work: PostgreSQL ``LISTEN`` with a poll backstop; SQLite polls.
+
+    ``wait(timeout_s)`` returns True when a notification arrived, False on timeout; callers
+    claim either way (the poll is the backstop for a missed notification).
+    """
+
+    def __init__(self, engine: Engine, queue: str) -> None:
+        self._engine = engine
+        self._queue = queue
+        self._conn: Any = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+
+    def wait(self, timeout_s: float) -> bool:
+        if self._engine.dialect.name != "postgresql":
+            self._stopped.wait(timeout_s)
+            return False
+        conn = self._listen()
+        for note in conn.notifies(timeout=timeout_s, stop_after=1):
+            return bool(note.payload == self._queue)
+        return False
+
+    def _listen(self) -> Any:
+        with self._lock:
+            if self._conn is None:
+                import psycopg
+
+                url = self._engine.url.set(drivername="postgresql")
+                dsn = url.render_as_string(hide_password=False)
+                self._conn = psycopg.connect(dsn, autocommit=True)
+                self._conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            return self._conn
+
+    def close(self) -> None:
+        self._stopped.set()
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None

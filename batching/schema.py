@@ -1,0 +1,259 @@
+"""Table definitions and versioned migrations for every ``batching_*`` SQL object.
+
+``migrate`` brings a database to :data:`SCHEMA_VERSION` one numbered step at a time, each in
+its own transaction, recording each step in ``batching_schema_version``; a second run is a
+no-op. ``require_current`` refuses to work on a database that is missing, older or newer.
+
+Times are epoch seconds (double precision) taken from the application's clock, so the same
+statements run on SQLite and PostgreSQL and tests can drive time with a fake clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from batching import errors
+
+logger = logging.getLogger(__name__)
+
+metadata = sa.MetaData()
+_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+NO_DEADLINE = 1e18
+"""``sort_deadline`` of an item without a deadline: sorts after every real one."""
+
+schema_version = sa.Table(
+    "batching_schema_version",
+    metadata,
+    sa.Column("version", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("description", sa.Text, nullable=False),
+    sa.Column("applied_at", sa.Float, nullable=False),
+)
+
+
+def _item_columns() -> list[sa.Column[object]]:
+    return [
+        sa.Column("id", _ID, primary_key=True, autoincrement=True),
+        sa.Column("queue", sa.String(200), nullable=False),
+        sa.Column("lane", sa.String(200), nullable=False, server_default=""),
+        sa.Column("item_key", sa.String(500), nullable=False),
+        sa.Column("tenant", sa.String(200), nullable=False, server_default="default"),
+        sa.Column("priority", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("payload", sa.LargeBinary, nullable=False),
+        sa.Column("payload_format", sa.String(8), nullable=False, server_default="json"),
+        sa.Column("dtype", sa.String(16)),
+        sa.Column("shape", sa.String(100)),
+        sa.Column("cost", sa.Integer, nullable=False, server_default="1"),
+        sa.Column("state", sa.SmallInteger, nullable=False, server_default="0"),
+        sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("max_attempts", sa.Integer, nullable=False, server_default="5"),
+        sa.Column("crash_count", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("enqueued_at", sa.Float, nullable=False),
+        sa.Column("run_after", sa.Float, nullable=False),
+        sa.Column("deadline_at", sa.Float),
+        sa.Column("sort_deadline", sa.Float, nullable=False),
+        sa.Column("lease_id", sa.String(36)),
+        sa.Column("leased_by", sa.String(200)),
+        sa.Column("lease_expires_at", sa.Float),
+        sa.Column("last_error", sa.Text),
+        sa.Column("finished_at", sa.Float),
+        sa.Column("batch_id", sa.String(36)),
+    ]
+
+
+items = sa.Table(
+    "batching_items",
+    metadata,
+    *_item_columns(),
+    sa.UniqueConstraint("queue", "item_key", name="uq_batching_items_key"),
+    postgresql_with={
+        "fillfactor": 90,
+        "autovacuum_vacuum_scale_factor": 0.01,
+        "autovacuum_vacuum_threshold": 1000,
+        "autovacuum_analyze_scale_factor": 0.02,
+        "autovacuum_vacuum_cost_delay": 0,
+    },
+)
+_READY = sa.text("state = 0")
+_LEASED = sa.text("state = 1")
+sa.Index(
+    "ix_batching_items_ready",
+    items.c.queue,
+    items.c.priority.desc(),
+    items.c.sort_deadline,
+    items.c.enqueued_at,
+    items.c.id,
+    postgresql_where=_READY,
+    sqlite_where=_READY,
+)
+sa.Index(
+    "ix_batching_items_ready_deadline",
+    items.c.deadline_at,
+    postgresql_where=sa.text("state = 0 AND deadline_at IS NOT NULL"),
+    sqlite_where=sa.text("state = 0 AND deadline_at IS NOT NULL"),
+)
+sa.Index(
+    "ix_batching_items_lease_exp",
+    items.c.lease_expires_at,
+    postgresql_where=_LEASED,
+    sqlite_where=_LEASED,
+)
+sa.Index(
+    "ix_batching_items_lease_id", items.c.lease_id, postgresql_where=_LEASED, sqlite_where=_LEASED
+)
+sa.Index("ix_batching_items_finished", items.c.state, items.c.finished_at)
+sa.Index("ix_batching_items_batch", items.c.batch_id)
+
+items_archive = sa.Table("batching_items_archive", metadata, *_item_columns())
+
+batches = sa.Table(
+    "batching_batches",
+    metadata,
+    sa.Column("batch_id", sa.String(36), primary_key=True),
+    sa.Column("run_id", sa.String(64), nullable=False),
+    sa.Column("queue", sa.String(200), nullable=False),
+    sa.Column("lease_id", sa.String(36), nullable=False),
+    sa.Column("model_version", sa.String(100), nullable=False),
+    sa.Column("sink", sa.String(16), nullable=False),
+    sa.Column("path", sa.Text),
+    sa.Column("staging_path", sa.Text),
+    sa.Column("n_rows", sa.Integer, nullable=False),
+    sa.Column("n_bytes", sa.BigInteger),
+    sa.Column("sha256", sa.String(64)),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("committed_at", sa.Float, nullable=False),
+    sa.Column("published_at", sa.Float),
+)
+sa.Index("ix_batching_batches_run", batches.c.run_id)
+sa.Index("ix_batching_batches_committed", batches.c.committed_at)
+
+runs = sa.Table(
+    "batching_runs",
+    metadata,
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("flow", sa.String(100), nullable=False),
+    sa.Column("queue", sa.String(200), nullable=False),
+    sa.Column("config_hash", sa.String(64)),
+    sa.Column("model_version", sa.String(100)),
+    sa.Column("model_sha256", sa.String(64)),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("started_at", sa.Float, nullable=False),
+    sa.Column("finished_at", sa.Float),
+    sa.Column("n_items", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("n_failed", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("n_batches", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("summary", sa.Text),
+    sa.Column("error", sa.Text),
+)
+
+
+def results_table(name: str = "batching_results", md: sa.MetaData | None = None) -> sa.Table:
+    """The SQL sink's results table, keyed by ``(model_version, item_key)``."""
+    return sa.Table(
+        name,
+        md if md is not None else sa.MetaData(),
+        sa.Column("model_version", sa.String(100), primary_key=True),
+        sa.Column("item_key", sa.String(500), primary_key=True),
+        sa.Column("queue", sa.String(200), nullable=False),
+        sa.Column("output", sa.LargeBinary, nullable=False),
+        sa.Column("output_dim", sa.Integer, nullable=False),
+        sa.Column("scored_at", sa.Float, nullable=False),
+        sa.Column("run_id", sa.String(64), nullable=False),
+        sa.Column("batch_id", sa.String(36), nullable=False),
+        extend_existing=True,
+    )
+
+
+results = results_table(md=metadata)
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One numbered schema step; ``apply`` runs inside the step's transaction."""
+
+    version: int
+    description: str
+    apply: Callable[[Connection], None]
+
+
+def _v1(conn: Connection) -> None:
+    metadata.create_all(conn, checkfirst=True)
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "queue items, archive, batch ledger, runs, results", _v1),
+)
+SCHEMA_VERSION = MIGRATIONS[-1].version
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    """Versions before and after ``migrate``; equal when nothing was applied."""
+
+    from_version: int
+    to_version: int
+
+    @property
+    def applied(self) -> bool:
+        return self.to_version != self.from_version
+
+
+def current_version(conn: Connection) -> int:
+    """Highest applied migration, 0 for an empty database."""
+    if not sa.inspect(conn).has_table(schema_version.name):
+        return 0
+    value = conn.execute(sa.select(sa.func.max(schema_version.c.version))).scalar()
+    return int(value or 0)
+
+
+def migrate(engine: Engine, now: Callable[[], float]) -> MigrationResult:
+    """Apply every pending migration, each in its own transaction; safe to run concurrently."""
+    with engine.begin() as conn:
+        _lock(conn)
+        before = current_version(conn)
+        if before > SCHEMA_VERSION:
+            raise errors.SchemaError(_too_new(before))
+        if before == 0:
+            schema_version.create(conn, checkfirst=True)
+        for step in MIGRATIONS:
+            if step.version <= before:
+                continue
+            step.apply(conn)
+            conn.execute(
+                schema_version.insert().values(
+                    version=step.version, description=step.description, applied_at=now()
+                )
+            )
+            logger.info(
+                "schema migrated", extra={"action": "schema_migrated", "version": step.version}
+            )
+    return MigrationResult(before, max(before, SCHEMA_VERSION))
+
+
+def _lock(conn: Connection) -> None:
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(7271101)"))
+
+
+def _too_new(version: int) -> str:
+    return (
+        f"database schema is version {version}, newer than this batching "
+        f"({SCHEMA_VERSION}); upgrade batching"
+    )
+
+
+def require_current(conn: Connection) -> None:
+    """Raise ``SchemaError`` unless the database is at exactly :data:`SCHEMA_VERSION`."""
+    version = current_version(conn)
+    if version == SCHEMA_VERSION:
+        return
+    if version > SCHEMA_VERSION:
+        raise errors.SchemaError(_too_new(version))
+    raise errors.SchemaError(
+        f"database schema is version {version}, expected {SCHEMA_VERSION}; "
+        "run `batching init --db URL`"
+    )

@@ -1,0 +1,102 @@
+"""Shared fixtures: a fake clock, and the database fixtures used by integration tests."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PG_ADMIN_URL = os.environ.get("BATCHING_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+IN_CI = bool(os.environ.get("CI"))
+
+
+class FakeClock:
+    """A settable epoch-seconds clock."""
+
+    def __init__(self, now: float = 1_800_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def _pg_url(dbname: str) -> str:
+    base, _, _ = PG_ADMIN_URL.rpartition("/")
+    return f"{base}/{dbname}"
+
+
+def _pg_reachable() -> str | None:
+    try:
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN_URL, connect_timeout=3):
+            return None
+    except Exception as exc:  # any failure means "not reachable"; reported as the skip reason
+        return f"PostgreSQL not reachable at {PG_ADMIN_URL}: {str(exc).splitlines()[0]}"
+
+
+@pytest.fixture(scope="session")
+def pg_template() -> Iterator[str]:
+    """Name of a migrated template database; each test copies it (CREATE DATABASE ... TEMPLATE)."""
+    reason = _pg_reachable()
+    if reason:
+        if IN_CI:
+            pytest.fail(f"{reason} (CI needs PostgreSQL)")
+        pytest.skip(reason)
+    import psycopg
+
+    from batching import queue as q
+
+    name = f"batching_tpl_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    engine = q.create_engine(_pg_url(name))
+    q.SqlQueue(engine).migrate()
+    engine.dispose()
+    yield name
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_url(pg_template: str) -> Iterator[str]:
+    """URL of a fresh, migrated PostgreSQL database for one test."""
+    import psycopg
+
+    name = f"batching_t_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
+    yield _pg_url(name)
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """URL of a fresh, migrated SQLite file for one test."""
+    from batching import queue as q
+
+    url = f"sqlite:///{tmp_path / 'queue.db'}"
+    engine = q.create_engine(url)
+    q.SqlQueue(engine).migrate()
+    engine.dispose()
+    return url
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest) -> str:
+    """Every queue contract test runs on both databases."""
+    fixture = "sqlite_url" if request.param == "sqlite" else "pg_url"
+    return str(request.getfixturevalue(fixture))
