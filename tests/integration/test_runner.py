@@ -1,0 +1,410 @@
+"""TorchRunner with the real built-in models, real checkpoint files and real torch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from batching import errors, models, runner, zoo
+from batching.config import ModelSpec
+from batching.service_profile import ServiceProfile
+
+POISON = 999.0
+NAN_MARK = -777.0
+OOM_ABOVE = 16
+EXPLOITED = Path("/tmp/batching-test-runner-exploited")
+
+
+# ---- test models (plugged in through factories named after this module) -------------------
+
+
+class ProbeModel(nn.Module):
+    """Dense, 4 inputs -> 1 output; raises on POISON, returns NaN on NAN_MARK (column 0)."""
+
+    batching_input = "dense"
+    batching_input_dim = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.calls: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(int(x.shape[0]))
+        if bool((x[:, 0] == POISON).any()):
+            raise ValueError("poison marker seen")
+        y = (x * self.scale).sum(dim=1, keepdim=True)
+        return torch.where(x[:, :1] == NAN_MARK, torch.nan, y)
+
+
+class ShortModel(ProbeModel):
+    """Breaks the contract: drops the last output of any batch larger than one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y[:-1] if len(y) > 1 else y
+
+
+class OomModel(ProbeModel):
+    """Raises CUDA out-of-memory (on CPU too) for batches larger than OOM_ABOVE."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_oom = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > OOM_ABOVE:
+            self.n_oom += 1
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().forward(x)
+
+
+def build_probe() -> nn.Module:
+    return ProbeModel()
+
+
+def build_short() -> nn.Module:
+    return ShortModel()
+
+
+def build_oom() -> nn.Module:
+    return OomModel()
+
+
+def _mark_exploited() -> None:  # pragma: no cover - must never run
+    EXPLOITED.write_text("unpickling ran code")
+
+
+class Evil:
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (_mark_exploited, ())
+
+
+# ---- helpers and fixtures ---------------------------------------------------------------------
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def builtin_spec(name: str, **overrides: object) -> ModelSpec:
+    fields: dict[str, object] = {
+        "name": name,
+        "version": "v1",
+        "sha256": zoo.BUILTINS[name].sha256,
+        "device": "cpu",
+    }
+    return ModelSpec.model_validate({**fields, **overrides})
+
+
+def item(item_id: int, payload: models.Payload) -> models.WorkItem:
+    return models.WorkItem(id=item_id, item_key=f"k{item_id}", payload=payload, enqueued_at=0.0)
+
+
+def json_item(item_id: int, doc: object) -> models.WorkItem:
+    return item(item_id, models.Payload(json.dumps(doc).encode()))
+
+
+def tensor_item(item_id: int, arr: np.ndarray, dtype: str | None = None) -> models.WorkItem:
+    payload = models.Payload(
+        arr.tobytes(), models.PayloadFormat.TENSOR, dtype or str(arr.dtype), arr.shape
+    )
+    return item(item_id, payload)
+
+
+def dense_items(rows: np.ndarray, start: int = 0) -> list[models.WorkItem]:
+    return [json_item(start + i, {"x": row.tolist()}) for i, row in enumerate(rows)]
+
+
+@pytest.fixture(scope="module")
+def w1() -> runner.TorchRunner:
+    return runner.TorchRunner.load(builtin_spec("w1-mlp"))
+
+
+@pytest.fixture(scope="module")
+def w2() -> runner.TorchRunner:
+    return runner.TorchRunner.load(builtin_spec("w2-text"))
+
+
+@pytest.fixture(scope="module")
+def probe_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    path = tmp_path_factory.mktemp("ckpt") / "probe.safetensors"
+    save_file({"scale": torch.ones(4)}, str(path))
+    return path, sha256_of(path)
+
+
+def probe_runner(factory: str, ckpt: tuple[Path, str]) -> runner.TorchRunner:
+    spec = ModelSpec(
+        name=f"{__name__}:{factory}",
+        version="t1",
+        checkpoint=str(ckpt[0]),
+        sha256=ckpt[1],
+        device="cpu",
+    )
+    return runner.TorchRunner.load(spec)
+
+
+def reference(name: str) -> nn.Module:
+    model = zoo.BUILTINS[name].factory()
+    model.load_state_dict(load_file(str(zoo.BUILTINS[name].checkpoint_path)))
+    return model.eval()
+
+
+def token_lists(lengths: Sequence[int], seed: int = 2) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, zoo.W2_VOCAB_SIZE, size=n, dtype=np.int64) for n in lengths]
+
+
+# ---- checkpoints ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(zoo.BUILTINS))
+def test_shipped_checkpoints_match_their_pinned_digest(name: str) -> None:
+    assert sha256_of(zoo.BUILTINS[name].checkpoint_path) == zoo.BUILTINS[name].sha256
+
+
+def test_sha256_mismatch_is_refused_with_both_digests() -> None:
+    wrong = "0" * 64
+    with pytest.raises(errors.CheckpointError) as info:
+        runner.TorchRunner.load(builtin_spec("w1-mlp", sha256=wrong))
+    message = str(info.value)
+    assert "w1_mlp_v1.safetensors" in message
+    assert wrong in message
+    assert zoo.BUILTINS["w1-mlp"].sha256 in message
+    assert "model.sha256" in message
+
+
+def test_missing_checkpoint_is_refused(tmp_path: Path) -> None:
+    spec = builtin_spec("w1-mlp", checkpoint="nope.safetensors")
+    with pytest.raises(errors.CheckpointError, match="cannot be read"):
+        runner.TorchRunner.load(spec, base_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [pytest.param(lambda: ProbeModel(), id="pickled-module"), pytest.param(Evil, id="reduce")],
+)
+def test_checkpoint_needing_unpickling_is_refused_without_running_code(
+    tmp_path: Path, payload: Callable[[], object]
+) -> None:
+    EXPLOITED.unlink(missing_ok=True)
+    path = tmp_path / "model.pt"
+    torch.save({"model": payload()}, path)
+    with pytest.raises(errors.CheckpointError, match="arbitrary unpickling"):
+        probe_runner("build_probe", (path, sha256_of(path)))
+    assert not EXPLOITED.exists()
+
+
+def test_plain_state_dict_pt_loads_with_weights_only(tmp_path: Path) -> None:
+    path = tmp_path / "probe.pt"
+    torch.save({"scale": torch.full((4,), 2.0)}, path)
+    r = probe_runner("build_probe", (path, sha256_of(path)))
+    out = r.score([json_item(1, {"x": [1, 1, 1, 1]})]).outputs[1]
+    np.testing.assert_array_equal(out, np.array([8.0], dtype=np.float32))
+
+
+def test_checkpoint_that_does_not_fit_the_model_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "other.safetensors"
+    save_file({"weight": torch.ones(3)}, str(path))
+    with pytest.raises(errors.CheckpointError, match="does not fit the model"):
+        probe_runner("build_probe", (path, sha256_of(path)))
+
+
+def test_unsupported_checkpoint_format_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "model.pkl"
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(errors.CheckpointError, match="unsupported format"):
+        probe_runner("build_probe", (path, sha256_of(path)))
+
+
+def test_unknown_model_name_and_bad_factory_are_config_errors(probe_ckpt: tuple[Path, str]) -> None:
+    with pytest.raises(errors.ConfigError, match="not built in"):
+        runner.TorchRunner.load(builtin_spec("w1-mlp").model_copy(update={"name": "w9"}))
+    with pytest.raises(errors.ConfigError, match="cannot be imported"):
+        probe_runner("no_such_factory", probe_ckpt)
+
+
+# ---- outputs equal the model run directly ------------------------------------------------------
+
+
+def test_w1_outputs_equal_the_model_run_directly(w1: runner.TorchRunner) -> None:
+    rows = np.random.default_rng(1).standard_normal((50, 64), dtype=np.float32)
+    result = w1.score(dense_items(rows))
+    with torch.no_grad():
+        expected = reference("w1-mlp")(torch.from_numpy(rows)).numpy()
+    assert not result.failures
+    got = np.stack([result.outputs[i] for i in range(50)])
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    assert (w1.output_dim, w1.input_kind, w1.input_dim) == (1, "dense", 64)
+    assert (w1.model_version, w1.checksum, w1.device.type) == (
+        "v1",
+        zoo.BUILTINS["w1-mlp"].sha256,
+        "cpu",
+    )
+
+
+def test_w2_batched_outputs_equal_each_item_alone(w2: runner.TorchRunner) -> None:
+    seqs = token_lists([5, 40, 12, 40, 8])
+    result = w2.score([json_item(i, {"tokens": s.tolist()}) for i, s in enumerate(seqs)])
+    model = reference("w2-text")
+    assert not result.failures
+    assert (result.real_tokens, result.padded_tokens) == (105, 200)
+    for i, seq in enumerate(seqs):
+        tokens = torch.from_numpy(seq)[None, :]
+        with torch.no_grad():
+            alone = model(tokens, torch.zeros_like(tokens, dtype=torch.bool))[0].numpy()
+        assert result.outputs[i].shape == (256,)
+        np.testing.assert_allclose(result.outputs[i], alone, rtol=1e-4, atol=1e-4)
+
+
+def test_json_and_tensor_payloads_give_identical_outputs(
+    w1: runner.TorchRunner, w2: runner.TorchRunner
+) -> None:
+    rows = np.random.default_rng(3).standard_normal((6, 64), dtype=np.float32)
+    dense_json = w1.score(dense_items(rows)).outputs
+    dense_tensor = w1.score([tensor_item(i, r) for i, r in enumerate(rows)]).outputs
+    seqs = token_lists([9, 17, 3])
+    tok_json = w2.score([json_item(i, {"tokens": s.tolist()}) for i, s in enumerate(seqs)]).outputs
+    tok_tensor = w2.score([tensor_item(i, s.astype(np.int32)) for i, s in enumerate(seqs)]).outputs
+    for i in range(6):
+        np.testing.assert_array_equal(dense_json[i], dense_tensor[i])
+    for i in range(3):
+        np.testing.assert_array_equal(tok_json[i], tok_tensor[i])
+
+
+# ---- failure isolation ------------------------------------------------------------------------
+
+
+def test_dense_decode_failures_fail_alone(w1: runner.TorchRunner) -> None:
+    good = np.random.default_rng(4).standard_normal((2, 64), dtype=np.float32)
+    bad = [
+        item(10, models.Payload(b"{not json")),
+        json_item(11, {"y": [0.0] * 64}),
+        json_item(12, {"x": [0.0] * 63}),
+        json_item(13, {"x": ["a"] * 64}),
+        tensor_item(14, good[0], dtype="bfloat16"),
+        tensor_item(15, good[0][:63]),
+        tensor_item(16, good[0].astype(np.bool_)),
+        item(17, models.Payload(good[0].tobytes(), models.PayloadFormat.TENSOR)),
+    ]
+    result = w1.score([*dense_items(good), *bad])
+    assert set(result.outputs) == {0, 1}
+    assert set(result.failures) == {10, 11, 12, 13, 14, 15, 16, 17}
+    assert all("\n" not in reason for reason in result.failures.values())
+    alone = w1.score(dense_items(good[1:], start=1)).outputs[1]
+    np.testing.assert_allclose(result.outputs[1], alone, rtol=1e-6)
+
+
+def test_token_decode_failures_fail_alone(w2: runner.TorchRunner) -> None:
+    seq = token_lists([6])[0]
+    bad = [
+        json_item(10, {"tokens": [0, 5, 7]}),
+        json_item(11, {"tokens": [5, zoo.W2_VOCAB_SIZE]}),
+        json_item(12, {"tokens": [-3]}),
+        json_item(13, {"tokens": []}),
+        json_item(14, {"tokens": [1.5, 2]}),
+        json_item(15, {"tokens": [[1, 2], [3]]}),
+        tensor_item(16, seq.astype(np.float32)),
+        json_item(17, {"tokens": "abc"}),
+    ]
+    result = w2.score([json_item(0, {"tokens": seq.tolist()}), *bad])
+    assert set(result.outputs) == {0}
+    assert set(result.failures) == set(range(10, 18))
+    assert "[1, 30000)" in result.failures[11]
+
+
+def test_poison_item_fails_alone_and_batch_mates_score(probe_ckpt: tuple[Path, str]) -> None:
+    r = probe_runner("build_probe", probe_ckpt)
+    rows = np.ones((8, 4), dtype=np.float32)
+    rows[5, 0] = POISON
+    rows[2, 0] = NAN_MARK
+    result = r.score(dense_items(rows))
+    assert set(result.failures) == {2, 5}
+    assert "poison marker seen" in result.failures[5]
+    assert "not finite" in result.failures[2]
+    assert {i: float(v[0]) for i, v in result.outputs.items()} == dict.fromkeys(
+        [0, 1, 3, 4, 6, 7], 4.0
+    )
+    assert result.batch_error is None
+
+
+def test_nan_output_marks_only_that_item(probe_ckpt: tuple[Path, str]) -> None:
+    r = probe_runner("build_probe", probe_ckpt)
+    model = r.model
+    assert isinstance(model, ProbeModel)
+    assert model.calls == [1]  # the output width was probed at load (not declared)
+    assert r.output_dim == 1
+    rows = np.ones((4, 4), dtype=np.float32)
+    rows[1, 0] = NAN_MARK
+    result = r.score(dense_items(rows))
+    assert set(result.failures) == {1}
+    assert set(result.outputs) == {0, 2, 3}
+    assert model.calls == [1, 4]  # no bisection for a NaN
+
+
+def test_wrong_output_count_fails_the_batch_with_model_error(
+    probe_ckpt: tuple[Path, str],
+) -> None:
+    r = probe_runner("build_short", probe_ckpt)
+    result = r.score(dense_items(np.ones((5, 4), dtype=np.float32)))
+    assert not result.outputs
+    assert set(result.failures) == set(range(5))
+    assert result.batch_error is not None
+    assert "4 outputs for 5 inputs" in result.batch_error
+
+
+def test_oom_splits_the_batch_and_remembers_the_safe_size(probe_ckpt: tuple[Path, str]) -> None:
+    r = probe_runner("build_oom", probe_ckpt)
+    model = r.model
+    assert isinstance(model, OomModel)
+    first = r.score(dense_items(np.ones((64, 4), dtype=np.float32)))
+    assert len(first.outputs) == 64
+    assert not first.failures
+    assert r.oom_ceiling == OOM_ABOVE
+    n_oom, model.calls = model.n_oom, []
+    second = r.score(dense_items(np.ones((40, 4), dtype=np.float32)))
+    assert len(second.outputs) == 40
+    assert model.n_oom == n_oom
+    assert model.calls == [16, 16, 8]
+
+
+def test_autocast_is_ignored_on_cpu(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="batching.runner"):
+        r = runner.TorchRunner.load(builtin_spec("w1-mlp", autocast="bf16"))
+    assert any(getattr(rec, "action", "") == "autocast_ignored" for rec in caplog.records)
+    assert r.score(dense_items(np.zeros((2, 64), dtype=np.float32))).outputs[0].dtype == np.float32
+
+
+# ---- profile ---------------------------------------------------------------------------------
+
+
+def test_measure_profile_round_trips(
+    w1: runner.TorchRunner, w2: runner.TorchRunner, tmp_path: Path
+) -> None:
+    dense = runner.measure_profile(w1, batch_sizes=(1, 8), repeats=2)
+    assert {(p.batch_size, p.length) for p in dense.points} == {(1, 1), (8, 1)}
+    assert dense.model_name == "w1-mlp"
+    assert dense.predict(8) >= dense.predict(1) > 0
+    text = runner.measure_profile(w2, batch_sizes=(1, 2), lengths=(8, 16), repeats=1)
+    assert len(text.points) == 4
+    assert text.input_kind == "tokens"
+    loaded = ServiceProfile.load(text.save(tmp_path / "profile.json"))
+    assert loaded.points == text.points
+    assert loaded.predict(2, 16) == text.predict(2, 16)
+
+
+def test_empty_and_all_failed_batches_score_nothing(w1: runner.TorchRunner) -> None:
+    empty = w1.score([])
+    assert (empty.outputs, empty.failures, empty.n_forward) == ({}, {}, 0)
+    failed = w1.score([item(1, models.Payload(b"[]")), item(2, models.Payload(b"\xff"))])
+    assert set(failed.failures) == {1, 2}
+    assert (failed.outputs, failed.n_forward, failed.padded_tokens) == ({}, 0, 0)

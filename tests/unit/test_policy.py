@@ -1,0 +1,157 @@
+"""Unit tests for the plan-time policy check: fake profiles, no torch, no I/O."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from batching import config, errors, policy
+from batching.service_profile import ProfilePoint, ServiceProfile
+
+SHA = "a" * 64
+
+
+def pipeline(slo_s: float = 1.0, **batching: Any) -> config.PipelineConfig:
+    return config.parse_config(
+        {
+            "model": {"name": "w2-text", "version": "v1", "sha256": SHA},
+            "batching": {"max_wait_s": 0.05, **batching},
+            "latency_slo_s": slo_s,
+        }
+    )
+
+
+def tokens_profile(
+    seconds_per_unit: float = 1e-4, *, peak_per_unit: int | None = None, **kw: Any
+) -> ServiceProfile:
+    """Service time 0.001 s + ``seconds_per_unit`` per padded token, measured up to 256 x 128."""
+    points = tuple(
+        ProfilePoint(
+            b,
+            n,
+            0.001 + seconds_per_unit * b * n,
+            None if peak_per_unit is None else 10_000 + peak_per_unit * b * n,
+        )
+        for b in (1, 16, 64, 256)
+        for n in (16, 64, 128)
+    )
+    fields = {"model_name": "w2-text", "model_version": "v1", "device": "fake-gpu"} | kw
+    return ServiceProfile(points, input_kind="tokens", **fields)
+
+
+def test_passes_when_worst_case_fits_the_slo() -> None:
+    report = policy.check_policy(
+        pipeline(max_batch_size=32, length_buckets=(32, 64, 128)), tokens_profile(1e-5)
+    )
+    assert report.ok, report.errors
+    assert report.worst_batch == policy.WorstBatch(32, 128)
+    assert report.predicted_service_s == pytest.approx(0.001 + 1e-5 * 32 * 128)
+    assert report.worst_case_latency_s == pytest.approx(0.05 + 0.001 + 1e-5 * 32 * 128)
+    report.raise_for_errors()
+
+
+def test_refuses_when_wait_plus_full_batch_exceeds_the_slo() -> None:
+    report = policy.check_policy(
+        pipeline(slo_s=0.5, max_batch_size=64, length_buckets=(128,)), tokens_profile()
+    )
+    assert not report.ok
+    (message,) = report.errors
+    assert "0.05" in message
+    assert "64 items x 128 length" in message
+    assert "latency_slo_s 0.5" in message
+    assert "\n" not in message
+    with pytest.raises(errors.PolicyError, match="worst-case latency"):
+        report.raise_for_errors()
+
+
+def test_cost_cap_shrinks_the_worst_batch() -> None:
+    capped = pipeline(0.8, max_batch_size=64, max_batch_cost=512, length_buckets=(8, 128))
+    # bucket [1, 8]: 64 one-token items padded to 8; bucket (8, 128]: 512 // 9 = 56 items
+    assert policy.worst_batches(capped, 128, dense=False) == (
+        policy.WorstBatch(64, 8),
+        policy.WorstBatch(56, 128),
+    )
+    report = policy.check_policy(capped, tokens_profile())
+    assert report.worst_batch == policy.WorstBatch(56, 128)
+    assert report.ok, report.errors
+    uncapped = policy.check_policy(
+        pipeline(0.8, max_batch_size=64, length_buckets=(8, 128)), tokens_profile()
+    )
+    assert not uncapped.ok
+
+
+def test_without_buckets_short_items_can_be_padded_to_the_longest() -> None:
+    cfg = pipeline(max_batch_size=64, max_batch_cost=2048)
+    shapes = policy.worst_batches(cfg, 128, dense=False)
+    assert shapes == (policy.WorstBatch(64, 128),)  # 64 one-token items + one of 128
+    report = policy.check_policy(cfg, tokens_profile(1e-6))
+    assert report.worst_batch == policy.WorstBatch(64, 128)
+    assert any("no length_buckets" in w for w in report.warnings)
+
+
+def test_max_length_overrides_the_last_bucket_edge() -> None:
+    cfg = pipeline(max_batch_size=8, length_buckets=(32, 64))
+    report = policy.check_policy(cfg, tokens_profile(1e-6), max_length=512)
+    assert report.worst_batch == policy.WorstBatch(8, 512)
+    assert any("extrapolated" in w for w in report.warnings)
+
+
+def test_without_a_profile_the_check_is_not_ok_and_says_how_to_fix() -> None:
+    report = policy.check_policy(pipeline(), None)
+    assert not report.ok
+    assert "batching profile" in report.errors[0]
+    assert report.predicted_service_s is None
+
+
+def test_profile_for_another_model_version_is_refused() -> None:
+    report = policy.check_policy(pipeline(), tokens_profile(model_version="v0"))
+    assert not report.ok
+    assert "v0" in report.errors[0]
+
+
+def test_dense_profile_uses_rows_and_ignores_length() -> None:
+    points = (ProfilePoint(1, 1, 0.001), ProfilePoint(512, 1, 0.002))
+    dense = ServiceProfile(points, "w2-text", "v1", "cpu", input_kind="dense")
+    report = policy.check_policy(pipeline(max_batch_size=512, length_buckets=(64,)), dense)
+    assert report.worst_batch == policy.WorstBatch(512, 1)
+    assert report.ok
+
+
+def test_memory_from_profile_must_fit_the_device() -> None:
+    prof = tokens_profile(1e-6, peak_per_unit=1000, device_memory_bytes=4_000_000)
+    report = policy.check_policy(pipeline(max_batch_size=64, length_buckets=(128,)), prof)
+    assert report.estimated_memory_bytes == 10_000 + 1000 * 64 * 128
+    assert not report.ok
+    assert "MiB" in report.errors[0]
+    assert "max_batch_size" in report.errors[0]
+    bigger = policy.check_policy(
+        pipeline(max_batch_size=64, length_buckets=(128,)), prof, device_memory_bytes=2**34
+    )
+    assert bigger.ok, bigger.errors
+
+
+def test_memory_from_bytes_per_item_when_profile_has_none() -> None:
+    cfg = pipeline(max_batch_size=16, length_buckets=(128,))
+    report = policy.check_policy(
+        cfg, tokens_profile(1e-6), device_memory_bytes=1_000_000, bytes_per_item=1000
+    )
+    assert report.estimated_memory_bytes == 1000 * 16 * 128
+    assert not report.ok
+    unknown = policy.check_policy(cfg, tokens_profile(1e-6), device_memory_bytes=1_000_000)
+    assert unknown.ok
+    assert any("memory not checked" in w for w in unknown.warnings)
+
+
+def test_warns_when_the_batch_ahead_can_push_past_the_slo() -> None:
+    # service 0.4 s, wait 0.05 s: one batch fits (0.45 s) but waiting for the one ahead does not
+    report = policy.check_policy(
+        pipeline(slo_s=0.5, max_batch_size=1, length_buckets=(128,)), tokens_profile(0.4 / 128)
+    )
+    assert report.ok
+    assert any("batch ahead" in w for w in report.warnings)
+
+
+def test_memory_fraction_is_validated() -> None:
+    with pytest.raises(ValueError, match="memory_fraction"):
+        policy.check_policy(pipeline(), None, memory_fraction=0.0)
