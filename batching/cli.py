@@ -221,6 +221,8 @@ def parse_duration(text: str, name: str) -> float:
 
 def main() -> None:
     """Console-script entry point."""
+    from batching import cli_ops, cli_score  # noqa: F401  (register their commands)
+
     app()
 
 

@@ -83,7 +83,7 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
         ) from None
     backend = parsed.get_backend_name()
     if backend == "sqlite":
-        engine = sa.create_engine(parsed, poolclass=sa.pool.NullPool)
+        engine = sa.create_engine(parsed, pool_size=4, max_overflow=8)
         _configure_sqlite(engine, sqlite_busy_timeout_ms)
         return engine
     if backend == "postgresql":
@@ -123,7 +123,7 @@ def translate_errors(url: str) -> Iterator[None]:
 
 def backoff_s(attempts: int, base_s: float, max_s: float, rng: random.Random) -> float:
     """Exponential backoff with jitter: uniform in [0.5, 1] x min(max_s, base_s * 2^(attempts-1))."""
-    ceiling = min(max_s, base_s * (2 ** max(0, attempts - 1)))
+    ceiling = min(max_s, base_s * 2.0 ** max(0, attempts - 1))
     return ceiling * (0.5 + 0.5 * rng.random())
 
 
@@ -692,3 +692,52 @@ class Waiter:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+class RunLedger:
+    """Rows of ``batching_runs``: one per scoring or reconcile run (start, finish, summary)."""
+
+    def __init__(self, queue: SqlQueue) -> None:
+        self._queue = queue
+
+    def start(
+        self,
+        run_id: str,
+        flow: str,
+        *,
+        config_hash: str | None = None,
+        model_version: str | None = None,
+        model_sha256: str | None = None,
+    ) -> None:
+        """Record a run as ``running`` (a rerun with the same id restarts the row)."""
+        row = {
+            "run_id": run_id,
+            "flow": flow,
+            "queue": self._queue.queue,
+            "config_hash": config_hash,
+            "model_version": model_version,
+            "model_sha256": model_sha256,
+            "state": "running",
+            "started_at": self._queue.clock(),
+        }
+        with self._queue.begin() as conn:
+            conn.execute(sa.delete(schema.runs).where(schema.runs.c.run_id == run_id))
+            conn.execute(schema.runs.insert().values(**row))
+
+    def finish(
+        self, run_id: str, state: str, summary: Mapping[str, Any], error: str | None = None
+    ) -> None:
+        """Record how a run ended: ``completed`` or ``failed``, with its summary as JSON."""
+        values = {
+            "state": state,
+            "finished_at": self._queue.clock(),
+            "n_items": int(summary.get("items_committed", 0)),
+            "n_failed": int(summary.get("items_failed", 0)),
+            "n_batches": int(summary.get("batches", 0)),
+            "summary": json.dumps(summary, default=str),
+            "error": error[:2000] if error else None,
+        }
+        with self._queue.begin() as conn:
+            conn.execute(
+                sa.update(schema.runs).where(schema.runs.c.run_id == run_id).values(**values)
+            )

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PG_ADMIN_URL = os.environ.get("BATCHING_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+PG_ADMIN_URL = os.environ.get(
+    "BATCHING_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
 IN_CI = bool(os.environ.get("CI"))
 
 

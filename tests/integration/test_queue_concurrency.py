@@ -32,7 +32,9 @@ def fill(url: str, name: str, n: int) -> None:
 def run_claimers(url: str, name: str, n_procs: int, claim_size: int, tmp: Path) -> list[dict]:
     outs = [tmp / f"claims-{i}.json" for i in range(n_procs)]
     procs = [
-        subprocess.Popen([sys.executable, WORKER, "drain", url, name, str(claim_size), str(o)], env=ENV)
+        subprocess.Popen(
+            [sys.executable, WORKER, "drain", url, name, str(claim_size), str(o)], env=ENV
+        )
         for o in outs
     ]
     for p in procs:
@@ -64,14 +66,19 @@ def test_concurrent_claimers_ack_every_item_exactly_once(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
 def test_sigkilled_claimer_items_are_reaped_and_finished(
     backend: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     url = request.getfixturevalue("sqlite_url" if backend == "sqlite" else "pg_url")
     fill(url, "kill", 300)
     proc = subprocess.Popen(
-        [sys.executable, WORKER, "hold", url, "kill", "120", "2"], env=ENV, stdout=subprocess.PIPE, text=True
+        [sys.executable, WORKER, "hold", url, "kill", "120", "2"],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     held = json.loads(proc.stdout.readline())
@@ -89,7 +96,9 @@ def test_sigkilled_claimer_items_are_reaped_and_finished(
     engine.dispose()
 
     claims = run_claimers(url, "kill", 1, 64, tmp_path)
-    assert sorted(i for c in claims for i in c["ids"]) == sorted(set(i for c in claims for i in c["ids"]))
+    assert sorted(i for c in claims for i in c["ids"]) == sorted(
+        set(i for c in claims for i in c["ids"])
+    )
     engine = q.create_engine(url)
     queue = q.SqlQueue(engine, "kill")
     assert queue.stats().by_state["done"] == 300

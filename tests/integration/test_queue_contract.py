@@ -29,9 +29,7 @@ def queue(db_url: str, clock: FakeClock) -> Iterator[q.SqlQueue]:
 
 def row(queue: q.SqlQueue, key: str) -> sa.Row[object]:
     with queue.engine.connect() as conn:
-        return conn.execute(
-            sa.select(schema.items).where(schema.items.c.item_key == key)
-        ).one()
+        return conn.execute(sa.select(schema.items).where(schema.items.c.item_key == key)).one()
 
 
 def test_migrate_twice_is_a_noop_and_recorded(queue: q.SqlQueue) -> None:
@@ -65,15 +63,24 @@ def test_tensor_payload_round_trips(queue: q.SqlQueue) -> None:
     assert item.payload == payload
 
 
-def test_claim_orders_by_priority_then_deadline_then_age(queue: q.SqlQueue, clock: FakeClock) -> None:
+def test_claim_orders_by_priority_then_deadline_then_age(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
     now = clock()
     queue.enqueue([rec("old-low")])
     clock.advance(1)
     queue.enqueue([rec("new-high", priority=5)])
     clock.advance(1)
-    queue.enqueue([rec("late-deadline", deadline_at=now + 500), rec("soon-deadline", deadline_at=now + 100)])
+    queue.enqueue(
+        [rec("late-deadline", deadline_at=now + 500), rec("soon-deadline", deadline_at=now + 100)]
+    )
     claim = queue.claim(10, lease_s=30)
-    assert [i.item_key for i in claim.items] == ["new-high", "soon-deadline", "late-deadline", "old-low"]
+    assert [i.item_key for i in claim.items] == [
+        "new-high",
+        "soon-deadline",
+        "late-deadline",
+        "old-low",
+    ]
     assert all(i.attempts == 1 for i in claim.items)
 
 
@@ -218,7 +225,9 @@ def test_redrive_and_purge(queue: q.SqlQueue, clock: FakeClock) -> None:
     clock.advance(3600)
     assert queue.purge(60, archive=True) == 1
     with queue.engine.connect() as conn:
-        assert conn.execute(sa.select(sa.func.count()).select_from(schema.items_archive)).scalar() == 1
+        assert (
+            conn.execute(sa.select(sa.func.count()).select_from(schema.items_archive)).scalar() == 1
+        )
 
 
 def test_schema_check_refuses_uninitialised_db(tmp_path: object) -> None:
@@ -266,5 +275,11 @@ def test_notify_wakes_a_waiting_scorer(pg_url: str) -> None:
 
 
 def test_payload_shape_is_stored_as_json(queue: q.SqlQueue) -> None:
-    queue.enqueue([models.EnqueueRecord("s", models.Payload(b"\x00" * 8, models.PayloadFormat.TENSOR, "int64", (1,)))])
+    queue.enqueue(
+        [
+            models.EnqueueRecord(
+                "s", models.Payload(b"\x00" * 8, models.PayloadFormat.TENSOR, "int64", (1,))
+            )
+        ]
+    )
     assert json.loads(row(queue, "s").shape) == [1]

@@ -1,0 +1,233 @@
+"""Wiring: build the adapters a config names and run one scoring run with lineage.
+
+The CLI and ``flows/`` call :func:`run_score`; the pipeline itself receives its adapters and
+knows nothing of how they were built.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batching import config as cfg
+from batching import errors, lineage, models, pipeline, sinks
+from batching import queue as q
+from batching.runner import TorchRunner
+from batching.service_profile import ServiceProfile
+
+logger = logging.getLogger(__name__)
+
+PRODUCER = "https://github.com/batching/batching"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Where a run reads and writes, after CLI/flow overrides."""
+
+    db_url: str
+    output: Path | str
+    events_path: Path | None
+
+
+def resolve(config: cfg.PipelineConfig, db_url: str | None, output: str | None) -> Resolved:
+    """Apply ``--db`` / ``--output`` overrides to the config's database and output location.
+
+    The local lineage log sits beside the dataset: ``<dataset parent>/lineage/events.jsonl``
+    (``outputs/lineage/events.jsonl`` for a SQL sink), unless the config names a path.
+    """
+    url = db_url or config.database.url
+    if config.output.kind == "parquet":
+        root = Path(output) if output else config.resolve(config.output.path) or Path("outputs")
+        where: Path | str = root.resolve()
+        events_dir = Path(where).parent
+    else:
+        where = output or config.output.table
+        cfg.check_identifier(str(where), "--output (SQL table)")
+        events_dir = Path("outputs").resolve()
+    events = lineage.events_path(
+        config.lineage, base_dir=Path(config.base_dir), output_dir=events_dir
+    )
+    return Resolved(url, where, events if config.lineage.transport == "file" else None)
+
+
+def open_queue(
+    config: cfg.PipelineConfig, db_url: str, *, clock: Callable[[], float] = time.time
+) -> q.SqlQueue:
+    """The config's queue on ``db_url``, with its retry settings."""
+    return q.SqlQueue(
+        q.create_engine(db_url),
+        config.queue.name,
+        clock=clock,
+        max_attempts=config.queue.max_attempts,
+        backoff_base_s=config.queue.backoff_base_s,
+        backoff_max_s=config.queue.backoff_max_s,
+    )
+
+
+def make_sink(config: cfg.PipelineConfig, queue: q.SqlQueue, where: Path | str) -> Any:
+    """A Parquet or SQL sink bound to ``queue`` (outputs and acks commit together)."""
+    if config.output.kind == "parquet":
+        return sinks.ParquetSink(queue, Path(where))
+    return sinks.SqlSink(queue, str(where))
+
+
+def load_profile(config: cfg.PipelineConfig) -> ServiceProfile | None:
+    """The measured service profile named by the config, or None when it has none yet."""
+    path = config.resolve(config.service_profile)
+    if path is None or not path.is_file():
+        return None
+    return ServiceProfile.load(path)
+
+
+def datasets(
+    config: cfg.PipelineConfig, res: Resolved, sink: Any
+) -> tuple[lineage.DatasetRef, lineage.DatasetRef]:
+    """Lineage datasets: the queue table (input) and the Parquet dataset or results table (output)."""
+    ns, name = lineage.sql_dataset_id(res.db_url, "batching_items")
+    queue_ds = lineage.DatasetRef(ns, name, (("item_key", "string"), ("payload", "binary")))
+    if config.output.kind == "parquet":
+        ns, name = lineage.file_dataset_id(Path(res.output).resolve())
+    else:
+        ns, name = lineage.sql_dataset_id(res.db_url, str(res.output))
+    fields = tuple((str(n), str(t)) for n, t in sink.describe().get("fields", ()))
+    return queue_ds, lineage.DatasetRef(ns, name, fields)
+
+
+@dataclass
+class ScoreOutcome:
+    """What one scoring run did: its id, summary numbers and where outputs and lineage went."""
+
+    run_id: str
+    summary: dict[str, Any]
+    output: str
+    events_path: Path | None
+    lineage_failures: int = 0
+    recovered: dict[str, Any] = field(default_factory=dict)
+
+
+def run_score(
+    config: cfg.PipelineConfig,
+    *,
+    db_url: str | None = None,
+    output: str | None = None,
+    limits: pipeline.RunLimits | None = None,
+    run_id: str | None = None,
+    parent: tuple[str, str] | None = None,
+    on_progress: pipeline.Progress | None = None,
+    on_scorer: Callable[[pipeline.Scorer], None] | None = None,
+    lineage_config: cfg.LineageConfig | None = None,
+) -> ScoreOutcome:
+    """Run one scoring run end to end: checks, recovery, scoring, run ledger and lineage.
+
+    Raises:
+        SchemaError, QueueError, CheckpointError, SinkError: a precondition or stage failed
+        (a FAIL lineage event and a failed run row are recorded first where possible).
+    """
+    res = resolve(config, db_url, output)
+    run_id = run_id or lineage.new_run_id()
+    queue = open_queue(config, res.db_url)
+    queue.check_schema()
+    runner = TorchRunner.load(config.model, base_dir=config.base_dir)
+    runner.warmup()
+    sink = make_sink(config, queue, res.output)
+    recovered = sink.recover()
+    profile = load_profile(config)
+    emitter = lineage.LineageEmitter(
+        lineage_config or config.lineage,
+        base_dir=Path(config.base_dir),
+        producer=PRODUCER,
+        output_dir=res.events_path.parent.parent if res.events_path else Path("outputs").resolve(),
+    )
+    queue_ds, out_ds = datasets(config, res, sink)
+    ctx = lineage.RunContext(
+        run_id=run_id,
+        job_name=config.name,
+        parent_run_id=parent[0] if parent else None,
+        parent_job_name=parent[1] if parent else None,
+        inputs=(queue_ds,),
+        outputs=(out_ds,),
+        model=lineage.ModelRef(config.model.name, config.model.version, runner.checksum),
+        config=config.model_dump(mode="json"),
+        config_hash=config.config_hash(),
+    )
+    runs = q.RunLedger(queue)
+    runs.start(
+        run_id,
+        config.name,
+        config_hash=ctx.config_hash,
+        model_version=config.model.version,
+        model_sha256=runner.checksum,
+    )
+    emitter.start(ctx)
+    scorer = pipeline.Scorer(
+        config,
+        queue,
+        runner,
+        sink,
+        _scored_factory(run_id, config.model.version),
+        service_time=profile.predict if profile else None,
+        on_progress=on_progress,
+        wait_for_work=q.Waiter(queue.engine, queue.queue).wait,
+    )
+    if on_scorer is not None:
+        on_scorer(scorer)
+    try:
+        stats = scorer.run(limits or pipeline.RunLimits())
+    except BaseException as exc:
+        summary = scorer.stats.summary()
+        runs.finish(run_id, "failed", summary, error=str(exc))
+        emitter.fail(ctx, exc, outputs=[out_ds.with_stats(scorer.stats.committed)])
+        emitter.close()
+        raise
+    summary = stats.summary()
+    runs.finish(run_id, "completed", summary)
+    emitter.complete(ctx, outputs=[out_ds.with_stats(stats.committed, stats.bytes_written)])
+    emitter.close()
+    queue.engine.dispose()
+    summary["lineage_failures"] = emitter.failures
+    return ScoreOutcome(
+        run_id, summary, str(res.output), emitter.events_path, emitter.failures, _as_dict(recovered)
+    )
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return value
+    from dataclasses import asdict, is_dataclass
+
+    return (
+        asdict(value)
+        if is_dataclass(value) and not isinstance(value, type)
+        else {"result": str(value)}
+    )
+
+
+def _scored_factory(run_id: str, model_version: str) -> pipeline.ScoredBatchFactory:
+    def make(batch: models.Batch, lease_id: str, result: Any, scored_at: float) -> Any:
+        outputs = {i.id: result.outputs[i.id] for i in batch.items}
+        return sinks.ScoredBatch(
+            items=tuple(batch.items),
+            outputs=outputs,
+            lease_id=lease_id,
+            run_id=run_id,
+            model_version=model_version,
+            scored_at=scored_at,
+        )
+
+    return make
+
+
+def check_config(config: cfg.PipelineConfig) -> Any:
+    """Plan-time policy check against the config's measured service profile."""
+    from batching import policy
+
+    return policy.check_policy(config, load_profile(config))
+
+
+__all__ = ["ScoreOutcome", "check_config", "errors", "run_score"]

@@ -1,0 +1,229 @@
+"""``batching score | check | profile | demo``: the scoring commands of the CLI."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from batching import errors
+from batching.cli import DEFAULT_DB, app, err, handle_errors, out
+
+ConfigOption = Annotated[
+    Path, typer.Option("--config", "-c", help="Pipeline YAML (see deployments/).")
+]
+DbOverride = Annotated[
+    str | None,
+    typer.Option("--db", envvar="BATCHING_DB_URL", help="Database URL; overrides the config's."),
+]
+OutputOverride = Annotated[
+    str | None,
+    typer.Option(
+        "--output", help="Output folder (parquet) or table (sql); overrides the config's."
+    ),
+]
+
+
+def load(config: Path) -> Any:
+    from batching.config import load_config
+
+    return load_config(config)
+
+
+def summary_table(summary: dict[str, Any], title: str = "run summary") -> Table:
+    """The closing table of a scoring run."""
+    table = Table(title=title, show_header=False)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("items committed", f"{summary['items_committed']}"),
+        ("items failed", f"{summary['items_failed']}"),
+        ("items released", f"{summary['items_released']}"),
+        ("batches", f"{summary['batches']}"),
+        (
+            "batch size mean / p50 / p99",
+            f"{summary['batch_size_mean']:.1f} / {summary['batch_size_p50']:.0f} / {summary['batch_size_p99']:.0f}",
+        ),
+        ("padding efficiency", f"{summary['padding_efficiency']:.3f}"),
+        ("items/s", f"{summary['items_per_s']:.1f}"),
+        (
+            "latency p50 / p99 (enqueue to commit)",
+            f"{summary['latency_p50_s']:.3f}s / {summary['latency_p99_s']:.3f}s",
+        ),
+        (
+            "release reasons",
+            ", ".join(f"{k} {v}" for k, v in sorted(summary["release_reasons"].items())) or "-",
+        ),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+@app.command()
+@handle_errors
+def score(
+    config: ConfigOption,
+    db: DbOverride = None,
+    output: OutputOverride = None,
+    until_empty: Annotated[
+        bool, typer.Option("--until-empty", help="Stop when the queue is empty (default).")
+    ] = False,
+    max_items: Annotated[
+        int | None, typer.Option(min=1, help="Stop after claiming N items.")
+    ] = None,
+    max_seconds: Annotated[
+        float | None, typer.Option(min=0.001, help="Stop claiming after S seconds.")
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+) -> None:
+    """Claim, batch, score and commit items from the config's queue.
+
+    SIGTERM or Ctrl-C stops claiming, finishes the batches in flight and releases the rest.
+    """
+    from batching import app as wiring
+    from batching import pipeline
+
+    cfg = load(config)
+    limits = pipeline.RunLimits(
+        until_empty=until_empty or (max_items is None and max_seconds is None),
+        max_items=max_items,
+        max_seconds=max_seconds,
+    )
+    progress = Progress(
+        TextColumn("scoring"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        console=err,
+        disable=quiet,
+        transient=True,
+    )
+    task = progress.add_task("score", total=None, rate="")
+
+    def on_progress(stats: pipeline.RunStats) -> None:
+        progress.update(
+            task,
+            completed=stats.committed + stats.failed,
+            total=max_items or stats.claimed or None,
+            rate=f"{stats.committed} committed",
+        )
+
+    def on_scorer(scorer: pipeline.Scorer) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: scorer.stop())
+
+    with progress:
+        outcome = wiring.run_score(
+            cfg,
+            db_url=db,
+            output=output,
+            limits=limits,
+            on_progress=on_progress,
+            on_scorer=on_scorer,
+        )
+    out.print(summary_table(outcome.summary, f"run {outcome.run_id}"))
+    out.print(f"outputs: {outcome.output}")
+    if outcome.events_path:
+        out.print(f"lineage: {outcome.events_path}")
+    if outcome.lineage_failures:
+        err.print(
+            f"warning: {outcome.lineage_failures} lineage event(s) not delivered (run not affected)"
+        )
+
+
+@app.command()
+@handle_errors
+def check(config: ConfigOption) -> None:
+    """Plan-time policy check: worst-case wait + full-batch service time vs the latency objective.
+
+    Exit 1 with the numbers when the config would break its objective or not fit the device.
+    """
+    from batching import app as wiring
+
+    cfg = load(config)
+    report = wiring.check_config(cfg)
+    for w in report.warnings:
+        err.print(f"warning: {w}", highlight=False)
+    if report.worst_case_latency_s is not None:
+        out.print(
+            f"{config}: worst case {report.worst_case_latency_s:.3f}s = max_wait_s {cfg.batching.max_wait_s:g}"
+            f" + service {report.predicted_service_s:.3f}s for {report.worst_batch.n_items} x {report.worst_batch.length}"
+            f"; objective {cfg.latency_slo_s:g}s",
+            highlight=False,
+        )
+    if not report.ok:
+        for e in report.errors:
+            err.print(f"[red]fail:[/red] {e}", highlight=False)
+        raise typer.Exit(1)
+    out.print(f"{config}: ok")
+
+
+@app.command()
+@handle_errors
+def profile(
+    config: ConfigOption,
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8,32,64",
+    lengths: Annotated[
+        str, typer.Option(help="Comma-separated lengths (token models).")
+    ] = "16,64,128",
+    repeats: Annotated[int, typer.Option(min=1, help="Timed runs per point (median).")] = 3,
+    write: Annotated[
+        Path | None,
+        typer.Option("--out", help="Where to save; default: the config's service_profile."),
+    ] = None,
+) -> None:
+    """Measure forward time per batch size and length on this device; save it for `batching check`."""
+    from batching.runner import TorchRunner, measure_profile
+
+    cfg = load(config)
+    sizes, lens = _ints(batch_sizes, "--batch-sizes"), _ints(lengths, "--lengths")
+    target = write or cfg.resolve(cfg.service_profile)
+    if target is None:
+        raise errors.ConfigError(f"{config}: no service_profile path; set it or pass --out")
+    runner = TorchRunner.load(cfg.model, base_dir=cfg.base_dir)
+    with err.status(f"profiling {cfg.model.name} on {runner.device_name}"):
+        prof = measure_profile(runner, sizes, lens, repeats)
+    prof.save(target)
+    table = Table(
+        "batch size", "length", "seconds", "items/s", title=f"{cfg.model.name} on {prof.device}"
+    )
+    for p in prof.points:
+        table.add_row(
+            str(p.batch_size), str(p.length), f"{p.seconds:.4f}", f"{p.batch_size / p.seconds:.0f}"
+        )
+    out.print(table)
+    out.print(f"saved {target}")
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise errors.ConfigError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise errors.ConfigError(f"{name} must list positive integers, got {text!r}")
+    return values
+
+
+@app.command()
+@handle_errors
+def demo(
+    workdir: Annotated[
+        Path, typer.Option("--dir", help="Folder for the demo database and outputs.")
+    ] = Path("batching-demo"),
+    n_text: Annotated[int, typer.Option(min=1, help="W2 text requests to enqueue.")] = 300,
+    n_tabular: Annotated[int, typer.Option(min=1, help="W1 tabular requests to enqueue.")] = 5000,
+) -> None:
+    """One command on SQLite: init, enqueue W2 and W1 samples, score both, show outputs."""
+    from batching import demo as d
+
+    d.run_demo(workdir, n_text=n_text, n_tabular=n_tabular, out=out, summary_table=summary_table)
+
+
+_ = DEFAULT_DB

@@ -1,0 +1,69 @@
+"""``batching demo``: the whole product on SQLite in one command, downloading nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow.dataset as ds
+from rich.console import Console
+
+from batching import app as wiring
+from batching import errors, ingest, workloads
+from batching.config import load_config
+
+DEPLOYMENTS = Path(__file__).resolve().parents[1] / "deployments"
+
+
+def _config(name: str) -> Any:
+    path = DEPLOYMENTS / name
+    if not path.is_file():
+        raise errors.ConfigError(
+            f"{path}: shipped config not found; run the demo from a clone of the repository"
+        )
+    return load_config(path)
+
+
+def run_demo(
+    workdir: Path, *, n_text: int, n_tabular: int, out: Console, summary_table: Callable[..., Any]
+) -> None:
+    """Init a SQLite queue in ``workdir``, enqueue W2 (JSONL) and W1 (Parquet tensors), score both."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    db = f"sqlite:///{(workdir / 'demo.db').resolve()}"
+    text_file = workloads.write_lines(
+        workdir / "text-requests.jsonl", workloads.w2_json_lines(n_text)
+    )
+    tab_file = workloads.write_w1_parquet(workdir / "tabular-requests.parquet", n_tabular)
+    for name, file in (("online.yaml", text_file), ("tabular.yaml", tab_file)):
+        cfg = _config(name)
+        queue = wiring.open_queue(cfg, db)
+        queue.migrate()
+        result = queue.enqueue(ingest.read_records(file))
+        out.print(
+            f"enqueued {result.inserted} request(s) from {file} into queue {cfg.queue.name!r} ({len(result.duplicates)} already there)"
+        )
+        queue.engine.dispose()
+        target = workdir / "outputs" / cfg.queue.name
+        with out.status(f"scoring queue {cfg.queue.name!r} with {cfg.model.name}"):
+            outcome = wiring.run_score(cfg, db_url=db, output=str(target))
+        out.print(summary_table(outcome.summary, f"{cfg.name}: run {outcome.run_id}"))
+        _show(out, target)
+        if outcome.events_path:
+            out.print(
+                f"lineage events: {outcome.events_path}  (try: batching lineage --events {outcome.events_path})"
+            )
+    out.print(f"database: {db}\nnext: batching status --db {db} --all")
+
+
+def _show(out: Console, target: Path) -> None:
+    table = ds.dataset(target, format="parquet", partitioning="hive").to_table()
+    out.print(
+        f"outputs: {target}  ({table.num_rows} rows in {len(list(target.rglob('*.parquet')))} file(s))"
+    )
+    for row in table.slice(0, 3).to_pylist():
+        values = row["output"]
+        shown = ", ".join(f"{v:.4f}" for v in values[:4]) + (", ..." if len(values) > 4 else "")
+        out.print(
+            f"  {row['item_key']}: [{shown}] ({len(values)} floats, model {row['model_version']})"
+        )

@@ -1,0 +1,388 @@
+"""The scoring loop: claim -> micro-batch -> decode -> forward -> commit, as overlapped stages.
+
+Three threads joined by bounded queues, so memory stays bounded and no stage waits on another
+more than it must:
+
+* **feeder** (the caller's thread): claims items under a lease, feeds the micro-batcher, and
+  when the forward stage is free takes the next batch from the batcher and decodes it; the next
+  batch keeps growing while the model is busy, and its decode overlaps the current forward pass.
+* **forward**: runs the model on one decoded batch at a time.
+* **commit**: commits outputs through the sink (outputs and ack in one transaction, only while
+  the lease is held) and fails the items the model could not score.
+
+A heartbeat thread extends every live lease every ``heartbeat_s``. ``stop()`` (wired to SIGTERM
+by the CLI) stops claiming, releases items not yet in flight without using an attempt,
+finishes the batches in flight, and returns.
+
+Adapters (queue, runner, sink) are passed in; this module imports none of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue as stdqueue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from batching import errors, models
+from batching.batcher import MicroBatcher, ServiceTime
+from batching.config import PipelineConfig
+from batching.protocols import Clock
+
+logger = logging.getLogger(__name__)
+_DONE = object()
+
+
+class QueuePort(Protocol):
+    def claim(
+        self, n: int, *, lease_s: float, lane: str | None = None, max_cost: int | None = None
+    ) -> models.Claim: ...
+    def heartbeat(self, lease_id: str, lease_s: float) -> int: ...
+    def fail(
+        self, lease_id: str, failures: dict[int, str], *, retry: bool = True
+    ) -> models.FailResult: ...
+    def release(self, lease_id: str, ids: list[int] | None = None) -> int: ...
+
+
+class RunnerPort(Protocol):
+    def decode(self, items: Any) -> Any: ...
+    def forward(self, decoded: Any) -> Any: ...
+
+
+class SinkPort(Protocol):
+    def commit(self, batch: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    """When a run stops: queue empty, after ``max_items`` claimed, or after ``max_seconds``."""
+
+    until_empty: bool = True
+    max_items: int | None = None
+    max_seconds: float | None = None
+
+
+@dataclass
+class RunStats:
+    """Counters and samples of one run; ``summary()`` turns them into the closing table."""
+
+    started_at: float
+    committed: int = 0
+    failed: int = 0
+    released: int = 0
+    lease_lost: int = 0
+    claimed: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+    latencies_s: list[float] = field(default_factory=list)
+    service_s: list[float] = field(default_factory=list)
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    bytes_written: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+    finished_at: float | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The run summary: items, batches, batch sizes, padding efficiency, latency, items/s."""
+        elapsed = max((self.finished_at or time.time()) - self.started_at, 1e-9)
+        sizes = sorted(self.batch_sizes)
+        lat = sorted(self.latencies_s)
+        return {
+            "items_committed": self.committed,
+            "items_failed": self.failed,
+            "items_released": self.released,
+            "lease_lost_items": self.lease_lost,
+            "batches": len(sizes),
+            "batch_size_mean": sum(sizes) / len(sizes) if sizes else 0.0,
+            "batch_size_p50": _pct(sizes, 50),
+            "batch_size_p99": _pct(sizes, 99),
+            "padding_efficiency": self.real_tokens / self.padded_tokens
+            if self.padded_tokens
+            else 1.0,
+            "items_per_s": self.committed / elapsed,
+            "latency_p50_s": _pct(lat, 50),
+            "latency_p99_s": _pct(lat, 99),
+            "latency_max_s": lat[-1] if lat else 0.0,
+            "service_s_mean": sum(self.service_s) / len(self.service_s) if self.service_s else 0.0,
+            "release_reasons": dict(self.reasons),
+            "elapsed_s": elapsed,
+        }
+
+
+def _pct(sorted_values: list[float] | list[int], p: float) -> float:
+    if not sorted_values:
+        return 0.0
+    k = min(len(sorted_values) - 1, max(0, round(p / 100 * (len(sorted_values) - 1))))
+    return float(sorted_values[k])
+
+
+ScoredBatchFactory = Callable[[models.Batch, str, Any, float], Any]
+Progress = Callable[[RunStats], None]
+
+
+class Scorer:
+    """Drains a queue through the model into a sink, within ``RunLimits``.
+
+    Args:
+        config: the pipeline config (queue lease/heartbeat, batching policy).
+        queue, runner, sink: adapters (``SqlQueue``, ``TorchRunner``, a sink).
+        make_scored: builds the sink's batch object from (batch, lease_id, result, scored_at).
+        service_time: predicted forward seconds for (n_items, length), for deadline releases.
+        on_progress: called from the commit thread after every batch.
+    """
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        queue: QueuePort,
+        runner: RunnerPort,
+        sink: SinkPort,
+        make_scored: ScoredBatchFactory,
+        *,
+        clock: Clock = time.time,
+        service_time: ServiceTime | None = None,
+        on_progress: Progress | None = None,
+        wait_for_work: Callable[[float], object] | None = None,
+    ) -> None:
+        self.config = config
+        self.queue = queue
+        self.runner = runner
+        self.sink = sink
+        self.make_scored = make_scored
+        self.clock = clock
+        self.batcher = MicroBatcher(config.batching, clock, service_time)
+        self.on_progress = on_progress
+        self._wait = wait_for_work or (lambda s: time.sleep(s))
+        self._stop = threading.Event()
+        self._leases: dict[str, int] = {}
+        self._item_lease: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._to_forward: stdqueue.Queue[Any] = stdqueue.Queue(maxsize=1)
+        self._to_commit: stdqueue.Queue[Any] = stdqueue.Queue(
+            maxsize=config.batching.max_inflight_batches
+        )
+        self._error: BaseException | None = None
+        self.stats = RunStats(started_at=clock())
+
+    def stop(self) -> None:
+        """Ask the run to finish: no new claims, in-flight batches commit, the rest is released."""
+        self._stop.set()
+
+    def run(self, limits: RunLimits | None = None) -> RunStats:
+        """Score until a limit is reached; returns the run's stats (also on ``stop()``)."""
+        threads = [
+            threading.Thread(
+                target=self._guard, args=(self._forward_loop,), name="forward", daemon=True
+            ),
+            threading.Thread(
+                target=self._guard, args=(self._commit_loop,), name="commit", daemon=True
+            ),
+            threading.Thread(
+                target=self._guard, args=(self._heartbeat_loop,), name="heartbeat", daemon=True
+            ),
+        ]
+        for t in threads:
+            t.start()
+        try:
+            self._feed(limits or RunLimits())
+        finally:
+            self._release_pending()
+            self._put(self._to_forward, _DONE)
+            for t in threads[:2]:
+                t.join()
+            self._stop.set()
+            threads[2].join()
+            self.stats.finished_at = self.clock()
+        if self._error is not None:
+            raise self._error
+        return self.stats
+
+    # -- feeder ------------------------------------------------------------------------------
+
+    def _feed(self, limits: RunLimits) -> None:
+        deadline = self.clock() + limits.max_seconds if limits.max_seconds is not None else None
+        exhausted = False
+        while not self._stop.is_set() and self._error is None:
+            out_of_budget = (
+                limits.max_items is not None and self.stats.claimed >= limits.max_items
+            ) or (deadline is not None and self.clock() >= deadline)
+            if not out_of_budget and len(self.batcher) < self._low_water():
+                exhausted = not self._claim(limits)
+            finished = out_of_budget or (exhausted and limits.until_empty)
+            if self._to_forward.empty() and self._dispatch(flush=finished or exhausted):
+                continue
+            if finished and len(self.batcher) == 0:
+                return
+            self._idle(exhausted)
+
+    def _low_water(self) -> int:
+        return self.config.batching.effective_claim_size
+
+    def _claim(self, limits: RunLimits) -> bool:
+        n = self.config.batching.effective_claim_size
+        if limits.max_items is not None:
+            n = min(n, limits.max_items - self.stats.claimed)
+        claim = self.queue.claim(n, lease_s=self.config.queue.lease_s, lane=self.config.queue.lane)
+        if not claim.items:
+            return False
+        with self._lock:
+            self._leases[claim.lease_id] = len(claim.items)
+            for item in claim.items:
+                self._item_lease[item.id] = claim.lease_id
+        self.stats.claimed += len(claim.items)
+        self.batcher.add(claim.items)
+        return True
+
+    def _dispatch(self, *, flush: bool) -> bool:
+        batch = self.batcher.poll(flush=flush)
+        if batch is None:
+            return False
+        decoded = self.runner.decode(batch.items)
+        self._put(self._to_forward, (batch, decoded))
+        return True
+
+    def _put(self, q: stdqueue.Queue[Any], job: Any) -> None:
+        # A stage that died never takes its next job: give up once an error is recorded.
+        while self._error is None:
+            try:
+                q.put(job, timeout=0.1)
+                return
+            except stdqueue.Full:
+                continue
+
+    def _get(self, q: stdqueue.Queue[Any]) -> Any:
+        while self._error is None:
+            try:
+                return q.get(timeout=0.1)
+            except stdqueue.Empty:
+                continue
+        return _DONE
+
+    def _idle(self, exhausted: bool) -> None:
+        wake = self.batcher.next_deadline()
+        pause = self.config.queue.poll_s
+        if wake is not None:
+            pause = min(pause, max(0.0, wake - self.clock()))
+        if not self._to_forward.empty():
+            pause = min(pause, 0.002)
+        if pause <= 0:
+            return
+        if exhausted and len(self.batcher) == 0 and self._to_forward.empty():
+            self._wait(pause)
+        else:
+            time.sleep(pause)
+
+    # -- forward and commit ------------------------------------------------------------------
+
+    def _forward_loop(self) -> None:
+        while True:
+            job = self._get(self._to_forward)
+            if job is _DONE:
+                self._put(self._to_commit, _DONE)
+                return
+            batch, decoded = job
+            self._put(self._to_commit, (batch, self.runner.forward(decoded)))
+
+    def _commit_loop(self) -> None:
+        while True:
+            job = self._get(self._to_commit)
+            if job is _DONE:
+                return
+            batch, result = job
+            self._commit(batch, result)
+            if self.on_progress is not None:
+                self.on_progress(self.stats)
+
+    def _commit(self, batch: models.Batch, result: Any) -> None:
+        by_lease: dict[str, list[models.WorkItem]] = {}
+        with self._lock:
+            for item in batch.items:
+                by_lease.setdefault(self._item_lease[item.id], []).append(item)
+        now = self.clock()
+        for lease_id, items in by_lease.items():
+            self._commit_lease_part(batch, lease_id, items, result, now)
+        self.stats.batch_sizes.append(len(batch))
+        self.stats.reasons[batch.reason] += 1
+        self.stats.service_s.append(result.service_s)
+        self.stats.real_tokens += result.real_tokens
+        self.stats.padded_tokens += result.padded_tokens
+
+    def _commit_lease_part(
+        self,
+        batch: models.Batch,
+        lease_id: str,
+        items: list[models.WorkItem],
+        result: Any,
+        now: float,
+    ) -> None:
+        ok = [i for i in items if i.id in result.outputs]
+        failures = {i.id: result.failures[i.id] for i in items if i.id in result.failures}
+        if ok:
+            part = models.Batch(tuple(ok), batch.reason, batch.formed_at, batch.stats, batch.bucket)
+            try:
+                committed = self.sink.commit(self.make_scored(part, lease_id, result, now))
+            except errors.LeaseLost as exc:
+                logger.warning(
+                    "lease lost",
+                    extra={"action": "lease_lost", "lease_id": lease_id, "error": str(exc)},
+                )
+                self.stats.lease_lost += len(ok)
+            else:
+                done = self.clock()
+                self.stats.bytes_written += getattr(committed, "n_bytes", None) or 0
+                self.stats.committed += len(ok)
+                self.stats.latencies_s.extend(done - i.enqueued_at for i in ok)
+        if failures:
+            res = self.queue.fail(lease_id, failures)
+            self.stats.failed += res.retried + res.dead
+        self._forget(lease_id, items)
+
+    def _forget(self, lease_id: str, items: list[models.WorkItem]) -> None:
+        with self._lock:
+            for item in items:
+                self._item_lease.pop(item.id, None)
+            left = self._leases.get(lease_id, 0) - len(items)
+            if left > 0:
+                self._leases[lease_id] = left
+            else:
+                self._leases.pop(lease_id, None)
+
+    # -- leases ------------------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        interval = self.config.queue.effective_heartbeat_s
+        while not self._stop.wait(interval):
+            with self._lock:
+                leases = list(self._leases)
+            for lease_id in leases:
+                if self.queue.heartbeat(lease_id, self.config.queue.lease_s) == 0:
+                    logger.warning(
+                        "heartbeat found lease lost",
+                        extra={"action": "lease_lost", "lease_id": lease_id},
+                    )
+
+    def _release_pending(self) -> None:
+        pending = self.batcher.drain() if self._stop.is_set() or self._error is not None else []
+        for batch in pending:
+            by_lease: dict[str, list[int]] = {}
+            with self._lock:
+                for item in batch.items:
+                    by_lease.setdefault(self._item_lease[item.id], []).append(item.id)
+            for lease_id, ids in by_lease.items():
+                self.stats.released += self.queue.release(lease_id, ids)
+                self._forget(lease_id, [i for i in batch.items if i.id in set(ids)])
+        if self.stats.released:
+            logger.info(
+                "items released", extra={"action": "release", "n_items": self.stats.released}
+            )
+
+    def _guard(self, target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BaseException as exc:
+            logger.exception("scoring stage failed", extra={"action": "stage_failed"})
+            self._error = exc
+            self._stop.set()

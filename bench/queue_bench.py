@@ -1,0 +1,86 @@
+"""Benchmark: claim+ack rows per second at claim sizes 1, 64 and 512, on SQLite and PostgreSQL.
+
+Not a test. One scorer process, the database on the same machine; every claim is one
+statement and every ack one fenced UPDATE, each in its own transaction (as the scorer does).
+
+    python bench/queue_bench.py [--pg postgresql://postgres@127.0.0.1:5432/postgres] [--items N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+
+from batching import models
+from batching import queue as q
+
+
+def _records(n: int) -> list[models.EnqueueRecord]:
+    return [models.EnqueueRecord(f"k{i}", models.Payload(b'{"x":[0.5]}')) for i in range(n)]
+
+
+def measure(url: str, claim_size: int, n_items: int) -> float:
+    """Rows per second to claim and ack ``n_items`` in claims of ``claim_size``."""
+    engine = q.create_engine(url)
+    queue = q.SqlQueue(engine, f"bench-{claim_size}")
+    queue.migrate()
+    queue.enqueue(_records(n_items))
+    done = 0
+    started = time.perf_counter()
+    while done < n_items:
+        claim = queue.claim(claim_size, lease_s=60)
+        done += queue.ack(claim.lease_id, [i.id for i in claim.items])
+    elapsed = time.perf_counter() - started
+    engine.dispose()
+    return n_items / elapsed
+
+
+def _pg_database(admin_url: str) -> tuple[str, str]:
+    name = f"batching_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return name, admin_url.rpartition("/")[0] + "/" + name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--pg",
+        default="postgresql://postgres@127.0.0.1:5432/postgres",
+        help="admin URL; '' skips PostgreSQL",
+    )
+    parser.add_argument(
+        "--items", type=int, default=20_000, help="items per run at claim sizes 64 and 512"
+    )
+    args = parser.parse_args()
+    sizes = {1: max(1, args.items // 10), 64: args.items, 512: args.items}
+    rows: dict[str, dict[int, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        rows["sqlite"] = {
+            s: measure(f"sqlite:///{Path(tmp) / f'b{s}.db'}", s, n) for s, n in sizes.items()
+        }
+    if args.pg:
+        name, url = _pg_database(args.pg)
+        try:
+            rows["postgresql"] = {s: measure(url, s, n) for s, n in sizes.items()}
+        finally:
+            with psycopg.connect(args.pg, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    print(
+        f"claim+ack rows/s ({platform.processor() or platform.machine()}, {platform.python_version()})"
+    )
+    print(f"{'database':<12}{'size 1':>10}{'size 64':>10}{'size 512':>10}{'512 / 1':>10}")
+    for db, r in rows.items():
+        print(f"{db:<12}{r[1]:>10.0f}{r[64]:>10.0f}{r[512]:>10.0f}{r[512] / r[1]:>9.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,336 @@
+"""Reconcile on real SQLite / PostgreSQL and real Parquet files, against faults made for real."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import sqlalchemy as sa
+
+from batching import models, schema, sinks
+from batching import queue as q
+from batching import reconcile as rc
+from batching.reconcile import Kind, Severity
+from tests.conftest import FakeClock
+from tests.integration.test_sinks import Crash, claim, items, ledger, results, scored
+
+
+@pytest.fixture
+def queue(db_url: str, clock: FakeClock) -> Iterator[q.SqlQueue]:
+    engine = q.create_engine(db_url)
+    yield q.SqlQueue(engine, "rec", clock=clock)
+    engine.dispose()
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "outputs"
+
+
+@pytest.fixture
+def sink(queue: q.SqlQueue, root: Path) -> sinks.ParquetSink:
+    return sinks.ParquetSink(queue, root)
+
+
+def commit(
+    queue: q.SqlQueue, sink: sinks.Sink, keys: list[str], clock: FakeClock, run_id: str = "run-1"
+) -> sinks.ScoredBatch:
+    batch = dataclasses.replace(scored(claim(queue, keys), clock), run_id=run_id)
+    sink.commit(batch)
+    return batch
+
+
+def run(queue: q.SqlQueue, root: Path | str, clock: FakeClock, **kw: Any) -> rc.Report:
+    kw.setdefault("output_kind", "parquet")
+    report = rc.reconcile(queue, root, now=clock(), **kw)
+    json.dumps(report.to_dict())  # always JSON-ready
+    return report
+
+
+def path_of(queue: q.SqlQueue, batch: sinks.ScoredBatch) -> str:
+    return str(next(r.path for r in ledger(queue) if r.batch_id == batch.batch_id))
+
+
+def set_items(queue: q.SqlQueue, keys: list[str], **values: Any) -> None:
+    with queue.begin() as conn:
+        conn.execute(
+            schema.items.update().where(schema.items.c.item_key.in_(keys)).values(**values)
+        )
+
+
+def crash(*_args: Any, **_kwargs: Any) -> None:
+    raise Crash
+
+
+def found(report: rc.Report) -> dict[tuple[Kind, Severity], list[rc.Finding]]:
+    out: dict[tuple[Kind, Severity], list[rc.Finding]] = {}
+    for f in report.findings:
+        out.setdefault((f.kind, f.severity), []).append(f)
+    return out
+
+
+def test_a_consistent_dataset_is_clean(
+    queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
+) -> None:
+    commit(queue, sink, ["a", "b"], clock)
+    commit(queue, sink, ["c"], clock)
+    report = run(queue, root, clock)
+    assert report.findings == ()
+    assert (report.ok, report.clean, report.counts) == (True, True, {})
+
+
+def make_every_fault(
+    queue: q.SqlQueue,
+    sink: sinks.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> dict[str, Any]:
+    """Create each fault class for real; returns what the assertions need."""
+    made: dict[str, Any] = {}
+    made["first"] = commit(queue, sink, ["d1", "d2"], clock)
+    clock.advance(100)
+    queue.purge(50)  # retention dropped the done rows; the producer sends d1 again, with d3
+    made["second"] = commit(queue, sink, ["d1", "d3"], clock)
+    made["gone"] = gone = commit(queue, sink, ["m1", "m2"], clock)
+    (root / path_of(queue, gone)).unlink()
+    made["cut"] = cut = commit(queue, sink, ["t1"], clock)
+    cut_file = root / path_of(queue, cut)
+    cut_file.write_bytes(cut_file.read_bytes()[:100])
+    made["stray"] = stray = root / "date=2027-01-15/model_version=v1/part-stray.parquet"
+    shutil.copy(root / path_of(queue, made["first"]), stray)
+    lost = claim(queue, ["l1"])
+    queue.ack(lost.lease_id, [i.id for i in lost.items])  # acked, no output, no batch
+    claim(queue, ["l2"])
+    set_items(queue, ["l2"], state=int(models.State.DONE), batch_id=made["first"].batch_id)
+    with monkeypatch.context() as m:
+        m.setattr(sink, "_publish", crash)
+        made["unpublished"] = scored(claim(queue, ["u1"]), clock)
+        with pytest.raises(Crash):
+            sink.commit(made["unpublished"])
+    with monkeypatch.context() as m:
+        m.setattr(sink, "_record", crash)
+        leftover = scored(claim(queue, ["o1"], lease_s=10), clock)
+        with pytest.raises(Crash):
+            sink.commit(leftover)
+    made["leftover"] = sink.layout.staging_file(leftover.batch_id, leftover.lease_id)
+    clock.advance(11)
+    assert queue.release_expired().released == 1
+    commit(queue, sink, ["o1"], clock)  # re-scored after its lease expired
+    claim(queue, ["s1"], lease_s=5)
+    clock.advance(6)  # the lease expires; nobody reaps it
+    return made
+
+
+def test_every_fault_is_found_and_repair_leaves_a_clean_dataset(
+    queue: q.SqlQueue,
+    sink: sinks.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made = make_every_fault(queue, sink, root, clock, monkeypatch)
+    report = run(queue, root, clock)
+    got = found(report)
+    assert set(got) == {
+        (Kind.DUPLICATE, Severity.CRITICAL),
+        (Kind.MISSING_FILE, Severity.CRITICAL),
+        (Kind.TRUNCATED_OR_CORRUPT, Severity.CRITICAL),
+        (Kind.ORPHAN_FILE, Severity.CRITICAL),
+        (Kind.ORPHAN_FILE, Severity.WARNING),
+        (Kind.LOST_WRITE, Severity.CRITICAL),
+        (Kind.UNPUBLISHED, Severity.WARNING),
+        (Kind.STALE_LEASE, Severity.WARNING),
+    }
+    assert not report.ok
+    (dup,) = got[(Kind.DUPLICATE, Severity.CRITICAL)]
+    assert dup.batch_ids == (made["second"].batch_id, made["first"].batch_id)
+    assert dup.item_keys == ("d1",)
+    (missing,) = got[(Kind.MISSING_FILE, Severity.CRITICAL)]
+    assert (missing.batch_ids, missing.item_keys) == ((made["gone"].batch_id,), ("m1", "m2"))
+    (corrupt,) = got[(Kind.TRUNCATED_OR_CORRUPT, Severity.CRITICAL)]
+    assert (corrupt.batch_ids, corrupt.item_keys) == ((made["cut"].batch_id,), ("t1",))
+    assert got[(Kind.ORPHAN_FILE, Severity.CRITICAL)][0].files == (str(made["stray"]),)
+    assert got[(Kind.ORPHAN_FILE, Severity.WARNING)][0].files == (str(made["leftover"]),)
+    lost = {k for f in got[(Kind.LOST_WRITE, Severity.CRITICAL)] for k in f.item_keys}
+    assert lost == {"l1", "l2"}
+    (unpublished,) = got[(Kind.UNPUBLISHED, Severity.WARNING)]
+    assert unpublished.batch_ids == (made["unpublished"].batch_id,)
+    assert got[(Kind.STALE_LEASE, Severity.WARNING)][0].item_keys == ("s1",)
+
+    repaired = run(queue, root, clock, repair=True)
+    assert repaired.findings == report.findings
+    assert {r.action for r in repaired.repairs} == {
+        "release_expired",
+        "roll_forward",
+        "quarantine",
+        "requeue",
+        "drop_duplicates",
+    }
+    after = run(queue, root, clock)
+    assert after.findings == (), after.to_dict()
+    check_repaired_state(queue, root, made)
+
+
+def check_repaired_state(queue: q.SqlQueue, root: Path, made: dict[str, Any]) -> None:
+    quarantine = root.parent / f"{root.name}.quarantine"
+    kept = sorted(p.name for p in quarantine.rglob("*") if p.is_file())
+    assert kept == sorted(
+        [
+            made["stray"].name,
+            Path(path_of(queue, made["cut"])).name,
+            Path(path_of(queue, made["second"])).name,
+            made["leftover"].name,
+        ]
+    ), "quarantined, never deleted"
+    table = pq.read_table(root)
+    keys = table["item_key"].to_pylist()
+    assert sorted(keys) == ["d1", "d2", "d3", "o1", "u1"], "each key exactly once"
+    rows = items(queue)
+    for key in ("m1", "m2", "t1", "l1", "l2", "s1"):
+        assert rows[key].state == models.State.READY, key
+        assert rows[key].batch_id is None
+    assert rows["l1"].attempts == 0
+    assert rows["d1"].batch_id == made["first"].batch_id
+    states = {r.batch_id: r.state for r in ledger(queue)}
+    assert states[made["gone"].batch_id] == states[made["cut"].batch_id] == "quarantined"
+    assert states[made["second"].batch_id] == "superseded"
+    assert states[rows["d3"].batch_id] == "published"
+
+
+def test_requeued_items_are_rescored_and_stay_clean(
+    queue: q.SqlQueue,
+    sink: sinks.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    make_every_fault(queue, sink, root, clock, monkeypatch)
+    run(queue, root, clock, repair=True)
+    again = queue.claim(100, lease_s=30)
+    assert {i.item_key for i in again.items} == {"m1", "m2", "t1", "l1", "l2", "s1"}
+    sink.commit(scored(again, clock))
+    assert run(queue, root, clock).findings == ()
+    assert len(pq.read_table(root)) == 11
+
+
+def test_staging_file_of_a_held_lease_is_left_alone(
+    queue: q.SqlQueue,
+    sink: sinks.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    c = claim(queue, ["a"])
+    batch = scored(c, clock)
+    with monkeypatch.context() as m:
+        m.setattr(sink, "_record", crash)
+        with pytest.raises(Crash):
+            sink.commit(batch)
+    report = run(queue, root, clock, repair=True)
+    assert report.findings == ()
+    assert sink.layout.staging_file(batch.batch_id, batch.lease_id).is_file()
+    sink.commit(batch)  # the scorer was only slow: its commit still goes through
+    assert run(queue, root, clock).findings == ()
+
+
+def test_dead_expired_and_late_items_are_reported_but_not_critical(
+    queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
+) -> None:
+    bad = claim(queue, ["bad"])
+    queue.fail(bad.lease_id, {bad.items[0].id: "boom"}, retry=False)
+    queue.enqueue(
+        [
+            models.EnqueueRecord("late", models.Payload(b"{}"), deadline_at=clock() + 5),
+            models.EnqueueRecord("exp", models.Payload(b"{}"), deadline_at=clock() + 1),
+        ]
+    )
+    clock.advance(2)
+    late = queue.claim(1, lease_s=30)
+    clock.advance(10)
+    sink.commit(scored(late, clock))
+    report = run(queue, root, clock, repair=True)
+    got = found(report)
+    assert set(got) == {
+        (Kind.DEAD, Severity.INFO),
+        (Kind.EXPIRED, Severity.INFO),
+        (Kind.SLA_MISS, Severity.WARNING),
+    }
+    assert got[(Kind.DEAD, Severity.INFO)][0].details == {"reasons": {"boom": 1}}
+    assert got[(Kind.SLA_MISS, Severity.WARNING)][0].item_keys == ("late", "exp")
+    assert (report.ok, report.clean, report.repairs) == (True, False, ())
+    assert run(queue, root, clock, since=clock() + 1).findings == ()
+
+
+def test_run_and_since_limit_the_ledger_window(
+    queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
+) -> None:
+    old = commit(queue, sink, ["a"], clock, run_id="run-1")
+    (root / path_of(queue, old)).unlink()
+    clock.advance(60)
+    commit(queue, sink, ["b"], clock, run_id="run-2")
+    assert run(queue, root, clock, run_id="run-2").findings == ()
+    assert run(queue, root, clock, since=clock() - 1).findings == ()
+    (missing,) = run(queue, root, clock, run_id="run-1").findings
+    assert (missing.kind, missing.item_keys) == (Kind.MISSING_FILE, ("a",))
+
+
+def test_sql_lost_writes_are_found_and_requeued(queue: q.SqlQueue, clock: FakeClock) -> None:
+    sink = sinks.SqlSink(queue)
+    commit(queue, sink, ["a"], clock)
+    clock.advance(100)
+    queue.purge(50)
+    commit(queue, sink, ["a", "b"], clock)  # a replay: the first output of "a" is kept
+    commit(queue, sink, ["x", "y"], clock)
+    with queue.begin() as conn:
+        conn.execute(schema.results.delete().where(schema.results.c.item_key == "y"))
+    claim(queue, ["z"])
+    set_items(queue, ["z"], state=int(models.State.DONE), lease_id=None)
+    report = run(queue, "batching_results", clock, output_kind="sql")
+    assert [(f.kind, f.item_keys) for f in report.findings] == [
+        (Kind.LOST_WRITE, ("z",)),
+        (Kind.LOST_WRITE, ("y",)),
+    ]
+    run(queue, "batching_results", clock, output_kind="sql", repair=True)
+    again = queue.claim(10, lease_s=30)
+    assert {i.item_key for i in again.items} == {"y", "z"}
+    sink.commit(scored(again, clock))
+    assert run(queue, "batching_results", clock, output_kind="sql").findings == ()
+    assert sorted(results(queue)) == ["a", "b", "x", "y", "z"]
+
+
+def test_batches_of_another_sink_are_not_judged(
+    queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
+) -> None:
+    commit(queue, sinks.SqlSink(queue), ["s"], clock)
+    commit(queue, sink, ["p"], clock)
+    assert run(queue, root, clock).findings == ()
+    assert run(queue, "batching_results", clock, output_kind="sql").findings == ()
+
+
+def test_outputs_survive_repair_bit_for_bit(
+    queue: q.SqlQueue,
+    sink: sinks.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+) -> None:
+    first = commit(queue, sink, ["d1", "d2"], clock)
+    clock.advance(100)
+    queue.purge(50)
+    commit(queue, sink, ["d1", "d3"], clock)
+    run(queue, root, clock, repair=True)
+    table = pq.read_table(root).to_pydict()
+    out = dict(zip(table["item_key"], table["output"], strict=True))
+    d1 = next(i for i in first.items if i.item_key == "d1")
+    np.testing.assert_array_equal(out["d1"], first.outputs[d1.id])
+    assert sorted(out) == ["d1", "d2", "d3"]
+    with queue.engine.connect() as conn:
+        n = conn.execute(sa.select(sa.func.count()).select_from(schema.batches)).scalar_one()
+    assert n == 3  # first, superseded second, and its rewrite

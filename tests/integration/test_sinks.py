@@ -1,0 +1,348 @@
+"""Sinks on a real SQLite file and a real PostgreSQL database, with real Parquet files read back."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+import sqlalchemy as sa
+
+from batching import errors, models, schema, sinks
+from batching import queue as q
+from tests.conftest import FakeClock
+
+DIM = 3
+
+
+class Crash(BaseException):
+    """Stands for the process dying at a chosen step (not an Exception: nothing catches it)."""
+
+
+@pytest.fixture
+def queue(db_url: str, clock: FakeClock) -> Iterator[q.SqlQueue]:
+    engine = q.create_engine(db_url)
+    yield q.SqlQueue(engine, "sinks", clock=clock)
+    engine.dispose()
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "outputs"
+
+
+@pytest.fixture
+def sink(queue: q.SqlQueue, root: Path) -> sinks.ParquetSink:
+    return sinks.ParquetSink(queue, root)
+
+
+def claim(queue: q.SqlQueue, keys: list[str], lease_s: float = 30) -> models.Claim:
+    queue.enqueue([models.EnqueueRecord(k, models.Payload(b"{}"), tenant="t1") for k in keys])
+    got = queue.claim(len(keys), lease_s=lease_s)
+    assert len(got) == len(keys)
+    return got
+
+
+def scored(c: models.Claim, clock: FakeClock, model_version: str = "v1") -> sinks.ScoredBatch:
+    outputs = {i.id: np.arange(DIM, dtype=np.float32) + i.id / 8 for i in c.items}
+    return sinks.ScoredBatch(c.items, outputs, c.lease_id, "run-1", model_version, clock())
+
+
+def ledger(queue: q.SqlQueue) -> list[Any]:
+    with queue.engine.connect() as conn:
+        return list(conn.execute(sa.select(schema.batches)))
+
+
+def items(queue: q.SqlQueue) -> dict[str, Any]:
+    with queue.engine.connect() as conn:
+        return {r.item_key: r for r in conn.execute(sa.select(schema.items))}
+
+
+def visible(root: Path) -> set[str]:
+    """What a reader's ``root/**/*.parquet`` glob returns (hidden folders included)."""
+    return {p.relative_to(root).as_posix() for p in root.glob("**/*.parquet")}
+
+
+def read_outputs(root: Path) -> dict[str, list[float]]:
+    table = ds.dataset(root, format="parquet", partitioning="hive").to_table()
+    return dict(zip(table["item_key"].to_pylist(), table["output"].to_pylist(), strict=True))
+
+
+# ----------------------------------------------------------------------------- Parquet
+
+
+def test_commit_publishes_a_readable_file_recorded_in_the_ledger(
+    queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
+) -> None:
+    c = claim(queue, ["a", "b", "c"])
+    batch = scored(c, clock)
+    result = sink.commit(batch)
+    expected_path = f"date=2027-01-15/model_version=v1/part-{batch.batch_id}.parquet"
+    assert (result.location, result.n_rows, result.published) == (expected_path, 3, True)
+    assert visible(root) == {expected_path}
+    assert not list(sink.layout.staging.iterdir())
+    got = read_outputs(root)
+    for item in c.items:
+        np.testing.assert_array_equal(got[item.item_key], batch.outputs[item.id])
+    (row,) = ledger(queue)
+    data = (root / expected_path).read_bytes()
+    assert (row.state, row.sink, row.path, row.n_rows) == ("published", "parquet", expected_path, 3)
+    assert (row.n_bytes, row.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    assert row.published_at == clock()
+    assert all(
+        r.state == models.State.DONE and r.batch_id == batch.batch_id for r in items(queue).values()
+    )
+
+
+def test_dataset_schema_and_partitions(
+    queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
+) -> None:
+    sink.commit(scored(claim(queue, ["a"]), clock, model_version="v1.0/beta"))
+    table = pq.read_table(root)
+    assert table.schema.field("output").type.value_type == "float"
+    assert str(table.schema.field("scored_at").type) == "timestamp[us, tz=UTC]"
+    row = table.to_pylist()[0]
+    assert (row["model_version"], row["date"], row["queue"], row["tenant"]) == (
+        "v1.0/beta",
+        "2027-01-15",
+        "sinks",
+        "t1",
+    )
+    assert row["scored_at"].timestamp() == clock()
+    names = [n for n, _ in sink.describe()["fields"]]
+    assert {"item_key", "output", "model_version", "date", "batch_id", "run_id"} <= set(names)
+
+
+def test_a_visible_file_is_always_committed(
+    queue: q.SqlQueue,
+    sink: sinks.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sink.commit(scored(claim(queue, ["old"]), clock))
+    seen: list[str] = []
+
+    def check(step: str) -> None:
+        committed = {r.path for r in ledger(queue) if r.state in sinks.LIVE_STATES}
+        assert visible(root) <= committed, f"uncommitted file visible after {step}"
+        seen.append(step)
+
+    for step in ("_write_staging", "_record", "_publish"):
+        monkeypatch.setattr(sink, step, _after(getattr(sink, step), functools.partial(check, step)))
+    batch = scored(claim(queue, ["x", "y"]), clock)
+    sink.commit(batch)
+    assert seen == ["_write_staging", "_record", "_publish"]
+    assert len(visible(root)) == 2
+
+
+def _after(fn: Callable[..., Any], then: Callable[[], None]) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        then()
+        return out
+
+    return wrapped
+
+
+def test_commit_with_a_lost_lease_commits_nothing(
+    queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
+) -> None:
+    c = claim(queue, ["a", "b"], lease_s=10)
+    batch = scored(c, clock)
+    clock.advance(11)
+    assert queue.release_expired().released == 2
+    with pytest.raises(errors.LeaseLost):
+        sink.commit(batch)
+    assert visible(root) == set()
+    assert not list(sink.layout.staging.iterdir())
+    assert ledger(queue) == []
+    assert {r.state for r in items(queue).values()} == {models.State.READY}
+
+
+def test_crash_before_commit_leaves_staging_that_recover_removes(
+    queue: q.SqlQueue,
+    sink: sinks.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    c = claim(queue, ["a"], lease_s=10)
+    batch = scored(c, clock)
+    monkeypatch.setattr(sink, "_record", _raise_crash)
+    with pytest.raises(Crash):
+        sink.commit(batch)
+    staged = sink.layout.staging_file(batch.batch_id, batch.lease_id)
+    assert staged.is_file()
+    assert visible(root) == set()
+    fresh = sinks.ParquetSink(queue, root)
+    assert fresh.recover().in_flight == (staged.name,), "a held lease may still commit"
+    assert staged.is_file()
+    clock.advance(11)
+    queue.release_expired()
+    result = fresh.recover()
+    assert result.removed_staging == (staged.name,)
+    assert not staged.exists()
+    assert ledger(queue) == []
+    assert items(queue)["a"].state == models.State.READY
+
+
+def _raise_crash(*_args: Any, **_kwargs: Any) -> None:
+    raise Crash
+
+
+def test_crash_after_commit_is_rolled_forward_by_recover(
+    queue: q.SqlQueue,
+    sink: sinks.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    batch = scored(claim(queue, ["a", "b"]), clock)
+    monkeypatch.setattr(sink, "_publish", _raise_crash)
+    with pytest.raises(Crash):
+        sink.commit(batch)
+    (row,) = ledger(queue)
+    assert row.state == "committed"
+    assert visible(root) == set()
+    assert items(queue)["a"].state == models.State.DONE
+    result = sinks.ParquetSink(queue, root).recover()
+    assert result.rolled_forward == (batch.batch_id,)
+    assert result.removed_staging == ()
+    assert visible(root) == {row.path}
+    assert set(read_outputs(root)) == {"a", "b"}
+    (row,) = ledger(queue)
+    assert row.state == "published"
+    assert sinks.ParquetSink(queue, root).recover() == sinks.RecoverResult()
+
+
+def test_failed_rename_returns_unpublished_and_recover_publishes(
+    queue: q.SqlQueue,
+    sink: sinks.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(*_args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sink, "_move_into_place", broken)
+    result = sink.commit(scored(claim(queue, ["a"]), clock))
+    assert result.published is False
+    assert visible(root) == set()
+    monkeypatch.undo()
+    assert sink.recover().rolled_forward == (result.batch_id,)
+    assert visible(root) == {result.location}
+
+
+def test_scored_batch_checks_one_finite_output_per_item(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    c = claim(queue, ["a", "b"])
+    good = {i.id: np.zeros(DIM) for i in c.items}
+    with pytest.raises(errors.SinkError, match="exactly one output per item"):
+        sinks.ScoredBatch(c.items, {c.items[0].id: np.zeros(DIM)}, c.lease_id, "r", "v", 0.0)
+    with pytest.raises(errors.SinkError, match="finite"):
+        sinks.ScoredBatch(
+            c.items, {**good, c.items[0].id: np.full(DIM, np.nan)}, c.lease_id, "r", "v", 0.0
+        )
+    with pytest.raises(errors.SinkError, match="equal length"):
+        sinks.ScoredBatch(
+            c.items, {**good, c.items[0].id: np.zeros(DIM + 1)}, c.lease_id, "r", "v", 0.0
+        )
+    with pytest.raises(errors.SinkError, match="no items"):
+        sinks.ScoredBatch([], {}, c.lease_id, "r", "v", 0.0)
+    with pytest.raises(errors.SinkError, match="batch_id"):
+        sinks.ScoredBatch(c.items, good, c.lease_id, "r", "v", 0.0, batch_id="../x")
+    assert sinks.ScoredBatch(c.items, good, c.lease_id, "r", "v", 0.0).output_dim == DIM
+
+
+def test_staging_inside_the_dataset_root_is_refused(queue: q.SqlQueue, root: Path) -> None:
+    with pytest.raises(errors.ConfigError, match="inside the dataset root"):
+        sinks.ParquetSink(queue, root, staging=root / "_staging")
+
+
+# ----------------------------------------------------------------------------- SQL
+
+
+def results(queue: q.SqlQueue, table: str = "batching_results") -> dict[str, Any]:
+    t = schema.results_table(table)
+    with queue.engine.connect() as conn:
+        return {r.item_key: r for r in conn.execute(sa.select(t))}
+
+
+def test_sql_commit_writes_results_acks_and_ledger_together(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    sink = sinks.SqlSink(queue)
+    c = claim(queue, ["a", "b"])
+    batch = scored(c, clock)
+    result = sink.commit(batch)
+    assert (result.n_rows, result.n_replayed, result.location) == (2, 0, "batching_results")
+    got = results(queue)
+    for item in c.items:
+        row = got[item.item_key]
+        out = np.frombuffer(row.output, dtype="<f4")
+        assert row.output_dim == DIM
+        np.testing.assert_array_equal(out, batch.outputs[item.id])
+        assert (row.model_version, row.batch_id) == ("v1", batch.batch_id)
+    (led,) = ledger(queue)
+    assert (led.sink, led.state, led.path, led.n_rows) == (
+        "sql",
+        "published",
+        "batching_results",
+        2,
+    )
+    assert {r.state for r in items(queue).values()} == {models.State.DONE}
+
+
+def test_sql_replay_keeps_the_first_output_and_adds_no_row(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    sink = sinks.SqlSink(queue)
+    first = scored(claim(queue, ["a"]), clock)
+    sink.commit(first)
+    clock.advance(100)
+    queue.purge(50)  # retention removed the done row; the producer sends the key again
+    c = claim(queue, ["a", "b"])
+    outputs = {i.id: np.full(DIM, 9.0) for i in c.items}
+    replay = sinks.ScoredBatch(c.items, outputs, c.lease_id, "run-2", "v1", clock())
+    result = sink.commit(replay)
+    assert (result.n_rows, result.n_replayed) == (1, 1)
+    got = results(queue)
+    assert len(got) == 2
+    assert got["a"].batch_id == first.batch_id
+    assert np.frombuffer(got["b"].output, dtype="<f4").tolist() == [9.0] * DIM
+    assert {r.state for r in items(queue).values()} == {models.State.DONE}
+
+
+def test_sql_commit_with_a_lost_lease_writes_nothing(queue: q.SqlQueue, clock: FakeClock) -> None:
+    sink = sinks.SqlSink(queue)
+    c = claim(queue, ["a"], lease_s=10)
+    batch = scored(c, clock)
+    clock.advance(11)
+    queue.release_expired()
+    queue.claim(1, lease_s=10)  # another worker holds it now
+    with pytest.raises(errors.LeaseLost):
+        sink.commit(batch)
+    assert results(queue) == {}
+    assert ledger(queue) == []
+    assert items(queue)["a"].state == models.State.LEASED
+
+
+def test_sql_custom_table_is_created_and_checked(queue: q.SqlQueue, clock: FakeClock) -> None:
+    name = f"scores_{uuid.uuid4().hex[:6]}"
+    sink = sinks.SqlSink(queue, name)
+    sink.commit(scored(claim(queue, ["a"]), clock))
+    assert set(results(queue, name)) == {"a"}
+    assert sink.describe()["location"] == name
+    assert ("output_dim", "integer") in sink.describe()["fields"]
+    with pytest.raises(errors.ConfigError, match="SQL identifier"):
+        sinks.SqlSink(queue, "bad-name; drop")
