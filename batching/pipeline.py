@@ -157,6 +157,7 @@ class Scorer:
         self.on_progress = on_progress
         self._wait = wait_for_work or (lambda s: time.sleep(s))
         self._stop = threading.Event()
+        self._forward_free = threading.Event()
         self._leases: dict[str, int] = {}
         self._item_lease: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -219,7 +220,11 @@ class Scorer:
             self._idle(exhausted)
 
     def _low_water(self) -> int:
-        return self.config.batching.effective_claim_size
+        # Claim again once fewer than two full batches are pending: enough to form the next
+        # batch while the model is busy, few enough claims to keep write transactions rare.
+        return min(
+            self.config.batching.effective_claim_size, 2 * self.config.batching.max_batch_size
+        )
 
     def _claim(self, limits: RunLimits) -> bool:
         n = self.config.batching.effective_claim_size
@@ -266,9 +271,12 @@ class Scorer:
         pause = self.config.queue.poll_s
         if wake is not None:
             pause = min(pause, max(0.0, wake - self.clock()))
-        if not self._to_forward.empty():
-            pause = min(pause, 0.002)
         if pause <= 0:
+            return
+        if not self._to_forward.empty():
+            # The model is busy: sleep until the forward stage takes its next batch.
+            self._forward_free.wait(pause)
+            self._forward_free.clear()
             return
         if exhausted and len(self.batcher) == 0 and self._to_forward.empty():
             self._wait(pause)
@@ -280,6 +288,7 @@ class Scorer:
     def _forward_loop(self) -> None:
         while True:
             job = self._get(self._to_forward)
+            self._forward_free.set()
             if job is _DONE:
                 self._put(self._to_commit, _DONE)
                 return

@@ -19,6 +19,7 @@ import random
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -91,6 +92,23 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
     raise errors.ConfigError(
         f"database {redact(url)} is not supported; use sqlite:///FILE or postgresql://HOST/DB"
     )
+
+
+_WRITER_LOCKS: weakref.WeakKeyDictionary[Engine, contextlib.AbstractContextManager[Any]] = (
+    weakref.WeakKeyDictionary()
+)
+_LOCKS_GUARD = threading.Lock()
+
+
+def _writer_lock(engine: Engine) -> contextlib.AbstractContextManager[Any]:
+    """One lock per SQLite engine (serialises this process's writers); a no-op elsewhere."""
+    if engine.dialect.name != "sqlite":
+        return contextlib.nullcontext()
+    with _LOCKS_GUARD:
+        lock = _WRITER_LOCKS.get(engine)
+        if lock is None:
+            lock = _WRITER_LOCKS[engine] = threading.Lock()
+        return lock
 
 
 def _configure_sqlite(engine: Engine, busy_timeout_ms: int) -> None:
@@ -166,8 +184,13 @@ class SqlQueue:
 
     @contextlib.contextmanager
     def begin(self) -> Iterator[Connection]:
-        """A write transaction (SQLite: BEGIN IMMEDIATE); errors become ``QueueError``."""
-        with translate_errors(self._url), self.engine.begin() as conn:
+        """A write transaction (SQLite: BEGIN IMMEDIATE); errors become ``QueueError``.
+
+        SQLite allows one writer: threads of this process take a Python lock first, so they
+        queue without SQLite's sleep-and-retry busy handler (other processes still use it).
+        """
+        lock = _writer_lock(self.engine)
+        with lock, translate_errors(self._url), self.engine.begin() as conn:
             yield conn
 
     def migrate(self) -> schema.MigrationResult:

@@ -1,0 +1,220 @@
+"""Benchmark W1 (tabular) and W2 (text) exactly as the workloads doc asks. Not a test.
+
+In one run, same machine, same model, same requests:
+  limit    the raw model on pre-built tensors at its best batch policy
+  batch-1  the full pipeline (SQLite queue -> score -> committed Parquet) with max_batch_size 1
+  dynamic  the full pipeline with the shipped policy for the profile
+and for W2 online, an open-loop run: Poisson arrivals at 50% and 90% of the measured dynamic
+capacity, p50/p99 enqueue-to-commit latency.
+
+    python bench/workload_bench.py [--w1-items 50000] [--w2-items 3000] [--online-s 20] [--only w1|w2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from batching import app, ingest, models, pipeline, workloads, zoo
+from batching.config import load_config
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deployments"
+RESULTS: dict[str, Any] = {}
+
+
+def config(name: str, tmp: Path, tag: str, **batching: Any) -> Any:
+    overrides = {
+        "database": {"url": f"sqlite:///{tmp / f'{tag}.db'}"},
+        "output": {"path": str(tmp / f"out-{tag}")},
+        "lineage": {"transport": "none"},
+        "queue": {"name": tag},
+    }
+    if batching:
+        overrides["batching"] = batching
+    return load_config(DEPLOY / name, overrides)
+
+
+def enqueue(cfg: Any, records: list[models.EnqueueRecord]) -> None:
+    q = app.open_queue(cfg, cfg.database.url)
+    q.migrate()
+    q.enqueue(records)
+    q.engine.dispose()
+
+
+def pipeline_rate(cfg: Any, records: list[models.EnqueueRecord]) -> dict[str, Any]:
+    """Enqueue, then score until empty; rows/s measured by the scorer from first claim to end."""
+    enqueue(cfg, records)
+    outcome = app.run_score(cfg, limits=pipeline.RunLimits(until_empty=True))
+    s = outcome.summary
+    assert s["items_committed"] == len(records), s
+    return s
+
+
+# -- W1 ------------------------------------------------------------------------------------
+
+
+def w1_limit(x: np.ndarray) -> float:
+    model, _ = zoo.build("w1-mlp")
+    model.eval()
+    t = torch.from_numpy(x)
+    best = 0.0
+    with torch.inference_mode():
+        for size in (128, 512, 1024):
+            model(t[:size])
+            start = time.perf_counter()
+            for i in range(0, len(t), size):
+                model(t[i : i + size])
+            best = max(best, len(t) / (time.perf_counter() - start))
+    return best
+
+
+def w1(tmp: Path, n: int) -> None:
+    x = workloads.w1_inputs(n)
+    limit = w1_limit(x)
+    pq_file = workloads.write_w1_parquet(tmp / "w1.parquet", n)
+    tensor_recs = ingest.read_records(pq_file)
+    json_file = workloads.write_lines(tmp / "w1.jsonl", workloads.w1_json_lines(n))
+    json_recs = ingest.read_records(json_file)
+    n1 = min(n, 2000)
+    b1 = pipeline_rate(
+        config("tabular.yaml", tmp, "w1b1", max_batch_size=1, claim_size=64), tensor_recs[:n1]
+    )
+    dyn_t = pipeline_rate(config("tabular.yaml", tmp, "w1t"), tensor_recs)
+    dyn_j = pipeline_rate(config("tabular.yaml", tmp, "w1j"), json_recs)
+    RESULTS["w1"] = {
+        "items": n,
+        "limit_rows_s": limit,
+        "batch1_rows_s": b1["items_per_s"],
+        "dynamic_tensor_rows_s": dyn_t["items_per_s"],
+        "dynamic_json_rows_s": dyn_j["items_per_s"],
+        "tensor_vs_limit": dyn_t["items_per_s"] / limit,
+        "json_vs_limit": dyn_j["items_per_s"] / limit,
+        "tensor_vs_batch1": dyn_t["items_per_s"] / b1["items_per_s"],
+        "batch_size_mean": dyn_t["batch_size_mean"],
+    }
+
+
+# -- W2 ------------------------------------------------------------------------------------
+
+
+def w2_limit(seqs: list[np.ndarray], batch: int = 32) -> float:
+    model, _ = zoo.build("w2-text")
+    model.eval()
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    batches = []
+    for i in range(0, len(order), batch):
+        group = [seqs[j] for j in order[i : i + batch]]
+        width = max(len(s) for s in group)
+        tokens = torch.zeros((len(group), width), dtype=torch.int64)
+        for r, s in enumerate(group):
+            tokens[r, : len(s)] = torch.from_numpy(s)
+        batches.append((tokens, tokens == 0))
+    with torch.inference_mode():
+        model(*batches[0])
+        start = time.perf_counter()
+        for tokens, mask in batches:
+            model(tokens, mask)
+    return len(seqs) / (time.perf_counter() - start)
+
+
+def w2(tmp: Path, n: int, online_s: float) -> None:
+    seqs = workloads.w2_inputs(n)
+    limit = w2_limit(seqs)
+    recs = ingest.read_records(workloads.write_lines(tmp / "w2.jsonl", workloads.w2_json_lines(n)))
+    n1 = min(n, 300)
+    b1 = pipeline_rate(
+        config("bulk.yaml", tmp, "w2b1", max_batch_size=1, claim_size=32, max_wait_s=0.0), recs[:n1]
+    )
+    dyn = pipeline_rate(config("bulk.yaml", tmp, "w2d"), recs)
+    RESULTS["w2"] = {
+        "items": n,
+        "limit_rows_s": limit,
+        "batch1_rows_s": b1["items_per_s"],
+        "dynamic_rows_s": dyn["items_per_s"],
+        "dynamic_vs_limit": dyn["items_per_s"] / limit,
+        "dynamic_vs_batch1": dyn["items_per_s"] / b1["items_per_s"],
+        "padding_efficiency": dyn["padding_efficiency"],
+        "batch_size_mean": dyn["batch_size_mean"],
+    }
+    if online_s > 0:
+        capacity = dyn["items_per_s"]
+        RESULTS["w2_online"] = [
+            open_loop(tmp, recs, capacity * load, load, online_s) for load in (0.5, 0.9)
+        ]
+
+
+def open_loop(
+    tmp: Path, recs: list[models.EnqueueRecord], rate: float, load: float, seconds: float
+) -> dict[str, Any]:
+    """Poisson arrivals at ``rate``/s for ``seconds`` against a live online scorer."""
+    tag = f"w2on{int(load * 100)}"
+    cfg = config("online.yaml", tmp, tag)
+    enqueue(cfg, [])
+    producer_q = app.open_queue(cfg, cfg.database.url)
+    result: dict[str, Any] = {}
+    scorer = threading.Thread(
+        target=lambda: result.update(
+            app.run_score(
+                cfg, limits=pipeline.RunLimits(until_empty=False, max_seconds=seconds + 3)
+            ).summary
+        )
+    )
+    scorer.start()
+    time.sleep(3.0)  # model load and warm-up happen before the first arrival
+    rng = random.Random(11)
+    sent, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        rec = recs[sent % len(recs)]
+        producer_q.enqueue([models.EnqueueRecord(f"{tag}-{sent}", rec.payload, cost=rec.cost)])
+        sent += 1
+        time.sleep(rng.expovariate(rate))
+    scorer.join()
+    producer_q.engine.dispose()
+    prof = app.load_profile(cfg)
+    full = prof.predict(cfg.batching.max_batch_size, 128) if prof else float("nan")
+    bound = 2 * (cfg.batching.max_wait_s + full)
+    return {
+        "load": load,
+        "offered_rows_s": rate,
+        "sent": sent,
+        "committed": result.get("items_committed"),
+        "latency_p50_s": result.get("latency_p50_s"),
+        "latency_p99_s": result.get("latency_p99_s"),
+        "bound_s": bound,
+        "batch_size_mean": result.get("batch_size_mean"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--w1-items", type=int, default=50_000)
+    parser.add_argument("--w2-items", type=int, default=3_000)
+    parser.add_argument("--online-s", type=float, default=20.0)
+    parser.add_argument("--only", choices=["w1", "w2"])
+    parser.add_argument("--json", type=Path, help="also write results here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.only in (None, "w1"):
+            w1(Path(tmp), args.w1_items)
+        if args.only in (None, "w2"):
+            w2(Path(tmp), args.w2_items, args.online_s)
+    print(json.dumps(RESULTS, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(RESULTS, indent=2))
+
+
+if __name__ == "__main__":
+    main()
