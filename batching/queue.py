@@ -13,6 +13,7 @@ LOCKED``; enqueue sends one ``NOTIFY`` per batch and :class:`Waiter` listens, po
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import random
@@ -349,27 +350,10 @@ class SqlQueue:
 
     @staticmethod
     def _item(r: Any) -> models.WorkItem:
-        shape = tuple(json.loads(r.shape)) if r.shape else None
-        payload = models.Payload(
-            data=bytes(r.payload),
-            format=models.PayloadFormat(r.payload_format),
-            dtype=r.dtype,
-            shape=shape,
-        )
-        return models.WorkItem(
-            id=int(r.id),
-            item_key=r.item_key,
-            payload=payload,
-            enqueued_at=float(r.enqueued_at),
-            queue=r.queue,
-            lane=r.lane,
-            tenant=r.tenant,
-            priority=int(r.priority),
-            cost=int(r.cost),
-            deadline_at=r.deadline_at,
-            attempts=int(r.attempts),
-            max_attempts=int(r.max_attempts),
-        )
+        # Hot path (every claimed row): positional access, cached shape and format parsing.
+        (id_, key, data, fmt, dtype, shape, enq, queue, lane, tenant, prio, cost, dl, att, mx) = r
+        payload = models.Payload(data, _FORMATS[fmt], dtype, _shape(shape) if shape else None)
+        return models.WorkItem(id_, key, payload, enq, queue, lane, tenant, prio, cost, dl, att, mx)
 
     def _expire_overdue(self, conn: Connection, now: float) -> int:
         stmt = (
@@ -639,7 +623,7 @@ class SqlQueue:
         cutoff = self.clock() - older_than_s
         cond = sa.and_(
             _T.c.queue == self.queue,
-            _T.c.state == int(models.State.DONE),
+            _T.c.state == sa.literal_column("2"),
             _T.c.finished_at < cutoff,
         )
         with self.begin() as conn:
@@ -653,6 +637,14 @@ class SqlQueue:
             n = conn.execute(sa.delete(_T).where(cond)).rowcount
         logger.info("items purged", extra={"action": "purge", "n_items": n, "archived": archive})
         return n
+
+
+_FORMATS = {f.value: f for f in models.PayloadFormat}
+
+
+@functools.lru_cache(maxsize=256)
+def _shape(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in json.loads(text))
 
 
 def _claim_order(item: models.WorkItem) -> tuple[int, float, float, int]:
