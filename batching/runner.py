@@ -17,6 +17,7 @@ Failure handling inside ``forward``, per (sub-)batch:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -652,6 +653,15 @@ def _json_field(data: bytes, key: str) -> tuple[object, str | None]:
     return doc[key], None
 
 
+@functools.lru_cache(maxsize=64)
+def _le_dtype(name: str) -> np.dtype[Any] | None:
+    """Little-endian numpy dtype for a payload's dtype name (cached: called per item)."""
+    try:
+        return np.dtype(name).newbyteorder("<")
+    except (TypeError, ValueError):
+        return None
+
+
 def _tensor_dtype(
     payload: models.Payload, kinds: str, shape: tuple[int] | None
 ) -> tuple[str | None, str | None]:
@@ -661,9 +671,8 @@ def _tensor_dtype(
     """
     if payload.dtype is None or payload.shape is None:
         return None, "tensor payload needs dtype and shape"
-    try:
-        dtype = np.dtype(payload.dtype).newbyteorder("<")
-    except (TypeError, ValueError):
+    dtype = _le_dtype(payload.dtype)
+    if dtype is None:
         return None, f"unknown tensor dtype {payload.dtype!r}"
     if dtype.kind not in kinds:
         return None, f"tensor dtype {payload.dtype} not accepted here (kinds {kinds!r})"
