@@ -1,0 +1,55 @@
+"""Import hygiene: `import batching` loads the standard library only; flows/ alone imports prefect."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+HEAVY = ("torch", "sqlalchemy", "pyarrow", "openlineage", "prefect", "numpy", "pydantic")
+
+
+def _loaded_after(statement: str) -> set[str]:
+    code = f"import sys; {statement}; print(' '.join(sorted(m.split('.')[0] for m in sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    return set(out.split())
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import batching",
+        "import batching.errors, batching.models, batching.protocols, batching.batcher",
+        "import batching.service_profile",
+    ],
+)
+def test_light_modules_load_no_heavy_library(statement: str) -> None:
+    assert _loaded_after(statement).isdisjoint(HEAVY)
+
+
+def test_only_flows_import_prefect() -> None:
+    offenders = [
+        str(p.relative_to(REPO))
+        for p in (REPO / "batching").rglob("*.py")
+        if any(
+            line.startswith(("import prefect", "from prefect"))
+            for line in p.read_text().splitlines()
+        )
+    ]
+    assert offenders == []
+
+
+def test_library_reads_no_environment() -> None:
+    edges = {"cli.py", "cli_score.py", "cli_ops.py"}
+    offenders = [
+        p.name
+        for p in Path(REPO / "batching").glob("*.py")
+        if p.name not in edges and ("os.environ" in p.read_text() or "getenv(" in p.read_text())
+    ]
+    assert offenders == []
