@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -219,11 +221,38 @@ def parse_duration(text: str, name: str) -> float:
     return value * units[unit]
 
 
+class _OneLine(logging.Formatter):
+    """Library warnings on stderr as one line each: no tracebacks for a user to wade through."""
+
+    def formatException(self, ei: Any) -> str:
+        return ""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.exc_text = ""
+        text = super().format(record)
+        if record.exc_info and record.exc_info[1] is not None:
+            text += f" ({record.exc_info[1]})"
+        return text.rstrip()
+
+
+def _configure_logging() -> None:
+    level = logging.DEBUG if os.environ.get("BATCHING_DEBUG") else logging.WARNING
+    handler = logging.StreamHandler()
+    handler.setFormatter(_OneLine("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("batching")
+    root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False
+
+
 def main() -> None:
     """Console-script entry point."""
-    from batching import cli_ops, cli_score  # noqa: F401  (register their commands)
+    from batching import cli, cli_ops, cli_score  # noqa: F401  (register their commands)
 
-    app()
+    _configure_logging()
+    # ``cli.app``, not ``app``: under ``python -m batching.cli`` this module is ``__main__`` and
+    # the other command modules register on the imported ``batching.cli``.
+    cli.app()
 
 
 if __name__ == "__main__":

@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
 from batching import errors
-from batching.cli import app, handle_errors, out
+from batching.cli import app, handle_errors, out, parse_duration
+from batching.cli_score import ConfigOption, DbOverride, OutputOverride, load
+
+if TYPE_CHECKING:
+    from batching.reconcile import Report
 
 
 @app.command()
@@ -87,3 +91,115 @@ def _print_summary(s: dict[str, Any]) -> None:
         f"run facets: {', '.join(s['run_facets'])}; config hash {s.get('config_hash')}",
         highlight=False,
     )
+
+
+_SHOW_FILES = 3
+_SHOW_KEYS = 5
+
+
+@app.command()
+@handle_errors
+def reconcile(
+    config: ConfigOption,
+    db: DbOverride = None,
+    output: OutputOverride = None,
+    repair: Annotated[
+        bool,
+        typer.Option(
+            "--repair",
+            help="Fix what can be fixed: reap, roll forward, quarantine (never delete), requeue.",
+        ),
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    since: Annotated[
+        str | None,
+        typer.Option(
+            help="Only items and batches finished in the last DURATION: 90s, 30m, 12h, 7d."
+        ),
+    ] = None,
+    run: Annotated[
+        str | None, typer.Option("--run", help="Only the batches of this run id.")
+    ] = None,
+) -> None:
+    """Prove every done item has exactly one committed output; list what is wrong.
+
+    Exit 0: clean (info findings only). Exit 1: critical or warning findings.
+    Exit 2: bad input. With --repair the findings shown are those found before it; run again.
+    """
+    import time
+
+    cfg = load(config)
+    window = parse_duration(since, "--since") if since is not None else None
+
+    from batching import app as wiring
+    from batching import reconcile as rc
+
+    now = time.time()
+    res = wiring.resolve(cfg, db, output)
+    queue = wiring.open_queue(cfg, res.db_url)
+    try:
+        queue.check_schema()
+        report = rc.reconcile(
+            queue,
+            res.output,
+            output_kind=cfg.output.kind,
+            since=now - window if window is not None else None,
+            run_id=run,
+            now=now,
+            repair=repair,
+        )
+    finally:
+        queue.engine.dispose()
+    if as_json:
+        sys.stdout.write(json.dumps(report.to_dict(), indent=2, default=str) + "\n")
+    else:
+        _print_report(report)
+    if not report.clean:
+        raise typer.Exit(1)
+
+
+def _print_report(report: Report) -> None:
+    out.print(f"reconcile {report.output_kind} {report.location}", highlight=False)
+    if report.findings:
+        table = Table("class", "severity", "count")
+        for col in ("files", "item keys", "message"):
+            table.add_column(col, overflow="fold")
+        for f in report.findings:
+            table.add_row(
+                str(f.kind),
+                str(f.severity),
+                str(f.count),
+                _shorten(tuple(_relative(p, report.location) for p in f.files), _SHOW_FILES),
+                _shorten(f.item_keys, _SHOW_KEYS, total=max(f.count, len(f.item_keys))),
+                f.message,
+            )
+        out.print(table)
+    if report.repairs:
+        done = Table("repair", "target", "items")
+        for r in report.repairs:
+            done.add_row(r.action, r.target, str(r.n_items))
+        out.print(done)
+    critical = sum(1 for f in report.findings if str(f.severity) == "critical")
+    warning = sum(1 for f in report.findings if str(f.severity) == "warning")
+    if report.clean:
+        out.print("clean: every done item has exactly one committed output", highlight=False)
+    else:
+        hint = "" if report.repairs else "; `--repair` fixes what can be fixed"
+        out.print(f"{critical} critical, {warning} warning finding(s){hint}", highlight=False)
+
+
+def _relative(path: str, root: str) -> str:
+    """``path`` relative to the dataset ``root`` when inside it (shorter to read), else as is."""
+    try:
+        return Path(path).relative_to(root).as_posix()
+    except ValueError:
+        return path
+
+
+def _shorten(values: tuple[str, ...], limit: int, *, total: int | None = None) -> str:
+    """At most ``limit`` values, then ``+N more`` (``total``: how many there are in all)."""
+    if not values:
+        return "-"
+    total = max(total or len(values), len(values))
+    shown = ", ".join(values[:limit])
+    return shown if total <= limit else f"{shown} +{total - limit} more"

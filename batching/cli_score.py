@@ -71,13 +71,20 @@ def score(
     db: DbOverride = None,
     output: OutputOverride = None,
     until_empty: Annotated[
-        bool, typer.Option("--until-empty", help="Stop when the queue is empty (default).")
+        bool,
+        typer.Option(
+            "--until-empty",
+            help="Stop when the queue is empty (the default unless --max-seconds is given).",
+        ),
     ] = False,
     max_items: Annotated[
         int | None, typer.Option(min=1, help="Stop after claiming N items.")
     ] = None,
     max_seconds: Annotated[
-        float | None, typer.Option(min=0.001, help="Stop claiming after S seconds.")
+        float | None,
+        typer.Option(
+            min=0.001, help="Stop claiming after S seconds; waits for new work until then."
+        ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
 ) -> None:
@@ -90,7 +97,7 @@ def score(
 
     cfg = load(config)
     limits = pipeline.RunLimits(
-        until_empty=until_empty or (max_items is None and max_seconds is None),
+        until_empty=until_empty or max_seconds is None,
         max_items=max_items,
         max_seconds=max_seconds,
     )

@@ -245,8 +245,10 @@ class Scorer:
         batch = self.batcher.poll(flush=flush)
         if batch is None:
             return False
+        with self._lock:  # the leases as claimed now: a reaped item may be claimed again
+            leases = {item.id: self._item_lease[item.id] for item in batch.items}
         decoded = self.runner.decode(batch.items)
-        self._put(self._to_forward, (batch, decoded))
+        self._put(self._to_forward, (batch, leases, decoded))
         return True
 
     def _put(self, q: stdqueue.Queue[Any], job: Any) -> None:
@@ -267,16 +269,17 @@ class Scorer:
         return _DONE
 
     def _idle(self, exhausted: bool) -> None:
+        if not self._to_forward.empty():
+            # The model is busy: even a due batch waits (no spinning) until the forward stage
+            # takes its next batch.
+            self._forward_free.wait(self.config.queue.poll_s)
+            self._forward_free.clear()
+            return
         wake = self.batcher.next_deadline()
         pause = self.config.queue.poll_s
         if wake is not None:
             pause = min(pause, max(0.0, wake - self.clock()))
         if pause <= 0:
-            return
-        if not self._to_forward.empty():
-            # The model is busy: sleep until the forward stage takes its next batch.
-            self._forward_free.wait(pause)
-            self._forward_free.clear()
             return
         if exhausted and len(self.batcher) == 0 and self._to_forward.empty():
             self._wait(pause)
@@ -292,24 +295,23 @@ class Scorer:
             if job is _DONE:
                 self._put(self._to_commit, _DONE)
                 return
-            batch, decoded = job
-            self._put(self._to_commit, (batch, self.runner.forward(decoded)))
+            batch, leases, decoded = job
+            self._put(self._to_commit, (batch, leases, self.runner.forward(decoded)))
 
     def _commit_loop(self) -> None:
         while True:
             job = self._get(self._to_commit)
             if job is _DONE:
                 return
-            batch, result = job
-            self._commit(batch, result)
+            batch, leases, result = job
+            self._commit(batch, leases, result)
             if self.on_progress is not None:
                 self.on_progress(self.stats)
 
-    def _commit(self, batch: models.Batch, result: Any) -> None:
+    def _commit(self, batch: models.Batch, leases: dict[int, str], result: Any) -> None:
         by_lease: dict[str, list[models.WorkItem]] = {}
-        with self._lock:
-            for item in batch.items:
-                by_lease.setdefault(self._item_lease[item.id], []).append(item)
+        for item in batch.items:
+            by_lease.setdefault(leases[item.id], []).append(item)
         now = self.clock()
         for lease_id, items in by_lease.items():
             self._commit_lease_part(batch, lease_id, items, result, now)
@@ -352,7 +354,8 @@ class Scorer:
     def _forget(self, lease_id: str, items: list[models.WorkItem]) -> None:
         with self._lock:
             for item in items:
-                self._item_lease.pop(item.id, None)
+                if self._item_lease.get(item.id) == lease_id:  # not since claimed again
+                    del self._item_lease[item.id]
             left = self._leases.get(lease_id, 0) - len(items)
             if left > 0:
                 self._leases[lease_id] = left

@@ -1,0 +1,449 @@
+"""The ``batching`` command as a user runs it: a real process, a real SQLite file, real outputs.
+
+Every command must exit 0 (ok), 1 (failed) or 2 (bad input), and never print a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from batching import workloads
+from tests.conftest import REPO
+
+BATCHING = str(Path(sys.executable).with_name("batching"))
+DEPLOYMENTS = REPO / "deployments"
+COMMANDS = (
+    "init",
+    "enqueue",
+    "status",
+    "redrive",
+    "purge",
+    "lineage",
+    "reconcile",
+    "score",
+    "check",
+    "profile",
+    "demo",
+)
+DB = "sqlite:///queue.db"  # relative: a copied workspace keeps working
+SECRET_DB = "postgresql://u:sekret@127.0.0.1:9/x"
+N_ROWS = 300
+
+
+@dataclass(frozen=True)
+class Result:
+    rc: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+def batching(*args: str, cwd: Path, env: dict[str, str] | None = None) -> Result:
+    """Run ``batching ARGS`` in ``cwd``; a traceback on stderr fails the test whatever the code."""
+    base = {k: v for k, v in os.environ.items() if k != "BATCHING_DB_URL"}
+    proc = subprocess.run(
+        [BATCHING, *args],
+        cwd=cwd,
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stdout, proc.stdout
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def one_error_line(r: Result) -> str:
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1, r.err
+    assert lines[0].startswith("error: "), r.err
+    return lines[0]
+
+
+def write_config(folder: Path, **changes: Any) -> Path:
+    """The shipped W1 config, moved into ``folder``: its queue file, outputs and lineage there."""
+    data = yaml.safe_load((DEPLOYMENTS / "tabular.yaml").read_text())
+    data |= {"name": "e2e-tabular", "database": {"url": DB}}
+    data["batching"] = {"max_batch_size": 32, "max_wait_s": 0.02}
+    data["output"] = {"kind": "parquet", "path": "outputs"}
+    data["service_profile"] = str(DEPLOYMENTS / data["service_profile"])
+    for section, values in changes.items():
+        data[section] = {**data.get(section, {}), **values} if isinstance(values, dict) else values
+    path = folder / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def status(cwd: Path) -> dict[str, int]:
+    r = batching("status", "--db", DB, "-q", "tabular", "--json", cwd=cwd)
+    assert r.rc == 0, r.err
+    return dict(r.json()["by_state"])
+
+
+def committed_files(ws: Path) -> list[Path]:
+    return sorted((ws / "outputs").rglob("*.parquet"))
+
+
+# ----------------------------------------------------------------------------- help
+
+
+def test_help_lists_every_command_and_each_command_has_help(tmp_path: Path) -> None:
+    top = batching("--help", cwd=tmp_path)
+    assert top.rc == 0
+    listed = set(re.findall(r"^│ (\w+) ", top.out, flags=re.MULTILINE))
+    assert listed == set(COMMANDS)
+    for command in COMMANDS:
+        r = batching(command, "--help", cwd=tmp_path)
+        assert r.rc == 0, (command, r.err)
+        assert f"Usage: batching {command}" in r.out
+    bare = batching(cwd=tmp_path)
+    assert bare.rc in (0, 2)
+    assert "Usage: batching" in bare.out + bare.err
+
+
+def test_python_m_runs_the_same_cli(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "batching.cli", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert set(re.findall(r"^│ (\w+) ", proc.stdout, flags=re.MULTILINE)) == set(COMMANDS)
+
+
+# ----------------------------------------------------------------------------- queue commands
+
+
+def test_init_twice_then_nothing_to_do(tmp_path: Path) -> None:
+    first = batching("init", "--db", DB, cwd=tmp_path)
+    assert first.rc == 0, first.err
+    assert "schema upgraded" in first.out
+    second = batching("init", "--db", DB, cwd=tmp_path)
+    assert second.rc == 0, second.err
+    assert "nothing to do" in second.out
+
+
+def test_enqueue_jsonl_and_parquet_reports_duplicates(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(5))
+    parquet = workloads.write_w1_parquet(tmp_path / "w1.parquet", 8)  # w1-0..w1-7
+
+    r = batching("enqueue", str(jsonl), "--db", DB, "-q", "tabular", cwd=tmp_path)
+    assert r.rc == 0, r.err
+    assert "committed 5 new item(s)" in r.out
+    again = batching("enqueue", str(jsonl), "--db", DB, "-q", "tabular", cwd=tmp_path)
+    assert again.rc == 0, again.err
+    assert "committed 0 new item(s)" in again.out
+    assert "5 already present" in again.out
+    assert "duplicates: w1-0, w1-1, w1-2, w1-3, w1-4" in again.out
+    pq = batching("enqueue", str(parquet), "--db", DB, "-q", "tabular", cwd=tmp_path)
+    assert pq.rc == 0, pq.err
+    assert "committed 3 new item(s)" in pq.out
+    assert "5 already present" in pq.out
+    assert status(tmp_path) == {"ready": 8, "leased": 0, "done": 0, "dead": 0, "expired": 0}
+
+
+MALFORMED = [
+    ('{"item_key": "bad", "payload": {"x": [1]}', "not valid JSON"),
+    ('{"item_key": "bad"}', "missing payload"),
+    ('{"item_key": 7, "payload": {"x": [1]}}', "item_key must be a non-empty string"),
+    ('{"item_key": "bad", "payload": {}, "colour": "red"}', "unknown field(s) colour"),
+    ('["not", "an", "object"]', "expected a JSON object"),
+]
+
+
+@pytest.mark.parametrize(("line", "reason"), MALFORMED)
+def test_a_malformed_record_names_file_and_line_and_enqueues_nothing(
+    tmp_path: Path, line: str, reason: str
+) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    good = list(workloads.w1_json_lines(3))
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join([*good, line, *workloads.w1_json_lines(1, prefix="after-")]) + "\n")
+    r = batching("enqueue", str(path), "--db", DB, "-q", "tabular", cwd=tmp_path)
+    assert r.rc == 2
+    message = one_error_line(r)
+    assert f"{path}:4" in message
+    assert reason in message
+    assert status(tmp_path)["ready"] == 0, "part of a bad file was enqueued"
+
+
+def test_a_parquet_file_without_payload_is_refused(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    path = tmp_path / "requests.parquet"
+    pq.write_table(pa.table({"item_key": ["a", "b"]}), path)
+    r = batching("enqueue", str(path), "--db", DB, cwd=tmp_path)
+    assert r.rc == 2
+    assert "missing column(s) payload" in one_error_line(r)
+
+
+@pytest.mark.parametrize(
+    ("url", "code"),
+    [
+        ("nope://x", 2),
+        ("not a url", 2),
+        ("sqlite:////nonexistent-dir/queue.db", 1),
+    ],
+)
+def test_a_bad_db_url_is_one_line(tmp_path: Path, url: str, code: int) -> None:
+    r = batching("status", "--db", url, cwd=tmp_path)
+    assert r.rc == code
+    one_error_line(r)
+
+
+def test_a_queue_without_schema_says_run_init(tmp_path: Path) -> None:
+    r = batching("status", "--db", "sqlite:///empty.db", cwd=tmp_path)
+    assert r.rc == 1
+    assert "batching init" in one_error_line(r)
+
+
+def test_a_password_in_the_db_url_is_never_printed(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(2))
+    runs = [
+        batching("init", "--db", SECRET_DB, cwd=tmp_path),
+        batching("status", "--db", SECRET_DB, cwd=tmp_path),
+        batching("enqueue", str(jsonl), "--db", SECRET_DB, cwd=tmp_path),
+        batching("redrive", cwd=tmp_path, env={"BATCHING_DB_URL": SECRET_DB}),
+        batching("score", "-c", str(config), "--db", SECRET_DB, "--quiet", cwd=tmp_path),
+        batching("reconcile", "-c", str(config), "--db", SECRET_DB, cwd=tmp_path),
+    ]
+    for r in runs:
+        assert r.rc == 1
+        line = one_error_line(r)
+        assert "sekret" not in r.out + r.err
+        assert "u:***@127.0.0.1:9/x" in line
+
+
+# ----------------------------------------------------------------------------- config commands
+
+
+def test_check_passes_on_every_shipped_config(tmp_path: Path) -> None:
+    for name in ("tabular.yaml", "online.yaml", "bulk.yaml"):
+        r = batching("check", "-c", str(DEPLOYMENTS / name), cwd=tmp_path)
+        assert r.rc == 0, (name, r.out, r.err)
+        assert r.out.rstrip().endswith(": ok")
+
+
+def test_check_fails_with_the_numbers_when_the_window_breaks_the_objective(tmp_path: Path) -> None:
+    near = write_config(tmp_path, batching={"max_batch_size": 512, "max_wait_s": 0.499})
+    r = batching("check", "-c", str(near), cwd=tmp_path)
+    assert r.rc == 1
+    text = " ".join((r.out + r.err).split())
+    assert "max_wait_s 0.499" in text
+    assert "exceeds latency_slo_s 0.5" in text
+
+    beyond = write_config(tmp_path, batching={"max_wait_s": 2.0})  # refused at load
+    r = batching("check", "-c", str(beyond), cwd=tmp_path)
+    assert r.rc == 2
+    line = one_error_line(r)
+    assert "max_wait_s must be < latency_slo_s (0.5), got 2" in line
+
+
+@pytest.mark.parametrize(
+    ("command", "text", "reason"),
+    [
+        ("check", "name: [unclosed\n", "not valid YAML"),
+        ("check", "- just\n- a list\n", "expected a mapping"),
+        ("check", "name: x\n", "model"),
+        ("score", "name: x\nmodle: {}\n", "modle"),
+        ("reconcile", "name: [unclosed\n", "not valid YAML"),
+    ],
+)
+def test_a_bad_config_is_one_line_and_exit_2(
+    tmp_path: Path, command: str, text: str, reason: str
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    r = batching(command, "-c", str(path), cwd=tmp_path)
+    assert r.rc == 2
+    line = one_error_line(r)
+    assert str(path) in line
+    assert reason in line
+
+
+def test_a_missing_config_file_is_one_line(tmp_path: Path) -> None:
+    r = batching("check", "-c", str(tmp_path / "nope.yaml"), cwd=tmp_path)
+    assert r.rc == 2
+    assert "cannot read config" in one_error_line(r)
+
+
+# ----------------------------------------------------------------------------- a scored queue
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A workspace where ``score --max-items 100`` then ``score`` ran on W1 plus two poison items."""
+
+    path: Path
+    first: Result
+    second: Result
+    after_first: dict[str, int]
+
+    def run_id(self, r: Result) -> str:
+        match = re.search(r"run ([0-9a-f-]{36})", r.out)
+        assert match, r.out
+        return match.group(1)
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory: pytest.TempPathFactory) -> Scored:
+    ws = tmp_path_factory.mktemp("scored")
+    config = write_config(ws)
+    assert batching("init", "--db", DB, cwd=ws).rc == 0
+    parquet = workloads.write_w1_parquet(ws / "w1.parquet", N_ROWS)
+    assert batching("enqueue", str(parquet), "--db", DB, "-q", "tabular", cwd=ws).rc == 0
+    poison = ws / "poison.jsonl"
+    poison.write_text(
+        '{"item_key": "poison-short", "payload": {"x": [1, 2, 3]}}\n'
+        '{"item_key": "poison-shape", "payload": {"y": 1}}\n'
+    )
+    r = batching("enqueue", str(poison), "--db", DB, "-q", "tabular", "--max-attempts", "1", cwd=ws)
+    assert r.rc == 0, r.err
+    first = batching("score", "-c", str(config), "--max-items", "100", "--quiet", cwd=ws)
+    assert first.rc == 0, first.err
+    after_first = status(ws)
+    second = batching("score", "-c", str(config), cwd=ws)  # with its progress bar
+    assert second.rc == 0, second.err
+    return Scored(ws, first, second, after_first)
+
+
+@pytest.fixture
+def ws(scored: Scored, tmp_path: Path) -> Path:
+    """A private copy of the scored workspace (tests may break it)."""
+    copy = tmp_path / "ws"
+    shutil.copytree(scored.path, copy)
+    return copy
+
+
+def test_score_max_items_stops_after_n_then_a_full_run_drains_the_queue(
+    scored: Scored, tmp_path: Path
+) -> None:
+    assert scored.after_first == {"ready": 202, "leased": 0, "done": 100, "dead": 0, "expired": 0}
+    assert status(scored.path) == {"ready": 0, "leased": 0, "done": 300, "dead": 2, "expired": 0}
+    for r in (scored.first, scored.second):
+        assert "items committed" in r.out
+        assert "outputs: " in r.out
+    assert scored.run_id(scored.first) != scored.run_id(scored.second)
+    import pyarrow.dataset as ds
+
+    table = ds.dataset(scored.path / "outputs", format="parquet", partitioning="hive").to_table()
+    assert sorted(table["item_key"].to_pylist()) == sorted(f"w1-{i}" for i in range(N_ROWS))
+
+
+def test_score_on_an_uninitialised_database_is_one_line(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    r = batching("score", "-c", str(config), "--db", "sqlite:///other.db", "--quiet", cwd=tmp_path)
+    assert r.rc == 1
+    assert "batching init" in one_error_line(r)
+
+
+def test_lineage_json_shows_each_run(scored: Scored) -> None:
+    latest = batching("lineage", "-c", "pipeline.yaml", "--json", cwd=scored.path)
+    assert latest.rc == 0, latest.err
+    assert latest.json()["run_id"] == scored.run_id(scored.second)
+    events = str(scored.path / "lineage" / "events.jsonl")
+    run = scored.run_id(scored.first)
+    first = batching("lineage", "--events", events, "--run", run, "--json", cwd=scored.path)
+    assert first.rc == 0, first.err
+    summary = first.json()
+    assert summary["run_id"] == run
+    assert summary["state"] == "COMPLETE"
+    assert summary["event_types"] == ["START", "COMPLETE"]
+    assert summary["job"]["name"] == "e2e-tabular"
+    (output,) = summary["outputs"]
+    assert output["row_count"] == 100
+    assert output["name"].endswith("outputs")
+    assert summary["model"]["version"] == "w1-mlp-v1"
+    table = batching("lineage", "--events", events, "--run", run, cwd=scored.path)
+    assert table.rc == 0
+    assert run in table.out
+    unknown = batching("lineage", "--events", events, "--run", "nope", cwd=scored.path)
+    assert unknown.rc == 2
+    one_error_line(unknown)
+
+
+def test_reconcile_clean_then_a_deleted_file_then_repair(ws: Path) -> None:
+    config = str(ws / "pipeline.yaml")
+    clean = batching("reconcile", "-c", config, cwd=ws)
+    assert clean.rc == 0, clean.out + clean.err
+    assert "clean" in clean.out
+
+    gone = committed_files(ws)[0]
+    gone.unlink()
+    broken = batching("reconcile", "-c", config, "--json", cwd=ws)
+    assert broken.rc == 1
+    report = broken.json()
+    assert (report["ok"], report["clean"]) == (False, False)
+    assert report["counts"] == {"missing_file": 1, "dead": 2}
+    (finding,) = [f for f in report["findings"] if f["class"] == "missing_file"]
+    assert finding["severity"] == "critical"
+    lost_keys = set(finding["item_keys"])
+    assert lost_keys
+    assert any(gone.name in f for f in finding["files"])
+
+    repaired = batching("reconcile", "-c", config, "--repair", cwd=ws)
+    assert repaired.rc == 1  # it reports what it found, and what it did
+    assert "missing_file" in repaired.out
+    assert "requeue" in repaired.out
+    after = batching("reconcile", "-c", config, "--json", cwd=ws)
+    assert after.rc == 0, after.out
+    assert after.json()["counts"] == {"dead": 2}  # info only
+    state = status(ws)
+    assert state["ready"] == len(lost_keys)
+    assert state["done"] == N_ROWS - len(lost_keys)
+
+
+def test_reconcile_scoped_by_run_and_since(scored: Scored, ws: Path) -> None:
+    config = str(ws / "pipeline.yaml")
+    run = scored.run_id(scored.first)
+    r = batching("reconcile", "-c", config, "--run", run, "--since", "1h", "--json", cwd=ws)
+    assert r.rc == 0, r.err
+    assert (r.json()["run_id"], r.json()["clean"]) == (run, True)
+    bad = batching("reconcile", "-c", config, "--since", "soon", cwd=ws)
+    assert bad.rc == 2
+    assert "--since" in one_error_line(bad)
+
+
+def test_redrive_moves_dead_items_back_to_ready(ws: Path) -> None:
+    r = batching("redrive", "--db", DB, "-q", "tabular", "--only", "dead", cwd=ws)
+    assert r.rc == 0, r.err
+    assert "redrove 2 item(s)" in r.out
+    state = status(ws)
+    assert (state["dead"], state["ready"]) == (0, 2)
+    bad = batching("redrive", "--db", DB, "-q", "tabular", "--only", "alive", cwd=ws)
+    assert bad.rc == 2
+    assert "--only must be dead, expired or all" in one_error_line(bad)
+
+
+def test_purge_removes_old_done_items_only(ws: Path) -> None:
+    kept = batching("purge", "--db", DB, "-q", "tabular", "--older-than", "7d", cwd=ws)
+    assert kept.rc == 0, kept.err
+    assert "deleted 0 done item(s)" in kept.out
+    r = batching("purge", "--db", DB, "-q", "tabular", "--older-than", "0s", "--archive", cwd=ws)
+    assert r.rc == 0, r.err
+    assert f"archived {N_ROWS} done item(s)" in r.out
+    assert status(ws) == {"ready": 0, "leased": 0, "done": 0, "dead": 2, "expired": 0}
+    bad = batching("purge", "--db", DB, "--older-than=-1d", cwd=ws)
+    assert bad.rc == 2
+    one_error_line(bad)

@@ -1,0 +1,458 @@
+"""The whole scoring run for real: SQLite / PostgreSQL queue, torch models, Parquet read back.
+
+Every enqueued item ends committed exactly once (one row in the dataset, state done) or dead
+with its reason, whatever happens to the run: poison payloads, a lease lost before commit,
+SIGTERM or SIGKILL in the middle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.dataset as ds
+import pytest
+import sqlalchemy as sa
+import torch
+import yaml
+
+from batching import app as wiring
+from batching import config as cfg
+from batching import ingest, models, pipeline, schema, workloads
+from batching import queue as q
+from batching import reconcile as rc
+from batching.runner import TorchRunner
+from tests.conftest import REPO
+
+DEPLOYMENTS = REPO / "deployments"
+BATCHING = str(Path(sys.executable).with_name("batching"))
+W1_DIM = 64
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def load(name: str, tmp_path: Path, **overrides: Any) -> cfg.PipelineConfig:
+    """A shipped config with overrides; lineage goes to ``tmp_path`` (never the repository)."""
+    overrides.setdefault("lineage", {"path": str(tmp_path / "lineage" / "events.jsonl")})
+    return cfg.load_config(DEPLOYMENTS / name, overrides)
+
+
+def write_config(name: str, tmp_path: Path, **overrides: Any) -> Path:
+    """A shipped config copied into ``tmp_path`` with overrides, for a subprocess to load."""
+    data = yaml.safe_load((DEPLOYMENTS / name).read_text())
+    for section, values in overrides.items():
+        data[section] = {**data.get(section, {}), **values}
+    data["service_profile"] = str(DEPLOYMENTS / data["service_profile"])
+    data["output"]["path"] = str(tmp_path / "outputs")
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def open_queue(url: str, config: cfg.PipelineConfig) -> q.SqlQueue:
+    return wiring.open_queue(config, url)
+
+
+def enqueue(url: str, config: cfg.PipelineConfig, records: list[models.EnqueueRecord]) -> None:
+    queue = open_queue(url, config)
+    queue.migrate()
+    assert queue.enqueue(records).inserted == len(records)
+    queue.engine.dispose()
+
+
+def w1_records(n: int, tmp_path: Path) -> list[models.EnqueueRecord]:
+    """W1 rows as binary tensor payloads, through the real Parquet ingest path."""
+    return ingest.read_records(workloads.write_w1_parquet(tmp_path / "w1.parquet", n))
+
+
+def json_record(key: str, payload: Any) -> models.EnqueueRecord:
+    return ingest.record_from_mapping({"item_key": key, "payload": payload}, key)
+
+
+def raw_record(key: str, payload: models.Payload) -> models.EnqueueRecord:
+    return models.EnqueueRecord(key, payload)
+
+
+def score(
+    config: cfg.PipelineConfig, url: str, root: Path | str | None, **kw: Any
+) -> wiring.ScoreOutcome:
+    return wiring.run_score(config, db_url=url, output=None if root is None else str(root), **kw)
+
+
+def dataset(root: Path) -> dict[str, Any]:
+    """The Parquet dataset as a reader sees it; fails on a key that is there twice."""
+    table = ds.dataset(root, format="parquet", partitioning="hive").to_table()
+    keys = table["item_key"].to_pylist()
+    twice = [k for k, n in Counter(keys).items() if n > 1]
+    assert not twice, f"keys committed more than once: {twice[:5]}"
+    return {
+        k: {"output": o, "batch_id": b}
+        for k, o, b in zip(
+            keys, table["output"].to_pylist(), table["batch_id"].to_pylist(), strict=True
+        )
+    }
+
+
+def items(url: str) -> dict[str, Any]:
+    engine = q.create_engine(url)
+    with engine.connect() as conn:
+        rows = {r.item_key: r for r in conn.execute(sa.select(schema.items))}
+    engine.dispose()
+    return rows
+
+
+def ledger(url: str) -> dict[str, Any]:
+    engine = q.create_engine(url)
+    with engine.connect() as conn:
+        rows = {r.batch_id: r for r in conn.execute(sa.select(schema.batches))}
+    engine.dispose()
+    return rows
+
+
+def reconcile(config: cfg.PipelineConfig, url: str, target: Path | str) -> rc.Report:
+    queue = open_queue(url, config)
+    report = rc.reconcile(queue, target, output_kind=config.output.kind, now=time.time())
+    queue.engine.dispose()
+    return report
+
+
+def assert_done_once(url: str, root: Path, keys: set[str]) -> dict[str, Any]:
+    """Each key is done and in the dataset exactly once, pointing at a live ledger row."""
+    rows, out, batches = items(url), dataset(root), ledger(url)
+    assert set(out) >= keys
+    for key in keys:
+        assert rows[key].state == models.State.DONE, (key, rows[key].last_error)
+        assert out[key]["batch_id"] == rows[key].batch_id
+        assert batches[rows[key].batch_id].state == "published"
+    return out
+
+
+def w1_model() -> torch.nn.Module:
+    spec = cfg.load_config(DEPLOYMENTS / "tabular.yaml").model
+    return TorchRunner.load(spec).model
+
+
+def w1_direct(x: np.ndarray) -> np.ndarray:
+    with torch.inference_mode():
+        return w1_model()(torch.from_numpy(x)).numpy()
+
+
+# ----------------------------------------------------------------------------- exactly once
+
+
+POISON: dict[str, tuple[models.EnqueueRecord, str]] = {
+    "short-vector": (
+        json_record("short-vector", {"x": [1.0, 2.0, 3.0]}),
+        '"x" must be a list of 64',
+    ),
+    "wrong-shape": (json_record("wrong-shape", {"y": [0.0] * W1_DIM}), 'JSON object with "x"'),
+    "not-json": (raw_record("not-json", models.Payload(b"\xffnot json")), "not valid JSON"),
+    "bad-tensor": (
+        raw_record(
+            "bad-tensor",
+            models.Payload(
+                np.zeros(3, np.float32).tobytes(), models.PayloadFormat.TENSOR, "float32", (3,)
+            ),
+        ),
+        "does not match (64,)",
+    ),
+    "nan-row": (
+        raw_record(
+            "nan-row",
+            models.Payload(
+                np.full(W1_DIM, np.nan, np.float32).tobytes(),
+                models.PayloadFormat.TENSOR,
+                "float32",
+                (W1_DIM,),
+            ),
+        ),
+        "not finite",
+    ),
+}
+
+
+def test_every_item_commits_exactly_once_or_dies_with_its_reason(
+    db_url: str, tmp_path: Path
+) -> None:
+    n = 300
+    config = load("tabular.yaml", tmp_path, queue={"max_attempts": 2, "backoff_base_s": 0})
+    x = workloads.w1_inputs(n)
+    good = [json_record(f"w1-{i}", {"x": row.tolist()}) for i, row in enumerate(x)]
+    records = list(good)
+    for pos, (record, _) in zip(range(40, n, 50), POISON.values(), strict=False):
+        records.insert(pos, record)  # poison in the middle of what becomes one batch
+    enqueue(db_url, config, records)
+    root = tmp_path / "outputs"
+
+    first = score(config, db_url, root)
+    score(config, db_url, root)  # retries what failed once: poison fails again, then is dead
+
+    out = assert_done_once(db_url, root, {r.item_key for r in good})
+    assert len(out) == n
+    rows = items(db_url)
+    assert {rows[r.item_key].attempts for r in good} == {1}
+    for key, (_, reason) in POISON.items():
+        assert rows[key].state == models.State.DEAD
+        assert rows[key].attempts == 2
+        assert reason in rows[key].last_error, rows[key].last_error
+        assert key not in out
+    # one batch held the poison and its batch-mates, and the batch-mates committed
+    assert first.summary["batch_size_p99"] == n + len(POISON)
+    assert len({out[r.item_key]["batch_id"] for r in good}) == 1
+    got = np.array([out[f"w1-{i}"]["output"] for i in range(n)], dtype=np.float32)
+    np.testing.assert_allclose(got, w1_direct(x), rtol=0, atol=1e-6)
+    report = reconcile(config, db_url, root)
+    assert report.clean, report.to_dict()
+    assert report.counts == {"dead": len(POISON)}
+
+
+class ReaperBeforeCommit:
+    """Wraps the run's sink: before the first commit its lease expires and a reaper runs."""
+
+    def __init__(self, sink: Any, url: str, config: cfg.PipelineConfig) -> None:
+        self.sink, self.url, self.config = sink, url, config
+        self.lost: list[Any] = []
+
+    def commit(self, batch: Any) -> Any:
+        if not self.lost:
+            self.lost.append(batch)
+            reaper = open_queue(self.url, self.config)
+            with reaper.begin() as conn:
+                conn.execute(
+                    schema.items.update()
+                    .where(schema.items.c.lease_id == batch.lease_id)
+                    .values(lease_expires_at=time.time() - 1)
+                )
+            assert reaper.release_expired().released == len(batch.items)
+            reaper.engine.dispose()
+        return self.sink.commit(batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sink, name)
+
+
+def test_a_batch_whose_lease_was_lost_is_not_committed_and_its_items_score_once_later(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    config = load("tabular.yaml", tmp_path, batching={"max_batch_size": 50, "claim_size": 50})
+    enqueue(sqlite_url, config, w1_records(200, tmp_path))
+    root = tmp_path / "outputs"
+    wrapped: list[ReaperBeforeCommit] = []
+
+    def wrap(scorer: pipeline.Scorer) -> None:
+        wrapped.append(ReaperBeforeCommit(scorer.sink, sqlite_url, config))
+        scorer.sink = wrapped[0]
+
+    first = score(config, sqlite_url, root, on_scorer=wrap)
+    second = score(config, sqlite_url, root)  # picks up what the first run did not
+    (lost,) = wrapped[0].lost
+    assert first.summary["lease_lost_items"] == len(lost.items) == 50
+    assert first.summary["items_committed"] + second.summary["items_committed"] == 200
+    assert lost.batch_id not in ledger(sqlite_url)
+    leftovers = [p for p in tmp_path.rglob(f"*{lost.batch_id}*")]
+    assert leftovers == [], "a file of the discarded batch survived"
+    out = assert_done_once(sqlite_url, root, {f"w1-{i}" for i in range(200)})
+    rows = items(sqlite_url)
+    for item in lost.items:
+        assert out[item.item_key]["batch_id"] != lost.batch_id
+        assert (rows[item.item_key].attempts, rows[item.item_key].crash_count) == (2, 1)
+    assert reconcile(config, sqlite_url, root).clean
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def test_w1_outputs_read_back_match_the_model_run_directly(sqlite_url: str, tmp_path: Path) -> None:
+    n = 256
+    config = load("tabular.yaml", tmp_path, batching={"max_batch_size": 64})
+    enqueue(sqlite_url, config, w1_records(n, tmp_path))
+    root = tmp_path / "outputs"
+    outcome = score(config, sqlite_url, root)
+    assert outcome.summary["items_committed"] == n
+    assert outcome.summary["batches"] >= n // 64
+    out = dataset(root)
+    got = np.array([out[f"w1-{i}"]["output"] for i in range(n)], dtype=np.float32)
+    want = w1_direct(workloads.w1_inputs(n))
+    assert got.shape == want.shape == (n, 1)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert np.std(want) > 1e-3  # the comparison can tell rows apart
+
+
+def test_w2_padded_batch_outputs_match_each_sequence_scored_alone(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    seqs = [s for s in workloads.w2_inputs(300) if 33 <= len(s) <= 48][:6]  # one length bucket
+    assert len({len(s) for s in seqs}) > 1, "need different lengths to get padding"
+    config = load("online.yaml", tmp_path)
+    records = [json_record(f"w2-{i}", {"tokens": s.tolist()}) for i, s in enumerate(seqs)]
+    enqueue(sqlite_url, config, records)
+    root = tmp_path / "outputs"
+    outcome = score(config, sqlite_url, root)
+    assert outcome.summary["batches"] == 1
+    assert outcome.summary["padding_efficiency"] < 1.0
+    out = dataset(root)
+    model = TorchRunner.load(config.model, base_dir=config.base_dir).model
+    for i, seq in enumerate(seqs):
+        tokens = torch.from_numpy(seq)[None, :]
+        with torch.inference_mode():
+            alone = model(tokens, torch.zeros_like(tokens, dtype=torch.bool))[0].numpy()
+        got = np.array(out[f"w2-{i}"]["output"], dtype=np.float32)
+        assert got.shape == (256,)
+        np.testing.assert_allclose(got, alone, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- SQL sink
+
+
+def test_the_sql_sink_commits_each_item_exactly_once(db_url: str, tmp_path: Path) -> None:
+    n = 120
+    config = load("tabular.yaml", tmp_path, output={"kind": "sql"}, batching={"max_batch_size": 32})
+    enqueue(db_url, config, w1_records(n, tmp_path))
+    outcome = score(config, db_url, None)
+    assert outcome.summary["items_committed"] == n
+    assert outcome.output == "batching_results"
+
+    queue = open_queue(db_url, config)
+    assert queue.enqueue(w1_records(n, tmp_path)).inserted == 0  # the producer sends it all again
+    queue.engine.dispose()
+    again = score(config, db_url, None)
+    assert again.summary["items_committed"] == 0
+
+    engine = q.create_engine(db_url)
+    with engine.connect() as conn:
+        results = conn.execute(sa.select(schema.results)).all()
+    engine.dispose()
+    keys = Counter(r.item_key for r in results)
+    assert keys == Counter(f"w1-{i}" for i in range(n))
+    rows, batches = items(db_url), ledger(db_url)
+    for r in results:
+        assert rows[r.item_key].state == models.State.DONE
+        assert rows[r.item_key].batch_id == r.batch_id
+        assert (batches[r.batch_id].sink, batches[r.batch_id].state) == ("sql", "published")
+    by_key = {r.item_key: np.frombuffer(r.output, dtype="<f4") for r in results}
+    got = np.stack([by_key[f"w1-{i}"] for i in range(n)])
+    np.testing.assert_allclose(got, w1_direct(workloads.w1_inputs(n)), rtol=0, atol=1e-6)
+    assert reconcile(config, db_url, "batching_results").clean
+
+
+# ----------------------------------------------------------------------------- signals
+
+
+@pytest.fixture
+def score_process(sqlite_url: str, tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
+    """Starts `batching score` on a W1 queue as a real process; kills it if a test leaves it."""
+    procs: list[subprocess.Popen] = []
+
+    def start(config_path: Path) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [BATCHING, "score", "-c", str(config_path), "--db", sqlite_url, "--quiet"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def wait_for_done(url: str, at_least: int, proc: subprocess.Popen, timeout_s: float = 60) -> int:
+    """Poll the queue until ``at_least`` items are done (the run is mid-way), return the count."""
+    engine = q.create_engine(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            with engine.connect() as conn:
+                done = conn.execute(
+                    sa.select(sa.func.count()).where(schema.items.c.state == models.State.DONE)
+                ).scalar_one()
+            if done >= at_least:
+                return int(done)
+            time.sleep(0.02)
+    finally:
+        engine.dispose()
+    raise AssertionError(f"fewer than {at_least} items done after {timeout_s} s")
+
+
+N_SIGNAL = 3000
+SLOW = {"max_batch_size": 8, "claim_size": 32, "max_wait_s": 0.01}
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_loses_nothing_and_charges_no_attempt(
+    sqlite_url: str, tmp_path: Path, score_process: Callable[..., subprocess.Popen]
+) -> None:
+    path = write_config("tabular.yaml", tmp_path, batching=SLOW)
+    config = cfg.load_config(path)
+    enqueue(sqlite_url, config, w1_records(N_SIGNAL, tmp_path))
+    proc = score_process(path)
+    wait_for_done(sqlite_url, 200, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert "items released" in stdout
+
+    rows = items(sqlite_url)
+    states = Counter(models.State(r.state) for r in rows.values())
+    assert states[models.State.LEASED] == 0, "a clean stop left leased items"
+    assert states[models.State.DONE] + states[models.State.READY] == N_SIGNAL
+    assert states[models.State.READY] > 0, "the run finished before SIGTERM; nothing tested"
+    ready = [r for r in rows.values() if r.state == models.State.READY]
+    assert {r.attempts for r in ready} == {0}, "released items were charged an attempt"
+
+    root = tmp_path / "outputs"
+    second = score(config, sqlite_url, root)
+    assert second.summary["items_committed"] == states[models.State.READY]
+    assert_done_once(sqlite_url, root, {f"w1-{i}" for i in range(N_SIGNAL)})
+    assert {r.attempts for r in items(sqlite_url).values()} == {1}
+    assert reconcile(config, sqlite_url, root).clean
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_reaper_restart_and_reconcile_lose_nothing(
+    sqlite_url: str, tmp_path: Path, score_process: Callable[..., subprocess.Popen]
+) -> None:
+    lease_s = 1.5
+    path = write_config(
+        "tabular.yaml", tmp_path, batching=SLOW, queue={"name": "tabular", "lease_s": lease_s}
+    )
+    config = cfg.load_config(path)
+    enqueue(sqlite_url, config, w1_records(N_SIGNAL, tmp_path))
+    proc = score_process(path)
+    wait_for_done(sqlite_url, 200, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+    queue = open_queue(sqlite_url, config)
+    time.sleep(lease_s + 0.2)  # the dead scorer's leases run out in real time
+    reaped = queue.release_expired()
+    queue.engine.dispose()
+    assert reaped.released > 0
+    assert reaped.dead == 0
+
+    root = tmp_path / "outputs"
+    restart = score(config, sqlite_url, root)  # recovers the sink first, then scores the rest
+    report = reconcile(config, sqlite_url, root)
+    assert report.clean, json.dumps(report.to_dict())[:2000]
+    out = assert_done_once(sqlite_url, root, {f"w1-{i}" for i in range(N_SIGNAL)})
+    assert len(out) == N_SIGNAL
+    assert restart.summary["items_committed"] >= reaped.released
+    assert not list((tmp_path / "outputs.staging").iterdir()), "staging leftovers"

@@ -1,0 +1,528 @@
+"""Unit tests for the Scorer: in-memory queue, fake runner, list sink, fake clock; no I/O."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from batching import config, errors, models, pipeline
+from tests.conftest import FakeClock
+
+# ----------------------------------------------------------------------------- fakes
+
+
+@dataclass
+class Row:
+    item: models.WorkItem
+    state: models.State = models.State.READY
+    lease_id: str | None = None
+    attempts: int = 0
+    run_after: float = 0.0
+    last_error: str | None = None
+
+
+class InMemoryQueue:
+    """The queue contract the Scorer uses (claim, heartbeat, fail, release) plus ack and a reaper."""
+
+    def __init__(self, clock: FakeClock, *, max_attempts: int = 3) -> None:
+        self.clock = clock
+        self.max_attempts = max_attempts
+        self.rows: dict[int, Row] = {}
+        self.fail_calls: list[tuple[str, dict[int, str]]] = []
+        self.heartbeats: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._leases = 0
+
+    def add(self, keys: Sequence[str], payload: bytes = b"{}") -> None:
+        with self._lock:
+            for key in keys:
+                item_id = len(self.rows) + 1
+                item = models.WorkItem(item_id, key, models.Payload(payload), self.clock())
+                self.rows[item_id] = Row(item, run_after=self.clock())
+
+    def claim(
+        self, n: int, *, lease_s: float, lane: str | None = None, max_cost: int | None = None
+    ) -> models.Claim:
+        with self._lock:
+            self._leases += 1
+            lease_id = f"lease-{self._leases}"
+            now = self.clock()
+            ready = [
+                r
+                for r in self.rows.values()
+                if r.state is models.State.READY and r.run_after <= now
+            ]
+            items = []
+            for row in ready[:n]:
+                row.state, row.lease_id = models.State.LEASED, lease_id
+                row.attempts += 1
+                items.append(replace(row.item, attempts=row.attempts))
+            return models.Claim(lease_id, tuple(items), now + lease_s)
+
+    def heartbeat(self, lease_id: str, lease_s: float) -> int:
+        self.heartbeats[lease_id] += 1
+        return len(self._held(lease_id, None))
+
+    def ack(self, lease_id: str, ids: Sequence[int]) -> bool:
+        """All or nothing, like the SQL ack inside the sink's transaction."""
+        with self._lock:
+            held = self._held(lease_id, ids)
+            if len(held) != len(ids):
+                return False
+            for row in held:
+                row.state, row.lease_id = models.State.DONE, None
+            return True
+
+    def fail(
+        self, lease_id: str, failures: dict[int, str], *, retry: bool = True
+    ) -> models.FailResult:
+        with self._lock:
+            self.fail_calls.append((lease_id, dict(failures)))
+            retried = dead = 0
+            for row in self._held(lease_id, list(failures)):
+                row.lease_id, row.last_error = None, failures[row.item.id]
+                if not retry or row.attempts >= self.max_attempts:
+                    row.state, dead = models.State.DEAD, dead + 1
+                else:
+                    row.state, row.run_after = models.State.READY, self.clock() + 30
+                    retried += 1
+            return models.FailResult(retried, dead)
+
+    def release(self, lease_id: str, ids: list[int] | None = None) -> int:
+        with self._lock:
+            held = self._held(lease_id, ids)
+            for row in held:
+                row.state, row.lease_id = models.State.READY, None
+                row.attempts -= 1
+            return len(held)
+
+    def reap(self, lease_id: str) -> int:
+        """The reaper after a lease expired: its items go back to ready (attempt kept)."""
+        with self._lock:
+            held = self._held(lease_id, None)
+            for row in held:
+                row.state, row.lease_id = models.State.READY, None
+            return len(held)
+
+    def _held(self, lease_id: str, ids: Sequence[int] | None) -> list[Row]:
+        rows = self.rows.values() if ids is None else [self.rows[i] for i in ids]
+        return [r for r in rows if r.state is models.State.LEASED and r.lease_id == lease_id]
+
+    def keys(self, state: models.State) -> set[str]:
+        return {r.item.item_key for r in self.rows.values() if r.state is state}
+
+    def row(self, key: str) -> Row:
+        return next(r for r in self.rows.values() if r.item.item_key == key)
+
+
+@dataclass(frozen=True)
+class Scored:
+    lease_id: str
+    items: tuple[models.WorkItem, ...]
+    outputs: dict[int, Any]
+
+
+def make_scored(batch: models.Batch, lease_id: str, result: Any, scored_at: float) -> Scored:
+    return Scored(lease_id, batch.items, {i.id: result.outputs[i.id] for i in batch.items})
+
+
+@dataclass(frozen=True)
+class Committed:
+    n_bytes: int
+
+
+class ListSink:
+    """Keeps committed batches in a list; acks through the queue, all or nothing."""
+
+    def __init__(self, queue: InMemoryQueue) -> None:
+        self.queue = queue
+        self.batches: list[Scored] = []
+        self.before_commit: Callable[[Scored], None] | None = None
+
+    def commit(self, batch: Scored) -> Committed:
+        if self.before_commit is not None:
+            self.before_commit(batch)
+        if not self.queue.ack(batch.lease_id, [i.id for i in batch.items]):
+            raise errors.LeaseLost(f"lease {batch.lease_id} lost")
+        self.batches.append(batch)
+        return Committed(n_bytes=10 * len(batch.items))
+
+    def keys(self) -> Counter[str]:
+        return Counter(i.item_key for b in self.batches for i in b.items)
+
+
+@dataclass
+class Result:
+    outputs: dict[int, Any]
+    failures: dict[int, str]
+    service_s: float = 0.01
+    real_tokens: int = 0
+    padded_tokens: int = 0
+
+
+@dataclass
+class FakeRunner:
+    """Payload ``undecodable`` fails in decode, ``poison`` in forward; others score ``[id]``."""
+
+    on_decode: Callable[[int], None] | None = None
+    on_forward: Callable[[int], None] | None = None
+    decoded: int = 0
+    forwarded: int = 0
+    sizes: list[int] = field(default_factory=list)
+
+    def decode(self, items: Sequence[models.WorkItem]) -> tuple[list[models.WorkItem], dict]:
+        self.decoded += 1
+        if self.on_decode is not None:
+            self.on_decode(self.decoded)
+        bad = {i.id: "payload is not valid JSON" for i in items if i.payload.data == b"undecodable"}
+        return [i for i in items if i.id not in bad], bad
+
+    def forward(self, decoded: tuple[list[models.WorkItem], dict[int, str]]) -> Result:
+        self.forwarded += 1
+        if self.on_forward is not None:
+            self.on_forward(self.forwarded)
+        items, failures = decoded
+        self.sizes.append(len(items) + len(failures))
+        outputs = {}
+        for item in items:
+            if item.payload.data == b"poison":
+                failures[item.id] = "RuntimeError: poison"
+            else:
+                outputs[item.id] = np.array([float(item.id)], dtype=np.float32)
+        return Result(outputs, failures, real_tokens=len(items), padded_tokens=len(items))
+
+
+def make_config(**batching: Any) -> config.PipelineConfig:
+    policy = {"max_batch_size": 4, "max_wait_s": 10.0, **batching}
+    return config.PipelineConfig(
+        model=config.ModelSpec(name="fake", version="v1", sha256="0" * 64),
+        batching=config.BatchingPolicy(**policy),
+        queue=config.QueueConfig(poll_s=0.001),
+        latency_slo_s=60.0,
+    )
+
+
+@dataclass
+class Rig:
+    clock: FakeClock
+    queue: InMemoryQueue
+    runner: FakeRunner
+    sink: ListSink
+    scorer: pipeline.Scorer
+    progress: list[int]
+    waits: list[float]
+
+
+def rig(
+    keys: Sequence[str] = (),
+    *,
+    clock: FakeClock | None = None,
+    on_wait: Callable[[Rig], None] | None = None,
+    max_attempts: int = 3,
+    **batching: Any,
+) -> Rig:
+    clock = clock or FakeClock()
+    queue = InMemoryQueue(clock, max_attempts=max_attempts)
+    queue.add(keys)
+    runner, sink = FakeRunner(), ListSink(queue)
+    progress: list[int] = []
+    waits: list[float] = []
+
+    def wait(seconds: float) -> None:
+        waits.append(seconds)
+        if on_wait is not None:
+            on_wait(made)
+
+    scorer = pipeline.Scorer(
+        make_config(**batching),
+        queue,
+        runner,
+        sink,
+        make_scored,
+        clock=clock,
+        on_progress=lambda stats: progress.append(stats.committed),
+        wait_for_work=wait,
+    )
+    made = Rig(clock, queue, runner, sink, scorer, progress, waits)
+    return made
+
+
+def keys(n: int, prefix: str = "k") -> list[str]:
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+def test_until_empty_commits_every_item_exactly_once() -> None:
+    r = rig(keys(10), max_batch_size=4, claim_size=8)
+    stats = r.scorer.run(pipeline.RunLimits(until_empty=True))
+    assert r.sink.keys() == Counter(keys(10))
+    assert r.queue.keys(models.State.DONE) == set(keys(10))
+    assert (stats.claimed, stats.committed, stats.failed, stats.released) == (10, 10, 0, 0)
+    assert sum(stats.batch_sizes) == 10
+    assert max(stats.batch_sizes) <= 4
+    assert r.progress == sorted(r.progress)
+    assert len(r.progress) == len(stats.batch_sizes)
+    assert r.progress[-1] == 10
+    assert stats.bytes_written == 100
+    assert stats.finished_at == r.clock()
+
+
+@pytest.mark.parametrize(
+    ("max_items", "claim_size", "expected"), [(1, 4, 1), (6, 4, 6), (10, 4, 10), (7, 100, 7)]
+)
+def test_max_items_caps_what_is_claimed(max_items: int, claim_size: int, expected: int) -> None:
+    r = rig(keys(10), max_batch_size=4, claim_size=claim_size)
+    stats = r.scorer.run(pipeline.RunLimits(until_empty=False, max_items=max_items))
+    assert (stats.claimed, stats.committed) == (expected, expected)
+    assert len(r.queue.keys(models.State.DONE)) == expected
+    assert len(r.queue.keys(models.State.READY)) == 10 - expected
+
+
+def test_until_empty_stops_before_max_items_on_a_short_queue() -> None:
+    r = rig(keys(10), max_batch_size=4, claim_size=4)
+    stats = r.scorer.run(pipeline.RunLimits(until_empty=True, max_items=25))
+    assert (stats.claimed, stats.committed) == (10, 10)
+    assert r.waits == []
+
+
+def test_max_seconds_on_the_fake_clock_waits_for_work_then_stops() -> None:
+    def on_wait(r: Rig) -> None:
+        if not r.waits[1:]:
+            r.queue.add(["late-1", "late-2", "late-3"])  # work arrives during the first wait
+        r.clock.advance(1.0)
+
+    r = rig(on_wait=on_wait, max_batch_size=4, claim_size=8)
+    started = r.clock()
+    stats = r.scorer.run(pipeline.RunLimits(until_empty=False, max_seconds=5.0))
+    assert r.sink.keys() == Counter(["late-1", "late-2", "late-3"])
+    assert stats.committed == 3
+    assert r.clock() - started == 5.0
+    assert len(r.waits) == 5
+    assert all(0 < w <= 0.001 for w in r.waits)  # never longer than poll_s
+
+
+def test_until_empty_on_an_empty_queue_returns_at_once() -> None:
+    r = rig()
+    stats = r.scorer.run()
+    assert (stats.claimed, stats.committed, len(stats.batch_sizes)) == (0, 0, 0)
+    assert r.waits == []
+
+
+# ----------------------------------------------------------------------------- stop and errors
+
+
+def test_stop_finishes_batches_in_flight_and_releases_the_rest_without_an_attempt() -> None:
+    r = rig(keys(20), max_batch_size=4, claim_size=20)
+    r.runner.on_decode = lambda n: r.scorer.stop() if n == 2 else None
+    stats = r.scorer.run(pipeline.RunLimits(until_empty=False))
+    assert (stats.claimed, stats.committed, stats.released) == (20, 8, 12)
+    assert stats.summary()["items_released"] == 12
+    assert sum(r.sink.keys().values()) == 8
+    ready = r.queue.keys(models.State.READY)
+    assert len(ready) == 12
+    assert ready.isdisjoint(r.sink.keys())
+    assert {r.queue.row(k).attempts for k in ready} == {0}
+    assert r.queue.keys(models.State.LEASED) == set()
+
+
+def test_stop_before_run_claims_nothing() -> None:
+    r = rig(keys(5))
+    r.scorer.stop()
+    stats = r.scorer.run()
+    assert (stats.claimed, stats.committed) == (0, 0)
+    assert r.queue.keys(models.State.READY) == set(keys(5))
+
+
+def test_a_failed_stage_fails_the_run_and_releases_what_is_not_in_flight() -> None:
+    r = rig(keys(12), max_batch_size=4, claim_size=12)
+
+    def boom(n: int) -> None:
+        raise RuntimeError("device lost")
+
+    r.runner.on_forward = boom
+    with pytest.raises(RuntimeError, match="device lost"):
+        r.scorer.run()
+    assert r.sink.batches == []
+    assert r.scorer.stats.released >= 4
+    leased = r.queue.keys(models.State.LEASED)
+    assert len(leased) + r.scorer.stats.released == 12  # the failed batch waits for the reaper
+    assert 4 <= len(leased) <= 8
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize(
+    ("max_attempts", "state"), [(1, models.State.DEAD), (3, models.State.READY)]
+)
+def test_failed_items_go_to_queue_fail_alone_and_batch_mates_commit(
+    max_attempts: int, state: models.State
+) -> None:
+    r = rig(max_attempts=max_attempts, max_batch_size=8, claim_size=8)
+    r.queue.add(["ok-1", "ok-2"])
+    r.queue.add(["bad-json"], b"undecodable")
+    r.queue.add(["ok-3"])
+    r.queue.add(["poison"], b"poison")
+    r.queue.add(["ok-4", "ok-5"])
+    stats = r.scorer.run()
+    assert r.runner.sizes == [7]  # one batch: the bad items were batch-mates of the good ones
+    assert r.sink.keys() == Counter(["ok-1", "ok-2", "ok-3", "ok-4", "ok-5"])
+    assert (stats.committed, stats.failed) == (5, 2)
+    ((lease, failures),) = r.queue.fail_calls
+    assert lease == r.sink.batches[0].lease_id
+    by_key = {r.queue.rows[i].item.item_key: why for i, why in failures.items()}
+    assert by_key == {"bad-json": "payload is not valid JSON", "poison": "RuntimeError: poison"}
+    for key in by_key:
+        assert r.queue.row(key).state is state
+        assert r.queue.row(key).last_error == by_key[key]
+
+
+def test_a_lost_lease_is_counted_not_committed_and_its_items_are_scored_again() -> None:
+    r = rig(keys(8), max_batch_size=4, claim_size=4)
+    lost: list[Scored] = []
+
+    def reaper_runs_first(batch: Scored) -> None:
+        if not lost:
+            lost.append(batch)
+            r.queue.reap(batch.lease_id)  # the lease expired and the reaper ran before commit
+
+    r.sink.before_commit = reaper_runs_first
+    first = r.scorer.run()
+    assert first.lease_lost == 4
+    assert first.summary()["lease_lost_items"] == 4
+    assert lost[0].lease_id not in {b.lease_id for b in r.sink.batches}
+    second = pipeline.Scorer(make_config(max_batch_size=4), r.queue, r.runner, r.sink, make_scored)
+    second.run()  # whatever the first run did not pick up again
+    assert r.sink.keys() == Counter(keys(8))
+    assert first.committed + second.stats.committed == 8
+    assert r.queue.keys(models.State.DONE) == set(keys(8))
+
+
+def test_items_reaped_and_claimed_again_while_in_flight_commit_once_under_the_new_lease() -> None:
+    """The old batch is fenced out by its lost lease; the new claim's batch commits."""
+    r = rig(keys(8), max_batch_size=4, claim_size=4)
+
+    def reaped_and_reclaimed(n: int) -> None:
+        if n != 1:
+            return
+        r.queue.reap("lease-1")  # the lease expired during this forward pass
+        deadline = time.monotonic() + 5
+        while r.queue.row("k0").lease_id in (None, "lease-1") and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the feeder claimed k0..k3 again
+
+    r.runner.on_forward = reaped_and_reclaimed
+    stats = r.scorer.run(pipeline.RunLimits(until_empty=False, max_items=12))
+    assert stats.lease_lost == 4
+    assert r.sink.keys() == Counter(keys(8))
+    assert "lease-1" not in {b.lease_id for b in r.sink.batches}
+    assert r.queue.keys(models.State.DONE) == set(keys(8))
+
+
+def test_a_batch_holding_two_leases_commits_each_lease_part_separately() -> None:
+    r = rig(["a1", "a2", "a3", "b1", "b2", "b3"], max_batch_size=2, claim_size=3)
+    stats = r.scorer.run()
+    parts = [(b.lease_id, [i.item_key for i in b.items]) for b in r.sink.batches]
+    assert sorted(parts) == [
+        ("lease-1", ["a1", "a2"]),
+        ("lease-1", ["a3"]),
+        ("lease-2", ["b1"]),
+        ("lease-2", ["b2", "b3"]),
+    ]
+    assert stats.batch_sizes == [2, 2, 2]
+    assert stats.committed == 6
+
+
+# ----------------------------------------------------------------------------- stats
+
+
+@pytest.mark.parametrize(
+    ("values", "p50", "p99"),
+    [
+        ([], 0.0, 0.0),
+        ([5], 5.0, 5.0),
+        ([1, 2, 3], 2.0, 3.0),
+        (list(range(1, 101)), 51.0, 99.0),
+        ([0.1] * 98 + [5.0, 9.0], 0.1, 5.0),  # nearest rank: p99 of 100 is the 99th
+    ],
+)
+def test_summary_percentiles(values: list[float], p50: float, p99: float) -> None:
+    stats = pipeline.RunStats(started_at=100.0, finished_at=110.0)
+    stats.latencies_s = list(values)
+    stats.batch_sizes = [round(v) for v in reversed(values)]  # summary sorts them
+    s = stats.summary()
+    assert (s["latency_p50_s"], s["latency_p99_s"]) == (p50, p99)
+    assert s["latency_max_s"] == (max(values) if values else 0.0)
+    assert (s["batch_size_p50"], s["batch_size_p99"]) == (round(p50), round(p99))
+
+
+def test_summary_numbers() -> None:
+    stats = pipeline.RunStats(started_at=100.0, finished_at=104.0, committed=40, failed=2)
+    stats.batch_sizes = [8, 16, 16]
+    stats.service_s = [0.1, 0.2, 0.3]
+    stats.real_tokens, stats.padded_tokens = 30, 40
+    stats.reasons.update(["size", "size", "wait"])
+    s = stats.summary()
+    assert s["items_per_s"] == 10.0
+    assert s["elapsed_s"] == 4.0
+    assert s["batches"] == 3
+    assert s["batch_size_mean"] == pytest.approx(40 / 3)
+    assert s["padding_efficiency"] == 0.75
+    assert s["service_s_mean"] == pytest.approx(0.2)
+    assert s["release_reasons"] == {"size": 2, "wait": 1}
+    assert (s["items_committed"], s["items_failed"]) == (40, 2)
+    empty = pipeline.RunStats(started_at=1.0, finished_at=1.0).summary()
+    assert (empty["padding_efficiency"], empty["batch_size_mean"], empty["items_per_s"]) == (
+        1.0,
+        0.0,
+        0.0,
+    )
+
+
+def test_run_stats_measure_latency_from_enqueue_on_the_injected_clock() -> None:
+    clock = FakeClock()
+    r = rig(clock=clock, max_batch_size=4, claim_size=4)
+    r.queue.add(keys(4))
+    clock.advance(2.5)
+    stats = r.scorer.run()
+    assert stats.latencies_s == [2.5] * 4
+    assert stats.reasons == Counter({"size": 1})
+    assert stats.service_s == [0.01]
+
+
+# ----------------------------------------------------------------------------- pacing
+
+
+class CountingClock(FakeClock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        return self.now
+
+
+def test_the_feeder_does_not_spin_while_the_model_is_busy() -> None:
+    """A ready batch waits for the busy forward stage without burning a core."""
+    clock = CountingClock()
+    r = rig(keys(16), clock=clock, max_batch_size=4, claim_size=16)
+    seen: list[int] = []
+
+    def busy(n: int) -> None:
+        if n == 1:
+            start = clock.calls
+            time.sleep(0.1)  # the model runs; the next batch is ready and must wait
+            seen.append(clock.calls - start)
+
+    r.runner.on_forward = busy
+    r.scorer.run()
+    assert seen[0] < 1000, f"feeder polled the clock {seen[0]} times in 0.1 s"
