@@ -1,0 +1,120 @@
+"""Enqueue files: JSONL and Parquet (JSON strings, structs, list and fixed-size-list tensors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batching import errors, ingest, models
+
+
+def write_jsonl(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_fields_defaults_and_cost(tmp_path: Path) -> None:
+    recs = ingest.read_records(
+        write_jsonl(
+            tmp_path / "r.jsonl",
+            [
+                {"item_key": "a", "payload": {"tokens": [5, 6, 7]}},
+                {
+                    "item_key": "b",
+                    "payload": {"x": [1.0]},
+                    "tenant": "t",
+                    "priority": 3,
+                    "deadline": "2030-01-01T00:00:00Z",
+                    "cost": 9,
+                    "lane": "short",
+                },
+            ],
+        )
+    )
+    a, b = recs
+    assert (a.cost, a.tenant, a.priority, a.deadline_at) == (3, "default", 0, None)
+    assert json.loads(a.payload.data) == {"tokens": [5, 6, 7]}
+    assert (b.cost, b.tenant, b.priority, b.lane) == (9, "t", 3, "short")
+    assert b.deadline_at == pytest.approx(1893456000.0)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "r.jsonl:2: not valid JSON"),
+        ('{"payload": {}}', "r.jsonl:2: item_key must be a non-empty string"),
+        ('{"item_key": "k"}', "r.jsonl:2: missing payload"),
+        ('{"item_key": "k", "payload": 3}', "r.jsonl:2: payload must be a JSON object or array"),
+        ('{"item_key": "k", "payload": {}, "prio": 1}', "r.jsonl:2: unknown field(s) prio"),
+        ('{"item_key": "k", "payload": {}, "cost": 0}', "r.jsonl:2: cost must be >= 1"),
+        ('{"item_key": "k", "payload": {}, "deadline": "soon"}', "r.jsonl:2: deadline must be"),
+        ('{"item_key": "k", "payload": {}, "priority": "high"}', "r.jsonl:2: priority must be"),
+    ],
+)
+def test_jsonl_bad_record_names_file_and_line(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"item_key": "ok", "payload": {}}\n' + line + "\n")
+    with pytest.raises(errors.InputError) as info:
+        ingest.read_records(path)
+    assert str(info.value).startswith(str(tmp_path / message.split(":")[0]))
+    assert message.split(":", 1)[1].strip().split(" (")[0] in str(info.value)
+
+
+def test_parquet_fixed_size_list_becomes_tensor_payloads(tmp_path: Path) -> None:
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    col = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 4)
+    pq.write_table(pa.table({"item_key": ["a", "b", "c"], "payload": col}), tmp_path / "t.parquet")
+    recs = ingest.read_records(tmp_path / "t.parquet")
+    assert [r.payload.format for r in recs] == [models.PayloadFormat.TENSOR] * 3
+    assert all(r.payload.shape == (4,) and r.payload.dtype == "float32" for r in recs)
+    back = np.stack([np.frombuffer(r.payload.data, dtype="<f4") for r in recs])
+    np.testing.assert_array_equal(back, x)
+
+
+def test_parquet_variable_lists_cost_is_length(tmp_path: Path) -> None:
+    col = pa.array([[1, 2, 3], [4], [5, 6]], type=pa.list_(pa.int64()))
+    pq.write_table(pa.table({"item_key": ["a", "b", "c"], "payload": col}), tmp_path / "v.parquet")
+    recs = ingest.read_records(tmp_path / "v.parquet")
+    assert [r.cost for r in recs] == [3, 1, 2]
+    assert np.frombuffer(recs[2].payload.data, dtype="<i8").tolist() == [5, 6]
+
+
+def test_parquet_json_strings_and_structs(tmp_path: Path) -> None:
+    pq.write_table(
+        pa.table({"item_key": ["a"], "payload": ['{"x": [1, 2]}'], "priority": [2]}),
+        tmp_path / "s.parquet",
+    )
+    pq.write_table(
+        pa.table({"item_key": ["b"], "payload": [{"tokens": [1, 2]}]}), tmp_path / "st.parquet"
+    )
+    (a,) = ingest.read_records(tmp_path / "s.parquet")
+    (b,) = ingest.read_records(tmp_path / "st.parquet")
+    assert (json.loads(a.payload.data), a.priority) == ({"x": [1, 2]}, 2)
+    assert json.loads(b.payload.data) == {"tokens": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        (pa.table({"item_key": ["a"]}), "missing column(s) payload"),
+        (pa.table({"item_key": ["a"], "payload": ["{}"], "extra": [1]}), "unknown column(s) extra"),
+        (pa.table({"item_key": ["a"], "payload": ["nope"]}), "row 1: payload is not valid JSON"),
+    ],
+)
+def test_parquet_bad_input(tmp_path: Path, table: pa.Table, message: str) -> None:
+    pq.write_table(table, tmp_path / "bad.parquet")
+    with pytest.raises(errors.InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ingest.read_records(tmp_path / "bad.parquet")
+
+
+def test_unknown_suffix_and_missing_file(tmp_path: Path) -> None:
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(errors.InputError, match="unknown file type"):
+        ingest.read_records(tmp_path / "x.csv")
+    with pytest.raises(errors.InputError, match="no such file"):
+        ingest.read_records(tmp_path / "missing.jsonl")

@@ -1,0 +1,86 @@
+"""Config validation: field-level messages that say what to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from batching import config, errors
+from tests.conftest import REPO
+
+SHA = "0" * 64
+MODEL = {"name": "w1-mlp", "version": "v1", "sha256": SHA}
+
+
+@pytest.mark.parametrize("name", ["online.yaml", "bulk.yaml", "tabular.yaml"])
+def test_shipped_configs_load(name: str) -> None:
+    cfg = config.load_config(REPO / "deployments" / name)
+    assert cfg.model.sha256
+    assert cfg.latency_slo_s > cfg.batching.max_wait_s
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"model": MODEL, "batching": {"max_wait_s": 2.0}, "latency_slo_s": 1.0},
+            "batching.max_wait_s must be < latency_slo_s (1), got 2",
+        ),
+        ({"model": {**MODEL, "sha256": "abc"}}, "model.sha256: sha256 must be 64 hex digits"),
+        (
+            {"model": {**MODEL, "name": "bad:factory:x"}},
+            "factory must look like package.module:function",
+        ),
+        (
+            {"model": MODEL, "queue": {"lease_s": 30, "heartbeat_s": 20}},
+            "heartbeat_s must be <= lease_s / 3 (10)",
+        ),
+        (
+            {"model": MODEL, "output": {"table": "x; drop table y"}},
+            "output.table: Value error, table must be a SQL identifier",
+        ),
+        (
+            {"model": MODEL, "batching": {"length_buckets": [32, 16]}},
+            "length_buckets must be strictly increasing",
+        ),
+        ({"model": MODEL, "lineage": {"transport": "http"}}, "transport http needs url"),
+        ({"model": MODEL, "bogus": 1}, "bogus: Extra inputs are not permitted"),
+        ({}, "model: Field required"),
+    ],
+)
+def test_invalid_configs_name_the_field(data: dict[str, object], message: str) -> None:
+    with pytest.raises(errors.ConfigError) as info:
+        config.parse_config(data, source="cfg.yaml")
+    text = str(info.value)
+    assert text.startswith("cfg.yaml: ")
+    assert message.replace("Value error, ", "") in text
+
+
+def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(errors.ConfigError, match="is not valid YAML"):
+        config.load_config(tmp_path / "c.yaml")
+    with pytest.raises(errors.ConfigError, match="cannot read config"):
+        config.load_config(tmp_path / "none.yaml")
+
+
+def test_overrides_and_relative_paths(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text("model: {name: w1-mlp, version: v, sha256: '" + SHA + "'}\n")
+    cfg = config.load_config(
+        tmp_path / "c.yaml", {"output": {"path": "out"}, "queue": {"name": "q"}}
+    )
+    assert cfg.queue.name == "q"
+    assert cfg.resolve(cfg.output.path) == tmp_path.resolve() / "out"
+    assert (
+        cfg.config_hash()
+        == config.load_config(
+            tmp_path / "c.yaml", {"output": {"path": "out"}, "queue": {"name": "q"}}
+        ).config_hash()
+    )
+
+
+def test_identifier_check() -> None:
+    assert config.check_identifier("batching_results", "t") == "batching_results"
+    with pytest.raises(errors.ConfigError, match="t must be a SQL identifier"):
+        config.check_identifier("1bad", "t")
