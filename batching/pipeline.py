@@ -206,12 +206,17 @@ class Scorer:
     def _feed(self, limits: RunLimits) -> None:
         deadline = self.clock() + limits.max_seconds if limits.max_seconds is not None else None
         exhausted = False
+        next_claim_at = float("-inf")
         while not self._stop.is_set() and self._error is None:
+            now = self.clock()
             out_of_budget = (
                 limits.max_items is not None and self.stats.claimed >= limits.max_items
-            ) or (deadline is not None and self.clock() >= deadline)
-            if not out_of_budget and len(self.batcher) < self._low_water():
+            ) or (deadline is not None and now >= deadline)
+            if not out_of_budget and now >= next_claim_at and len(self.batcher) < self._low_water():
                 exhausted = not self._claim(limits)
+                # After an empty claim, poll again only after poll_s: each claim is a write
+                # transaction that would otherwise contend with commits in a tight loop.
+                next_claim_at = now + self.config.queue.poll_s if exhausted else float("-inf")
             finished = out_of_budget or (exhausted and limits.until_empty)
             if self._to_forward.empty() and self._dispatch(flush=finished or exhausted):
                 continue
