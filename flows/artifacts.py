@@ -1,0 +1,158 @@
+"""Prefect artifacts of the flows: run summary, progress, reconcile findings.
+
+Keys are stable per pipeline config (``<config name>-summary``, ...), so the Artifacts page keeps
+one history per pipeline, and each run shows its own versions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import Any, cast
+from uuid import UUID
+
+from prefect.artifacts import create_progress_artifact, create_table_artifact
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.actions import ArtifactUpdate
+
+from batching import pipeline
+from batching import reconcile as rc
+from flows.settings import artifact_key
+
+logger = logging.getLogger(__name__)
+_SAMPLE = 3
+
+
+def _id(created: UUID | Coroutine[Any, Any, UUID]) -> UUID:
+    """The artifact id: Prefect's ``create_*`` return it directly when called from sync code."""
+    return cast(UUID, created)
+
+
+def summary_rows(summary: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The run summary as ``metric`` / ``value`` rows (the CLI's closing table)."""
+    reasons = summary.get("release_reasons") or {}
+    rows = [
+        ("items committed", f"{summary['items_committed']}"),
+        ("items failed", f"{summary['items_failed']}"),
+        ("items released", f"{summary['items_released']}"),
+        ("batches", f"{summary['batches']}"),
+        ("batch size mean", f"{summary['batch_size_mean']:.1f}"),
+        (
+            "batch size p50 / p99",
+            f"{summary['batch_size_p50']:.0f} / {summary['batch_size_p99']:.0f}",
+        ),
+        ("padding efficiency", f"{summary['padding_efficiency']:.3f}"),
+        (
+            "latency p50 / p99 (s)",
+            f"{summary['latency_p50_s']:.3f} / {summary['latency_p99_s']:.3f}",
+        ),
+        ("items/s", f"{summary['items_per_s']:.1f}"),
+        ("elapsed (s)", f"{summary['elapsed_s']:.1f}"),
+        ("release reasons", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "-"),
+        ("lineage events not delivered", f"{summary.get('lineage_failures', 0)}"),
+    ]
+    return [{"metric": m, "value": v} for m, v in rows]
+
+
+def publish_summary(name: str, run_id: str, summary: Mapping[str, Any], output: str) -> UUID:
+    """Create the run summary table artifact; returns its id."""
+    return _id(
+        create_table_artifact(
+            table=summary_rows(summary),
+            key=artifact_key(name, "summary"),
+            description=f"Scoring run `{run_id}` of `{name}`; outputs in `{output}`.",
+        )
+    )
+
+
+class Progress:
+    """A progress artifact kept current from the pipeline's commit thread; a context manager.
+
+    ``total`` is the work the run expects (ready items at its start, capped by ``max_items``).
+    The artifact is updated at most every ``interval_s`` seconds, through a client this object
+    owns (Prefect's helper would leave one open per worker thread), and never fails the run.
+    A clean exit records the final share.
+    """
+
+    def __init__(self, name: str, total: int, interval_s: float = 2.0) -> None:
+        self.name = name
+        self.total = total
+        self.interval_s = interval_s
+        self.artifact_id: UUID | None = None
+        self._client: SyncPrefectClient | None = None
+        self._done = 0
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Progress:
+        self.artifact_id = _id(
+            create_progress_artifact(
+                progress=0.0,
+                key=artifact_key(self.name, "progress"),
+                description=f"Items committed or failed of the {self.total} ready at the start.",
+            )
+        )
+        self._client = get_client(sync_client=True).__enter__()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self._update(self.percent(self._done))
+        with self._lock:
+            if self._client is not None:
+                self._client.__exit__(None, None, None)
+                self._client = None
+
+    def __call__(self, stats: pipeline.RunStats) -> None:
+        """``on_progress`` hook: called after every batch."""
+        self._done = stats.committed + stats.failed
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return
+        self._last = now
+        self._update(self.percent(self._done))
+
+    def percent(self, done: int) -> float:
+        """Share of ``total`` done, in percent, at most 100."""
+        return 100.0 if self.total <= 0 else min(100.0, 100.0 * done / self.total)
+
+    def _update(self, percent: float) -> None:
+        with self._lock:
+            if self._client is None or self.artifact_id is None:
+                return
+            try:
+                self._client.update_artifact(self.artifact_id, ArtifactUpdate(data=percent))
+            except Exception:  # progress is cosmetic: never fail or stall a run over it
+                logger.warning("progress artifact not updated", exc_info=True)
+
+
+def finding_rows(findings: Sequence[rc.Finding]) -> list[dict[str, Any]]:
+    """One row per finding: class, severity, count, message and a few examples."""
+    return [
+        {
+            "class": str(f.kind),
+            "severity": str(f.severity),
+            "count": f.count,
+            "message": f.message,
+            "examples": ", ".join((*f.item_keys, *f.files, *f.batch_ids)[:_SAMPLE]),
+        }
+        for f in findings
+    ]
+
+
+def publish_findings(name: str, report: rc.Report, title: str) -> UUID:
+    """Create the reconcile findings table artifact; returns its id."""
+    verdict = "clean" if report.clean else "ok (warnings only)" if report.ok else "CRITICAL"
+    repairs = ", ".join(f"{r.action} {r.target}" for r in report.repairs[:10]) or "none"
+    rows = finding_rows(report.findings) or [
+        {"class": "-", "severity": "clean", "count": 0, "message": "no findings", "examples": ""}
+    ]
+    return _id(
+        create_table_artifact(
+            table=rows,
+            key=artifact_key(name, "reconcile"),
+            description=f"{title}: {verdict} on `{report.location}`; repairs: {repairs}.",
+        )
+    )

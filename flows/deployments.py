@@ -1,0 +1,121 @@
+"""The deployments, their schedules and triggers, as ``python -m flows.serve`` serves them.
+
+``deployments/prefect.yaml`` declares the same three for a process work pool; a test keeps the
+two in step.
+
+* ``batching-score/score``: every 5 min the online profile for at most 240 s; at 02:00 UTC the
+  bulk profile for at most 3 h; on ``batching.queue.backlog`` of the online queue, another
+  bounded online run. One run at a time: a run due while one is running is cancelled.
+* ``batching-reconcile/reconcile``: hourly over the last 2 h; and whenever a score or bulk run
+  ends Completed, Failed or Crashed, over that run, with that run's config and locations.
+* ``batching-bulk/bulk``: on demand, with ``input_path``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import cast
+
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+from prefect.deployments.runner import RunnerDeployment
+from prefect.events import DeploymentEventTrigger
+from prefect.schedules import Cron, Interval
+
+from flows import events, settings
+from flows.bulk import bulk
+from flows.reconcile import reconcile
+from flows.score import score
+
+SCORE_FLOWS = ["batching-score", "batching-bulk"]
+"""Flows whose end starts a reconcile of the run."""
+ONLINE_MAX_S = 240.0
+BULK_MAX_S = 3 * 3600.0
+INTERVAL_S = 300
+RECONCILE_WINDOW_S = 7200.0
+TAGS = ["batching"]
+
+UPSTREAM = "{{ event.resource.id.split('.')[-1] }}"
+"""Template: the flow-run id in a ``prefect.flow-run.*`` event's resource id."""
+
+
+def _upstream(parameter: str) -> str:
+    return "{{ flow_run.parameters.get('" + parameter + "') }}"
+
+
+def reconcile_trigger() -> DeploymentEventTrigger:
+    """Start a reconcile of a score or bulk run when it ends, with that run's settings."""
+    return DeploymentEventTrigger(
+        name="reconcile-after-scoring",
+        expect={
+            "prefect.flow-run.Completed",
+            "prefect.flow-run.Failed",
+            "prefect.flow-run.Crashed",
+        },
+        match={"prefect.resource.id": "prefect.flow-run.*"},
+        match_related={"prefect.resource.role": "flow", "prefect.resource.name": SCORE_FLOWS},
+        parameters={
+            "upstream_flow_run_id": UPSTREAM,
+            **{p: _upstream(p) for p in ("config", "overrides", "db_url", "output")},
+        },
+    )
+
+
+def backlog_trigger() -> DeploymentEventTrigger:
+    """Start another bounded online run when the online queue reports a backlog."""
+    online = settings.load(settings.ONLINE)
+    return DeploymentEventTrigger(
+        name="score-on-backlog",
+        expect={events.BACKLOG},
+        match={
+            "prefect.resource.id": events.queue_resource(online.queue.name),
+            "batching.config": online.name,
+        },
+        parameters={"config": settings.ONLINE, "max_seconds": ONLINE_MAX_S},
+    )
+
+
+def score_deployment() -> RunnerDeployment:
+    """``batching-score/score``: the online interval, the nightly bulk drain, the backlog trigger."""
+    deployment = score.to_deployment(
+        name="score",
+        parameters={"config": settings.ONLINE, "max_seconds": ONLINE_MAX_S},
+        schedules=[
+            Interval(timedelta(seconds=INTERVAL_S)),
+            Cron(
+                "0 2 * * *",
+                timezone="UTC",
+                parameters={"config": settings.BULK, "max_seconds": BULK_MAX_S},
+            ),
+        ],
+        triggers=[backlog_trigger()],
+        concurrency_limit=ConcurrencyLimitConfig(
+            limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW
+        ),
+        tags=TAGS,
+    )
+    return cast(RunnerDeployment, deployment)  # sync_compatible: the object itself here
+
+
+def reconcile_deployment() -> RunnerDeployment:
+    """``batching-reconcile/reconcile``: hourly over a 2 h window, and after every scoring run."""
+    deployment = reconcile.to_deployment(
+        name="reconcile",
+        parameters={"config": settings.ONLINE},
+        schedules=[
+            Interval(timedelta(hours=1), parameters={"window_s": RECONCILE_WINDOW_S}),
+        ],
+        triggers=[reconcile_trigger()],
+        tags=TAGS,
+    )
+    return cast(RunnerDeployment, deployment)
+
+
+def bulk_deployment() -> RunnerDeployment:
+    """``batching-bulk/bulk``: on demand, ``--param input_path=...``."""
+    deployment = bulk.to_deployment(name="bulk", parameters={"config": settings.BULK}, tags=TAGS)
+    return cast(RunnerDeployment, deployment)
+
+
+def all_deployments() -> list[RunnerDeployment]:
+    """Every deployment, for ``serve``."""
+    return [score_deployment(), reconcile_deployment(), bulk_deployment()]

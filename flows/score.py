@@ -1,0 +1,200 @@
+"""The score flow: check preconditions, drain the queue within a time budget, report.
+
+1. ``validate-preconditions`` (retried with backoff and jitter while the failure is transient):
+   the database is reachable and its schema current, the model checkpoint is present with the
+   pinned sha256, the output location is writable, the config passes ``batching check``. When
+   one fails nothing is claimed, the lineage run records START and FAIL with the reason, and
+   the flow run fails with it.
+2. ``score-queue``: one :func:`batching.app.run_score` call, the retryable unit (a retry resumes
+   from the queue; committed items are never scored twice). Its hard time limit is
+   ``max_seconds``, enforced between micro-batches: a Prefect task timeout cannot interrupt a
+   forward pass. It keeps a progress artifact current and publishes the run summary table.
+3. ``check-backlog``: emits ``batching.queue.backlog`` when the queue is still deeper or older
+   than the config's ``backlog_alert_depth`` / ``backlog_alert_age_s``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, runtime, task
+from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import State, TaskRun
+from prefect.tasks import Task, exponential_backoff
+
+from batching import app, config, errors, pipeline, sinks
+from batching.runner import TorchRunner
+from flows import artifacts, events, logs, settings
+from flows import lineage as flow_lineage
+
+TRANSIENT = (errors.QueueError, errors.SinkError)
+"""Failures a later attempt can fix: the database or the output location was unavailable."""
+
+
+def retry_transient(_task: Task[Any, Any], _run: TaskRun, state: State[Any]) -> bool:
+    """``retry_condition_fn``: retry only :data:`TRANSIENT` failures."""
+    return isinstance(state.result(raise_on_failure=False), TRANSIENT)
+
+
+@task(
+    name="validate-preconditions",
+    retries=3,
+    retry_delay_seconds=exponential_backoff(backoff_factor=1.0),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=retry_transient,
+    cache_policy=NO_CACHE,
+)
+def validate_preconditions(
+    cfg: config.PipelineConfig, db_url: str | None, output: str | None
+) -> dict[str, Any]:
+    """Check everything a run needs before it claims anything.
+
+    Returns:
+        ``ready`` (items ready now), ``sha256`` (verified checkpoint digest) and
+        ``worst_case_latency_s`` (from the policy check).
+
+    Raises:
+        QueueError: the database is unreachable. SchemaError: its schema is not current.
+        CheckpointError: the checkpoint is missing or its sha256 is not the pinned one.
+        SinkError: the output location is not writable. PolicyError: the config fails
+        ``batching check``.
+    """
+    res = settings.locations(cfg, db_url, output)
+    queue = app.open_queue(cfg, res.db_url)
+    try:
+        queue.check_schema()
+        ready = queue.stats().by_state.get("ready", 0)
+        runner = TorchRunner.load(cfg.model, base_dir=cfg.base_dir)
+        _check_writable(app.make_sink(cfg, queue, res.output))
+    finally:
+        queue.engine.dispose()
+    report = app.check_config(cfg)
+    report.raise_for_errors()
+    return {
+        "ready": ready,
+        "sha256": runner.checksum,
+        "worst_case_latency_s": report.worst_case_latency_s,
+    }
+
+
+def _check_writable(sink: Any) -> None:
+    """Write and drop an unnamed file where a Parquet sink stages its files."""
+    if not isinstance(sink, sinks.ParquetSink):
+        return  # a SQL sink writes to the queue database, checked already
+    folder: Path = sink.layout.staging
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise errors.SinkError(
+            f"output location {folder} is not writable ({exc.strerror}); fix its permissions"
+        ) from None
+
+
+@task(
+    name="score-queue",
+    retries=2,
+    retry_delay_seconds=exponential_backoff(backoff_factor=5.0),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=retry_transient,
+    cache_policy=NO_CACHE,
+)
+def score_queue(
+    cfg: config.PipelineConfig,
+    db_url: str | None,
+    output: str | None,
+    limits: pipeline.RunLimits,
+    expected: int,
+) -> app.ScoreOutcome:
+    """Score the queue within ``limits`` as the flow run's lineage run; publish the summary.
+
+    ``expected``: the items the run expects to score, the progress artifact's 100 %.
+    """
+    with artifacts.Progress(cfg.name, expected) as progress:
+        outcome = app.run_score(
+            cfg,
+            db_url=settings.db_url(db_url),
+            output=output,
+            limits=limits,
+            run_id=flow_run_id(),
+            on_progress=progress,
+            lineage_config=settings.lineage_config(cfg),
+        )
+    artifacts.publish_summary(cfg.name, outcome.run_id, outcome.summary, outcome.output)
+    return outcome
+
+
+@task(name="check-backlog", cache_policy=NO_CACHE)
+def check_backlog(cfg: config.PipelineConfig, db_url: str | None) -> dict[str, Any] | None:
+    """Emit ``batching.queue.backlog`` when the queue crosses its alert depth or age.
+
+    Returns the event payload, or None when the queue is within both thresholds.
+    """
+    if cfg.backlog_alert_depth is None and cfg.backlog_alert_age_s is None:
+        return None
+    queue = app.open_queue(cfg, settings.db_url(db_url) or cfg.database.url)
+    try:
+        payload = events.backlog(cfg, queue.stats())
+    finally:
+        queue.engine.dispose()
+    if payload is not None:
+        events.emit_backlog(cfg, payload)
+        get_run_logger().warning("queue backlog over its alert threshold: %s", payload)
+    return payload
+
+
+def flow_run_id() -> str:
+    """The current Prefect flow-run id: also the OpenLineage run id."""
+    run_id = runtime.flow_run.id
+    if run_id is None:
+        raise RuntimeError("not inside a Prefect flow run")
+    return str(run_id)
+
+
+@contextmanager
+def before_scoring(
+    cfg: config.PipelineConfig, db_url: str | None, output: str | None
+) -> Iterator[None]:
+    """A failure in the block is recorded as the scoring lineage run's START and FAIL."""
+    try:
+        yield
+    except Exception as exc:
+        flow_lineage.record_failure(cfg, db_url, output, flow_run_id(), exc)
+        raise
+
+
+@flow(name="batching-score")
+def score(
+    config: str = settings.ONLINE,
+    overrides: dict[str, Any] | None = None,
+    db_url: str | None = None,
+    output: str | None = None,
+    max_seconds: float | None = None,
+    max_items: int | None = None,
+) -> dict[str, Any]:
+    """Score a pipeline's queue: preconditions, then claim, batch, score, commit; report.
+
+    Args:
+        config: pipeline YAML (relative to the working directory or the repository).
+        overrides: settings that win over the file, e.g. ``{"batching": {"max_wait_s": 0.1}}``.
+        db_url: database URL; default ``$BATCHING_DB_URL``, else the config's.
+        output: output folder (Parquet) or table (SQL); default the config's.
+        max_seconds: stop claiming after this long (checked between micro-batches).
+        max_items: stop after claiming this many items.
+
+    Returns:
+        The run summary (items, batches, batch sizes, padding, latency, items/s).
+    """
+    with logs.to_prefect(flow_run_id()):
+        cfg = settings.load(config, overrides)
+        with before_scoring(cfg, db_url, output):
+            found = validate_preconditions(cfg, db_url, output)
+        expected = min(found["ready"], max_items or found["ready"])
+        limits = pipeline.RunLimits(max_seconds=max_seconds, max_items=max_items)
+        outcome = score_queue(cfg, db_url, output, limits, expected)
+        check_backlog(cfg, db_url)
+        return outcome.summary

@@ -1,0 +1,63 @@
+"""The edge: turn flow parameters and the environment into library config.
+
+The library never reads environment variables; the flows do, here and only here:
+
+* ``BATCHING_DB_URL``: database URL when a flow run names none (as the CLI's ``--db``).
+* ``OPENLINEAGE_URL``, ``OPENLINEAGE__TRANSPORT__*``, ``OPENLINEAGE_DISABLED``, ...: where
+  lineage goes (see :func:`batching.lineage.config_from_env`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from batching import app, config, lineage
+
+REPO = Path(__file__).resolve().parents[1]
+ONLINE = "deployments/online.yaml"
+BULK = "deployments/bulk.yaml"
+DB_ENV = "BATCHING_DB_URL"
+
+
+def config_path(path: str) -> Path:
+    """Resolve a config path: absolute, relative to the working directory, else to the repo."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return p
+    return REPO / p
+
+
+def load(path: str, overrides: Mapping[str, Any] | None = None) -> config.PipelineConfig:
+    """Load a pipeline config; ``overrides`` (nested mappings) win over the file.
+
+    Raises:
+        ConfigError: the file is missing or a setting is invalid (the message names it).
+    """
+    return config.load_config(config_path(path), dict(overrides) if overrides else None)
+
+
+def db_url(override: str | None, env: Mapping[str, str] = os.environ) -> str | None:
+    """The database URL a run uses instead of the config's: the parameter, else ``$BATCHING_DB_URL``."""
+    return override or env.get(DB_ENV) or None
+
+
+def locations(cfg: config.PipelineConfig, db: str | None, output: str | None) -> app.Resolved:
+    """Where a run reads and writes, after the parameter and environment overrides."""
+    return app.resolve(cfg, db_url(db), output)
+
+
+def lineage_config(
+    cfg: config.PipelineConfig, env: Mapping[str, str] = os.environ
+) -> config.LineageConfig:
+    """The config's lineage settings overridden by the ``OPENLINEAGE*`` environment."""
+    return lineage.config_from_env(env, cfg.lineage)
+
+
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits, dashes) made from ``parts``."""
+    text = "-".join(parts).lower()
+    return re.sub(r"[^a-z0-9]+", "-", text).strip("-")

@@ -1,0 +1,281 @@
+"""The deployments as a user runs them, against a real ``prefect server start`` (slow, ~1 min).
+
+1. ``python -m flows.serve`` registers the score, reconcile and bulk deployments; a score run
+   started from its deployment completes in a served subprocess, and its end triggers a
+   reconcile of that run (upstream id and output passed on), which completes too; both are
+   OpenLineage runs in the JSONL log.
+2. ``flows.alerts`` saves the webhook block and the alert automation: a
+   ``batching.reconcile.failed`` event makes the server POST to a local webhook.
+3. ``prefect deploy --all --prefect-file deployments/prefect.yaml`` registers the same three
+   deployments on a process work pool, with their triggers.
+
+The server's scheduler is off, so the interval and cron schedules create no runs here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from batching import app, ingest, lineage, workloads
+from batching.config import load_config
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(probe: Callable[[], T | None], timeout_s: float, what: str) -> T:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = probe()
+        if found:
+            return found
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+
+
+class Stack:
+    """A Prefect server and the processes a test starts against it; all stopped at the end."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.api = f"http://127.0.0.1:{_free_port()}/api"
+        self.db_url = f"sqlite:///{root / 'queue.db'}"
+        self.events_path = root / "lineage.jsonl"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.http = httpx.Client(base_url=self.api, timeout=10)
+
+    def env(self) -> dict[str, str]:
+        base = {
+            k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "OPENLINEAGE"))
+        }
+        return base | {
+            "PREFECT_HOME": str(self.root / "prefect-home"),
+            "PREFECT_API_URL": self.api,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+            "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+            "DO_NOT_TRACK": "1",
+            "BATCHING_DB_URL": self.db_url,
+            "OPENLINEAGE__TRANSPORT__TYPE": "file",
+            "OPENLINEAGE__TRANSPORT__LOG_FILE_PATH": str(self.events_path),
+        }
+
+    def start(
+        self, *args: str, name: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        with (self.root / f"{name}.log").open("wb") as log:  # the child keeps its own copy
+            proc = subprocess.Popen(
+                [sys.executable, *args],
+                cwd=REPO,
+                env=env or self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.procs.append(proc)
+        return proc
+
+    def start_server(self) -> None:
+        port = self.api.rsplit(":", 1)[1].split("/")[0]
+        env = {k: v for k, v in self.env().items() if k != "PREFECT_API_URL"}
+        args = ("-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", port)
+        self.start(*args, "--no-ui", name="server", env=env)
+        wait_for(self._healthy, 120, "the Prefect server")
+
+    def _healthy(self) -> bool:
+        try:
+            return self.http.get("/health").json() is True
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            self.stop(proc)
+        self.http.close()
+
+    def post(self, path: str, body: Any) -> Any:
+        response = self.http.post(path, json=body)
+        response.raise_for_status()
+        return response.json() if response.content else None
+
+    def deployments(self) -> dict[str, dict[str, Any]]:
+        found = self.post("/deployments/filter", {})
+        return {d["name"]: d for d in found}
+
+    def flow_run(self, run_id: str) -> dict[str, Any]:
+        return dict(self.http.get(f"/flow_runs/{run_id}").json())
+
+    def finished(self, run_id: str, timeout_s: float = 120) -> dict[str, Any]:
+        def done() -> dict[str, Any] | None:
+            run = self.flow_run(run_id)
+            return run if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED") else None
+
+        return wait_for(done, timeout_s, f"flow run {run_id} to finish")
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    stack = Stack(tmp_path)
+    try:
+        stack.start_server()
+        yield stack
+    finally:
+        stack.close()
+
+
+def enqueue_text(stack: Stack, n_items: int) -> None:
+    cfg = load_config(REPO / "deployments" / "online.yaml")
+    queue = app.open_queue(cfg, stack.db_url)
+    try:
+        queue.migrate()
+        file = workloads.write_lines(stack.root / "w2.jsonl", workloads.w2_json_lines(n_items))
+        queue.enqueue(ingest.read_records(file))
+    finally:
+        queue.engine.dispose()
+
+
+def test_served_deployments_score_reconcile_alert_and_deploy(stack: Stack, tmp_path: Path) -> None:
+    enqueue_text(stack, 40)
+    serve = stack.start("-m", "flows.serve", name="serve")
+    deployments = wait_for(lambda: len(d := stack.deployments()) == 3 and d, 90, "3 deployments")
+    assert set(deployments) == {"score", "reconcile", "bulk"}
+
+    out = str(tmp_path / "outputs" / "text")
+    score_run = stack.post(
+        f"/deployments/{deployments['score']['id']}/create_flow_run",
+        {"parameters": {"output": out}},
+    )
+    assert stack.finished(score_run["id"])["state"]["type"] == "COMPLETED"
+    reconcile_run = wait_for(
+        lambda: [
+            r
+            for r in stack.post("/flow_runs/filter", {})
+            if r["parameters"].get("upstream_flow_run_id") == score_run["id"]
+        ],
+        60,
+        "the triggered reconcile run",
+    )[0]
+    assert reconcile_run["parameters"]["output"] == out
+    assert stack.finished(reconcile_run["id"])["state"]["type"] == "COMPLETED"
+    check_lineage(stack, score_run["id"], reconcile_run["id"])
+    stack.stop(serve)
+
+    check_alert(stack)
+    check_deploy(stack)
+
+
+def check_lineage(stack: Stack, score_id: str, reconcile_id: str) -> None:
+    runs = [
+        (e["run"]["runId"], e["job"]["name"], e["eventType"])
+        for e in lineage.read_events(stack.events_path)
+    ]
+    assert runs == [
+        (score_id, "score-online", "START"),
+        (score_id, "score-online", "COMPLETE"),
+        (reconcile_id, "score-online-reconcile", "START"),
+        (reconcile_id, "score-online-reconcile", "COMPLETE"),
+    ]
+
+
+class Webhook:
+    """A loopback HTTP endpoint that records the JSON bodies POSTed to it."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        received = self.bodies
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("content-length", 0))
+                received.append(json.loads(self.rfile.read(length)))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def check_alert(stack: Stack) -> None:
+    """``python -m flows.alerts``, then a reconcile-failed event reaches the webhook."""
+    hook = Webhook()
+    try:
+        alerts = stack.start("-m", "flows.alerts", "--webhook-url", hook.url, name="alerts")
+        assert alerts.wait(60) == 0
+        event = {
+            "id": str(uuid.uuid4()),
+            "occurred": datetime.now(UTC).isoformat(),
+            "event": "batching.reconcile.failed",
+            "resource": {"prefect.resource.id": "batching.output.text"},
+            "payload": {"config": "score-online", "critical": ["missing_file"]},
+        }
+        stack.post("/events", [event])
+        (body,) = wait_for(lambda: hook.bodies, 30, "the alert webhook")
+        assert body["title"] == "batching: reconcile failed for score-online"
+        assert "missing_file" in body["text"]
+    finally:
+        hook.close()
+
+
+def check_deploy(stack: Stack) -> None:
+    """``prefect deploy`` registers deployments/prefect.yaml on a process work pool."""
+    stack.post("/work_pools/", {"name": "batching", "type": "process"})
+    args = (
+        "-m",
+        "prefect",
+        "--no-prompt",
+        "deploy",
+        "--all",
+        "--prefect-file",
+        "deployments/prefect.yaml",
+    )
+    assert stack.start(*args, name="deploy").wait(120) == 0, (stack.root / "deploy.log").read_text()
+    deployments = stack.deployments()
+    assert {d["work_pool_name"] for d in deployments.values()} == {"batching"}
+    automations = {a["name"] for a in stack.post("/automations/filter", {})}
+    assert automations == {
+        "reconcile-after-scoring",
+        "score-on-backlog",
+        "batching-reconcile-failed",
+    }

@@ -1,0 +1,181 @@
+"""The score flow under the real Prefect harness: real SQLite, torch, Parquet and OpenLineage."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from referencing import Registry
+
+from batching import errors, lineage
+from batching import queue as q
+from flows.score import score
+from tests import olspec
+from tests.flows.support import (
+    Pipeline,
+    artifacts_of,
+    logs_of,
+    make_pipeline,
+    run_id_of,
+    task_runs_of,
+    wait_for,
+)
+
+N_ITEMS = 300
+
+
+@dataclass
+class Run:
+    """One finished flow run: its pipeline, final state, id and wall time."""
+
+    pipeline: Pipeline
+    state: Any
+    run_id: str
+    wall_s: float
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return dict(self.state.result())
+
+
+def run_score(pipeline: Pipeline, **params: Any) -> Run:
+    started = time.perf_counter()
+    state = score(**pipeline.params(**params), return_state=True)
+    return Run(pipeline, state, run_id_of(state), time.perf_counter() - started)
+
+
+@pytest.fixture(scope="module")
+def registry() -> Registry:
+    return olspec.load_registry(olspec.require_spec_dir(), lineage.custom_facet_schemas())
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """A score run over 300 W1 items in micro-batches of at most 64."""
+    pipeline = make_pipeline(
+        tmp_path_factory.mktemp("healthy"), N_ITEMS, batching={"max_batch_size": 64}
+    )
+    return run_score(pipeline)
+
+
+def test_a_score_run_scores_every_item_once(healthy: Run) -> None:
+    assert healthy.state.is_completed(), healthy.state.message
+    summary = healthy.summary
+    assert summary["items_committed"] == N_ITEMS
+    assert summary["batches"] >= N_ITEMS // 64
+    assert healthy.pipeline.by_state()["done"] == N_ITEMS
+    keys = pq.read_table(healthy.pipeline.output)["item_key"].to_pylist()
+    assert sorted(keys) == sorted(f"w1-{i}" for i in range(N_ITEMS))
+
+
+def test_lineage_start_and_complete_are_valid_and_carry_datasets_and_rows(
+    healthy: Run, registry: Registry
+) -> None:
+    events = healthy.pipeline.lineage(healthy.run_id)
+    assert [e["eventType"] for e in events] == ["START", "COMPLETE"]
+    for event in events:
+        olspec.assert_valid_event(event, registry)
+    complete = events[-1]
+    assert complete["job"]["name"] == "score-tabular"
+    (source,) = complete["inputs"]
+    assert (source["namespace"], source["name"]) == (
+        "sqlite",
+        f"{healthy.pipeline.db_file}.batching_items",
+    )
+    (target,) = complete["outputs"]
+    assert (target["namespace"], target["name"]) == ("file", str(healthy.pipeline.output))
+    assert target["outputFacets"]["outputStatistics"]["rowCount"] == N_ITEMS
+
+
+def test_the_run_has_summary_and_progress_artifacts(healthy: Run) -> None:
+    found = {a.key: a for a in artifacts_of(healthy.run_id)}
+    assert set(found) >= {"score-tabular-summary", "score-tabular-progress"}
+    rows = {r["metric"]: r["value"] for r in _table(found["score-tabular-summary"].data)}
+    assert rows["items committed"] == str(N_ITEMS)
+    assert set(rows) >= {"batches", "batch size p50 / p99", "padding efficiency", "items/s"}
+    assert found["score-tabular-progress"].data == 100.0
+
+
+def _table(data: Any) -> list[dict[str, Any]]:
+    return json.loads(data) if isinstance(data, str) else list(data)
+
+
+def test_batching_logs_reach_the_run_at_info_from_every_thread(healthy: Run) -> None:
+    def batching_logs() -> dict[str, Any]:
+        return {
+            log.message: log for log in logs_of(healthy.run_id) if log.name.startswith("batching")
+        }
+
+    logs = wait_for(
+        lambda: (found := batching_logs()) and "batch committed" in found and found,
+        what="batching logs in the run",
+    )
+    assert logs["model loaded"].level == 20  # the task's thread
+    assert logs["batch committed"].level == 20  # the pipeline's commit thread
+
+
+def test_a_precondition_failing_once_is_retried_and_the_run_completes(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pipeline = make_pipeline(tmp_path, 50)
+    real = q.SqlQueue.check_schema
+    calls: list[int] = []
+
+    def unreachable_once(self: q.SqlQueue) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise errors.QueueError("database unreachable (connection refused)")
+        real(self)
+
+    monkeypatch.setattr(q.SqlQueue, "check_schema", unreachable_once)
+    run = run_score(pipeline)
+    assert run.state.is_completed(), run.state.message
+    assert run.summary["items_committed"] == 50
+    (check,) = [t for t in task_runs_of(run.run_id) if t.name.startswith("validate-preconditions")]
+    assert check.run_count == 2
+
+
+def test_a_wrong_checksum_claims_nothing_and_fails_the_run_with_a_fail_event(
+    tmp_path: Any, registry: Registry
+) -> None:
+    pipeline = make_pipeline(tmp_path, 50)
+    pipeline.overrides["model"] = {"sha256": "0" * 64}
+    run = run_score(pipeline)
+    assert run.state.is_failed()
+    assert "sha256" in run.state.message
+    assert pipeline.by_state() == {"ready": 50, "leased": 0, "done": 0, "dead": 0, "expired": 0}
+    names = [t.name for t in task_runs_of(run.run_id)]
+    assert not [n for n in names if n.startswith("score-queue")], names
+    (check,) = [t for t in task_runs_of(run.run_id) if t.name.startswith("validate-preconditions")]
+    assert check.run_count == 1, "a checksum mismatch is not retried"
+    events = pipeline.lineage(run.run_id)
+    assert [e["eventType"] for e in events] == ["START", "FAIL"]
+    for event in events:
+        olspec.assert_valid_event(event, registry)
+    error = events[-1]["run"]["facets"]["errorMessage"]
+    assert error["message"].startswith("CheckpointError: ")
+    assert "sha256" in error["message"]
+    assert error["programmingLanguage"] == "python"
+
+
+@pytest.fixture
+def dead_lineage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lineage goes over http to a loopback port where nothing listens."""
+    monkeypatch.setenv("OPENLINEAGE_URL", "http://127.0.0.1:9")
+
+
+@pytest.mark.usefixtures("dead_lineage")
+def test_a_dead_lineage_backend_neither_fails_nor_slows_the_run(
+    tmp_path: Any, healthy: Run
+) -> None:
+    pipeline = make_pipeline(tmp_path, N_ITEMS, batching={"max_batch_size": 64})
+    run = run_score(pipeline)
+    assert run.state.is_completed(), run.state.message
+    assert run.summary["items_committed"] == N_ITEMS
+    assert run.summary["lineage_failures"] >= 1, "events went to the dead endpoint"
+    assert not pipeline.events_path.exists(), "no file transport"
+    assert run.wall_s < healthy.wall_s + 3.0, (run.wall_s, healthy.wall_s)
