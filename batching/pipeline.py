@@ -218,11 +218,19 @@ class Scorer:
                 # transaction that would otherwise contend with commits in a tight loop.
                 next_claim_at = now + self.config.queue.poll_s if exhausted else float("-inf")
             finished = out_of_budget or (exhausted and limits.until_empty)
-            if self._to_forward.empty() and self._dispatch(flush=finished or exhausted):
+            if self._to_forward.empty() and self._dispatch(
+                flush=finished or exhausted or self._bulk_ready()
+            ):
                 continue
             if finished and len(self.batcher) == 0:
                 return
             self._idle(exhausted)
+
+    def _bulk_ready(self) -> bool:
+        # Bulk profile: throughput only. Once a full batch is pending, cut length-sorted batches
+        # (the batcher's flush cut) instead of waiting for a bucket to fill or a window to pass.
+        size = self.config.batching.max_batch_size
+        return self.config.profile == "bulk" and len(self.batcher) >= size
 
     def _low_water(self) -> int:
         # Claim again once fewer than two full batches are pending: enough to form the next

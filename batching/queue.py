@@ -20,7 +20,6 @@ import random
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -95,20 +94,23 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
     )
 
 
-_WRITER_LOCKS: weakref.WeakKeyDictionary[Engine, contextlib.AbstractContextManager[Any]] = (
-    weakref.WeakKeyDictionary()
-)
+_WRITER_LOCKS: dict[str, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
 
 
 def _writer_lock(engine: Engine) -> contextlib.AbstractContextManager[Any]:
-    """One lock per SQLite engine (serialises this process's writers); a no-op elsewhere."""
+    """One lock per SQLite file in this process (serialises its writers); a no-op elsewhere.
+
+    Keyed by the database URL, so separate engines on the same file (a producer and a scorer
+    in one process) also queue here rather than in SQLite's sleeping busy handler.
+    """
     if engine.dialect.name != "sqlite":
         return contextlib.nullcontext()
+    key = str(engine.url)
     with _LOCKS_GUARD:
-        lock = _WRITER_LOCKS.get(engine)
+        lock = _WRITER_LOCKS.get(key)
         if lock is None:
-            lock = _WRITER_LOCKS[engine] = threading.Lock()
+            lock = _WRITER_LOCKS[key] = threading.Lock()
         return lock
 
 
