@@ -127,7 +127,13 @@ class Stack:
         self.http.close()
 
     def post(self, path: str, body: Any) -> Any:
-        response = self.http.post(path, json=body)
+        # A busy server on a 2-core machine answers 503 now and then (its own database is
+        # locked); a client retries those, as Prefect's own client does.
+        for delay in (0.5, 1, 2, 4, 0):
+            response = self.http.post(path, json=body)
+            if response.status_code != 503 or not delay:
+                break
+            time.sleep(delay)
         response.raise_for_status()
         return response.json() if response.content else None
 
