@@ -135,28 +135,16 @@ def status(
         sys.stdout.write(json.dumps(asdict(stats), indent=2) + "\n")
         return
     table = Table(title=f"queue {'(all)' if all_queues else repr(queue)}")
-    for col in (
-        "queue",
-        "lane",
-        "tenant",
-        "ready",
-        "leased",
-        "done",
-        "dead",
-        "expired",
-        "expired leases",
-        "oldest ready",
-    ):
-        table.add_column(col, justify="right" if col not in ("queue", "lane", "tenant") else "left")
+    keys = ("queue", "lane", "tenant") if all_queues else ("lane", "tenant")
+    for col in keys:
+        table.add_column(col, overflow="fold")
+    for col in ("ready", "leased", "done", "dead", "expired", "stale leases", "oldest"):
+        table.add_column(col, justify="right")
     for g in stats.groups:
         age = f"{g.oldest_ready_age_s:.1f}s" if g.oldest_ready_age_s is not None else "-"
-        table.add_row(
-            g.queue,
-            g.lane or "-",
-            g.tenant,
-            *(str(v) for v in (g.ready, g.leased, g.done, g.dead, g.expired, g.expired_leases)),
-            age,
-        )
+        names = {"queue": g.queue, "lane": g.lane or "-", "tenant": g.tenant}
+        counts = (g.ready, g.leased, g.done, g.dead, g.expired, g.expired_leases)
+        table.add_row(*(names[k] for k in keys), *(str(v) for v in counts), age)
     out.print(table)
     totals = ", ".join(f"{k} {v}" for k, v in stats.by_state.items())
     out.print(f"total: {totals}; expired leases {stats.expired_leases}")
