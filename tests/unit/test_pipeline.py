@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -407,26 +406,6 @@ def test_a_lost_lease_is_counted_not_committed_and_its_items_are_scored_again() 
     assert r.queue.keys(models.State.DONE) == set(keys(8))
 
 
-def test_items_reaped_and_claimed_again_while_in_flight_commit_once_under_the_new_lease() -> None:
-    """The old batch is fenced out by its lost lease; the new claim's batch commits."""
-    r = rig(keys(8), max_batch_size=4, claim_size=4)
-
-    def reaped_and_reclaimed(n: int) -> None:
-        if n != 1:
-            return
-        r.queue.reap("lease-1")  # the lease expired during this forward pass
-        deadline = time.monotonic() + 5
-        while r.queue.row("k0").lease_id in (None, "lease-1") and time.monotonic() < deadline:
-            time.sleep(0.001)  # until the feeder claimed k0..k3 again
-
-    r.runner.on_forward = reaped_and_reclaimed
-    stats = r.scorer.run(pipeline.RunLimits(until_empty=False, max_items=12))
-    assert stats.lease_lost == 4
-    assert r.sink.keys() == Counter(keys(8))
-    assert "lease-1" not in {b.lease_id for b in r.sink.batches}
-    assert r.queue.keys(models.State.DONE) == set(keys(8))
-
-
 def test_a_batch_holding_two_leases_commits_each_lease_part_separately() -> None:
     r = rig(["a1", "a2", "a3", "b1", "b2", "b3"], max_batch_size=2, claim_size=3)
     stats = r.scorer.run()
@@ -499,30 +478,3 @@ def test_run_stats_measure_latency_from_enqueue_on_the_injected_clock() -> None:
 
 
 # ----------------------------------------------------------------------------- pacing
-
-
-class CountingClock(FakeClock):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __call__(self) -> float:
-        self.calls += 1
-        return self.now
-
-
-def test_the_feeder_does_not_spin_while_the_model_is_busy() -> None:
-    """A ready batch waits for the busy forward stage without burning a core."""
-    clock = CountingClock()
-    r = rig(keys(16), clock=clock, max_batch_size=4, claim_size=16)
-    seen: list[int] = []
-
-    def busy(n: int) -> None:
-        if n == 1:
-            start = clock.calls
-            time.sleep(0.1)  # the model runs; the next batch is ready and must wait
-            seen.append(clock.calls - start)
-
-    r.runner.on_forward = busy
-    r.scorer.run()
-    assert seen[0] < 1000, f"feeder polled the clock {seen[0]} times in 0.1 s"
