@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,23 +19,6 @@ from batching import reconcile as rc
 from batching.reconcile import Kind, Severity
 from tests.conftest import FakeClock
 from tests.integration.test_sinks import Crash, claim, items, ledger, results, scored
-
-
-@pytest.fixture
-def queue(db_url: str, clock: FakeClock) -> Iterator[q.SqlQueue]:
-    engine = q.create_engine(db_url)
-    yield q.SqlQueue(engine, "rec", clock=clock)
-    engine.dispose()
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    return tmp_path / "outputs"
-
-
-@pytest.fixture
-def sink(queue: q.SqlQueue, root: Path) -> sinks.ParquetSink:
-    return sinks.ParquetSink(queue, root)
 
 
 def commit(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,23 +24,6 @@ DIM = 3
 
 class Crash(BaseException):
     """Stands for the process dying at a chosen step (not an Exception: nothing catches it)."""
-
-
-@pytest.fixture
-def queue(db_url: str, clock: FakeClock) -> Iterator[q.SqlQueue]:
-    engine = q.create_engine(db_url)
-    yield q.SqlQueue(engine, "sinks", clock=clock)
-    engine.dispose()
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    return tmp_path / "outputs"
-
-
-@pytest.fixture
-def sink(queue: q.SqlQueue, root: Path) -> sinks.ParquetSink:
-    return sinks.ParquetSink(queue, root)
 
 
 def claim(queue: q.SqlQueue, keys: list[str], lease_s: float = 30) -> models.Claim:
