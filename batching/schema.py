@@ -90,8 +90,11 @@ sa.Index(
     postgresql_where=_READY,
     sqlite_where=_READY,
 )
+# ``queue`` leads so the expiry sweep before every claim reads only this queue's overdue
+# items; on deadline_at alone SQLite preferred the ready index and scanned the whole queue.
 sa.Index(
-    "ix_batching_items_ready_deadline",
+    "ix_batching_items_expiry",
+    items.c.queue,
     items.c.deadline_at,
     postgresql_where=sa.text("state = 0 AND deadline_at IS NOT NULL"),
     sqlite_where=sa.text("state = 0 AND deadline_at IS NOT NULL"),
@@ -192,8 +195,16 @@ def _v1(conn: Connection) -> None:
     metadata.create_all(conn, checkfirst=True)
 
 
+def _v2(conn: Connection) -> None:
+    conn.execute(sa.text("DROP INDEX IF EXISTS ix_batching_items_ready_deadline"))
+    for index in items.indexes:
+        if index.name == "ix_batching_items_expiry":
+            index.create(conn, checkfirst=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "queue items, archive, batch ledger, runs, results", _v1),
+    Migration(2, "expiry index leads with queue", _v2),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -40,6 +40,26 @@ def test_migrate_twice_is_a_noop_and_recorded(queue: q.SqlQueue) -> None:
         assert schema.current_version(conn) == schema.SCHEMA_VERSION
 
 
+def test_migration_2_moves_a_v1_database_to_the_queue_led_expiry_index(
+    queue: q.SqlQueue,
+) -> None:
+    with queue.engine.begin() as conn:  # rewind to what version 1 created
+        conn.execute(sa.text("DROP INDEX ix_batching_items_expiry"))
+        conn.execute(
+            sa.text(
+                "CREATE INDEX ix_batching_items_ready_deadline ON batching_items (deadline_at)"
+                " WHERE state = 0 AND deadline_at IS NOT NULL"
+            )
+        )
+        conn.execute(schema.schema_version.delete().where(schema.schema_version.c.version == 2))
+    result = queue.migrate()
+    assert (result.from_version, result.to_version) == (1, 2)
+    with queue.engine.connect() as conn:
+        names = {ix["name"] for ix in sa.inspect(conn).get_indexes("batching_items")}
+    assert "ix_batching_items_expiry" in names
+    assert "ix_batching_items_ready_deadline" not in names
+
+
 def test_enqueue_is_idempotent_on_key(queue: q.SqlQueue) -> None:
     first = queue.enqueue([rec("a"), rec("b"), rec("a")])
     assert first.inserted == 2
