@@ -267,13 +267,14 @@ class SqlQueue:
             from sqlalchemy.dialects.postgresql import insert
         else:
             from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
+        # One statement, many parameter sets: SQLAlchemy's insertmanyvalues batches them into
+        # multi-row INSERTs without compiling a statement per chunk (which cost ~250 us a row).
         stmt = (
             insert(_T)
-            .values(chunk)
             .on_conflict_do_nothing(index_elements=["queue", "item_key"])
             .returning(_T.c.item_key)
         )
-        return {row[0] for row in conn.execute(stmt)}
+        return {row[0] for row in conn.execute(stmt, chunk)}
 
     # -- claim -------------------------------------------------------------------------------
 
