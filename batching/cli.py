@@ -31,8 +31,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-out = Console()
-err = Console(stderr=True)
+# Messages stay on one line (paths in them can be copied); tables still fit the terminal.
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 DEFAULT_DB = "sqlite:///batching.db"
 DbOption = Annotated[
