@@ -209,15 +209,16 @@ def _as_dict(value: Any) -> dict[str, Any]:
 
 
 def _scored_factory(run_id: str, model_version: str) -> pipeline.ScoredBatchFactory:
-    def make(batch: models.Batch, lease_id: str, result: Any, scored_at: float) -> Any:
-        outputs = {i.id: result.outputs[i.id] for i in batch.items}
+    def make(
+        items: tuple[models.WorkItem, ...], lease_id: str, outputs: dict[int, Any], at: float
+    ) -> Any:
         return sinks.ScoredBatch(
-            items=tuple(batch.items),
+            items=items,
             outputs=outputs,
             lease_id=lease_id,
             run_id=run_id,
             model_version=model_version,
-            scored_at=scored_at,
+            scored_at=at,
         )
 
     return make

@@ -126,6 +126,7 @@ class OutputConfig(_Model):
     kind: Literal["parquet", "sql"] = "parquet"
     path: str = "outputs"
     table: str = "batching_results"
+    max_rows_per_commit: int = Field(8192, ge=1)
 
     @field_validator("table")
     @classmethod

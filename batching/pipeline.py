@@ -67,6 +67,16 @@ class RunLimits:
 
 
 @dataclass
+class _LeasePart:
+    """The items of one lease in a group commit: all of them, those scored, those failed."""
+
+    items: list[models.WorkItem] = field(default_factory=list)
+    ok: list[models.WorkItem] = field(default_factory=list)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
 class RunStats:
     """Counters and samples of one run; ``summary()`` turns them into the closing table."""
 
@@ -76,6 +86,7 @@ class RunStats:
     released: int = 0
     lease_lost: int = 0
     claimed: int = 0
+    commits: int = 0
     batch_sizes: list[int] = field(default_factory=list)
     latencies_s: list[float] = field(default_factory=list)
     service_s: list[float] = field(default_factory=list)
@@ -96,6 +107,7 @@ class RunStats:
             "items_released": self.released,
             "lease_lost_items": self.lease_lost,
             "batches": len(sizes),
+            "commits": self.commits,
             "batch_size_mean": sum(sizes) / len(sizes) if sizes else 0.0,
             "batch_size_p50": _pct(sizes, 50),
             "batch_size_p99": _pct(sizes, 99),
@@ -119,7 +131,7 @@ def _pct(sorted_values: list[float] | list[int], p: float) -> float:
     return float(sorted_values[k])
 
 
-ScoredBatchFactory = Callable[[models.Batch, str, Any, float], Any]
+ScoredBatchFactory = Callable[[tuple[models.WorkItem, ...], str, dict[int, Any], float], Any]
 Progress = Callable[[RunStats], None]
 
 
@@ -129,7 +141,8 @@ class Scorer:
     Args:
         config: the pipeline config (queue lease/heartbeat, batching policy).
         queue, runner, sink: adapters (``SqlQueue``, ``TorchRunner``, a sink).
-        make_scored: builds the sink's batch object from (batch, lease_id, result, scored_at).
+        make_scored: builds the sink's batch from the items one lease holds in a commit, their
+            outputs by item id, the lease id and the scoring time.
         service_time: predicted forward seconds for (n_items, length), for deadline releases.
         on_progress: called from the commit thread after every batch.
     """
@@ -316,53 +329,73 @@ class Scorer:
             job = self._get(self._to_commit)
             if job is _DONE:
                 return
-            batch, leases, result = job
-            self._commit(batch, leases, result)
+            jobs, finished = self._group(job)
+            self._commit(jobs)
             if self.on_progress is not None:
                 self.on_progress(self.stats)
+            if finished:
+                return
 
-    def _commit(self, batch: models.Batch, leases: dict[int, str], result: Any) -> None:
-        by_lease: dict[str, list[models.WorkItem]] = {}
-        for item in batch.items:
-            by_lease.setdefault(leases[item.id], []).append(item)
-        now = self.clock()
-        for lease_id, items in by_lease.items():
-            self._commit_lease_part(batch, lease_id, items, result, now)
-        self.stats.batch_sizes.append(len(batch))
-        self.stats.reasons[batch.reason] += 1
-        self.stats.service_s.append(result.service_s)
-        self.stats.real_tokens += result.real_tokens
-        self.stats.padded_tokens += result.padded_tokens
-
-    def _commit_lease_part(
-        self,
-        batch: models.Batch,
-        lease_id: str,
-        items: list[models.WorkItem],
-        result: Any,
-        now: float,
-    ) -> None:
-        ok = [i for i in items if i.id in result.outputs]
-        failures = {i.id: result.failures[i.id] for i in items if i.id in result.failures}
-        if ok:
-            part = models.Batch(tuple(ok), batch.reason, batch.formed_at, batch.stats, batch.bucket)
+    def _group(self, first: Any) -> tuple[list[Any], bool]:
+        """Group commit: ``first`` plus the scored batches already waiting, up to
+        ``output.max_rows_per_commit`` rows. It never waits for more, so it adds no latency;
+        under load it turns many small commits (a file, fsyncs and transactions each) into one.
+        """
+        jobs, rows = [first], len(first[0])
+        while rows < self.config.output.max_rows_per_commit:
             try:
-                committed = self.sink.commit(self.make_scored(part, lease_id, result, now))
+                job = self._to_commit.get_nowait()
+            except stdqueue.Empty:
+                break
+            if job is _DONE:
+                return jobs, True
+            jobs.append(job)
+            rows += len(job[0])
+        return jobs, False
+
+    def _commit(self, jobs: list[Any]) -> None:
+        parts: dict[str, _LeasePart] = {}
+        for batch, leases, result in jobs:
+            for item in batch.items:
+                part = parts.setdefault(leases[item.id], _LeasePart())
+                if item.id in result.outputs:
+                    part.ok.append(item)
+                    part.outputs[item.id] = result.outputs[item.id]
+                else:
+                    part.failures[item.id] = result.failures[item.id]
+                part.items.append(item)
+        now = self.clock()
+        for lease_id, part in parts.items():
+            self._commit_lease_part(lease_id, part, now)
+        for batch, _, result in jobs:
+            self.stats.batch_sizes.append(len(batch))
+            self.stats.reasons[batch.reason] += 1
+            self.stats.service_s.append(result.service_s)
+            self.stats.real_tokens += result.real_tokens
+            self.stats.padded_tokens += result.padded_tokens
+        self.stats.commits += len(parts)
+
+    def _commit_lease_part(self, lease_id: str, part: _LeasePart, now: float) -> None:
+        if part.ok:
+            try:
+                committed = self.sink.commit(
+                    self.make_scored(tuple(part.ok), lease_id, part.outputs, now)
+                )
             except errors.LeaseLost as exc:
                 logger.warning(
                     "lease lost",
                     extra={"action": "lease_lost", "lease_id": lease_id, "error": str(exc)},
                 )
-                self.stats.lease_lost += len(ok)
+                self.stats.lease_lost += len(part.ok)
             else:
                 done = self.clock()
                 self.stats.bytes_written += getattr(committed, "n_bytes", None) or 0
-                self.stats.committed += len(ok)
-                self.stats.latencies_s.extend(done - i.enqueued_at for i in ok)
-        if failures:
-            res = self.queue.fail(lease_id, failures)
+                self.stats.committed += len(part.ok)
+                self.stats.latencies_s.extend(done - i.enqueued_at for i in part.ok)
+        if part.failures:
+            res = self.queue.fail(lease_id, part.failures)
             self.stats.failed += res.retried + res.dead
-        self._forget(lease_id, items)
+        self._forget(lease_id, part.items)
 
     def _forget(self, lease_id: str, items: list[models.WorkItem]) -> None:
         with self._lock:

@@ -3,6 +3,7 @@ with the integration tests (unit tests use a fake clock and never sleep)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
@@ -55,3 +56,26 @@ def test_the_feeder_does_not_spin_while_the_model_is_busy() -> None:
     r.runner.on_forward = busy
     r.scorer.run()
     assert seen[0] < 1000, f"feeder polled the clock {seen[0]} times in 0.1 s"
+
+
+def test_batches_waiting_to_commit_are_committed_together_one_commit_per_lease() -> None:
+    """Group commit: while the first commit is slow, the next scored batches queue up; the
+    commit stage then takes them all at once, one sink commit per lease, capped in rows."""
+    r = rig(keys(16), max_batch_size=2, claim_size=8, max_inflight_batches=8, max_rows_per_commit=6)
+    queued = threading.Event()
+    r.runner.on_forward = lambda n: queued.set() if n == 5 else None
+
+    def slow_first(batch: object) -> None:
+        if not r.sink.batches:
+            assert queued.wait(5)  # batches 2-5 are scored and waiting
+            time.sleep(0.05)
+
+    r.sink.before_commit = slow_first
+    stats = r.scorer.run()
+    sizes = [len(b.items) for b in r.sink.batches]
+    assert sizes[0] == 2
+    assert max(sizes) == 6  # three waiting batches of one lease, at the 6-row cap
+    assert all(len({i.item_key for i in b.items}) == len(b.items) for b in r.sink.batches)
+    assert r.sink.keys() == Counter(keys(16))
+    assert stats.commits == len(r.sink.batches) < len(stats.batch_sizes) == 8
+    assert r.queue.keys(models.State.DONE) == set(keys(16))

@@ -128,8 +128,10 @@ class Scored:
     outputs: dict[int, Any]
 
 
-def make_scored(batch: models.Batch, lease_id: str, result: Any, scored_at: float) -> Scored:
-    return Scored(lease_id, batch.items, {i.id: result.outputs[i.id] for i in batch.items})
+def make_scored(
+    items: tuple[models.WorkItem, ...], lease_id: str, outputs: dict[int, Any], scored_at: float
+) -> Scored:
+    return Scored(lease_id, items, outputs)
 
 
 @dataclass(frozen=True)
@@ -198,11 +200,14 @@ class FakeRunner:
         return Result(outputs, failures, real_tokens=len(items), padded_tokens=len(items))
 
 
-def make_config(**batching: Any) -> config.PipelineConfig:
+def make_config(max_rows_per_commit: int = 1, **batching: Any) -> config.PipelineConfig:
+    """A policy for the fake rig; group commit is off unless asked for, so each scored batch
+    is its own commit and tests that count commits are deterministic."""
     policy = {"max_batch_size": 4, "max_wait_s": 10.0, **batching}
     return config.PipelineConfig(
         model=config.ModelSpec(name="fake", version="v1", sha256="0" * 64),
         batching=config.BatchingPolicy(**policy),
+        output=config.OutputConfig(max_rows_per_commit=max_rows_per_commit),
         queue=config.QueueConfig(poll_s=0.001),
         latency_slo_s=60.0,
     )
@@ -225,6 +230,7 @@ def rig(
     clock: FakeClock | None = None,
     on_wait: Callable[[Rig], None] | None = None,
     max_attempts: int = 3,
+    max_rows_per_commit: int = 1,
     **batching: Any,
 ) -> Rig:
     clock = clock or FakeClock()
@@ -240,7 +246,7 @@ def rig(
             on_wait(made)
 
     scorer = pipeline.Scorer(
-        make_config(**batching),
+        make_config(max_rows_per_commit, **batching),
         queue,
         runner,
         sink,
