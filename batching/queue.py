@@ -25,6 +25,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
 from batching import errors, models, schema
@@ -390,8 +391,17 @@ class SqlQueue:
     def _leased(self, lease_id: str, ids: Sequence[int] | None = None) -> sa.ColumnElement[bool]:
         cond = sa.and_(_T.c.lease_id == lease_id, _T.c.state == sa.literal_column("1"))
         if ids is not None:
-            cond = sa.and_(cond, _T.c.id.in_(list(ids)))
+            cond = sa.and_(cond, self._id_in(ids))
         return cond
+
+    def _id_in(self, ids: Sequence[int]) -> sa.ColumnElement[bool]:
+        """``id`` is one of ``ids``, as ONE bound value (a PostgreSQL array, a JSON array read by
+        SQLite's json_each): an IN list of 512 binds cost more than the UPDATE it filtered."""
+        values = [int(i) for i in ids]
+        if self.dialect == "postgresql":
+            return _T.c.id == sa.any_(sa.literal(values, postgresql.ARRAY(sa.BigInteger)))
+        each = sa.func.json_each(sa.literal(json.dumps(values))).table_valued("value")
+        return _T.c.id.in_(sa.select(each.c.value))
 
     def heartbeat(self, lease_id: str, lease_s: float) -> int:
         """Extend the lease; returns rows extended (0: the lease was lost, stop and write nothing)."""
