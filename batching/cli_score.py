@@ -43,7 +43,7 @@ def summary_table(summary: dict[str, Any], title: str = "run summary") -> Table:
         ("items committed", f"{summary['items_committed']}"),
         ("items failed", f"{summary['items_failed']}"),
         ("items released", f"{summary['items_released']}"),
-        ("batches", f"{summary['batches']}"),
+        ("batches / commits", f"{summary['batches']} / {summary.get('commits', 0)}"),
         (
             "batch size mean / p50 / p99",
             f"{summary['batch_size_mean']:.1f} / {summary['batch_size_p50']:.0f} / {summary['batch_size_p99']:.0f}",
@@ -59,6 +59,10 @@ def summary_table(summary: dict[str, Any], title: str = "run summary") -> Table:
             ", ".join(f"{k} {v}" for k, v in sorted(summary["release_reasons"].items())) or "-",
         ),
     ]
+    busy = summary.get("stage_busy_s")
+    if busy:
+        names = " / ".join(busy)
+        rows.append((f"busy s: {names}", " / ".join(f"{v:.2f}" for v in busy.values())))
     for name, value in rows:
         table.add_row(name, value)
     return table

@@ -94,6 +94,9 @@ class RunStats:
     padded_tokens: int = 0
     bytes_written: int = 0
     reasons: Counter[str] = field(default_factory=Counter)
+    stage_s: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("claim", "decode", "forward", "commit"), 0.0)
+    )
     finished_at: float | None = None
 
     def summary(self) -> dict[str, Any]:
@@ -121,6 +124,9 @@ class RunStats:
             "service_s_mean": sum(self.service_s) / len(self.service_s) if self.service_s else 0.0,
             "release_reasons": dict(self.reasons),
             "elapsed_s": elapsed,
+            # Where the time went: seconds each stage was busy (stages overlap, so these can
+            # add up to more than elapsed_s; the largest is the bottleneck).
+            "stage_busy_s": dict(self.stage_s),
         }
 
 
@@ -256,7 +262,9 @@ class Scorer:
         n = self.config.batching.effective_claim_size
         if limits.max_items is not None:
             n = min(n, limits.max_items - self.stats.claimed)
+        started = time.perf_counter()
         claim = self.queue.claim(n, lease_s=self.config.queue.lease_s, lane=self.config.queue.lane)
+        self.stats.stage_s["claim"] += time.perf_counter() - started
         if not claim.items:
             return False
         with self._lock:
@@ -273,7 +281,9 @@ class Scorer:
             return False
         with self._lock:  # the leases as claimed now: a reaped item may be claimed again
             leases = {item.id: self._item_lease[item.id] for item in batch.items}
+        started = time.perf_counter()
         decoded = self.runner.decode(batch.items)
+        self.stats.stage_s["decode"] += time.perf_counter() - started
         self._put(self._to_forward, (batch, leases, decoded))
         return True
 
@@ -322,7 +332,10 @@ class Scorer:
                 self._put(self._to_commit, _DONE)
                 return
             batch, leases, decoded = job
-            self._put(self._to_commit, (batch, leases, self.runner.forward(decoded)))
+            started = time.perf_counter()
+            result = self.runner.forward(decoded)
+            self.stats.stage_s["forward"] += time.perf_counter() - started
+            self._put(self._to_commit, (batch, leases, result))
 
     def _commit_loop(self) -> None:
         while True:
@@ -330,7 +343,9 @@ class Scorer:
             if job is _DONE:
                 return
             jobs, finished = self._group(job)
+            started = time.perf_counter()
             self._commit(jobs)
+            self.stats.stage_s["commit"] += time.perf_counter() - started
             if self.on_progress is not None:
                 self.on_progress(self.stats)
             if finished:

@@ -61,6 +61,13 @@ def pipeline_rate(cfg: Any, records: list[models.EnqueueRecord]) -> dict[str, An
     return s
 
 
+def per_row_us(summary: dict[str, Any]) -> dict[str, float]:
+    """Busy microseconds per committed row of each stage, and of the whole run (wall)."""
+    n = max(summary["items_committed"], 1)
+    stages = {k: round(v / n * 1e6, 2) for k, v in summary["stage_busy_s"].items()}
+    return {**stages, "wall": round(summary["elapsed_s"] / n * 1e6, 2)}
+
+
 # -- W1 ------------------------------------------------------------------------------------
 
 
@@ -117,6 +124,9 @@ def w1(tmp: Path, n: int) -> None:
         "json_vs_limit": dyn_j["items_per_s"] / limit,
         "tensor_vs_batch1": dyn_t["items_per_s"] / b1["items_per_s"],
         "batch_size_mean": dyn_t["batch_size_mean"],
+        "commits_tensor": dyn_t["commits"],
+        "stage_us_per_row_tensor": per_row_us(dyn_t),
+        "stage_us_per_row_json": per_row_us(dyn_j),
         "decode_tensor_rows_s": decode_rate(tensor_recs),
         "decode_json_rows_s": decode_rate(json_recs),
     }
@@ -172,6 +182,7 @@ def w2(tmp: Path, n: int, online_s: float, repeats: int) -> None:
         "dynamic_vs_batch1": dyn["items_per_s"] / b1["items_per_s"],
         "padding_efficiency": dyn["padding_efficiency"],
         "batch_size_mean": dyn["batch_size_mean"],
+        "stage_us_per_row": per_row_us(dyn),
     }
     if online_s > 0:
         capacity = dyn["items_per_s"]

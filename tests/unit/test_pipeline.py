@@ -279,6 +279,9 @@ def test_until_empty_commits_every_item_exactly_once() -> None:
     assert r.progress[-1] == 10
     assert stats.bytes_written == 100
     assert stats.finished_at == r.clock()
+    busy = stats.summary()["stage_busy_s"]
+    assert list(busy) == ["claim", "decode", "forward", "commit"]
+    assert all(seconds > 0 for seconds in busy.values())
 
 
 @pytest.mark.parametrize(
