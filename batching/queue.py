@@ -36,10 +36,10 @@ logger = logging.getLogger(__name__)
 NOTIFY_CHANNEL = "batching_items"
 _ENQUEUE_CHUNK = 1000
 _T = schema.items
+_P = schema.payloads
 _CLAIM_COLUMNS = (
     "id",
     "item_key",
-    "payload",
     "payload_format",
     "dtype",
     "shape",
@@ -217,21 +217,25 @@ class SqlQueue:
         """
         now = self.clock()
         rows: list[dict[str, Any]] = []
-        seen: set[str] = set()
+        bodies: dict[str, bytes] = {}
         dupes: list[str] = []
         for rec in records:
-            if rec.item_key in seen:
+            if rec.item_key in bodies:
                 dupes.append(rec.item_key)
                 continue
-            seen.add(rec.item_key)
+            bodies[rec.item_key] = rec.payload.data
             rows.append(self._row(rec, now))
         inserted = 0
         with self.begin() as conn:
             for start in range(0, len(rows), _ENQUEUE_CHUNK):
                 chunk = rows[start : start + _ENQUEUE_CHUNK]
-                keys = self._insert_new(conn, chunk)
-                inserted += len(keys)
-                dupes.extend(r["item_key"] for r in chunk if r["item_key"] not in keys)
+                ids = self._insert_new(conn, chunk)
+                if ids:
+                    conn.execute(
+                        _P.insert(), [{"id": i, "payload": bodies[k]} for k, i in ids.items()]
+                    )
+                inserted += len(ids)
+                dupes.extend(r["item_key"] for r in chunk if r["item_key"] not in ids)
             if inserted and self.dialect == "postgresql":
                 conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, self.queue)))
         logger.info(
@@ -248,7 +252,6 @@ class SqlQueue:
             "item_key": rec.item_key,
             "tenant": rec.tenant,
             "priority": rec.priority,
-            "payload": p.data,
             "payload_format": str(p.format),
             "dtype": p.dtype,
             "shape": json.dumps(list(p.shape)) if p.shape is not None else None,
@@ -263,7 +266,8 @@ class SqlQueue:
             "sort_deadline": rec.deadline_at if rec.deadline_at is not None else schema.NO_DEADLINE,
         }
 
-    def _insert_new(self, conn: Connection, chunk: list[dict[str, Any]]) -> set[str]:
+    def _insert_new(self, conn: Connection, chunk: list[dict[str, Any]]) -> dict[str, int]:
+        """Insert the rows whose key is new; returns their ids by key."""
         if self.dialect == "postgresql":
             from sqlalchemy.dialects.postgresql import insert
         else:
@@ -273,9 +277,9 @@ class SqlQueue:
         stmt = (
             insert(_T)
             .on_conflict_do_nothing(index_elements=["queue", "item_key"])
-            .returning(_T.c.item_key)
+            .returning(_T.c.item_key, _T.c.id)
         )
-        return {row[0] for row in conn.execute(stmt, chunk)}
+        return {key: id_ for key, id_ in conn.execute(stmt, chunk)}
 
     # -- claim -------------------------------------------------------------------------------
 
@@ -312,7 +316,8 @@ class SqlQueue:
         with self.begin() as conn:
             self._expire_overdue(conn, now)
             rows = conn.execute(sa.text(self._claim_sql(lane, max_cost)), params).all()
-        items = tuple(sorted((self._item(r) for r in rows), key=_claim_order))
+            bodies = self._bodies(conn, [r[0] for r in rows]) if rows else {}
+        items = tuple(sorted((self._item(r, bodies[r[0]]) for r in rows), key=_claim_order))
         return models.Claim(lease_id=lease_id, items=items, lease_expires_at=now + lease_s)
 
     def _claim_sql(self, lane: str | None, max_cost: int | None) -> str:
@@ -352,10 +357,14 @@ class SqlQueue:
             f" RETURNING {', '.join(_CLAIM_COLUMNS)}"
         )
 
+    def _bodies(self, conn: Connection, ids: list[int]) -> dict[int, bytes]:
+        stmt = sa.select(_P.c.id, _P.c.payload).where(self._id_in(ids, _P.c.id))
+        return {id_: body for id_, body in conn.execute(stmt)}
+
     @staticmethod
-    def _item(r: Any) -> models.WorkItem:
+    def _item(r: Any, data: bytes) -> models.WorkItem:
         # Hot path (every claimed row): positional access, cached shape and format parsing.
-        (id_, key, data, fmt, dtype, shape, enq, queue, lane, tenant, prio, cost, dl, att, mx) = r
+        (id_, key, fmt, dtype, shape, enq, queue, lane, tenant, prio, cost, dl, att, mx) = r
         payload = models.Payload(data, _FORMATS[fmt], dtype, _shape(shape) if shape else None)
         return models.WorkItem(id_, key, payload, enq, queue, lane, tenant, prio, cost, dl, att, mx)
 
@@ -394,14 +403,17 @@ class SqlQueue:
             cond = sa.and_(cond, self._id_in(ids))
         return cond
 
-    def _id_in(self, ids: Sequence[int]) -> sa.ColumnElement[bool]:
-        """``id`` is one of ``ids``, as ONE bound value (a PostgreSQL array, a JSON array read by
-        SQLite's json_each): an IN list of 512 binds cost more than the UPDATE it filtered."""
+    def _id_in(
+        self, ids: Sequence[int], column: sa.ColumnElement[int] = _T.c.id
+    ) -> sa.ColumnElement[bool]:
+        """``column`` is one of ``ids``, as ONE bound value (a PostgreSQL array, a JSON array
+        read by SQLite's json_each): an IN list of 512 binds cost more than the UPDATE it
+        filtered."""
         values = [int(i) for i in ids]
         if self.dialect == "postgresql":
-            return _T.c.id == sa.any_(sa.literal(values, postgresql.ARRAY(sa.BigInteger)))
+            return column == sa.any_(sa.literal(values, postgresql.ARRAY(sa.BigInteger)))
         each = sa.func.json_each(sa.literal(json.dumps(values))).table_valued("value")
-        return _T.c.id.in_(sa.select(each.c.value))
+        return column.in_(sa.select(each.c.value))
 
     def heartbeat(self, lease_id: str, lease_s: float) -> int:
         """Extend the lease; returns rows extended (0: the lease was lost, stop and write nothing)."""
@@ -641,12 +653,12 @@ class SqlQueue:
         )
         with self.begin() as conn:
             if archive:
-                cols = [c.name for c in _T.columns]
-                conn.execute(
-                    schema.items_archive.insert().from_select(
-                        cols, sa.select(*_T.columns).where(cond)
-                    )
-                )
+                cols = [c.name for c in schema.items_archive.columns]
+                source = sa.select(
+                    *(_P.c.payload if c == "payload" else _T.c[c] for c in cols)
+                ).join_from(_T, _P, _P.c.id == _T.c.id)
+                conn.execute(schema.items_archive.insert().from_select(cols, source.where(cond)))
+            conn.execute(sa.delete(_P).where(_P.c.id.in_(sa.select(_T.c.id).where(cond))))
             n = conn.execute(sa.delete(_T).where(cond)).rowcount
         logger.info("items purged", extra={"action": "purge", "n_items": n, "archived": archive})
         return n

@@ -51,13 +51,55 @@ def test_migration_2_moves_a_v1_database_to_the_queue_led_expiry_index(
                 " WHERE state = 0 AND deadline_at IS NOT NULL"
             )
         )
-        conn.execute(schema.schema_version.delete().where(schema.schema_version.c.version == 2))
+        conn.execute(schema.schema_version.delete().where(schema.schema_version.c.version >= 2))
     result = queue.migrate()
-    assert (result.from_version, result.to_version) == (1, 2)
+    assert (result.from_version, result.to_version) == (1, schema.SCHEMA_VERSION)
     with queue.engine.connect() as conn:
         names = {ix["name"] for ix in sa.inspect(conn).get_indexes("batching_items")}
     assert "ix_batching_items_expiry" in names
     assert "ix_batching_items_ready_deadline" not in names
+
+
+def test_migration_3_moves_inline_payloads_to_their_table_and_claims_still_read_them(
+    queue: q.SqlQueue,
+) -> None:
+    queue.enqueue([rec("a"), rec("b")])
+    with queue.engine.begin() as conn:  # rewind to version 2: payloads inline in the item row
+        blob = "BYTEA" if queue.dialect == "postgresql" else "BLOB"
+        conn.execute(sa.text(f"ALTER TABLE batching_items ADD COLUMN payload {blob}"))
+        conn.execute(
+            sa.text(
+                "UPDATE batching_items SET payload = (SELECT p.payload FROM batching_payloads p"
+                " WHERE p.id = batching_items.id)"
+            )
+        )
+        conn.execute(sa.text("DROP TABLE batching_payloads"))
+        conn.execute(schema.schema_version.delete().where(schema.schema_version.c.version >= 3))
+    result = queue.migrate()
+    assert (result.from_version, result.to_version) == (2, schema.SCHEMA_VERSION)
+    with queue.engine.connect() as conn:
+        columns = {c["name"] for c in sa.inspect(conn).get_columns("batching_items")}
+    assert "payload" not in columns
+    claim = queue.claim(5, lease_s=30)
+    assert sorted((i.item_key, i.payload.data) for i in claim.items) == [
+        ("a", b'{"x":[1]}'),
+        ("b", b'{"x":[1]}'),
+    ]
+
+
+def test_purge_deletes_payloads_and_archive_keeps_them(queue: q.SqlQueue, clock: FakeClock) -> None:
+    queue.enqueue([rec("a"), rec("b")])
+    claim = queue.claim(5, lease_s=30)
+    queue.ack(claim.lease_id, [i.id for i in claim.items])
+    clock.advance(100)
+    assert queue.purge(10, archive=True) == 2
+    with queue.engine.connect() as conn:
+        left = conn.execute(sa.select(sa.func.count()).select_from(schema.payloads)).scalar()
+        archived = conn.execute(
+            sa.select(schema.items_archive.c.item_key, schema.items_archive.c.payload)
+        ).all()
+    assert left == 0
+    assert sorted(archived) == [("a", b'{"x":[1]}'), ("b", b'{"x":[1]}')]
 
 
 def test_enqueue_is_idempotent_on_key(queue: q.SqlQueue) -> None:
