@@ -16,6 +16,7 @@ import contextlib
 import functools
 import json
 import logging
+import operator
 import random
 import threading
 import time
@@ -52,7 +53,16 @@ _CLAIM_COLUMNS = (
     "deadline_at",
     "attempts",
     "max_attempts",
+    "sort_deadline",
 )
+# Claim order, sorted in C on the returned rows (two stable passes, least significant first):
+# priority high first, then deadline (none last), enqueued_at, id.
+_BY_DEADLINE_AGE_ID = operator.itemgetter(
+    _CLAIM_COLUMNS.index("sort_deadline"),
+    _CLAIM_COLUMNS.index("enqueued_at"),
+    _CLAIM_COLUMNS.index("id"),
+)
+_BY_PRIORITY = operator.itemgetter(_CLAIM_COLUMNS.index("priority"))
 
 
 def normalize_url(url: str) -> str:
@@ -315,9 +325,11 @@ class SqlQueue:
         }
         with self.begin() as conn:
             self._expire_overdue(conn, now)
-            rows = conn.execute(sa.text(self._claim_sql(lane, max_cost)), params).all()
+            rows = list(conn.execute(sa.text(self._claim_sql(lane, max_cost)), params))
             bodies = self._bodies(conn, [r[0] for r in rows]) if rows else {}
-        items = tuple(sorted((self._item(r, bodies[r[0]]) for r in rows), key=_claim_order))
+        rows.sort(key=_BY_DEADLINE_AGE_ID)
+        rows.sort(key=_BY_PRIORITY, reverse=True)  # stable: ties keep the order above
+        items = tuple(self._item(r, bodies[r[0]]) for r in rows)
         return models.Claim(lease_id=lease_id, items=items, lease_expires_at=now + lease_s)
 
     def _claim_sql(self, lane: str | None, max_cost: int | None) -> str:
@@ -364,7 +376,7 @@ class SqlQueue:
     @staticmethod
     def _item(r: Any, data: bytes) -> models.WorkItem:
         # Hot path (every claimed row): positional access, cached shape and format parsing.
-        (id_, key, fmt, dtype, shape, enq, queue, lane, tenant, prio, cost, dl, att, mx) = r
+        (id_, key, fmt, dtype, shape, enq, queue, lane, tenant, prio, cost, dl, att, mx, _) = r
         payload = models.Payload(data, _FORMATS[fmt], dtype, _shape(shape) if shape else None)
         return models.WorkItem(id_, key, payload, enq, queue, lane, tenant, prio, cost, dl, att, mx)
 
@@ -670,11 +682,6 @@ _FORMATS = {f.value: f for f in models.PayloadFormat}
 @functools.lru_cache(maxsize=256)
 def _shape(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in json.loads(text))
-
-
-def _claim_order(item: models.WorkItem) -> tuple[int, float, float, int]:
-    deadline = item.deadline_at if item.deadline_at is not None else schema.NO_DEADLINE
-    return (-item.priority, deadline, item.enqueued_at, item.id)
 
 
 def _lane_stats(r: Any, now: float) -> models.LaneStats:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -62,7 +62,7 @@ class InMemoryQueue:
             for row in ready[:n]:
                 row.state, row.lease_id = models.State.LEASED, lease_id
                 row.attempts += 1
-                items.append(replace(row.item, attempts=row.attempts))
+                items.append(row.item._replace(attempts=row.attempts))
             return models.Claim(lease_id, tuple(items), now + lease_s)
 
     def heartbeat(self, lease_id: str, lease_s: float) -> int:
