@@ -61,6 +61,26 @@ def read_outputs(root: Path) -> dict[str, list[float]]:
 # ----------------------------------------------------------------------------- Parquet
 
 
+def test_deferred_marks_ride_on_the_next_commit_and_flush_and_recover_records_the_rest(
+    queue: q.SqlQueue, root: Path, clock: FakeClock
+) -> None:
+    sink = sinks.ParquetSink(queue, root, defer_marks=True)
+    first = sink.commit(scored(claim(queue, ["a"]), clock))
+    assert first.published
+    assert visible(root) == {first.location}  # readers see it at once
+    states = lambda: {r.batch_id: r.state for r in ledger(queue)}  # noqa: E731
+    assert states() == {first.batch_id: "committed"}
+    second = sink.commit(scored(claim(queue, ["b"]), clock))
+    assert states() == {first.batch_id: "published", second.batch_id: "committed"}
+    sink.flush()
+    assert set(states().values()) == {"published"}
+    third = sink.commit(scored(claim(queue, ["c"]), clock))  # then the process dies
+    result = sinks.ParquetSink(queue, root).recover()
+    assert result.rolled_forward == (third.batch_id,)
+    assert set(states().values()) == {"published"}
+    assert set(read_outputs(root)) == {"a", "b", "c"}
+
+
 def test_commit_publishes_a_readable_file_recorded_in_the_ledger(
     queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
 ) -> None:
