@@ -8,6 +8,11 @@ and for W2 online, an open-loop run: Poisson arrivals at 50% and 90% of the meas
 capacity, p50/p99 enqueue-to-commit latency.
 
     python bench/workload_bench.py [--w1-items 50000] [--w2-items 3000] [--online-s 20] [--only w1|w2]
+    python bench/workload_bench.py --only w1 --pg postgresql://postgres@127.0.0.1:5432/postgres
+
+With ``--pg``, W1 (tensor payloads) also runs on PostgreSQL with 1 and 2 scorer processes
+sharing the queue (each process with torch threads = cores / processes), in a scratch
+database ``batching_bench`` that is dropped and created again.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing as mp
+import os
 import random
 import statistics
 import tempfile
@@ -132,6 +139,75 @@ def w1(tmp: Path, n: int) -> None:
     }
 
 
+def _pg_scorer(cfg: Any, threads: int, out: Any) -> None:
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.ERROR)
+    s = app.run_score(cfg, limits=pipeline.RunLimits(until_empty=True)).summary
+    end = time.time()
+    out.put((s["items_committed"], end - s["elapsed_s"], end))
+
+
+def w1_pg(tmp: Path, n: int, admin_url: str, scorer_counts: tuple[int, ...] = (1, 2)) -> None:
+    """W1 tensor payloads on PostgreSQL: rows/s with 1 and 2 scorer processes, from the first
+    scorer's start to the last one's end (model loading excluded)."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    recs = ingest.read_records(workloads.write_w1_parquet(tmp / "w1pg.parquet", n))
+    url = make_url(q_normalize(admin_url)).set(database="batching_bench")
+    conninfo = make_url(admin_url).set(drivername="postgresql").render_as_string(False)
+    cores = os.cpu_count() or 1
+    out: dict[str, Any] = {}
+    for k in scorer_counts:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute("DROP DATABASE IF EXISTS batching_bench")
+            conn.execute("CREATE DATABASE batching_bench")
+        cfg = load_config(
+            DEPLOY / "tabular.yaml",
+            {
+                "database": {"url": url.render_as_string(False)},
+                "output": {"path": str(tmp / f"out-pg{k}")},
+                "lineage": {"transport": "none"},
+                "queue": {"name": "w1pg"},
+            },
+        )
+        enqueue(cfg, recs)
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [
+            ctx.Process(target=_pg_scorer, args=(cfg, max(1, cores // k), results))
+            for _ in range(k)
+        ]
+        for p in procs:
+            p.start()
+        got = [_result(results, procs) for _ in procs]
+        for p in procs:
+            p.join()
+        committed = sum(g[0] for g in got)
+        assert committed == n, (committed, n)
+        out[f"scorers_{k}_rows_s"] = n / (max(g[2] for g in got) - min(g[1] for g in got))
+    RESULTS["w1_postgres"] = out
+
+
+def _result(results: Any, procs: list[Any]) -> Any:
+    """The next scorer's result; fails instead of waiting forever when a scorer died."""
+    import queue as stdqueue
+
+    while True:
+        try:
+            return results.get(timeout=5)
+        except stdqueue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a scorer process exited with {dead[0]}") from None
+
+
+def q_normalize(url: str) -> str:
+    from batching.queue import normalize_url
+
+    return normalize_url(url)
+
+
 # -- W2 ------------------------------------------------------------------------------------
 
 
@@ -243,11 +319,14 @@ def main() -> None:
     parser.add_argument("--only", choices=["w1", "w2"])
     parser.add_argument("--repeats", type=int, default=3, help="W2 limit/dynamic repetitions")
     parser.add_argument("--json", type=Path, help="also write results here")
+    parser.add_argument("--pg", metavar="URL", help="also run W1 on this PostgreSQL server")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "w1"):
             w1(Path(tmp), args.w1_items)
+            if args.pg:
+                w1_pg(Path(tmp), args.w1_items, args.pg)
         if args.only in (None, "w2"):
             w2(Path(tmp), args.w2_items, args.online_s, args.repeats)
     print(json.dumps(RESULTS, indent=2))
