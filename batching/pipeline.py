@@ -55,6 +55,7 @@ class RunnerPort(Protocol):
 
 class SinkPort(Protocol):
     def commit(self, batch: Any) -> Any: ...
+    def flush(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -296,12 +297,13 @@ class Scorer:
             except stdqueue.Full:
                 continue
 
-    def _get(self, q: stdqueue.Queue[Any]) -> Any:
+    def _get(self, q: stdqueue.Queue[Any], on_idle: Callable[[], None] | None = None) -> Any:
         while self._error is None:
             try:
                 return q.get(timeout=0.1)
             except stdqueue.Empty:
-                continue
+                if on_idle is not None:
+                    on_idle()
         return _DONE
 
     def _idle(self, exhausted: bool) -> None:
@@ -338,18 +340,20 @@ class Scorer:
             self._put(self._to_commit, (batch, leases, result))
 
     def _commit_loop(self) -> None:
-        while True:
-            job = self._get(self._to_commit)
+        # Idle for 0.1 s: the sink records what it deferred (the Parquet sink's publish marks),
+        # so a quiet scorer leaves nothing pending for long. Under load, marks ride on commits.
+        finished = False
+        while not finished:
+            job = self._get(self._to_commit, on_idle=self.sink.flush)
             if job is _DONE:
-                return
+                break
             jobs, finished = self._group(job)
             started = time.perf_counter()
             self._commit(jobs)
             self.stats.stage_s["commit"] += time.perf_counter() - started
             if self.on_progress is not None:
                 self.on_progress(self.stats)
-            if finished:
-                return
+        self.sink.flush()
 
     def _group(self, first: Any) -> tuple[list[Any], bool]:
         """Group commit: ``first`` plus the scored batches already waiting, up to

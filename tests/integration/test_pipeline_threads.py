@@ -8,7 +8,7 @@ import time
 from collections import Counter
 
 from batching import models, pipeline
-from tests.unit.test_pipeline import FakeClock, keys, rig
+from tests.unit.test_pipeline import FakeClock, Rig, keys, rig
 
 
 def test_items_reaped_and_claimed_again_while_in_flight_commit_once_under_the_new_lease() -> None:
@@ -79,3 +79,21 @@ def test_batches_waiting_to_commit_are_committed_together_one_commit_per_lease()
     assert r.sink.keys() == Counter(keys(16))
     assert stats.commits == len(r.sink.batches) < len(stats.batch_sizes) == 8
     assert r.queue.keys(models.State.DONE) == set(keys(16))
+
+
+def test_an_idle_commit_stage_flushes_the_sink_while_the_run_goes_on() -> None:
+    """Deferred sink work (publish marks) is recorded once commits stop arriving, not only at
+    the end of a long-running scorer."""
+    seen: list[int] = []
+
+    def on_wait(r: Rig) -> None:  # the queue is empty and everything has committed
+        deadline = time.monotonic() + 5
+        while r.sink.flushes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append(r.sink.flushes)
+        r.scorer.stop()
+
+    r = rig(keys(4), on_wait=on_wait, max_batch_size=4)
+    r.scorer.run(pipeline.RunLimits(until_empty=False))
+    assert seen[0] >= 1
+    assert r.sink.keys() == Counter(keys(4))
