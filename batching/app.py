@@ -85,17 +85,73 @@ def load_profile(config: cfg.PipelineConfig) -> ServiceProfile | None:
 
 
 def datasets(
-    config: cfg.PipelineConfig, res: Resolved, sink: Any
+    config: cfg.PipelineConfig, res: Resolved, sink: Any = None
 ) -> tuple[lineage.DatasetRef, lineage.DatasetRef]:
-    """Lineage datasets: the queue table (input) and the Parquet dataset or results table (output)."""
+    """Lineage datasets: the queue table (input) and the Parquet dataset or results table
+    (output), with the output's schema when its ``sink`` is open."""
     ns, name = lineage.sql_dataset_id(res.db_url, "batching_items")
     queue_ds = lineage.DatasetRef(ns, name, (("item_key", "string"), ("payload", "binary")))
     if config.output.kind == "parquet":
         ns, name = lineage.file_dataset_id(Path(res.output).resolve())
     else:
         ns, name = lineage.sql_dataset_id(res.db_url, str(res.output))
-    fields = tuple((str(n), str(t)) for n, t in sink.describe().get("fields", ()))
+    described = sink.describe().get("fields", ()) if sink is not None else ()
+    fields = tuple((str(n), str(t)) for n, t in described)
     return queue_ds, lineage.DatasetRef(ns, name, fields)
+
+
+def scoring_context(
+    config: cfg.PipelineConfig,
+    res: Resolved,
+    run_id: str,
+    *,
+    sink: Any = None,
+    checksum: str | None = None,
+    parent: tuple[str, str] | None = None,
+) -> lineage.RunContext:
+    """The lineage run of a scoring run: queue in, outputs out, model, config and its hash.
+
+    ``checksum`` is the loaded checkpoint's sha256; before it is loaded, the pinned one.
+    """
+    queue_ds, out_ds = datasets(config, res, sink)
+    return lineage.RunContext(
+        run_id=run_id,
+        job_name=config.name,
+        parent_run_id=parent[0] if parent else None,
+        parent_job_name=parent[1] if parent else None,
+        inputs=(queue_ds,),
+        outputs=(out_ds,),
+        model=lineage.ModelRef(
+            config.model.name, config.model.version, checksum or config.model.sha256
+        ),
+        config=config.model_dump(mode="json"),
+        config_hash=config.config_hash(),
+    )
+
+
+def make_emitter(
+    config: cfg.PipelineConfig, res: Resolved, lineage_config: cfg.LineageConfig | None = None
+) -> lineage.LineageEmitter:
+    """The run's lineage emitter (``lineage_config`` overrides the config's).
+
+    Raises:
+        ConfigError: the lineage settings are invalid.
+    """
+    return lineage.LineageEmitter(
+        lineage_config or config.lineage,
+        base_dir=Path(config.base_dir),
+        producer=PRODUCER,
+        output_dir=res.events_path.parent.parent if res.events_path else Path("outputs").resolve(),
+    )
+
+
+def record_failed_start(
+    emitter: lineage.LineageEmitter, ctx: lineage.RunContext, error: BaseException
+) -> None:
+    """START then FAIL (with the error) for a run that failed before scoring began."""
+    emitter.start(ctx)
+    emitter.fail(ctx, error, outputs=[ctx.outputs[0].with_stats(0)])
+    emitter.close()
 
 
 @dataclass
@@ -125,36 +181,27 @@ def run_score(
     """Run one scoring run end to end: checks, recovery, scoring, run ledger and lineage.
 
     Raises:
-        SchemaError, QueueError, CheckpointError, SinkError: a precondition or stage failed
-        (a FAIL lineage event and a failed run row are recorded first where possible).
+        SchemaError, QueueError, CheckpointError, SinkError: a precondition or stage failed.
+            Lineage records START and FAIL either way; the run ledger records the runs that
+            got past the checks (its rows live in the queue database).
+        ConfigError: the lineage settings are invalid (nothing can be recorded).
     """
     res = resolve(config, db_url, output)
     run_id = run_id or lineage.new_run_id()
-    queue = open_queue(config, res.db_url)
-    queue.check_schema()
-    runner = TorchRunner.load(config.model, base_dir=config.base_dir)
-    runner.warmup()
-    sink = make_sink(config, queue, res.output)
-    recovered = sink.recover()
-    profile = load_profile(config)
-    emitter = lineage.LineageEmitter(
-        lineage_config or config.lineage,
-        base_dir=Path(config.base_dir),
-        producer=PRODUCER,
-        output_dir=res.events_path.parent.parent if res.events_path else Path("outputs").resolve(),
-    )
-    queue_ds, out_ds = datasets(config, res, sink)
-    ctx = lineage.RunContext(
-        run_id=run_id,
-        job_name=config.name,
-        parent_run_id=parent[0] if parent else None,
-        parent_job_name=parent[1] if parent else None,
-        inputs=(queue_ds,),
-        outputs=(out_ds,),
-        model=lineage.ModelRef(config.model.name, config.model.version, runner.checksum),
-        config=config.model_dump(mode="json"),
-        config_hash=config.config_hash(),
-    )
+    emitter = make_emitter(config, res, lineage_config)
+    try:
+        queue = open_queue(config, res.db_url)
+        queue.check_schema()
+        runner = TorchRunner.load(config.model, base_dir=config.base_dir)
+        runner.warmup()
+        sink = make_sink(config, queue, res.output)
+        recovered = sink.recover()
+        profile = load_profile(config)
+    except Exception as exc:  # a precondition failed: the run is still on record as failed
+        record_failed_start(emitter, scoring_context(config, res, run_id, parent=parent), exc)
+        raise
+    ctx = scoring_context(config, res, run_id, sink=sink, checksum=runner.checksum, parent=parent)
+    out_ds = ctx.outputs[0]
     runs = q.RunLedger(queue)
     runs.start(
         run_id,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from batching import app, config, errors, lineage
 from flows import settings
@@ -30,48 +29,14 @@ def emitter(cfg: config.PipelineConfig, res: app.Resolved) -> lineage.LineageEmi
     Raises:
         ConfigError: the lineage settings are invalid (e.g. a malformed ``OPENLINEAGE_URL``).
     """
-    out_dir = res.events_path.parent.parent if res.events_path else Path("outputs").resolve()
-    return lineage.LineageEmitter(
-        settings.lineage_config(cfg),
-        base_dir=Path(cfg.base_dir),
-        producer=app.PRODUCER,
-        output_dir=out_dir,
-    )
-
-
-def datasets(
-    cfg: config.PipelineConfig, res: app.Resolved
-) -> tuple[lineage.DatasetRef, lineage.DatasetRef]:
-    """The queue table and the output dataset, named as ``run_score`` names them."""
-    queue = lineage.DatasetRef(*lineage.sql_dataset_id(res.db_url, "batching_items"))
-    if cfg.output.kind == "parquet":
-        out = lineage.file_dataset_id(Path(res.output).resolve())
-    else:
-        out = lineage.sql_dataset_id(res.db_url, str(res.output))
-    return queue, lineage.DatasetRef(*out)
-
-
-def scoring_context(
-    cfg: config.PipelineConfig, res: app.Resolved, run_id: str
-) -> lineage.RunContext:
-    """The run context of a scoring run: queue in, outputs out, model, config and its hash."""
-    queue, out = datasets(cfg, res)
-    return lineage.RunContext(
-        run_id=run_id,
-        job_name=cfg.name,
-        inputs=(queue,),
-        outputs=(out,),
-        model=lineage.ModelRef(cfg.model.name, cfg.model.version, cfg.model.sha256),
-        config=cfg.model_dump(mode="json"),
-        config_hash=cfg.config_hash(),
-    )
+    return app.make_emitter(cfg, res, settings.lineage_config(cfg))
 
 
 def reconcile_context(
     cfg: config.PipelineConfig, res: app.Resolved, run_id: str, *, repair: bool
 ) -> lineage.RunContext:
     """The run context of a reconcile run: it reads the queue and the outputs (writes on repair)."""
-    queue, out = datasets(cfg, res)
+    queue, out = app.datasets(cfg, res)
     return lineage.RunContext(
         run_id=run_id,
         job_name=f"{cfg.name}-reconcile",
@@ -92,14 +57,12 @@ def record_failure(
     """Emit START then FAIL for a scoring run that failed before it started scoring."""
     try:
         res = settings.locations(cfg, db_url, output)
-        ctx = scoring_context(cfg, res, run_id)
+        ctx = app.scoring_context(cfg, res, run_id)
         emit = emitter(cfg, res)
     except (errors.ConfigError, ValueError):
         logger.warning("lineage for the failed run skipped", exc_info=True)
         return
-    emit.start(ctx)
-    emit.fail(ctx, error, outputs=[ctx.outputs[0].with_stats(0)])
-    emit.close()
+    app.record_failed_start(emit, ctx, error)
 
 
 @contextmanager

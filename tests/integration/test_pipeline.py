@@ -27,10 +27,11 @@ import yaml
 
 from batching import app as wiring
 from batching import config as cfg
-from batching import ingest, models, pipeline, schema, workloads
+from batching import errors, ingest, lineage, models, pipeline, schema, workloads
 from batching import queue as q
 from batching import reconcile as rc
 from batching.runner import TorchRunner
+from tests import olspec
 from tests.conftest import REPO
 
 DEPLOYMENTS = REPO / "deployments"
@@ -343,6 +344,24 @@ def test_the_sql_sink_commits_each_item_exactly_once(db_url: str, tmp_path: Path
     got = np.stack([by_key[f"w1-{i}"] for i in range(n)])
     np.testing.assert_allclose(got, w1_direct(workloads.w1_inputs(n)), rtol=0, atol=1e-6)
     assert reconcile(config, db_url, "batching_results").clean
+
+
+def test_a_run_that_fails_its_checks_is_on_record_in_lineage(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """A pre-start failure (here a checkpoint that is not the pinned one) still emits START and
+    FAIL with the error, valid against the OpenLineage schemas, and scores nothing."""
+    config = load("tabular.yaml", tmp_path, model={"sha256": "0" * 64})
+    enqueue(sqlite_url, config, w1_records(4, tmp_path))
+    with pytest.raises(errors.CheckpointError):
+        wiring.run_score(config, db_url=sqlite_url, output=str(tmp_path / "out"))
+    events = lineage.read_events(tmp_path / "lineage" / "events.jsonl")
+    assert [e["eventType"] for e in events] == ["START", "FAIL"]
+    assert "sha256" in events[1]["run"]["facets"]["errorMessage"]["message"]
+    registry = olspec.load_registry(olspec.require_spec_dir(), lineage.custom_facet_schemas())
+    for event in events:
+        olspec.assert_valid_event(event, registry)
+    assert open_queue(sqlite_url, config).stats().by_state["ready"] == 4
 
 
 # ----------------------------------------------------------------------------- signals
