@@ -5,8 +5,9 @@ token count; 1 for dense inputs) against ``max_batch_cost``. For each bucket the
 the most items the caps allow when every item has the bucket's smallest cost, all padded to the
 bucket's largest length: ``n = min(max_batch_size, max_batch_cost // smallest_cost)`` (at least
 1) at ``length = bucket edge``. The overflow bucket above the last edge, or the single bucket
-when there are no edges, reaches ``max_length`` (default: the last edge, else the profile's
-longest measured length). Dense models have one length, 1.
+when there are no edges, reaches ``max_length`` (default: the profile's longest measured length
+when it is above the last edge, since the overflow bucket holds such items, else the last
+edge; with no edges, the profile's longest measured length). Dense models have one length, 1.
 
 Latency. ``worst_case_latency_s = max_wait_s + predicted service time of the slowest worst-case
 batch`` must not exceed ``latency_slo_s``. A warning is added when, under sustained full load, an
@@ -139,8 +140,19 @@ def _longest(
         return 1
     if max_length is not None:
         return max_length
-    if config.batching.length_buckets:
-        return config.batching.length_buckets[-1]
+    edges = config.batching.length_buckets
+    if edges and profile is not None and profile.lengths[-1] > edges[-1]:
+        # Items above the last edge fill the overflow bucket: take the longest length the
+        # profile measured, not the edge, so that bucket's batches are not under-counted.
+        longest = profile.lengths[-1]
+        warned.append(
+            f"items above the last length bucket edge ({edges[-1]}) are assumed no longer than "
+            f"{longest} tokens (the profile's longest measured length); pass --max-length "
+            "for longer ones"
+        )
+        return longest
+    if edges:
+        return edges[-1]
     if profile is not None:
         longest = profile.lengths[-1]
         warned.append(

@@ -97,6 +97,19 @@ def test_max_length_overrides_the_last_bucket_edge() -> None:
     assert any("extrapolated" in w for w in report.warnings)
 
 
+def test_the_overflow_bucket_counts_the_profiles_longest_length_not_the_last_edge() -> None:
+    report = policy.check_policy(
+        pipeline(max_batch_size=8, length_buckets=(32, 64)), tokens_profile(1e-6)
+    )
+    assert report.worst_batch == policy.WorstBatch(8, 128)  # the profile measured up to 128
+    assert any("above the last length bucket edge (64)" in w for w in report.warnings)
+    at_edge = policy.check_policy(
+        pipeline(max_batch_size=8, length_buckets=(32, 128)), tokens_profile(1e-6)
+    )
+    assert at_edge.worst_batch == policy.WorstBatch(8, 128)
+    assert not any("above the last" in w for w in at_edge.warnings)
+
+
 def test_without_a_profile_the_check_is_not_ok_and_says_how_to_fix() -> None:
     report = policy.check_policy(pipeline(), None)
     assert not report.ok
