@@ -38,6 +38,7 @@ def summary_rows(summary: Mapping[str, Any]) -> list[dict[str, str]]:
         ("items failed", f"{summary['items_failed']}"),
         ("items released", f"{summary['items_released']}"),
         ("batches", f"{summary['batches']}"),
+        ("commits", f"{summary.get('commits', 0)}"),
         ("batch size mean", f"{summary['batch_size_mean']:.1f}"),
         (
             "batch size p50 / p99",
@@ -53,6 +54,8 @@ def summary_rows(summary: Mapping[str, Any]) -> list[dict[str, str]]:
         ("release reasons", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "-"),
         ("lineage events not delivered", f"{summary.get('lineage_failures', 0)}"),
     ]
+    busy = summary.get("stage_busy_s") or {}
+    rows += [(f"busy s: {stage}", f"{seconds:.2f}") for stage, seconds in busy.items()]
     return [{"metric": m, "value": v} for m, v in rows]
 
 

@@ -97,6 +97,8 @@ def test_the_run_has_summary_and_progress_artifacts(healthy: Run) -> None:
     rows = {r["metric"]: r["value"] for r in _table(found["score-tabular-summary"].data)}
     assert rows["items committed"] == str(N_ITEMS)
     assert set(rows) >= {"batches", "batch size p50 / p99", "padding efficiency", "items/s"}
+    assert 1 <= int(rows["commits"]) <= int(rows["batches"])
+    assert float(rows["busy s: forward"]) > 0
     assert found["score-tabular-progress"].data == 100.0
 
 
