@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from batching import config as cfg
-from batching import errors, lineage, models, pipeline, sinks
+from batching import errors, lineage, models, parquet, pipeline, sinks
 from batching import queue as q
 from batching.runner import TorchRunner
 from batching.service_profile import ServiceProfile
@@ -72,7 +72,7 @@ def open_queue(
 def make_sink(config: cfg.PipelineConfig, queue: q.SqlQueue, where: Path | str) -> Any:
     """A Parquet or SQL sink bound to ``queue`` (outputs and acks commit together)."""
     if config.output.kind == "parquet":
-        return sinks.ParquetSink(queue, Path(where), defer_marks=True)
+        return parquet.ParquetSink(queue, Path(where), defer_marks=True)
     return sinks.SqlSink(queue, str(where))
 
 

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from batching import models, schema, sinks
+from batching import models, parquet, schema, sinks
 
 if TYPE_CHECKING:
     from batching.queue import SqlQueue
@@ -436,7 +436,7 @@ def gather(
     """Read the queue, the ledger and the files into :class:`Facts` (files listed first)."""
     table = str(target) if output_kind == "sql" else None
     scope = _Scope(queue.queue, output_kind, table, since, run_id, now)
-    layout = None if table else sinks.ParquetLayout.for_root(target, staging)
+    layout = None if table else parquet.ParquetLayout.for_root(target, staging)
     with sinks.translate_errors(f"cannot list {target}"):
         visible = [str(layout.root / p) for p in layout.visible_files()] if layout else []
         staged = layout.staging_files() if layout else []
@@ -488,7 +488,7 @@ def _done_items(conn: Connection, scope: _Scope) -> tuple[DoneItem, ...]:
 
 
 def _visible_states(
-    conn: Connection, layout: sinks.ParquetLayout, visible: Sequence[str]
+    conn: Connection, layout: parquet.ParquetLayout, visible: Sequence[str]
 ) -> dict[str, str | None]:
     rel = {Path(p).relative_to(layout.root).as_posix(): p for p in visible}
     states: dict[str, str | None] = dict.fromkeys(visible)
@@ -501,13 +501,13 @@ def _visible_states(
 
 
 def _staging_facts(conn: Connection, staged: Sequence[Path]) -> list[StagingFile]:
-    parsed = {p: sinks.parse_staging_name(p.name) for p in staged}
+    parsed = {p: parquet.parse_staging_name(p.name) for p in staged}
     ours = {p: x for p, x in parsed.items() if x is not None}
     states: dict[str, str] = {}
     for chunk in _chunks([b for b, _ in ours.values()]):
         q = sa.select(_B.c.batch_id, _B.c.state).where(_B.c.batch_id.in_(chunk))
         states.update({r.batch_id: r.state for r in conn.execute(q)})
-    held = sinks.held_leases(conn, {lease for _, lease in ours.values()})
+    held = parquet.held_leases(conn, {lease for _, lease in ours.values()})
     foreign = [StagingFile(str(p), None, None, False) for p in parsed if p not in ours]
     return foreign + [
         StagingFile(str(p), b, states.get(b), lease in held) for p, (b, lease) in ours.items()
@@ -544,7 +544,7 @@ def _tally(
     return ItemTally(sum(reasons.values()), reasons if state != models.State.DONE else {}, keys)
 
 
-def _check_batch(layout: sinks.ParquetLayout | None, row: Any) -> BatchFacts:
+def _check_batch(layout: parquet.ParquetLayout | None, row: Any) -> BatchFacts:
     def facts(where: str, file: str, problem: str | None = None, keys: Any = None) -> BatchFacts:
         return BatchFacts(
             row.batch_id, row.model_version, row.state, row.committed_at, where, file, problem, keys
@@ -557,7 +557,7 @@ def _check_batch(layout: sinks.ParquetLayout | None, row: Any) -> BatchFacts:
     staged = layout.staging / PurePath(row.staging_path).name if row.staging_path else None
     for where, path in (("staging", staged), ("dataset", layout.root / row.path)):
         if path is not None and path.is_file():  # staging first: a rename may be under way
-            problem, keys = sinks.check_file(
+            problem, keys = parquet.check_file(
                 path, n_rows=row.n_rows, n_bytes=row.n_bytes, sha256=row.sha256
             )
             return facts(where, str(path), problem, None if problem else keys)
@@ -575,7 +575,7 @@ def _chunks(values: Sequence[str]) -> Iterable[list[str]]:
 @dataclass
 class _Repairer:
     queue: SqlQueue
-    sink: sinks.ParquetSink | None
+    sink: parquet.ParquetSink | None
     now: float
 
     def run(self, findings: Sequence[Finding]) -> list[Repair]:
@@ -729,7 +729,7 @@ def reconcile(
     repairs: tuple[Repair, ...] = ()
     if repair and findings:
         sink = (
-            sinks.ParquetSink(queue, location, staging=staging)
+            parquet.ParquetSink(queue, location, staging=staging)
             if output_kind == "parquet"
             else None
         )

@@ -26,7 +26,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.tasks import Task, exponential_backoff
 
-from batching import app, config, errors, pipeline, sinks
+from batching import app, config, errors, parquet, pipeline
 from batching.runner import TorchRunner
 from flows import artifacts, events, logs, settings
 from flows import lineage as flow_lineage
@@ -83,7 +83,7 @@ def validate_preconditions(
 
 def _check_writable(sink: Any) -> None:
     """Write and drop an unnamed file where a Parquet sink stages its files."""
-    if not isinstance(sink, sinks.ParquetSink):
+    if not isinstance(sink, parquet.ParquetSink):
         return  # a SQL sink writes to the queue database, checked already
     folder: Path = sink.layout.staging
     try:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from batching import parquet
 from batching import queue as q
-from batching import sinks
 from tests.conftest import FakeClock
 
 
@@ -25,5 +25,5 @@ def root(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def sink(queue: q.SqlQueue, root: Path) -> sinks.ParquetSink:
-    return sinks.ParquetSink(queue, root)
+def sink(queue: q.SqlQueue, root: Path) -> parquet.ParquetSink:
+    return parquet.ParquetSink(queue, root)

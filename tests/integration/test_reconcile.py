@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 
-from batching import models, schema, sinks
+from batching import models, parquet, schema, sinks
 from batching import queue as q
 from batching import reconcile as rc
 from batching.reconcile import Kind, Severity
@@ -59,7 +59,7 @@ def found(report: rc.Report) -> dict[tuple[Kind, Severity], list[rc.Finding]]:
 
 
 def test_a_consistent_dataset_is_clean(
-    queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
+    queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
 ) -> None:
     commit(queue, sink, ["a", "b"], clock)
     commit(queue, sink, ["c"], clock)
@@ -70,7 +70,7 @@ def test_a_consistent_dataset_is_clean(
 
 def make_every_fault(
     queue: q.SqlQueue,
-    sink: sinks.ParquetSink,
+    sink: parquet.ParquetSink,
     root: Path,
     clock: FakeClock,
     monkeypatch: pytest.MonkeyPatch,
@@ -113,7 +113,7 @@ def make_every_fault(
 
 def test_every_fault_is_found_and_repair_leaves_a_clean_dataset(
     queue: q.SqlQueue,
-    sink: sinks.ParquetSink,
+    sink: parquet.ParquetSink,
     root: Path,
     clock: FakeClock,
     monkeypatch: pytest.MonkeyPatch,
@@ -189,7 +189,7 @@ def check_repaired_state(queue: q.SqlQueue, root: Path, made: dict[str, Any]) ->
 
 def test_requeued_items_are_rescored_and_stay_clean(
     queue: q.SqlQueue,
-    sink: sinks.ParquetSink,
+    sink: parquet.ParquetSink,
     root: Path,
     clock: FakeClock,
     monkeypatch: pytest.MonkeyPatch,
@@ -205,7 +205,7 @@ def test_requeued_items_are_rescored_and_stay_clean(
 
 def test_staging_file_of_a_held_lease_is_left_alone(
     queue: q.SqlQueue,
-    sink: sinks.ParquetSink,
+    sink: parquet.ParquetSink,
     root: Path,
     clock: FakeClock,
     monkeypatch: pytest.MonkeyPatch,
@@ -224,7 +224,7 @@ def test_staging_file_of_a_held_lease_is_left_alone(
 
 
 def test_dead_expired_and_late_items_are_reported_but_not_critical(
-    queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
+    queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
 ) -> None:
     bad = claim(queue, ["bad"])
     queue.fail(bad.lease_id, {bad.items[0].id: "boom"}, retry=False)
@@ -252,7 +252,7 @@ def test_dead_expired_and_late_items_are_reported_but_not_critical(
 
 
 def test_run_and_since_limit_the_ledger_window(
-    queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
+    queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
 ) -> None:
     old = commit(queue, sink, ["a"], clock, run_id="run-1")
     (root / path_of(queue, old)).unlink()
@@ -289,7 +289,7 @@ def test_sql_lost_writes_are_found_and_requeued(queue: q.SqlQueue, clock: FakeCl
 
 
 def test_batches_of_another_sink_are_not_judged(
-    queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
+    queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
 ) -> None:
     commit(queue, sinks.SqlSink(queue), ["s"], clock)
     commit(queue, sink, ["p"], clock)
@@ -299,7 +299,7 @@ def test_batches_of_another_sink_are_not_judged(
 
 def test_outputs_survive_repair_bit_for_bit(
     queue: q.SqlQueue,
-    sink: sinks.ParquetSink,
+    sink: parquet.ParquetSink,
     root: Path,
     clock: FakeClock,
 ) -> None:

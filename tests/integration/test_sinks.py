@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 
-from batching import errors, models, schema, sinks
+from batching import errors, models, parquet, schema, sinks
 from batching import queue as q
 from tests.conftest import FakeClock
 
@@ -64,7 +64,7 @@ def read_outputs(root: Path) -> dict[str, list[float]]:
 def test_deferred_marks_ride_on_the_next_commit_and_flush_and_recover_records_the_rest(
     queue: q.SqlQueue, root: Path, clock: FakeClock
 ) -> None:
-    sink = sinks.ParquetSink(queue, root, defer_marks=True)
+    sink = parquet.ParquetSink(queue, root, defer_marks=True)
     first = sink.commit(scored(claim(queue, ["a"]), clock))
     assert first.published
     assert visible(root) == {first.location}  # readers see it at once
@@ -75,14 +75,14 @@ def test_deferred_marks_ride_on_the_next_commit_and_flush_and_recover_records_th
     sink.flush()
     assert set(states().values()) == {"published"}
     third = sink.commit(scored(claim(queue, ["c"]), clock))  # then the process dies
-    result = sinks.ParquetSink(queue, root).recover()
+    result = parquet.ParquetSink(queue, root).recover()
     assert result.rolled_forward == (third.batch_id,)
     assert set(states().values()) == {"published"}
     assert set(read_outputs(root)) == {"a", "b", "c"}
 
 
 def test_commit_publishes_a_readable_file_recorded_in_the_ledger(
-    queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
+    queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
 ) -> None:
     c = claim(queue, ["a", "b", "c"])
     batch = scored(c, clock)
@@ -105,7 +105,7 @@ def test_commit_publishes_a_readable_file_recorded_in_the_ledger(
 
 
 def test_dataset_schema_and_partitions(
-    queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
+    queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
 ) -> None:
     sink.commit(scored(claim(queue, ["a"]), clock, model_version="v1.0/beta"))
     table = pq.read_table(root)
@@ -125,7 +125,7 @@ def test_dataset_schema_and_partitions(
 
 def test_a_visible_file_is_always_committed(
     queue: q.SqlQueue,
-    sink: sinks.ParquetSink,
+    sink: parquet.ParquetSink,
     root: Path,
     clock: FakeClock,
     monkeypatch: pytest.MonkeyPatch,
@@ -156,7 +156,7 @@ def _after(fn: Callable[..., Any], then: Callable[[], None]) -> Callable[..., An
 
 
 def test_commit_with_a_lost_lease_commits_nothing(
-    queue: q.SqlQueue, sink: sinks.ParquetSink, root: Path, clock: FakeClock
+    queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
 ) -> None:
     c = claim(queue, ["a", "b"], lease_s=10)
     batch = scored(c, clock)
@@ -172,7 +172,7 @@ def test_commit_with_a_lost_lease_commits_nothing(
 
 def test_crash_before_commit_leaves_staging_that_recover_removes(
     queue: q.SqlQueue,
-    sink: sinks.ParquetSink,
+    sink: parquet.ParquetSink,
     root: Path,
     clock: FakeClock,
     monkeypatch: pytest.MonkeyPatch,
@@ -185,7 +185,7 @@ def test_crash_before_commit_leaves_staging_that_recover_removes(
     staged = sink.layout.staging_file(batch.batch_id, batch.lease_id)
     assert staged.is_file()
     assert visible(root) == set()
-    fresh = sinks.ParquetSink(queue, root)
+    fresh = parquet.ParquetSink(queue, root)
     assert fresh.recover().in_flight == (staged.name,), "a held lease may still commit"
     assert staged.is_file()
     clock.advance(11)
@@ -203,7 +203,7 @@ def _raise_crash(*_args: Any, **_kwargs: Any) -> None:
 
 def test_crash_after_commit_is_rolled_forward_by_recover(
     queue: q.SqlQueue,
-    sink: sinks.ParquetSink,
+    sink: parquet.ParquetSink,
     root: Path,
     clock: FakeClock,
     monkeypatch: pytest.MonkeyPatch,
@@ -216,19 +216,19 @@ def test_crash_after_commit_is_rolled_forward_by_recover(
     assert row.state == "committed"
     assert visible(root) == set()
     assert items(queue)["a"].state == models.State.DONE
-    result = sinks.ParquetSink(queue, root).recover()
+    result = parquet.ParquetSink(queue, root).recover()
     assert result.rolled_forward == (batch.batch_id,)
     assert result.removed_staging == ()
     assert visible(root) == {row.path}
     assert set(read_outputs(root)) == {"a", "b"}
     (row,) = ledger(queue)
     assert row.state == "published"
-    assert sinks.ParquetSink(queue, root).recover() == sinks.RecoverResult()
+    assert parquet.ParquetSink(queue, root).recover() == sinks.RecoverResult()
 
 
 def test_failed_rename_returns_unpublished_and_recover_publishes(
     queue: q.SqlQueue,
-    sink: sinks.ParquetSink,
+    sink: parquet.ParquetSink,
     root: Path,
     clock: FakeClock,
     monkeypatch: pytest.MonkeyPatch,
@@ -269,7 +269,7 @@ def test_scored_batch_checks_one_finite_output_per_item(
 
 def test_staging_inside_the_dataset_root_is_refused(queue: q.SqlQueue, root: Path) -> None:
     with pytest.raises(errors.ConfigError, match="inside the dataset root"):
-        sinks.ParquetSink(queue, root, staging=root / "_staging")
+        parquet.ParquetSink(queue, root, staging=root / "_staging")
 
 
 # ----------------------------------------------------------------------------- SQL
