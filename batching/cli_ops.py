@@ -31,14 +31,14 @@ def lineage(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Show a run's job, inputs, outputs and facets from the local OpenLineage event log."""
-    from batching import lineage as ol
+    from batching import lineage_log
 
     path = events or _events_from_config(config)
     if not path.is_file():
         raise errors.InputError(
             f"{path}: no lineage event log; run `batching score` first or pass --events"
         )
-    summary = ol.summarize_run(ol.read_events(path), run)
+    summary = lineage_log.summarize_run(lineage_log.read_events(path), run)
     if summary is None:
         raise errors.InputError(f"{path}: no events for run {run!r}; omit --run for the latest run")
     if as_json:

@@ -29,7 +29,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -709,124 +709,6 @@ def _describe(exc: ValueError) -> str:
     return redact_url("; ".join(parts))
 
 
-# ----------------------------------------------------------------------------- reading back
-
-
-def read_events(path: str | Path) -> list[dict[str, Any]]:
-    """Read a JSONL events file in file order; ``[]`` when it does not exist.
-
-    A line that is not a JSON object (e.g. torn by a crash) is skipped with a warning.
-    """
-    p = Path(path)
-    if not p.exists():
-        return []
-    events: list[dict[str, Any]] = []
-    with p.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if line.strip():
-                _append_event(events, line, p, number)
-    return events
-
-
-def _append_event(events: list[dict[str, Any]], line: str, path: Path, number: int) -> None:
-    try:
-        event = json.loads(line)
-    except json.JSONDecodeError:
-        event = None
-    if isinstance(event, dict):
-        events.append(event)
-        return
-    extra = {"action": "lineage_event_unreadable", "file": str(path), "line_number": number}
-    logger.warning("lineage event unreadable", extra=extra)
-
-
-def summarize_run(
-    events: Iterable[Mapping[str, Any]], run_id: str | None = None
-) -> dict[str, Any] | None:
-    """Summarize one run's events: job, parent, state, event types, times, datasets, facets.
-
-    ``run_id`` ``None`` picks the run with the latest event. Returns ``None`` when the run has no
-    events. ``duration_s`` is from the first event to the last terminal one (COMPLETE/FAIL/ABORT).
-    """
-    runs: dict[str, list[Mapping[str, Any]]] = {}
-    for event in events:
-        runs.setdefault(str(event.get("run", {}).get("runId")), []).append(event)
-    if run_id is None and runs:
-        run_id = max(runs, key=lambda r: max(_event_ts(e) for e in runs[r]))
-    chosen = sorted(runs.get(run_id or "", []), key=_event_ts)
-    return _summary(chosen) if chosen else None
-
-
-def _event_ts(event: Mapping[str, Any]) -> float:
-    try:
-        return datetime.fromisoformat(str(event.get("eventTime"))).timestamp()
-    except ValueError:
-        return float("-inf")
-
-
-def _summary(events: list[Mapping[str, Any]]) -> dict[str, Any]:
-    last = events[-1]
-    job = last.get("job", {})
-    run_facets = _merged(e.get("run", {}).get("facets") for e in events)
-    ends = [e for e in events if e.get("eventType") in ("COMPLETE", "FAIL", "ABORT")]
-    started, ended = events[0].get("eventTime"), ends[-1].get("eventTime") if ends else None
-    return {
-        "run_id": last["run"]["runId"],
-        "job": {"namespace": job.get("namespace"), "name": job.get("name")},
-        "parent": _parent(run_facets.get("parent")),
-        "state": last.get("eventType"),
-        "event_types": [e.get("eventType") for e in events],
-        "started_at": started,
-        "ended_at": ended,
-        "duration_s": _event_ts(ends[-1]) - _event_ts(events[0]) if ends else None,
-        "inputs": _datasets(events, "inputs", "inputFacets", "inputStatistics"),
-        "outputs": _datasets(events, "outputs", "outputFacets", "outputStatistics"),
-        "run_facets": sorted(run_facets),
-        "job_facets": sorted(_merged(e.get("job", {}).get("facets") for e in events)),
-        "error": run_facets.get("errorMessage", {}).get("message"),
-        "model": _strip_base(run_facets.get("batching_model")),
-        "config_hash": run_facets.get("batching_config", {}).get("configHash"),
-    }
-
-
-def _merged(facet_maps: Iterable[Any]) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
-    for facets in facet_maps:
-        merged |= facets or {}
-    return merged
-
-
-def _parent(facet: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if not facet:
-        return None
-    job = facet.get("job", {})
-    return {
-        "run_id": facet.get("run", {}).get("runId"),
-        "job": f"{job.get('namespace')}/{job.get('name')}",
-    }
-
-
-def _strip_base(facet: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    return {k: v for k, v in facet.items() if not k.startswith("_")} if facet else None
-
-
-def _datasets(
-    events: list[Mapping[str, Any]], kind: str, io_key: str, stats_key: str
-) -> list[dict[str, Any]]:
-    found: dict[tuple[str, str], dict[str, Any]] = {}
-    for event in events:
-        for ds in event.get(kind) or []:
-            entry = found.setdefault((ds["namespace"], ds["name"]), {"facets": set()})
-            entry["facets"] |= set(ds.get("facets") or {}) | set(ds.get(io_key) or {})
-            stats = (ds.get(io_key) or {}).get(stats_key) or {}
-            pairs = (("row_count", stats.get("rowCount")), ("size_bytes", stats.get("size")))
-            entry |= {k: v for k, v in pairs if v is not None}
-    return [
-        {"namespace": ns, "name": name, **entry, "facets": sorted(entry["facets"])}
-        for (ns, name), entry in found.items()
-    ]
-
-
 __all__ = [
     "FACET_SCHEMA_BASE",
     "BatchingConfigRunFacet",
@@ -843,9 +725,7 @@ __all__ = [
     "file_dataset_id",
     "make_transport",
     "new_run_id",
-    "read_events",
     "redact_mapping",
     "redact_url",
     "sql_dataset_id",
-    "summarize_run",
 ]

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from batching import app, ingest, lineage, workloads
+from batching import app, ingest, lineage_log, workloads
 from batching.config import load_config
 
 pytestmark = pytest.mark.slow
@@ -206,7 +206,7 @@ def test_served_deployments_score_reconcile_alert_and_deploy(stack: Stack, tmp_p
 def check_lineage(stack: Stack, score_id: str, reconcile_id: str) -> None:
     runs = [
         (e["run"]["runId"], e["job"]["name"], e["eventType"])
-        for e in lineage.read_events(stack.events_path)
+        for e in lineage_log.read_events(stack.events_path)
     ]
     assert runs == [
         (score_id, "score-online", "START"),

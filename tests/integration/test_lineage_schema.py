@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import pytest
 from referencing import Registry
 
-from batching import config, lineage
+from batching import config, lineage, lineage_log
 from tests import olspec
 
 PRODUCER = "https://github.com/acme/batching/tree/0.1.0"
@@ -105,7 +105,7 @@ def test_file_transport_events_validate_against_the_spec(
 ) -> None:
     emitter = emit_flow_with_a_failed_task(tmp_path)
     assert emitter.events_path == tmp_path / "outputs" / "lineage" / "events.jsonl"
-    events = lineage.read_events(emitter.events_path)
+    events = lineage_log.read_events(emitter.events_path)
     assert [(e["run"]["runId"], e["eventType"]) for e in events] == [
         (FLOW_RUN, "START"),
         (TASK_RUN, "START"),
@@ -120,7 +120,7 @@ def test_file_transport_events_validate_against_the_spec(
 def test_events_carry_statistics_schema_parent_and_error(tmp_path: Path) -> None:
     emitter = emit_flow_with_a_failed_task(tmp_path)
     assert emitter.events_path is not None
-    start, _, fail, complete = lineage.read_events(emitter.events_path)
+    start, _, fail, complete = lineage_log.read_events(emitter.events_path)
     out = complete["outputs"][0]
     assert (out["namespace"], out["name"]) == ("file", str(tmp_path / "outputs" / "results"))
     assert out["outputFacets"]["outputStatistics"] == {
@@ -163,9 +163,9 @@ def test_append_mode_writes_one_json_object_per_line_across_emitters(tmp_path: P
 def test_summarize_the_events_read_back(tmp_path: Path) -> None:
     emitter = emit_flow_with_a_failed_task(tmp_path)
     assert emitter.events_path is not None
-    events = lineage.read_events(emitter.events_path)
-    latest = lineage.summarize_run(events)
-    task = lineage.summarize_run(events, TASK_RUN)
+    events = lineage_log.read_events(emitter.events_path)
+    latest = lineage_log.summarize_run(events)
+    task = lineage_log.summarize_run(events, TASK_RUN)
     assert latest is not None
     assert task is not None
     assert (latest["run_id"], latest["state"], latest["model"]) == (
@@ -183,8 +183,8 @@ def test_a_torn_line_is_skipped_when_reading(tmp_path: Path) -> None:
     assert emitter.events_path is not None
     with emitter.events_path.open("a", encoding="utf-8") as f:
         f.write('{"eventType": "START", "run"\n')
-    assert len(lineage.read_events(emitter.events_path)) == 4
-    assert lineage.read_events(tmp_path / "missing.jsonl") == []
+    assert len(lineage_log.read_events(emitter.events_path)) == 4
+    assert lineage_log.read_events(tmp_path / "missing.jsonl") == []
 
 
 # ----------------------------------------------------------------------------- the validator
@@ -193,7 +193,7 @@ def test_a_torn_line_is_skipped_when_reading(tmp_path: Path) -> None:
 def valid_event(tmp_path: Path) -> dict[str, Any]:
     emitter = emit_flow_with_a_failed_task(tmp_path)
     assert emitter.events_path is not None
-    return lineage.read_events(emitter.events_path)[2]  # the FAIL event: most facets
+    return lineage_log.read_events(emitter.events_path)[2]  # the FAIL event: most facets
 
 
 @pytest.mark.parametrize(
@@ -238,7 +238,7 @@ def test_custom_facets_without_a_registered_schema_fail_only_in_strict_mode(
     tmp_path: Path,
 ) -> None:
     bare = olspec.load_registry(olspec.require_spec_dir())
-    event = lineage.read_events(emit_flow_with_a_failed_task(tmp_path).events_path or Path())[0]
+    event = lineage_log.read_events(emit_flow_with_a_failed_task(tmp_path).events_path or Path())[0]
     found = olspec.validate_event(event, bare)
     assert any("no schema registered" in m and "batching_model" in m for m in found), found
     assert olspec.validate_event(event, bare, strict=False) == []

@@ -27,7 +27,7 @@ import yaml
 
 from batching import app as wiring
 from batching import config as cfg
-from batching import errors, ingest, lineage, models, pipeline, schema, workloads
+from batching import errors, ingest, lineage, lineage_log, models, pipeline, schema, workloads
 from batching import queue as q
 from batching import reconcile as rc
 from batching.runner import TorchRunner
@@ -355,7 +355,7 @@ def test_a_run_that_fails_its_checks_is_on_record_in_lineage(
     enqueue(sqlite_url, config, w1_records(4, tmp_path))
     with pytest.raises(errors.CheckpointError):
         wiring.run_score(config, db_url=sqlite_url, output=str(tmp_path / "out"))
-    events = lineage.read_events(tmp_path / "lineage" / "events.jsonl")
+    events = lineage_log.read_events(tmp_path / "lineage" / "events.jsonl")
     assert [e["eventType"] for e in events] == ["START", "FAIL"]
     assert "sha256" in events[1]["run"]["facets"]["errorMessage"]["message"]
     registry = olspec.load_registry(olspec.require_spec_dir(), lineage.custom_facet_schemas())

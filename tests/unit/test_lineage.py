@@ -12,7 +12,7 @@ import pytest
 from openlineage.client.serde import Serde
 from openlineage.client.transport import Transport
 
-from batching import config, errors, lineage
+from batching import config, errors, lineage, lineage_log
 from tests.conftest import FakeClock
 
 RUN_ID = "0190f6a1-0000-7000-8000-000000000001"
@@ -511,7 +511,7 @@ EVENTS = [
 
 
 def test_summarize_run_by_id() -> None:
-    summary = lineage.summarize_run(EVENTS, RUN_ID)
+    summary = lineage_log.summarize_run(EVENTS, RUN_ID)
     assert summary == {
         "run_id": RUN_ID,
         "job": {"namespace": "batching", "name": "score"},
@@ -540,7 +540,7 @@ def test_summarize_run_by_id() -> None:
 
 
 def test_summarize_latest_run_by_event_time_and_reports_the_error() -> None:
-    summary = lineage.summarize_run(list(reversed(EVENTS)))
+    summary = lineage_log.summarize_run(list(reversed(EVENTS)))
     assert summary is not None
     assert (summary["run_id"], summary["state"], summary["error"]) == (
         PARENT_ID,
@@ -551,11 +551,11 @@ def test_summarize_latest_run_by_event_time_and_reports_the_error() -> None:
 
 
 def test_summarize_an_unfinished_run() -> None:
-    summary = lineage.summarize_run(EVENTS[:1])
+    summary = lineage_log.summarize_run(EVENTS[:1])
     assert summary is not None
     assert (summary["ended_at"], summary["duration_s"], summary["parent"]) == (None, None, None)
 
 
 @pytest.mark.parametrize(("events", "run_id"), [([], None), (EVENTS, "unknown-run")])
 def test_summarize_nothing_gives_none(events: list[dict[str, Any]], run_id: str | None) -> None:
-    assert lineage.summarize_run(events, run_id) is None
+    assert lineage_log.summarize_run(events, run_id) is None
