@@ -56,3 +56,9 @@ class SinkError(BatchingError):
 
 class PolicyError(BatchingError):
     """The batching policy breaks the latency objective or the device budget."""
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line (whitespace collapsed), cut to ``limit`` characters."""
+    text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -17,13 +17,10 @@ Failure handling inside ``forward``, per (sub-)batch:
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
-import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -35,23 +32,16 @@ import numpy.typing as npt
 import torch
 from torch import nn
 
-from batching import errors, models, zoo
+from batching import errors, models, payloads, zoo
 from batching.config import ModelSpec
 from batching.service_profile import ProfilePoint, ServiceProfile
-
-try:
-    import orjson
-
-    _loads: Callable[[bytes], Any] = orjson.loads
-except ImportError:  # pragma: no cover - orjson ships with prefect; json is the fallback
-    _loads = json.loads
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-FloatArray = npt.NDArray[np.float32]
-IntArray = npt.NDArray[np.int64]
+FloatArray = payloads.FloatArray
+IntArray = payloads.IntArray
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -245,7 +235,7 @@ class TorchRunner:
     def _decode_dense(self, items: Sequence[models.WorkItem]) -> Decoded:
         dim = self._info.input_dim
         assert dim is not None  # dense models always know it (zoo.describe)
-        rows, failures = _dense_rows(items, dim)
+        rows, failures = payloads.dense_rows(items, dim)
         ok = [i for i, item in enumerate(items) if item.id not in failures]
         matrix = np.empty((len(ok), dim), dtype=np.float32)
         for positions, block in rows:
@@ -259,9 +249,9 @@ class TorchRunner:
         ids: list[int] = []
         failures: dict[int, str] = {}
         for item in items:
-            seq, reason = _token_seq(item.payload)
+            seq, reason = payloads.token_seq(item.payload)
             if reason is None and seq is not None:
-                reason = _token_range_error(seq, self._info.vocab_size)
+                reason = payloads.token_range_error(seq, self._info.vocab_size)
             if reason is not None or seq is None:
                 failures[item.id] = reason or "payload has no tokens"
                 continue
@@ -320,7 +310,7 @@ class TorchRunner:
             self._contract_broken(decoded, start, stop, tally, str(exc))
             return
         except Exception as exc:  # the model's own error: isolate it below
-            oom, reason = _is_oom(exc), _one_line(exc)
+            oom, reason = _is_oom(exc), errors.one_line(exc)
         else:
             self._collect(decoded.ids[start:stop], out, tally)
             return
@@ -530,108 +520,6 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
-def _one_line(exc: BaseException, limit: int = 300) -> str:
-    text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# ---- payload decoding (numpy, no per-value Python loops) -----------------------------------
-
-
-def _dense_rows(
-    items: Sequence[models.WorkItem], dim: int
-) -> tuple[list[tuple[list[int], FloatArray]], dict[int, str]]:
-    """Blocks of decoded rows ``(item positions, float32 [k, dim])`` and failures by item id."""
-    failures: dict[int, str] = {}
-    json_rows: list[tuple[int, object]] = []
-    tensors: dict[str, list[tuple[int, bytes]]] = {}
-    for pos, item in enumerate(items):
-        payload = item.payload
-        if payload.format == models.PayloadFormat.JSON:
-            value, reason = _json_field(payload.data, "x")
-            if reason is None and not (isinstance(value, list) and len(value) == dim):
-                reason = f'"x" must be a list of {dim} numbers, got {_describe(value)}'
-            if reason is None:
-                json_rows.append((pos, value))
-        else:
-            dtype, reason = _tensor_dtype(payload, "fiu", (dim,))
-            if dtype is not None:
-                tensors.setdefault(dtype, []).append((pos, payload.data))
-        if reason is not None:
-            failures[item.id] = reason
-    blocks = _json_blocks(items, json_rows, dim, failures)
-    for dtype, entries in tensors.items():
-        raw = np.frombuffer(b"".join(data for _, data in entries), dtype=np.dtype(dtype))
-        blocks.append(([pos for pos, _ in entries], raw.reshape(-1, dim).astype(np.float32)))
-    return blocks, failures
-
-
-def _json_blocks(
-    items: Sequence[models.WorkItem],
-    rows: list[tuple[int, object]],
-    dim: int,
-    failures: dict[int, str],
-) -> list[tuple[list[int], FloatArray]]:
-    """Convert JSON rows in one numpy call; on a bad value, row by row to blame the item."""
-    if not rows:
-        return []
-    try:
-        matrix = np.array([value for _, value in rows], dtype=np.float32)
-        if matrix.shape == (len(rows), dim):
-            return [([pos for pos, _ in rows], matrix)]
-    except (ValueError, TypeError):
-        pass
-    good: list[tuple[int, FloatArray]] = []
-    for pos, value in rows:
-        try:
-            row = np.array(value, dtype=np.float32)
-        except (ValueError, TypeError):
-            row = None
-        if row is None or row.shape != (dim,):
-            failures[items[pos].id] = f'"x" must be a list of {dim} numbers'
-        else:
-            good.append((pos, row))
-    if not good:
-        return []
-    return [([pos for pos, _ in good], np.stack([row for _, row in good]))]
-
-
-def _token_seq(payload: models.Payload) -> tuple[IntArray | None, str | None]:
-    """One item's token ids as int64, or a reason."""
-    if payload.format == models.PayloadFormat.JSON:
-        value, reason = _json_field(payload.data, "tokens")
-        if reason is not None:
-            return None, reason
-        arr = _int_array(value)
-        if arr is None or arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.size == 0:
-            return None, f'"tokens" must be a non-empty list of integers, got {_describe(value)}'
-        return arr.astype(np.int64), None
-    dtype, reason = _tensor_dtype(payload, "iu", None)
-    if dtype is None:
-        return None, reason
-    arr = np.frombuffer(payload.data, dtype=np.dtype(dtype)).astype(np.int64)
-    if arr.size == 0:
-        return None, "token tensor is empty"
-    return arr, None
-
-
-def _int_array(value: object) -> npt.NDArray[Any] | None:
-    if not isinstance(value, list):
-        return None
-    try:
-        return np.array(value)
-    except (ValueError, TypeError, OverflowError):  # ragged or unconvertible
-        return None
-
-
-def _token_range_error(seq: IntArray, vocab_size: int | None) -> str | None:
-    low, high = int(seq.min()), int(seq.max())
-    if low < 1 or (vocab_size is not None and high >= vocab_size):
-        bound = f"[1, {vocab_size})" if vocab_size is not None else ">= 1"
-        return f"token ids must be in {bound} (0 is padding), got min {low} max {high}"
-    return None
-
-
 def _collate(seqs: list[IntArray]) -> tuple[torch.Tensor, torch.Tensor, IntArray]:
     """Right-pad with 0: tokens ``[n, L]`` int64, mask ``[n, L]`` (True = pad), lengths."""
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
@@ -641,52 +529,3 @@ def _collate(seqs: list[IntArray]) -> tuple[torch.Tensor, torch.Tensor, IntArray
     if seqs:
         tokens[real] = np.concatenate(seqs)
     return torch.from_numpy(tokens), torch.from_numpy(~real), lengths
-
-
-def _json_field(data: bytes, key: str) -> tuple[object, str | None]:
-    try:
-        doc = _loads(data)
-    except ValueError as exc:
-        return None, f"payload is not valid JSON ({_one_line(exc, 120)})"
-    if not isinstance(doc, dict) or key not in doc:
-        return None, f'payload must be a JSON object with "{key}", got {_describe(doc)}'
-    return doc[key], None
-
-
-@functools.lru_cache(maxsize=64)
-def _le_dtype(name: str) -> np.dtype[Any] | None:
-    """Little-endian numpy dtype for a payload's dtype name (cached: called per item)."""
-    try:
-        return np.dtype(name).newbyteorder("<")
-    except (TypeError, ValueError):
-        return None
-
-
-def _tensor_dtype(
-    payload: models.Payload, kinds: str, shape: tuple[int] | None
-) -> tuple[str | None, str | None]:
-    """Validate a tensor payload: returns its little-endian dtype string, or a reason.
-
-    ``shape`` None accepts any 1-D length; tensors may also be ``(1, n)``.
-    """
-    if payload.dtype is None or payload.shape is None:
-        return None, "tensor payload needs dtype and shape"
-    dtype = _le_dtype(payload.dtype)
-    if dtype is None:
-        return None, f"unknown tensor dtype {payload.dtype!r}"
-    if dtype.kind not in kinds:
-        return None, f"tensor dtype {payload.dtype} not accepted here (kinds {kinds!r})"
-    dims = tuple(payload.shape)
-    flat = dims[1:] if len(dims) == 2 and dims[0] == 1 else dims
-    if len(flat) != 1 or (shape is not None and flat != shape):
-        want = f"({shape[0]},)" if shape is not None else "(n,)"
-        return None, f"tensor shape {dims} does not match {want}"
-    if len(payload.data) != math.prod(flat) * dtype.itemsize:
-        return None, f"tensor has {len(payload.data)} bytes, expected {math.prod(flat)} x {dtype}"
-    return dtype.str, None
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, list):
-        return f"a list of {len(value)}"
-    return type(value).__name__

@@ -13,6 +13,10 @@ from tests.conftest import REPO
 HEAVY = ("torch", "sqlalchemy", "pyarrow", "openlineage", "prefect", "numpy", "pydantic")
 
 
+def test_payload_decoding_needs_numpy_but_not_torch() -> None:
+    assert "torch" not in _loaded_after("import batching.payloads")
+
+
 def _loaded_after(statement: str) -> set[str]:
     code = f"import sys; {statement}; print(' '.join(sorted(m.split('.')[0] for m in sys.modules)))"
     out = subprocess.run(
