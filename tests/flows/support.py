@@ -22,7 +22,7 @@ from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFi
 from prefect.logging.handlers import APILogHandler
 from prefect.states import State
 
-from batching import app, ingest, lineage, workloads
+from batching import app, ingest, lineage_log, workloads
 from batching import queue as q
 from batching.config import load_config
 
@@ -73,7 +73,7 @@ class Pipeline:
 
     def lineage(self, run_id: str | None = None) -> list[dict[str, Any]]:
         """OpenLineage events written by the file transport (of one run, when given)."""
-        events = lineage.read_events(self.events_path)
+        events = lineage_log.read_events(self.events_path)
         return [e for e in events if run_id is None or e["run"]["runId"] == run_id]
 
 
