@@ -62,19 +62,25 @@ def test_batches_waiting_to_commit_are_committed_together_one_commit_per_lease()
     """Group commit: while the first commit is slow, the next scored batches queue up; the
     commit stage then takes them all at once, one sink commit per lease, capped in rows."""
     r = rig(keys(16), max_batch_size=2, claim_size=8, max_inflight_batches=8, max_rows_per_commit=6)
-    queued = threading.Event()
-    r.runner.on_forward = lambda n: queued.set() if n == 5 else None
+    committing, queued = threading.Event(), threading.Event()
+
+    def on_forward(n: int) -> None:
+        if n == 2:  # batch 2 is scored only once the first commit has taken batch 1 alone
+            assert committing.wait(5)
+        if n == 5:  # batches 2-4 are scored and waiting for the commit stage
+            queued.set()
 
     def slow_first(batch: object) -> None:
         if not r.sink.batches:
-            assert queued.wait(5)  # batches 2-5 are scored and waiting
+            committing.set()
+            assert queued.wait(5)
             time.sleep(0.05)
 
+    r.runner.on_forward = on_forward
     r.sink.before_commit = slow_first
     stats = r.scorer.run()
     sizes = [len(b.items) for b in r.sink.batches]
-    assert sizes[0] == 2
-    assert max(sizes) == 6  # three waiting batches of one lease, at the 6-row cap
+    assert sizes[:2] == [2, 6]  # batch 1 alone; then batches 2-4 of lease 1, at the 6-row cap
     assert all(len({i.item_key for i in b.items}) == len(b.items) for b in r.sink.batches)
     assert r.sink.keys() == Counter(keys(16))
     assert stats.commits == len(r.sink.batches) < len(stats.batch_sizes) == 8
