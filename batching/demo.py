@@ -65,5 +65,6 @@ def _show(out: Console, target: Path) -> None:
         values = row["output"]
         shown = ", ".join(f"{v:.4f}" for v in values[:4]) + (", ..." if len(values) > 4 else "")
         out.print(
-            f"  {row['item_key']}: [{shown}] ({len(values)} floats, model {row['model_version']})"
+            f"  {row['item_key']}: [{shown}] ({len(values)} float{'s' if len(values) != 1 else ''},"
+            f" model {row['model_version']})"
         )
