@@ -447,3 +447,19 @@ def test_purge_removes_old_done_items_only(ws: Path) -> None:
     bad = batching("purge", "--db", DB, "--older-than=-1d", cwd=ws)
     assert bad.rc == 2
     one_error_line(bad)
+
+
+def test_demo_scores_both_workloads_and_shows_committed_outputs(tmp_path: Path) -> None:
+    """The README's first command ends in `batching demo`: it must work in an empty folder."""
+    import pyarrow.dataset as ds
+
+    r = batching("demo", "--dir", "d", "--n-text", "40", "--n-tabular", "600", cwd=tmp_path)
+    assert r.rc == 0, r.err
+    assert "items committed" in r.out
+    assert "(1 float, model w1-mlp-v1)" in r.out
+    assert "(256 floats, model w2-text-v1)" in r.out
+    rows = {
+        kind: ds.dataset(tmp_path / "d" / "outputs" / kind, partitioning="hive").count_rows()
+        for kind in ("text", "tabular")
+    }
+    assert rows == {"text": 40, "tabular": 600}
