@@ -198,6 +198,8 @@ def test_served_deployments_score_reconcile_alert_and_deploy(stack: Stack, tmp_p
     assert stack.finished(reconcile_run["id"])["state"]["type"] == "COMPLETED"
     check_lineage(stack, score_run["id"], reconcile_run["id"])
     stack.stop(serve)
+    assert serve.returncode == 0  # stopped by Ctrl-C within the grace period
+    assert all(d["paused"] for d in stack.deployments().values())  # the runner paused them
 
     check_alert(stack)
     check_deploy(stack)
@@ -285,3 +287,23 @@ def check_deploy(stack: Stack) -> None:
         "score-on-backlog",
         "batching-reconcile-failed",
     }
+
+
+def test_serve_exits_within_its_grace_period_when_the_server_is_gone(stack: Stack) -> None:
+    """With its server gone, Prefect's runner sometimes stops at once and sometimes retries
+    pausing the schedules for minutes; either way `flows.serve` ends within the grace period
+    (tests/flows/test_serve.py covers the kill path deterministically)."""
+    serve = stack.start("-m", "flows.serve", "--shutdown-grace-s", "3", name="serve")
+    wait_for(lambda: len(stack.deployments()) == 3, 90, "3 deployments")
+    server = stack.procs[0]
+    os.killpg(server.pid, signal.SIGKILL)
+    server.wait(10)
+    time.sleep(2)  # the runner notices (its event websocket drops)
+    started = time.monotonic()
+    os.killpg(serve.pid, signal.SIGINT)
+    code = serve.wait(30)
+    assert time.monotonic() - started < 20
+    log = (stack.root / "serve.log").read_text()
+    if code != 0:
+        assert code == 1
+        assert "prefect deployment schedule pause --all" in log
