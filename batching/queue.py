@@ -327,6 +327,8 @@ class SqlQueue:
             self._expire_overdue(conn, now)
             rows = list(conn.execute(sa.text(self._claim_sql(lane, max_cost)), params))
             bodies = self._bodies(conn, [r[0] for r in rows]) if rows else {}
+            if len(bodies) != len(rows):
+                rows = self._bury_bodiless(conn, rows, bodies, now)
         rows.sort(key=_BY_DEADLINE_AGE_ID)
         rows.sort(key=_BY_PRIORITY, reverse=True)  # stable: ties keep the order above
         items = tuple(self._item(r, bodies[r[0]]) for r in rows)
@@ -368,6 +370,30 @@ class SqlQueue:
             f" leased_by = :worker, lease_expires_at = :expires WHERE id IN ({ids})"
             f" RETURNING {', '.join(_CLAIM_COLUMNS)}"
         )
+
+    def _bury_bodiless(
+        self, conn: Connection, rows: list[Any], bodies: Mapping[int, bytes], now: float
+    ) -> list[Any]:
+        """Dead-letter claimed rows whose payload row is gone (a manual delete or a partial
+        restore) in the claim's transaction; returns the rest. They can never be scored, and
+        failing the claim instead would charge an attempt to every item claimed with them."""
+        lost = [r[0] for r in rows if r[0] not in bodies]
+        conn.execute(
+            sa.update(_T)
+            .where(self._id_in(lost))
+            .values(
+                state=int(models.State.DEAD),
+                finished_at=now,
+                lease_id=None,
+                lease_expires_at=None,
+                last_error="payload missing from batching_payloads",
+            )
+        )
+        logger.error(
+            "claimed items have no payload; dead-lettered",
+            extra={"action": "dead_letter", "queue": self.queue, "n_items": len(lost)},
+        )
+        return [r for r in rows if r[0] in bodies]
 
     def _bodies(self, conn: Connection, ids: list[int]) -> dict[int, bytes]:
         stmt = sa.select(_P.c.id, _P.c.payload).where(self._id_in(ids, _P.c.id))
@@ -665,7 +691,7 @@ class SqlQueue:
         )
         with self.begin() as conn:
             if archive:
-                cols = [c.name for c in schema.items_archive.columns]
+                cols = [c.name for c in schema.items_archive.columns if c.name != "archive_id"]
                 source = sa.select(
                     *(_P.c.payload if c == "payload" else _T.c[c] for c in cols)
                 ).join_from(_T, _P, _P.c.id == _T.c.id)

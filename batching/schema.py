@@ -36,12 +36,22 @@ schema_version = sa.Table(
 )
 
 
-def _item_columns(*, with_payload: bool) -> list[sa.Column[Any]]:
+def _item_columns(*, archive: bool) -> list[sa.Column[Any]]:
+    """The item row; the archive's copy keeps the payload inline and has its own key, because
+    SQLite hands a purged item's id out again (``id`` is not AUTOINCREMENT)."""
+    key: list[sa.Column[Any]] = (
+        [
+            sa.Column("archive_id", _ID, primary_key=True, autoincrement=True),
+            sa.Column("id", _ID, nullable=False),
+        ]
+        if archive
+        else [sa.Column("id", _ID, primary_key=True, autoincrement=True)]
+    )
     payload: list[sa.Column[Any]] = (
-        [sa.Column("payload", sa.LargeBinary, nullable=False)] if with_payload else []
+        [sa.Column("payload", sa.LargeBinary, nullable=False)] if archive else []
     )
     return [
-        sa.Column("id", _ID, primary_key=True, autoincrement=True),
+        *key,
         sa.Column("queue", sa.String(200), nullable=False),
         sa.Column("lane", sa.String(200), nullable=False, server_default=""),
         sa.Column("item_key", sa.String(500), nullable=False),
@@ -76,7 +86,7 @@ def _item_columns(*, with_payload: bool) -> list[sa.Column[Any]]:
 items = sa.Table(
     "batching_items",
     metadata,
-    *_item_columns(with_payload=False),
+    *_item_columns(archive=False),
     sa.UniqueConstraint("queue", "item_key", name="uq_batching_items_key"),
     postgresql_with={
         "fillfactor": 90,
@@ -135,7 +145,7 @@ payloads = sa.Table(
 )
 """Request bodies by item id, written once at enqueue and read once per claim."""
 
-items_archive = sa.Table("batching_items_archive", metadata, *_item_columns(with_payload=True))
+items_archive = sa.Table("batching_items_archive", metadata, *_item_columns(archive=True))
 
 batches = sa.Table(
     "batching_batches",
@@ -230,10 +240,29 @@ def _v3(conn: Connection) -> None:
         conn.execute(sa.text("ALTER TABLE batching_items DROP COLUMN payload"))
 
 
+def _v4(conn: Connection) -> None:
+    columns = {c["name"] for c in sa.inspect(conn).get_columns(items_archive.name)}
+    if "archive_id" in columns:
+        return
+    # Rebuild under a new name, copy, swap: the same statements on SQLite and PostgreSQL.
+    rebuilt = items_archive.to_metadata(sa.MetaData(), name=f"{items_archive.name}_new")
+    rebuilt.create(conn)
+    names = ", ".join(c.name for c in items_archive.columns if c.name != "archive_id")
+    conn.execute(
+        sa.text(
+            f"INSERT INTO {rebuilt.name} ({names}) SELECT {names} FROM {items_archive.name}"
+            " ORDER BY finished_at, id"
+        )
+    )
+    conn.execute(sa.text(f"DROP TABLE {items_archive.name}"))
+    conn.execute(sa.text(f"ALTER TABLE {rebuilt.name} RENAME TO {items_archive.name}"))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "queue items, archive, batch ledger, runs, results", _v1),
     Migration(2, "expiry index leads with queue", _v2),
     Migration(3, "payloads move to batching_payloads", _v3),
+    Migration(4, "archive rows get their own key", _v4),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -259,7 +288,12 @@ def current_version(conn: Connection) -> int:
 
 
 def migrate(engine: Engine, now: Callable[[], float]) -> MigrationResult:
-    """Apply every pending migration, each in its own transaction; safe to run concurrently."""
+    """Apply every pending migration in one transaction (all or none); safe to run concurrently.
+
+    Stop scorers first when a migration rewrites a table: 3 drops the inline payload column
+    (SQLite rewrites ``batching_items``; PostgreSQL takes an exclusive lock, and the space
+    returns only after ``VACUUM FULL``), 4 rebuilds ``batching_items_archive``.
+    """
     with engine.begin() as conn:
         _lock(conn)
         before = current_version(conn)

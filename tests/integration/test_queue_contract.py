@@ -102,6 +102,66 @@ def test_purge_deletes_payloads_and_archive_keeps_them(queue: q.SqlQueue, clock:
     assert sorted(archived) == [("a", b'{"x":[1]}'), ("b", b'{"x":[1]}')]
 
 
+def test_an_item_whose_payload_row_is_gone_is_dead_lettered_and_the_rest_claimed(
+    queue: q.SqlQueue,
+) -> None:
+    queue.enqueue([rec("a"), rec("b"), rec("c")])
+    gone = row(queue, "b").id
+    with queue.engine.begin() as conn:
+        conn.execute(schema.payloads.delete().where(schema.payloads.c.id == gone))
+    claim = queue.claim(5, lease_s=30)
+    assert sorted(i.item_key for i in claim.items) == ["a", "c"]
+    lost = row(queue, "b")
+    assert (lost.state, lost.last_error) == (
+        models.State.DEAD,
+        "payload missing from batching_payloads",
+    )
+
+
+def test_purge_archive_keeps_working_when_sqlite_hands_out_a_purged_id_again(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    for key in ("a", "b"):  # on SQLite "b" gets "a"'s id back once "a" is purged
+        queue.enqueue([rec(key)])
+        claim = queue.claim(1, lease_s=30)
+        queue.ack(claim.lease_id, [i.id for i in claim.items])
+        clock.advance(100)
+        assert queue.purge(10, archive=True) == 1
+    with queue.engine.connect() as conn:
+        keys = conn.execute(sa.select(schema.items_archive.c.item_key)).scalars().all()
+    assert sorted(keys) == ["a", "b"]
+
+
+def test_migration_4_gives_archive_rows_their_own_key_and_keeps_them(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    queue.enqueue([rec("a")])
+    claim = queue.claim(1, lease_s=30)
+    queue.ack(claim.lease_id, [i.id for i in claim.items])
+    clock.advance(100)
+    queue.purge(10, archive=True)
+    with queue.engine.begin() as conn:  # rewind to version 3: the archive keyed by item id
+        rows = [dict(r._mapping) for r in conn.execute(sa.select(schema.items_archive))]
+        conn.execute(sa.text("DROP TABLE batching_items_archive"))
+        v3 = sa.Table(  # the item row, payload inline, keyed by id
+            "batching_items_archive",
+            sa.MetaData(),
+            *schema._item_columns(archive=False),
+            sa.Column("payload", sa.LargeBinary, nullable=False),
+        )
+        v3.create(conn)
+        conn.execute(v3.insert(), [{k: v for k, v in r.items() if k != "archive_id"} for r in rows])
+        conn.execute(schema.schema_version.delete().where(schema.schema_version.c.version >= 4))
+    result = queue.migrate()
+    assert (result.from_version, result.to_version) == (3, schema.SCHEMA_VERSION)
+    with queue.engine.connect() as conn:
+        got = conn.execute(
+            sa.select(schema.items_archive.c.archive_id, schema.items_archive.c.item_key)
+        ).all()
+    assert [key for _, key in got] == ["a"]
+    assert got[0][0] is not None
+
+
 def test_enqueue_is_idempotent_on_key(queue: q.SqlQueue) -> None:
     first = queue.enqueue([rec("a"), rec("b"), rec("a")])
     assert first.inserted == 2
