@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Collection, Sequence
@@ -252,6 +253,7 @@ class ParquetSink:
         self._fsync = fsync
         self._defer_marks = defer_marks
         self._unmarked: list[str] = []  # published files whose ledger row says "committed"
+        self._marks_lock = threading.Lock()  # a failed run's flush can race its commit stage
         with sinks.translate_errors(f"cannot create output folders for {self.layout.root}"):
             self.layout.root.mkdir(parents=True, exist_ok=True)
             self.layout.staging.mkdir(parents=True, exist_ok=True)
@@ -386,7 +388,7 @@ class ParquetSink:
     ) -> None:
         """Step 2: ack the items and insert the ledger row in one transaction."""
         ids = [i.id for i in batch.items]
-        marks = list(self._unmarked)
+        marks = self._pending_marks()
         with self._queue.begin() as conn:
             self._queue.ack_all_or_raise(conn, batch.lease_id, ids, batch.batch_id)
             self._mark_published(conn, marks)
@@ -407,16 +409,25 @@ class ParquetSink:
                     committed_at=self._queue.clock(),
                 )
             )
-        del self._unmarked[: len(marks)]
+        self._marked(marks)
 
     def flush(self) -> None:
         """Record the deferred "published" marks now (the scorer calls it when a run ends)."""
-        if not self._unmarked:
+        marks = self._pending_marks()
+        if not marks:
             return
-        marks = list(self._unmarked)
         with self._queue.begin() as conn:
             self._mark_published(conn, marks)
-        del self._unmarked[: len(marks)]
+        self._marked(marks)
+
+    def _pending_marks(self) -> list[str]:
+        with self._marks_lock:
+            return list(self._unmarked)
+
+    def _marked(self, batch_ids: list[str]) -> None:
+        done = set(batch_ids)
+        with self._marks_lock:
+            self._unmarked = [b for b in self._unmarked if b not in done]
 
     def _mark_published(self, conn: Connection, batch_ids: list[str]) -> None:
         if batch_ids:
@@ -445,7 +456,8 @@ class ParquetSink:
         with sinks.translate_errors(f"cannot publish {final}"):
             self._move_into_place(staged, final)
         if defer:
-            self._unmarked.append(batch_id)
+            with self._marks_lock:
+                self._unmarked.append(batch_id)
             return
         with self._queue.begin() as conn:
             self._mark_published(conn, [batch_id])

@@ -344,7 +344,7 @@ class Scorer:
         # so a quiet scorer leaves nothing pending for long. Under load, marks ride on commits.
         finished = False
         while not finished:
-            job = self._get(self._to_commit, on_idle=self.sink.flush)
+            job = self._get(self._to_commit, on_idle=self._flush_sink)
             if job is _DONE:
                 break
             jobs, finished = self._group(job)
@@ -353,7 +353,15 @@ class Scorer:
             self.stats.stage_s["commit"] += time.perf_counter() - started
             if self.on_progress is not None:
                 self.on_progress(self.stats)
-        self.sink.flush()
+        self._flush_sink()
+
+    def _flush_sink(self) -> None:
+        # What a sink defers is recorded later anyway (the next commit, recover()): a database
+        # hiccup here is logged, never a reason to fail the run.
+        try:
+            self.sink.flush()
+        except errors.QueueError:
+            logger.warning("sink flush failed; retried later", exc_info=True)
 
     def _group(self, first: Any) -> tuple[list[Any], bool]:
         """Group commit: ``first`` plus the scored batches already waiting, up to
@@ -385,16 +393,17 @@ class Scorer:
                 part.items.append(item)
         now = self.clock()
         for lease_id, part in parts.items():
-            self._commit_lease_part(lease_id, part, now)
+            self.stats.commits += self._commit_lease_part(lease_id, part, now)
         for batch, _, result in jobs:
             self.stats.batch_sizes.append(len(batch))
             self.stats.reasons[batch.reason] += 1
             self.stats.service_s.append(result.service_s)
             self.stats.real_tokens += result.real_tokens
             self.stats.padded_tokens += result.padded_tokens
-        self.stats.commits += len(parts)
 
-    def _commit_lease_part(self, lease_id: str, part: _LeasePart, now: float) -> None:
+    def _commit_lease_part(self, lease_id: str, part: _LeasePart, now: float) -> int:
+        """Commit one lease's scored items and fail its failed ones; returns sink commits made."""
+        made = 0
         if part.ok:
             try:
                 committed = self.sink.commit(
@@ -411,10 +420,12 @@ class Scorer:
                 self.stats.bytes_written += getattr(committed, "n_bytes", None) or 0
                 self.stats.committed += len(part.ok)
                 self.stats.latencies_s.extend(done - i.enqueued_at for i in part.ok)
+                made = 1
         if part.failures:
             res = self.queue.fail(lease_id, part.failures)
             self.stats.failed += res.retried + res.dead
         self._forget(lease_id, part.items)
+        return made
 
     def _forget(self, lease_id: str, items: list[models.WorkItem]) -> None:
         with self._lock:

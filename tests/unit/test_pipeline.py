@@ -412,6 +412,7 @@ def test_a_lost_lease_is_counted_not_committed_and_its_items_are_scored_again() 
     first = r.scorer.run()
     assert first.lease_lost == 4
     assert first.summary()["lease_lost_items"] == 4
+    assert first.commits == len(r.sink.batches)  # the refused commit is not counted
     assert lost[0].lease_id not in {b.lease_id for b in r.sink.batches}
     second = pipeline.Scorer(make_config(max_batch_size=4), r.queue, r.runner, r.sink, make_scored)
     second.run()  # whatever the first run did not pick up again
@@ -432,6 +433,20 @@ def test_a_batch_holding_two_leases_commits_each_lease_part_separately() -> None
     ]
     assert stats.batch_sizes == [2, 2, 2]
     assert stats.committed == 6
+
+
+def test_a_failing_sink_flush_is_logged_and_the_run_still_completes() -> None:
+    r = rig(keys(6), max_batch_size=4, claim_size=8)
+
+    def flush() -> None:
+        r.sink.flushes += 1
+        raise errors.QueueError("database is locked")
+
+    r.sink.flush = flush  # type: ignore[method-assign]
+    stats = r.scorer.run()
+    assert r.sink.flushes >= 1
+    assert stats.committed == 6
+    assert r.queue.keys(models.State.DONE) == set(keys(6))
 
 
 # ----------------------------------------------------------------------------- stats
