@@ -90,7 +90,9 @@ def datasets(
     """Lineage datasets: the queue table (input) and the Parquet dataset or results table
     (output), with the output's schema when its ``sink`` is open."""
     ns, name = lineage.sql_dataset_id(res.db_url, "batching_items")
-    queue_ds = lineage.DatasetRef(ns, name, (("item_key", "string"), ("payload", "binary")))
+    queue_ds = lineage.DatasetRef(
+        ns, name, (("item_key", "string"), ("payload_format", "string"), ("cost", "integer"))
+    )
     if config.output.kind == "parquet":
         ns, name = lineage.file_dataset_id(Path(res.output).resolve())
     else:
@@ -197,43 +199,46 @@ def run_score(
         sink = make_sink(config, queue, res.output)
         recovered = sink.recover()
         profile = load_profile(config)
+        ctx = scoring_context(
+            config, res, run_id, sink=sink, checksum=runner.checksum, parent=parent
+        )
+        runs = q.RunLedger(queue)
+        runs.start(
+            run_id,
+            config.name,
+            config_hash=ctx.config_hash,
+            model_version=config.model.version,
+            model_sha256=runner.checksum,
+        )
     except Exception as exc:  # a precondition failed: the run is still on record as failed
         record_failed_start(emitter, scoring_context(config, res, run_id, parent=parent), exc)
         raise
-    ctx = scoring_context(config, res, run_id, sink=sink, checksum=runner.checksum, parent=parent)
     out_ds = ctx.outputs[0]
-    runs = q.RunLedger(queue)
-    runs.start(
-        run_id,
-        config.name,
-        config_hash=ctx.config_hash,
-        model_version=config.model.version,
-        model_sha256=runner.checksum,
-    )
     emitter.start(ctx)
-    scorer = pipeline.Scorer(
-        config,
-        queue,
-        runner,
-        sink,
-        _scored_factory(run_id, config.model.version),
-        service_time=profile.predict if profile else None,
-        on_progress=on_progress,
-        wait_for_work=q.Waiter(queue.engine, queue.queue).wait,
-    )
-    if on_scorer is not None:
-        on_scorer(scorer)
+    scorer: pipeline.Scorer | None = None
     # Objects alive now (the model, torch, SQLAlchemy, Prefect) are frozen out of the cyclic
     # GC for the run: a claim allocates thousands of items, and each collection of the oldest
     # generation otherwise walked them all again (W1: 32.7k -> 37.2k rows/s, measured).
     gc.freeze()
     try:
+        scorer = pipeline.Scorer(
+            config,
+            queue,
+            runner,
+            sink,
+            _scored_factory(run_id, config.model.version),
+            service_time=profile.predict if profile else None,
+            on_progress=on_progress,
+            wait_for_work=q.Waiter(queue.engine, queue.queue).wait,
+        )
+        if on_scorer is not None:
+            on_scorer(scorer)
         stats = scorer.run(limits or pipeline.RunLimits())  # its commit stage flushes the sink
     except BaseException as exc:
         _flush_quietly(sink)
-        summary = scorer.stats.summary()
-        runs.finish(run_id, "failed", summary, error=str(exc))
-        emitter.fail(ctx, exc, outputs=[out_ds.with_stats(scorer.stats.committed)])
+        done = scorer.stats if scorer is not None else None
+        runs.finish(run_id, "failed", done.summary() if done else {}, error=str(exc))
+        emitter.fail(ctx, exc, outputs=[out_ds.with_stats(done.committed if done else 0)])
         emitter.close()
         raise
     finally:

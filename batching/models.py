@@ -1,4 +1,5 @@
-"""Value types shared by every component: plain frozen dataclasses, standard library only.
+"""Value types shared by every component: frozen dataclasses and, for the per-item types built
+on every claim (``WorkItem``, ``Payload``), named tuples; standard library only.
 
 Times are epoch seconds (float) from the injected clock; durations carry ``_s``.
 """

@@ -364,6 +364,27 @@ def test_a_run_that_fails_its_checks_is_on_record_in_lineage(
     assert open_queue(sqlite_url, config).stats().by_state["ready"] == 4
 
 
+def test_a_run_that_fails_as_scoring_starts_is_failed_in_lineage_and_the_run_ledger(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    config = load("tabular.yaml", tmp_path)
+    enqueue(sqlite_url, config, w1_records(4, tmp_path))
+
+    def broken_hook(_scorer: pipeline.Scorer) -> None:
+        raise RuntimeError("hook failed")
+
+    with pytest.raises(RuntimeError, match="hook failed"):
+        wiring.run_score(
+            config, db_url=sqlite_url, output=str(tmp_path / "out"), on_scorer=broken_hook
+        )
+    events = lineage_log.read_events(tmp_path / "lineage" / "events.jsonl")
+    assert [e["eventType"] for e in events] == ["START", "FAIL"]
+    queue = open_queue(sqlite_url, config)
+    with queue.engine.connect() as conn:
+        (state,) = conn.execute(sa.select(schema.runs.c.state)).scalars().all()
+    assert state == "failed"
+
+
 # ----------------------------------------------------------------------------- signals
 
 
