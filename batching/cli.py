@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -135,12 +136,20 @@ def status(
     if as_json:
         sys.stdout.write(json.dumps(asdict(stats), indent=2) + "\n")
         return
-    table = Table(title=f"queue {'(all)' if all_queues else repr(queue)}")
+    # No vertical rules: with --all, ten columns still fit 80 characters without folding names.
+    table = Table(
+        title=f"queue {'(all)' if all_queues else repr(queue)}",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+    )
     keys = ("queue", "lane", "tenant") if all_queues else ("lane", "tenant")
     for col in keys:
-        table.add_column(col, overflow="fold")
-    for col in ("ready", "leased", "done", "dead", "expired", "stale leases", "oldest"):
-        table.add_column(col, justify="right")
+        table.add_column(col, no_wrap=True, overflow="ellipsis")
+    # "stale": leases past their expiry that the reaper has not released yet.
+    for col in ("ready", "leased", "done", "dead", "expired", "stale", "oldest"):
+        table.add_column(col, justify="right", min_width=len(col))
     for g in stats.groups:
         age = f"{g.oldest_ready_age_s:.1f}s" if g.oldest_ready_age_s is not None else "-"
         names = {"queue": g.queue, "lane": g.lane or "-", "tenant": g.tenant}

@@ -463,3 +463,9 @@ def test_demo_scores_both_workloads_and_shows_committed_outputs(tmp_path: Path) 
         for kind in ("text", "tabular")
     }
     assert rows == {"text": 40, "tabular": 600}
+    status = batching("status", "--db", "sqlite:///d/demo.db", "--all", cwd=tmp_path)
+    assert status.rc == 0, status.err
+    lines = status.out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert any(line.split()[:1] == ["tabular"] and "600" in line.split() for line in lines)
+    assert any(line.split()[:1] == ["text"] and "40" in line.split() for line in lines)
