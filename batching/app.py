@@ -235,7 +235,6 @@ def run_score(
             on_scorer(scorer)
         stats = scorer.run(limits or pipeline.RunLimits())  # its commit stage flushes the sink
     except BaseException as exc:
-        _flush_quietly(sink)
         done = scorer.stats if scorer is not None else None
         runs.finish(run_id, "failed", done.summary() if done else {}, error=str(exc))
         emitter.fail(ctx, exc, outputs=[out_ds.with_stats(done.committed if done else 0)])
@@ -252,16 +251,6 @@ def run_score(
     return ScoreOutcome(
         run_id, summary, str(res.output), emitter.events_path, emitter.failures, _as_dict(recovered)
     )
-
-
-def _flush_quietly(sink: Any) -> None:
-    """Record deferred publish marks after a failed run (its commit stage may have died before
-    flushing); a failure here is logged, not raised: the run's own error matters more, and
-    ``recover()`` marks what is left at the next start."""
-    try:
-        sink.flush()
-    except Exception:
-        logger.exception("publish marks not recorded", extra={"action": "flush_failed"})
 
 
 def _as_dict(value: Any) -> dict[str, Any]:

@@ -36,34 +36,12 @@ def load(config: Path) -> Any:
 
 def summary_table(summary: dict[str, Any], title: str = "run summary") -> Table:
     """The closing table of a scoring run."""
+    from batching.pipeline import summary_rows
+
     table = Table(title=title, show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
-    rows = [
-        ("items committed", f"{summary['items_committed']}"),
-        ("items failed", f"{summary['items_failed']}"),
-        ("items released", f"{summary['items_released']}"),
-        ("batches / commits", f"{summary['batches']} / {summary.get('commits', 0)}"),
-        (
-            "batch size mean / p50 / p99",
-            f"{summary['batch_size_mean']:.1f} / {summary['batch_size_p50']:.0f} / {summary['batch_size_p99']:.0f}",
-        ),
-        ("padding efficiency", f"{summary['padding_efficiency']:.3f}"),
-        ("items/s", f"{summary['items_per_s']:.1f}"),
-        (
-            "latency p50 / p99 (enqueue to commit)",
-            f"{summary['latency_p50_s']:.3f}s / {summary['latency_p99_s']:.3f}s",
-        ),
-        (
-            "release reasons",
-            ", ".join(f"{k} {v}" for k, v in sorted(summary["release_reasons"].items())) or "-",
-        ),
-    ]
-    busy = summary.get("stage_busy_s")
-    if busy:
-        names = " / ".join(busy)
-        rows.append((f"busy s: {names}", " / ".join(f"{v:.2f}" for v in busy.values())))
-    for name, value in rows:
+    for name, value in summary_rows(summary):
         table.add_row(name, value)
     return table
 

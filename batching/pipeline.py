@@ -24,7 +24,7 @@ import queue as stdqueue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -129,6 +129,36 @@ class RunStats:
             # add up to more than elapsed_s; the largest is the bottleneck).
             "stage_busy_s": dict(self.stage_s),
         }
+
+
+def summary_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A run summary as ``(metric, value)`` rows: the CLI's closing table and the Prefect
+    summary artifact both show these."""
+    reasons = summary.get("release_reasons") or {}
+    rows = [
+        ("items committed", f"{summary['items_committed']}"),
+        ("items failed", f"{summary['items_failed']}"),
+        ("items released", f"{summary['items_released']}"),
+        ("batches", f"{summary['batches']}"),
+        ("commits", f"{summary.get('commits', 0)}"),
+        ("batch size mean", f"{summary['batch_size_mean']:.1f}"),
+        (
+            "batch size p50 / p99",
+            f"{summary['batch_size_p50']:.0f} / {summary['batch_size_p99']:.0f}",
+        ),
+        ("padding efficiency", f"{summary['padding_efficiency']:.3f}"),
+        ("items/s", f"{summary['items_per_s']:.1f}"),
+        (
+            "latency p50 / p99 (s, enqueue to commit)",
+            f"{summary['latency_p50_s']:.3f} / {summary['latency_p99_s']:.3f}",
+        ),
+        ("elapsed (s)", f"{summary['elapsed_s']:.1f}"),
+        ("release reasons", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "-"),
+    ]
+    rows += [(f"busy s: {k}", f"{v:.2f}") for k, v in (summary.get("stage_busy_s") or {}).items()]
+    if "lineage_failures" in summary:
+        rows.append(("lineage events not delivered", f"{summary['lineage_failures']}"))
+    return rows
 
 
 def _pct(sorted_values: list[float] | list[int], p: float) -> float:
@@ -343,17 +373,19 @@ class Scorer:
         # Idle for 0.1 s: the sink records what it deferred (the Parquet sink's publish marks),
         # so a quiet scorer leaves nothing pending for long. Under load, marks ride on commits.
         finished = False
-        while not finished:
-            job = self._get(self._to_commit, on_idle=self._flush_sink)
-            if job is _DONE:
-                break
-            jobs, finished = self._group(job)
-            started = time.perf_counter()
-            self._commit(jobs)
-            self.stats.stage_s["commit"] += time.perf_counter() - started
-            if self.on_progress is not None:
-                self.on_progress(self.stats)
-        self._flush_sink()
+        try:
+            while not finished:
+                job = self._get(self._to_commit, on_idle=self._flush_sink)
+                if job is _DONE:
+                    break
+                jobs, finished = self._group(job)
+                started = time.perf_counter()
+                self._commit(jobs)
+                self.stats.stage_s["commit"] += time.perf_counter() - started
+                if self.on_progress is not None:
+                    self.on_progress(self.stats)
+        finally:  # also when a commit failed: what was published gets its mark
+            self._flush_sink()
 
     def _flush_sink(self) -> None:
         # What a sink defers is recorded later anyway (the next commit, recover()): a database

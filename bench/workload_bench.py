@@ -35,6 +35,7 @@ import torch
 
 from batching import app, ingest, models, pipeline, workloads, zoo
 from batching.config import load_config
+from batching.queue import normalize_url
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deployments"
 RESULTS: dict[str, Any] = {}
@@ -154,7 +155,7 @@ def w1_pg(tmp: Path, n: int, admin_url: str, scorer_counts: tuple[int, ...] = (1
     from sqlalchemy.engine import make_url
 
     recs = ingest.read_records(workloads.write_w1_parquet(tmp / "w1pg.parquet", n))
-    url = make_url(q_normalize(admin_url)).set(database="batching_bench")
+    url = make_url(normalize_url(admin_url)).set(database="batching_bench")
     conninfo = make_url(admin_url).set(drivername="postgresql").render_as_string(False)
     cores = os.cpu_count() or 1
     out: dict[str, Any] = {}
@@ -200,12 +201,6 @@ def _result(results: Any, procs: list[Any]) -> Any:
             dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
             if dead:
                 raise RuntimeError(f"a scorer process exited with {dead[0]}") from None
-
-
-def q_normalize(url: str) -> str:
-    from batching.queue import normalize_url
-
-    return normalize_url(url)
 
 
 # -- W2 ------------------------------------------------------------------------------------

@@ -32,31 +32,7 @@ def _id(created: UUID | Coroutine[Any, Any, UUID]) -> UUID:
 
 def summary_rows(summary: Mapping[str, Any]) -> list[dict[str, str]]:
     """The run summary as ``metric`` / ``value`` rows (the CLI's closing table)."""
-    reasons = summary.get("release_reasons") or {}
-    rows = [
-        ("items committed", f"{summary['items_committed']}"),
-        ("items failed", f"{summary['items_failed']}"),
-        ("items released", f"{summary['items_released']}"),
-        ("batches", f"{summary['batches']}"),
-        ("commits", f"{summary.get('commits', 0)}"),
-        ("batch size mean", f"{summary['batch_size_mean']:.1f}"),
-        (
-            "batch size p50 / p99",
-            f"{summary['batch_size_p50']:.0f} / {summary['batch_size_p99']:.0f}",
-        ),
-        ("padding efficiency", f"{summary['padding_efficiency']:.3f}"),
-        (
-            "latency p50 / p99 (s)",
-            f"{summary['latency_p50_s']:.3f} / {summary['latency_p99_s']:.3f}",
-        ),
-        ("items/s", f"{summary['items_per_s']:.1f}"),
-        ("elapsed (s)", f"{summary['elapsed_s']:.1f}"),
-        ("release reasons", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "-"),
-        ("lineage events not delivered", f"{summary.get('lineage_failures', 0)}"),
-    ]
-    busy = summary.get("stage_busy_s") or {}
-    rows += [(f"busy s: {stage}", f"{seconds:.2f}") for stage, seconds in busy.items()]
-    return [{"metric": m, "value": v} for m, v in rows]
+    return [{"metric": m, "value": v} for m, v in pipeline.summary_rows(summary)]
 
 
 def publish_summary(name: str, run_id: str, summary: Mapping[str, Any], output: str) -> UUID:

@@ -8,29 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
-from prefect.tasks import exponential_backoff
+from prefect import flow
 
 from batching import app, config, ingest, pipeline
 from flows import logs, settings
 from flows.score import (
     before_scoring,
     flow_run_id,
-    retry_transient,
+    retrying_task,
     score_queue,
     validate_preconditions,
 )
 
 
-@task(
-    name="enqueue-input",
-    retries=2,
-    retry_delay_seconds=exponential_backoff(backoff_factor=1.0),
-    retry_jitter_factor=0.5,
-    retry_condition_fn=retry_transient,
-    cache_policy=NO_CACHE,
-)
+@retrying_task("enqueue-input", retries=2, backoff_s=1.0)
 def enqueue_input(cfg: config.PipelineConfig, db_url: str | None, path: str) -> dict[str, int]:
     """Enqueue every record of a Parquet (or JSONL) file in one transaction.
 

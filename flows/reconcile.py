@@ -19,29 +19,20 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefect import flow, get_run_logger, task
-from prefect.cache_policies import NO_CACHE
-from prefect.tasks import exponential_backoff
+from prefect import flow, get_run_logger
 
 from batching import app, config
 from batching import reconcile as rc
 from flows import artifacts, events, logs, settings
 from flows import lineage as flow_lineage
-from flows.score import flow_run_id, retry_transient
+from flows.score import flow_run_id, retrying_task
 
 
 class ReconcileFailed(Exception):
     """Reconcile found critical faults: outputs are lost, missing, corrupt, orphaned or doubled."""
 
 
-@task(
-    name="reconcile-outputs",
-    retries=2,
-    retry_delay_seconds=exponential_backoff(backoff_factor=2.0),
-    retry_jitter_factor=0.5,
-    retry_condition_fn=retry_transient,
-    cache_policy=NO_CACHE,
-)
+@retrying_task("reconcile-outputs", retries=2, backoff_s=2.0)
 def reconcile_outputs(
     cfg: config.PipelineConfig,
     db_url: str | None,

@@ -16,10 +16,10 @@
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
@@ -31,6 +31,9 @@ from batching.runner import TorchRunner
 from flows import artifacts, events, logs, settings
 from flows import lineage as flow_lineage
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 TRANSIENT = (errors.QueueError, errors.SinkError)
 """Failures a later attempt can fix: the database or the output location was unavailable."""
 
@@ -40,14 +43,22 @@ def retry_transient(_task: Task[Any, Any], _run: TaskRun, state: State[Any]) -> 
     return isinstance(state.result(raise_on_failure=False), TRANSIENT)
 
 
-@task(
-    name="validate-preconditions",
-    retries=3,
-    retry_delay_seconds=exponential_backoff(backoff_factor=1.0),
-    retry_jitter_factor=0.5,
-    retry_condition_fn=retry_transient,
-    cache_policy=NO_CACHE,
-)
+def retrying_task(
+    name: str, *, retries: int, backoff_s: float
+) -> Callable[[Callable[P, R]], Task[P, R]]:
+    """A task that retries :data:`TRANSIENT` failures with exponential, jittered backoff and
+    never caches (every run reads the queue afresh)."""
+    return task(
+        name=name,
+        retries=retries,
+        retry_delay_seconds=exponential_backoff(backoff_factor=backoff_s),
+        retry_jitter_factor=0.5,
+        retry_condition_fn=retry_transient,
+        cache_policy=NO_CACHE,
+    )
+
+
+@retrying_task("validate-preconditions", retries=3, backoff_s=1.0)
 def validate_preconditions(
     cfg: config.PipelineConfig, db_url: str | None, output: str | None
 ) -> dict[str, Any]:
@@ -95,14 +106,7 @@ def _check_writable(sink: Any) -> None:
         ) from None
 
 
-@task(
-    name="score-queue",
-    retries=2,
-    retry_delay_seconds=exponential_backoff(backoff_factor=5.0),
-    retry_jitter_factor=0.5,
-    retry_condition_fn=retry_transient,
-    cache_policy=NO_CACHE,
-)
+@retrying_task("score-queue", retries=2, backoff_s=5.0)
 def score_queue(
     cfg: config.PipelineConfig,
     db_url: str | None,

@@ -1,11 +1,14 @@
-"""Shared fixtures: a fake clock, and the database fixtures used by integration tests."""
+"""Shared fixtures and helpers: a fake clock, ``wait_for``, and the database fixtures used by
+integration tests."""
 
 from __future__ import annotations
 
 import os
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -14,6 +17,18 @@ PG_ADMIN_URL = os.environ.get(
     "BATCHING_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
 )
 IN_CI = bool(os.environ.get("CI"))
+T = TypeVar("T")
+
+
+def wait_for(probe: Callable[[], T | None], timeout_s: float = 30.0, what: str = "it") -> T:
+    """Poll ``probe`` until it returns something truthy; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = probe()
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
 
 
 class FakeClock:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
@@ -29,7 +29,6 @@ from batching.config import load_config
 REPO = Path(__file__).resolve().parents[2]
 TABULAR = str(REPO / "deployments" / "tabular.yaml")
 BULK = str(REPO / "deployments" / "bulk.yaml")
-T = TypeVar("T")
 
 
 @dataclass
@@ -113,17 +112,6 @@ def enqueue_w2(pipeline: Pipeline, n_items: int) -> None:
 def run_id_of(state: State[Any]) -> str:
     """The flow-run id of a flow called with ``return_state=True``."""
     return str(state.state_details.flow_run_id)
-
-
-def wait_for(probe: Callable[[], T | None], timeout_s: float = 30.0, what: str = "it") -> T:
-    """Poll ``probe`` until it returns something truthy; fail the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = probe()
-        if found:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
 
 
 def _runs(run_id: str) -> FlowRunFilter:

@@ -22,13 +22,13 @@ from prefect.deployments.runner import RunnerDeployment
 
 from flows import deployments, events, settings
 from flows.score import score
+from tests.conftest import wait_for
 from tests.flows.support import (
     REPO,
     enqueue_w2,
     events_named,
     make_pipeline,
     run_id_of,
-    wait_for,
 )
 
 PREFECT_YAML = REPO / "deployments" / "prefect.yaml"

@@ -20,13 +20,13 @@ from flows import events
 from flows.reconcile import reconcile
 from flows.score import score
 from tests import olspec
+from tests.conftest import wait_for
 from tests.flows.support import (
     Pipeline,
     artifacts_of,
     events_named,
     make_pipeline,
     run_id_of,
-    wait_for,
 )
 
 CRITICAL = {"missing_file", "truncated_or_corrupt", "lost_write"}

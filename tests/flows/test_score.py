@@ -15,6 +15,7 @@ from batching import errors, lineage
 from batching import queue as q
 from flows.score import score
 from tests import olspec
+from tests.conftest import wait_for
 from tests.flows.support import (
     Pipeline,
     artifacts_of,
@@ -22,7 +23,6 @@ from tests.flows.support import (
     make_pipeline,
     run_id_of,
     task_runs_of,
-    wait_for,
 )
 
 N_ITEMS = 300

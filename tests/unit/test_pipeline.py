@@ -507,3 +507,12 @@ def test_run_stats_measure_latency_from_enqueue_on_the_injected_clock() -> None:
 
 
 # ----------------------------------------------------------------------------- pacing
+
+
+def test_summary_rows_are_one_list_for_the_cli_and_the_artifact() -> None:
+    stats = pipeline.RunStats(started_at=0.0, committed=4, commits=1, batch_sizes=[4])
+    stats.finished_at = 2.0
+    rows = dict(pipeline.summary_rows({**stats.summary(), "lineage_failures": 0}))
+    assert (rows["items committed"], rows["batches"], rows["commits"]) == ("4", "1", "1")
+    assert rows["items/s"] == "2.0"
+    assert {"busy s: claim", "busy s: commit", "lineage events not delivered"} <= set(rows)
