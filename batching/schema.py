@@ -123,9 +123,9 @@ sa.Index(
     postgresql_where=_LEASED,
     sqlite_where=_LEASED,
 )
-sa.Index(
-    "ix_batching_items_lease_id", items.c.lease_id, postgresql_where=_LEASED, sqlite_where=_LEASED
-)
+# No index on lease_id (dropped by migration 5): heartbeat, release and fail find a lease's
+# rows by scanning the leased set above (a few claims' worth), and ack goes by id. Keeping it
+# cost every claim and ack one more index write per row: W1 claim+ack 9.8 -> 8.0 us a row raw.
 # Partial indexes keep claim and ack cheap: a row enters each index once, when it is done.
 _DONE = sa.text("state = 2")
 sa.Index("ix_batching_items_done", items.c.finished_at, postgresql_where=_DONE, sqlite_where=_DONE)
@@ -258,11 +258,16 @@ def _v4(conn: Connection) -> None:
     conn.execute(sa.text(f"ALTER TABLE {rebuilt.name} RENAME TO {items_archive.name}"))
 
 
+def _v5(conn: Connection) -> None:
+    conn.execute(sa.text("DROP INDEX IF EXISTS ix_batching_items_lease_id"))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "queue items, archive, batch ledger, runs, results", _v1),
     Migration(2, "expiry index leads with queue", _v2),
     Migration(3, "payloads move to batching_payloads", _v3),
     Migration(4, "archive rows get their own key", _v4),
+    Migration(5, "leased rows keep one index, by expiry", _v5),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -162,6 +162,28 @@ def test_migration_4_gives_archive_rows_their_own_key_and_keeps_them(
     assert got[0][0] is not None
 
 
+def test_migration_5_drops_the_lease_id_index_and_heartbeat_still_finds_the_lease(
+    queue: q.SqlQueue,
+) -> None:
+    queue.enqueue([rec("a"), rec("b")])
+    claim = queue.claim(5, lease_s=30)
+    with queue.engine.begin() as conn:  # rewind to version 4: leased rows indexed twice
+        conn.execute(
+            sa.text(
+                "CREATE INDEX ix_batching_items_lease_id ON batching_items (lease_id)"
+                " WHERE state = 1"
+            )
+        )
+        conn.execute(schema.schema_version.delete().where(schema.schema_version.c.version >= 5))
+    result = queue.migrate()
+    assert (result.from_version, result.to_version) == (4, schema.SCHEMA_VERSION)
+    with queue.engine.connect() as conn:
+        names = {ix["name"] for ix in sa.inspect(conn).get_indexes("batching_items")}
+    assert "ix_batching_items_lease_id" not in names
+    assert queue.heartbeat(claim.lease_id, 60) == 2
+    assert queue.ack(claim.lease_id, [i.id for i in claim.items]) == 2
+
+
 def test_enqueue_is_idempotent_on_key(queue: q.SqlQueue) -> None:
     first = queue.enqueue([rec("a"), rec("b"), rec("a")])
     assert first.inserted == 2
