@@ -325,7 +325,7 @@ class SqlQueue:
         }
         with self.begin() as conn:
             self._expire_overdue(conn, now)
-            rows = conn.execute(sa.text(self._claim_sql(lane, max_cost)), params).fetchall()
+            rows = list(conn.execute(sa.text(self._claim_sql(lane, max_cost)), params).fetchall())
             bodies = self._bodies(conn, [r[0] for r in rows]) if rows else {}
             if len(bodies) != len(rows):
                 rows = self._bury_bodiless(conn, rows, bodies, now)
@@ -397,7 +397,7 @@ class SqlQueue:
 
     def _bodies(self, conn: Connection, ids: list[int]) -> dict[int, bytes]:
         stmt = sa.select(_P.c.id, _P.c.payload).where(self._id_in(ids, _P.c.id))
-        return dict(conn.execute(stmt).fetchall())  # type: ignore[arg-type]
+        return dict(conn.execute(stmt).fetchall())
 
     @staticmethod
     def _item(r: Any, data: bytes) -> models.WorkItem:
