@@ -32,6 +32,21 @@ def row(queue: q.SqlQueue, key: str) -> sa.Row[object]:
         return conn.execute(sa.select(schema.items).where(schema.items.c.item_key == key)).one()
 
 
+def rewind(queue: q.SqlQueue, version: int, *statements: str) -> None:
+    """Run ``statements`` and forget migrations from ``version`` on: the database as before."""
+    with queue.engine.begin() as conn:
+        for sql in statements:
+            conn.execute(sa.text(sql))
+        conn.execute(
+            schema.schema_version.delete().where(schema.schema_version.c.version >= version)
+        )
+
+
+def index_names(queue: q.SqlQueue) -> set[str]:
+    with queue.engine.connect() as conn:
+        return {str(ix["name"]) for ix in sa.inspect(conn).get_indexes("batching_items")}
+
+
 def test_migrate_twice_is_a_noop_and_recorded(queue: q.SqlQueue) -> None:
     result = queue.migrate()
     assert not result.applied
@@ -43,19 +58,16 @@ def test_migrate_twice_is_a_noop_and_recorded(queue: q.SqlQueue) -> None:
 def test_migration_2_moves_a_v1_database_to_the_queue_led_expiry_index(
     queue: q.SqlQueue,
 ) -> None:
-    with queue.engine.begin() as conn:  # rewind to what version 1 created
-        conn.execute(sa.text("DROP INDEX ix_batching_items_expiry"))
-        conn.execute(
-            sa.text(
-                "CREATE INDEX ix_batching_items_ready_deadline ON batching_items (deadline_at)"
-                " WHERE state = 0 AND deadline_at IS NOT NULL"
-            )
-        )
-        conn.execute(schema.schema_version.delete().where(schema.schema_version.c.version >= 2))
+    rewind(  # to what version 1 created
+        queue,
+        2,
+        "DROP INDEX ix_batching_items_expiry",
+        "CREATE INDEX ix_batching_items_ready_deadline ON batching_items (deadline_at)"
+        " WHERE state = 0 AND deadline_at IS NOT NULL",
+    )
     result = queue.migrate()
     assert (result.from_version, result.to_version) == (1, schema.SCHEMA_VERSION)
-    with queue.engine.connect() as conn:
-        names = {ix["name"] for ix in sa.inspect(conn).get_indexes("batching_items")}
+    names = index_names(queue)
     assert "ix_batching_items_expiry" in names
     assert "ix_batching_items_ready_deadline" not in names
 
@@ -167,19 +179,14 @@ def test_migration_5_drops_the_lease_id_index_and_heartbeat_still_finds_the_leas
 ) -> None:
     queue.enqueue([rec("a"), rec("b")])
     claim = queue.claim(5, lease_s=30)
-    with queue.engine.begin() as conn:  # rewind to version 4: leased rows indexed twice
-        conn.execute(
-            sa.text(
-                "CREATE INDEX ix_batching_items_lease_id ON batching_items (lease_id)"
-                " WHERE state = 1"
-            )
-        )
-        conn.execute(schema.schema_version.delete().where(schema.schema_version.c.version >= 5))
+    rewind(  # to version 4: leased rows indexed twice
+        queue,
+        5,
+        "CREATE INDEX ix_batching_items_lease_id ON batching_items (lease_id) WHERE state = 1",
+    )
     result = queue.migrate()
     assert (result.from_version, result.to_version) == (4, schema.SCHEMA_VERSION)
-    with queue.engine.connect() as conn:
-        names = {ix["name"] for ix in sa.inspect(conn).get_indexes("batching_items")}
-    assert "ix_batching_items_lease_id" not in names
+    assert "ix_batching_items_lease_id" not in index_names(queue)
     assert queue.heartbeat(claim.lease_id, 60) == 2
     assert queue.ack(claim.lease_id, [i.id for i in claim.items]) == 2
 
