@@ -130,6 +130,50 @@ def test_an_item_whose_payload_row_is_gone_is_dead_lettered_and_the_rest_claimed
     )
 
 
+def test_a_claim_returns_every_field_exactly_as_enqueued(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    clock.now = 1_796_091_256.6041782  # sub-microsecond digits: floats must round-trip exactly
+    tensor = models.PayloadFormat.TENSOR
+    records = [
+        models.EnqueueRecord(
+            item_key="nul",
+            payload=models.Payload(b"\x00\x01\x00\xff", tensor, "uint8", (4,)),
+            deadline_at=clock.now + 100.123456789012,
+            priority=3,
+            cost=7,
+            tenant="t1",
+            lane="fast",
+            max_attempts=2,
+        ),
+        models.EnqueueRecord(item_key="empty", payload=models.Payload(b"")),
+        models.EnqueueRecord(
+            item_key="big",
+            payload=models.Payload(bytes(range(256)) * 300, tensor, "int8", (76800,)),
+        ),
+        models.EnqueueRecord(item_key="json", payload=models.Payload('{"x":["é"]}'.encode())),
+    ]
+    queue.enqueue(records)
+    clock.advance(1)
+    claim = queue.claim(10, lease_s=30)
+    got = {i.item_key: i for i in claim.items}
+    assert [i.item_key for i in claim.items] == ["nul", "empty", "big", "json"]  # claim order
+    for r in records:
+        item = got[r.item_key]
+        assert item.payload == r.payload
+        assert (item.tenant, item.priority, item.cost, item.deadline_at, item.lane) == (
+            r.tenant,
+            r.priority,
+            r.cost,
+            r.deadline_at,
+            r.lane,
+        )
+        assert item.enqueued_at == 1_796_091_256.6041782
+        assert (item.queue, item.attempts) == ("contract", 1)
+        assert item.id == row(queue, r.item_key).id
+    assert (got["nul"].max_attempts, got["empty"].max_attempts) == (2, queue.max_attempts)
+
+
 def test_purge_archive_keeps_working_when_sqlite_hands_out_a_purged_id_again(
     queue: q.SqlQueue, clock: FakeClock
 ) -> None:
