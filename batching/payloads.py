@@ -37,6 +37,8 @@ def dense_rows(
     failures: dict[int, str] = {}
     json_rows: list[tuple[int, object]] = []
     tensors: dict[str, list[tuple[int, bytes]]] = {}
+    # A batch's tensors mostly share one (dtype, shape): check that once, then only lengths.
+    headers: dict[tuple[str | None, tuple[int, ...] | None], _Header] = {}
     for pos, item in enumerate(items):
         payload = item.payload
         if payload.format == models.PayloadFormat.JSON:
@@ -46,8 +48,14 @@ def dense_rows(
             if reason is None:
                 json_rows.append((pos, value))
         else:
-            dtype, reason = _tensor_dtype(payload, "fiu", (dim,))
-            if dtype is not None:
+            key = (payload.dtype, payload.shape)
+            header = headers.get(key)
+            if header is None:
+                header = headers[key] = _tensor_header(payload, "fiu", (dim,))
+            dtype, n_bytes, reason = header
+            if reason is None and len(payload.data) != n_bytes:
+                reason = _size_reason(payload, n_bytes)
+            if reason is None:
                 tensors.setdefault(dtype, []).append((pos, payload.data))
         if reason is not None:
             failures[item.id] = reason
@@ -143,6 +151,9 @@ def _le_dtype(name: str) -> np.dtype[Any] | None:
         return None
 
 
+_Header = tuple[str, int, None] | tuple[str, int, str]
+
+
 def _tensor_dtype(
     payload: models.Payload, kinds: str, shape: tuple[int] | None
 ) -> tuple[str | None, str | None]:
@@ -150,21 +161,35 @@ def _tensor_dtype(
 
     ``shape`` None accepts any 1-D length; tensors may also be ``(1, n)``.
     """
+    dtype, n_bytes, reason = _tensor_header(payload, kinds, shape)
+    if reason is None and len(payload.data) != n_bytes:
+        reason = _size_reason(payload, n_bytes)
+    return (None, reason) if reason is not None else (dtype, None)
+
+
+def _tensor_header(payload: models.Payload, kinds: str, shape: tuple[int] | None) -> _Header:
+    """Check a tensor payload's dtype and shape (not its data): ``(dtype string, expected
+    byte length, None)``, or ``("", 0, reason)``."""
     if payload.dtype is None or payload.shape is None:
-        return None, "tensor payload needs dtype and shape"
+        return "", 0, "tensor payload needs dtype and shape"
     dtype = _le_dtype(payload.dtype)
     if dtype is None:
-        return None, f"unknown tensor dtype {payload.dtype!r}"
+        return "", 0, f"unknown tensor dtype {payload.dtype!r}"
     if dtype.kind not in kinds:
-        return None, f"tensor dtype {payload.dtype} not accepted here (kinds {kinds!r})"
+        return "", 0, f"tensor dtype {payload.dtype} not accepted here (kinds {kinds!r})"
     dims = tuple(payload.shape)
     flat = dims[1:] if len(dims) == 2 and dims[0] == 1 else dims
     if len(flat) != 1 or (shape is not None and flat != shape):
         want = f"({shape[0]},)" if shape is not None else "(n,)"
-        return None, f"tensor shape {dims} does not match {want}"
-    if len(payload.data) != math.prod(flat) * dtype.itemsize:
-        return None, f"tensor has {len(payload.data)} bytes, expected {math.prod(flat)} x {dtype}"
-    return dtype.str, None
+        return "", 0, f"tensor shape {dims} does not match {want}"
+    return dtype.str, math.prod(flat) * dtype.itemsize, None
+
+
+def _size_reason(payload: models.Payload, n_bytes: int) -> str:
+    return (
+        f"tensor has {len(payload.data)} bytes, expected {n_bytes}"
+        f" ({payload.dtype}, shape {payload.shape})"
+    )
 
 
 def _describe(value: object) -> str:

@@ -236,12 +236,16 @@ class TorchRunner:
         dim = self._info.input_dim
         assert dim is not None  # dense models always know it (zoo.describe)
         rows, failures = payloads.dense_rows(items, dim)
-        ok = [i for i, item in enumerate(items) if item.id not in failures]
-        matrix = np.empty((len(ok), dim), dtype=np.float32)
-        for positions, block in rows:
-            matrix[np.searchsorted(ok, positions)] = block
+        if not failures and len(rows) == 1:  # the common case: one block, every item, in order
+            matrix = rows[0][1]
+            ids = tuple(item.id for item in items)
+        else:
+            ok = [i for i, item in enumerate(items) if item.id not in failures]
+            matrix = np.empty((len(ok), dim), dtype=np.float32)
+            for positions, block in rows:
+                matrix[np.searchsorted(ok, positions)] = block
+            ids = tuple(items[i].id for i in ok)
         inputs = torch.from_numpy(matrix).to(self._dtype)
-        ids = tuple(items[i].id for i in ok)
         return Decoded(ids, inputs, None, np.ones(len(ids), dtype=np.int64), failures)
 
     def _decode_tokens(self, items: Sequence[models.WorkItem]) -> Decoded:
