@@ -33,20 +33,20 @@ Policy:
   ``max_batch_size`` rows, else cost), else ``"deadline"`` or ``"wait"`` for the time trigger
   that fired first, else ``"flush"``.
 
-The batcher never drops items (expired deadlines are released, not discarded). Each ``add`` is
-O(log n), each release O(b log n) for a batch of b items over n pending, plus O(number of
-buckets) per decision.
+The batcher never drops items (expired deadlines are released, not discarded). Buckets keep
+their items in sorted lists, lazily deleted: a claim arrives already in bucket order, so an
+``add`` of k items is O(k) (one merge when it interleaves with what is pending) and a release
+of b items O(b) plus the stale entries it skips, plus O(number of buckets) per decision.
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from batching import models, protocols
 
@@ -59,7 +59,7 @@ ServiceTime = Callable[[int, int], float]
 Reason = Literal["size", "cost", "wait", "deadline", "flush"]
 
 _Entry = TypeVar("_Entry", bound=tuple[Any, ...])
-_COMPACT_SLACK = 64  # stale heap entries tolerated before a rebuild, beyond 2x live items
+_COMPACT_SLACK = 64  # stale entries tolerated before a rebuild, beyond 2x live items
 
 
 def bucket_index(cost: int, edges: Sequence[int]) -> int:
@@ -98,20 +98,57 @@ def _no_service_time(n_items: int, max_cost: int) -> float:
     return 0.0
 
 
-def _live_top(heap: list[_Entry], live: dict[int, models.WorkItem]) -> _Entry | None:
-    """Drop released entries (seq is the last field) from the heap top; return the live top."""
-    while heap and heap[0][-1] not in live:
-        heapq.heappop(heap)
-    return heap[0] if heap else None
+class _Ordered(Generic[_Entry]):
+    """Entries (tuples ending with an item's seq) in ascending order, lazily deleted: entries
+    of released items are skipped at the front and dropped once they outnumber live items.
 
+    Claims arrive sorted the way buckets order them, so adding is an append (or one sort that
+    merges two sorted runs, linear time), and a cut walks from the front: no per-item heap
+    pushes and pops.
+    """
 
-def _compacted(heap: list[_Entry], live: dict[int, models.WorkItem]) -> list[_Entry]:
-    """Rebuild ``heap`` without released entries once they outnumber the live ones."""
-    if len(heap) <= 2 * len(live) + _COMPACT_SLACK:
-        return heap
-    kept = [entry for entry in heap if entry[-1] in live]
-    heapq.heapify(kept)
-    return kept
+    __slots__ = ("_entries", "_head")
+
+    def __init__(self) -> None:
+        self._entries: list[_Entry] = []
+        self._head = 0  # entries before it are all stale
+
+    def add(self, entries: list[_Entry]) -> None:
+        if not entries:
+            return
+        entries.sort()
+        mine = self._entries
+        if mine and entries[0] < mine[-1]:
+            del mine[: self._head]
+            self._head = 0
+            mine.extend(entries)
+            mine.sort()
+        else:
+            mine.extend(entries)
+
+    def top(self, live: dict[int, models.WorkItem]) -> _Entry | None:
+        """The first live entry, or None."""
+        mine, head = self._entries, self._head
+        while head < len(mine) and mine[head][-1] not in live:
+            head += 1
+        self._head = head
+        return mine[head] if head < len(mine) else None
+
+    def live(self, live: dict[int, models.WorkItem]) -> Iterator[_Entry]:
+        """Live entries in order (do not release items while iterating)."""
+        mine = self._entries
+        for k in range(self._head, len(mine)):
+            if mine[k][-1] in live:
+                yield mine[k]
+
+    def compact(self, live: dict[int, models.WorkItem]) -> None:
+        mine, head = self._entries, self._head
+        if len(mine) - head > 2 * len(live) + _COMPACT_SLACK:
+            self._entries = [entry for entry in mine[head:] if entry[-1] in live]
+            self._head = 0
+        elif head > _COMPACT_SLACK and 2 * head > len(mine):
+            del mine[:head]
+            self._head = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,38 +177,48 @@ class _Bucket:
     def __init__(self) -> None:
         self.items: dict[int, models.WorkItem] = {}  # seq -> item, the live set
         self.cost = 0
-        self._order: list[tuple[int, float, float, int]] = []  # (-prio, deadline, enqueued, seq)
-        self._ages: list[tuple[float, int]] = []  # (enqueued_at, seq)
-        self._deadlines: list[tuple[float, int]] = []  # (deadline_at, seq)
+        self._order: _Ordered[tuple[int, float, float, int]] = _Ordered()  # -prio, dl, enq, seq
+        self._ages: _Ordered[tuple[float, int]] = _Ordered()  # (enqueued_at, seq)
+        self._deadlines: _Ordered[tuple[float, int]] = _Ordered()  # (deadline_at, seq)
         self._groups: dict[int, dict[int, models.WorkItem]] = {}  # cost -> seq -> item
         self._costs: list[int] = []  # sorted distinct costs present
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def push(self, seq: int, item: models.WorkItem) -> None:
-        """Add one item under its unique sequence number."""
-        self.items[seq] = item
-        self.cost += item.cost
-        deadline = math.inf if item.deadline_at is None else item.deadline_at
-        heapq.heappush(self._order, (-item.priority, deadline, item.enqueued_at, seq))
-        heapq.heappush(self._ages, (item.enqueued_at, seq))
-        if item.deadline_at is not None:
-            heapq.heappush(self._deadlines, (item.deadline_at, seq))
-        if item.cost not in self._groups:
-            self._groups[item.cost] = {}
-            bisect.insort(self._costs, item.cost)
-        self._groups[item.cost][seq] = item
+    def push(self, pairs: list[tuple[int, models.WorkItem]]) -> None:
+        """Add items, each under its unique sequence number."""
+        order: list[tuple[int, float, float, int]] = []
+        ages: list[tuple[float, int]] = []
+        deadlines: list[tuple[float, int]] = []
+        for seq, item in pairs:
+            self.items[seq] = item
+            self.cost += item.cost
+            deadline = item.deadline_at
+            order.append(
+                (-item.priority, math.inf if deadline is None else deadline, item.enqueued_at, seq)
+            )
+            ages.append((item.enqueued_at, seq))
+            if deadline is not None:
+                deadlines.append((deadline, seq))
+            group = self._groups.get(item.cost)
+            if group is None:
+                group = self._groups[item.cost] = {}
+                bisect.insort(self._costs, item.cost)
+            group[seq] = item
+        self._order.add(order)
+        self._ages.add(ages)
+        self._deadlines.add(deadlines)
 
     def oldest_enqueued_at(self) -> float:
         """``enqueued_at`` of the oldest pending item (bucket must be non-empty)."""
-        top = _live_top(self._ages, self.items)
+        top = self._ages.top(self.items)
         assert top is not None
         return top[0]
 
     def earliest_deadline(self) -> float | None:
         """Earliest ``deadline_at`` pending, or None when no item has one."""
-        top = _live_top(self._deadlines, self.items)
+        top = self._deadlines.top(self.items)
         return None if top is None else top[0]
 
     def max_cost(self) -> int:
@@ -182,18 +229,17 @@ class _Bucket:
         """Take items by (priority, deadline, enqueue) until the next would break the budget."""
         seqs: list[int] = []
         total = 0
-        while (top := _live_top(self._order, self.items)) is not None:
-            cost = self.items[top[-1]].cost
+        for entry in self._order.live(self.items):
+            cost = self.items[entry[-1]].cost
             if not budget.fits(len(seqs), total, cost):
                 break
-            heapq.heappop(self._order)
-            seqs.append(top[-1])
+            seqs.append(entry[-1])
             total += cost
         return seqs
 
     def cut_by_length(self, budget: _Budget) -> list[int]:
         """Take the most urgent item, then the items nearest to it in cost, within the budget."""
-        top = _live_top(self._order, self.items)
+        top = self._order.top(self.items)
         assert top is not None
         anchor = top[-1]
         seqs, total = [anchor], self.items[anchor].cost
@@ -221,9 +267,8 @@ class _Bucket:
     def remove(self, seqs: Iterable[int]) -> list[models.WorkItem]:
         """Remove the given items and return them in the same order."""
         taken = [self._remove_one(seq) for seq in seqs]
-        self._order = _compacted(self._order, self.items)
-        self._ages = _compacted(self._ages, self.items)
-        self._deadlines = _compacted(self._deadlines, self.items)
+        for ordered in (self._order, self._ages, self._deadlines):
+            ordered.compact(self.items)
         return taken
 
     def _remove_one(self, seq: int) -> models.WorkItem:
@@ -298,10 +343,13 @@ class MicroBatcher:
         """
         batch = list(items)
         self._check_new(batch)
+        by_bucket: dict[int, list[tuple[int, models.WorkItem]]] = {}
         for item in batch:
-            bucket = self._buckets[bucket_index(item.cost, self._edges)]
-            bucket.push(next(self._seq), item)
-            self._ids.add(item.id)
+            index = bucket_index(item.cost, self._edges)
+            by_bucket.setdefault(index, []).append((next(self._seq), item))
+        for index, pairs in by_bucket.items():
+            self._buckets[index].push(pairs)
+        self._ids.update(item.id for item in batch)
 
     def poll(self, *, flush: bool = False) -> models.Batch | None:
         """Release one batch if one must go now; call it when the executor is free.
@@ -341,6 +389,13 @@ class MicroBatcher:
         return batches
 
     def _check_new(self, items: Sequence[models.WorkItem]) -> None:
+        ids = {item.id for item in items}
+        if (
+            len(ids) == len(items)
+            and self._ids.isdisjoint(ids)
+            and min((item.cost for item in items), default=0) >= 0
+        ):
+            return
         seen: set[int] = set()
         for item in items:
             if item.id in self._ids or item.id in seen:

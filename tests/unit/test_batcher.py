@@ -520,3 +520,40 @@ def test_released_batch_carries_stats_and_bucket() -> None:
     assert batch is not None
     assert (batch.bucket, batch.reason, batch.formed_at) == (1, "wait", 10.0)
     _assert_stats(batch.stats, models.BatchStats(2, 9, 0.5, 9 / 12, 2.0, 1.5))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_cuts_match_a_full_sort_of_the_pending_items_whatever_the_add_order(seed: int) -> None:
+    """Claims arrive in runs that interleave (a retried old item, a higher priority): each
+    size-triggered batch is still the first ``max_batch_size`` pending items by (priority
+    high first, deadline, enqueued_at, arrival), exactly as sorting everything would give."""
+    rng = random.Random(seed)
+    clock = FakeClock()
+    b = batcher.MicroBatcher(policy(max_batch_size=5, max_wait_s=1e9), clock)
+    pending: list[tuple[tuple[int, float, float, int], models.WorkItem]] = []
+    arrival = 0
+    for _ in range(30):
+        run = [
+            item(
+                priority=rng.choice([0, 0, 0, 1, 5]),
+                enqueued_at=1000.0 + rng.randrange(50),
+                deadline_at=rng.choice([None, None, 5000.0 + rng.randrange(50)]),
+            )
+            for _ in range(rng.randrange(1, 12))
+        ]
+        b.add(run)
+        for i in run:
+            deadline = float("inf") if i.deadline_at is None else i.deadline_at
+            pending.append(((-i.priority, deadline, i.enqueued_at, arrival), i))
+            arrival += 1
+        for _ in range(rng.randrange(0, 3)):
+            batch = b.poll()
+            if len(pending) < 5:
+                assert batch is None
+                continue
+            pending.sort(key=lambda entry: entry[0])
+            assert ids(batch) == [i.id for _, i in pending[:5]]
+            del pending[:5]
+    assert sorted(i.id for batch in b.drain() for i in batch.items) == sorted(
+        i.id for _, i in pending
+    )
