@@ -1,14 +1,20 @@
-"""The scoring loop: claim -> micro-batch -> decode -> forward -> commit, as overlapped stages.
+"""The scoring loop: claim -> micro-batch -> decode -> forward -> write -> commit, as
+overlapped stages.
 
-Three threads joined by bounded queues, so memory stays bounded and no stage waits on another
+Five threads joined by bounded queues, so memory stays bounded and no stage waits on another
 more than it must:
 
-* **feeder** (the caller's thread): claims items under a lease, feeds the micro-batcher, and
-  when the forward stage is free takes the next batch from the batcher and decodes it; the next
-  batch keeps growing while the model is busy, and its decode overlaps the current forward pass.
+* **claim**: claims items under a lease whenever fewer than a claim's worth are pending, and
+  adds them to the micro-batcher; a claim is mostly database time, which overlaps the stages
+  below.
+* **dispatch** (the caller's thread): when the forward stage is free, takes the next batch from
+  the batcher and decodes it; the next batch keeps growing while the model is busy, and its
+  decode overlaps the current forward pass.
 * **forward**: runs the model on one decoded batch at a time.
-* **commit**: commits outputs through the sink (outputs and ack in one transaction, only while
-  the lease is held) and fails the items the model could not score.
+* **write**: groups scored batches and stages them in the sink (the Parquet sink writes and
+  fsyncs a staging file) while the commit stage commits the previous group.
+* **commit**: commits staged outputs through the sink (ack and ledger in one transaction, only
+  while the lease is held, then publish) and fails the items the model could not score.
 
 A heartbeat thread extends every live lease every ``heartbeat_s``. ``stop()`` (wired to SIGTERM
 by the CLI) stops claiming, releases items not yet in flight without using an attempt,
@@ -19,6 +25,7 @@ Adapters (queue, runner, sink) are passed in; this module imports none of them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue as stdqueue
 import threading
@@ -54,7 +61,8 @@ class RunnerPort(Protocol):
 
 
 class SinkPort(Protocol):
-    def commit(self, batch: Any) -> Any: ...
+    def stage(self, batch: Any) -> Any: ...
+    def commit_staged(self, staged: Any) -> Any: ...
     def flush(self) -> None: ...
 
 
@@ -69,12 +77,14 @@ class RunLimits:
 
 @dataclass
 class _LeasePart:
-    """The items of one lease in a group commit: all of them, those scored, those failed."""
+    """The items of one lease in a group commit: all of them, those scored (and what the sink
+    staged for them), those failed."""
 
     items: list[models.WorkItem] = field(default_factory=list)
     ok: list[models.WorkItem] = field(default_factory=list)
     outputs: dict[int, Any] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)
+    staged: Any = None
 
 
 @dataclass
@@ -96,7 +106,9 @@ class RunStats:
     bytes_written: int = 0
     reasons: Counter[str] = field(default_factory=Counter)
     stage_s: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys(("claim", "decode", "forward", "commit"), 0.0)
+        default_factory=lambda: dict.fromkeys(
+            ("claim", "decode", "forward", "write", "commit"), 0.0
+        )
     )
     finished_at: float | None = None
 
@@ -181,7 +193,7 @@ class Scorer:
         make_scored: builds the sink's batch from the items one lease holds in a commit, their
             outputs by item id, the lease id and the scoring time.
         service_time: predicted forward seconds for (n_items, length), for deadline releases.
-        on_progress: called from the commit thread after every batch.
+        on_progress: called from the commit thread after every group commit.
     """
 
     def __init__(
@@ -207,14 +219,22 @@ class Scorer:
         self.on_progress = on_progress
         self._wait = wait_for_work or (lambda s: time.sleep(s))
         self._stop = threading.Event()
-        self._forward_free = threading.Event()
+        self._wake = threading.Event()  # new items, a free forward stage, or claims over
+        self._claim_wanted = threading.Event()  # a batch left the batcher
+        self._claims_over = threading.Event()
+        self._exhausted = False  # the last claim found nothing ready
+        self._batch_lock = threading.Lock()  # the batcher: claim thread adds, dispatcher polls
         self._leases: dict[str, int] = {}
         self._item_lease: dict[int, str] = {}
         self._lock = threading.Lock()
         self._to_forward: stdqueue.Queue[Any] = stdqueue.Queue(maxsize=1)
-        self._to_commit: stdqueue.Queue[Any] = stdqueue.Queue(
+        self._to_write: stdqueue.Queue[Any] = stdqueue.Queue(
             maxsize=config.batching.max_inflight_batches
         )
+        # One staged group waits for the commit stage at a time; the write stage takes its
+        # next group only once the commit stage has taken the last (see _write_loop).
+        self._to_commit: stdqueue.Queue[Any] = stdqueue.Queue()
+        self._commit_slot = threading.Semaphore(1)
         self._error: BaseException | None = None
         self.stats = RunStats(started_at=clock())
 
@@ -227,6 +247,9 @@ class Scorer:
         threads = [
             threading.Thread(
                 target=self._guard, args=(self._forward_loop,), name="forward", daemon=True
+            ),
+            threading.Thread(
+                target=self._guard, args=(self._write_loop,), name="write", daemon=True
             ),
             threading.Thread(
                 target=self._guard, args=(self._commit_loop,), name="commit", daemon=True
@@ -242,10 +265,10 @@ class Scorer:
         finally:
             self._release_pending()
             self._put(self._to_forward, _DONE)
-            for t in threads[:2]:
+            for t in threads[:3]:
                 t.join()
             self._stop.set()
-            threads[2].join()
+            threads[3].join()
             self.stats.finished_at = self.clock()
         if self._error is not None:
             raise self._error
@@ -254,40 +277,72 @@ class Scorer:
     # -- feeder ------------------------------------------------------------------------------
 
     def _feed(self, limits: RunLimits) -> None:
+        """Run the claim thread and the dispatch loop (this thread) until claims are over and
+        every claimed item has been dispatched, or the run stops."""
+        claimer = threading.Thread(
+            target=self._guard, args=(functools.partial(self._claim_loop, limits),), name="claim"
+        )
+        claimer.daemon = True
+        claimer.start()
+        try:
+            self._dispatch_loop()
+        finally:
+            claimer.join()
+
+    def _claim_loop(self, limits: RunLimits) -> None:
+        """Claim whenever fewer than ``_low_water()`` items are pending, so claims (mostly
+        database time, without the GIL) overlap decoding and the forward pass."""
         deadline = self.clock() + limits.max_seconds if limits.max_seconds is not None else None
-        exhausted = False
-        next_claim_at = float("-inf")
+        try:
+            while not self._stop.is_set() and self._error is None:
+                if (limits.max_items is not None and self.stats.claimed >= limits.max_items) or (
+                    deadline is not None and self.clock() >= deadline
+                ):
+                    return
+                if self._pending() >= self._low_water():
+                    self._claim_wanted.wait(self.config.queue.poll_s)
+                    self._claim_wanted.clear()
+                    continue
+                got = self._claim(limits)
+                self._exhausted = not got
+                self._wake.set()
+                if not got:
+                    if limits.until_empty:
+                        return
+                    # Poll again only after poll_s (a NOTIFY wakes it sooner on PostgreSQL):
+                    # each claim is a write transaction that would contend with commits.
+                    self._wait(self.config.queue.poll_s)
+        finally:
+            self._claims_over.set()
+            self._wake.set()
+
+    def _dispatch_loop(self) -> None:
         while not self._stop.is_set() and self._error is None:
-            now = self.clock()
-            out_of_budget = (
-                limits.max_items is not None and self.stats.claimed >= limits.max_items
-            ) or (deadline is not None and now >= deadline)
-            if not out_of_budget and now >= next_claim_at and len(self.batcher) < self._low_water():
-                exhausted = not self._claim(limits)
-                # After an empty claim, poll again only after poll_s: each claim is a write
-                # transaction that would otherwise contend with commits in a tight loop.
-                next_claim_at = now + self.config.queue.poll_s if exhausted else float("-inf")
-            finished = out_of_budget or (exhausted and limits.until_empty)
-            if self._to_forward.empty() and self._dispatch(
-                flush=finished or exhausted or self._bulk_ready()
-            ):
+            self._wake.clear()  # before looking: a wake-up after this line is not lost
+            over = self._claims_over.is_set()
+            flush = over or self._exhausted or self._bulk_ready()
+            if self._to_forward.empty() and self._dispatch(flush=flush):
                 continue
-            if finished and len(self.batcher) == 0:
+            if over and self._pending() == 0:
                 return
-            self._idle(exhausted)
+            self._idle()
+
+    def _pending(self) -> int:
+        with self._batch_lock:
+            return len(self.batcher)
 
     def _bulk_ready(self) -> bool:
         # Bulk profile: throughput only. Once a full batch is pending, cut length-sorted batches
         # (the batcher's flush cut) instead of waiting for a bucket to fill or a window to pass.
         size = self.config.batching.max_batch_size
-        return self.config.profile == "bulk" and len(self.batcher) >= size
+        return self.config.profile == "bulk" and self._pending() >= size
 
     def _low_water(self) -> int:
-        # Claim again once fewer than two full batches are pending: enough to form the next
-        # batch while the model is busy, few enough claims to keep write transactions rare.
-        return min(
-            self.config.batching.effective_claim_size, 2 * self.config.batching.max_batch_size
-        )
+        # Claim again once fewer than a claim's worth (at least two full batches) are pending:
+        # the claim runs while those are decoded and scored, and claims stay large, so write
+        # transactions stay rare.
+        batching = self.config.batching
+        return max(batching.effective_claim_size, 2 * batching.max_batch_size)
 
     def _claim(self, limits: RunLimits) -> bool:
         n = self.config.batching.effective_claim_size
@@ -303,13 +358,16 @@ class Scorer:
             for item in claim.items:
                 self._item_lease[item.id] = claim.lease_id
         self.stats.claimed += len(claim.items)
-        self.batcher.add(claim.items)
+        with self._batch_lock:
+            self.batcher.add(claim.items)
         return True
 
     def _dispatch(self, *, flush: bool) -> bool:
-        batch = self.batcher.poll(flush=flush)
+        with self._batch_lock:
+            batch = self.batcher.poll(flush=flush)
         if batch is None:
             return False
+        self._claim_wanted.set()
         with self._lock:  # the leases as claimed now: a reaped item may be claimed again
             leases = {item.id: self._item_lease[item.id] for item in batch.items}
         started = time.perf_counter()
@@ -336,51 +394,73 @@ class Scorer:
                     on_idle()
         return _DONE
 
-    def _idle(self, exhausted: bool) -> None:
-        if not self._to_forward.empty():
-            # The model is busy: even a due batch waits (no spinning) until the forward stage
-            # takes its next batch.
-            self._forward_free.wait(self.config.queue.poll_s)
-            self._forward_free.clear()
-            return
-        wake = self.batcher.next_deadline()
+    def _idle(self) -> None:
+        # The model is busy: even a due batch waits (no spinning) until the forward stage takes
+        # its next batch. Otherwise sleep until the next batch is due, new items arrive, or
+        # poll_s passes.
         pause = self.config.queue.poll_s
-        if wake is not None:
-            pause = min(pause, max(0.0, wake - self.clock()))
-        if pause <= 0:
-            return
-        if exhausted and len(self.batcher) == 0 and self._to_forward.empty():
-            self._wait(pause)
-        else:
-            time.sleep(pause)
+        if self._to_forward.empty():
+            with self._batch_lock:
+                wake = self.batcher.next_deadline()
+            if wake is not None:
+                pause = min(pause, max(0.0, wake - self.clock()))
+        if pause > 0:
+            self._wake.wait(pause)
 
     # -- forward and commit ------------------------------------------------------------------
 
     def _forward_loop(self) -> None:
         while True:
             job = self._get(self._to_forward)
-            self._forward_free.set()
+            self._wake.set()  # the forward stage is free: the dispatcher may decode the next
             if job is _DONE:
-                self._put(self._to_commit, _DONE)
+                self._put(self._to_write, _DONE)
                 return
             batch, leases, decoded = job
             started = time.perf_counter()
             result = self.runner.forward(decoded)
             self.stats.stage_s["forward"] += time.perf_counter() - started
-            self._put(self._to_commit, (batch, leases, result))
+            self._put(self._to_write, (batch, leases, result))
+
+    def _write_loop(self) -> None:
+        """Group scored batches and stage them in the sink (a Parquet file written and
+        fsynced), while the commit stage commits the previous group.
+
+        A group is cut only when the commit stage is free to take it (the slot): until then
+        scored batches keep joining it, so under load files stay large instead of turning into
+        many small commits (a file, fsyncs and a transaction each).
+        """
+        while True:
+            job = self._get(self._to_write)
+            if job is _DONE or not self._take_slot():
+                self._put(self._to_commit, _DONE)
+                return
+            jobs, finished = self._group(job)
+            started = time.perf_counter()
+            staged = self._stage(jobs)
+            self.stats.stage_s["write"] += time.perf_counter() - started
+            self._put(self._to_commit, staged)
+            if finished:
+                self._put(self._to_commit, _DONE)
+                return
+
+    def _take_slot(self) -> bool:
+        while self._error is None:
+            if self._commit_slot.acquire(timeout=0.1):
+                return True
+        return False
 
     def _commit_loop(self) -> None:
         # Idle for 0.1 s: the sink records what it deferred (the Parquet sink's publish marks),
         # so a quiet scorer leaves nothing pending for long. Under load, marks ride on commits.
-        finished = False
         try:
-            while not finished:
-                job = self._get(self._to_commit, on_idle=self._flush_sink)
-                if job is _DONE:
+            while True:
+                staged = self._get(self._to_commit, on_idle=self._flush_sink)
+                self._commit_slot.release()
+                if staged is _DONE:
                     break
-                jobs, finished = self._group(job)
                 started = time.perf_counter()
-                self._commit(jobs)
+                self._commit(*staged)
                 self.stats.stage_s["commit"] += time.perf_counter() - started
                 if self.on_progress is not None:
                     self.on_progress(self.stats)
@@ -398,12 +478,12 @@ class Scorer:
     def _group(self, first: Any) -> tuple[list[Any], bool]:
         """Group commit: ``first`` plus the scored batches already waiting, up to
         ``output.max_rows_per_commit`` rows. It never waits for more, so it adds no latency;
-        under load it turns many small commits (a file, fsyncs and transactions each) into one.
+        under load it turns many small commits into one.
         """
         jobs, rows = [first], len(first[0])
         while rows < self.config.output.max_rows_per_commit:
             try:
-                job = self._to_commit.get_nowait()
+                job = self._to_write.get_nowait()
             except stdqueue.Empty:
                 break
             if job is _DONE:
@@ -412,7 +492,8 @@ class Scorer:
             rows += len(job[0])
         return jobs, False
 
-    def _commit(self, jobs: list[Any]) -> None:
+    def _stage(self, jobs: list[Any]) -> tuple[list[Any], dict[str, _LeasePart]]:
+        """Split a group by lease and stage each lease's scored items in the sink."""
         parts: dict[str, _LeasePart] = {}
         for batch, leases, result in jobs:
             for item in batch.items:
@@ -425,7 +506,14 @@ class Scorer:
                 part.items.append(item)
         now = self.clock()
         for lease_id, part in parts.items():
-            self.stats.commits += self._commit_lease_part(lease_id, part, now)
+            if part.ok:
+                scored = self.make_scored(tuple(part.ok), lease_id, part.outputs, now)
+                part.staged = self.sink.stage(scored)
+        return jobs, parts
+
+    def _commit(self, jobs: list[Any], parts: dict[str, _LeasePart]) -> None:
+        for lease_id, part in parts.items():
+            self.stats.commits += self._commit_lease_part(lease_id, part)
         for batch, _, result in jobs:
             self.stats.batch_sizes.append(len(batch))
             self.stats.reasons[batch.reason] += 1
@@ -433,14 +521,12 @@ class Scorer:
             self.stats.real_tokens += result.real_tokens
             self.stats.padded_tokens += result.padded_tokens
 
-    def _commit_lease_part(self, lease_id: str, part: _LeasePart, now: float) -> int:
-        """Commit one lease's scored items and fail its failed ones; returns sink commits made."""
+    def _commit_lease_part(self, lease_id: str, part: _LeasePart) -> int:
+        """Commit one lease's staged items and fail its failed ones; returns sink commits made."""
         made = 0
-        if part.ok:
+        if part.staged is not None:
             try:
-                committed = self.sink.commit(
-                    self.make_scored(tuple(part.ok), lease_id, part.outputs, now)
-                )
+                committed = self.sink.commit_staged(part.staged)
             except errors.LeaseLost as exc:
                 logger.warning(
                     "lease lost",
