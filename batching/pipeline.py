@@ -338,11 +338,12 @@ class Scorer:
         return self.config.profile == "bulk" and self._pending() >= size
 
     def _low_water(self) -> int:
-        # Claim again once fewer than a claim's worth (at least two full batches) are pending:
-        # the claim runs while those are decoded and scored, and claims stay large, so write
-        # transactions stay rare.
+        # Claim again once fewer than half a claim (and at least two full batches) are
+        # pending: the claim runs while those are decoded and scored, and each claim takes a
+        # full claim_size, so write transactions stay rare (one per item would contend with
+        # every commit for SQLite's write lock).
         batching = self.config.batching
-        return max(batching.effective_claim_size, 2 * batching.max_batch_size)
+        return max(batching.effective_claim_size // 2, 2 * batching.max_batch_size)
 
     def _claim(self, limits: RunLimits) -> bool:
         n = self.config.batching.effective_claim_size
