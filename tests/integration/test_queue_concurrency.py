@@ -15,7 +15,7 @@ import pytest
 
 from batching import models
 from batching import queue as q
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 
 WORKER = str(Path(__file__).with_name("queue_worker.py"))
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -114,3 +114,38 @@ def test_sigkilled_claimer_items_are_reaped_and_finished(
         ).all()
     engine.dispose()
     assert {(r.attempts, r.crash_count) for r in rows} == {(2, 1)}
+
+
+LOCK_HOLDER = """
+import fcntl, os, sqlite3, sys, time
+db, ready = sys.argv[1], sys.argv[2]
+fd = os.open(db + ".writer-lock", os.O_RDONLY | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+con = sqlite3.connect(db, isolation_level=None)
+con.execute("BEGIN IMMEDIATE")
+open(ready, "w").close()
+time.sleep(1.0)
+con.execute("COMMIT")
+fcntl.flock(fd, fcntl.LOCK_UN)
+"""
+
+
+def test_a_sqlite_writer_waits_for_another_process_on_the_lock_file(tmp_path: Path) -> None:
+    """A writer in another process holds the lock file and SQLite's write lock for 1 s; with a
+    1 ms busy timeout the busy handler alone would fail at once with "database is locked"."""
+    db = tmp_path / "q.db"
+    engine = q.create_engine(f"sqlite:///{db}", sqlite_busy_timeout_ms=1)
+    queue = q.SqlQueue(engine, "lock")
+    queue.migrate()
+    ready = tmp_path / "ready"
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(db), str(ready)])
+    try:
+        wait_for(ready.exists, 30, "the other process to hold the write lock")
+        started = time.monotonic()
+        result = queue.enqueue([models.EnqueueRecord("k", models.Payload(b"{}"))])
+        waited = time.monotonic() - started
+    finally:
+        assert holder.wait(30) == 0
+        engine.dispose()
+    assert result.inserted == 1
+    assert waited >= 0.5
