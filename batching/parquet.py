@@ -217,18 +217,6 @@ def batch_table(batch: sinks.ScoredBatch) -> pa.Table:
     return pa.table(columns).replace_schema_metadata(meta)
 
 
-@dataclass(frozen=True, slots=True)
-class StagedFile:
-    """A batch written to its staging file, not yet committed (``ParquetSink.stage``)."""
-
-    batch: sinks.ScoredBatch
-    rel: str  # final path, relative to the dataset root
-    path: Path  # the staging file
-    n_bytes: int
-    sha256: str
-    started: float  # perf_counter when staging began (the commit log's duration)
-
-
 class ParquetSink:
     """A Hive-partitioned Parquet dataset where a visible file is always a committed file.
 
@@ -279,52 +267,35 @@ class ParquetSink:
     def commit(self, batch: sinks.ScoredBatch) -> sinks.CommitResult:
         """Stage, commit (ack + ledger row in one transaction), then publish one batch.
 
-        ``commit_staged(stage(batch))``; the scorer calls the two in separate threads.
-        """
-        return self.commit_staged(self.stage(batch))
-
-    def stage(self, batch: sinks.ScoredBatch) -> StagedFile:
-        """Step 1: write the batch to its staging file and fsync it. No database work.
-
-        Raises:
-            SinkError: the staging file could not be written; nothing was committed.
-        """
-        started = time.perf_counter()
-        staged = self.layout.staging_file(batch.batch_id, batch.lease_id)
-        n_bytes, digest = self._write_staging(batch_table(batch), staged)
-        rel = self.layout.relative_path(batch.batch_id, batch.model_version, batch.scored_at)
-        return StagedFile(batch, rel, staged, n_bytes, digest, started)
-
-    def commit_staged(self, staged: StagedFile) -> sinks.CommitResult:
-        """Steps 2 and 3 for a staged batch: commit it, then publish it.
-
         Returns the committed batch; ``published`` is False when only the rename failed.
 
         Raises:
             LeaseLost: the lease no longer holds every item; nothing was committed and the
                 staging file was deleted.
+            SinkError: the staging file could not be written; nothing was committed.
             QueueError: the database failed; the staging file is left for ``recover()``.
         """
-        batch = staged.batch
+        started = time.perf_counter()
+        rel = self.layout.relative_path(batch.batch_id, batch.model_version, batch.scored_at)
+        staged = self.layout.staging_file(batch.batch_id, batch.lease_id)
+        n_bytes, digest = self._write_staging(batch_table(batch), staged)
         try:
-            self._record(batch, staged.rel, staged.path, staged.n_bytes, staged.sha256)
+            self._record(batch, rel, staged, n_bytes, digest)
         except errors.LeaseLost:
-            self._discard(staged.path, batch.batch_id)
+            self._discard(staged, batch.batch_id)
             raise
-        published = self._try_publish(batch.batch_id, staged.rel, staged.path)
+        published = self._try_publish(batch.batch_id, rel, staged)
         logger.info(
             "batch committed",
             extra={
                 "action": "batch_committed",
                 "batch_id": batch.batch_id,
                 "n_items": len(batch.items),
-                "n_bytes": staged.n_bytes,
-                "duration_s": time.perf_counter() - staged.started,
+                "n_bytes": n_bytes,
+                "duration_s": time.perf_counter() - started,
             },
         )
-        return sinks.CommitResult(
-            batch.batch_id, len(batch.items), staged.rel, staged.n_bytes, published
-        )
+        return sinks.CommitResult(batch.batch_id, len(batch.items), rel, n_bytes, published)
 
     def recover(self) -> sinks.RecoverResult:
         """Finish what a crash interrupted (call at scorer start-up).

@@ -1,20 +1,18 @@
-"""The scoring loop: claim -> micro-batch -> decode -> forward -> write -> commit, as
-overlapped stages.
+"""The scoring loop: claim -> micro-batch -> decode -> forward -> commit, as overlapped stages.
 
-Five threads joined by bounded queues, so memory stays bounded and no stage waits on another
+Four threads joined by bounded queues, so memory stays bounded and no stage waits on another
 more than it must:
 
-* **claim**: claims items under a lease whenever fewer than a claim's worth are pending, and
-  adds them to the micro-batcher; a claim is mostly database time, which overlaps the stages
-  below.
+* **claim**: claims items under a lease whenever fewer than half a claim's worth are pending,
+  and adds them to the micro-batcher; a claim is mostly database time, which overlaps the
+  stages below.
 * **dispatch** (the caller's thread): when the forward stage is free, takes the next batch from
   the batcher and decodes it; the next batch keeps growing while the model is busy, and its
   decode overlaps the current forward pass.
 * **forward**: runs the model on one decoded batch at a time.
-* **write**: groups scored batches and stages them in the sink (the Parquet sink writes and
-  fsyncs a staging file) while the commit stage commits the previous group.
-* **commit**: commits staged outputs through the sink (ack and ledger in one transaction, only
-  while the lease is held, then publish) and fails the items the model could not score.
+* **commit**: commits outputs through the sink (outputs and ack in one transaction, only while
+  the lease is held) and fails the items the model could not score; scored batches that wait
+  for it are committed together (group commit).
 
 A heartbeat thread extends every live lease every ``heartbeat_s``. ``stop()`` (wired to SIGTERM
 by the CLI) stops claiming, releases items not yet in flight without using an attempt,
@@ -61,8 +59,7 @@ class RunnerPort(Protocol):
 
 
 class SinkPort(Protocol):
-    def stage(self, batch: Any) -> Any: ...
-    def commit_staged(self, staged: Any) -> Any: ...
+    def commit(self, batch: Any) -> Any: ...
     def flush(self) -> None: ...
 
 
@@ -77,14 +74,12 @@ class RunLimits:
 
 @dataclass
 class _LeasePart:
-    """The items of one lease in a group commit: all of them, those scored (and what the sink
-    staged for them), those failed."""
+    """The items of one lease in a group commit: all of them, those scored, those failed."""
 
     items: list[models.WorkItem] = field(default_factory=list)
     ok: list[models.WorkItem] = field(default_factory=list)
     outputs: dict[int, Any] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)
-    staged: Any = None
 
 
 @dataclass
@@ -106,9 +101,7 @@ class RunStats:
     bytes_written: int = 0
     reasons: Counter[str] = field(default_factory=Counter)
     stage_s: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys(
-            ("claim", "decode", "forward", "write", "commit"), 0.0
-        )
+        default_factory=lambda: dict.fromkeys(("claim", "decode", "forward", "commit"), 0.0)
     )
     finished_at: float | None = None
 
@@ -228,13 +221,9 @@ class Scorer:
         self._item_lease: dict[int, str] = {}
         self._lock = threading.Lock()
         self._to_forward: stdqueue.Queue[Any] = stdqueue.Queue(maxsize=1)
-        self._to_write: stdqueue.Queue[Any] = stdqueue.Queue(
+        self._to_commit: stdqueue.Queue[Any] = stdqueue.Queue(
             maxsize=config.batching.max_inflight_batches
         )
-        # One staged group waits for the commit stage at a time; the write stage takes its
-        # next group only once the commit stage has taken the last (see _write_loop).
-        self._to_commit: stdqueue.Queue[Any] = stdqueue.Queue()
-        self._commit_slot = threading.Semaphore(1)
         self._error: BaseException | None = None
         self.stats = RunStats(started_at=clock())
 
@@ -247,9 +236,6 @@ class Scorer:
         threads = [
             threading.Thread(
                 target=self._guard, args=(self._forward_loop,), name="forward", daemon=True
-            ),
-            threading.Thread(
-                target=self._guard, args=(self._write_loop,), name="write", daemon=True
             ),
             threading.Thread(
                 target=self._guard, args=(self._commit_loop,), name="commit", daemon=True
@@ -265,10 +251,10 @@ class Scorer:
         finally:
             self._release_pending()
             self._put(self._to_forward, _DONE)
-            for t in threads[:3]:
+            for t in threads[:2]:
                 t.join()
             self._stop.set()
-            threads[3].join()
+            threads[2].join()
             self.stats.finished_at = self.clock()
         if self._error is not None:
             raise self._error
@@ -415,53 +401,26 @@ class Scorer:
             job = self._get(self._to_forward)
             self._wake.set()  # the forward stage is free: the dispatcher may decode the next
             if job is _DONE:
-                self._put(self._to_write, _DONE)
+                self._put(self._to_commit, _DONE)
                 return
             batch, leases, decoded = job
             started = time.perf_counter()
             result = self.runner.forward(decoded)
             self.stats.stage_s["forward"] += time.perf_counter() - started
-            self._put(self._to_write, (batch, leases, result))
-
-    def _write_loop(self) -> None:
-        """Group scored batches and stage them in the sink (a Parquet file written and
-        fsynced), while the commit stage commits the previous group.
-
-        A group is cut only when the commit stage is free to take it (the slot): until then
-        scored batches keep joining it, so under load files stay large instead of turning into
-        many small commits (a file, fsyncs and a transaction each).
-        """
-        while True:
-            job = self._get(self._to_write)
-            if job is _DONE or not self._take_slot():
-                self._put(self._to_commit, _DONE)
-                return
-            jobs, finished = self._group(job)
-            started = time.perf_counter()
-            staged = self._stage(jobs)
-            self.stats.stage_s["write"] += time.perf_counter() - started
-            self._put(self._to_commit, staged)
-            if finished:
-                self._put(self._to_commit, _DONE)
-                return
-
-    def _take_slot(self) -> bool:
-        while self._error is None:
-            if self._commit_slot.acquire(timeout=0.1):
-                return True
-        return False
+            self._put(self._to_commit, (batch, leases, result))
 
     def _commit_loop(self) -> None:
         # Idle for 0.1 s: the sink records what it deferred (the Parquet sink's publish marks),
         # so a quiet scorer leaves nothing pending for long. Under load, marks ride on commits.
+        finished = False
         try:
-            while True:
-                staged = self._get(self._to_commit, on_idle=self._flush_sink)
-                self._commit_slot.release()
-                if staged is _DONE:
+            while not finished:
+                job = self._get(self._to_commit, on_idle=self._flush_sink)
+                if job is _DONE:
                     break
+                jobs, finished = self._group(job)
                 started = time.perf_counter()
-                self._commit(*staged)
+                self._commit(jobs)
                 self.stats.stage_s["commit"] += time.perf_counter() - started
                 if self.on_progress is not None:
                     self.on_progress(self.stats)
@@ -479,12 +438,12 @@ class Scorer:
     def _group(self, first: Any) -> tuple[list[Any], bool]:
         """Group commit: ``first`` plus the scored batches already waiting, up to
         ``output.max_rows_per_commit`` rows. It never waits for more, so it adds no latency;
-        under load it turns many small commits into one.
+        under load it turns many small commits (a file, fsyncs and transactions each) into one.
         """
         jobs, rows = [first], len(first[0])
         while rows < self.config.output.max_rows_per_commit:
             try:
-                job = self._to_write.get_nowait()
+                job = self._to_commit.get_nowait()
             except stdqueue.Empty:
                 break
             if job is _DONE:
@@ -493,8 +452,7 @@ class Scorer:
             rows += len(job[0])
         return jobs, False
 
-    def _stage(self, jobs: list[Any]) -> tuple[list[Any], dict[str, _LeasePart]]:
-        """Split a group by lease and stage each lease's scored items in the sink."""
+    def _commit(self, jobs: list[Any]) -> None:
         parts: dict[str, _LeasePart] = {}
         for batch, leases, result in jobs:
             for item in batch.items:
@@ -507,14 +465,7 @@ class Scorer:
                 part.items.append(item)
         now = self.clock()
         for lease_id, part in parts.items():
-            if part.ok:
-                scored = self.make_scored(tuple(part.ok), lease_id, part.outputs, now)
-                part.staged = self.sink.stage(scored)
-        return jobs, parts
-
-    def _commit(self, jobs: list[Any], parts: dict[str, _LeasePart]) -> None:
-        for lease_id, part in parts.items():
-            self.stats.commits += self._commit_lease_part(lease_id, part)
+            self.stats.commits += self._commit_lease_part(lease_id, part, now)
         for batch, _, result in jobs:
             self.stats.batch_sizes.append(len(batch))
             self.stats.reasons[batch.reason] += 1
@@ -522,12 +473,14 @@ class Scorer:
             self.stats.real_tokens += result.real_tokens
             self.stats.padded_tokens += result.padded_tokens
 
-    def _commit_lease_part(self, lease_id: str, part: _LeasePart) -> int:
-        """Commit one lease's staged items and fail its failed ones; returns sink commits made."""
+    def _commit_lease_part(self, lease_id: str, part: _LeasePart, now: float) -> int:
+        """Commit one lease's scored items and fail its failed ones; returns sink commits made."""
         made = 0
-        if part.staged is not None:
+        if part.ok:
             try:
-                committed = self.sink.commit_staged(part.staged)
+                committed = self.sink.commit(
+                    self.make_scored(tuple(part.ok), lease_id, part.outputs, now)
+                )
             except errors.LeaseLost as exc:
                 logger.warning(
                     "lease lost",

@@ -148,18 +148,9 @@ class SinkDescription(TypedDict):
 
 
 class Sink(Protocol):
-    """Commits scored batches exactly once in effect.
-
-    ``commit(batch)`` is ``commit_staged(stage(batch))``: ``stage`` does the work that needs
-    no database (a staging file, result rows), so a scorer can stage the next batch while the
-    last one commits.
-    """
+    """Commits scored batches exactly once in effect."""
 
     def commit(self, batch: ScoredBatch) -> CommitResult: ...
-
-    def stage(self, batch: ScoredBatch) -> Any: ...
-
-    def commit_staged(self, staged: Any) -> CommitResult: ...
 
     def flush(self) -> None: ...
 
@@ -178,14 +169,6 @@ def translate_errors(what: str) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------- SQL sink
-
-
-@dataclass(frozen=True, slots=True)
-class StagedRows:
-    """A batch's result rows, built and not yet inserted (``SqlSink.stage``)."""
-
-    batch: ScoredBatch
-    rows: list[dict[str, Any]]
 
 
 class SqlSink:
@@ -224,15 +207,7 @@ class SqlSink:
             LeaseLost: the lease no longer holds every item; nothing was written.
             QueueError: the database failed; nothing was written.
         """
-        return self.commit_staged(self.stage(batch))
-
-    def stage(self, batch: ScoredBatch) -> StagedRows:
-        """Build the result rows (no database work); ``commit_staged`` writes them."""
-        return StagedRows(batch, self._rows(batch))
-
-    def commit_staged(self, staged: StagedRows) -> CommitResult:
-        """Insert staged rows and ack their items in one transaction (see ``commit``)."""
-        batch, rows = staged.batch, staged.rows
+        rows = self._rows(batch)
         with self._queue.begin() as conn:
             ids = [i.id for i in batch.items]
             self._queue.ack_all_or_raise(conn, batch.lease_id, ids, batch.batch_id)

@@ -224,11 +224,7 @@ class ReaperBeforeCommit:
         self.sink, self.url, self.config = sink, url, config
         self.lost: list[Any] = []
 
-    def stage(self, batch: Any) -> Any:
-        return self.sink.stage(batch)
-
-    def commit_staged(self, staged: Any) -> Any:
-        batch = staged.batch
+    def commit(self, batch: Any) -> Any:
         if not self.lost:
             self.lost.append(batch)
             reaper = open_queue(self.url, self.config)
@@ -240,7 +236,7 @@ class ReaperBeforeCommit:
                 )
             assert reaper.release_expired().released == len(batch.items)
             reaper.engine.dispose()
-        return self.sink.commit_staged(staged)
+        return self.sink.commit(batch)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sink, name)

@@ -156,12 +156,6 @@ class ListSink:
         self.batches.append(batch)
         return Committed(n_bytes=10 * len(batch.items))
 
-    def stage(self, batch: Scored) -> Scored:
-        return batch
-
-    def commit_staged(self, batch: Scored) -> Committed:
-        return self.commit(batch)
-
     def flush(self) -> None:
         self.flushes += 1
 
@@ -291,7 +285,7 @@ def test_until_empty_commits_every_item_exactly_once() -> None:
     assert stats.finished_at == r.clock()
     assert r.sink.flushes >= 1  # deferred sink work is recorded before the run returns
     busy = stats.summary()["stage_busy_s"]
-    assert list(busy) == ["claim", "decode", "forward", "write", "commit"]
+    assert list(busy) == ["claim", "decode", "forward", "commit"]
     assert all(seconds > 0 for seconds in busy.values())
 
 
