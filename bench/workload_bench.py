@@ -10,9 +10,9 @@ capacity, p50/p99 enqueue-to-commit latency.
     python bench/workload_bench.py [--w1-items 50000] [--w2-items 3000] [--online-s 20] [--only w1|w2]
     python bench/workload_bench.py --only w1 --pg postgresql://postgres@127.0.0.1:5432/postgres
 
-With ``--pg``, W1 (tensor payloads) also runs on PostgreSQL with 1 and 2 scorer processes
-sharing the queue (each process with torch threads = cores / processes), in a scratch
-database ``batching_bench`` that is dropped and created again.
+W1 (tensor payloads) also runs with 1 and 2 scorer processes sharing one SQLite file (each
+process with torch threads = cores / processes), and with ``--pg`` the same on PostgreSQL, in
+a scratch database ``batching_bench`` that is dropped and created again.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def w1(tmp: Path, n: int) -> None:
     }
 
 
-def _pg_scorer(cfg: Any, threads: int, out: Any) -> None:
+def _scorer(cfg: Any, threads: int, out: Any) -> None:
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.ERROR)
     s = app.run_score(cfg, limits=pipeline.RunLimits(until_empty=True)).summary
@@ -148,16 +148,43 @@ def _pg_scorer(cfg: Any, threads: int, out: Any) -> None:
     out.put((s["items_committed"], end - s["elapsed_s"], end))
 
 
+def scorer_processes(cfg: Any, n: int, k: int) -> float:
+    """Rows/s of ``k`` scorer processes draining ``cfg``'s queue (torch threads = cores / k),
+    from the first scorer's start to the last one's end (model loading excluded)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    threads = max(1, (os.cpu_count() or 1) // k)
+    procs = [ctx.Process(target=_scorer, args=(cfg, threads, results)) for _ in range(k)]
+    for p in procs:
+        p.start()
+    got = [_result(results, procs) for _ in procs]
+    for p in procs:
+        p.join()
+    committed = sum(g[0] for g in got)
+    assert committed == n, (committed, n)
+    return n / (max(g[2] for g in got) - min(g[1] for g in got))
+
+
+def w1_sqlite_processes(tmp: Path, n: int, scorer_counts: tuple[int, ...] = (1, 2)) -> None:
+    """W1 tensor payloads on one SQLite file: rows/s with 1 and 2 scorer processes."""
+    recs = ingest.read_records(workloads.write_w1_parquet(tmp / "w1mp.parquet", n))
+    out: dict[str, Any] = {}
+    for k in scorer_counts:
+        cfg = config("tabular.yaml", tmp, f"w1mp{k}")
+        enqueue(cfg, recs)
+        out[f"scorers_{k}_rows_s"] = scorer_processes(cfg, n, k)
+    RESULTS["w1_sqlite_processes"] = out
+
+
 def w1_pg(tmp: Path, n: int, admin_url: str, scorer_counts: tuple[int, ...] = (1, 2)) -> None:
-    """W1 tensor payloads on PostgreSQL: rows/s with 1 and 2 scorer processes, from the first
-    scorer's start to the last one's end (model loading excluded)."""
+    """W1 tensor payloads on PostgreSQL: rows/s with 1 and 2 scorer processes, in a scratch
+    database ``batching_bench`` (dropped and created again for each count)."""
     import psycopg
     from sqlalchemy.engine import make_url
 
     recs = ingest.read_records(workloads.write_w1_parquet(tmp / "w1pg.parquet", n))
     url = make_url(normalize_url(admin_url)).set(database="batching_bench")
     conninfo = make_url(admin_url).set(drivername="postgresql").render_as_string(False)
-    cores = os.cpu_count() or 1
     out: dict[str, Any] = {}
     for k in scorer_counts:
         with psycopg.connect(conninfo, autocommit=True) as conn:
@@ -173,20 +200,7 @@ def w1_pg(tmp: Path, n: int, admin_url: str, scorer_counts: tuple[int, ...] = (1
             },
         )
         enqueue(cfg, recs)
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        procs = [
-            ctx.Process(target=_pg_scorer, args=(cfg, max(1, cores // k), results))
-            for _ in range(k)
-        ]
-        for p in procs:
-            p.start()
-        got = [_result(results, procs) for _ in procs]
-        for p in procs:
-            p.join()
-        committed = sum(g[0] for g in got)
-        assert committed == n, (committed, n)
-        out[f"scorers_{k}_rows_s"] = n / (max(g[2] for g in got) - min(g[1] for g in got))
+        out[f"scorers_{k}_rows_s"] = scorer_processes(cfg, n, k)
     RESULTS["w1_postgres"] = out
 
 
@@ -320,6 +334,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "w1"):
             w1(Path(tmp), args.w1_items)
+            w1_sqlite_processes(Path(tmp), args.w1_items)
             if args.pg:
                 w1_pg(Path(tmp), args.w1_items, args.pg)
         if args.only in (None, "w2"):
