@@ -272,7 +272,13 @@ class Scorer:
         claimer.start()
         try:
             self._dispatch_loop()
+        except BaseException as exc:  # a failed decode, Ctrl-C: stop every stage, then raise
+            if self._error is None:
+                self._error = exc
+            self._stop.set()
+            raise
         finally:
+            self._claim_wanted.set()
             claimer.join()
 
     def _claim_loop(self, limits: RunLimits) -> None:
@@ -358,7 +364,12 @@ class Scorer:
         with self._lock:  # the leases as claimed now: a reaped item may be claimed again
             leases = {item.id: self._item_lease[item.id] for item in batch.items}
         started = time.perf_counter()
-        decoded = self.runner.decode(batch.items)
+        try:
+            decoded = self.runner.decode(batch.items)
+        except BaseException:
+            with self._batch_lock:  # back where the shutdown releases them from
+                self.batcher.add(batch.items)
+            raise
         self.stats.stage_s["decode"] += time.perf_counter() - started
         self._put(self._to_forward, (batch, leases, decoded))
         return True

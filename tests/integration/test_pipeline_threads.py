@@ -130,3 +130,29 @@ def test_a_claim_runs_while_the_batches_already_claimed_are_dispatched() -> None
     r.scorer.run()
     assert claims[:2] == [True, True]
     assert r.sink.keys() == Counter(keys(8))
+
+
+def test_a_decode_that_raises_fails_the_run_and_gives_every_item_back() -> None:
+    """The dispatcher runs in the caller's thread: its error must stop the claim thread (or
+    run() would wait for it forever) and release what was claimed."""
+    r = rig(keys(40), max_batch_size=4, claim_size=8)
+
+    def broken(n: int) -> None:
+        raise RuntimeError("decoder crashed")
+
+    r.runner.on_decode = broken
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            r.scorer.run(pipeline.RunLimits(until_empty=False))
+        except BaseException as exc:
+            raised.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(10)
+    assert not runner.is_alive(), "run() hung after the dispatcher failed"
+    assert [str(e) for e in raised] == ["decoder crashed"]
+    assert r.queue.keys(models.State.LEASED) == set()
+    assert r.queue.keys(models.State.READY) == set(keys(40))
