@@ -86,19 +86,26 @@ _SQLITE_JSON_COLUMNS = (
     "i.max_attempts",
     "length(p.payload)",
 )
-_CLAIMED_SQLITE = sa.text(
+_CLAIMED_COLUMNS_SQL = (
     "SELECT "
     + ", ".join(f"json_group_array({c})" for c in _SQLITE_JSON_COLUMNS)
-    + ", group_concat(quote(i.enqueued_at)), group_concat(quote(i.deadline_at)),"
-    " CAST(group_concat(p.payload, '') AS BLOB)"
+    + ", group_concat(quote(i.enqueued_at)), group_concat(quote(i.deadline_at))"
+)
+_CLAIMED_FROM_SQL = (
     " FROM batching_items i LEFT JOIN batching_payloads p ON p.id = i.id"
     " WHERE i.lease_expires_at = :expires AND i.state = 1 AND i.lease_id = :lease"
 )
+_CLAIMED_SQLITE = sa.text(
+    _CLAIMED_COLUMNS_SQL + ", CAST(group_concat(p.payload, '') AS BLOB)" + _CLAIMED_FROM_SQL
+)
+# Without the bodies, for a claim whose bodies add up to more than SQLite's longest blob.
+_CLAIMED_NO_BODIES_SQLITE = sa.text(_CLAIMED_COLUMNS_SQL + _CLAIMED_FROM_SQL)
 
 
 def _unpack_claim(queue: str, row: Sequence[Any]) -> tuple[list[Any], dict[int, bytes]]:
-    """One row of ``_CLAIMED_SQLITE`` as claimed rows (``_CLAIM_COLUMNS`` order) and bodies:
-    a column at a time in C (JSON arrays, ``float`` over split text), then one ``zip``."""
+    """A row of ``_CLAIMED_SQLITE`` as claimed rows (``_CLAIM_COLUMNS`` order) and bodies by
+    id, a column at a time in C (JSON arrays, ``float`` over split text) and one ``zip``. A
+    row of ``_CLAIMED_NO_BODIES_SQLITE`` gives the rows and no bodies."""
     ids, keys, fmts, dtypes, shapes, lanes, tenants, prios, costs, atts, maxes, sizes = map(
         _loads, row[:12]
     )
@@ -128,11 +135,12 @@ def _unpack_claim(queue: str, row: Sequence[Any]) -> tuple[list[Any], dict[int, 
         )
     )
     bodies: dict[int, bytes] = {}
-    data, at = row[14] or b"", 0
-    for id_, size in zip(ids, sizes, strict=True):
-        if size is not None:
-            bodies[id_] = data[at : at + size]
-            at += size
+    if len(row) > 14:
+        data, at = row[14] or b"", 0
+        for id_, size in zip(ids, sizes, strict=True):
+            if size is not None:
+                bodies[id_] = data[at : at + size]
+                at += size
     return rows, bodies
 
 
@@ -178,6 +186,7 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
     if backend == "sqlite":
         engine = sa.create_engine(parsed, pool_size=4, max_overflow=8)
         _configure_sqlite(engine, sqlite_busy_timeout_ms)
+        _BUSY_TIMEOUT_S.setdefault(str(engine.url), sqlite_busy_timeout_ms / 1000)
         return engine
     if backend == "postgresql":
         return sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
@@ -188,6 +197,7 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
 
 _READ_ONLY = "batching_read_only"  # execution option set by SqlQueue.read()
 _WRITER_LOCKS: dict[str, _WriterLock] = {}
+_BUSY_TIMEOUT_S: dict[str, float] = {}  # by engine URL: how long a writer waits for the lock
 _LOCKS_GUARD = threading.Lock()
 
 
@@ -195,53 +205,99 @@ class _WriterLock:
     """SQLite's one writer, queued without its busy handler: a thread lock for this process,
     then an ``flock`` on ``<database>.writer-lock`` shared with other processes.
 
-    SQLite's busy handler sleeps and retries (1, 2, 5, 10 ... ms), so a writer that finds the
-    write lock taken goes on sleeping after it is free; a blocked ``flock`` wakes as soon as
-    it is released, and the kernel releases it when a process dies. Two W1 scorer processes
-    on one file: 53-55k rows/s against 46-51k with the busy handler alone. Correctness never
-    depends on it: SQLite's own lock still guards every write, so a writer that does not use
-    this file (the sqlite3 shell) or cannot open it (logged once) meets the busy handler.
+    SQLite's busy handler sleeps and retries (1, 2, 5, 10 ... 100 ms), so a writer that finds
+    the write lock taken goes on sleeping long after it is free; this one retries the file
+    lock every 2 ms at most, and the kernel releases it when a process dies. Two W1 scorer
+    processes on one file: 53-55k rows/s against 46-51k with the busy handler alone.
+    Correctness never depends on it: SQLite's own lock still guards every write. A writer
+    that does not use this file (the sqlite3 shell), cannot lock it (logged once), or waited
+    longer than the busy timeout for it goes on to SQLite's busy handler and its timeout.
     """
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, wait_s: float) -> None:
         self._thread = threading.Lock()
         self._path = path if fcntl is not None else None
+        self._wait_s = wait_s
         self._fd: int | None = None
-        self._pid = 0  # the process that opened _fd: a forked child opens its own
+        self._held = False
 
     def __enter__(self) -> None:
         self._thread.acquire()
         try:
             fd = self._file()
-            if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+            self._held = fd is not None and self._flock(fd)
         except BaseException:
             self._thread.release()
             raise
 
     def __exit__(self, *_exc: object) -> None:
         try:
-            if self._fd is not None and self._pid == os.getpid():
+            if self._held and self._fd is not None:
+                self._held = False
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
             self._thread.release()
 
+    def after_fork_in_child(self) -> None:
+        """A forked child must not share the parent's lock: its own thread lock (the parent's
+        may have been held by another thread at the fork) and, later, its own file."""
+        self._thread = threading.Lock()
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+        self._fd, self._held = None, False
+
+    def _flock(self, fd: int) -> bool:
+        deadline, pause = time.monotonic() + self._wait_s, 0.0001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    logger.warning(
+                        "waited the busy timeout for the SQLite writer lock file; going on to "
+                        "SQLite's own lock",
+                        extra={"action": "writer_lock_timeout", "path": self._path},
+                    )
+                    return False
+                time.sleep(pause)
+                pause = min(2 * pause, 0.002)
+            except OSError as exc:  # e.g. no flock on this (network) filesystem
+                self._give_up(exc)
+                return False
+
     def _file(self) -> int | None:
         if self._path is None:
             return None
-        if self._fd is None or self._pid != os.getpid():
+        if self._fd is None:
             try:
                 self._fd = os.open(self._path, os.O_RDONLY | os.O_CREAT, 0o644)
             except OSError as exc:
-                logger.warning(
-                    "cannot open the SQLite writer lock file; writers in other processes "
-                    "will wait in SQLite's busy handler instead",
-                    extra={"action": "writer_lock_unavailable", "error": str(exc)},
-                )
-                self._path = self._fd = None
-                return None
-            self._pid = os.getpid()
+                self._give_up(exc)
         return self._fd
+
+    def _give_up(self, exc: OSError) -> None:
+        logger.warning(
+            "cannot use the SQLite writer lock file; writers in other processes wait in "
+            "SQLite's busy handler instead",
+            extra={"action": "writer_lock_unavailable", "path": self._path, "error": str(exc)},
+        )
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+        self._path, self._fd = None, None
+
+
+def _after_fork_in_child() -> None:
+    global _LOCKS_GUARD
+    _LOCKS_GUARD = threading.Lock()
+    for lock in _WRITER_LOCKS.values():
+        lock.after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _writer_lock(engine: Engine) -> contextlib.AbstractContextManager[Any]:
@@ -258,7 +314,9 @@ def _writer_lock(engine: Engine) -> contextlib.AbstractContextManager[Any]:
         if lock is None:
             database = engine.url.database
             on_disk = database not in (None, "", ":memory:") and "mode=memory" not in key
-            lock = _WRITER_LOCKS[key] = _WriterLock(f"{database}.writer-lock" if on_disk else None)
+            path = f"{database}.writer-lock" if on_disk else None
+            wait_s = _BUSY_TIMEOUT_S.get(key, 30.0)
+            lock = _WRITER_LOCKS[key] = _WriterLock(path, wait_s)
         return lock
 
 
@@ -534,27 +592,54 @@ class SqlQueue:
     def _claim_sqlite(
         self, sql: str, params: dict[str, Any], now: float
     ) -> tuple[list[Any], dict[int, bytes]]:
-        """SQLite: the UPDATE alone under the write lock, then one row read back outside it.
+        """SQLite: the UPDATE alone under the write lock, then the rows read back outside it.
 
         Python's sqlite3 releases and retakes the GIL for every row it steps. With other
         threads busy in Python each retake can wait a switch interval (5 ms), and a claim that
         returned its rows one by one held the database's only write lock all that time (with
         a thread spinning beside it: 468 against 24 us a row). So the UPDATE returns nothing;
         once it commits, the rows are this lease's, and one aggregate SELECT in a read
-        transaction (a WAL snapshot, no write lock) returns them all as a single row.
+        transaction (a WAL snapshot, no write lock) returns them all as a single row. If
+        reading them back fails, the claim is released, not left leased.
         """
         with self.begin() as conn:
             self._expire_overdue(conn, now)
             claimed = conn.execute(sa.text(sql[: sql.index(" RETURNING ")]), params).rowcount
         if not claimed:
             return [], {}
-        with self.read() as conn:
-            packed = conn.execute(_CLAIMED_SQLITE, params).one()
-        rows, bodies = _unpack_claim(self.queue, packed)
+        try:
+            with self.read() as conn:
+                rows, bodies = self._read_claimed(conn, params)
+        except BaseException:
+            # The UPDATE committed: give the items back rather than leave them leased (and
+            # charged an attempt) until the lease expires.
+            self._release_quietly(params["lease"])
+            raise
         if len(bodies) != len(rows):
             with self.begin() as conn:
                 rows = self._bury_bodiless(conn, params["lease"], rows, bodies, now)
         return rows, bodies
+
+    def _read_claimed(
+        self, conn: Connection, params: dict[str, Any]
+    ) -> tuple[list[Any], dict[int, bytes]]:
+        try:
+            return _unpack_claim(self.queue, conn.execute(_CLAIMED_SQLITE, params).one())
+        except exc.DataError:  # "string or blob too big": bodies over 1 GB in all
+            rows, _ = _unpack_claim(
+                self.queue, conn.execute(_CLAIMED_NO_BODIES_SQLITE, params).one()
+            )
+            return rows, self._bodies(conn, [r[0] for r in rows])
+
+    def _release_quietly(self, lease_id: str) -> None:
+        try:
+            self.release(lease_id)
+        except errors.QueueError:
+            logger.warning(
+                "claimed items could not be released; they return when the lease expires",
+                extra={"action": "release_failed", "lease_id": lease_id},
+                exc_info=True,
+            )
 
     def _bury_bodiless(
         self,

@@ -117,35 +117,69 @@ def test_sigkilled_claimer_items_are_reaped_and_finished(
 
 
 LOCK_HOLDER = """
-import fcntl, os, sqlite3, sys, time
-db, ready = sys.argv[1], sys.argv[2]
+import fcntl, os, sys, time
+db, ready, hold_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
 fd = os.open(db + ".writer-lock", os.O_RDONLY | os.O_CREAT, 0o644)
 fcntl.flock(fd, fcntl.LOCK_EX)
-con = sqlite3.connect(db, isolation_level=None)
-con.execute("BEGIN IMMEDIATE")
 open(ready, "w").close()
-time.sleep(1.0)
-con.execute("COMMIT")
-fcntl.flock(fd, fcntl.LOCK_UN)
+time.sleep(hold_s)
 """
 
 
-def test_a_sqlite_writer_waits_for_another_process_on_the_lock_file(tmp_path: Path) -> None:
-    """A writer in another process holds the lock file and SQLite's write lock for 1 s; with a
-    1 ms busy timeout the busy handler alone would fail at once with "database is locked"."""
+def write_while_another_process_holds_the_lock_file(
+    tmp_path: Path, hold_s: float, busy_timeout_ms: int
+) -> float:
+    """Seconds an enqueue took while another process held ``<db>.writer-lock`` (only the file
+    lock: SQLite's own write lock stays free) for ``hold_s``."""
     db = tmp_path / "q.db"
-    engine = q.create_engine(f"sqlite:///{db}", sqlite_busy_timeout_ms=1)
+    engine = q.create_engine(f"sqlite:///{db}", sqlite_busy_timeout_ms=busy_timeout_ms)
     queue = q.SqlQueue(engine, "lock")
     queue.migrate()
     ready = tmp_path / "ready"
-    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(db), str(ready)])
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(db), str(ready), str(hold_s)])
     try:
-        wait_for(ready.exists, 30, "the other process to hold the write lock")
+        wait_for(ready.exists, 30, "the other process to hold the lock file")
         started = time.monotonic()
-        result = queue.enqueue([models.EnqueueRecord("k", models.Payload(b"{}"))])
-        waited = time.monotonic() - started
+        assert queue.enqueue([models.EnqueueRecord("k", models.Payload(b"{}"))]).inserted == 1
+        return time.monotonic() - started
     finally:
-        assert holder.wait(30) == 0
+        holder.kill()
+        holder.wait(30)
         engine.dispose()
-    assert result.inserted == 1
-    assert waited >= 0.5
+
+
+def test_a_sqlite_writer_queues_behind_another_process_on_the_lock_file(tmp_path: Path) -> None:
+    assert write_while_another_process_holds_the_lock_file(tmp_path, 1.5, 30_000) >= 0.8
+
+
+def test_a_sqlite_writer_waits_for_the_lock_file_no_longer_than_the_busy_timeout(
+    tmp_path: Path,
+) -> None:
+    """A holder that never lets go (a stopped process) delays writers by the busy timeout,
+    then SQLite's own lock decides; here it is free, so the write goes through."""
+    assert write_while_another_process_holds_the_lock_file(tmp_path, 60, 300) < 20
+
+
+def test_a_forked_child_takes_the_writer_lock_after_the_parent_not_with_it(
+    tmp_path: Path,
+) -> None:
+    """The child gets a fresh lock (the parent's thread lock was held at the fork) and a file
+    descriptor of its own, so it waits for the parent's flock instead of sharing it."""
+    engine = q.create_engine(f"sqlite:///{tmp_path / 'q.db'}")
+    lock = q._writer_lock(engine)
+    with lock:
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if it had to wait for the parent
+            started = time.monotonic()
+            with lock:
+                os._exit(0 if time.monotonic() - started >= 0.5 else 3)
+        time.sleep(1.0)
+    deadline = time.monotonic() + 10
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child never got the writer lock")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    engine.dispose()

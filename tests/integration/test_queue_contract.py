@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -172,6 +175,48 @@ def test_a_claim_returns_every_field_exactly_as_enqueued(
         assert (item.queue, item.attempts) == ("contract", 1)
         assert item.id == row(queue, r.item_key).id
     assert (got["nul"].max_attempts, got["empty"].max_attempts) == (2, queue.max_attempts)
+
+
+def test_a_sqlite_claim_that_fails_after_its_update_gives_the_items_back(
+    queue: q.SqlQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if queue.dialect != "sqlite":
+        pytest.skip("PostgreSQL claims in one transaction")
+    queue.enqueue([rec("a"), rec("b")])
+
+    @contextlib.contextmanager
+    def broken_read() -> Iterator[object]:
+        raise errors.QueueError("database failed: disk I/O error")
+        yield  # pragma: no cover
+
+    with monkeypatch.context() as m:
+        m.setattr(queue, "read", broken_read)
+        with pytest.raises(errors.QueueError, match="disk I/O error"):
+            queue.claim(5, lease_s=30)
+    for key in ("a", "b"):
+        r = row(queue, key)
+        assert (r.state, r.attempts, r.lease_id) == (models.State.READY, 0, None)
+    assert sorted(i.item_key for i in queue.claim(5, lease_s=30).items) == ["a", "b"]
+
+
+def test_a_sqlite_claim_whose_bodies_exceed_the_longest_blob_reads_them_row_by_row(
+    tmp_path: Path,
+) -> None:
+    """SQLite caps a string or blob (1 GB by default; 5,000 bytes here): bodies that add up to
+    more cannot come back concatenated, so the claim reads them one by one."""
+    engine = q.create_engine(f"sqlite:///{tmp_path / 'q.db'}")
+
+    @sa.event.listens_for(engine, "connect")
+    def _small_limit(dbapi_conn: sqlite3.Connection, _record: object) -> None:
+        dbapi_conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 5000)
+
+    queue = q.SqlQueue(engine, "big")
+    queue.migrate()
+    bodies = {f"k{i}": bytes([i]) * (1500 + i) for i in range(4)}
+    queue.enqueue([models.EnqueueRecord(k, models.Payload(v)) for k, v in bodies.items()])
+    claim = queue.claim(10, lease_s=30)
+    assert {i.item_key: i.payload.data for i in claim.items} == bodies
+    engine.dispose()
 
 
 def test_purge_archive_keeps_working_when_sqlite_hands_out_a_purged_id_again(
