@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from batching import models
+from batching import models, sqlite
 from batching import queue as q
 from tests.conftest import REPO, wait_for
 
@@ -166,7 +166,7 @@ def test_a_forked_child_takes_the_writer_lock_after_the_parent_not_with_it(
     """The child gets a fresh lock (the parent's thread lock was held at the fork) and a file
     descriptor of its own, so it waits for the parent's flock instead of sharing it."""
     engine = q.create_engine(f"sqlite:///{tmp_path / 'q.db'}")
-    lock = q._writer_lock(engine)
+    lock = sqlite.writer_lock(engine)
     with lock:
         pid = os.fork()
         if pid == 0:  # the child: exit 0 only if it had to wait for the parent

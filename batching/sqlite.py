@@ -1,0 +1,264 @@
+"""SQLite specifics of the queue: engine set-up, the writer lock, the one-row claim read-back.
+
+* Every connection: WAL, ``synchronous=NORMAL``, ``busy_timeout``. Write transactions begin
+  ``BEGIN IMMEDIATE`` (a deferred transaction that upgrades to a write ignores the busy
+  timeout); transactions with the ``READ_ONLY`` execution option begin deferred, a WAL snapshot
+  that never waits for writers (``SqlQueue.read()``).
+* :func:`writer_lock`: writers of one file queue on a thread lock and an ``flock``, not in
+  SQLite's sleeping busy handler.
+* :data:`CLAIMED` / :func:`unpack_claim`: a claim's rows read back as one row (see
+  ``SqlQueue._claim_sqlite``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine
+
+from batching import schema
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on Windows: writers queue in SQLite's busy handler
+    fcntl = None  # type: ignore[assignment]
+try:
+    import orjson
+
+    _loads: Callable[[str], Any] = orjson.loads
+except ImportError:  # pragma: no cover - orjson ships with prefect; json is the fallback
+    _loads = json.loads
+
+logger = logging.getLogger(__name__)
+
+READ_ONLY = "batching_read_only"  # execution option set by SqlQueue.read()
+_WRITER_LOCKS: dict[str, _WriterLock] = {}
+_BUSY_TIMEOUT_S: dict[str, float] = {}  # by engine URL: how long a writer waits for the lock
+_LOCKS_GUARD = threading.Lock()
+
+
+class _WriterLock:
+    """SQLite's one writer, queued without its busy handler: a thread lock for this process,
+    then an ``flock`` on ``<database>.writer-lock`` shared with other processes.
+
+    SQLite's busy handler sleeps and retries (1, 2, 5, 10 ... 100 ms), so a writer that finds
+    the write lock taken goes on sleeping long after it is free; this one retries the file
+    lock every 2 ms at most, and the kernel releases it when a process dies. Two W1 scorer
+    processes on one file: 53-55k rows/s against 46-51k with the busy handler alone.
+    Correctness never depends on it: SQLite's own lock still guards every write. A writer
+    that does not use this file (the sqlite3 shell), cannot lock it (logged once), or waited
+    longer than the busy timeout for it goes on to SQLite's busy handler and its timeout.
+    """
+
+    def __init__(self, path: str | None, wait_s: float) -> None:
+        self._thread = threading.Lock()
+        self._path = path if fcntl is not None else None
+        self._wait_s = wait_s
+        self._fd: int | None = None
+        self._held = False
+
+    def __enter__(self) -> None:
+        self._thread.acquire()
+        try:
+            fd = self._file()
+            self._held = fd is not None and self._flock(fd)
+        except BaseException:
+            self._thread.release()
+            raise
+
+    def __exit__(self, *_exc: object) -> None:
+        try:
+            if self._held and self._fd is not None:
+                self._held = False
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._thread.release()
+
+    def after_fork_in_child(self) -> None:
+        """A forked child must not share the parent's lock: its own thread lock (the parent's
+        may have been held by another thread at the fork) and, later, its own file."""
+        self._thread = threading.Lock()
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+        self._fd, self._held = None, False
+
+    def _flock(self, fd: int) -> bool:
+        deadline, pause = time.monotonic() + self._wait_s, 0.0001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    logger.warning(
+                        "waited the busy timeout for the SQLite writer lock file; going on to "
+                        "SQLite's own lock",
+                        extra={"action": "writer_lock_timeout", "path": self._path},
+                    )
+                    return False
+                time.sleep(pause)
+                pause = min(2 * pause, 0.002)
+            except OSError as exc:  # e.g. no flock on this (network) filesystem
+                self._give_up(exc)
+                return False
+
+    def _file(self) -> int | None:
+        if self._path is None:
+            return None
+        if self._fd is None:
+            try:
+                self._fd = os.open(self._path, os.O_RDONLY | os.O_CREAT, 0o644)
+            except OSError as exc:
+                self._give_up(exc)
+        return self._fd
+
+    def _give_up(self, exc: OSError) -> None:
+        logger.warning(
+            "cannot use the SQLite writer lock file; writers in other processes wait in "
+            "SQLite's busy handler instead",
+            extra={"action": "writer_lock_unavailable", "path": self._path, "error": str(exc)},
+        )
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+        self._path, self._fd = None, None
+
+
+def _after_fork_in_child() -> None:
+    global _LOCKS_GUARD
+    _LOCKS_GUARD = threading.Lock()
+    for lock in _WRITER_LOCKS.values():
+        lock.after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def writer_lock(engine: Engine) -> contextlib.AbstractContextManager[Any]:
+    """One lock per SQLite file (serialises its writers, see ``_WriterLock``); a no-op elsewhere.
+
+    Keyed by the database URL, so separate engines on the same file (a producer and a scorer
+    in one process) also queue here rather than in SQLite's sleeping busy handler.
+    """
+    if engine.dialect.name != "sqlite":
+        return contextlib.nullcontext()
+    key = str(engine.url)
+    with _LOCKS_GUARD:
+        lock = _WRITER_LOCKS.get(key)
+        if lock is None:
+            database = engine.url.database
+            on_disk = database not in (None, "", ":memory:") and "mode=memory" not in key
+            path = f"{database}.writer-lock" if on_disk else None
+            wait_s = _BUSY_TIMEOUT_S.get(key, 30.0)
+            lock = _WRITER_LOCKS[key] = _WriterLock(path, wait_s)
+        return lock
+
+
+def configure(engine: Engine, busy_timeout_ms: int) -> None:
+    """Set up a SQLite engine: pragmas on connect, ``BEGIN IMMEDIATE`` or deferred on begin,
+    and the busy timeout as the longest wait for the writer lock file."""
+    _BUSY_TIMEOUT_S.setdefault(str(engine.url), busy_timeout_ms / 1000)
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute("PRAGMA synchronous = NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        # Writers take the lock up front (no deadlock-prone read-to-write upgrade); read()
+        # transactions begin deferred: a WAL snapshot that never waits for writers.
+        read_only = conn.get_execution_options().get(READ_ONLY, False)
+        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+
+# A SQLite claim read back as ONE row of columns (see SqlQueue._claim_sqlite, unpack_claim):
+# JSON arrays; floats as quote() text joined by commas (quote() round-trips a float exactly,
+# JSON's 15 digits would not); body lengths (null: the body row is missing); the bodies
+# concatenated. Every aggregate walks the same rows in the same order.
+_SQLITE_JSON_COLUMNS = (
+    "i.id",
+    "i.item_key",
+    "i.payload_format",
+    "i.dtype",
+    "i.shape",
+    "i.lane",
+    "i.tenant",
+    "i.priority",
+    "i.cost",
+    "i.attempts",
+    "i.max_attempts",
+    "length(p.payload)",
+)
+_CLAIMED_COLUMNS_SQL = (
+    "SELECT "
+    + ", ".join(f"json_group_array({c})" for c in _SQLITE_JSON_COLUMNS)
+    + ", group_concat(quote(i.enqueued_at)), group_concat(quote(i.deadline_at))"
+)
+_CLAIMED_FROM_SQL = (
+    " FROM batching_items i LEFT JOIN batching_payloads p ON p.id = i.id"
+    " WHERE i.lease_expires_at = :expires AND i.state = 1 AND i.lease_id = :lease"
+)
+CLAIMED = sa.text(
+    _CLAIMED_COLUMNS_SQL + ", CAST(group_concat(p.payload, '') AS BLOB)" + _CLAIMED_FROM_SQL
+)
+# Without the bodies, for a claim whose bodies add up to more than SQLite's longest blob.
+CLAIMED_NO_BODIES = sa.text(_CLAIMED_COLUMNS_SQL + _CLAIMED_FROM_SQL)
+
+
+def unpack_claim(queue: str, row: Sequence[Any]) -> tuple[list[Any], dict[int, bytes]]:
+    """A row of ``CLAIMED`` as claimed rows (``_CLAIM_COLUMNS`` order) and bodies by
+    id, a column at a time in C (JSON arrays, ``float`` over split text) and one ``zip``. A
+    row of ``CLAIMED_NO_BODIES`` gives the rows and no bodies."""
+    ids, keys, fmts, dtypes, shapes, lanes, tenants, prios, costs, atts, maxes, sizes = map(
+        _loads, row[:12]
+    )
+    if not ids:
+        return [], {}
+    enqueued = list(map(float, row[12].split(",")))
+    deadlines = [None if d == "NULL" else float(d) for d in row[13].split(",")]
+    by_deadline = [schema.NO_DEADLINE if d is None else d for d in deadlines]
+    rows = list(
+        zip(
+            ids,
+            keys,
+            fmts,
+            dtypes,
+            shapes,
+            enqueued,
+            itertools.repeat(queue),
+            lanes,
+            tenants,
+            prios,
+            costs,
+            deadlines,
+            atts,
+            maxes,
+            by_deadline,
+            strict=False,
+        )
+    )
+    bodies: dict[int, bytes] = {}
+    if len(row) > 14:
+        data, at = row[14] or b"", 0
+        for id_, size in zip(ids, sizes, strict=True):
+            if size is not None:
+                bodies[id_] = data[at : at + size]
+                at += size
+    return rows, bodies
