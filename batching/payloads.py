@@ -1,30 +1,23 @@
-"""Payload decoding: JSON or binary-tensor request bodies into numpy arrays, numpy only.
+"""Payload decoding: JSON or binary-tensor request bodies into numpy arrays (numpy, orjson).
 
 Each function returns what it decoded plus a reason for every payload it could not decode, so a
-bad payload fails alone. No per-value Python loops: JSON documents are parsed with orjson (when
-installed) and converted a block at a time; tensor bytes are joined and viewed with one
-``frombuffer`` per dtype.
+bad payload fails alone. No per-value Python loops: JSON documents are parsed with orjson and
+converted a block at a time; tensor bytes are joined and viewed with one ``frombuffer`` per
+dtype.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import orjson
 
 from batching import errors, models
-
-try:
-    import orjson
-
-    _loads: Callable[[bytes], Any] = orjson.loads
-except ImportError:  # pragma: no cover - orjson ships with prefect; json is the fallback
-    _loads = json.loads
 
 FloatArray = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.int64]
@@ -134,7 +127,7 @@ def token_range_error(seq: IntArray, vocab_size: int | None) -> str | None:
 
 def _json_field(data: bytes, key: str) -> tuple[object, str | None]:
     try:
-        doc = _loads(data)
+        doc = orjson.loads(data)
     except ValueError as exc:
         return None, f"payload is not valid JSON ({errors.one_line(exc, 120)})"
     if not isinstance(doc, dict) or key not in doc:

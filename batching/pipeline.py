@@ -271,12 +271,9 @@ class Scorer:
         claimer.daemon = True
         claimer.start()
         try:
-            self._dispatch_loop()
-        except BaseException as exc:  # a failed decode, Ctrl-C: stop every stage, then raise
-            if self._error is None:
-                self._error = exc
-            self._stop.set()
-            raise
+            # Guarded like every stage: a failed decode or Ctrl-C stops the claim thread too,
+            # and run() raises it once everything is released.
+            self._guard(self._dispatch_loop)
         finally:
             self._claim_wanted.set()
             claimer.join()

@@ -7,8 +7,9 @@ and a write with a stale lease changes nothing and reports 0 rows.
 SQLite: WAL, ``synchronous=NORMAL``, ``busy_timeout``; write transactions start with
 ``BEGIN IMMEDIATE`` (a deferred transaction that upgrades to a write ignores the busy timeout),
 ``read()`` transactions deferred; engine set-up, the writer lock and the claim's one-row
-read-back live in :mod:`batching.sqlite`. PostgreSQL: claims lock candidates in a ``MATERIALIZED`` CTE with ``FOR NO KEY UPDATE SKIP
-LOCKED``; enqueue sends one ``NOTIFY`` per batch and :class:`Waiter` listens, polling as a backstop.
+read-back live in :mod:`batching.sqlite`. PostgreSQL: claims lock candidates in a
+``MATERIALIZED`` CTE with ``FOR NO KEY UPDATE SKIP LOCKED``; enqueue sends one ``NOTIFY`` per
+batch and :class:`Waiter` listens, polling as a backstop.
 """
 
 from __future__ import annotations
@@ -166,8 +167,9 @@ class SqlQueue:
     def begin(self) -> Iterator[Connection]:
         """A write transaction (SQLite: BEGIN IMMEDIATE); errors become ``QueueError``.
 
-        SQLite allows one writer: threads of this process take a Python lock first, so they
-        queue without SQLite's sleep-and-retry busy handler (other processes still use it).
+        SQLite allows one writer: writers take :func:`batching.sqlite.writer_lock` first (a
+        thread lock, then a file lock shared with other processes), so they queue without
+        SQLite's sleep-and-retry busy handler.
         """
         lock = sqlite.writer_lock(self.engine)
         with lock, translate_errors(self._url), self.engine.begin() as conn:
@@ -338,11 +340,11 @@ class SqlQueue:
                 " lease_id = :lease, leased_by = :worker, lease_expires_at = :expires"
                 f" FROM {source} WHERE q.id = {source}.id AND q.state = 0 RETURNING {cols}"
             )
+        # SQLite returns nothing here: the claimed rows are read back as one row (_claim_sqlite).
         ids = f"SELECT id FROM ({cand})" if max_cost is None else f"WITH cand AS ({cand}) {picked}"
         return (
             "UPDATE batching_items SET state = 1, attempts = attempts + 1, lease_id = :lease,"
             f" leased_by = :worker, lease_expires_at = :expires WHERE id IN ({ids})"
-            f" RETURNING {', '.join(_CLAIM_COLUMNS)}"
         )
 
     def _claim_returning(
@@ -372,7 +374,7 @@ class SqlQueue:
         """
         with self.begin() as conn:
             self._expire_overdue(conn, now)
-            claimed = conn.execute(sa.text(sql[: sql.index(" RETURNING ")]), params).rowcount
+            claimed = conn.execute(sa.text(sql), params).rowcount
         if not claimed:
             return [], {}
         try:

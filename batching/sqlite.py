@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+import orjson
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
@@ -32,18 +32,11 @@ try:
     import fcntl
 except ImportError:  # pragma: no cover - not on Windows: writers queue in SQLite's busy handler
     fcntl = None  # type: ignore[assignment]
-try:
-    import orjson
-
-    _loads: Callable[[str], Any] = orjson.loads
-except ImportError:  # pragma: no cover - orjson ships with prefect; json is the fallback
-    _loads = json.loads
 
 logger = logging.getLogger(__name__)
 
 READ_ONLY = "batching_read_only"  # execution option set by SqlQueue.read()
-_WRITER_LOCKS: dict[str, _WriterLock] = {}
-_BUSY_TIMEOUT_S: dict[str, float] = {}  # by engine URL: how long a writer waits for the lock
+_WRITER_LOCKS: dict[str, _WriterLock] = {}  # by engine URL
 _LOCKS_GUARD = threading.Lock()
 
 
@@ -154,6 +147,11 @@ def writer_lock(engine: Engine) -> contextlib.AbstractContextManager[Any]:
     """
     if engine.dialect.name != "sqlite":
         return contextlib.nullcontext()
+    return _lock_for(engine, 30.0)
+
+
+def _lock_for(engine: Engine, wait_s: float) -> _WriterLock:
+    """The engine's file lock; the first engine on a file sets how long writers wait for it."""
     key = str(engine.url)
     with _LOCKS_GUARD:
         lock = _WRITER_LOCKS.get(key)
@@ -161,7 +159,6 @@ def writer_lock(engine: Engine) -> contextlib.AbstractContextManager[Any]:
             database = engine.url.database
             on_disk = database not in (None, "", ":memory:") and "mode=memory" not in key
             path = f"{database}.writer-lock" if on_disk else None
-            wait_s = _BUSY_TIMEOUT_S.get(key, 30.0)
             lock = _WRITER_LOCKS[key] = _WriterLock(path, wait_s)
         return lock
 
@@ -169,7 +166,7 @@ def writer_lock(engine: Engine) -> contextlib.AbstractContextManager[Any]:
 def configure(engine: Engine, busy_timeout_ms: int) -> None:
     """Set up a SQLite engine: pragmas on connect, ``BEGIN IMMEDIATE`` or deferred on begin,
     and the busy timeout as the longest wait for the writer lock file."""
-    _BUSY_TIMEOUT_S.setdefault(str(engine.url), busy_timeout_ms / 1000)
+    _lock_for(engine, busy_timeout_ms / 1000)
 
     @event.listens_for(engine, "connect")
     def _connect(dbapi_conn: Any, _record: Any) -> None:
@@ -227,7 +224,7 @@ def unpack_claim(queue: str, row: Sequence[Any]) -> tuple[list[Any], dict[int, b
     id, a column at a time in C (JSON arrays, ``float`` over split text) and one ``zip``. A
     row of ``CLAIMED_NO_BODIES`` gives the rows and no bodies."""
     ids, keys, fmts, dtypes, shapes, lanes, tenants, prios, costs, atts, maxes, sizes = map(
-        _loads, row[:12]
+        orjson.loads, row[:12]
     )
     if not ids:
         return [], {}
@@ -242,7 +239,7 @@ def unpack_claim(queue: str, row: Sequence[Any]) -> tuple[list[Any], dict[int, b
             dtypes,
             shapes,
             enqueued,
-            itertools.repeat(queue),
+            itertools.repeat(queue, len(ids)),
             lanes,
             tenants,
             prios,
@@ -251,7 +248,7 @@ def unpack_claim(queue: str, row: Sequence[Any]) -> tuple[list[Any], dict[int, b
             atts,
             maxes,
             by_deadline,
-            strict=False,
+            strict=True,
         )
     )
     bodies: dict[int, bytes] = {}
