@@ -166,6 +166,7 @@ class ScoreOutcome:
     events_path: Path | None
     lineage_failures: int = 0
     recovered: dict[str, Any] = field(default_factory=dict)
+    stats: pipeline.RunStats | None = None  # the raw counters behind ``summary``
 
 
 def run_score(
@@ -249,7 +250,13 @@ def run_score(
     queue.engine.dispose()
     summary["lineage_failures"] = emitter.failures
     return ScoreOutcome(
-        run_id, summary, str(res.output), emitter.events_path, emitter.failures, _as_dict(recovered)
+        run_id,
+        summary,
+        str(res.output),
+        emitter.events_path,
+        emitter.failures,
+        _as_dict(recovered),
+        stats,
     )
 
 

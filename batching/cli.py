@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from batching import errors
+from batching.logs import configure_logging
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -48,8 +49,6 @@ DbOption = Annotated[
 ]
 QueueOption = Annotated[str, typer.Option("--queue", "-q", help="Queue name.")]
 
-_USAGE = (errors.ConfigError, errors.InputError, errors.CheckpointError, errors.PolicyError)
-
 
 def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
     """Print a ``BatchingError`` as one line and exit 2 (bad input) or 1 (failure)."""
@@ -58,7 +57,7 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
-        except _USAGE as exc:
+        except errors.USAGE_ERRORS as exc:
             err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except errors.BatchingError as exc:
@@ -219,35 +218,11 @@ def parse_duration(text: str, name: str) -> float:
     return value * units[unit]
 
 
-class _OneLine(logging.Formatter):
-    """Library warnings on stderr as one line each: no tracebacks for a user to wade through."""
-
-    def formatException(self, ei: Any) -> str:
-        return ""
-
-    def format(self, record: logging.LogRecord) -> str:
-        record.exc_text = ""
-        text = super().format(record)
-        if record.exc_info and record.exc_info[1] is not None:
-            text += f" ({record.exc_info[1]})"
-        return text.rstrip()
-
-
-def _configure_logging() -> None:
-    level = logging.DEBUG if os.environ.get("BATCHING_DEBUG") else logging.WARNING
-    handler = logging.StreamHandler()
-    handler.setFormatter(_OneLine("%(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("batching")
-    root.addHandler(handler)
-    root.setLevel(level)
-    root.propagate = False
-
-
 def main() -> None:
     """Console-script entry point."""
     from batching import cli, cli_ops, cli_score  # noqa: F401  (register their commands)
 
-    _configure_logging()
+    configure_logging(logging.DEBUG if os.environ.get("BATCHING_DEBUG") else logging.WARNING)
     # ``cli.app``, not ``app``: under ``python -m batching.cli`` this module is ``__main__`` and
     # the other command modules register on the imported ``batching.cli``.
     cli.app()

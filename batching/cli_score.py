@@ -69,6 +69,14 @@ def score(
         ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Scorer processes to run side by side (each its own run; torch threads are "
+            "split between them). --max-items is shared out between them.",
+        ),
+    ] = 1,
 ) -> None:
     """Claim, batch, score and commit items from the config's queue.
 
@@ -95,13 +103,21 @@ def score(
     )
     task = progress.add_task("score", total=None, rate="")
 
-    def on_progress(stats: pipeline.RunStats) -> None:
+    def show(committed: int, failed: int, claimed: int) -> None:
         progress.update(
             task,
-            completed=stats.committed + stats.failed,
-            total=max_items or stats.claimed or None,
-            rate=f"{stats.committed} committed",
+            completed=committed + failed,
+            total=max_items or claimed or None,
+            rate=f"{committed} committed",
         )
+
+    if workers > 1:
+        with progress:
+            _score_workers(cfg, workers, db_url=db, output=output, limits=limits, on_progress=show)
+        return
+
+    def on_progress(stats: pipeline.RunStats) -> None:
+        show(stats.committed, stats.failed, stats.claimed)
 
     def on_scorer(scorer: pipeline.Scorer) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -124,6 +140,27 @@ def score(
         err.print(
             f"warning: {outcome.lineage_failures} lineage event(s) not delivered (run not affected)"
         )
+
+
+def _score_workers(cfg: Any, n: int, **kwargs: Any) -> None:
+    from batching.workers import run_workers
+
+    outcome = run_workers(cfg, n, **kwargs)
+    stats = outcome.stats()
+    done = [r for r in outcome.reports if r.run_id]
+    if stats is not None:
+        out.print(summary_table(stats.summary(), f"{len(done)} of {len(outcome.reports)} workers"))
+        out.print(f"runs: {', '.join(str(r.run_id) for r in done)}")
+        out.print(f"outputs: {done[0].output}")
+        if done[0].events_path:
+            out.print(f"lineage: {done[0].events_path}")
+    lost = sum(r.lineage_failures for r in done)
+    if lost:
+        err.print(f"warning: {lost} lineage event(s) not delivered (runs not affected)")
+    for message in outcome.errors():
+        err.print(f"[red]error:[/red] {message}", markup=True, highlight=False, soft_wrap=True)
+    if outcome.exit_code:
+        raise typer.Exit(outcome.exit_code)
 
 
 @app.command()

@@ -58,6 +58,15 @@ class PolicyError(BatchingError):
     """The batching policy breaks the latency objective or the device budget."""
 
 
+# Bad input rather than a failure: the CLI exits 2 for these, 1 for every other BatchingError.
+USAGE_ERRORS: tuple[type[BatchingError], ...] = (
+    ConfigError,
+    InputError,
+    CheckpointError,
+    PolicyError,
+)
+
+
 def one_line(exc: BaseException, limit: int = 300) -> str:
     """``Type: message`` on one line (whitespace collapsed), cut to ``limit`` characters."""
     text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"

@@ -29,7 +29,7 @@ import queue as stdqueue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -82,6 +82,23 @@ class _LeasePart:
     failures: dict[int, str] = field(default_factory=dict)
 
 
+# RunStats fields that add up across scorers (RunStats.merged).
+_ADDITIVE = (
+    "committed",
+    "failed",
+    "released",
+    "lease_lost",
+    "claimed",
+    "commits",
+    "batch_sizes",
+    "latencies_s",
+    "service_s",
+    "real_tokens",
+    "padded_tokens",
+    "bytes_written",
+)
+
+
 @dataclass
 class RunStats:
     """Counters and samples of one run; ``summary()`` turns them into the closing table."""
@@ -104,6 +121,23 @@ class RunStats:
         default_factory=lambda: dict.fromkeys(("claim", "decode", "forward", "commit"), 0.0)
     )
     finished_at: float | None = None
+
+    @classmethod
+    def merged(cls, parts: Sequence[RunStats]) -> RunStats:
+        """One run's worth of counters from several scorers' (``score --workers``): counts and
+        samples add up, and the run spans the first start to the last finish."""
+        if not parts:
+            raise ValueError("nothing to merge")
+        total = cls(started_at=min(p.started_at for p in parts))
+        for p in parts:
+            for name in _ADDITIVE:
+                setattr(total, name, getattr(total, name) + getattr(p, name))
+            total.reasons.update(p.reasons)
+            for stage, seconds in p.stage_s.items():
+                total.stage_s[stage] = total.stage_s.get(stage, 0.0) + seconds
+        ends = [p.finished_at for p in parts]
+        total.finished_at = None if None in ends else max(e for e in ends if e is not None)
+        return total
 
     def summary(self) -> dict[str, Any]:
         """The run summary: items, batches, batch sizes, padding efficiency, latency, items/s."""

@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing as mp
-import os
 import random
 import statistics
 import tempfile
@@ -36,6 +34,7 @@ import torch
 from batching import app, ingest, models, pipeline, workloads, zoo
 from batching.config import load_config
 from batching.queue import normalize_url
+from batching.workers import run_workers
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deployments"
 RESULTS: dict[str, Any] = {}
@@ -140,29 +139,17 @@ def w1(tmp: Path, n: int) -> None:
     }
 
 
-def _scorer(cfg: Any, threads: int, out: Any) -> None:
-    torch.set_num_threads(threads)
-    logging.basicConfig(level=logging.ERROR)
-    s = app.run_score(cfg, limits=pipeline.RunLimits(until_empty=True)).summary
-    end = time.time()
-    out.put((s["items_committed"], end - s["elapsed_s"], end))
-
-
 def scorer_processes(cfg: Any, n: int, k: int) -> float:
-    """Rows/s of ``k`` scorer processes draining ``cfg``'s queue (torch threads = cores / k),
-    from the first scorer's start to the last one's end (model loading excluded)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    threads = max(1, (os.cpu_count() or 1) // k)
-    procs = [ctx.Process(target=_scorer, args=(cfg, threads, results)) for _ in range(k)]
-    for p in procs:
-        p.start()
-    got = [_result(results, procs) for _ in procs]
-    for p in procs:
-        p.join()
-    committed = sum(g[0] for g in got)
-    assert committed == n, (committed, n)
-    return n / (max(g[2] for g in got) - min(g[1] for g in got))
+    """Rows/s of ``k`` scorer processes (``batching score --workers k``, torch threads = cores
+    / k) draining ``cfg``'s queue, from the first scorer's start to the last one's end (model
+    loading excluded)."""
+    outcome = run_workers(cfg, k, limits=pipeline.RunLimits(until_empty=True))
+    if outcome.exit_code:
+        raise RuntimeError("; ".join(outcome.errors()))
+    stats = outcome.stats()
+    assert stats is not None
+    assert stats.committed == n, (stats.committed, n)
+    return float(stats.summary()["items_per_s"])
 
 
 def w1_sqlite_processes(tmp: Path, n: int, scorer_counts: tuple[int, ...] = (1, 2)) -> None:
@@ -202,19 +189,6 @@ def w1_pg(tmp: Path, n: int, admin_url: str, scorer_counts: tuple[int, ...] = (1
         enqueue(cfg, recs)
         out[f"scorers_{k}_rows_s"] = scorer_processes(cfg, n, k)
     RESULTS["w1_postgres"] = out
-
-
-def _result(results: Any, procs: list[Any]) -> Any:
-    """The next scorer's result; fails instead of waiting forever when a scorer died."""
-    import queue as stdqueue
-
-    while True:
-        try:
-            return results.get(timeout=5)
-        except stdqueue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"a scorer process exited with {dead[0]}") from None
 
 
 # -- W2 ------------------------------------------------------------------------------------

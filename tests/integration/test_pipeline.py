@@ -11,10 +11,9 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,6 @@ from tests import olspec
 from tests.conftest import REPO
 
 DEPLOYMENTS = REPO / "deployments"
-BATCHING = str(Path(sys.executable).with_name("batching"))
 W1_DIM = 64
 
 
@@ -386,29 +384,6 @@ def test_a_run_that_fails_as_scoring_starts_is_failed_in_lineage_and_the_run_led
 
 
 # ----------------------------------------------------------------------------- signals
-
-
-@pytest.fixture
-def score_process(sqlite_url: str, tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
-    """Starts `batching score` on a W1 queue as a real process; kills it if a test leaves it."""
-    procs: list[subprocess.Popen] = []
-
-    def start(config_path: Path) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [BATCHING, "score", "-c", str(config_path), "--db", sqlite_url, "--quiet"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=tmp_path,
-        )
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
 
 
 def wait_for_done(url: str, at_least: int, proc: subprocess.Popen, timeout_s: float = 60) -> int:

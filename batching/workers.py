@@ -1,0 +1,314 @@
+"""Several scorer processes on one machine: ``batching score --workers N``.
+
+One scorer process is bounded by the GIL: its claim, decode, forward and commit stages are
+threads, and only one of them runs Python at a time. Processes do not share a GIL, so N
+workers use N cores for that Python work (W1 on the 2-core benchmark host: 66k against 53k
+rows/s with two). Each worker is a whole, independent scoring run (``app.run_score``): its
+own run id, run-ledger row, lineage events, leases and recovery. Claims never overlap (one
+lease per claim), so nothing here coordinates the work; the parent only starts the workers,
+forwards SIGTERM/SIGINT, adds up their progress and reports what each did.
+
+Workers are *spawned* (a fresh interpreter each), never forked: a forked child would inherit
+the parent's threads' locks and torch's thread pool half-initialised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import queue as stdqueue
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from batching import errors
+from batching.config import PipelineConfig
+from batching.logs import configure_logging
+from batching.pipeline import RunLimits, RunStats, Scorer
+
+logger = logging.getLogger(__name__)
+
+# (committed, failed, claimed) summed over the workers, after any worker's group commit.
+WorkersProgress = Callable[[int, int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """What one worker did, or why it failed (``error``, one line; ``exit_code`` 1 or 2)."""
+
+    index: int
+    run_id: str | None = None
+    stats: RunStats | None = None
+    output: str | None = None
+    events_path: str | None = None
+    lineage_failures: int = 0
+    error: str | None = None
+    exit_code: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersOutcome:
+    """Every worker's report, in worker order."""
+
+    reports: list[WorkerReport] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[WorkerReport]:
+        return [r for r in self.reports if r.error is not None]
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every worker finished; else the worst worker's code (2 bad input, 1 failed)."""
+        return max((r.exit_code for r in self.reports), default=0)
+
+    def stats(self) -> RunStats | None:
+        """The finished workers' counters as one run (None when none finished)."""
+        parts = [r.stats for r in self.reports if r.stats is not None]
+        return RunStats.merged(parts) if parts else None
+
+    def errors(self) -> list[str]:
+        """Each distinct failure once, naming the workers it stopped."""
+        by_message: dict[str, list[int]] = {}
+        for r in self.failed:
+            by_message.setdefault(r.error or "", []).append(r.index)
+        return [
+            f"worker{'s' if len(ix) > 1 else ''} {', '.join(map(str, ix))}: {msg}"
+            for msg, ix in by_message.items()
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    config: PipelineConfig
+    db_url: str | None
+    output: str | None
+    limits: RunLimits
+    threads: int
+    log_level: int
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def share_limits(limits: RunLimits, n: int) -> list[RunLimits]:
+    """Each worker's limits: ``max_items`` split as evenly as it goes (a worker whose share is
+    0 is not started, so there may be fewer than ``n``); the other limits apply to each."""
+    if n < 1:
+        raise errors.ConfigError(f"--workers must be at least 1, got {n}")
+    if limits.max_items is None:
+        return [limits] * n
+    base, extra = divmod(limits.max_items, n)
+    shares = [base + (1 if i < extra else 0) for i in range(n)]
+    return [replace(limits, max_items=s) for s in shares if s > 0]
+
+
+def run_workers(
+    config: PipelineConfig,
+    n: int,
+    *,
+    db_url: str | None = None,
+    output: str | None = None,
+    limits: RunLimits | None = None,
+    threads: int | None = None,
+    on_progress: WorkersProgress | None = None,
+    poll_s: float = 0.2,
+) -> WorkersOutcome:
+    """Run ``n`` scoring runs in ``n`` spawned processes and wait for all of them.
+
+    Args:
+        config, db_url, output: as for ``app.run_score``; every worker gets the same.
+        limits: see :func:`share_limits`.
+        threads: torch CPU threads per worker; default: available cores // n, at least 1.
+        on_progress: summed counts, called from this thread.
+        poll_s: how often a silent worker is checked for having died.
+
+    SIGTERM and SIGINT received here stop every worker (see ``_StopRequests``): each
+    stops claiming, finishes its batches in flight and releases the rest. A
+    worker that dies without reporting (killed, out of memory) is reported as failed; the
+    items it had leased return to the queue when their lease expires.
+    """
+    shares = share_limits(limits or RunLimits(), n)
+    per_worker = threads or max(1, available_cores() // len(shares))
+    log_level = logging.getLogger("batching").getEffectiveLevel()  # the same as here
+    ctx = mp.get_context("spawn")
+    messages = ctx.Queue()
+    stops = _StopRequests(ctx)
+    procs = [
+        ctx.Process(
+            target=_work,
+            args=(
+                i,
+                _Job(config, db_url, output, share, per_worker, log_level),
+                messages,
+                stops.event,
+            ),
+            name=f"batching-worker-{i}",
+        )
+        for i, share in enumerate(shares)
+    ]
+    reports: dict[int, WorkerReport] = {}
+    counts: dict[int, tuple[int, int, int]] = {}
+    try:
+        with stops.starting():
+            for p in procs:
+                p.start()
+        while len(reports) < len(procs):
+            try:
+                kind, index, body = messages.get(timeout=poll_s)
+            except stdqueue.Empty:
+                stops.forward()
+                reports.update(_silent_deaths(procs, reports))
+                continue
+            stops.forward()
+            if kind == "progress":
+                counts[index] = body
+                if on_progress is not None:
+                    on_progress(*(sum(c[k] for c in counts.values()) for k in range(3)))
+            else:
+                reports[index] = body
+    finally:
+        stops.restore()
+        for p in procs:
+            p.join()
+    return WorkersOutcome([reports[i] for i in range(len(procs))])
+
+
+def _silent_deaths(
+    procs: Sequence[Any], reports: dict[int, WorkerReport]
+) -> dict[int, WorkerReport]:
+    # A worker flushes its report into the pipe before it exits, and the queue was empty just
+    # now: a dead worker without a report never sent one.
+    dead: dict[int, WorkerReport] = {}
+    for i, p in enumerate(procs):
+        if i in reports or p.exitcode is None:
+            continue
+        how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited {p.exitcode}"
+        dead[i] = WorkerReport(
+            i,
+            error=f"the worker process {how} before reporting; items it had leased return to "
+            "the queue when their lease expires (queue.lease_s)",
+            exit_code=1,
+        )
+    return dead
+
+
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
+class _StopRequests:
+    """SIGTERM/SIGINT to this process, passed to the workers as one shared event.
+
+    A worker spends seconds importing torch before its own handlers exist; a signal's default
+    action would kill it then, mid-start. So workers are started with both signals ignored
+    and blocked here: a spawned process inherits ignored signals (never handlers), and,
+    depending on how the interpreter starts it, the signal mask too. Either way a worker
+    survives a stop signal while it starts: a blocked one waits (Linux never discards a
+    blocked signal) for the handler it installs before unblocking; an ignored one is lost,
+    but the event, which the worker watches, carries this process's. Here too the signals
+    wait, blocked, for the handler installed right after the start. Only the main thread
+    can set handlers; elsewhere workers stop on the event alone.
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        self.event = ctx.Event()
+        self._asked = threading.Event()
+        self._old: dict[signal.Signals, Any] = {}
+        self._main = threading.current_thread() is threading.main_thread()
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """Around starting the workers; afterwards, SIGTERM/SIGINT ask them to stop."""
+        if not self._main:
+            yield
+            return
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            self._old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
+            yield
+        finally:
+            for sig in _STOP_SIGNALS:
+                signal.signal(sig, self._on_signal)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    def _on_signal(self, _signum: int, _frame: Any) -> None:
+        self._asked.set()  # the event itself takes a lock: set it outside the handler
+
+    def forward(self) -> None:
+        if self._asked.is_set() and not self.event.is_set():
+            self.event.set()
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+def _work(index: int, job: _Job, messages: Any, stop_event: Any) -> None:
+    """A worker process: one whole scoring run, reported back over ``messages``."""
+    import torch
+
+    from batching import app
+
+    stop = threading.Event()
+    scorers: list[Scorer] = []
+
+    def request_stop(*_: Any) -> None:
+        stop.set()
+        for s in list(scorers):
+            s.stop()
+
+    for sig in _STOP_SIGNALS:  # ignored, and maybe blocked, until now (see _StopRequests)
+        signal.signal(sig, request_stop)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+    def watch() -> None:
+        stop_event.wait()
+        request_stop()
+
+    threading.Thread(target=watch, name="stop-watch", daemon=True).start()
+    configure_logging(job.log_level)  # a spawned interpreter starts with none
+    torch.set_num_threads(job.threads)
+
+    def on_scorer(scorer: Scorer) -> None:
+        scorers.append(scorer)
+        if stop.is_set():  # stopped while the model was loading
+            scorer.stop()
+
+    def on_progress(stats: RunStats) -> None:
+        messages.put(("progress", index, (stats.committed, stats.failed, stats.claimed)))
+
+    try:
+        outcome = app.run_score(
+            job.config,
+            db_url=job.db_url,
+            output=job.output,
+            limits=job.limits,
+            on_progress=on_progress,
+            on_scorer=on_scorer,
+        )
+    except errors.BatchingError as exc:
+        code = 2 if isinstance(exc, errors.USAGE_ERRORS) else 1
+        messages.put(("report", index, WorkerReport(index, error=str(exc), exit_code=code)))
+        return
+    except BaseException as exc:  # not ours: one line to the parent, the traceback to the log
+        logger.exception("worker %d failed", index)
+        report = WorkerReport(index, error=f"{type(exc).__name__}: {exc}", exit_code=1)
+        messages.put(("report", index, report))
+        return
+    report = WorkerReport(
+        index,
+        run_id=outcome.run_id,
+        stats=outcome.stats,
+        output=outcome.output,
+        events_path=str(outcome.events_path) if outcome.events_path else None,
+        lineage_failures=outcome.lineage_failures,
+    )
+    messages.put(("report", index, report))

@@ -1,0 +1,190 @@
+"""``batching score --workers N`` for real: spawned scorer processes on one queue, real torch,
+Parquet read back; signals and a killed worker lose nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from batching import config as cfg
+from batching import models, schema
+from batching import queue as q
+from batching.workers import run_workers
+from tests.conftest import wait_for
+from tests.integration.conftest import ScoreProcess
+from tests.integration.test_pipeline import (
+    SLOW,
+    assert_done_once,
+    enqueue,
+    items,
+    load,
+    open_queue,
+    reconcile,
+    score,
+    w1_records,
+    wait_for_done,
+    write_config,
+)
+
+N = 3000
+WORKERS = ("--workers", "2")
+KEYS = {f"w1-{i}" for i in range(N)}
+
+
+def runs(url: str) -> list[str]:
+    engine = q.create_engine(url)
+    with engine.connect() as conn:
+        states = list(conn.execute(sa.select(schema.runs.c.state)).scalars())
+    engine.dispose()
+    return states
+
+
+def test_two_workers_commit_every_item_exactly_once(db_url: str, tmp_path: Path) -> None:
+    config = load("tabular.yaml", tmp_path, batching=SLOW)
+    enqueue(db_url, config, w1_records(N, tmp_path))
+    root = tmp_path / "outputs"
+    seen: list[int] = []
+
+    outcome = run_workers(
+        config, 2, db_url=db_url, output=str(root), on_progress=lambda c, f, n: seen.append(c)
+    )
+
+    assert outcome.exit_code == 0, outcome.errors()
+    assert len({r.run_id for r in outcome.reports}) == 2
+    total = outcome.stats()
+    assert total is not None
+    assert total.committed == N
+    assert sum(r.stats.committed for r in outcome.reports if r.stats) == N
+    assert_done_once(db_url, root, KEYS)
+    assert runs(db_url) == ["completed", "completed"]
+    assert seen == sorted(seen), "progress went backwards"
+    assert seen[-1] == N, "progress is not the summed count"
+    assert reconcile(config, db_url, root).clean
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The spawned scorer processes of ``parent`` (not multiprocessing's resource tracker)."""
+    pids = []
+    for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmdline:
+            pids.append(int(child))
+    return pids
+
+
+@pytest.mark.slow
+def test_max_items_is_shared_between_the_workers(
+    sqlite_url: str, tmp_path: Path, score_process: ScoreProcess
+) -> None:
+    path = write_config("tabular.yaml", tmp_path, batching=SLOW)
+    enqueue(sqlite_url, cfg.load_config(path), w1_records(50, tmp_path))
+    proc = score_process(path, *WORKERS, "--max-items", "5")
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "2 of 2 workers" in stdout
+    states = Counter(r.state for r in items(sqlite_url).values())
+    assert states[models.State.DONE] == 5
+    assert states[models.State.LEASED] == 0
+
+
+@pytest.mark.slow
+def test_a_bad_checkpoint_fails_every_worker_in_one_line_with_exit_2(
+    sqlite_url: str, tmp_path: Path, score_process: ScoreProcess
+) -> None:
+    path = write_config("tabular.yaml", tmp_path, model={"sha256": "0" * 64})
+    enqueue(sqlite_url, cfg.load_config(path), w1_records(10, tmp_path))
+    proc = score_process(path, *WORKERS)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in stderr
+    lines = [line for line in stderr.splitlines() if "error" in line]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: workers 0, 1:")
+    assert "sha256" in lines[0]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_parent_stops_every_worker_and_loses_nothing(
+    sqlite_url: str, tmp_path: Path, score_process: ScoreProcess
+) -> None:
+    path = write_config("tabular.yaml", tmp_path, batching=SLOW)
+    config = cfg.load_config(path)
+    enqueue(sqlite_url, config, w1_records(N, tmp_path))
+    proc = score_process(path, *WORKERS)
+    wait_for(lambda: len(worker_pids(proc.pid)) == 2, 60, "two worker processes")
+    wait_for_done(sqlite_url, 200, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert "2 of 2 workers" in stdout
+
+    states = Counter(r.state for r in items(sqlite_url).values())
+    assert states[models.State.LEASED] == 0, "a clean stop left leased items"
+    assert states[models.State.READY] > 0, "the run finished before SIGTERM; nothing tested"
+    assert states[models.State.DONE] + states[models.State.READY] == N
+
+    root = tmp_path / "outputs"
+    score(config, sqlite_url, root)
+    assert_done_once(sqlite_url, root, KEYS)
+    assert reconcile(config, sqlite_url, root).clean
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_group_while_workers_start_stops_them_cleanly(
+    sqlite_url: str, tmp_path: Path, score_process: ScoreProcess
+) -> None:
+    # As a supervisor stopping a whole process group would: the workers get SIGTERM while
+    # still importing torch, before they have handlers of their own.
+    path = write_config("tabular.yaml", tmp_path, batching=SLOW)
+    enqueue(sqlite_url, cfg.load_config(path), w1_records(N, tmp_path))
+    proc = score_process(path, *WORKERS)
+    wait_for(lambda: len(worker_pids(proc.pid)) == 2, 60, "two worker processes")
+    os.killpg(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert "2 of 2 workers" in stdout
+    states = Counter(r.state for r in items(sqlite_url).values())
+    assert states[models.State.LEASED] == 0
+    assert states[models.State.READY] > 0, "the workers ran to the end; the signal was lost"
+    assert states[models.State.DONE] + states[models.State.READY] == N
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_reported_and_its_items_are_scored_after_the_lease(
+    sqlite_url: str, tmp_path: Path, score_process: ScoreProcess
+) -> None:
+    lease_s = 1.5
+    path = write_config(
+        "tabular.yaml", tmp_path, batching=SLOW, queue={"name": "tabular", "lease_s": lease_s}
+    )
+    config = cfg.load_config(path)
+    enqueue(sqlite_url, config, w1_records(N, tmp_path))
+    proc = score_process(path, *WORKERS)
+    wait_for(lambda: len(worker_pids(proc.pid)) == 2, 60, "two worker processes")
+    wait_for_done(sqlite_url, 200, proc)
+    os.kill(worker_pids(proc.pid)[0], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr
+    assert "was killed by signal 9" in stderr
+    assert "lease expires" in stderr
+    assert "1 of 2 workers" in stdout, "the surviving worker's run is not summed up"
+
+    queue = open_queue(sqlite_url, config)
+    time.sleep(lease_s + 0.2)  # the dead worker's leases run out in real time
+    queue.release_expired()
+    queue.engine.dispose()
+    root = tmp_path / "outputs"
+    score(config, sqlite_url, root)
+    assert_done_once(sqlite_url, root, KEYS)
+    assert reconcile(config, sqlite_url, root).clean

@@ -1,0 +1,109 @@
+"""``score --workers``: sharing out limits, merging the workers' counters, reporting failures."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from batching import errors
+from batching.pipeline import RunLimits, RunStats
+from batching.workers import WorkerReport, WorkersOutcome, share_limits
+
+
+@pytest.mark.parametrize(
+    ("max_items", "n", "shares"),
+    [
+        (10, 2, [5, 5]),
+        (11, 3, [4, 4, 3]),
+        (3, 5, [1, 1, 1]),  # fewer items than workers: only 3 start
+        (1, 1, [1]),
+    ],
+)
+def test_max_items_is_shared_out_and_adds_up(max_items: int, n: int, shares: list[int]) -> None:
+    limits = RunLimits(until_empty=False, max_items=max_items, max_seconds=5.0)
+    got = share_limits(limits, n)
+    assert [g.max_items for g in got] == shares
+    assert {(g.until_empty, g.max_seconds) for g in got} == {(False, 5.0)}
+
+
+def test_without_max_items_every_worker_gets_the_same_limits() -> None:
+    limits = RunLimits(until_empty=True, max_seconds=9.0)
+    assert share_limits(limits, 3) == [limits] * 3
+
+
+def test_zero_workers_is_a_config_error() -> None:
+    with pytest.raises(errors.ConfigError, match="--workers"):
+        share_limits(RunLimits(), 0)
+
+
+def stats(start: float, end: float | None, **fields: object) -> RunStats:
+    s = RunStats(started_at=start, finished_at=end)
+    for name, value in fields.items():
+        setattr(s, name, value)
+    return s
+
+
+def test_merged_counters_add_up_and_the_run_spans_first_start_to_last_finish() -> None:
+    a = stats(
+        10.0,
+        12.0,
+        committed=3,
+        failed=1,
+        claimed=4,
+        commits=1,
+        batch_sizes=[3],
+        latencies_s=[0.1, 0.2, 0.3],
+        real_tokens=5,
+        padded_tokens=6,
+        bytes_written=100,
+        reasons=Counter(size=1),
+    )
+    b = stats(
+        11.0,
+        14.0,
+        committed=2,
+        claimed=2,
+        commits=2,
+        batch_sizes=[1, 1],
+        reasons=Counter(size=1, wait=1),
+    )
+    b.stage_s["claim"] = 0.5
+    a.stage_s["claim"] = 0.25
+    total = RunStats.merged([a, b])
+    assert (total.committed, total.failed, total.claimed, total.commits) == (5, 1, 6, 3)
+    assert sorted(total.batch_sizes) == [1, 1, 3]
+    assert total.latencies_s == [0.1, 0.2, 0.3]
+    assert total.reasons == Counter(size=2, wait=1)
+    assert total.stage_s["claim"] == 0.75
+    assert (total.started_at, total.finished_at) == (10.0, 14.0)
+    assert total.summary()["items_per_s"] == pytest.approx(5 / 4.0)
+    assert (a.committed, b.committed) == (3, 2), "merging changed a part"
+
+
+def test_merged_run_is_unfinished_while_any_part_is() -> None:
+    assert RunStats.merged([stats(1.0, 2.0), stats(1.5, None)]).finished_at is None
+
+
+def test_failures_are_reported_once_per_message_and_the_worst_exit_code_wins() -> None:
+    outcome = WorkersOutcome(
+        [
+            WorkerReport(0, error="checkpoint sha256 mismatch", exit_code=2),
+            WorkerReport(1, run_id="r1", stats=stats(0.0, 1.0, committed=7)),
+            WorkerReport(2, error="checkpoint sha256 mismatch", exit_code=2),
+            WorkerReport(3, error="the worker process was killed by signal 9", exit_code=1),
+        ]
+    )
+    assert outcome.errors() == [
+        "workers 0, 2: checkpoint sha256 mismatch",
+        "worker 3: the worker process was killed by signal 9",
+    ]
+    assert outcome.exit_code == 2
+    merged = outcome.stats()
+    assert merged is not None
+    assert merged.committed == 7
+
+
+def test_all_finished_is_exit_0_and_no_report_is_no_stats() -> None:
+    assert WorkersOutcome([WorkerReport(0, run_id="r")]).exit_code == 0
+    assert WorkersOutcome([WorkerReport(0, error="x", exit_code=1)]).stats() is None
