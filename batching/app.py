@@ -190,6 +190,7 @@ def run_score(
         ConfigError: the lineage settings are invalid (nothing can be recorded).
     """
     res = resolve(config, db_url, output)
+    q.require_database(res.db_url)  # bad input: before anything is on record
     run_id = run_id or lineage.new_run_id()
     emitter = make_emitter(config, res, lineage_config)
     try:

@@ -47,7 +47,18 @@ DbOption = Annotated[
         show_default=True,
     ),
 ]
-QueueOption = Annotated[str, typer.Option("--queue", "-q", help="Queue name.")]
+
+
+def _queue_name(value: str) -> str:
+    # The same bounds as a config's queue.name: a queue no config can name is a typo.
+    if not 1 <= len(value) <= 200:
+        raise typer.BadParameter(f"must be 1 to 200 characters, got {len(value)}")
+    return value
+
+
+QueueOption = Annotated[
+    str, typer.Option("--queue", "-q", help="Queue name.", callback=_queue_name)
+]
 
 
 def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
@@ -67,10 +78,13 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-def open_queue(db: str, queue: str = "default", **kwargs: Any) -> Any:
-    """An ``SqlQueue`` for ``db`` (imports SQLAlchemy only when a command needs it)."""
+def open_queue(db: str, queue: str = "default", *, create: bool = False, **kwargs: Any) -> Any:
+    """An ``SqlQueue`` for ``db`` (imports SQLAlchemy only when a command needs it); the
+    SQLite file must exist unless ``create`` (``batching init``)."""
     from batching import queue as q
 
+    if not create:
+        q.require_database(db)
     return q.SqlQueue(q.create_engine(db), queue, **kwargs)
 
 
@@ -80,7 +94,7 @@ def init(db: DbOption = DEFAULT_DB) -> None:
     """Create or upgrade the queue schema (a second run changes nothing)."""
     from batching import queue as q
 
-    result = open_queue(db).migrate()
+    result = open_queue(db, create=True).migrate()
     where = q.redact(db)
     if result.applied:
         out.print(
@@ -132,6 +146,13 @@ def status(
     q = open_queue(db, queue)
     q.check_schema()
     stats = q.stats(all_queues=all_queues)
+    if not all_queues and not stats.groups:  # a typo would otherwise look like an idle queue
+        known = sorted({g.queue for g in q.stats(all_queues=True).groups})
+        err.print(
+            f"warning: queue {queue!r} has no items; queues in this database: "
+            f"{', '.join(known) or 'none'}",
+            highlight=False,
+        )
     if as_json:
         sys.stdout.write(json.dumps(asdict(stats), indent=2) + "\n")
         return

@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -33,6 +34,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from batching import errors, models, schema, sqlite
 from batching.protocols import Clock
+from batching.redaction import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +78,12 @@ def normalize_url(url: str) -> str:
 
 
 def redact(url: str) -> str:
-    """The URL with its password replaced by ``***`` (safe to log or print)."""
+    """The URL with its password replaced by ``***`` (safe to log or print), also when it
+    does not parse (a missing ``:``, a port that is not a number)."""
     try:
         return sa.make_url(url).render_as_string(hide_password=True)
-    except exc.ArgumentError:
-        return "<unparseable database URL>"
+    except (exc.ArgumentError, ValueError):
+        return redact_url(url)
 
 
 def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
@@ -91,11 +94,17 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
     """
     try:
         parsed = sa.make_url(normalize_url(url))
-    except exc.ArgumentError:
+    except (exc.ArgumentError, ValueError):  # ValueError: a port that is not a number
         raise errors.ConfigError(
-            f"database URL {url!r} is malformed; use sqlite:///FILE or postgresql://HOST/DB"
+            f"database URL {redact(url)!r} is malformed; use sqlite:///FILE or "
+            "postgresql://USER@HOST:PORT/DB"
         ) from None
     backend = parsed.get_backend_name()
+    if backend == "sqlite" and parsed.database in (None, "", ":memory:"):
+        raise errors.ConfigError(
+            f"database URL {redact_url(url)!r} names no file; the queue must outlive the process "
+            "and be shared by its connections: use sqlite:///FILE"
+        )
     if backend == "sqlite":
         engine = sa.create_engine(parsed, pool_size=4, max_overflow=8)
         sqlite.configure(engine, sqlite_busy_timeout_ms)
@@ -104,6 +113,28 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
         return sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
     raise errors.ConfigError(
         f"database {redact(url)} is not supported; use sqlite:///FILE or postgresql://HOST/DB"
+    )
+
+
+def require_database(url: str) -> None:
+    """Refuse a SQLite URL whose file is not there: opening it would create an empty database
+    (and leave it behind) only to fail its schema check. ``batching init`` creates it.
+
+    Raises:
+        ConfigError: the URL is malformed, or its SQLite file does not exist.
+    """
+    try:
+        parsed = sa.make_url(normalize_url(url))
+    except (exc.ArgumentError, ValueError):
+        create_engine(url)  # raises the malformed-URL message
+        return
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return
+    if parsed.query.get("mode") == "memory" or Path(parsed.database).exists():
+        return
+    raise errors.ConfigError(
+        f"no database at {Path(parsed.database).resolve()}: create it with `batching init "
+        f"--db {redact(url)}`, or fix the path (relative paths start from the current folder)"
     )
 
 

@@ -202,7 +202,11 @@ def test_a_parquet_file_without_payload_is_refused(tmp_path: Path) -> None:
     [
         ("nope://x", 2),
         ("not a url", 2),
-        ("sqlite:////nonexistent-dir/queue.db", 1),
+        ("sqlite:////nonexistent-dir/queue.db", 2),
+        ("postgresql://u@127.0.0.1:notaport/x", 2),  # SQLAlchemy: ValueError, not ArgumentError
+        ("postgresql://u@[::1/x", 2),
+        ("sqlite://", 2),  # no file: each connection would get its own empty memory database
+        ("sqlite:///:memory:", 2),
     ],
 )
 def test_a_bad_db_url_is_one_line(tmp_path: Path, url: str, code: int) -> None:
@@ -211,7 +215,20 @@ def test_a_bad_db_url_is_one_line(tmp_path: Path, url: str, code: int) -> None:
     one_error_line(r)
 
 
-def test_a_queue_without_schema_says_run_init(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["status", "redrive", "purge"])
+def test_a_missing_database_file_says_run_init_and_is_not_created(
+    tmp_path: Path, command: str
+) -> None:
+    args = ["--older-than", "1d"] if command == "purge" else []
+    r = batching(command, "--db", "sqlite:///typo.db", *args, cwd=tmp_path)
+    assert r.rc == 2
+    assert f"no database at {tmp_path / 'typo.db'}" in one_error_line(r)
+    assert "batching init" in r.err
+    assert not (tmp_path / "typo.db").exists(), "a read created the database it did not find"
+
+
+def test_a_database_without_schema_says_run_init(tmp_path: Path) -> None:
+    (tmp_path / "empty.db").touch()  # e.g. made by the sqlite3 shell
     r = batching("status", "--db", "sqlite:///empty.db", cwd=tmp_path)
     assert r.rc == 1
     assert "batching init" in one_error_line(r)
@@ -233,6 +250,26 @@ def test_a_password_in_the_db_url_is_never_printed(tmp_path: Path) -> None:
         line = one_error_line(r)
         assert "sekret" not in r.out + r.err
         assert "u:***@127.0.0.1:9/x" in line
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql//u:sekret@127.0.0.1:9/x",
+        "u:sekret@127.0.0.1:9/x",
+        " postgresql://u:sekret@127.0.0.1:9/x",
+        "postgresql://u:sekret@127.0.0.1:port/x",
+    ],
+)
+def test_a_password_in_a_malformed_db_url_is_never_printed(tmp_path: Path, url: str) -> None:
+    for r in (
+        batching("status", "--db", url, cwd=tmp_path),
+        batching("init", cwd=tmp_path, env={"BATCHING_DB_URL": url}),
+        batching("score", "-c", str(write_config(tmp_path)), "--db", url, cwd=tmp_path),
+    ):
+        assert r.rc == 2, r.err
+        assert "sekret" not in r.out + r.err
+        assert "u:***@127.0.0.1" in one_error_line(r)
 
 
 # ----------------------------------------------------------------------------- config commands
@@ -354,8 +391,10 @@ def test_score_max_items_stops_after_n_then_a_full_run_drains_the_queue(
 def test_score_on_an_uninitialised_database_is_one_line(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     r = batching("score", "-c", str(config), "--db", "sqlite:///other.db", "--quiet", cwd=tmp_path)
-    assert r.rc == 1
+    assert r.rc == 2
     assert "batching init" in one_error_line(r)
+    assert not (tmp_path / "other.db").exists()
+    assert not list(tmp_path.rglob("events.jsonl")), "a run that never started is in lineage"
 
 
 def test_lineage_json_shows_each_run(scored: Scored) -> None:
@@ -469,3 +508,23 @@ def test_demo_scores_both_workloads_and_shows_committed_outputs(tmp_path: Path) 
     assert max(len(line) for line in lines) <= 80
     assert any(line.split()[:1] == ["tabular"] and "600" in line.split() for line in lines)
     assert any(line.split()[:1] == ["text"] and "40" in line.split() for line in lines)
+
+
+@pytest.mark.parametrize("name", ["", "q" * 201])
+def test_a_queue_name_no_config_could_use_is_refused(tmp_path: Path, name: str) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(2))
+    r = batching("enqueue", str(jsonl), "--db", DB, "-q", name, cwd=tmp_path)
+    assert r.rc == 2
+    assert "must be 1 to 200 characters" in r.err
+    assert status(tmp_path) == {"ready": 0, "leased": 0, "done": 0, "dead": 0, "expired": 0}
+
+
+def test_status_of_a_queue_without_items_names_the_queues_there(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(2))
+    assert batching("enqueue", str(jsonl), "--db", DB, "-q", "tabular", cwd=tmp_path).rc == 0
+    r = batching("status", "--db", DB, "-q", "tabluar", "--json", cwd=tmp_path)
+    assert r.rc == 0
+    assert json.loads(r.out)["by_state"]["ready"] == 0
+    assert "queue 'tabluar' has no items; queues in this database: tabular" in r.err

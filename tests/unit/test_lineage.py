@@ -58,6 +58,10 @@ def test_redact_url_masks_passwords_and_keeps_the_user(url: str, expected: str) 
         'settings {"password": "secret", "client_secret": "secret"}',
         "PGPASSWORD=secret psql",
         "token: secret",
+        "postgresql//user:secret@host:5432/db",  # malformed: no ':' after the scheme
+        "user:secret@host:5432/db",  # no scheme at all
+        " postgresql://user:secret@host/db",  # leading space
+        "postgresql://user:secret@host:notaport/db",
     ],
 )
 def test_redact_url_never_leaks_the_secret(url: str) -> None:
