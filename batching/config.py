@@ -62,6 +62,11 @@ class QueueConfig(_Model):
                 f"heartbeat_s must be <= lease_s / 3 ({self.lease_s / 3:g}) so a live lease "
                 f"never expires between heartbeats, got {self.heartbeat_s:g}"
             )
+        if self.backoff_base_s > self.backoff_max_s:
+            raise ValueError(
+                f"backoff_base_s ({self.backoff_base_s:g}) must be <= backoff_max_s "
+                f"({self.backoff_max_s:g}), the cap on every retry delay"
+            )
         return self
 
     @property
@@ -113,6 +118,16 @@ class BatchingPolicy(_Model):
         if list(value) != sorted(set(value)) or any(v <= 0 for v in value):
             raise ValueError("length_buckets must be strictly increasing positive bucket edges")
         return value
+
+    @model_validator(mode="after")
+    def _claim_fills_a_batch(self) -> BatchingPolicy:
+        if self.claim_size is not None and self.claim_size < self.max_batch_size:
+            raise ValueError(
+                f"claim_size ({self.claim_size}) must be >= max_batch_size "
+                f"({self.max_batch_size}): a smaller claim never fills a batch; leave it unset "
+                "for 4 batches' worth"
+            )
+        return self
 
     @property
     def effective_claim_size(self) -> int:

@@ -34,13 +34,41 @@ def read_records(path: str | Path) -> list[models.EnqueueRecord]:
         raise errors.InputError(f"{p}: no such file; give a .jsonl or .parquet file")
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
-        return list(_read_jsonl(p))
+        lines, records = _unzip(_read_jsonl(p))
+        _check_unique_keys(records, [f"line {n}" for n in lines], p)
+        return records
     if suffix == ".parquet":
-        return _read_parquet(p)
+        records = _read_parquet(p)
+        _check_unique_keys(records, [f"row {i + 1}" for i in range(len(records))], p)
+        return records
     raise errors.InputError(f"{p}: unknown file type {suffix!r}; use .jsonl or .parquet")
 
 
-def _read_jsonl(p: Path) -> Iterator[models.EnqueueRecord]:
+def _unzip(
+    pairs: Iterator[tuple[int, models.EnqueueRecord]],
+) -> tuple[list[int], list[models.EnqueueRecord]]:
+    lines: list[int] = []
+    records: list[models.EnqueueRecord] = []
+    for line, record in pairs:
+        lines.append(line)
+        records.append(record)
+    return lines, records
+
+
+def _check_unique_keys(records: list[models.EnqueueRecord], places: list[str], p: Path) -> None:
+    """A key twice in one file is two requests under one idempotency key: the second would be
+    dropped as "already present" with its payload. Refuse the file instead, naming both."""
+    first: dict[str, str] = {}
+    for record, place in zip(records, places, strict=True):
+        seen = first.setdefault(record.item_key, place)
+        if seen != place:
+            raise errors.InputError(
+                f"{p}:{place}: item_key {record.item_key!r} repeats {seen}; give each "
+                "request its own key (a key already in the queue is skipped, not within a file)"
+            )
+
+
+def _read_jsonl(p: Path) -> Iterator[tuple[int, models.EnqueueRecord]]:
     with p.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             if not raw.strip():
@@ -50,7 +78,7 @@ def _read_jsonl(p: Path) -> Iterator[models.EnqueueRecord]:
                 obj = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise errors.InputError(f"{where}: not valid JSON ({exc}); fix the line") from None
-            yield record_from_mapping(obj, where)
+            yield lineno, record_from_mapping(obj, where)
 
 
 def record_from_mapping(obj: Any, where: str) -> models.EnqueueRecord:

@@ -118,3 +118,22 @@ def test_unknown_suffix_and_missing_file(tmp_path: Path) -> None:
         ingest.read_records(tmp_path / "x.csv")
     with pytest.raises(errors.InputError, match="no such file"):
         ingest.read_records(tmp_path / "missing.jsonl")
+
+
+def test_a_key_twice_in_one_jsonl_file_is_refused_naming_both_lines(tmp_path: Path) -> None:
+    rows: list[object] = [
+        {"item_key": "a", "payload": {"x": [1.0]}},
+        {"item_key": "b", "payload": {"x": [2.0]}},
+        {"item_key": "a", "payload": {"x": [3.0]}},  # a second request under the same key
+    ]
+    path = write_jsonl(tmp_path / "r.jsonl", rows)
+    path.write_text(path.read_text().replace("\n", "\n\n", 1))  # blank lines keep numbering
+    with pytest.raises(errors.InputError, match=r"r\.jsonl:line 4: item_key 'a' repeats line 1"):
+        ingest.read_records(path)
+
+
+def test_a_key_twice_in_one_parquet_file_is_refused_naming_both_rows(tmp_path: Path) -> None:
+    table = pa.table({"item_key": ["a", "b", "b"], "payload": ['{"x": [1]}'] * 3})
+    pq.write_table(table, tmp_path / "r.parquet")
+    with pytest.raises(errors.InputError, match=r"r\.parquet:row 3: item_key 'b' repeats row 2"):
+        ingest.read_records(tmp_path / "r.parquet")
