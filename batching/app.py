@@ -55,6 +55,22 @@ def resolve(config: cfg.PipelineConfig, db_url: str | None, output: str | None) 
     return Resolved(url, where, events if config.lineage.transport == "file" else None)
 
 
+def require_writable_folder(path: Path, what: str) -> None:
+    """Create ``path`` (and its parents) if missing, and refuse it if that fails or it is not a
+    folder: a bad ``--output`` is bad input, told before a run is on record.
+
+    Raises:
+        ConfigError: naming ``what``, the path and why.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise errors.ConfigError(
+            f"{what} {path} cannot be created ({reason}); name a folder you can write to"
+        ) from None
+
+
 def open_queue(
     config: cfg.PipelineConfig, db_url: str, *, clock: Callable[[], float] = time.time
 ) -> q.SqlQueue:
@@ -190,7 +206,9 @@ def run_score(
         ConfigError: the lineage settings are invalid (nothing can be recorded).
     """
     res = resolve(config, db_url, output)
-    q.require_database(res.db_url)  # bad input: before anything is on record
+    q.require_database(res.db_url)  # bad input: refused before anything is on record
+    if config.output.kind == "parquet":
+        require_writable_folder(Path(res.output), "the output folder (output.path / --output)")
     run_id = run_id or lineage.new_run_id()
     emitter = make_emitter(config, res, lineage_config)
     try:

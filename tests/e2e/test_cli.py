@@ -397,6 +397,19 @@ def test_score_on_an_uninitialised_database_is_one_line(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob("events.jsonl")), "a run that never started is in lineage"
 
 
+@pytest.mark.parametrize("output", ["afile", "afile/sub", "/proc/no-such-folder"])
+def test_an_output_folder_that_cannot_be_made_is_one_line_before_any_lineage(
+    tmp_path: Path, output: str
+) -> None:
+    (tmp_path / "afile").write_text("not a folder")
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    config = write_config(tmp_path)
+    r = batching("score", "-c", str(config), "--db", DB, "--output", output, cwd=tmp_path)
+    assert r.rc == 2
+    assert "cannot be created" in one_error_line(r)
+    assert not list(tmp_path.rglob("events.jsonl")), "a run that never started is in lineage"
+
+
 def test_lineage_json_shows_each_run(scored: Scored) -> None:
     latest = batching("lineage", "-c", "pipeline.yaml", "--json", cwd=scored.path)
     assert latest.rc == 0, latest.err
