@@ -39,6 +39,8 @@ def lineage(
             f"{path}: no lineage event log; run `batching score` first or pass --events"
         )
     summary = lineage_log.summarize_run(lineage_log.read_events(path), run)
+    if summary is None and run is None:
+        raise errors.InputError(f"{path}: no lineage events; run `batching score` first")
     if summary is None:
         raise errors.InputError(f"{path}: no events for run {run!r}; omit --run for the latest run")
     if as_json:
@@ -139,6 +141,8 @@ def reconcile(
     queue = wiring.open_queue(cfg, res.db_url)
     try:
         queue.check_schema()
+        if run is not None:
+            _check_run(queue, run, res.db_url)
         report = rc.reconcile(
             queue,
             res.output,
@@ -156,6 +160,25 @@ def reconcile(
         _print_report(report)
     if not report.clean:
         raise typer.Exit(1)
+
+
+def _check_run(queue: Any, run: str, db_url: str) -> None:
+    """Raise ``InputError`` when ``run`` is not in the run ledger (else reconcile finds nothing)."""
+    import sqlalchemy as sa
+
+    from batching import schema
+    from batching.queue import redact
+
+    runs = schema.runs
+    with queue.read() as conn:
+        found = conn.execute(
+            sa.select(runs.c.run_id).where(runs.c.run_id == run, runs.c.queue == queue.queue)
+        ).first()
+    if found is None:
+        raise errors.InputError(
+            f"no run {run} of queue {queue.queue!r} in the run ledger of {redact(db_url)}; "
+            "see `batching lineage` or omit --run"
+        )
 
 
 def _print_report(report: Report) -> None:

@@ -173,6 +173,12 @@ def check(config: ConfigOption) -> None:
     from batching import app as wiring
 
     cfg = load(config)
+    path = cfg.resolve(cfg.service_profile)
+    if path is not None and not path.is_file():
+        raise errors.ConfigError(
+            f"{path}: service profile not found (service_profile in {config}); "
+            f"run `batching profile -c {config}` to create it"
+        )
     report = wiring.check_config(cfg)
     for w in report.warnings:
         err.print(f"warning: {w}", highlight=False)
@@ -208,10 +214,12 @@ def profile(
     from batching.runner import TorchRunner, measure_profile
 
     cfg = load(config)
-    sizes, lens = _ints(batch_sizes, "--batch-sizes"), _ints(lengths, "--lengths")
+    sizes = _ints(batch_sizes, "--batch-sizes", MAX_PROFILE_BATCH)
+    lens = _ints(lengths, "--lengths", MAX_PROFILE_LENGTH)
     target = write or cfg.resolve(cfg.service_profile)
     if target is None:
         raise errors.ConfigError(f"{config}: no service_profile path; set it or pass --out")
+    _check_writable(target)
     runner = TorchRunner.load(cfg.model, base_dir=cfg.base_dir)
     with err.status(f"profiling {cfg.model.name} on {runner.device_name}"):
         prof = measure_profile(runner, sizes, lens, repeats)
@@ -227,14 +235,38 @@ def profile(
     out.print(f"saved {target}")
 
 
-def _ints(text: str, name: str) -> list[int]:
+# The largest batch a config may set (batching.max_batch_size), and a matching length cap: a
+# profile point is one synthetic batch in memory, so larger values only exhaust it.
+MAX_PROFILE_BATCH = 65536
+MAX_PROFILE_LENGTH = 65536
+
+
+def _ints(text: str, name: str, most: int) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise errors.ConfigError(f"{name} must be comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise errors.ConfigError(f"{name} must list positive integers, got {text!r}")
+    if max(values) > most:
+        raise errors.ConfigError(f"{name} must be at most {most}, got {max(values)}")
     return values
+
+
+def _check_writable(target: Path) -> None:
+    """Raise ``ConfigError`` unless ``target`` can be written (before minutes of measuring)."""
+    existed = target.exists()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with target.open("a"):
+            pass
+    except OSError as exc:
+        raise errors.ConfigError(
+            f"{target}: cannot write the service profile there ({exc.strerror}); "
+            "pass --out a file path in a writable folder"
+        ) from None
+    if not existed:
+        target.unlink()
 
 
 @app.command()

@@ -29,12 +29,20 @@ def run_demo(
     workdir: Path, *, n_text: int, n_tabular: int, out: Console, summary_table: Callable[..., Any]
 ) -> None:
     """Init a SQLite queue in ``workdir``, enqueue W2 (JSONL) and W1 (Parquet tensors), score both."""
-    workdir.mkdir(parents=True, exist_ok=True)
+    if workdir.exists() and not workdir.is_dir():
+        raise errors.ConfigError(f"{workdir}: not a folder; pass --dir a new or existing folder")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        text_file = workloads.write_lines(
+            workdir / "text-requests.jsonl", workloads.w2_json_lines(n_text)
+        )
+        tab_file = workloads.write_w1_parquet(workdir / "tabular-requests.parquet", n_tabular)
+    except OSError as exc:
+        raise errors.ConfigError(
+            f"{workdir}: cannot write the demo files there ({exc.strerror or errors.one_line(exc)});"
+            " pass --dir a new or writable folder"
+        ) from None
     db = f"sqlite:///{(workdir / 'demo.db').resolve()}"
-    text_file = workloads.write_lines(
-        workdir / "text-requests.jsonl", workloads.w2_json_lines(n_text)
-    )
-    tab_file = workloads.write_w1_parquet(workdir / "tabular-requests.parquet", n_tabular)
     for name, file in (("online.yaml", text_file), ("tabular.yaml", tab_file)):
         cfg = _config(name)
         queue = wiring.open_queue(cfg, db)

@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 def read_events(path: str | Path) -> list[dict[str, Any]]:
     """Read a JSONL events file in file order; ``[]`` when it does not exist.
 
-    A line that is not a JSON object (e.g. torn by a crash) is skipped with a warning.
+    A line that is not a JSON object (e.g. torn by a crash), or an event without a run id (not a
+    run event, so nothing to summarize) is skipped with a warning naming the file and line.
     """
     p = Path(path)
     if not p.exists():
@@ -36,11 +37,15 @@ def _append_event(events: list[dict[str, Any]], line: str, path: Path, number: i
         event = json.loads(line)
     except json.JSONDecodeError:
         event = None
-    if isinstance(event, dict):
+    if not isinstance(event, dict):
+        reason = "not a JSON object"
+    elif not isinstance(event.get("run"), dict) or not isinstance(event["run"].get("runId"), str):
+        reason = "no run.runId"
+    else:
         events.append(event)
         return
     extra = {"action": "lineage_event_unreadable", "file": str(path), "line_number": number}
-    logger.warning("lineage event unreadable", extra=extra)
+    logger.warning("%s:%d: lineage event skipped (%s)", path, number, reason, extra=extra)
 
 
 def summarize_run(
@@ -95,7 +100,7 @@ def _summary(events: list[Mapping[str, Any]]) -> dict[str, Any]:
 def _merged(facet_maps: Iterable[Any]) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for facets in facet_maps:
-        merged |= facets or {}
+        merged |= facets if isinstance(facets, dict) else {}
     return merged
 
 
@@ -116,10 +121,12 @@ def _strip_base(facet: Mapping[str, Any] | None) -> dict[str, Any] | None:
 def _datasets(
     events: list[Mapping[str, Any]], kind: str, io_key: str, stats_key: str
 ) -> list[dict[str, Any]]:
-    found: dict[tuple[str, str], dict[str, Any]] = {}
+    found: dict[tuple[Any, Any], dict[str, Any]] = {}
     for event in events:
         for ds in event.get(kind) or []:
-            entry = found.setdefault((ds["namespace"], ds["name"]), {"facets": set()})
+            if not isinstance(ds, dict):
+                continue
+            entry = found.setdefault((ds.get("namespace"), ds.get("name")), {"facets": set()})
             entry["facets"] |= set(ds.get("facets") or {}) | set(ds.get(io_key) or {})
             stats = (ds.get(io_key) or {}).get(stats_key) or {}
             pairs = (("row_count", stats.get("rowCount")), ("size_bytes", stats.get("size")))

@@ -147,8 +147,8 @@ def _longest(
         longest = profile.lengths[-1]
         warned.append(
             f"items above the last length bucket edge ({edges[-1]}) are assumed no longer than "
-            f"{longest} tokens (the profile's longest measured length); pass --max-length "
-            "for longer ones"
+            f"{longest} tokens (the profile's longest measured length); for longer ones re-run "
+            "`batching profile --lengths` up to the longest length expected"
         )
         return longest
     if edges:

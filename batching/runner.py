@@ -118,7 +118,7 @@ class TorchRunner:
 
         Raises:
             CheckpointError: missing file, sha256 mismatch, unsafe or unfitting checkpoint.
-            ConfigError: unknown model name, unimportable factory, CUDA requested but absent.
+            ConfigError: unknown model name, unimportable or failing factory, no CUDA when asked.
             ModelError: the factory returned something unusable.
         """
         started = time.perf_counter()

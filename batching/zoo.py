@@ -166,7 +166,8 @@ def build(name: str) -> tuple[nn.Module, ModelInfo]:
     """Construct a model by built-in name or ``package.module:function`` factory.
 
     Raises:
-        ConfigError: the name is neither built in nor an importable factory.
+        ConfigError: the name is neither built in nor an importable factory, or the factory
+            raised.
         ModelError: the factory did not return an ``nn.Module`` or declares a bad input kind.
     """
     check_name(name)
@@ -193,7 +194,12 @@ def _call_factory(name: str) -> nn.Module:
             f"model factory {name!r} cannot be imported ({type(exc).__name__}: {exc}); "
             "check the name and that its package is installed"
         ) from None
-    model = factory()
+    try:
+        model = factory()
+    except Exception as exc:  # the user's code: one line, not their traceback
+        raise errors.ConfigError(
+            f"model factory {name!r} failed: {errors.one_line(exc)}; fix the factory or model.name"
+        ) from None
     if not isinstance(model, nn.Module):
         raise errors.ModelError(
             f"model factory {name!r} returned {type(model).__name__}, expected a torch.nn.Module"

@@ -1,0 +1,147 @@
+"""Bad input to ``lineage``, ``profile``, ``demo``, ``check`` and ``reconcile``: one line, exit 2.
+
+Each case was found by a new-user walkthrough; before its fix it printed a traceback or a
+misleading message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from tests.e2e.test_cli import DB, DEPLOYMENTS, batching, one_error_line, write_config
+
+TABULAR = str(DEPLOYMENTS / "tabular.yaml")
+
+
+def _event(run_id: str, kind: str, at: str, **extra: object) -> str:
+    run = {"runId": run_id, **extra.pop("run", {})}  # type: ignore[dict-item]
+    event = {"eventType": kind, "eventTime": at, "run": run, "job": {"namespace": "n", "name": "j"}}
+    return json.dumps(event | extra)
+
+
+# ----------------------------------------------------------------------------- lineage
+
+
+def test_lineage_skips_events_without_a_run_naming_file_and_line(tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    lines = [
+        _event("r1", "START", "2024-01-01T00:00:00+00:00"),
+        '{"eventType": "START"}',
+        _event("r1", "COMPLETE", "2024-01-01T00:00:01+00:00"),
+        _event("r2", "START", "2024-01-01T00:00:02+00:00", run={"facets": [1]}, outputs=["x"]),
+    ]
+    events.write_text("\n".join(lines) + "\n")
+    r = batching("lineage", "--events", str(events), "--run", "r1", "--json", cwd=tmp_path)
+    assert r.rc == 0, r.err
+    assert r.json()["event_types"] == ["START", "COMPLETE"]
+    assert f"{events}:2: lineage event skipped (no run.runId)" in r.err
+    latest = batching("lineage", "--events", str(events), "--json", cwd=tmp_path)
+    assert latest.rc == 0, latest.err
+    assert (latest.json()["run_id"], latest.json()["outputs"]) == ("r2", [])
+
+
+def test_lineage_on_a_file_without_events_says_so(tmp_path: Path) -> None:
+    for text in ("", '{"eventType": "START"}\n'):
+        events = tmp_path / "events.jsonl"
+        events.write_text(text)
+        r = batching("lineage", "--events", str(events), cwd=tmp_path)
+        assert r.rc == 2
+        line = r.err.strip().splitlines()[-1]
+        assert line == f"error: {events}: no lineage events; run `batching score` first"
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+def test_profile_refuses_an_unwritable_out_before_measuring(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "folder").mkdir()
+    for out in ("folder", "afile/sub/p.json"):
+        r = batching("profile", "-c", TABULAR, "--out", out, cwd=tmp_path)
+        assert r.rc == 2
+        line = one_error_line(r)
+        assert line.startswith(f"error: {out}: cannot write the service profile there")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "folder"]
+    assert not list((tmp_path / "folder").iterdir())
+
+
+def test_profile_creates_the_folder_of_out(tmp_path: Path) -> None:
+    r = batching(
+        "profile", "-c", TABULAR, "--batch-sizes", "1", "--repeats", "1", "--out", "new/p.json",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert r.rc == 0, r.err
+    assert json.loads((tmp_path / "new" / "p.json").read_text())["points"]
+
+
+def test_profile_bounds_batch_sizes_and_lengths(tmp_path: Path) -> None:
+    for option, value in (("--batch-sizes", "1,100000000"), ("--lengths", "16,1000000")):
+        r = batching("profile", "-c", TABULAR, option, value, "--out", "p.json", cwd=tmp_path)
+        assert r.rc == 2
+        assert f"{option} must be at most 65536, got {value.split(',')[1]}" in one_error_line(r)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_failing_model_factory_is_one_line(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    (tmp_path / "mymod.py").write_text("def boom():\n    raise RuntimeError('no weights')\n")
+    save_file({}, tmp_path / "empty.safetensors")
+    sha = hashlib.sha256((tmp_path / "empty.safetensors").read_bytes()).hexdigest()
+    model = {"name": "mymod:boom", "version": "v1", "checkpoint": "empty.safetensors"}
+    config = write_config(tmp_path, model=model | {"sha256": sha, "device": "cpu"})
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    r = batching("profile", "-c", str(config), "--out", "p.json", cwd=tmp_path,
+                 env={"PYTHONPATH": path})  # fmt: skip
+    assert r.rc == 2
+    assert "model factory 'mymod:boom' failed: RuntimeError: no weights" in one_error_line(r)
+
+
+# ----------------------------------------------------------------------------- demo
+
+
+def test_demo_refuses_a_dir_that_is_a_file_or_cannot_be_made(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    r = batching("demo", "--dir", "afile", cwd=tmp_path)
+    assert r.rc == 2
+    assert one_error_line(r) == "error: afile: not a folder; pass --dir a new or existing folder"
+    r = batching("demo", "--dir", "afile/demo", cwd=tmp_path)
+    assert r.rc == 2
+    assert one_error_line(r).startswith("error: afile/demo: cannot write the demo files there")
+
+
+# ----------------------------------------------------------------------------- check
+
+
+def test_check_recommends_an_option_that_exists(tmp_path: Path) -> None:
+    r = batching("check", "-c", str(DEPLOYMENTS / "online.yaml"), cwd=tmp_path)
+    assert r.rc == 0, r.err
+    assert "--max-length" not in r.err
+    assert "re-run `batching profile --lengths`" in r.err
+
+
+def test_check_names_a_missing_service_profile(tmp_path: Path) -> None:
+    (tmp_path / "folder").mkdir()
+    for name in ("missing.json", "folder"):
+        config = write_config(tmp_path, service_profile=name)
+        r = batching("check", "-c", str(config), cwd=tmp_path)
+        assert r.rc == 2
+        line = one_error_line(r)
+        assert f"{tmp_path / name}: service profile not found" in line
+        assert f"run `batching profile -c {config}` to create it" in line
+
+
+# ----------------------------------------------------------------------------- reconcile
+
+
+def test_reconcile_refuses_a_run_not_in_the_ledger(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    r = batching("reconcile", "-c", str(config), "--run", "nosuch", cwd=tmp_path)
+    assert r.rc == 2
+    line = one_error_line(r)
+    assert "no run nosuch of queue 'tabular' in the run ledger of sqlite:///queue.db" in line
+    assert "omit --run" in line
