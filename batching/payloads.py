@@ -130,8 +130,11 @@ def _json_field(data: bytes, key: str) -> tuple[object, str | None]:
         doc = orjson.loads(data)
     except ValueError as exc:
         return None, f"payload is not valid JSON ({errors.one_line(exc, 120)})"
-    if not isinstance(doc, dict) or key not in doc:
+    if not isinstance(doc, dict):
         return None, f'payload must be a JSON object with "{key}", got {_describe(doc)}'
+    if key not in doc:
+        keys = ", ".join(sorted(map(str, doc))[:5]) or "none"
+        return None, f'payload has no "{key}" (its keys: {keys}); is it meant for another model?'
     return doc[key], None
 
 

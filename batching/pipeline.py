@@ -74,12 +74,14 @@ class RunLimits:
 
 @dataclass
 class _LeasePart:
-    """The items of one lease in a group commit: all of them, those scored, those failed."""
+    """The items of one lease in a group commit: all of them, those scored, those failed (to
+    retry), and those whose payload the model cannot read (dead at once: a retry cannot help)."""
 
     items: list[models.WorkItem] = field(default_factory=list)
     ok: list[models.WorkItem] = field(default_factory=list)
     outputs: dict[int, Any] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)
+    undecodable: dict[int, str] = field(default_factory=dict)
 
 
 # RunStats fields that add up across scorers (RunStats.merged).
@@ -502,6 +504,8 @@ class Scorer:
                 if item.id in result.outputs:
                     part.ok.append(item)
                     part.outputs[item.id] = result.outputs[item.id]
+                elif item.id in result.undecodable:
+                    part.undecodable[item.id] = result.failures[item.id]
                 else:
                     part.failures[item.id] = result.failures[item.id]
                 part.items.append(item)
@@ -535,9 +539,10 @@ class Scorer:
                 self.stats.committed += len(part.ok)
                 self.stats.latencies_s.extend(done - i.enqueued_at for i in part.ok)
                 made = 1
-        if part.failures:
-            res = self.queue.fail(lease_id, part.failures)
-            self.stats.failed += res.retried + res.dead
+        for failures, retry in ((part.failures, True), (part.undecodable, False)):
+            if failures:
+                res = self.queue.fail(lease_id, failures, retry=retry)
+                self.stats.failed += res.retried + res.dead
         self._forget(lease_id, part.items)
         return made
 

@@ -77,6 +77,8 @@ class ScoreResult:
 
     Every input item is in exactly one of the two. ``service_s`` is forward wall seconds (copies
     in and out included); ``n_forward`` counts model calls (more than 1 after splits).
+    ``undecodable``: the failed items whose payload this model cannot read (a wrong shape,
+    dtype or field): no retry can help them, unlike a failure in the forward pass.
     """
 
     outputs: dict[int, FloatArray]
@@ -86,6 +88,7 @@ class ScoreResult:
     padded_tokens: int
     batch_error: str | None = None
     n_forward: int = 0
+    undecodable: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -284,6 +287,7 @@ class TorchRunner:
             padded_tokens=decoded.padded_tokens,
             batch_error=tally.batch_error,
             n_forward=tally.n_forward,
+            undecodable=frozenset(decoded.failures),
         )
 
     def score(self, items: Sequence[models.WorkItem]) -> ScoreResult:

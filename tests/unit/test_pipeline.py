@@ -170,6 +170,7 @@ class Result:
     service_s: float = 0.01
     real_tokens: int = 0
     padded_tokens: int = 0
+    undecodable: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -194,6 +195,7 @@ class FakeRunner:
         if self.on_forward is not None:
             self.on_forward(self.forwarded)
         items, failures = decoded
+        undecodable = frozenset(failures)
         self.sizes.append(len(items) + len(failures))
         outputs = {}
         for item in items:
@@ -201,7 +203,7 @@ class FakeRunner:
                 failures[item.id] = "RuntimeError: poison"
             else:
                 outputs[item.id] = np.array([float(item.id)], dtype=np.float32)
-        return Result(outputs, failures, real_tokens=len(items), padded_tokens=len(items))
+        return Result(outputs, failures, 0.01, len(items), len(items), undecodable)
 
 
 def make_config(max_rows_per_commit: int = 1, **batching: Any) -> config.PipelineConfig:
@@ -380,6 +382,8 @@ def test_a_failed_stage_fails_the_run_and_releases_what_is_not_in_flight() -> No
 def test_failed_items_go_to_queue_fail_alone_and_batch_mates_commit(
     max_attempts: int, state: models.State
 ) -> None:
+    # A payload the model cannot read is dead at once: no retry can decode it. A failure in the
+    # forward pass is retried until max_attempts.
     r = rig(max_attempts=max_attempts, max_batch_size=8, claim_size=8)
     r.queue.add(["ok-1", "ok-2"])
     r.queue.add(["bad-json"], b"undecodable")
@@ -390,13 +394,20 @@ def test_failed_items_go_to_queue_fail_alone_and_batch_mates_commit(
     assert r.runner.sizes == [7]  # one batch: the bad items were batch-mates of the good ones
     assert r.sink.keys() == Counter(["ok-1", "ok-2", "ok-3", "ok-4", "ok-5"])
     assert (stats.committed, stats.failed) == (5, 2)
-    ((lease, failures),) = r.queue.fail_calls
-    assert lease == r.sink.batches[0].lease_id
-    by_key = {r.queue.rows[i].item.item_key: why for i, why in failures.items()}
-    assert by_key == {"bad-json": "payload is not valid JSON", "poison": "RuntimeError: poison"}
-    for key in by_key:
-        assert r.queue.row(key).state is state
-        assert r.queue.row(key).last_error == by_key[key]
+    calls = {
+        r.queue.rows[i].item.item_key: (lease, why)
+        for lease, failures in r.queue.fail_calls
+        for i, why in failures.items()
+    }
+    lease = r.sink.batches[0].lease_id
+    assert calls == {
+        "bad-json": (lease, "payload is not valid JSON"),
+        "poison": (lease, "RuntimeError: poison"),
+    }
+    assert r.queue.row("bad-json").state is models.State.DEAD
+    assert r.queue.row("poison").state is state
+    for key, (_, why) in calls.items():
+        assert r.queue.row(key).last_error == why
 
 
 def test_a_lost_lease_is_counted_not_committed_and_its_items_are_scored_again() -> None:
