@@ -189,7 +189,7 @@ def _call_factory(name: str) -> nn.Module:
     module_name, _, attr = name.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:  # ImportError, AttributeError, or the module's own code failing
         raise errors.ConfigError(
             f"model factory {name!r} cannot be imported ({type(exc).__name__}: {exc}); "
             "check the name and that its package is installed"
@@ -315,13 +315,20 @@ def _deserialize(data: bytes, path: Path) -> object:
 def _torch_load_weights(data: bytes, path: Path) -> object:
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as exc:
+        # The weights-only unpickler names the class it will not build ("Unsupported global");
+        # any other complaint (an unknown opcode, a truncated stream) is a damaged file.
+        if "Unsupported global" in str(exc):
+            raise errors.CheckpointError(
+                f"checkpoint {path} refused: it needs arbitrary unpickling (a pickled module "
+                "or custom object), which can run code; save model.state_dict() with "
+                "safetensors.torch.save_file instead"
+            ) from None
         raise errors.CheckpointError(
-            f"checkpoint {path} refused: it needs arbitrary unpickling (a pickled module or "
-            "custom object), which can run code; save model.state_dict() with "
-            "safetensors.torch.save_file instead"
+            f"checkpoint {path} is not a readable torch state dict (corrupt, or another "
+            "format); save model.state_dict() with safetensors.torch.save_file"
         ) from None
-    except (RuntimeError, EOFError, ValueError) as exc:
+    except Exception as exc:  # torch.load on damaged bytes: RuntimeError, EOFError, IndexError...
         raise errors.CheckpointError(
             f"checkpoint {path} cannot be read by torch.load ({_one_line(exc)})"
         ) from None

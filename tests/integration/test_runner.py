@@ -204,6 +204,18 @@ def test_checkpoint_needing_unpickling_is_refused_without_running_code(
     assert not EXPLOITED.exists()
 
 
+@pytest.mark.parametrize("data", [b"\x80\x02garbage", bytes(range(256)) * 2, b"PK\x03\x04junk"])
+def test_a_damaged_pt_file_is_called_unreadable_not_unsafe(tmp_path: Path, data: bytes) -> None:
+    path = tmp_path / "model.pt"
+    path.write_bytes(data)
+    with pytest.raises(errors.CheckpointError) as caught:
+        probe_runner("build_probe", (path, sha256_of(path)))
+    assert "arbitrary unpickling" not in str(caught.value)
+    assert "not a readable torch state dict" in str(caught.value) or "cannot be read" in str(
+        caught.value
+    )
+
+
 def test_plain_state_dict_pt_loads_with_weights_only(tmp_path: Path) -> None:
     path = tmp_path / "probe.pt"
     torch.save({"scale": torch.full((4,), 2.0)}, path)
@@ -231,6 +243,22 @@ def test_unknown_model_name_and_bad_factory_are_config_errors(probe_ckpt: tuple[
         runner.TorchRunner.load(builtin_spec("w1-mlp").model_copy(update={"name": "w9"}))
     with pytest.raises(errors.ConfigError, match="cannot be imported"):
         probe_runner("no_such_factory", probe_ckpt)
+
+
+def test_a_factory_module_that_fails_on_import_is_one_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probe_ckpt: tuple[Path, str]
+) -> None:
+    (tmp_path / "broken_models.py").write_text("raise RuntimeError('needs a GPU driver')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = builtin_spec("w1-mlp").model_copy(
+        update={
+            "name": "broken_models:build",
+            "checkpoint": str(probe_ckpt[0]),
+            "sha256": probe_ckpt[1],
+        }
+    )
+    with pytest.raises(errors.ConfigError, match=r"cannot be imported \(RuntimeError: needs a"):
+        runner.TorchRunner.load(spec)
 
 
 # ---- outputs equal the model run directly ------------------------------------------------------
