@@ -467,6 +467,7 @@ def measure_profile(
 
     Raises:
         ModelError: the model failed on synthetic inputs (the profile would be meaningless).
+        ConfigError: a synthetic batch does not fit in host memory.
     """
     if runner.input_kind == "dense":
         lengths = (1,)
@@ -487,7 +488,13 @@ def measure_profile(
 
 
 def _measure_point(runner: TorchRunner, size: int, length: int, repeats: int) -> ProfilePoint:
-    decoded = runner.decode(runner.synthetic_items(size, length, seed=size * 1000 + length))
+    try:
+        decoded = runner.decode(runner.synthetic_items(size, length, seed=size * 1000 + length))
+    except MemoryError:  # the synthetic batch itself does not fit in host memory
+        raise errors.ConfigError(
+            f"profiling batch {size} x length {length} does not fit in this machine's memory; "
+            "pass smaller --batch-sizes or --lengths"
+        ) from None
     first = runner.forward(decoded)
     if first.failures:
         reason = next(iter(first.failures.values()))

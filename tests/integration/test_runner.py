@@ -436,3 +436,18 @@ def test_empty_and_all_failed_batches_score_nothing(w1: runner.TorchRunner) -> N
     failed = w1.score([item(1, models.Payload(b"[]")), item(2, models.Payload(b"\xff"))])
     assert set(failed.failures) == {1, 2}
     assert (failed.outputs, failed.n_forward, failed.padded_tokens) == ({}, 0, 0)
+
+
+def test_a_profile_point_too_big_for_memory_is_a_config_error(
+    w1: runner.TorchRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = w1.synthetic_items
+
+    def no_memory(n_items: int, length: int = 16, seed: int = 0) -> tuple[models.WorkItem, ...]:
+        if n_items > 1000:
+            raise MemoryError  # what numpy raises for a batch larger than the machine
+        return real(n_items, length, seed)
+
+    monkeypatch.setattr(w1, "synthetic_items", no_memory)
+    with pytest.raises(errors.ConfigError, match="batch 4096 x length 1 does not fit"):
+        runner.measure_profile(w1, batch_sizes=(4096,), repeats=1)
