@@ -72,9 +72,20 @@ def require_writable_folder(path: Path, what: str) -> None:
 
 
 def open_queue(
-    config: cfg.PipelineConfig, db_url: str, *, clock: Callable[[], float] = time.time
+    config: cfg.PipelineConfig,
+    db_url: str,
+    *,
+    clock: Callable[[], float] = time.time,
+    create: bool = False,
 ) -> q.SqlQueue:
-    """The config's queue on ``db_url``, with its retry settings."""
+    """The config's queue on ``db_url``, with its retry settings. A SQLite file must exist
+    unless ``create`` (``queue.migrate()`` comes next): opening one would leave an empty file.
+
+    Raises:
+        ConfigError: the URL is malformed, or names a SQLite file that does not exist.
+    """
+    if not create:
+        q.require_database(db_url)
     return q.SqlQueue(
         q.create_engine(db_url),
         config.queue.name,

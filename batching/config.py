@@ -119,16 +119,6 @@ class BatchingPolicy(_Model):
             raise ValueError("length_buckets must be strictly increasing positive bucket edges")
         return value
 
-    @model_validator(mode="after")
-    def _claim_fills_a_batch(self) -> BatchingPolicy:
-        if self.claim_size is not None and self.claim_size < self.max_batch_size:
-            raise ValueError(
-                f"claim_size ({self.claim_size}) must be >= max_batch_size "
-                f"({self.max_batch_size}): a smaller claim never fills a batch; leave it unset "
-                "for 4 batches' worth"
-            )
-        return self
-
     @property
     def effective_claim_size(self) -> int:
         """Rows claimed per claim statement: configured, else 4 batches' worth."""

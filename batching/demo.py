@@ -45,7 +45,7 @@ def run_demo(
     db = f"sqlite:///{(workdir / 'demo.db').resolve()}"
     for name, file in (("online.yaml", text_file), ("tabular.yaml", tab_file)):
         cfg = _config(name)
-        queue = wiring.open_queue(cfg, db)
+        queue = wiring.open_queue(cfg, db, create=True)
         queue.migrate()
         result = queue.enqueue(ingest.read_records(file))
         out.print(

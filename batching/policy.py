@@ -93,6 +93,13 @@ def check_policy(
     dense = profile is not None and profile.is_dense
     found: list[str] = []
     warned: list[str] = []
+    claim, size = config.batching.effective_claim_size, config.batching.max_batch_size
+    if claim < size:
+        warned.append(
+            f"claim_size {claim} is below max_batch_size {size}: a full batch takes "
+            f"{-(-size // claim)} claim transactions, each a write that waits for the others; "
+            "leave claim_size unset for 4 batches' worth"
+        )
     longest = _longest(config, profile, max_length, dense, warned)
     shapes = worst_batches(config, longest, dense=dense)
     latency = _check_latency(config, profile, shapes, found, warned)

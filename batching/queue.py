@@ -80,8 +80,8 @@ def normalize_url(url: str) -> str:
 def redact(url: str) -> str:
     """The URL with its password replaced by ``***`` (safe to log or print), also when it
     does not parse (a missing ``:``, a port that is not a number)."""
-    try:
-        return sa.make_url(url).render_as_string(hide_password=True)
+    try:  # SQLAlchemy masks the user-info password; redact_url also a password= in the query
+        return redact_url(sa.make_url(url).render_as_string(hide_password=True))
     except (exc.ArgumentError, ValueError):
         return redact_url(url)
 
@@ -100,20 +100,36 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
             "postgresql://USER@HOST:PORT/DB"
         ) from None
     backend = parsed.get_backend_name()
-    if backend == "sqlite" and parsed.database in (None, "", ":memory:"):
+    if backend == "sqlite" and _sqlite_file(parsed) is None:
         raise errors.ConfigError(
             f"database URL {redact_url(url)!r} names no file; the queue must outlive the process "
             "and be shared by its connections: use sqlite:///FILE"
         )
-    if backend == "sqlite":
-        engine = sa.create_engine(parsed, pool_size=4, max_overflow=8)
-        sqlite.configure(engine, sqlite_busy_timeout_ms)
-        return engine
-    if backend == "postgresql":
+    if backend not in ("sqlite", "postgresql"):
+        raise errors.ConfigError(
+            f"database {redact(url)} is not supported; use sqlite:///FILE or postgresql://HOST/DB"
+        )
+    try:
+        if backend == "sqlite":
+            engine = sa.create_engine(parsed, pool_size=4, max_overflow=8)
+            sqlite.configure(engine, sqlite_busy_timeout_ms)
+            return engine
         return sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
-    raise errors.ConfigError(
-        f"database {redact(url)} is not supported; use sqlite:///FILE or postgresql://HOST/DB"
-    )
+    except (ImportError, exc.ArgumentError, TypeError) as e:  # a driver not installed, bad options
+        raise errors.ConfigError(
+            f"database URL {redact(url)!r} cannot be used ({type(e).__name__}: "
+            f"{redact_url(str(e))}); use sqlite:///FILE or postgresql://USER@HOST:PORT/DB"
+        ) from None
+
+
+def _sqlite_file(parsed: sa.URL) -> Path | None:
+    """The file a SQLite URL names (``file:`` URIs included), or None for a memory database."""
+    database = parsed.database or ""
+    if parsed.query.get("uri") == "true" and database.startswith("file:"):
+        database = database.removeprefix("file:")
+    if database in ("", ":memory:") or parsed.query.get("mode") == "memory":
+        return None
+    return Path(database)
 
 
 def require_database(url: str) -> None:
@@ -128,12 +144,13 @@ def require_database(url: str) -> None:
     except (exc.ArgumentError, ValueError):
         create_engine(url)  # raises the malformed-URL message
         return
-    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+    if parsed.get_backend_name() != "sqlite":
         return
-    if parsed.query.get("mode") == "memory" or Path(parsed.database).exists():
+    path = _sqlite_file(parsed)
+    if path is None or path.exists():
         return
     raise errors.ConfigError(
-        f"no database at {Path(parsed.database).resolve()}: create it with `batching init "
+        f"no database at {path.resolve()}: create it with `batching init "
         f"--db {redact(url)}`, or fix the path (relative paths start from the current folder)"
     )
 

@@ -21,8 +21,10 @@ import os
 import queue as stdqueue
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from multiprocessing import resource_tracker
 from typing import Any
 
 from batching import errors
@@ -155,50 +157,103 @@ def run_workers(
         )
         for i, share in enumerate(shares)
     ]
-    reports: dict[int, WorkerReport] = {}
-    counts: dict[int, tuple[int, int, int]] = {}
+    watch = _Watch(procs, messages, on_progress)
+    started: list[Any] = []
     try:
         with stops.starting():
             for p in procs:
                 p.start()
-        while len(reports) < len(procs):
-            try:
-                kind, index, body = messages.get(timeout=poll_s)
-            except stdqueue.Empty:
-                stops.forward()
-                reports.update(_silent_deaths(procs, reports))
-                continue
+                started.append(p)
+        while not watch.done():
+            watch.poll(poll_s)
             stops.forward()
-            if kind == "progress":
-                counts[index] = body
-                if on_progress is not None:
-                    on_progress(*(sum(c[k] for c in counts.values()) for k in range(3)))
-            else:
-                reports[index] = body
+    except BaseException:
+        # This process failed (a progress callback raised, a worker could not start): stop
+        # the workers, and keep reading their messages, or one blocked writing to the queue
+        # never exits.
+        stops.event.set()
+        _wind_down(started, messages)
+        raise
     finally:
         stops.restore()
-        for p in procs:
-            p.join()
-    return WorkersOutcome([reports[i] for i in range(len(procs))])
+    for p in procs:
+        p.join()
+    return WorkersOutcome([watch.reports[i] for i in range(len(procs))])
 
 
-def _silent_deaths(
-    procs: Sequence[Any], reports: dict[int, WorkerReport]
-) -> dict[int, WorkerReport]:
-    # A worker flushes its report into the pipe before it exits, and the queue was empty just
-    # now: a dead worker without a report never sent one.
-    dead: dict[int, WorkerReport] = {}
-    for i, p in enumerate(procs):
-        if i in reports or p.exitcode is None:
-            continue
-        how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited {p.exitcode}"
-        dead[i] = WorkerReport(
-            i,
-            error=f"the worker process {how} before reporting; items it had leased return to "
-            "the queue when their lease expires (queue.lease_s)",
-            exit_code=1,
-        )
-    return dead
+class _Watch:
+    """The parent's view of its workers: their summed progress and their reports."""
+
+    def __init__(
+        self, procs: Sequence[Any], messages: Any, on_progress: WorkersProgress | None
+    ) -> None:
+        self._procs = procs
+        self._messages = messages
+        self._on_progress = on_progress
+        self._counts: dict[int, tuple[int, int, int]] = {}
+        self.reports: dict[int, WorkerReport] = {}
+
+    def done(self) -> bool:
+        return len(self.reports) == len(self._procs)
+
+    def poll(self, timeout_s: float) -> None:
+        """Take one message; when none comes, look for workers that died without a report."""
+        try:
+            self._take(self._messages.get(timeout=timeout_s))
+        except stdqueue.Empty:
+            self._silent_deaths()
+
+    def _take(self, message: tuple[str, int, Any]) -> None:
+        kind, index, body = message
+        if kind != "progress":
+            self.reports[index] = body
+            return
+        self._counts[index] = body
+        if self._on_progress is not None:
+            self._on_progress(*(sum(c[k] for c in self._counts.values()) for k in range(3)))
+
+    def _silent_deaths(self) -> None:
+        # Which workers have exited, first; then everything already in the pipe. A worker's
+        # report is in the pipe before it exits, so one of those still without a report
+        # never sent one (the other order would misreport a worker that just finished).
+        exited = [
+            (i, p.exitcode)
+            for i, p in enumerate(self._procs)
+            if i not in self.reports and p.exitcode is not None
+        ]
+        if not exited:
+            return
+        with contextlib.suppress(stdqueue.Empty):
+            while True:
+                self._take(self._messages.get_nowait())
+        for i, code in exited:
+            if i not in self.reports:
+                self.reports[i] = _died(i, code)
+
+
+def _died(index: int, exitcode: int) -> WorkerReport:
+    how = f"was killed by signal {-exitcode}" if exitcode < 0 else f"exited {exitcode}"
+    return WorkerReport(
+        index,
+        error=f"the worker process {how} before reporting; items it had leased return to "
+        "the queue when their lease expires (queue.lease_s)",
+        exit_code=1,
+    )
+
+
+def _wind_down(started: Sequence[Any], messages: Any, grace_s: float = 60.0) -> None:
+    """Wait for stopped workers (draining their messages); terminate those still running
+    after ``grace_s`` (their leased items return when the lease expires)."""
+    deadline = time.monotonic() + grace_s
+    while any(p.is_alive() for p in started) and time.monotonic() < deadline:
+        with contextlib.suppress(stdqueue.Empty):
+            while True:
+                messages.get_nowait()
+        time.sleep(0.05)
+    for p in started:
+        if p.is_alive():
+            p.terminate()
+        p.join()
 
 
 _STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
@@ -208,14 +263,14 @@ class _StopRequests:
     """SIGTERM/SIGINT to this process, passed to the workers as one shared event.
 
     A worker spends seconds importing torch before its own handlers exist; a signal's default
-    action would kill it then, mid-start. So workers are started with both signals ignored
-    and blocked here: a spawned process inherits ignored signals (never handlers), and,
-    depending on how the interpreter starts it, the signal mask too. Either way a worker
-    survives a stop signal while it starts: a blocked one waits (Linux never discards a
-    blocked signal) for the handler it installs before unblocking; an ignored one is lost,
-    but the event, which the worker watches, carries this process's. Here too the signals
-    wait, blocked, for the handler installed right after the start. Only the main thread
-    can set handlers; elsewhere workers stop on the event alone.
+    action would kill it then, mid-start. So the main thread blocks both signals while it
+    starts the workers, and each inherits the mask: a stop signal sent to a starting worker
+    waits (Linux never discards a blocked signal) for the handler it installs before it
+    unblocks them. This process's handler is installed first, so a signal delivered to any
+    of its threads meanwhile is kept, and passed on through the event, which workers watch
+    from the start. (multiprocessing's resource tracker unblocks both signals in the thread
+    that starts it, so it is started before the mask is set.) Only the main thread can set
+    handlers; elsewhere workers stop on the event alone.
     """
 
     def __init__(self, ctx: Any) -> None:
@@ -230,13 +285,12 @@ class _StopRequests:
         if not self._main:
             yield
             return
+        self._old = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
+        resource_tracker.ensure_running()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
-            self._old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
             yield
         finally:
-            for sig in _STOP_SIGNALS:
-                signal.signal(sig, self._on_signal)
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def _on_signal(self, _signum: int, _frame: Any) -> None:
@@ -265,7 +319,7 @@ def _work(index: int, job: _Job, messages: Any, stop_event: Any) -> None:
         for s in list(scorers):
             s.stop()
 
-    for sig in _STOP_SIGNALS:  # ignored, and maybe blocked, until now (see _StopRequests)
+    for sig in _STOP_SIGNALS:  # blocked until now (see _StopRequests)
         signal.signal(sig, request_stop)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 

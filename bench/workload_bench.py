@@ -53,7 +53,7 @@ def config(name: str, tmp: Path, tag: str, **batching: Any) -> Any:
 
 
 def enqueue(cfg: Any, records: list[models.EnqueueRecord]) -> None:
-    q = app.open_queue(cfg, cfg.database.url)
+    q = app.open_queue(cfg, cfg.database.url, create=True)
     q.migrate()
     q.enqueue(records)
     q.engine.dispose()

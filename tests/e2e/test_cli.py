@@ -207,6 +207,8 @@ def test_a_parquet_file_without_payload_is_refused(tmp_path: Path) -> None:
         ("postgresql://u@[::1/x", 2),
         ("sqlite://", 2),  # no file: each connection would get its own empty memory database
         ("sqlite:///:memory:", 2),
+        ("sqlite:///file:x?mode=memory&uri=true", 2),
+        ("postgresql+psycopg2://u@127.0.0.1:9/x", 2),  # a driver that is not installed
     ],
 )
 def test_a_bad_db_url_is_one_line(tmp_path: Path, url: str, code: int) -> None:
@@ -215,11 +217,12 @@ def test_a_bad_db_url_is_one_line(tmp_path: Path, url: str, code: int) -> None:
     one_error_line(r)
 
 
-@pytest.mark.parametrize("command", ["status", "redrive", "purge"])
+@pytest.mark.parametrize("command", ["status", "redrive", "purge", "reconcile"])
 def test_a_missing_database_file_says_run_init_and_is_not_created(
     tmp_path: Path, command: str
 ) -> None:
-    args = ["--older-than", "1d"] if command == "purge" else []
+    args = {"purge": ["--older-than", "1d"], "reconcile": ["-c", str(write_config(tmp_path))]}
+    args = args.get(command, [])
     r = batching(command, "--db", "sqlite:///typo.db", *args, cwd=tmp_path)
     assert r.rc == 2
     assert f"no database at {tmp_path / 'typo.db'}" in one_error_line(r)
@@ -250,6 +253,19 @@ def test_a_password_in_the_db_url_is_never_printed(tmp_path: Path) -> None:
         line = one_error_line(r)
         assert "sekret" not in r.out + r.err
         assert "u:***@127.0.0.1:9/x" in line
+
+
+def test_a_password_in_the_url_query_is_never_printed(tmp_path: Path) -> None:
+    r = batching("status", "--db", "postgresql://u@127.0.0.1:9/x?password=sekret", cwd=tmp_path)
+    assert r.rc == 1
+    assert "sekret" not in r.out + r.err
+    assert "password=***" in one_error_line(r)
+
+
+def test_a_sqlite_uri_url_opens_the_file_it_names(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    r = batching("status", "--db", "sqlite:///file:queue.db?mode=ro&uri=true", cwd=tmp_path)
+    assert r.rc == 0, r.err
 
 
 @pytest.mark.parametrize(

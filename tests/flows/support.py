@@ -61,7 +61,8 @@ class Pipeline:
 
     def queue(self, clock: Callable[[], float] = time.time) -> q.SqlQueue:
         """The pipeline's queue (dispose its engine when done)."""
-        return app.open_queue(load_config(self.config, self.overrides), self.db_url, clock=clock)
+        config = load_config(self.config, self.overrides)
+        return app.open_queue(config, self.db_url, clock=clock, create=True)
 
     def by_state(self) -> dict[str, int]:
         queue = self.queue()

@@ -59,7 +59,7 @@ def write_config(name: str, tmp_path: Path, **overrides: Any) -> Path:
 
 
 def open_queue(url: str, config: cfg.PipelineConfig) -> q.SqlQueue:
-    return wiring.open_queue(config, url)
+    return wiring.open_queue(config, url, create=True)
 
 
 def enqueue(url: str, config: cfg.PipelineConfig, records: list[models.EnqueueRecord]) -> None:

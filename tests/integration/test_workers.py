@@ -81,6 +81,28 @@ def worker_pids(parent: int) -> list[int]:
     return pids
 
 
+def test_when_the_parent_fails_its_workers_stop_and_nothing_stays_leased(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    config = load("tabular.yaml", tmp_path, batching=SLOW)
+    enqueue(sqlite_url, config, w1_records(N, tmp_path))
+
+    def broken_progress(committed: int, failed: int, claimed: int) -> None:
+        raise RuntimeError("the progress display broke")
+
+    with pytest.raises(RuntimeError, match="progress display broke"):
+        run_workers(
+            config,
+            2,
+            db_url=sqlite_url,
+            output=str(tmp_path / "outputs"),
+            on_progress=broken_progress,
+        )
+    states = Counter(r.state for r in items(sqlite_url).values())
+    assert states[models.State.LEASED] == 0, "a worker was left running, or killed mid-batch"
+    assert states[models.State.READY] > 0, "the workers were not told to stop"
+
+
 @pytest.mark.slow
 def test_max_items_is_shared_between_the_workers(
     sqlite_url: str, tmp_path: Path, score_process: ScoreProcess

@@ -37,10 +37,6 @@ def test_shipped_configs_load(name: str) -> None:
             "queue: backoff_base_s (100) must be <= backoff_max_s (1)",
         ),
         (
-            {"model": MODEL, "batching": {"max_batch_size": 32, "claim_size": 1}},
-            "batching: claim_size (1) must be >= max_batch_size (32)",
-        ),
-        (
             {"model": MODEL, "queue": {"lease_s": 30, "heartbeat_s": 20}},
             "heartbeat_s must be <= lease_s / 3 (10)",
         ),

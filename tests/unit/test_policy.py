@@ -168,3 +168,16 @@ def test_warns_when_the_batch_ahead_can_push_past_the_slo() -> None:
 def test_memory_fraction_is_validated() -> None:
     with pytest.raises(ValueError, match="memory_fraction"):
         policy.check_policy(pipeline(), None, memory_fraction=0.0)
+
+
+def test_a_claim_smaller_than_a_batch_is_a_warning_with_the_transaction_count() -> None:
+    small = policy.check_policy(
+        pipeline(max_batch_size=32, claim_size=5, length_buckets=(128,)), tokens_profile(1e-5)
+    )
+    assert small.ok, small.errors
+    assert any("claim_size 5 is below max_batch_size 32" in w for w in small.warnings)
+    assert any("7 claim transactions" in w for w in small.warnings)
+    default = policy.check_policy(
+        pipeline(max_batch_size=32, length_buckets=(128,)), tokens_profile(1e-5)
+    )
+    assert not any("claim_size" in w for w in default.warnings)

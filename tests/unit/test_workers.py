@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import queue as stdqueue
 from collections import Counter
+from dataclasses import dataclass
 
 import pytest
 
 from batching import errors
 from batching.pipeline import RunLimits, RunStats
-from batching.workers import WorkerReport, WorkersOutcome, share_limits
+from batching.workers import WorkerReport, WorkersOutcome, _Watch, share_limits
 
 
 @pytest.mark.parametrize(
@@ -107,3 +109,39 @@ def test_failures_are_reported_once_per_message_and_the_worst_exit_code_wins() -
 def test_all_finished_is_exit_0_and_no_report_is_no_stats() -> None:
     assert WorkersOutcome([WorkerReport(0, run_id="r")]).exit_code == 0
     assert WorkersOutcome([WorkerReport(0, error="x", exit_code=1)]).stats() is None
+
+
+class RacyMessages:
+    """The race: the blocking read times out just before the worker's report lands and the
+    worker exits."""
+
+    def __init__(self, late: list[tuple[str, int, object]]) -> None:
+        self.late = late
+
+    def get(self, timeout: float) -> object:
+        raise stdqueue.Empty
+
+    def get_nowait(self) -> object:
+        if not self.late:
+            raise stdqueue.Empty
+        return self.late.pop(0)
+
+
+@dataclass
+class Exited:
+    exitcode: int | None
+
+
+def test_a_worker_that_reported_and_exited_between_two_looks_is_not_called_dead() -> None:
+    report = WorkerReport(0, run_id="r0")
+    watch = _Watch([Exited(0), Exited(None)], RacyMessages([("report", 0, report)]), None)
+    watch.poll(0.01)
+    assert watch.reports == {0: report}
+
+
+def test_a_worker_that_exited_without_a_report_is_called_dead_with_how() -> None:
+    watch = _Watch([Exited(-9)], RacyMessages([]), None)
+    watch.poll(0.01)
+    assert watch.reports[0].error is not None
+    assert "killed by signal 9" in watch.reports[0].error
+    assert watch.done()
