@@ -152,7 +152,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
 
 def enqueue_text(stack: Stack, n_items: int) -> None:
     cfg = load_config(REPO / "deployments" / "online.yaml")
-    queue = app.open_queue(cfg, stack.db_url)
+    queue = app.open_queue(cfg, stack.db_url, create=True)
     try:
         queue.migrate()
         file = workloads.write_lines(stack.root / "w2.jsonl", workloads.w2_json_lines(n_items))
