@@ -4,6 +4,7 @@ In one run, same machine, same model, same requests:
   limit    the raw model on pre-built tensors at its best batch policy
   batch-1  the full pipeline (SQLite queue -> score -> committed Parquet) with max_batch_size 1
   dynamic  the full pipeline with the shipped policy for the profile
+  queue    (W1) claim + ack alone at the scorer's claim size: the ceiling of one scorer
 and for W2 online, an open-loop run: Poisson arrivals at 50% and 90% of the measured dynamic
 capacity, p50/p99 enqueue-to-commit latency.
 
@@ -107,6 +108,21 @@ def decode_rate(records: list[models.EnqueueRecord]) -> float:
     return len(items) / (time.perf_counter() - start)
 
 
+def queue_floor(cfg: Any, records: list[models.EnqueueRecord]) -> float:
+    """Rows/s of the queue alone: claim and ack at the scorer's claim size, no model, no
+    decode, no output. The pipeline cannot beat it (one scorer process)."""
+    enqueue(cfg, records)
+    q = app.open_queue(cfg, cfg.database.url)
+    size, done = cfg.batching.effective_claim_size, 0
+    start = time.perf_counter()
+    while done < len(records):
+        claim = q.claim(size, lease_s=60)
+        done += q.ack(claim.lease_id, [item.id for item in claim.items])
+    rate = len(records) / (time.perf_counter() - start)
+    q.engine.dispose()
+    return rate
+
+
 def w1(tmp: Path, n: int) -> None:
     x = workloads.w1_inputs(n)
     limit = w1_limit(x)
@@ -120,6 +136,7 @@ def w1(tmp: Path, n: int) -> None:
     )
     dyn_t = pipeline_rate(config("tabular.yaml", tmp, "w1t"), tensor_recs)
     dyn_j = pipeline_rate(config("tabular.yaml", tmp, "w1j"), json_recs)
+    floor = queue_floor(config("tabular.yaml", tmp, "w1floor"), tensor_recs)
     limit = max(limit, w1_limit(x))  # measured before and after: the faster one (noisy host)
     RESULTS["w1"] = {
         "items": n,
@@ -136,6 +153,8 @@ def w1(tmp: Path, n: int) -> None:
         "stage_us_per_row_json": per_row_us(dyn_j),
         "decode_tensor_rows_s": decode_rate(tensor_recs),
         "decode_json_rows_s": decode_rate(json_recs),
+        "queue_only_rows_s": floor,
+        "queue_only_vs_limit": floor / limit,
     }
 
 
