@@ -146,13 +146,8 @@ def status(
     q = open_queue(db, queue)
     q.check_schema()
     stats = q.stats(all_queues=all_queues)
-    if not all_queues and not stats.groups:  # a typo would otherwise look like an idle queue
-        known = sorted({g.queue for g in q.stats(all_queues=True).groups})
-        err.print(
-            f"warning: queue {queue!r} has no items; queues in this database: "
-            f"{', '.join(known) or 'none'}",
-            highlight=False,
-        )
+    if not all_queues and not stats.groups:
+        warn_unknown_queue(q)
     if as_json:
         sys.stdout.write(json.dumps(asdict(stats), indent=2) + "\n")
         return
@@ -200,6 +195,8 @@ def redrive(
     q = open_queue(db, queue)
     q.check_schema()
     n = q.redrive(choices[only])
+    if n == 0:
+        warn_unknown_queue(q)
     out.print(f"redrove {n} item(s) in queue {queue!r} back to ready")
 
 
@@ -220,8 +217,22 @@ def purge(
     q = open_queue(db, queue)
     q.check_schema()
     n = q.purge(age_s, archive=archive)
+    if n == 0:
+        warn_unknown_queue(q)
     verb = "archived" if archive else "deleted"
     out.print(f"{verb} {n} done item(s) older than {older_than} from queue {queue!r}")
+
+
+def warn_unknown_queue(q: Any) -> None:
+    """Warn that ``q``'s queue has no items, naming those that do: a mistyped ``-q`` would
+    otherwise look like an idle queue (zeros, exit 0)."""
+    names = sorted({g.queue for g in q.stats(all_queues=True).groups})
+    if q.queue not in names:
+        err.print(
+            f"warning: queue {q.queue!r} has no items; queues in this database: "
+            f"{', '.join(names) or 'none'}",
+            highlight=False,
+        )
 
 
 def parse_duration(text: str, name: str) -> float:

@@ -122,6 +122,7 @@ def run_workers(
     limits: RunLimits | None = None,
     threads: int | None = None,
     on_progress: WorkersProgress | None = None,
+    stop: threading.Event | None = None,
     poll_s: float = 0.2,
 ) -> WorkersOutcome:
     """Run ``n`` scoring runs in ``n`` spawned processes and wait for all of them.
@@ -131,6 +132,8 @@ def run_workers(
         limits: see :func:`share_limits`.
         threads: torch CPU threads per worker; default: available cores // n, at least 1.
         on_progress: summed counts, called from this thread.
+        stop: set it (from any thread) to stop every worker as SIGTERM would; the way to stop
+            workers run from a thread other than the main one, where signals never arrive.
         poll_s: how often a silent worker is checked for having died.
 
     SIGTERM and SIGINT received here stop every worker (see ``_StopRequests``): each
@@ -166,7 +169,7 @@ def run_workers(
                 started.append(p)
         while not watch.done():
             watch.poll(poll_s)
-            stops.forward()
+            stops.forward(asked=stop is not None and stop.is_set())
     except BaseException:
         # This process failed (a progress callback raised, a worker could not start): stop
         # the workers, and keep reading their messages, or one blocked writing to the queue
@@ -296,8 +299,9 @@ class _StopRequests:
     def _on_signal(self, _signum: int, _frame: Any) -> None:
         self._asked.set()  # the event itself takes a lock: set it outside the handler
 
-    def forward(self) -> None:
-        if self._asked.is_set() and not self.event.is_set():
+    def forward(self, *, asked: bool = False) -> None:
+        """Pass a stop request (a signal, or ``asked``) on to the workers."""
+        if (asked or self._asked.is_set()) and not self.event.is_set():
             self.event.set()
 
     def restore(self) -> None:

@@ -549,7 +549,7 @@ def test_a_queue_name_no_config_could_use_is_refused(tmp_path: Path, name: str) 
     assert status(tmp_path) == {"ready": 0, "leased": 0, "done": 0, "dead": 0, "expired": 0}
 
 
-def test_status_of_a_queue_without_items_names_the_queues_there(tmp_path: Path) -> None:
+def test_a_queue_without_items_names_the_queues_there(tmp_path: Path) -> None:
     assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
     jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(2))
     assert batching("enqueue", str(jsonl), "--db", DB, "-q", "tabular", cwd=tmp_path).rc == 0
@@ -557,3 +557,9 @@ def test_status_of_a_queue_without_items_names_the_queues_there(tmp_path: Path) 
     assert r.rc == 0
     assert json.loads(r.out)["by_state"]["ready"] == 0
     assert "queue 'tabluar' has no items; queues in this database: tabular" in r.err
+    for command in (["redrive"], ["purge", "--older-than", "0s"]):
+        r = batching(*command, "--db", DB, "-q", "tabluar", cwd=tmp_path)
+        assert r.rc == 0
+        assert "queue 'tabluar' has no items; queues in this database: tabular" in r.err
+    r = batching("redrive", "--db", DB, "-q", "tabular", cwd=tmp_path)
+    assert "warning" not in r.err, "a real queue with nothing to redrive is not a typo"

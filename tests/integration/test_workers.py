@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -15,7 +16,7 @@ import sqlalchemy as sa
 from batching import config as cfg
 from batching import models, schema
 from batching import queue as q
-from batching.workers import run_workers
+from batching.workers import WorkersOutcome, run_workers
 from tests.conftest import wait_for
 from tests.integration.conftest import ScoreProcess
 from tests.integration.test_pipeline import (
@@ -101,6 +102,38 @@ def test_when_the_parent_fails_its_workers_stop_and_nothing_stays_leased(
     states = Counter(r.state for r in items(sqlite_url).values())
     assert states[models.State.LEASED] == 0, "a worker was left running, or killed mid-batch"
     assert states[models.State.READY] > 0, "the workers were not told to stop"
+
+
+def test_workers_run_from_another_thread_stop_when_asked(sqlite_url: str, tmp_path: Path) -> None:
+    # Signals reach only the main thread: a caller elsewhere (a Prefect task) stops workers
+    # through ``stop``.
+    config = load("tabular.yaml", tmp_path, batching=SLOW)
+    enqueue(sqlite_url, config, w1_records(N, tmp_path))
+    stop = threading.Event()
+    outcome: list[WorkersOutcome] = []
+
+    def first_commit(committed: int, failed: int, claimed: int) -> None:
+        stop.set()
+
+    runner = threading.Thread(
+        target=lambda: outcome.append(
+            run_workers(
+                config,
+                2,
+                db_url=sqlite_url,
+                output=str(tmp_path / "outputs"),
+                on_progress=first_commit,
+                stop=stop,
+            )
+        )
+    )
+    runner.start()
+    runner.join(timeout=120)
+    assert not runner.is_alive(), "the workers did not stop"
+    assert outcome[0].exit_code == 0, outcome[0].errors()
+    states = Counter(r.state for r in items(sqlite_url).values())
+    assert states[models.State.LEASED] == 0
+    assert states[models.State.READY] > 0, "the workers ran to the end; stop was ignored"
 
 
 @pytest.mark.slow
