@@ -22,6 +22,7 @@ import operator
 import random
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import exc
+from sqlalchemy import util as sa_util
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
@@ -115,7 +117,7 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
             sqlite.configure(engine, sqlite_busy_timeout_ms)
             return engine
         return sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
-    except (ImportError, exc.ArgumentError, TypeError) as e:  # a driver not installed, bad options
+    except (ImportError, exc.ArgumentError, TypeError, ValueError) as e:  # no driver, bad options
         raise errors.ConfigError(
             f"database URL {redact(url)!r} cannot be used ({type(e).__name__}: "
             f"{redact_url(str(e))}); use sqlite:///FILE or postgresql://USER@HOST:PORT/DB"
@@ -125,9 +127,17 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
 def _sqlite_file(parsed: sa.URL) -> Path | None:
     """The file a SQLite URL names (``file:`` URIs included), or None for a memory database."""
     database = parsed.database or ""
-    if parsed.query.get("uri") == "true" and database.startswith("file:"):
-        database = database.removeprefix("file:")
-    if database in ("", ":memory:") or parsed.query.get("mode") == "memory":
+    mode = parsed.query.get("mode")
+    modes = {mode} if isinstance(mode, str) else set(mode or ())
+    try:
+        uri = sa_util.asbool(parsed.query.get("uri", False))
+    except ValueError:
+        uri = False
+    if uri and database.startswith("file:"):
+        location = urllib.parse.urlsplit(database)  # file:x.db, file:///abs, file://localhost/abs
+        database = urllib.parse.unquote(location.path)
+        modes |= set(urllib.parse.parse_qs(location.query).get("mode", ()))
+    if database in ("", ":memory:") or "memory" in modes:
         return None
     return Path(database)
 

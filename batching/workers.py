@@ -175,7 +175,8 @@ def run_workers(
         # the workers, and keep reading their messages, or one blocked writing to the queue
         # never exits.
         stops.event.set()
-        _wind_down(started, messages)
+        seen = stops.signals
+        _wind_down(started, messages, hurry=lambda: stops.signals > seen)
         raise
     finally:
         stops.restore()
@@ -244,18 +245,25 @@ def _died(index: int, exitcode: int) -> WorkerReport:
     )
 
 
-def _wind_down(started: Sequence[Any], messages: Any, grace_s: float = 60.0) -> None:
-    """Wait for stopped workers (draining their messages); terminate those still running
-    after ``grace_s`` (their leased items return when the lease expires)."""
+def _wind_down(
+    started: Sequence[Any],
+    messages: Any,
+    *,
+    hurry: Callable[[], bool] = lambda: False,
+    grace_s: float = 60.0,
+) -> None:
+    """Wait for stopped workers, draining their messages (a worker blocked writing to the
+    queue never exits); kill those still running after ``grace_s``, or at once when
+    ``hurry()`` (a second Ctrl-C). Their leased items return when the lease expires."""
     deadline = time.monotonic() + grace_s
-    while any(p.is_alive() for p in started) and time.monotonic() < deadline:
+    while any(p.is_alive() for p in started) and time.monotonic() < deadline and not hurry():
         with contextlib.suppress(stdqueue.Empty):
             while True:
                 messages.get_nowait()
         time.sleep(0.05)
     for p in started:
         if p.is_alive():
-            p.terminate()
+            p.kill()  # not terminate(): a worker's SIGTERM handler only asks it to stop
         p.join()
 
 
@@ -272,12 +280,14 @@ class _StopRequests:
     unblocks them. This process's handler is installed first, so a signal delivered to any
     of its threads meanwhile is kept, and passed on through the event, which workers watch
     from the start. (multiprocessing's resource tracker unblocks both signals in the thread
-    that starts it, so it is started before the mask is set.) Only the main thread can set
-    handlers; elsewhere workers stop on the event alone.
+    that starts it, so it is started before the mask is set.) Any thread can hold the mask,
+    but only the main thread can set handlers: elsewhere the caller stops workers through
+    ``run_workers(stop=...)``.
     """
 
     def __init__(self, ctx: Any) -> None:
         self.event = ctx.Event()
+        self.signals = 0  # stop signals received so far
         self._asked = threading.Event()
         self._old: dict[signal.Signals, Any] = {}
         self._main = threading.current_thread() is threading.main_thread()
@@ -285,10 +295,8 @@ class _StopRequests:
     @contextlib.contextmanager
     def starting(self) -> Iterator[None]:
         """Around starting the workers; afterwards, SIGTERM/SIGINT ask them to stop."""
-        if not self._main:
-            yield
-            return
-        self._old = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
+        if self._main:
+            self._old = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
         resource_tracker.ensure_running()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
@@ -297,6 +305,7 @@ class _StopRequests:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def _on_signal(self, _signum: int, _frame: Any) -> None:
+        self.signals += 1
         self._asked.set()  # the event itself takes a lock: set it outside the handler
 
     def forward(self, *, asked: bool = False) -> None:

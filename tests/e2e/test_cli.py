@@ -209,6 +209,8 @@ def test_a_parquet_file_without_payload_is_refused(tmp_path: Path) -> None:
         ("sqlite:///:memory:", 2),
         ("sqlite:///file:x?mode=memory&uri=true", 2),
         ("postgresql+psycopg2://u@127.0.0.1:9/x", 2),  # a driver that is not installed
+        ("sqlite:///file::memory:?uri=1", 2),
+        ("sqlite:///x.db?timeout=abc", 2),  # pysqlite's float() of an option
     ],
 )
 def test_a_bad_db_url_is_one_line(tmp_path: Path, url: str, code: int) -> None:
@@ -262,9 +264,18 @@ def test_a_password_in_the_url_query_is_never_printed(tmp_path: Path) -> None:
     assert "password=***" in one_error_line(r)
 
 
-def test_a_sqlite_uri_url_opens_the_file_it_names(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite:///file:queue.db?mode=ro&uri=true",
+        "sqlite:///file:queue.db?uri=1",
+        "sqlite:///file://localhost/{dir}/queue.db?uri=true",
+        "sqlite:///file:///{dir}/queue.db?uri=true",
+    ],
+)
+def test_a_sqlite_uri_url_opens_the_file_it_names(tmp_path: Path, url: str) -> None:
     assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
-    r = batching("status", "--db", "sqlite:///file:queue.db?mode=ro&uri=true", cwd=tmp_path)
+    r = batching("status", "--db", url.format(dir=str(tmp_path).lstrip("/")), cwd=tmp_path)
     assert r.rc == 0, r.err
 
 

@@ -3,6 +3,7 @@ Parquet read back; signals and a killed worker lose nothing."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -16,7 +17,7 @@ import sqlalchemy as sa
 from batching import config as cfg
 from batching import models, schema
 from batching import queue as q
-from batching.workers import WorkersOutcome, run_workers
+from batching.workers import WorkersOutcome, _wind_down, run_workers
 from tests.conftest import wait_for
 from tests.integration.conftest import ScoreProcess
 from tests.integration.test_pipeline import (
@@ -70,15 +71,21 @@ def test_two_workers_commit_every_item_exactly_once(db_url: str, tmp_path: Path)
 
 
 def worker_pids(parent: int) -> list[int]:
-    """The spawned scorer processes of ``parent`` (not multiprocessing's resource tracker)."""
+    """The spawned scorer processes of ``parent`` (not multiprocessing's resource tracker),
+    whichever of its threads started them."""
     pids = []
-    for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+    for task in Path(f"/proc/{parent}/task").iterdir():
         try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        except FileNotFoundError:
+            children = (task / "children").read_text().split()
+        except FileNotFoundError:  # the thread ended
             continue
-        if b"spawn_main" in cmdline:
-            pids.append(int(child))
+        for child in children:
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            except FileNotFoundError:
+                continue
+            if b"spawn_main" in cmdline:
+                pids.append(int(child))
     return pids
 
 
@@ -134,6 +141,56 @@ def test_workers_run_from_another_thread_stop_when_asked(sqlite_url: str, tmp_pa
     states = Counter(r.state for r in items(sqlite_url).values())
     assert states[models.State.LEASED] == 0
     assert states[models.State.READY] > 0, "the workers ran to the end; stop was ignored"
+
+
+def test_workers_started_off_the_main_thread_survive_sigterm_while_starting(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    # A supervisor's SIGTERM to the process group reaches workers still importing torch.
+    config = load("tabular.yaml", tmp_path, batching=SLOW)
+    enqueue(sqlite_url, config, w1_records(N, tmp_path))
+    outcome: list[WorkersOutcome] = []
+    runner = threading.Thread(
+        target=lambda: outcome.append(
+            run_workers(config, 2, db_url=sqlite_url, output=str(tmp_path / "outputs"))
+        )
+    )
+    runner.start()
+
+    def two_workers() -> list[int] | None:
+        pids = worker_pids(os.getpid())
+        return pids if len(pids) == 2 else None
+
+    pids = wait_for(two_workers, 60, "two worker processes")
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    runner.join(timeout=120)
+    assert not runner.is_alive()
+    assert outcome[0].exit_code == 0, outcome[0].errors()
+    states = Counter(r.state for r in items(sqlite_url).values())
+    assert states[models.State.LEASED] == 0
+    assert states[models.State.READY] > 0, "the signal was lost: the workers ran to the end"
+
+
+def _stubborn() -> None:
+    """A worker stuck in a long batch: SIGTERM only asks it to stop, as in ``_work``."""
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    time.sleep(120)
+
+
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_winding_down_kills_a_worker_that_outlives_the_grace(second_signal: bool) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    messages = ctx.Queue()
+    worker = ctx.Process(target=_stubborn)
+    worker.start()
+    time.sleep(2.0)  # its handler is in place
+    worker.terminate()  # asks; the worker goes on
+    started = time.monotonic()
+    _wind_down([worker], messages, hurry=lambda: second_signal, grace_s=3.0)
+    took = time.monotonic() - started
+    assert worker.exitcode == -signal.SIGKILL
+    assert took < (1.0 if second_signal else 10.0), took
 
 
 @pytest.mark.slow
