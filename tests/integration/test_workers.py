@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -172,9 +173,10 @@ def test_workers_started_off_the_main_thread_survive_sigterm_while_starting(
     assert states[models.State.READY] > 0, "the signal was lost: the workers ran to the end"
 
 
-def _stubborn() -> None:
+def _stubborn(ready: Any) -> None:
     """A worker stuck in a long batch: SIGTERM only asks it to stop, as in ``_work``."""
     signal.signal(signal.SIGTERM, lambda *_: None)
+    ready.set()
     time.sleep(120)
 
 
@@ -182,9 +184,10 @@ def _stubborn() -> None:
 def test_winding_down_kills_a_worker_that_outlives_the_grace(second_signal: bool) -> None:
     ctx = multiprocessing.get_context("spawn")
     messages = ctx.Queue()
-    worker = ctx.Process(target=_stubborn)
+    ready = ctx.Event()
+    worker = ctx.Process(target=_stubborn, args=(ready,))
     worker.start()
-    time.sleep(2.0)  # its handler is in place
+    assert ready.wait(60), "the worker did not start"
     worker.terminate()  # asks; the worker goes on
     started = time.monotonic()
     _wind_down([worker], messages, hurry=lambda: second_signal, grace_s=3.0)
