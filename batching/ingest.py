@@ -34,32 +34,20 @@ def read_records(path: str | Path) -> list[models.EnqueueRecord]:
         raise errors.InputError(f"{p}: no such file; give a .jsonl or .parquet file")
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
-        lines, records = _unzip(_read_jsonl(p))
-        _check_unique_keys(records, [f"line {n}" for n in lines], p)
-        return records
-    if suffix == ".parquet":
-        records = _read_parquet(p)
-        _check_unique_keys(records, [f"row {i + 1}" for i in range(len(records))], p)
-        return records
-    raise errors.InputError(f"{p}: unknown file type {suffix!r}; use .jsonl or .parquet")
+        placed = [(f"line {n}", record) for n, record in _read_jsonl(p)]
+    elif suffix == ".parquet":
+        placed = [(f"row {i}", record) for i, record in enumerate(_read_parquet(p), start=1)]
+    else:
+        raise errors.InputError(f"{p}: unknown file type {suffix!r}; use .jsonl or .parquet")
+    _check_unique_keys(placed, p)
+    return [record for _, record in placed]
 
 
-def _unzip(
-    pairs: Iterator[tuple[int, models.EnqueueRecord]],
-) -> tuple[list[int], list[models.EnqueueRecord]]:
-    lines: list[int] = []
-    records: list[models.EnqueueRecord] = []
-    for line, record in pairs:
-        lines.append(line)
-        records.append(record)
-    return lines, records
-
-
-def _check_unique_keys(records: list[models.EnqueueRecord], places: list[str], p: Path) -> None:
+def _check_unique_keys(placed: list[tuple[str, models.EnqueueRecord]], p: Path) -> None:
     """A key twice in one file is two requests under one idempotency key: the second would be
     dropped as "already present" with its payload. Refuse the file instead, naming both."""
     first: dict[str, str] = {}
-    for record, place in zip(records, places, strict=True):
+    for place, record in placed:
         seen = first.setdefault(record.item_key, place)
         if seen != place:
             raise errors.InputError(

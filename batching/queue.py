@@ -94,13 +94,7 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
     Raises:
         ConfigError: the URL is malformed or names an unsupported database.
     """
-    try:
-        parsed = sa.make_url(normalize_url(url))
-    except (exc.ArgumentError, ValueError):  # ValueError: a port that is not a number
-        raise errors.ConfigError(
-            f"database URL {redact(url)!r} is malformed; use sqlite:///FILE or "
-            "postgresql://USER@HOST:PORT/DB"
-        ) from None
+    parsed = _parse_url(url)
     backend = parsed.get_backend_name()
     if backend == "sqlite" and _sqlite_file(parsed) is None:
         raise errors.ConfigError(
@@ -121,6 +115,17 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
         raise errors.ConfigError(
             f"database URL {redact(url)!r} cannot be used ({type(e).__name__}: "
             f"{redact_url(str(e))}); use sqlite:///FILE or postgresql://USER@HOST:PORT/DB"
+        ) from None
+
+
+def _parse_url(url: str) -> sa.URL:
+    """``url`` parsed (``postgres://`` mapped to psycopg 3), or ``ConfigError`` naming it redacted."""
+    try:
+        return sa.make_url(normalize_url(url))
+    except (exc.ArgumentError, ValueError):  # ValueError: a port that is not a number
+        raise errors.ConfigError(
+            f"database URL {redact(url)!r} is malformed; use sqlite:///FILE or "
+            "postgresql://USER@HOST:PORT/DB"
         ) from None
 
 
@@ -149,11 +154,7 @@ def require_database(url: str) -> None:
     Raises:
         ConfigError: the URL is malformed, or its SQLite file does not exist.
     """
-    try:
-        parsed = sa.make_url(normalize_url(url))
-    except (exc.ArgumentError, ValueError):
-        create_engine(url)  # raises the malformed-URL message
-        return
+    parsed = _parse_url(url)
     if parsed.get_backend_name() != "sqlite":
         return
     path = _sqlite_file(parsed)

@@ -227,12 +227,20 @@ class _Watch:
         ]
         if not exited:
             return
-        with contextlib.suppress(stdqueue.Empty):
-            while True:
-                self._take(self._messages.get_nowait())
+        for message in _drained(self._messages):
+            self._take(message)
         for i, code in exited:
             if i not in self.reports:
                 self.reports[i] = _died(i, code)
+
+
+def _drained(messages: Any) -> Iterator[Any]:
+    """The messages already in the queue, without waiting for more."""
+    while True:
+        try:
+            yield messages.get_nowait()
+        except stdqueue.Empty:
+            return
 
 
 def _died(index: int, exitcode: int) -> WorkerReport:
@@ -257,9 +265,8 @@ def _wind_down(
     ``hurry()`` (a second Ctrl-C). Their leased items return when the lease expires."""
     deadline = time.monotonic() + grace_s
     while any(p.is_alive() for p in started) and time.monotonic() < deadline and not hurry():
-        with contextlib.suppress(stdqueue.Empty):
-            while True:
-                messages.get_nowait()
+        for _ in _drained(messages):
+            pass
         time.sleep(0.05)
     for p in started:
         if p.is_alive():

@@ -411,13 +411,32 @@ N_SIGNAL = 3000
 SLOW = {"max_batch_size": 8, "claim_size": 32, "max_wait_s": 0.01}
 
 
+def slow_w1_queue(
+    url: str, tmp_path: Path, n: int, **queue: Any
+) -> tuple[Path, cfg.PipelineConfig]:
+    """``n`` W1 items enqueued for a scorer process with small batches (a run that lasts long
+    enough to be signalled mid-way); ``queue`` overrides queue settings (e.g. ``lease_s``)."""
+    extra = {"queue": {"name": "tabular", **queue}} if queue else {}
+    path = write_config("tabular.yaml", tmp_path, batching=SLOW, **extra)
+    config = cfg.load_config(path)
+    enqueue(url, config, w1_records(n, tmp_path))
+    return path, config
+
+
+def reap_after_lease(url: str, config: cfg.PipelineConfig, lease_s: float) -> models.ReapResult:
+    """Let a killed scorer's leases run out in real time, then run the reaper."""
+    queue = open_queue(url, config)
+    time.sleep(lease_s + 0.2)
+    reaped = queue.release_expired()
+    queue.engine.dispose()
+    return reaped
+
+
 @pytest.mark.slow
 def test_sigterm_mid_run_loses_nothing_and_charges_no_attempt(
     sqlite_url: str, tmp_path: Path, score_process: Callable[..., subprocess.Popen]
 ) -> None:
-    path = write_config("tabular.yaml", tmp_path, batching=SLOW)
-    config = cfg.load_config(path)
-    enqueue(sqlite_url, config, w1_records(N_SIGNAL, tmp_path))
+    path, config = slow_w1_queue(sqlite_url, tmp_path, N_SIGNAL)
     proc = score_process(path)
     wait_for_done(sqlite_url, 200, proc)
     proc.send_signal(signal.SIGTERM)
@@ -447,21 +466,14 @@ def test_sigkill_mid_run_then_reaper_restart_and_reconcile_lose_nothing(
     sqlite_url: str, tmp_path: Path, score_process: Callable[..., subprocess.Popen]
 ) -> None:
     lease_s = 1.5
-    path = write_config(
-        "tabular.yaml", tmp_path, batching=SLOW, queue={"name": "tabular", "lease_s": lease_s}
-    )
-    config = cfg.load_config(path)
-    enqueue(sqlite_url, config, w1_records(N_SIGNAL, tmp_path))
+    path, config = slow_w1_queue(sqlite_url, tmp_path, N_SIGNAL, lease_s=lease_s)
     proc = score_process(path)
     wait_for_done(sqlite_url, 200, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL
 
-    queue = open_queue(sqlite_url, config)
-    time.sleep(lease_s + 0.2)  # the dead scorer's leases run out in real time
-    reaped = queue.release_expired()
-    queue.engine.dispose()
+    reaped = reap_after_lease(sqlite_url, config, lease_s)
     assert reaped.released > 0
     assert reaped.dead == 0
 

@@ -27,9 +27,10 @@ from tests.integration.test_pipeline import (
     enqueue,
     items,
     load,
-    open_queue,
+    reap_after_lease,
     reconcile,
     score,
+    slow_w1_queue,
     w1_records,
     wait_for_done,
     write_config,
@@ -71,6 +72,14 @@ def test_two_workers_commit_every_item_exactly_once(db_url: str, tmp_path: Path)
     assert reconcile(config, db_url, root).clean
 
 
+def assert_stopped_mid_run(url: str, why_not: str) -> Counter[models.State]:
+    """The run stopped cleanly before the end: nothing leased, some items still ready."""
+    states = Counter(models.State(r.state) for r in items(url).values())
+    assert states[models.State.LEASED] == 0, "a worker stopped with items still leased"
+    assert states[models.State.READY] > 0, why_not
+    return states
+
+
 def worker_pids(parent: int) -> list[int]:
     """The spawned scorer processes of ``parent`` (not multiprocessing's resource tracker),
     whichever of its threads started them."""
@@ -93,8 +102,7 @@ def worker_pids(parent: int) -> list[int]:
 def test_when_the_parent_fails_its_workers_stop_and_nothing_stays_leased(
     sqlite_url: str, tmp_path: Path
 ) -> None:
-    config = load("tabular.yaml", tmp_path, batching=SLOW)
-    enqueue(sqlite_url, config, w1_records(N, tmp_path))
+    _, config = slow_w1_queue(sqlite_url, tmp_path, N)
 
     def broken_progress(committed: int, failed: int, claimed: int) -> None:
         raise RuntimeError("the progress display broke")
@@ -107,16 +115,13 @@ def test_when_the_parent_fails_its_workers_stop_and_nothing_stays_leased(
             output=str(tmp_path / "outputs"),
             on_progress=broken_progress,
         )
-    states = Counter(r.state for r in items(sqlite_url).values())
-    assert states[models.State.LEASED] == 0, "a worker was left running, or killed mid-batch"
-    assert states[models.State.READY] > 0, "the workers were not told to stop"
+    assert_stopped_mid_run(sqlite_url, "the workers were not told to stop")
 
 
 def test_workers_run_from_another_thread_stop_when_asked(sqlite_url: str, tmp_path: Path) -> None:
     # Signals reach only the main thread: a caller elsewhere (a Prefect task) stops workers
     # through ``stop``.
-    config = load("tabular.yaml", tmp_path, batching=SLOW)
-    enqueue(sqlite_url, config, w1_records(N, tmp_path))
+    _, config = slow_w1_queue(sqlite_url, tmp_path, N)
     stop = threading.Event()
     outcome: list[WorkersOutcome] = []
 
@@ -139,17 +144,14 @@ def test_workers_run_from_another_thread_stop_when_asked(sqlite_url: str, tmp_pa
     runner.join(timeout=120)
     assert not runner.is_alive(), "the workers did not stop"
     assert outcome[0].exit_code == 0, outcome[0].errors()
-    states = Counter(r.state for r in items(sqlite_url).values())
-    assert states[models.State.LEASED] == 0
-    assert states[models.State.READY] > 0, "the workers ran to the end; stop was ignored"
+    assert_stopped_mid_run(sqlite_url, "the workers ran to the end; stop was ignored")
 
 
 def test_workers_started_off_the_main_thread_survive_sigterm_while_starting(
     sqlite_url: str, tmp_path: Path
 ) -> None:
     # A supervisor's SIGTERM to the process group reaches workers still importing torch.
-    config = load("tabular.yaml", tmp_path, batching=SLOW)
-    enqueue(sqlite_url, config, w1_records(N, tmp_path))
+    _, config = slow_w1_queue(sqlite_url, tmp_path, N)
     outcome: list[WorkersOutcome] = []
     runner = threading.Thread(
         target=lambda: outcome.append(
@@ -168,9 +170,7 @@ def test_workers_started_off_the_main_thread_survive_sigterm_while_starting(
     runner.join(timeout=120)
     assert not runner.is_alive()
     assert outcome[0].exit_code == 0, outcome[0].errors()
-    states = Counter(r.state for r in items(sqlite_url).values())
-    assert states[models.State.LEASED] == 0
-    assert states[models.State.READY] > 0, "the signal was lost: the workers ran to the end"
+    assert_stopped_mid_run(sqlite_url, "the signal was lost: the workers ran to the end")
 
 
 def _stubborn(ready: Any) -> None:
@@ -200,8 +200,7 @@ def test_winding_down_kills_a_worker_that_outlives_the_grace(second_signal: bool
 def test_max_items_is_shared_between_the_workers(
     sqlite_url: str, tmp_path: Path, score_process: ScoreProcess
 ) -> None:
-    path = write_config("tabular.yaml", tmp_path, batching=SLOW)
-    enqueue(sqlite_url, cfg.load_config(path), w1_records(50, tmp_path))
+    path, _ = slow_w1_queue(sqlite_url, tmp_path, 50)
     proc = score_process(path, *WORKERS, "--max-items", "5")
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
@@ -231,9 +230,7 @@ def test_a_bad_checkpoint_fails_every_worker_in_one_line_with_exit_2(
 def test_sigterm_to_the_parent_stops_every_worker_and_loses_nothing(
     sqlite_url: str, tmp_path: Path, score_process: ScoreProcess
 ) -> None:
-    path = write_config("tabular.yaml", tmp_path, batching=SLOW)
-    config = cfg.load_config(path)
-    enqueue(sqlite_url, config, w1_records(N, tmp_path))
+    path, config = slow_w1_queue(sqlite_url, tmp_path, N)
     proc = score_process(path, *WORKERS)
     wait_for(lambda: len(worker_pids(proc.pid)) == 2, 60, "two worker processes")
     wait_for_done(sqlite_url, 200, proc)
@@ -243,9 +240,7 @@ def test_sigterm_to_the_parent_stops_every_worker_and_loses_nothing(
     assert "Traceback" not in stderr
     assert "2 of 2 workers" in stdout
 
-    states = Counter(r.state for r in items(sqlite_url).values())
-    assert states[models.State.LEASED] == 0, "a clean stop left leased items"
-    assert states[models.State.READY] > 0, "the run finished before SIGTERM; nothing tested"
+    states = assert_stopped_mid_run(sqlite_url, "the run finished before SIGTERM; nothing tested")
     assert states[models.State.DONE] + states[models.State.READY] == N
 
     root = tmp_path / "outputs"
@@ -260,17 +255,14 @@ def test_sigterm_to_the_group_while_workers_start_stops_them_cleanly(
 ) -> None:
     # As a supervisor stopping a whole process group would: the workers get SIGTERM while
     # still importing torch, before they have handlers of their own.
-    path = write_config("tabular.yaml", tmp_path, batching=SLOW)
-    enqueue(sqlite_url, cfg.load_config(path), w1_records(N, tmp_path))
+    path, _ = slow_w1_queue(sqlite_url, tmp_path, N)
     proc = score_process(path, *WORKERS)
     wait_for(lambda: len(worker_pids(proc.pid)) == 2, 60, "two worker processes")
     os.killpg(proc.pid, signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert "2 of 2 workers" in stdout
-    states = Counter(r.state for r in items(sqlite_url).values())
-    assert states[models.State.LEASED] == 0
-    assert states[models.State.READY] > 0, "the workers ran to the end; the signal was lost"
+    states = assert_stopped_mid_run(sqlite_url, "the workers ran to the end; the signal was lost")
     assert states[models.State.DONE] + states[models.State.READY] == N
 
 
@@ -279,11 +271,7 @@ def test_a_killed_worker_is_reported_and_its_items_are_scored_after_the_lease(
     sqlite_url: str, tmp_path: Path, score_process: ScoreProcess
 ) -> None:
     lease_s = 1.5
-    path = write_config(
-        "tabular.yaml", tmp_path, batching=SLOW, queue={"name": "tabular", "lease_s": lease_s}
-    )
-    config = cfg.load_config(path)
-    enqueue(sqlite_url, config, w1_records(N, tmp_path))
+    path, config = slow_w1_queue(sqlite_url, tmp_path, N, lease_s=lease_s)
     proc = score_process(path, *WORKERS)
     wait_for(lambda: len(worker_pids(proc.pid)) == 2, 60, "two worker processes")
     wait_for_done(sqlite_url, 200, proc)
@@ -295,10 +283,7 @@ def test_a_killed_worker_is_reported_and_its_items_are_scored_after_the_lease(
     assert "lease expires" in stderr
     assert "1 of 2 workers" in stdout, "the surviving worker's run is not summed up"
 
-    queue = open_queue(sqlite_url, config)
-    time.sleep(lease_s + 0.2)  # the dead worker's leases run out in real time
-    queue.release_expired()
-    queue.engine.dispose()
+    reap_after_lease(sqlite_url, config, lease_s)
     root = tmp_path / "outputs"
     score(config, sqlite_url, root)
     assert_done_once(sqlite_url, root, KEYS)
