@@ -196,7 +196,10 @@ def summary_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("elapsed (s)", f"{summary['elapsed_s']:.1f}"),
         ("release reasons", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "-"),
     ]
-    rows += [(f"busy s: {k}", f"{v:.2f}") for k, v in (summary.get("stage_busy_s") or {}).items()]
+    # Three significant digits: a short run's stages are busy for milliseconds, which a fixed
+    # two decimals showed as 0.00.
+    busy = (summary.get("stage_busy_s") or {}).items()
+    rows += [(f"busy s: {k}", f"{v:.3g}") for k, v in busy]
     if "lineage_failures" in summary:
         rows.append(("lineage events not delivered", f"{summary['lineage_failures']}"))
     return rows

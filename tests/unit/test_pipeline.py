@@ -527,3 +527,11 @@ def test_summary_rows_are_one_list_for_the_cli_and_the_artifact() -> None:
     assert (rows["items committed"], rows["batches"], rows["commits"]) == ("4", "1", "1")
     assert rows["items/s"] == "2.0"
     assert {"busy s: claim", "busy s: commit", "lineage events not delivered"} <= set(rows)
+
+
+def test_summary_rows_show_milliseconds_of_stage_time_not_zero() -> None:
+    summary = pipeline.RunStats(started_at=0.0, finished_at=1.0).summary()
+    summary["stage_busy_s"] = {"forward": 0.00123, "commit": 12.3456}
+    rows = dict(pipeline.summary_rows(summary))
+    assert rows["busy s: forward"] == "0.00123"
+    assert rows["busy s: commit"] == "12.3"
