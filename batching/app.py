@@ -19,6 +19,7 @@ from batching import errors, lineage, models, parquet, pipeline, sinks
 from batching import queue as q
 from batching.runner import TorchRunner
 from batching.service_profile import ServiceProfile
+from batching.workers import WorkersOutcome, WorkersProgress, run_workers
 
 logger = logging.getLogger(__name__)
 
@@ -137,15 +138,17 @@ def scoring_context(
     sink: Any = None,
     checksum: str | None = None,
     parent: tuple[str, str] | None = None,
+    job_name: str | None = None,
 ) -> lineage.RunContext:
     """The lineage run of a scoring run: queue in, outputs out, model, config and its hash.
 
     ``checksum`` is the loaded checkpoint's sha256; before it is loaded, the pinned one.
+    ``job_name`` defaults to the config's name.
     """
     queue_ds, out_ds = datasets(config, res, sink)
     return lineage.RunContext(
         run_id=run_id,
-        job_name=config.name,
+        job_name=job_name or config.name,
         parent_run_id=parent[0] if parent else None,
         parent_job_name=parent[1] if parent else None,
         inputs=(queue_ds,),
@@ -207,8 +210,12 @@ def run_score(
     on_progress: pipeline.Progress | None = None,
     on_scorer: Callable[[pipeline.Scorer], None] | None = None,
     lineage_config: cfg.LineageConfig | None = None,
+    job_name: str | None = None,
 ) -> ScoreOutcome:
     """Run one scoring run end to end: checks, recovery, scoring, run ledger and lineage.
+
+    ``parent`` (run id, job name) and ``job_name`` place the run under a parent lineage run
+    (``run_score_workers``); by default the run is the config's job, without a parent.
 
     Raises:
         SchemaError, QueueError, CheckpointError, SinkError: a precondition or stage failed.
@@ -216,12 +223,13 @@ def run_score(
             got past the checks (its rows live in the queue database).
         ConfigError: the lineage settings are invalid (nothing can be recorded).
     """
-    res = resolve(config, db_url, output)
-    q.require_database(res.db_url)  # bad input: refused before anything is on record
-    if config.output.kind == "parquet":
-        require_writable_folder(Path(res.output), "the output folder (output.path / --output)")
+    res = _checked(config, db_url, output)
     run_id = run_id or lineage.new_run_id()
     emitter = make_emitter(config, res, lineage_config)
+
+    def context(**kw: Any) -> lineage.RunContext:
+        return scoring_context(config, res, run_id, parent=parent, job_name=job_name, **kw)
+
     try:
         queue = open_queue(config, res.db_url)
         queue.check_schema()
@@ -230,9 +238,7 @@ def run_score(
         sink = make_sink(config, queue, res.output)
         recovered = sink.recover()
         profile = load_profile(config)
-        ctx = scoring_context(
-            config, res, run_id, sink=sink, checksum=runner.checksum, parent=parent
-        )
+        ctx = context(sink=sink, checksum=runner.checksum)
         runs = q.RunLedger(queue)
         runs.start(
             run_id,
@@ -242,7 +248,7 @@ def run_score(
             model_sha256=runner.checksum,
         )
     except Exception as exc:  # a precondition failed: the run is still on record as failed
-        record_failed_start(emitter, scoring_context(config, res, run_id, parent=parent), exc)
+        record_failed_start(emitter, context(), exc)
         raise
     out_ds = ctx.outputs[0]
     emitter.start(ctx)
@@ -290,6 +296,100 @@ def run_score(
     )
 
 
+def _checked(config: cfg.PipelineConfig, db_url: str | None, output: str | None) -> Resolved:
+    """Where a run reads and writes, refused as bad input before anything is on record."""
+    res = resolve(config, db_url, output)
+    q.require_database(res.db_url)
+    if config.output.kind == "parquet":
+        require_writable_folder(Path(res.output), "the output folder (output.path / --output)")
+    return res
+
+
+@dataclass
+class WorkersScoreOutcome:
+    """What ``run_score_workers`` did: the parent run and every worker's report."""
+
+    run_id: str  # the parent lineage run
+    workers: WorkersOutcome
+    output: str
+    events_path: Path | None
+    lineage_failures: int  # the parent's and the workers' events not delivered
+
+    def summary(self) -> dict[str, Any]:
+        """The finished workers' counters as one run summary, as ``ScoreOutcome.summary``."""
+        stats = self.workers.stats()
+        summary = stats.summary() if stats is not None else {}
+        return {**summary, "lineage_failures": self.lineage_failures}
+
+
+def run_score_workers(
+    config: cfg.PipelineConfig,
+    n: int,
+    *,
+    db_url: str | None = None,
+    output: str | None = None,
+    limits: pipeline.RunLimits | None = None,
+    run_id: str | None = None,
+    lineage_config: cfg.LineageConfig | None = None,
+    threads: int | None = None,
+    on_progress: WorkersProgress | None = None,
+    stop: Any = None,
+) -> WorkersScoreOutcome:
+    """Score with ``n`` worker processes as ONE lineage run of the config's job.
+
+    The parent run (``run_id``: the Prefect flow-run id, or a new one) records START, then
+    COMPLETE with the rows all workers committed, or FAIL naming the workers that failed.
+    Each worker is a whole scoring run (``run_score``: run ledger, recovery, its own events)
+    of the child job ``<job>.worker-<i>`` with the parent facet pointing here, which is how
+    Marquez nests child jobs. Worker failures are reported in the outcome
+    (``workers.error()``), not raised; see ``workers.run_workers`` for the rest.
+
+    Raises:
+        SchemaError, QueueError, SinkError, ConfigError: the database or output location is
+            missing or unusable (nothing is on record), or the lineage settings are invalid.
+    """
+    res = _checked(config, db_url, output)
+    run_id = run_id or lineage.new_run_id()
+    emitter = make_emitter(config, res, lineage_config)
+    ctx = scoring_context(config, res, run_id)
+    emitter.start(ctx)
+    try:
+        outcome = run_workers(
+            config,
+            n,
+            db_url=db_url,
+            output=output,
+            limits=limits,
+            threads=threads,
+            on_progress=on_progress,
+            stop=stop,
+            parent=(run_id, ctx.job_name),
+            lineage_config=lineage_config,
+        )
+    except BaseException as exc:
+        emitter.fail(ctx, exc, outputs=[ctx.outputs[0].with_stats(0)])
+        emitter.close()
+        raise
+    stats = outcome.stats()
+    out_ds = ctx.outputs[0].with_stats(
+        stats.committed if stats else 0, stats.bytes_written if stats else None
+    )
+    error = outcome.error()
+    if error is None:
+        emitter.complete(ctx, outputs=[out_ds])
+    else:
+        emitter.fail(ctx, error, outputs=[out_ds])
+    emitter.close()
+    done = [r for r in outcome.reports if r.run_id]
+    return WorkersScoreOutcome(
+        run_id,
+        outcome,
+        str(res.output),
+        res.events_path,
+        emitter.failures + sum(r.lineage_failures for r in done),
+    )
+
+
 def _as_dict(value: Any) -> dict[str, Any]:
     if value is None:
         return {}
@@ -327,4 +427,11 @@ def check_config(config: cfg.PipelineConfig) -> Any:
     return policy.check_policy(config, load_profile(config))
 
 
-__all__ = ["ScoreOutcome", "check_config", "errors", "run_score"]
+__all__ = [
+    "ScoreOutcome",
+    "WorkersScoreOutcome",
+    "check_config",
+    "errors",
+    "run_score",
+    "run_score_workers",
+]

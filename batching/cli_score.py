@@ -73,8 +73,9 @@ def score(
         int,
         typer.Option(
             min=1,
-            help="Scorer processes to run side by side (each its own run; torch threads are "
-            "split between them). --max-items is shared out between them.",
+            help="Scorer processes to run side by side: one lineage run, each worker its "
+            "child job <name>.worker-<i>; torch threads are split between them. --max-items "
+            "is shared out between them.",
         ),
     ] = 1,
 ) -> None:
@@ -133,30 +134,29 @@ def score(
             on_scorer=on_scorer,
         )
     out.print(summary_table(outcome.summary, f"run {outcome.run_id}"))
-    out.print(f"outputs: {outcome.output}")
-    if outcome.events_path:
-        out.print(f"lineage: {outcome.events_path}")
-    if outcome.lineage_failures:
-        err.print(
-            f"warning: {outcome.lineage_failures} lineage event(s) not delivered (run not affected)"
-        )
+    _where(outcome.output, outcome.events_path, outcome.lineage_failures)
+
+
+def _where(output: str, events_path: Any, lineage_failures: int) -> None:
+    """The closing lines: where outputs and lineage went, and lineage not delivered."""
+    out.print(f"outputs: {output}")
+    if events_path:
+        out.print(f"lineage: {events_path}")
+    if lineage_failures:
+        err.print(f"warning: {lineage_failures} lineage event(s) not delivered (scoring not affected)")
 
 
 def _score_workers(cfg: Any, n: int, **kwargs: Any) -> None:
-    from batching.workers import run_workers
+    from batching import app as wiring
 
-    outcome = run_workers(cfg, n, **kwargs)
-    stats = outcome.stats()
+    result = wiring.run_score_workers(cfg, n, **kwargs)
+    outcome = result.workers
     done = [r for r in outcome.reports if r.run_id]
-    if stats is not None:
-        out.print(summary_table(stats.summary(), f"{len(done)} of {len(outcome.reports)} workers"))
-        out.print(f"runs: {', '.join(str(r.run_id) for r in done)}")
-        out.print(f"outputs: {done[0].output}")
-        if done[0].events_path:
-            out.print(f"lineage: {done[0].events_path}")
-    lost = sum(r.lineage_failures for r in done)
-    if lost:
-        err.print(f"warning: {lost} lineage event(s) not delivered (runs not affected)")
+    if done:
+        title = f"run {result.run_id}: {len(done)} of {len(outcome.reports)} workers"
+        out.print(summary_table(result.summary(), title))
+        out.print(f"worker runs: {', '.join(str(r.run_id) for r in done)}")
+    _where(result.output, result.events_path, result.lineage_failures)
     for message in outcome.errors():
         err.print(f"[red]error:[/red] {message}", markup=True, highlight=False, soft_wrap=True)
     if outcome.exit_code:

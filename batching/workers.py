@@ -2,9 +2,10 @@
 
 One scorer process is bounded by the GIL: its claim, decode, forward and commit stages are
 threads, and only one of them runs Python at a time. Processes do not share a GIL, so N
-workers use N cores for that Python work (W1 on the 2-core benchmark host: 66k against 53k
-rows/s with two). Each worker is a whole, independent scoring run (``app.run_score``): its
-own run id, run-ledger row, lineage events, leases and recovery. Claims never overlap (one
+workers use N cores for that Python work (W1 on the 2-core benchmark host: about 1.2x the
+rows/s of one; README, Benchmarks). Each worker is a whole, independent scoring run
+(``app.run_score``): its own run id, run-ledger row, lineage events, leases and recovery;
+``app.run_score_workers`` makes them child runs of one parent lineage run. Claims never overlap (one
 lease per claim), so nothing here coordinates the work; the parent only starts the workers,
 forwards SIGTERM/SIGINT, adds up their progress and reports what each did.
 
@@ -28,7 +29,7 @@ from multiprocessing import resource_tracker
 from typing import Any
 
 from batching import errors
-from batching.config import PipelineConfig
+from batching.config import LineageConfig, PipelineConfig
 from batching.logs import configure_logging
 from batching.pipeline import RunLimits, RunStats, Scorer
 
@@ -50,6 +51,7 @@ class WorkerReport:
     lineage_failures: int = 0
     error: str | None = None
     exit_code: int = 0
+    error_type: str | None = None  # the exception's class name, to raise it again here
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,18 @@ class WorkersOutcome:
         parts = [r.stats for r in self.reports if r.stats is not None]
         return RunStats.merged(parts) if parts else None
 
+    def error(self) -> errors.BatchingError | None:
+        """The workers' failures as one exception of the worst one's type (a usage error
+        first, then the first failed worker's ``batching.errors`` type, so a retry policy
+        keyed on the type still works), or None when every worker finished."""
+        failed = sorted(self.failed, key=lambda r: -r.exit_code)
+        if not failed:
+            return None
+        cls = getattr(errors, failed[0].error_type or "", None)
+        if not (isinstance(cls, type) and issubclass(cls, errors.BatchingError)):
+            cls = errors.BatchingError
+        return cls("; ".join(self.errors()))
+
     def errors(self) -> list[str]:
         """Each distinct failure once, naming the workers it stopped."""
         by_message: dict[str, list[int]] = {}
@@ -91,6 +105,12 @@ class _Job:
     limits: RunLimits
     threads: int
     log_level: int
+    parent: tuple[str, str] | None = None
+    lineage_config: LineageConfig | None = None
+
+    def job_name(self, index: int) -> str | None:
+        """Under a parent run, each worker is its child job ``<parent job>.worker-<i>``."""
+        return f"{self.parent[1]}.worker-{index}" if self.parent else None
 
 
 def available_cores() -> int:
@@ -124,6 +144,8 @@ def run_workers(
     on_progress: WorkersProgress | None = None,
     stop: threading.Event | None = None,
     poll_s: float = 0.2,
+    parent: tuple[str, str] | None = None,
+    lineage_config: LineageConfig | None = None,
 ) -> WorkersOutcome:
     """Run ``n`` scoring runs in ``n`` spawned processes and wait for all of them.
 
@@ -135,6 +157,9 @@ def run_workers(
         stop: set it (from any thread) to stop every worker as SIGTERM would; the way to stop
             workers run from a thread other than the main one, where signals never arrive.
         poll_s: how often a silent worker is checked for having died.
+        parent: ``(run id, job name)`` of the lineage run the workers belong to; each worker
+            is then the child job ``<job name>.worker-<i>`` (see ``app.run_score_workers``).
+        lineage_config: overrides the config's lineage settings in every worker.
 
     SIGTERM and SIGINT received here stop every worker (see ``_StopRequests``): each
     stops claiming, finishes its batches in flight and releases the rest. A
@@ -152,7 +177,7 @@ def run_workers(
             target=_work,
             args=(
                 i,
-                _Job(config, db_url, output, share, per_worker, log_level),
+                _Job(config, db_url, output, share, per_worker, log_level, parent, lineage_config),
                 messages,
                 stops.event,
             ),
@@ -367,10 +392,15 @@ def _work(index: int, job: _Job, messages: Any, stop_event: Any) -> None:
             limits=job.limits,
             on_progress=on_progress,
             on_scorer=on_scorer,
+            parent=job.parent,
+            job_name=job.job_name(index),
+            lineage_config=job.lineage_config,
         )
     except errors.BatchingError as exc:
         code = 2 if isinstance(exc, errors.USAGE_ERRORS) else 1
-        messages.put(("report", index, WorkerReport(index, error=str(exc), exit_code=code)))
+        kind = type(exc).__name__
+        report = WorkerReport(index, error=str(exc), exit_code=code, error_type=kind)
+        messages.put(("report", index, report))
         return
     except BaseException as exc:  # not ours: one line to the parent, the traceback to the log
         logger.exception("worker %d failed", index)

@@ -86,7 +86,11 @@ class Progress:
 
     def __call__(self, stats: pipeline.RunStats) -> None:
         """``on_progress`` hook: called after every batch."""
-        self._done = stats.committed + stats.failed
+        self.counts(stats.committed, stats.failed, stats.claimed)
+
+    def counts(self, committed: int, failed: int, _claimed: int) -> None:
+        """The same from counts (the workers' summed progress, ``run_workers``)."""
+        self._done = committed + failed
         now = time.monotonic()
         if now - self._last < self.interval_s:
             return

@@ -10,13 +10,14 @@ from typing import Any
 
 from prefect import flow
 
-from batching import app, config, ingest, pipeline
+from batching import app, config, errors, ingest, pipeline
 from flows import logs, settings
 from flows.score import (
     before_scoring,
     flow_run_id,
     retrying_task,
     score_queue,
+    summary_of,
     validate_preconditions,
 )
 
@@ -48,6 +49,7 @@ def bulk(
     db_url: str | None = None,
     output: str | None = None,
     max_seconds: float | None = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Enqueue ``input_path`` and score the whole queue with the bulk profile.
 
@@ -55,6 +57,7 @@ def bulk(
         input_path: Parquet (or JSONL) file of records: ``item_key``, ``payload``, ...
         config, overrides, db_url, output: as for the score flow.
         max_seconds: stop claiming after this long (checked between micro-batches).
+        workers: scorer processes side by side, as for the score flow.
 
     Returns:
         ``enqueued`` and ``duplicates`` counts, then the run summary.
@@ -62,12 +65,15 @@ def bulk(
     with logs.to_prefect(flow_run_id()):
         cfg = settings.load(config, overrides)
         with before_scoring(cfg, db_url, output):
+            if workers < 1:
+                raise errors.ConfigError(f"workers must be at least 1, got {workers}")
             found = validate_preconditions(cfg, db_url, output)
             enqueued = enqueue_input(cfg, db_url, input_path)
         limits = pipeline.RunLimits(max_seconds=max_seconds)
-        outcome = score_queue(cfg, db_url, output, limits, found["ready"] + enqueued["inserted"])
+        expected = found["ready"] + enqueued["inserted"]
+        outcome = score_queue(cfg, db_url, output, limits, expected, workers)
         return {
             "enqueued": enqueued["inserted"],
             "duplicates": enqueued["duplicates"],
-            **outcome.summary,
+            **summary_of(outcome),
         }

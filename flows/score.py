@@ -113,23 +113,45 @@ def score_queue(
     output: str | None,
     limits: pipeline.RunLimits,
     expected: int,
-) -> app.ScoreOutcome:
+    workers: int = 1,
+) -> app.ScoreOutcome | app.WorkersScoreOutcome:
     """Score the queue within ``limits`` as the flow run's lineage run; publish the summary.
 
     ``expected``: the items the run expects to score, the progress artifact's 100 %.
+    ``workers`` > 1: that many scorer processes, each a child lineage run of the flow run's.
     """
+    outcome: app.ScoreOutcome | app.WorkersScoreOutcome
     with artifacts.Progress(cfg.name, expected) as progress:
-        outcome = app.run_score(
-            cfg,
-            db_url=settings.db_url(db_url),
-            output=output,
-            limits=limits,
-            run_id=flow_run_id(),
-            on_progress=progress,
-            lineage_config=settings.lineage_config(cfg),
-        )
-    artifacts.publish_summary(cfg.name, outcome.run_id, outcome.summary, outcome.output)
+        if workers > 1:
+            outcome = app.run_score_workers(
+                cfg,
+                workers,
+                db_url=settings.db_url(db_url),
+                output=output,
+                limits=limits,
+                run_id=flow_run_id(),
+                on_progress=progress.counts,
+                lineage_config=settings.lineage_config(cfg),
+            )
+            if (error := outcome.workers.error()) is not None:
+                raise error
+        else:
+            outcome = app.run_score(
+                cfg,
+                db_url=settings.db_url(db_url),
+                output=output,
+                limits=limits,
+                run_id=flow_run_id(),
+                on_progress=progress,
+                lineage_config=settings.lineage_config(cfg),
+            )
+    artifacts.publish_summary(cfg.name, outcome.run_id, summary_of(outcome), outcome.output)
     return outcome
+
+
+def summary_of(outcome: app.ScoreOutcome | app.WorkersScoreOutcome) -> dict[str, Any]:
+    """The run summary of one scorer, or of all workers added up."""
+    return outcome.summary() if isinstance(outcome, app.WorkersScoreOutcome) else outcome.summary
 
 
 @task(name="check-backlog", cache_policy=NO_CACHE)
@@ -179,6 +201,7 @@ def score(
     output: str | None = None,
     max_seconds: float | None = None,
     max_items: int | None = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Score a pipeline's queue: preconditions, then claim, batch, score, commit; report.
 
@@ -188,7 +211,9 @@ def score(
         db_url: database URL; default ``$BATCHING_DB_URL``, else the config's.
         output: output folder (Parquet) or table (SQL); default the config's.
         max_seconds: stop claiming after this long (checked between micro-batches).
-        max_items: stop after claiming this many items.
+        max_items: stop after claiming this many items (shared out between workers).
+        workers: scorer processes side by side (``batching score --workers``); each is a
+            child lineage job ``<name>.worker-<i>`` of this flow run's.
 
     Returns:
         The run summary (items, batches, batch sizes, padding, latency, items/s).
@@ -196,9 +221,11 @@ def score(
     with logs.to_prefect(flow_run_id()):
         cfg = settings.load(config, overrides)
         with before_scoring(cfg, db_url, output):
+            if workers < 1:
+                raise errors.ConfigError(f"workers must be at least 1, got {workers}")
             found = validate_preconditions(cfg, db_url, output)
         expected = min(found["ready"], max_items or found["ready"])
         limits = pipeline.RunLimits(max_seconds=max_seconds, max_items=max_items)
-        outcome = score_queue(cfg, db_url, output, limits, expected)
+        outcome = score_queue(cfg, db_url, output, limits, expected, workers)
         check_backlog(cfg, db_url)
-        return outcome.summary
+        return summary_of(outcome)

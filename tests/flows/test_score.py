@@ -164,6 +164,53 @@ def test_a_wrong_checksum_claims_nothing_and_fails_the_run_with_a_fail_event(
     assert error["programmingLanguage"] == "python"
 
 
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The healthy run's work, done by two scorer processes (``workers=2``)."""
+    pipeline = make_pipeline(
+        tmp_path_factory.mktemp("workers"), N_ITEMS, batching={"max_batch_size": 64}
+    )
+    return run_score(pipeline, workers=2)
+
+
+def test_two_workers_score_every_item_once_as_children_of_the_flow_run(
+    two_workers: Run, registry: Registry
+) -> None:
+    run = two_workers
+    assert run.state.is_completed(), run.state.message
+    assert run.summary["items_committed"] == N_ITEMS
+    assert run.pipeline.by_state()["done"] == N_ITEMS
+    keys = pq.read_table(run.pipeline.output)["item_key"].to_pylist()
+    assert sorted(keys) == sorted(f"w1-{i}" for i in range(N_ITEMS))
+
+    events = run.pipeline.lineage()
+    for event in events:
+        olspec.assert_valid_event(event, registry)
+    mine = [e for e in events if e["run"]["runId"] == run.run_id]
+    assert [e["eventType"] for e in mine] == ["START", "COMPLETE"]
+    assert mine[-1]["job"]["name"] == "score-tabular"
+    assert mine[-1]["outputs"][0]["outputFacets"]["outputStatistics"]["rowCount"] == N_ITEMS
+    children = [e for e in events if e["run"]["runId"] != run.run_id]
+    assert {e["run"]["facets"]["parent"]["run"]["runId"] for e in children} == {run.run_id}
+    assert {e["job"]["name"] for e in children} == {
+        "score-tabular.worker-0",
+        "score-tabular.worker-1",
+    }
+
+    found = {a.key: a for a in artifacts_of(run.run_id)}
+    rows = {r["metric"]: r["value"] for r in _table(found["score-tabular-summary"].data)}
+    assert rows["items committed"] == str(N_ITEMS)
+    assert found["score-tabular-progress"].data == 100.0
+
+
+def test_zero_workers_is_refused_before_anything_is_claimed(tmp_path: Any) -> None:
+    pipeline = make_pipeline(tmp_path, 10)
+    run = run_score(pipeline, workers=0)
+    assert run.state.is_failed()
+    assert "workers must be at least 1, got 0" in run.state.message
+    assert pipeline.by_state()["ready"] == 10
+
+
 @pytest.fixture
 def dead_lineage(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lineage goes over http to a loopback port where nothing listens."""

@@ -14,11 +14,14 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from referencing import Registry
 
+from batching import app as wiring
 from batching import config as cfg
-from batching import models, schema
+from batching import lineage, lineage_log, models, schema
 from batching import queue as q
 from batching.workers import WorkersOutcome, _wind_down, run_workers
+from tests import olspec
 from tests.conftest import wait_for
 from tests.integration.conftest import ScoreProcess
 from tests.integration.test_pipeline import (
@@ -70,6 +73,69 @@ def test_two_workers_commit_every_item_exactly_once(db_url: str, tmp_path: Path)
     assert seen == sorted(seen), "progress went backwards"
     assert seen[-1] == N, "progress is not the summed count"
     assert reconcile(config, db_url, root).clean
+
+
+@pytest.fixture(scope="module")
+def parented(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[wiring.WorkersScoreOutcome, cfg.PipelineConfig, list[dict[str, Any]]]:
+    """Two workers under one parent lineage run (``run_score_workers``), and the events."""
+    tmp = tmp_path_factory.mktemp("parented")
+    url = f"sqlite:///{tmp / 'queue.db'}"
+    config = load("tabular.yaml", tmp)
+    enqueue(url, config, w1_records(N, tmp))
+    run_id = lineage.new_run_id()
+    result = wiring.run_score_workers(
+        config, 2, db_url=url, output=str(tmp / "outputs"), run_id=run_id
+    )
+    assert result.run_id == run_id
+    assert result.workers.error() is None, result.workers.errors()
+    assert_done_once(url, tmp / "outputs", KEYS)
+    assert result.events_path is not None
+    return result, config, lineage_log.read_events(result.events_path)
+
+
+def output_rows(event: dict[str, Any]) -> int:
+    return int(event["outputs"][0]["outputFacets"]["outputStatistics"]["rowCount"])
+
+
+def test_workers_are_one_lineage_run_with_a_child_job_each(
+    parented: tuple[wiring.WorkersScoreOutcome, cfg.PipelineConfig, list[dict[str, Any]]],
+) -> None:
+    result, config, events = parented
+    mine = [e for e in events if e["run"]["runId"] == result.run_id]
+    assert [e["eventType"] for e in mine] == ["START", "COMPLETE"]
+    assert {e["job"]["name"] for e in mine} == {config.name}
+    assert output_rows(mine[-1]) == N
+    assert result.summary()["items_committed"] == N
+
+    children = [e for e in events if e["run"]["runId"] != result.run_id]
+    worker_runs = {r.run_id for r in result.workers.reports}
+    assert {e["run"]["runId"] for e in children} == worker_runs
+    assert {e["job"]["name"] for e in children} == {
+        f"{config.name}.worker-0",
+        f"{config.name}.worker-1",
+    }
+    for event in children:
+        parent = event["run"]["facets"]["parent"]
+        assert parent["run"]["runId"] == result.run_id
+        assert parent["job"]["namespace"] == mine[0]["job"]["namespace"]
+        assert parent["job"]["name"] == config.name
+    completes = [e for e in children if e["eventType"] == "COMPLETE"]
+    assert len(completes) == 2
+    assert sum(output_rows(e) for e in completes) == N
+
+
+def test_the_parent_and_worker_events_validate_against_the_spec(
+    parented: tuple[wiring.WorkersScoreOutcome, cfg.PipelineConfig, list[dict[str, Any]]],
+) -> None:
+    registry: Registry = olspec.load_registry(
+        olspec.require_spec_dir(), lineage.custom_facet_schemas()
+    )
+    _, _, events = parented
+    assert len(events) == 6
+    for event in events:
+        olspec.assert_valid_event(event, registry)
 
 
 def assert_stopped_mid_run(url: str, why_not: str) -> Counter[models.State]:
@@ -217,13 +283,34 @@ def test_a_bad_checkpoint_fails_every_worker_in_one_line_with_exit_2(
     path = write_config("tabular.yaml", tmp_path, model={"sha256": "0" * 64})
     enqueue(sqlite_url, cfg.load_config(path), w1_records(10, tmp_path))
     proc = score_process(path, *WORKERS)
-    _, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in stderr
     lines = [line for line in stderr.splitlines() if "error" in line]
     assert len(lines) == 1, stderr
     assert lines[0].startswith("error: workers 0, 1:")
     assert "sha256" in lines[0]
+
+    # The parent run is on record as failed, with the workers' message; so is each worker.
+    events_path = next(
+        line.removeprefix("lineage: ")
+        for line in stdout.splitlines()
+        if line.startswith("lineage: ")
+    )
+    events = lineage_log.read_events(Path(events_path))
+    parents = {e["run"]["runId"] for e in events if "parent" not in e["run"]["facets"]}
+    assert len(parents) == 1
+    by_run = Counter((e["run"]["runId"] in parents, e["eventType"]) for e in events)
+    assert by_run == {
+        (True, "START"): 1,
+        (True, "FAIL"): 1,
+        (False, "START"): 2,
+        (False, "FAIL"): 2,
+    }
+    fail = next(e for e in events if e["run"]["runId"] in parents and e["eventType"] == "FAIL")
+    message = fail["run"]["facets"]["errorMessage"]["message"]
+    assert "workers 0, 1:" in message
+    assert "sha256" in message
 
 
 @pytest.mark.slow

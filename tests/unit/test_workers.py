@@ -145,3 +145,37 @@ def test_a_worker_that_exited_without_a_report_is_called_dead_with_how() -> None
     assert watch.reports[0].error is not None
     assert "killed by signal 9" in watch.reports[0].error
     assert watch.done()
+
+
+@pytest.mark.parametrize(
+    ("reports", "expected"),
+    [
+        ([WorkerReport(0, run_id="a"), WorkerReport(1, run_id="b")], None),
+        (
+            [
+                WorkerReport(0, error="db down", exit_code=1, error_type="QueueError"),
+                WorkerReport(1, error="bad sha256", exit_code=2, error_type="CheckpointError"),
+            ],
+            errors.CheckpointError,
+        ),
+        (
+            [WorkerReport(0, error="db down", exit_code=1, error_type="QueueError")],
+            errors.QueueError,
+        ),
+        # A worker killed, or failing with an error that is not ours: the base type.
+        ([WorkerReport(0, error="was killed by signal 9", exit_code=1)], errors.BatchingError),
+        (
+            [WorkerReport(0, error="x", exit_code=1, error_type="RuntimeError")],
+            errors.BatchingError,
+        ),
+    ],
+)
+def test_the_workers_error_keeps_the_worst_failures_type(
+    reports: list[WorkerReport], expected: type[errors.BatchingError] | None
+) -> None:
+    error = WorkersOutcome(reports).error()
+    if expected is None:
+        assert error is None
+        return
+    assert type(error) is expected
+    assert str(error) == "; ".join(WorkersOutcome(reports).errors())
