@@ -19,7 +19,7 @@ from batching import errors, lineage, models, parquet, pipeline, sinks
 from batching import queue as q
 from batching.runner import TorchRunner
 from batching.service_profile import ServiceProfile
-from batching.workers import WorkersOutcome, WorkersProgress, run_workers
+from batching.workers import WorkersOutcome, WorkersProgress, run_workers, share_limits
 
 logger = logging.getLogger(__name__)
 
@@ -239,14 +239,7 @@ def run_score(
         recovered = sink.recover()
         profile = load_profile(config)
         ctx = context(sink=sink, checksum=runner.checksum)
-        runs = q.RunLedger(queue)
-        runs.start(
-            run_id,
-            config.name,
-            config_hash=ctx.config_hash,
-            model_version=config.model.version,
-            model_sha256=runner.checksum,
-        )
+        runs = _ledger_start(queue, config, ctx, runner.checksum, parent[0] if parent else None)
     except Exception as exc:  # a precondition failed: the run is still on record as failed
         record_failed_start(emitter, context(), exc)
         raise
@@ -296,6 +289,26 @@ def run_score(
     )
 
 
+def _ledger_start(
+    queue: q.SqlQueue,
+    config: cfg.PipelineConfig,
+    ctx: lineage.RunContext,
+    checksum: str | None,
+    parent_run_id: str | None = None,
+) -> q.RunLedger:
+    """Record the run as started in the run ledger; returns the ledger to finish it."""
+    runs = q.RunLedger(queue)
+    runs.start(
+        ctx.run_id,
+        config.name,
+        config_hash=ctx.config_hash,
+        model_version=config.model.version,
+        model_sha256=checksum,
+        parent_run_id=parent_run_id,
+    )
+    return runs
+
+
 def _checked(config: cfg.PipelineConfig, db_url: str | None, output: str | None) -> Resolved:
     """Where a run reads and writes, refused as bad input before anything is on record."""
     res = resolve(config, db_url, output)
@@ -309,17 +322,19 @@ def _checked(config: cfg.PipelineConfig, db_url: str | None, output: str | None)
 class WorkersScoreOutcome:
     """What ``run_score_workers`` did: the parent run and every worker's report."""
 
-    run_id: str  # the parent lineage run
+    run_id: str  # the parent run
     workers: WorkersOutcome
     output: str
     events_path: Path | None
-    lineage_failures: int  # the parent's and the workers' events not delivered
+    lineage_failures: int = 0  # the parent's and the finished workers' events not delivered
+    committed: int = 0  # by every worker, the failed ones too (their last progress report)
 
     def summary(self) -> dict[str, Any]:
         """The finished workers' counters as one run summary, as ``ScoreOutcome.summary``."""
         stats = self.workers.stats()
         summary = stats.summary() if stats is not None else {}
-        return {**summary, "lineage_failures": self.lineage_failures}
+        committed = max(summary.get("items_committed", 0), self.committed)
+        return {**summary, "items_committed": committed, "lineage_failures": self.lineage_failures}
 
 
 def run_score_workers(
@@ -334,24 +349,43 @@ def run_score_workers(
     threads: int | None = None,
     on_progress: WorkersProgress | None = None,
     stop: Any = None,
+    resend_signals: bool = False,
 ) -> WorkersScoreOutcome:
-    """Score with ``n`` worker processes as ONE lineage run of the config's job.
+    """Score with ``n`` worker processes as ONE run of the config's job.
 
-    The parent run (``run_id``: the Prefect flow-run id, or a new one) records START, then
-    COMPLETE with the rows all workers committed, or FAIL naming the workers that failed.
-    Each worker is a whole scoring run (``run_score``: run ledger, recovery, its own events)
-    of the child job ``<job>.worker-<i>`` with the parent facet pointing here, which is how
-    Marquez nests child jobs. Worker failures are reported in the outcome
-    (``workers.error()``), not raised; see ``workers.run_workers`` for the rest.
+    The parent run (``run_id``: the Prefect flow-run id, or a new one) has its run-ledger row
+    and records lineage START, then COMPLETE with the rows the workers committed, or FAIL
+    naming the workers that failed. Each worker is a whole scoring run (``run_score``: its
+    own ledger row, which names the parent, recovery and events) of the child job
+    ``<job>.worker-<i>``, whose parent facet points here: Marquez nests it under the job.
+    ``reconcile --run <parent>`` covers the workers' batches. Worker failures are reported
+    in the outcome (``workers.error()``), not raised; ``resend_signals`` and the rest are as
+    for ``workers.run_workers``.
 
     Raises:
-        SchemaError, QueueError, SinkError, ConfigError: the database or output location is
-            missing or unusable (nothing is on record), or the lineage settings are invalid.
+        SchemaError, QueueError, SinkError, ConfigError, CheckpointError: the database, the
+            output location or an argument is unusable; the lineage settings are invalid.
     """
     res = _checked(config, db_url, output)
+    share_limits(limits or pipeline.RunLimits(), n)  # bad input: refused before any record
     run_id = run_id or lineage.new_run_id()
+    ctx = scoring_context(config, res, run_id)  # a run id that is not a UUID: refused here
     emitter = make_emitter(config, res, lineage_config)
-    ctx = scoring_context(config, res, run_id)
+    try:
+        queue = open_queue(config, res.db_url)
+        queue.check_schema()
+        ctx = scoring_context(config, res, run_id, sink=make_sink(config, queue, res.output))
+        runs = _ledger_start(queue, config, ctx, config.model.sha256)
+    except Exception as exc:
+        record_failed_start(emitter, ctx, exc)
+        raise
+    counts = [0, 0, 0]  # the workers' summed progress: committed, failed, claimed
+
+    def progress(committed: int, failed: int, claimed: int) -> None:
+        counts[:] = committed, failed, claimed
+        if on_progress is not None:
+            on_progress(committed, failed, claimed)
+
     emitter.start(ctx)
     try:
         outcome = run_workers(
@@ -361,33 +395,45 @@ def run_score_workers(
             output=output,
             limits=limits,
             threads=threads,
-            on_progress=on_progress,
+            on_progress=progress,
             stop=stop,
             parent=(run_id, ctx.job_name),
             lineage_config=lineage_config,
+            resend_signals=resend_signals,
         )
     except BaseException as exc:
-        emitter.fail(ctx, exc, outputs=[ctx.outputs[0].with_stats(0)])
+        summary = {"items_committed": counts[0], "items_failed": counts[1]}
+        emitter.fail(ctx, exc, outputs=[ctx.outputs[0].with_stats(counts[0])])
         emitter.close()
+        try:
+            runs.finish(run_id, "failed", summary, error=str(exc) or type(exc).__name__)
+        except errors.BatchingError:  # the database is down too: the run stays "running"
+            logger.warning("run ledger not updated", exc_info=True)
+        finally:
+            queue.engine.dispose()
         raise
+    result = WorkersScoreOutcome(
+        run_id, outcome, str(res.output), emitter.events_path, committed=counts[0]
+    )
+    summary = result.summary()
     stats = outcome.stats()
     out_ds = ctx.outputs[0].with_stats(
-        stats.committed if stats else 0, stats.bytes_written if stats else None
+        summary["items_committed"], stats.bytes_written if stats else None
     )
     error = outcome.error()
-    if error is None:
-        emitter.complete(ctx, outputs=[out_ds])
-    else:
-        emitter.fail(ctx, error, outputs=[out_ds])
-    emitter.close()
+    try:
+        if error is None:
+            runs.finish(run_id, "completed", summary)
+            emitter.complete(ctx, outputs=[out_ds])
+        else:
+            runs.finish(run_id, "failed", summary, error=str(error))
+            emitter.fail(ctx, error, outputs=[out_ds])
+    finally:
+        emitter.close()
+        queue.engine.dispose()
     done = [r for r in outcome.reports if r.run_id]
-    return WorkersScoreOutcome(
-        run_id,
-        outcome,
-        str(res.output),
-        res.events_path,
-        emitter.failures + sum(r.lineage_failures for r in done),
-    )
+    result.lineage_failures = emitter.failures + sum(r.lineage_failures for r in done)
+    return result
 
 
 def _as_dict(value: Any) -> dict[str, Any]:

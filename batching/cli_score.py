@@ -143,7 +143,9 @@ def _where(output: str, events_path: Any, lineage_failures: int) -> None:
     if events_path:
         out.print(f"lineage: {events_path}")
     if lineage_failures:
-        err.print(f"warning: {lineage_failures} lineage event(s) not delivered (scoring not affected)")
+        err.print(
+            f"warning: {lineage_failures} lineage event(s) not delivered (scoring not affected)"
+        )
 
 
 def _score_workers(cfg: Any, n: int, **kwargs: Any) -> None:

@@ -885,10 +885,13 @@ class RunLedger:
         config_hash: str | None = None,
         model_version: str | None = None,
         model_sha256: str | None = None,
+        parent_run_id: str | None = None,
     ) -> None:
-        """Record a run as ``running`` (a rerun with the same id restarts the row)."""
+        """Record a run as ``running`` (a rerun with the same id restarts the row);
+        ``parent_run_id``: the run this one is a worker of."""
         row = {
             "run_id": run_id,
+            "parent_run_id": parent_run_id,
             "flow": flow,
             "queue": self._queue.queue,
             "config_hash": config_hash,

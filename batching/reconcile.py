@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 _CHUNK = 500
 _I = schema.items
 _B = schema.batches
+_R = schema.runs
 
 
 # ----------------------------------------------------------------------------- gathering
@@ -68,9 +69,14 @@ class _Scope:
         if self.since is not None:
             conds.append(_I.c.finished_at >= self.since)
         if self.run_id is not None:
-            run = sa.select(_B.c.batch_id).where(_B.c.run_id == self.run_id)
+            run = sa.select(_B.c.batch_id).where(self.of_run())
             conds.append(_I.c.batch_id.in_(run.scalar_subquery()))
         return conds
+
+    def of_run(self) -> sa.ColumnElement[bool]:
+        """Batches of the run, or of its workers (``batching score --workers``)."""
+        workers = sa.select(_R.c.run_id).where(_R.c.parent_run_id == self.run_id)
+        return sa.or_(_B.c.run_id == self.run_id, _B.c.run_id.in_(workers.scalar_subquery()))
 
     def ours(self) -> sa.ColumnElement[bool]:
         if self.kind == "sql":
@@ -113,7 +119,7 @@ def _ledger_rows(conn: Connection, scope: _Scope) -> list[Any]:
     if scope.since is not None:
         window.append(_B.c.committed_at >= scope.since)
     if scope.run_id is not None:
-        window.append(_B.c.run_id == scope.run_id)
+        window.append(scope.of_run())
     referenced = sa.select(_I.c.batch_id).where(*scope.done()).scalar_subquery()
     q = _B.select().where(
         _B.c.queue == scope.queue,
@@ -359,7 +365,7 @@ def reconcile(
         output_kind: ``parquet`` or ``sql``.
         since: only items finished and batches committed at or after this time (epoch s);
             batches that window's items point at are always included.
-        run_id: only batches of this run and the items they committed.
+        run_id: only batches of this run (or of its workers) and the items they committed.
         now: the time stale leases are judged against (epoch s).
         repair: fix what can be fixed (see the module docstring); never deletes data.
         staging: the Parquet staging folder, when not the default ``<root>.staging``.

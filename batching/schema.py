@@ -185,6 +185,15 @@ runs = sa.Table(
     sa.Column("n_batches", sa.Integer, nullable=False, server_default="0"),
     sa.Column("summary", sa.Text),
     sa.Column("error", sa.Text),
+    # A worker of ``batching score --workers`` (migration 6): the run it is part of, so a
+    # reconcile of that run covers its workers' batches.
+    sa.Column("parent_run_id", sa.String(64)),
+)
+sa.Index(
+    "ix_batching_runs_parent",
+    runs.c.parent_run_id,
+    postgresql_where=sa.text("parent_run_id IS NOT NULL"),
+    sqlite_where=sa.text("parent_run_id IS NOT NULL"),
 )
 
 
@@ -262,12 +271,21 @@ def _v5(conn: Connection) -> None:
     conn.execute(sa.text("DROP INDEX IF EXISTS ix_batching_items_lease_id"))
 
 
+def _v6(conn: Connection) -> None:
+    columns = {c["name"] for c in sa.inspect(conn).get_columns(runs.name)}
+    if "parent_run_id" not in columns:
+        conn.execute(sa.text(f"ALTER TABLE {runs.name} ADD COLUMN parent_run_id VARCHAR(64)"))
+    for index in runs.indexes:
+        index.create(conn, checkfirst=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "queue items, archive, batch ledger, runs, results", _v1),
     Migration(2, "expiry index leads with queue", _v2),
     Migration(3, "payloads move to batching_payloads", _v3),
     Migration(4, "archive rows get their own key", _v4),
     Migration(5, "leased rows keep one index, by expiry", _v5),
+    Migration(6, "runs record the run they are a worker of", _v6),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import logging.handlers
 import multiprocessing as mp
 import os
 import queue as stdqueue
@@ -30,7 +31,7 @@ from typing import Any
 
 from batching import errors
 from batching.config import LineageConfig, PipelineConfig
-from batching.logs import configure_logging
+from batching.logs import OneLine
 from batching.pipeline import RunLimits, RunStats, Scorer
 
 logger = logging.getLogger(__name__)
@@ -75,13 +76,20 @@ class WorkersOutcome:
         return RunStats.merged(parts) if parts else None
 
     def error(self) -> errors.BatchingError | None:
-        """The workers' failures as one exception of the worst one's type (a usage error
-        first, then the first failed worker's ``batching.errors`` type, so a retry policy
-        keyed on the type still works), or None when every worker finished."""
-        failed = sorted(self.failed, key=lambda r: -r.exit_code)
+        """The workers' failures as one exception, or None when every worker finished.
+
+        Its type is the failures' ``batching.errors`` type when they all share one, else the
+        first usage error's (bad input), else plain ``BatchingError``: whatever the worker
+        order, a retry policy keyed on the type (a ``QueueError`` is transient) retries only
+        when every failure was of that type.
+        """
+        failed = self.failed
         if not failed:
             return None
-        cls = getattr(errors, failed[0].error_type or "", None)
+        kinds = {r.error_type for r in failed}
+        usage = [r for r in failed if r.exit_code == 2]
+        name = kinds.pop() if len(kinds) == 1 else usage[0].error_type if usage else None
+        cls = getattr(errors, name or "", None)
         if not (isinstance(cls, type) and issubclass(cls, errors.BatchingError)):
             cls = errors.BatchingError
         return cls("; ".join(self.errors()))
@@ -146,6 +154,7 @@ def run_workers(
     poll_s: float = 0.2,
     parent: tuple[str, str] | None = None,
     lineage_config: LineageConfig | None = None,
+    resend_signals: bool = False,
 ) -> WorkersOutcome:
     """Run ``n`` scoring runs in ``n`` spawned processes and wait for all of them.
 
@@ -160,6 +169,9 @@ def run_workers(
         parent: ``(run id, job name)`` of the lineage run the workers belong to; each worker
             is then the child job ``<job name>.worker-<i>`` (see ``app.run_score_workers``).
         lineage_config: overrides the config's lineage settings in every worker.
+        resend_signals: once the workers have stopped, pass a stop signal received here on
+            to the handler this process had before (a Prefect flow run's, which ends the run
+            as cancelled), instead of returning as if the run had finished.
 
     SIGTERM and SIGINT received here stop every worker (see ``_StopRequests``): each
     stops claiming, finishes its batches in flight and releases the rest. A
@@ -207,6 +219,8 @@ def run_workers(
         stops.restore()
     for p in procs:
         p.join()
+    if resend_signals:
+        stops.resend()
     return WorkersOutcome([watch.reports[i] for i in range(len(procs))])
 
 
@@ -234,6 +248,9 @@ class _Watch:
 
     def _take(self, message: tuple[str, int, Any]) -> None:
         kind, index, body = message
+        if kind == "log":
+            logging.getLogger(body.name).handle(body)
+            return
         if kind != "progress":
             self.reports[index] = body
             return
@@ -320,6 +337,7 @@ class _StopRequests:
     def __init__(self, ctx: Any) -> None:
         self.event = ctx.Event()
         self.signals = 0  # stop signals received so far
+        self.received: int | None = None  # the first of them
         self._asked = threading.Event()
         self._old: dict[signal.Signals, Any] = {}
         self._main = threading.current_thread() is threading.main_thread()
@@ -336,8 +354,10 @@ class _StopRequests:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
-    def _on_signal(self, _signum: int, _frame: Any) -> None:
+    def _on_signal(self, signum: int, _frame: Any) -> None:
         self.signals += 1
+        if self.received is None:
+            self.received = signum
         self._asked.set()  # the event itself takes a lock: set it outside the handler
 
     def forward(self, *, asked: bool = False) -> None:
@@ -348,6 +368,40 @@ class _StopRequests:
     def restore(self) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+
+    def resend(self) -> None:
+        """After ``restore``: raise the first stop signal received again, for the handler
+        this process had before, when that is a Python function (a default action would
+        kill this process, an ignored signal does nothing)."""
+        if self.received is not None and callable(self._old.get(signal.Signals(self.received))):
+            signal.raise_signal(self.received)
+
+
+class _ToParent(logging.handlers.QueueHandler):
+    """A worker's ``batching`` records, sent to the parent as ``("log", index, record)``: the
+    parent's handlers (stderr for the CLI, Prefect's API handler in a flow run) take them."""
+
+    def __init__(self, index: int, messages: Any) -> None:
+        super().__init__(messages)
+        self.index = index
+        self.messages = messages
+        self.setFormatter(OneLine("%(message)s"))  # the exception on the line, no traceback
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        record.worker = self.index
+        self.messages.put(("log", self.index, record))
+
+
+def _log_to_parent(index: int, messages: Any, level: int) -> None:
+    """Route ``batching`` records to the parent only: a handler the spawned interpreter
+    picked up on its own (Prefect's, when it re-imports the parent's ``__main__``) would send
+    them a second time, without a flow run to send them to."""
+    library = logging.getLogger("batching")
+    for handler in list(library.handlers):
+        library.removeHandler(handler)
+    library.addHandler(_ToParent(index, messages))
+    library.setLevel(level)
+    library.propagate = False
 
 
 def _work(index: int, job: _Job, messages: Any, stop_event: Any) -> None:
@@ -373,7 +427,7 @@ def _work(index: int, job: _Job, messages: Any, stop_event: Any) -> None:
         request_stop()
 
     threading.Thread(target=watch, name="stop-watch", daemon=True).start()
-    configure_logging(job.log_level)  # a spawned interpreter starts with none
+    _log_to_parent(index, messages, job.log_level)
     torch.set_num_threads(job.threads)
 
     def on_scorer(scorer: Scorer) -> None:

@@ -132,6 +132,7 @@ def score_queue(
                 run_id=flow_run_id(),
                 on_progress=progress.counts,
                 lineage_config=settings.lineage_config(cfg),
+                resend_signals=True,  # a cancel still ends the flow run as Prefect intends
             )
             if (error := outcome.workers.error()) is not None:
                 raise error

@@ -203,6 +203,16 @@ def test_two_workers_score_every_item_once_as_children_of_the_flow_run(
     assert found["score-tabular-progress"].data == 100.0
 
 
+def test_the_workers_logs_reach_the_flow_run(two_workers: Run) -> None:
+    wait_for(
+        lambda: any(
+            log.message == "batch committed" and log.name == "batching.parquet"
+            for log in logs_of(two_workers.run_id)
+        ),
+        what="a worker's batch committed log in the flow run",
+    )
+
+
 def test_zero_workers_is_refused_before_anything_is_claimed(tmp_path: Any) -> None:
     pipeline = make_pipeline(tmp_path, 10)
     run = run_score(pipeline, workers=0)

@@ -118,9 +118,13 @@ def ledger(url: str) -> dict[str, Any]:
     return rows
 
 
-def reconcile(config: cfg.PipelineConfig, url: str, target: Path | str) -> rc.Report:
+def reconcile(
+    config: cfg.PipelineConfig, url: str, target: Path | str, run_id: str | None = None
+) -> rc.Report:
     queue = open_queue(url, config)
-    report = rc.reconcile(queue, target, output_kind=config.output.kind, now=time.time())
+    report = rc.reconcile(
+        queue, target, output_kind=config.output.kind, now=time.time(), run_id=run_id
+    )
     queue.engine.dispose()
     return report
 

@@ -280,6 +280,27 @@ def test_migration_5_drops_the_lease_id_index_and_heartbeat_still_finds_the_leas
     assert queue.ack(claim.lease_id, [i.id for i in claim.items]) == 2
 
 
+def test_migration_6_gives_runs_a_parent_and_keeps_the_runs_there(queue: q.SqlQueue) -> None:
+    rewind(  # to version 5: runs without a parent
+        queue,
+        6,
+        "DROP INDEX ix_batching_runs_parent",
+        "ALTER TABLE batching_runs DROP COLUMN parent_run_id",
+        "INSERT INTO batching_runs (run_id, flow, queue, state, started_at, n_items, n_failed,"
+        " n_batches) VALUES ('old', 'score', 'q', 'completed', 1.0, 0, 0, 0)",
+    )
+    result = queue.migrate()
+    assert (result.from_version, result.to_version) == (5, schema.SCHEMA_VERSION)
+    q.RunLedger(queue).start("child", "score.worker-0", parent_run_id="old")
+    with queue.engine.connect() as conn:
+        rows = dict(
+            conn.execute(sa.select(schema.runs.c.run_id, schema.runs.c.parent_run_id)).all()
+        )
+        indexes = {str(ix["name"]) for ix in sa.inspect(conn).get_indexes("batching_runs")}
+    assert rows == {"old": None, "child": "old"}
+    assert "ix_batching_runs_parent" in indexes
+
+
 def test_enqueue_is_idempotent_on_key(queue: q.SqlQueue) -> None:
     first = queue.enqueue([rec("a"), rec("b"), rec("a")])
     assert first.inserted == 2

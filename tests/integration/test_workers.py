@@ -3,12 +3,14 @@ Parquet read back; signals and a killed worker lose nothing."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,34 +77,59 @@ def test_two_workers_commit_every_item_exactly_once(db_url: str, tmp_path: Path)
     assert reconcile(config, db_url, root).clean
 
 
+@dataclass
+class Parented:
+    """Two workers under one parent run (``run_score_workers``): what it left behind."""
+
+    result: wiring.WorkersScoreOutcome
+    config: cfg.PipelineConfig
+    url: str
+    root: Path
+    events: list[dict[str, Any]]
+    records: list[logging.LogRecord]  # ``batching`` records the parent received
+
+
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 @pytest.fixture(scope="module")
-def parented(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[wiring.WorkersScoreOutcome, cfg.PipelineConfig, list[dict[str, Any]]]:
-    """Two workers under one parent lineage run (``run_score_workers``), and the events."""
+def parented(tmp_path_factory: pytest.TempPathFactory) -> Parented:
     tmp = tmp_path_factory.mktemp("parented")
     url = f"sqlite:///{tmp / 'queue.db'}"
     config = load("tabular.yaml", tmp)
     enqueue(url, config, w1_records(N, tmp))
     run_id = lineage.new_run_id()
-    result = wiring.run_score_workers(
-        config, 2, db_url=url, output=str(tmp / "outputs"), run_id=run_id
-    )
+    library, kept = logging.getLogger("batching"), _Kept()
+    level = library.level
+    library.addHandler(kept)
+    library.setLevel(logging.INFO)  # the workers log at the parent's level
+    try:
+        result = wiring.run_score_workers(
+            config, 2, db_url=url, output=str(tmp / "outputs"), run_id=run_id
+        )
+    finally:
+        library.removeHandler(kept)
+        library.setLevel(level)
     assert result.run_id == run_id
     assert result.workers.error() is None, result.workers.errors()
     assert_done_once(url, tmp / "outputs", KEYS)
     assert result.events_path is not None
-    return result, config, lineage_log.read_events(result.events_path)
+    events = lineage_log.read_events(result.events_path)
+    return Parented(result, config, url, tmp / "outputs", events, kept.records)
 
 
 def output_rows(event: dict[str, Any]) -> int:
     return int(event["outputs"][0]["outputFacets"]["outputStatistics"]["rowCount"])
 
 
-def test_workers_are_one_lineage_run_with_a_child_job_each(
-    parented: tuple[wiring.WorkersScoreOutcome, cfg.PipelineConfig, list[dict[str, Any]]],
-) -> None:
-    result, config, events = parented
+def test_workers_are_one_lineage_run_with_a_child_job_each(parented: Parented) -> None:
+    result, config, events = parented.result, parented.config, parented.events
     mine = [e for e in events if e["run"]["runId"] == result.run_id]
     assert [e["eventType"] for e in mine] == ["START", "COMPLETE"]
     assert {e["job"]["name"] for e in mine} == {config.name}
@@ -124,15 +151,47 @@ def test_workers_are_one_lineage_run_with_a_child_job_each(
     completes = [e for e in children if e["eventType"] == "COMPLETE"]
     assert len(completes) == 2
     assert sum(output_rows(e) for e in completes) == N
+    # The parent's output is described like a worker's (Marquez keeps the schema).
+    assert (
+        mine[-1]["outputs"][0]["facets"]["schema"] == completes[0]["outputs"][0]["facets"]["schema"]
+    )
 
 
-def test_the_parent_and_worker_events_validate_against_the_spec(
-    parented: tuple[wiring.WorkersScoreOutcome, cfg.PipelineConfig, list[dict[str, Any]]],
-) -> None:
+def test_reconciling_the_parent_run_covers_its_workers_batches(parented: Parented) -> None:
+    result, config = parented.result, parented.config
+    engine = q.create_engine(parented.url)
+    with engine.connect() as conn:
+        runs_ = schema.runs.c
+        ledger = {r[0]: r[1] for r in conn.execute(sa.select(runs_.run_id, runs_.parent_run_id))}
+        states = {r[0]: r[1] for r in conn.execute(sa.select(runs_.run_id, runs_.state))}
+    engine.dispose()
+    workers = {r.run_id for r in result.workers.reports}
+    assert ledger == {result.run_id: None, **dict.fromkeys(workers, result.run_id)}
+    assert set(states.values()) == {"completed"}
+
+    assert reconcile(config, parented.url, parented.root, run_id=result.run_id).clean
+    # A worker's file gone: the parent's reconcile sees it.
+    victim = next(parented.root.rglob("*.parquet"))
+    hidden = victim.with_name(victim.name + ".away")
+    victim.rename(hidden)
+    try:
+        report = reconcile(config, parented.url, parented.root, run_id=result.run_id)
+    finally:
+        hidden.rename(victim)
+    assert report.counts.get("missing_file") == 1, report.findings
+
+
+def test_the_workers_logs_reach_the_parents_handlers(parented: Parented) -> None:
+    committed = [r for r in parented.records if r.getMessage() == "batch committed"]
+    assert {getattr(r, "worker", None) for r in committed} == {0, 1}
+    assert sum(r.n_items for r in committed) == N
+
+
+def test_the_parent_and_worker_events_validate_against_the_spec(parented: Parented) -> None:
     registry: Registry = olspec.load_registry(
         olspec.require_spec_dir(), lineage.custom_facet_schemas()
     )
-    _, _, events = parented
+    events = parented.events
     assert len(events) == 6
     for event in events:
         olspec.assert_valid_event(event, registry)
@@ -237,6 +296,46 @@ def test_workers_started_off_the_main_thread_survive_sigterm_while_starting(
     assert not runner.is_alive()
     assert outcome[0].exit_code == 0, outcome[0].errors()
     assert_stopped_mid_run(sqlite_url, "the signal was lost: the workers ran to the end")
+
+
+class Cancelled(Exception):
+    """What a supervisor's SIGTERM handler raises (Prefect's ends the flow run with it)."""
+
+
+def test_a_stop_signal_is_passed_on_to_the_handler_before_once_the_workers_stopped(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    _, config = slow_w1_queue(sqlite_url, tmp_path, N)
+
+    def supervisor(_signum: int, _frame: Any) -> None:
+        raise Cancelled
+
+    def send_sigterm() -> None:
+        wait_for(lambda: len(worker_pids(os.getpid())) == 2, 60, "two worker processes")
+        wait_for(
+            lambda: sum(r.state == models.State.DONE for r in items(sqlite_url).values()) >= 200,
+            60,
+            "200 items done",
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, supervisor)
+    sender = threading.Thread(target=send_sigterm, daemon=True)
+    try:
+        sender.start()
+        with pytest.raises(Cancelled):
+            run_workers(
+                config,
+                2,
+                db_url=sqlite_url,
+                output=str(tmp_path / "outputs"),
+                resend_signals=True,
+            )
+        assert signal.getsignal(signal.SIGTERM) is supervisor, "the handler was not restored"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sender.join(timeout=5)
+    assert_stopped_mid_run(sqlite_url, "the workers ran to the end; the signal was lost")
 
 
 def _stubborn(ready: Any) -> None:

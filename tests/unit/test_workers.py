@@ -162,6 +162,37 @@ def test_a_worker_that_exited_without_a_report_is_called_dead_with_how() -> None
             [WorkerReport(0, error="db down", exit_code=1, error_type="QueueError")],
             errors.QueueError,
         ),
+        (
+            [
+                WorkerReport(0, error="db down", exit_code=1, error_type="QueueError"),
+                WorkerReport(1, error="db down", exit_code=1, error_type="QueueError"),
+            ],
+            errors.QueueError,
+        ),
+        # Mixed failures, in either order: not all transient, so not a transient type.
+        (
+            [
+                WorkerReport(0, error="db down", exit_code=1, error_type="QueueError"),
+                WorkerReport(1, error="was killed by signal 9", exit_code=1),
+            ],
+            errors.BatchingError,
+        ),
+        (
+            [
+                WorkerReport(0, error="was killed by signal 9", exit_code=1),
+                WorkerReport(1, error="db down", exit_code=1, error_type="QueueError"),
+            ],
+            errors.BatchingError,
+        ),
+        (
+            [
+                WorkerReport(0, error="nan", exit_code=1, error_type="ModelError"),
+                WorkerReport(1, error="db down", exit_code=1, error_type="QueueError"),
+            ],
+            errors.BatchingError,
+        ),
+        # A name in batching.errors that is not an error type.
+        ([WorkerReport(0, error="x", exit_code=1, error_type="one_line")], errors.BatchingError),
         # A worker killed, or failing with an error that is not ours: the base type.
         ([WorkerReport(0, error="was killed by signal 9", exit_code=1)], errors.BatchingError),
         (
@@ -170,7 +201,7 @@ def test_a_worker_that_exited_without_a_report_is_called_dead_with_how() -> None
         ),
     ],
 )
-def test_the_workers_error_keeps_the_worst_failures_type(
+def test_the_workers_error_has_one_type_whatever_the_worker_order(
     reports: list[WorkerReport], expected: type[errors.BatchingError] | None
 ) -> None:
     error = WorkersOutcome(reports).error()
