@@ -188,7 +188,12 @@ def check(config: ConfigOption) -> None:
         out.print(
             f"{config}: worst case {report.worst_case_latency_s:.3f}s = max_wait_s {cfg.batching.max_wait_s:g}"
             f" + service {report.predicted_service_s:.3f}s for {report.worst_batch.n_items} x {report.worst_batch.length}"
-            f"; objective {cfg.latency_slo_s:g}s",
+            + (
+                f" + commit_interval_s {cfg.output.commit_interval_s:g}"
+                if cfg.output.commit_interval_s
+                else ""
+            )
+            + f"; objective {cfg.latency_slo_s:g}s",
             highlight=False,
         )
     if not report.ok:

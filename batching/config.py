@@ -132,6 +132,11 @@ class OutputConfig(_Model):
     path: str = "outputs"
     table: str = "batching_results"
     max_rows_per_commit: int = Field(8192, ge=1)
+    # How long the commit stage may gather scored batches into one commit (one file): 0 =
+    # commit whatever is waiting as soon as the stage is free. A bulk run whose model is the
+    # bottleneck otherwise writes one small file per batch. Adds up to this to latency (the
+    # policy check counts it).
+    commit_interval_s: float = Field(0.0, ge=0, le=60)
 
     @field_validator("table")
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -206,14 +207,18 @@ class FakeRunner:
         return Result(outputs, failures, 0.01, len(items), len(items), undecodable)
 
 
-def make_config(max_rows_per_commit: int = 1, **batching: Any) -> config.PipelineConfig:
+def make_config(
+    max_rows_per_commit: int = 1, commit_interval_s: float = 0.0, **batching: Any
+) -> config.PipelineConfig:
     """A policy for the fake rig; group commit is off unless asked for, so each scored batch
     is its own commit and tests that count commits are deterministic."""
     policy = {"max_batch_size": 4, "max_wait_s": 10.0, **batching}
     return config.PipelineConfig(
         model=config.ModelSpec(name="fake", version="v1", sha256="0" * 64),
         batching=config.BatchingPolicy(**policy),
-        output=config.OutputConfig(max_rows_per_commit=max_rows_per_commit),
+        output=config.OutputConfig(
+            max_rows_per_commit=max_rows_per_commit, commit_interval_s=commit_interval_s
+        ),
         queue=config.QueueConfig(poll_s=0.001),
         latency_slo_s=60.0,
     )
@@ -237,6 +242,7 @@ def rig(
     on_wait: Callable[[Rig], None] | None = None,
     max_attempts: int = 3,
     max_rows_per_commit: int = 1,
+    commit_interval_s: float = 0.0,
     **batching: Any,
 ) -> Rig:
     clock = clock or FakeClock()
@@ -252,7 +258,7 @@ def rig(
             on_wait(made)
 
     scorer = pipeline.Scorer(
-        make_config(max_rows_per_commit, **batching),
+        make_config(max_rows_per_commit, commit_interval_s, **batching),
         queue,
         runner,
         sink,
@@ -289,6 +295,29 @@ def test_until_empty_commits_every_item_exactly_once() -> None:
     busy = stats.summary()["stage_busy_s"]
     assert list(busy) == ["claim", "decode", "forward", "commit"]
     assert all(seconds > 0 for seconds in busy.values())
+
+
+@pytest.mark.parametrize(("interval_s", "one_commit"), [(30.0, True), (0.0, False)])
+def test_a_commit_interval_gathers_the_batches_the_model_scores_meanwhile(
+    interval_s: float, one_commit: bool
+) -> None:
+    # The model is the bottleneck (0.1 s a batch): without an interval each batch commits as
+    # soon as it is scored; with one, the batches scored meanwhile join one commit, and the
+    # end of the run commits at once instead of waiting the interval out.
+    r = rig(
+        keys(12),
+        max_batch_size=4,
+        claim_size=12,
+        max_rows_per_commit=100,
+        commit_interval_s=interval_s,
+    )
+    r.runner.on_forward = lambda _n: time.sleep(0.1)
+    started = time.monotonic()
+    stats = r.scorer.run(pipeline.RunLimits(until_empty=True))
+    assert time.monotonic() - started < 10
+    assert r.sink.keys() == Counter(keys(12))
+    assert stats.batch_sizes == [4, 4, 4]
+    assert (stats.commits == 1) is one_commit, stats.commits
 
 
 @pytest.mark.parametrize(

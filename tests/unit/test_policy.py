@@ -65,6 +65,21 @@ def test_refuses_when_wait_plus_full_batch_exceeds_the_slo() -> None:
         report.raise_for_errors()
 
 
+def test_a_commit_interval_counts_toward_the_worst_case() -> None:
+    shape = {"max_batch_size": 32, "length_buckets": (32, 64, 128)}
+    base = pipeline(**shape)
+    service = 0.001 + 1e-5 * 32 * 128
+    lingering = base.model_copy(
+        update={"output": base.output.model_copy(update={"commit_interval_s": 0.95})}
+    )
+    assert policy.check_policy(base, tokens_profile(1e-5)).ok
+    report = policy.check_policy(lingering, tokens_profile(1e-5))
+    assert report.worst_case_latency_s == pytest.approx(0.05 + service + 0.95)
+    (message,) = report.errors
+    assert "+ commit_interval_s 0.95)" in message
+    assert message.endswith("max_wait_s / commit_interval_s")
+
+
 def test_cost_cap_shrinks_the_worst_batch() -> None:
     capped = pipeline(0.8, max_batch_size=64, max_batch_cost=512, length_buckets=(8, 128))
     # bucket [1, 8]: 64 one-token items padded to 8; bucket (8, 128]: 512 // 9 = 56 items
