@@ -2,7 +2,7 @@
 
 One scorer process is bounded by the GIL: its claim, decode, forward and commit stages are
 threads, and only one of them runs Python at a time. Processes do not share a GIL, so N
-workers use N cores for that Python work (W1 on the 2-core benchmark host: about 1.2x the
+workers use N cores for that Python work (W1 on the 2-core benchmark host: 1.1-1.2x the
 rows/s of one; README, Benchmarks). Each worker is a whole, independent scoring run
 (``app.run_score``): its own run id, run-ledger row, lineage events, leases and recovery;
 ``app.run_score_workers`` makes them child runs of one parent lineage run. Claims never overlap (one
