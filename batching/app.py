@@ -421,15 +421,15 @@ def run_score_workers(
         summary["items_committed"], stats.bytes_written if stats else None
     )
     error = outcome.error()
+    if error is None:
+        emitter.complete(ctx, outputs=[out_ds])
+    else:
+        emitter.fail(ctx, error, outputs=[out_ds])
+    emitter.close()  # lineage first: a ledger that cannot be updated now still gets it
     try:
-        if error is None:
-            runs.finish(run_id, "completed", summary)
-            emitter.complete(ctx, outputs=[out_ds])
-        else:
-            runs.finish(run_id, "failed", summary, error=str(error))
-            emitter.fail(ctx, error, outputs=[out_ds])
+        state = "completed" if error is None else "failed"
+        runs.finish(run_id, state, summary, error=None if error is None else str(error))
     finally:
-        emitter.close()
         queue.engine.dispose()
     done = [r for r in outcome.reports if r.run_id]
     result.lineage_failures = emitter.failures + sum(r.lineage_failures for r in done)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +63,17 @@ class _Scope:
     since: float | None
     run_id: str | None
     now: float
+    run_ids: tuple[str, ...] = ()  # run_id and its workers' runs (``with_workers``)
+
+    def with_workers(self, conn: Connection) -> _Scope:
+        """The scope with the run's workers (``batching score --workers``) looked up once: a
+        subquery under an OR made PostgreSQL scan the whole ledger and items tables."""
+        if self.run_id is None:
+            return self
+        workers = conn.execute(
+            sa.select(_R.c.run_id).where(_R.c.parent_run_id == self.run_id)
+        ).scalars()
+        return replace(self, run_ids=(self.run_id, *workers))
 
     def done(self) -> list[sa.ColumnElement[bool]]:
         conds = [_I.c.queue == self.queue, _I.c.state == int(models.State.DONE)]
@@ -74,9 +85,8 @@ class _Scope:
         return conds
 
     def of_run(self) -> sa.ColumnElement[bool]:
-        """Batches of the run, or of its workers (``batching score --workers``)."""
-        workers = sa.select(_R.c.run_id).where(_R.c.parent_run_id == self.run_id)
-        return sa.or_(_B.c.run_id == self.run_id, _B.c.run_id.in_(workers.scalar_subquery()))
+        """Batches of the run, or of its workers."""
+        return _B.c.run_id.in_(self.run_ids or (self.run_id,))
 
     def ours(self) -> sa.ColumnElement[bool]:
         if self.kind == "sql":
@@ -102,6 +112,7 @@ def gather(
         visible = [str(layout.root / p) for p in layout.visible_files()] if layout else []
         staged = layout.staging_files() if layout else []
     with queue.begin() as conn:
+        scope = scope.with_workers(conn)
         rows = _ledger_rows(conn, scope)
         done = _done_items(conn, scope)
         foreign = _foreign_batches(conn, scope)

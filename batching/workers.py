@@ -249,7 +249,7 @@ class _Watch:
     def _take(self, message: tuple[str, int, Any]) -> None:
         kind, index, body = message
         if kind == "log":
-            logging.getLogger(body.name).handle(body)
+            _relay(body)
             return
         if kind != "progress":
             self.reports[index] = body
@@ -274,6 +274,15 @@ class _Watch:
         for i, code in exited:
             if i not in self.reports:
                 self.reports[i] = _died(i, code)
+
+
+def _relay(record: logging.LogRecord) -> None:
+    """A worker's record to this process's handlers; a handler that fails (Prefect's, say)
+    costs the record, never the run."""
+    try:
+        logging.getLogger(record.name).handle(record)
+    except Exception:
+        logger.debug("a worker's log record was not handled", exc_info=True)
 
 
 def _drained(messages: Any) -> Iterator[Any]:
@@ -307,8 +316,9 @@ def _wind_down(
     ``hurry()`` (a second Ctrl-C). Their leased items return when the lease expires."""
     deadline = time.monotonic() + grace_s
     while any(p.is_alive() for p in started) and time.monotonic() < deadline and not hurry():
-        for _ in _drained(messages):
-            pass
+        for kind, _, body in _drained(messages):
+            if kind == "log":  # what the workers say as they stop (items released, ...)
+                _relay(body)
         time.sleep(0.05)
     for p in started:
         if p.is_alive():
@@ -456,7 +466,7 @@ def _work(index: int, job: _Job, messages: Any, stop_event: Any) -> None:
         report = WorkerReport(index, error=str(exc), exit_code=code, error_type=kind)
         messages.put(("report", index, report))
         return
-    except BaseException as exc:  # not ours: one line to the parent, the traceback to the log
+    except BaseException as exc:  # not ours: one line to the parent and to its log
         logger.exception("worker %d failed", index)
         report = WorkerReport(index, error=f"{type(exc).__name__}: {exc}", exit_code=1)
         messages.put(("report", index, report))

@@ -40,11 +40,15 @@ class InMemoryQueue:
         self._lock = threading.Lock()
         self._leases = 0
 
-    def add(self, keys: Sequence[str], payload: bytes = b"{}") -> None:
+    def add(
+        self, keys: Sequence[str], payload: bytes = b"{}", deadline_at: float | None = None
+    ) -> None:
         with self._lock:
             for key in keys:
                 item_id = len(self.rows) + 1
-                item = models.WorkItem(item_id, key, models.Payload(payload), self.clock())
+                item = models.WorkItem(
+                    item_id, key, models.Payload(payload), self.clock(), deadline_at=deadline_at
+                )
                 self.rows[item_id] = Row(item, run_after=self.clock())
 
     def claim(
@@ -318,6 +322,34 @@ def test_a_commit_interval_gathers_the_batches_the_model_scores_meanwhile(
     assert r.sink.keys() == Counter(keys(12))
     assert stats.batch_sizes == [4, 4, 4]
     assert (stats.commits == 1) is one_commit, stats.commits
+
+
+def test_items_with_a_deadline_are_committed_without_waiting_the_interval() -> None:
+    r = rig(max_batch_size=4, claim_size=12, max_rows_per_commit=100, commit_interval_s=30.0)
+    r.queue.add(keys(12), deadline_at=r.clock() + 1e6)  # far off: batches still go by size
+    r.runner.on_forward = lambda _n: time.sleep(0.1)
+    started = time.monotonic()
+    stats = r.scorer.run(pipeline.RunLimits(until_empty=True))
+    assert time.monotonic() - started < 10
+    assert r.sink.keys() == Counter(keys(12))
+    assert stats.commits == 3, "a batch holding a deadline waited for the next one"
+
+
+def test_a_failed_stage_ends_a_commit_interval_wait_at_once() -> None:
+    r = rig(
+        keys(12), max_batch_size=4, claim_size=12, max_rows_per_commit=100, commit_interval_s=30.0
+    )
+
+    def second_fails(n: int) -> None:
+        if n == 2:
+            raise RuntimeError("the device fell over")
+
+    r.runner.on_forward = second_fails
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="fell over"):
+        r.scorer.run(pipeline.RunLimits(until_empty=True))
+    assert time.monotonic() - started < 10
+    assert r.sink.keys() == Counter(keys(4)), "the first batch, scored, was not committed"
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue as stdqueue
 from collections import Counter
 from dataclasses import dataclass
@@ -137,6 +138,45 @@ def test_a_worker_that_reported_and_exited_between_two_looks_is_not_called_dead(
     watch = _Watch([Exited(0), Exited(None)], RacyMessages([("report", 0, report)]), None)
     watch.poll(0.01)
     assert watch.reports == {0: report}
+
+
+class Broken(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        raise RuntimeError("the log backend is down")
+
+    def handleError(self, record: logging.LogRecord) -> None:  # as Prefect's can: re-raise
+        raise RuntimeError("the log backend is down")
+
+
+class Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_worker_records_reach_the_parents_handlers_and_a_broken_one_costs_only_the_record() -> None:
+    record = logging.LogRecord(
+        "batching.parquet", logging.INFO, "f", 1, "batch committed", None, None
+    )
+    record.worker = 1
+    report = WorkerReport(0, run_id="r0")
+    messages = RacyMessages([("log", 0, record), ("log", 0, record), ("report", 0, report)])
+    library, kept, broken = logging.getLogger("batching"), Kept(), Broken()
+    library.addHandler(kept)
+    library.addHandler(broken)
+    try:
+        watch = _Watch([Exited(0)], messages, None)
+        watch.poll(0.01)
+    finally:
+        library.removeHandler(kept)
+        library.removeHandler(broken)
+    assert watch.reports == {0: report}, "a failing log handler stopped the watch"
+    assert [(r.name, r.getMessage(), r.worker) for r in kept.records] == [
+        ("batching.parquet", "batch committed", 1)
+    ] * 2
 
 
 def test_a_worker_that_exited_without_a_report_is_called_dead_with_how() -> None:
