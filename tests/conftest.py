@@ -3,6 +3,7 @@ integration tests."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -18,6 +19,17 @@ PG_ADMIN_URL = os.environ.get(
 )
 IN_CI = bool(os.environ.get("CI"))
 T = TypeVar("T")
+
+
+class KeptRecords(logging.Handler):
+    """A log handler that keeps what it is given, for a test to look at."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 def wait_for(probe: Callable[[], T | None], timeout_s: float = 30.0, what: str = "it") -> T:

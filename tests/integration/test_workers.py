@@ -24,7 +24,7 @@ from batching import lineage, lineage_log, models, schema
 from batching import queue as q
 from batching.workers import WorkersOutcome, _wind_down, run_workers
 from tests import olspec
-from tests.conftest import wait_for
+from tests.conftest import KeptRecords, wait_for
 from tests.integration.conftest import ScoreProcess
 from tests.integration.test_pipeline import (
     SLOW,
@@ -89,15 +89,6 @@ class Parented:
     records: list[logging.LogRecord]  # ``batching`` records the parent received
 
 
-class _Kept(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture(scope="module")
 def parented(tmp_path_factory: pytest.TempPathFactory) -> Parented:
     tmp = tmp_path_factory.mktemp("parented")
@@ -105,7 +96,7 @@ def parented(tmp_path_factory: pytest.TempPathFactory) -> Parented:
     config = load("tabular.yaml", tmp)
     enqueue(url, config, w1_records(N, tmp))
     run_id = lineage.new_run_id()
-    library, kept = logging.getLogger("batching"), _Kept()
+    library, kept = logging.getLogger("batching"), KeptRecords()
     level = library.level
     library.addHandler(kept)
     library.setLevel(logging.INFO)  # the workers log at the parent's level

@@ -12,6 +12,7 @@ import pytest
 from batching import errors
 from batching.pipeline import RunLimits, RunStats
 from batching.workers import WorkerReport, WorkersOutcome, _Watch, share_limits
+from tests.conftest import KeptRecords
 
 
 @pytest.mark.parametrize(
@@ -148,15 +149,6 @@ class Broken(logging.Handler):
         raise RuntimeError("the log backend is down")
 
 
-class Kept(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def test_worker_records_reach_the_parents_handlers_and_a_broken_one_costs_only_the_record() -> None:
     record = logging.LogRecord(
         "batching.parquet", logging.INFO, "f", 1, "batch committed", None, None
@@ -164,7 +156,7 @@ def test_worker_records_reach_the_parents_handlers_and_a_broken_one_costs_only_t
     record.worker = 1
     report = WorkerReport(0, run_id="r0")
     messages = RacyMessages([("log", 0, record), ("log", 0, record), ("report", 0, report)])
-    library, kept, broken = logging.getLogger("batching"), Kept(), Broken()
+    library, kept, broken = logging.getLogger("batching"), KeptRecords(), Broken()
     library.addHandler(kept)
     library.addHandler(broken)
     try:
