@@ -10,7 +10,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,14 @@ from batching import errors, lineage, models, parquet, pipeline, sinks
 from batching import queue as q
 from batching.runner import TorchRunner
 from batching.service_profile import ServiceProfile
-from batching.workers import WorkersOutcome, WorkersProgress, run_workers, share_limits
+from batching.workers import (
+    WorkerReport,
+    WorkersOutcome,
+    WorkersProgress,
+    run_workers,
+    share_limits,
+    worker_job_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -328,6 +335,7 @@ class WorkersScoreOutcome:
     events_path: Path | None
     lineage_failures: int = 0  # the parent's and the finished workers' events not delivered
     committed: int = 0  # by every worker, the failed ones too (their last progress report)
+    worker_run_ids: list[str] = field(default_factory=list)  # worker i's run id
 
     def summary(self) -> dict[str, Any]:
         """The finished workers' counters as one run summary, as ``ScoreOutcome.summary``."""
@@ -359,8 +367,9 @@ def run_score_workers(
     own ledger row, which names the parent, recovery and events) of the child job
     ``<job>.worker-<i>``, whose parent facet points here: Marquez nests it under the job.
     ``reconcile --run <parent>`` covers the workers' batches. Worker failures are reported
-    in the outcome (``workers.error()``), not raised; ``resend_signals`` and the rest are as
-    for ``workers.run_workers``.
+    in the outcome (``workers.error()``), not raised; the run of a worker that died without
+    closing it (killed) is closed here as failed. ``resend_signals`` and the rest are as for
+    ``workers.run_workers``.
 
     Raises:
         SchemaError, QueueError, SinkError, ConfigError, CheckpointError: the database, the
@@ -386,6 +395,7 @@ def run_score_workers(
         if on_progress is not None:
             on_progress(committed, failed, claimed)
 
+    worker_run_ids = [lineage.new_run_id() for _ in range(n)]
     emitter.start(ctx)
     try:
         outcome = run_workers(
@@ -400,6 +410,7 @@ def run_score_workers(
             parent=(run_id, ctx.job_name),
             lineage_config=lineage_config,
             resend_signals=resend_signals,
+            run_ids=worker_run_ids,
         )
     except BaseException as exc:
         summary = {"items_committed": counts[0], "items_failed": counts[1]}
@@ -413,13 +424,20 @@ def run_score_workers(
             queue.engine.dispose()
         raise
     result = WorkersScoreOutcome(
-        run_id, outcome, str(res.output), emitter.events_path, committed=counts[0]
+        run_id,
+        outcome,
+        str(res.output),
+        emitter.events_path,
+        committed=counts[0],
+        worker_run_ids=worker_run_ids[: len(outcome.reports)],
     )
     summary = result.summary()
     stats = outcome.stats()
     out_ds = ctx.outputs[0].with_stats(
         summary["items_committed"], stats.bytes_written if stats else None
     )
+    for report in (r for r in outcome.reports if r.died):
+        _close_dead_worker(emitter, runs, ctx, worker_run_ids[report.index], report)
     error = outcome.error()
     if error is None:
         emitter.complete(ctx, outputs=[out_ds])
@@ -434,6 +452,31 @@ def run_score_workers(
     done = [r for r in outcome.reports if r.run_id]
     result.lineage_failures = emitter.failures + sum(r.lineage_failures for r in done)
     return result
+
+
+def _close_dead_worker(
+    emitter: lineage.LineageEmitter,
+    runs: q.RunLedger,
+    parent: lineage.RunContext,
+    run_id: str,
+    report: WorkerReport,
+) -> None:
+    """A worker that died (killed) never closed its run: FAIL it in lineage and the run
+    ledger, with the rows its last progress report had committed (its items still leased
+    return when their lease expires)."""
+    error = errors.BatchingError(f"worker {report.index}: {report.error}")
+    child = replace(
+        parent,
+        run_id=run_id,
+        job_name=worker_job_name(parent.job_name, report.index),
+        parent_run_id=parent.run_id,
+        parent_job_name=parent.job_name,
+    )
+    emitter.fail(child, error, outputs=[child.outputs[0].with_stats(report.committed)])
+    try:
+        runs.finish(run_id, "failed", {"items_committed": report.committed}, error=str(error))
+    except errors.BatchingError:
+        logger.warning("run ledger not updated for a dead worker", exc_info=True)
 
 
 def _as_dict(value: Any) -> dict[str, Any]:

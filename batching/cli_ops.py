@@ -68,7 +68,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         highlight=False,
     )
     out.print(
-        f"events: {' -> '.join(s['event_types'])}  started {s['started_at']}  duration {s['duration_s']}s",
+        f"events: {' -> '.join(s['event_types'])}  started {s['started_at']}  "
+        + (f"duration {s['duration_s']:.3f}s" if s["duration_s"] is not None else "not ended"),
         highlight=False,
     )
     if s.get("parent"):

@@ -157,7 +157,8 @@ def _score_workers(cfg: Any, n: int, **kwargs: Any) -> None:
     if done:
         title = f"run {result.run_id}: {len(done)} of {len(outcome.reports)} workers"
         out.print(summary_table(result.summary(), title))
-        out.print(f"worker runs: {', '.join(str(r.run_id) for r in done)}")
+    ids = zip(result.worker_run_ids, outcome.reports, strict=True)
+    out.print("worker runs: " + ", ".join(f"{i}{' (failed)' if r.error else ''}" for i, r in ids))
     _where(result.output, result.events_path, result.lineage_failures)
     for message in outcome.errors():
         err.print(f"[red]error:[/red] {message}", markup=True, highlight=False, soft_wrap=True)

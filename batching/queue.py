@@ -254,7 +254,11 @@ class SqlQueue:
     def check_schema(self) -> None:
         """Raise ``SchemaError`` unless the schema is current, ``QueueError`` if unreachable."""
         with self.read() as conn:
-            schema.require_current(conn)
+            try:
+                schema.require_current(conn)
+            except errors.SchemaError as exc:  # name the database the user has to upgrade
+                message = str(exc).replace("--db URL", f"--db {redact(self._url)}")
+                raise errors.SchemaError(message) from None
 
     # -- ingress -----------------------------------------------------------------------------
 

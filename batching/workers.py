@@ -53,6 +53,8 @@ class WorkerReport:
     error: str | None = None
     exit_code: int = 0
     error_type: str | None = None  # the exception's class name, to raise it again here
+    died: bool = False  # exited without a report (killed): its run was never closed
+    committed: int = 0  # when it died: the items its last progress report had committed
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +117,15 @@ class _Job:
     log_level: int
     parent: tuple[str, str] | None = None
     lineage_config: LineageConfig | None = None
+    run_id: str | None = None
 
     def job_name(self, index: int) -> str | None:
-        """Under a parent run, each worker is its child job ``<parent job>.worker-<i>``."""
-        return f"{self.parent[1]}.worker-{index}" if self.parent else None
+        return worker_job_name(self.parent[1], index) if self.parent else None
+
+
+def worker_job_name(parent_job: str, index: int) -> str:
+    """Under a parent run, each worker is its child job ``<parent job>.worker-<i>``."""
+    return f"{parent_job}.worker-{index}"
 
 
 def available_cores() -> int:
@@ -155,6 +162,7 @@ def run_workers(
     parent: tuple[str, str] | None = None,
     lineage_config: LineageConfig | None = None,
     resend_signals: bool = False,
+    run_ids: Sequence[str] | None = None,
 ) -> WorkersOutcome:
     """Run ``n`` scoring runs in ``n`` spawned processes and wait for all of them.
 
@@ -169,6 +177,8 @@ def run_workers(
         parent: ``(run id, job name)`` of the lineage run the workers belong to; each worker
             is then the child job ``<job name>.worker-<i>`` (see ``app.run_score_workers``).
         lineage_config: overrides the config's lineage settings in every worker.
+        run_ids: worker ``i``'s run id (default: each worker makes its own); with them the
+            caller can close the run of a worker that died without closing it itself.
         resend_signals: once the workers have stopped, pass a stop signal received here on
             to the handler this process had before (a Prefect flow run's, which ends the run
             as cancelled), instead of returning as if the run had finished.
@@ -189,7 +199,17 @@ def run_workers(
             target=_work,
             args=(
                 i,
-                _Job(config, db_url, output, share, per_worker, log_level, parent, lineage_config),
+                _Job(
+                    config,
+                    db_url,
+                    output,
+                    share,
+                    per_worker,
+                    log_level,
+                    parent,
+                    lineage_config,
+                    run_ids[i] if run_ids else None,
+                ),
                 messages,
                 stops.event,
             ),
@@ -273,7 +293,7 @@ class _Watch:
             self._take(message)
         for i, code in exited:
             if i not in self.reports:
-                self.reports[i] = _died(i, code)
+                self.reports[i] = _died(i, code, self._counts.get(i, (0, 0, 0))[0])
 
 
 def _relay(record: logging.LogRecord) -> None:
@@ -294,13 +314,15 @@ def _drained(messages: Any) -> Iterator[Any]:
             return
 
 
-def _died(index: int, exitcode: int) -> WorkerReport:
+def _died(index: int, exitcode: int, committed: int) -> WorkerReport:
     how = f"was killed by signal {-exitcode}" if exitcode < 0 else f"exited {exitcode}"
     return WorkerReport(
         index,
         error=f"the worker process {how} before reporting; items it had leased return to "
         "the queue when their lease expires (queue.lease_s)",
         exit_code=1,
+        died=True,
+        committed=committed,
     )
 
 
@@ -459,6 +481,7 @@ def _work(index: int, job: _Job, messages: Any, stop_event: Any) -> None:
             parent=job.parent,
             job_name=job.job_name(index),
             lineage_config=job.lineage_config,
+            run_id=job.run_id,
         )
     except errors.BatchingError as exc:
         code = 2 if isinstance(exc, errors.USAGE_ERRORS) else 1

@@ -236,7 +236,7 @@ def test_a_database_without_schema_says_run_init(tmp_path: Path) -> None:
     (tmp_path / "empty.db").touch()  # e.g. made by the sqlite3 shell
     r = batching("status", "--db", "sqlite:///empty.db", cwd=tmp_path)
     assert r.rc == 1
-    assert "batching init" in one_error_line(r)
+    assert "run `batching init --db sqlite:///empty.db`" in one_error_line(r)
 
 
 def test_a_password_in_the_db_url_is_never_printed(tmp_path: Path) -> None:

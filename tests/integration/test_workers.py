@@ -459,6 +459,29 @@ def test_a_killed_worker_is_reported_and_its_items_are_scored_after_the_lease(
     assert "was killed by signal 9" in stderr
     assert "lease expires" in stderr
     assert "1 of 2 workers" in stdout, "the surviving worker's run is not summed up"
+    assert "(failed)" in stdout, "the dead worker's run id is not listed"
+
+    # The dead worker never closed its run: the parent did, in the ledger and in lineage.
+    engine = q.create_engine(sqlite_url)
+    with engine.connect() as conn:
+        c = schema.runs.c
+        rows = conn.execute(sa.select(c.run_id, c.state, c.error, c.parent_run_id)).all()
+    engine.dispose()
+    assert "running" not in {r.state for r in rows}, rows
+    workers = [r for r in rows if r.parent_run_id is not None]
+    (dead,) = [r for r in workers if r.error and "killed by signal 9" in r.error]
+    assert dead.state == "failed"
+    assert {r.state for r in rows} == {"completed", "failed"}  # the survivor; parent, dead
+    events_path = next(
+        line.removeprefix("lineage: ")
+        for line in stdout.splitlines()
+        if line.startswith("lineage: ")
+    )
+    events = [
+        e for e in lineage_log.read_events(Path(events_path)) if e["run"]["runId"] == dead.run_id
+    ]
+    assert [e["eventType"] for e in events] == ["START", "FAIL"]
+    assert events[-1]["run"]["facets"]["parent"]["run"]["runId"] == dead.parent_run_id
 
     reap_after_lease(sqlite_url, config, lease_s)
     root = tmp_path / "outputs"
