@@ -153,6 +153,12 @@ def _score_workers(cfg: Any, n: int, **kwargs: Any) -> None:
 
     result = wiring.run_score_workers(cfg, n, **kwargs)
     outcome = result.workers
+    if len(outcome.reports) < n:
+        err.print(
+            f"note: --max-items is shared out between the workers: {len(outcome.reports)} "
+            f"of {n} had items to claim, so only they ran",
+            highlight=False,
+        )
     done = [r for r in outcome.reports if r.run_id]
     if done:
         title = f"run {result.run_id}: {len(done)} of {len(outcome.reports)} workers"

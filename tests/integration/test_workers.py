@@ -361,9 +361,17 @@ def test_max_items_is_shared_between_the_workers(
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
     assert "2 of 2 workers" in stdout
+    assert "note:" not in stderr
     states = Counter(r.state for r in items(sqlite_url).values())
     assert states[models.State.DONE] == 5
     assert states[models.State.LEASED] == 0
+
+    # Fewer items than workers: the user is told why only one ran.
+    proc = score_process(path, *WORKERS, "--max-items", "1")
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "1 of 1 workers" in stdout
+    assert "1 of 2 had items to claim" in stderr
 
 
 @pytest.mark.slow
