@@ -152,6 +152,7 @@ class ListSink:
         self.batches: list[Scored] = []
         self.flushes = 0
         self.before_commit: Callable[[Scored], None] | None = None
+        self.committed = threading.Semaphore(0)  # released once per commit
 
     def commit(self, batch: Scored) -> Committed:
         if self.before_commit is not None:
@@ -159,6 +160,7 @@ class ListSink:
         if not self.queue.ack(batch.lease_id, [i.id for i in batch.items]):
             raise errors.LeaseLost(f"lease {batch.lease_id} lost")
         self.batches.append(batch)
+        self.committed.release()
         return Committed(n_bytes=10 * len(batch.items))
 
     def flush(self) -> None:
@@ -301,54 +303,71 @@ def test_until_empty_commits_every_item_exactly_once() -> None:
     assert all(seconds > 0 for seconds in busy.values())
 
 
-@pytest.mark.parametrize(("interval_s", "one_commit"), [(30.0, True), (0.0, False)])
-def test_a_commit_interval_gathers_the_batches_the_model_scores_meanwhile(
-    interval_s: float, one_commit: bool
-) -> None:
-    # The model is the bottleneck (0.1 s a batch): without an interval each batch commits as
-    # soon as it is scored; with one, the batches scored meanwhile join one commit, and the
-    # end of the run commits at once instead of waiting the interval out.
-    r = rig(
-        keys(12),
-        max_batch_size=4,
-        claim_size=12,
-        max_rows_per_commit=100,
-        commit_interval_s=interval_s,
-    )
-    r.runner.on_forward = lambda _n: time.sleep(0.1)
+# Commit-interval tests: a 30 s interval that the run must never wait out (``HANG_S`` guards
+# it); the model's pace is set with events, not sleeps.
+HANG_S = 10.0
+
+
+def one_batch_per_commit(r: Rig) -> None:
+    """The model is the bottleneck: batch n is scored only once batch n - 1 is committed."""
+
+    def wait_for_the_last_commit(n: int) -> None:
+        if n > 1:
+            assert r.sink.committed.acquire(timeout=HANG_S), "the previous batch never committed"
+
+    r.runner.on_forward = wait_for_the_last_commit
+
+
+def interval_rig(interval_s: float, *, deadlines: bool = False) -> Rig:
+    r = rig(max_batch_size=4, claim_size=12, max_rows_per_commit=100, commit_interval_s=interval_s)
+    # A deadline far off: batches still go by size.
+    r.queue.add(keys(12), deadline_at=r.clock() + 1e6 if deadlines else None)
+    return r
+
+
+def run_within(r: Rig) -> pipeline.RunStats:
+    """Run until empty; raise what the run raised, but only if it did not wait the interval out."""
     started = time.monotonic()
-    stats = r.scorer.run(pipeline.RunLimits(until_empty=True))
-    assert time.monotonic() - started < 10
+    try:
+        return r.scorer.run(pipeline.RunLimits(until_empty=True))
+    finally:
+        assert time.monotonic() - started < HANG_S, "the run waited the commit interval out"
+
+
+def test_a_commit_interval_gathers_the_batches_scored_meanwhile_and_the_end_closes_it() -> None:
+    r = interval_rig(30.0)
+    stats = run_within(r)
     assert r.sink.keys() == Counter(keys(12))
     assert stats.batch_sizes == [4, 4, 4]
-    assert (stats.commits == 1) is one_commit, stats.commits
+    assert stats.commits == 1
+
+
+def test_without_an_interval_each_batch_commits_as_soon_as_it_is_scored() -> None:
+    r = interval_rig(0.0)
+    one_batch_per_commit(r)
+    stats = run_within(r)
+    assert r.sink.keys() == Counter(keys(12))
+    assert stats.commits == 3
 
 
 def test_items_with_a_deadline_are_committed_without_waiting_the_interval() -> None:
-    r = rig(max_batch_size=4, claim_size=12, max_rows_per_commit=100, commit_interval_s=30.0)
-    r.queue.add(keys(12), deadline_at=r.clock() + 1e6)  # far off: batches still go by size
-    r.runner.on_forward = lambda _n: time.sleep(0.1)
-    started = time.monotonic()
-    stats = r.scorer.run(pipeline.RunLimits(until_empty=True))
-    assert time.monotonic() - started < 10
+    r = interval_rig(30.0, deadlines=True)
+    one_batch_per_commit(r)  # a batch that waited for the next one would never be followed
+    stats = run_within(r)
     assert r.sink.keys() == Counter(keys(12))
     assert stats.commits == 3, "a batch holding a deadline waited for the next one"
 
 
 def test_a_failed_stage_ends_a_commit_interval_wait_at_once() -> None:
-    r = rig(
-        keys(12), max_batch_size=4, claim_size=12, max_rows_per_commit=100, commit_interval_s=30.0
-    )
+    r = interval_rig(30.0)
 
     def second_fails(n: int) -> None:
         if n == 2:
             raise RuntimeError("the device fell over")
 
     r.runner.on_forward = second_fails
-    started = time.monotonic()
     with pytest.raises(RuntimeError, match="fell over"):
-        r.scorer.run(pipeline.RunLimits(until_empty=True))
-    assert time.monotonic() - started < 10
+        run_within(r)
     assert r.sink.keys() == Counter(keys(4)), "the first batch, scored, was not committed"
 
 
