@@ -335,8 +335,8 @@ class WorkersScoreOutcome:
     events_path: Path | None
     lineage_failures: int = 0  # the parent's and the finished workers' events not delivered
     committed: int = 0  # by every worker, the failed ones too (their last progress report)
-    worker_run_ids: list[str] = field(default_factory=list)  # worker i's run id
 
+    @property
     def summary(self) -> dict[str, Any]:
         """The finished workers' counters as one run summary, as ``ScoreOutcome.summary``."""
         stats = self.workers.stats()
@@ -429,15 +429,14 @@ def run_score_workers(
         str(res.output),
         emitter.events_path,
         committed=counts[0],
-        worker_run_ids=worker_run_ids[: len(outcome.reports)],
     )
-    summary = result.summary()
+    summary = result.summary
     stats = outcome.stats()
     out_ds = ctx.outputs[0].with_stats(
         summary["items_committed"], stats.bytes_written if stats else None
     )
     for report in (r for r in outcome.reports if r.died):
-        _close_dead_worker(emitter, runs, ctx, worker_run_ids[report.index], report)
+        _close_dead_worker(emitter, runs, ctx, report)
     error = outcome.error()
     if error is None:
         emitter.complete(ctx, outputs=[out_ds])
@@ -449,8 +448,7 @@ def run_score_workers(
         runs.finish(run_id, state, summary, error=None if error is None else str(error))
     finally:
         queue.engine.dispose()
-    done = [r for r in outcome.reports if r.run_id]
-    result.lineage_failures = emitter.failures + sum(r.lineage_failures for r in done)
+    result.lineage_failures = emitter.failures + sum(r.lineage_failures for r in outcome.reports)
     return result
 
 
@@ -458,23 +456,24 @@ def _close_dead_worker(
     emitter: lineage.LineageEmitter,
     runs: q.RunLedger,
     parent: lineage.RunContext,
-    run_id: str,
     report: WorkerReport,
 ) -> None:
     """A worker that died (killed) never closed its run: FAIL it in lineage and the run
     ledger, with the rows its last progress report had committed (its items still leased
     return when their lease expires)."""
+    assert report.run_id is not None  # run_score_workers gives every worker its run id
     error = errors.BatchingError(f"worker {report.index}: {report.error}")
     child = replace(
         parent,
-        run_id=run_id,
+        run_id=report.run_id,
         job_name=worker_job_name(parent.job_name, report.index),
         parent_run_id=parent.run_id,
         parent_job_name=parent.job_name,
     )
     emitter.fail(child, error, outputs=[child.outputs[0].with_stats(report.committed)])
     try:
-        runs.finish(run_id, "failed", {"items_committed": report.committed}, error=str(error))
+        committed = {"items_committed": report.committed}
+        runs.finish(report.run_id, "failed", committed, error=str(error))
     except errors.BatchingError:
         logger.warning("run ledger not updated for a dead worker", exc_info=True)
 

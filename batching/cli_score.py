@@ -159,12 +159,12 @@ def _score_workers(cfg: Any, n: int, **kwargs: Any) -> None:
             f"of {n} had items to claim, so only they ran",
             highlight=False,
         )
-    done = [r for r in outcome.reports if r.run_id]
+    done = [r for r in outcome.reports if r.error is None]
     if done:
         title = f"run {result.run_id}: {len(done)} of {len(outcome.reports)} workers"
-        out.print(summary_table(result.summary(), title))
-    ids = zip(result.worker_run_ids, outcome.reports, strict=True)
-    out.print("worker runs: " + ", ".join(f"{i}{' (failed)' if r.error else ''}" for i, r in ids))
+        out.print(summary_table(result.summary, title))
+    runs = (f"{r.run_id}{' (failed)' if r.error else ''}" for r in outcome.reports)
+    out.print(f"worker runs: {', '.join(runs)}")
     _where(result.output, result.events_path, result.lineage_failures)
     for message in outcome.errors():
         err.print(f"[red]error:[/red] {message}", markup=True, highlight=False, soft_wrap=True)

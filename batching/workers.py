@@ -42,7 +42,10 @@ WorkersProgress = Callable[[int, int, int], None]
 
 @dataclass(frozen=True, slots=True)
 class WorkerReport:
-    """What one worker did, or why it failed (``error``, one line; ``exit_code`` 1 or 2)."""
+    """What one worker did, or why it failed (``error``, one line; ``exit_code`` 1 or 2).
+
+    ``run_id`` is the worker's run; a failed worker has one only when ``run_workers`` was
+    given the run ids."""
 
     index: int
     run_id: str | None = None
@@ -177,8 +180,8 @@ def run_workers(
         parent: ``(run id, job name)`` of the lineage run the workers belong to; each worker
             is then the child job ``<job name>.worker-<i>`` (see ``app.run_score_workers``).
         lineage_config: overrides the config's lineage settings in every worker.
-        run_ids: worker ``i``'s run id (default: each worker makes its own); with them the
-            caller can close the run of a worker that died without closing it itself.
+        run_ids: worker ``i``'s run id (default: each worker makes its own); with them every
+            report names its run, so the caller can close the run of a worker that died.
         resend_signals: once the workers have stopped, pass a stop signal received here on
             to the handler this process had before (a Prefect flow run's, which ends the run
             as cancelled), instead of returning as if the run had finished.
@@ -241,7 +244,10 @@ def run_workers(
         p.join()
     if resend_signals:
         stops.resend()
-    return WorkersOutcome([watch.reports[i] for i in range(len(procs))])
+    reports = [watch.reports[i] for i in range(len(procs))]
+    if run_ids:  # a worker that failed or died did not report its run id; it is known here
+        reports = [r if r.run_id else replace(r, run_id=run_ids[r.index]) for r in reports]
+    return WorkersOutcome(reports)
 
 
 class _Watch:

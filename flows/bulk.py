@@ -10,14 +10,14 @@ from typing import Any
 
 from prefect import flow
 
-from batching import app, config, errors, ingest, pipeline
+from batching import app, config, ingest, pipeline
 from flows import logs, settings
 from flows.score import (
     before_scoring,
     flow_run_id,
+    require_workers,
     retrying_task,
     score_queue,
-    summary_of,
     validate_preconditions,
 )
 
@@ -65,8 +65,7 @@ def bulk(
     with logs.to_prefect(flow_run_id()):
         cfg = settings.load(config, overrides)
         with before_scoring(cfg, db_url, output):
-            if workers < 1:
-                raise errors.ConfigError(f"workers must be at least 1, got {workers}")
+            require_workers(workers)
             found = validate_preconditions(cfg, db_url, output)
             enqueued = enqueue_input(cfg, db_url, input_path)
         limits = pipeline.RunLimits(max_seconds=max_seconds)
@@ -75,5 +74,5 @@ def bulk(
         return {
             "enqueued": enqueued["inserted"],
             "duplicates": enqueued["duplicates"],
-            **summary_of(outcome),
+            **outcome.summary,
         }

@@ -146,13 +146,14 @@ def score_queue(
                 on_progress=progress,
                 lineage_config=settings.lineage_config(cfg),
             )
-    artifacts.publish_summary(cfg.name, outcome.run_id, summary_of(outcome), outcome.output)
+    artifacts.publish_summary(cfg.name, outcome.run_id, outcome.summary, outcome.output)
     return outcome
 
 
-def summary_of(outcome: app.ScoreOutcome | app.WorkersScoreOutcome) -> dict[str, Any]:
-    """The run summary of one scorer, or of all workers added up."""
-    return outcome.summary() if isinstance(outcome, app.WorkersScoreOutcome) else outcome.summary
+def require_workers(workers: int) -> None:
+    """Refuse a worker count below 1 (bad input: the run fails before anything is claimed)."""
+    if workers < 1:
+        raise errors.ConfigError(f"workers must be at least 1, got {workers}")
 
 
 @task(name="check-backlog", cache_policy=NO_CACHE)
@@ -222,11 +223,10 @@ def score(
     with logs.to_prefect(flow_run_id()):
         cfg = settings.load(config, overrides)
         with before_scoring(cfg, db_url, output):
-            if workers < 1:
-                raise errors.ConfigError(f"workers must be at least 1, got {workers}")
+            require_workers(workers)
             found = validate_preconditions(cfg, db_url, output)
         expected = min(found["ready"], max_items or found["ready"])
         limits = pipeline.RunLimits(max_seconds=max_seconds, max_items=max_items)
         outcome = score_queue(cfg, db_url, output, limits, expected, workers)
         check_backlog(cfg, db_url)
-        return summary_of(outcome)
+        return outcome.summary

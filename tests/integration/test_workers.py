@@ -125,7 +125,7 @@ def test_workers_are_one_lineage_run_with_a_child_job_each(parented: Parented) -
     assert [e["eventType"] for e in mine] == ["START", "COMPLETE"]
     assert {e["job"]["name"] for e in mine} == {config.name}
     assert output_rows(mine[-1]) == N
-    assert result.summary()["items_committed"] == N
+    assert result.summary["items_committed"] == N
 
     children = [e for e in events if e["run"]["runId"] != result.run_id]
     worker_runs = {r.run_id for r in result.workers.reports}
