@@ -68,7 +68,12 @@ def score(
             min=0.001, help="Stop claiming after S seconds; waits for new work until then."
         ),
     ] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet", help="No progress bar (there is none when stderr is not a terminal)."
+        ),
+    ] = False,
     workers: Annotated[
         int,
         typer.Option(
@@ -99,7 +104,8 @@ def score(
         TextColumn("{task.fields[rate]}"),
         TimeElapsedColumn(),
         console=err,
-        disable=quiet,
+        # Not on a pipe or a log file: rich draws nothing there but a blank line at the end.
+        disable=quiet or not err.is_terminal,
         transient=True,
     )
     task = progress.add_task("score", total=None, rate="")
