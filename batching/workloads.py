@@ -3,6 +3,9 @@
 W1 "tabular": 50,000 rows of 64 float32 from ``numpy.random.default_rng(1)``.
 W2 "text": 3,000 token sequences, lengths uniform in [8, 128], ids in [1, 30000), from
 ``numpy.random.default_rng(2)``: first all lengths, then each sequence.
+
+Asked for more rows than a reference set has, they repeat it from its start (a longer
+benchmark run, the same data); item keys stay unique.
 """
 
 from __future__ import annotations
@@ -21,17 +24,18 @@ W2_ROWS = 3_000
 
 
 def w1_inputs(n: int = W1_ROWS) -> npt.NDArray[np.float32]:
-    """The first ``n`` rows of the W1 reference set, shape ``[n, 64]``."""
+    """The first ``n`` rows of the W1 reference set, shape ``[n, 64]``, repeated past 50,000."""
     rng = np.random.default_rng(1)
-    return rng.standard_normal((W1_ROWS, 64), dtype=np.float32)[:n]
+    ref = rng.standard_normal((W1_ROWS, 64), dtype=np.float32)
+    return ref[np.arange(n) % W1_ROWS]
 
 
 def w2_inputs(n: int = W2_ROWS) -> list[npt.NDArray[np.int64]]:
-    """The first ``n`` token sequences of the W2 reference set."""
+    """The first ``n`` token sequences of the W2 reference set, repeated past 3,000."""
     rng = np.random.default_rng(2)
     lengths = rng.integers(8, 129, size=W2_ROWS)
     seqs = [rng.integers(1, 30000, size=int(length), dtype=np.int64) for length in lengths]
-    return seqs[:n]
+    return [seqs[i % W2_ROWS] for i in range(n)]
 
 
 def write_w1_parquet(path: Path, n: int, *, prefix: str = "w1-") -> Path:

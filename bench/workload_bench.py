@@ -318,15 +318,32 @@ def open_loop(
     }
 
 
+def _positive(kind: type[int] | type[float]) -> Any:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
+        return value
+
+    return parse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--w1-items", type=int, default=50_000)
-    parser.add_argument("--w2-items", type=int, default=3_000)
-    parser.add_argument("--online-s", type=float, default=20.0)
+    count, seconds = _positive(int), _positive(float)
+    more = "%s requests (default: the reference set; more repeat it)"
+    parser.add_argument("--w1-items", type=count, default=50_000, help=more % "W1")
+    parser.add_argument("--w2-items", type=count, default=3_000, help=more % "W2")
+    parser.add_argument(
+        "--online-s", type=seconds, default=20.0, help="length of each open-loop W2 run"
+    )
     parser.add_argument("--only", choices=["w1", "w2"])
-    parser.add_argument("--repeats", type=int, default=3, help="W2 limit/dynamic repetitions")
+    parser.add_argument("--repeats", type=count, default=3, help="W2 limit/dynamic repetitions")
     parser.add_argument("--json", type=Path, help="also write results here")
     parser.add_argument("--pg", metavar="URL", help="also run W1 on this PostgreSQL server")
     args = parser.parse_args()
