@@ -18,6 +18,7 @@ from typing import Annotated, Any, ParamSpec, TypeVar
 import typer
 from rich import box
 from rich.console import Console
+from rich.progress import Progress, ProgressColumn
 from rich.table import Table
 
 from batching import errors
@@ -36,6 +37,18 @@ app = typer.Typer(
 # Messages stay on one line (paths in them can be copied); tables still fit the terminal.
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
+
+QuietOption = Annotated[
+    bool,
+    typer.Option("--quiet", help="No progress bar (there is none when stderr is not a terminal)."),
+]
+
+
+def progress_bar(*columns: str | ProgressColumn, quiet: bool) -> Progress:
+    """A progress display on stderr, gone when done; off with --quiet, on a pipe or a log file
+    (rich draws nothing there but a blank line at the end)."""
+    return Progress(*columns, console=err, disable=quiet or not err.is_terminal, transient=True)
+
 
 DEFAULT_DB = "sqlite:///batching.db"
 DbOption = Annotated[
@@ -111,17 +124,31 @@ def enqueue(
     db: DbOption = DEFAULT_DB,
     queue: QueueOption = "default",
     max_attempts: Annotated[int, typer.Option(min=1, help="Attempts before an item is dead.")] = 5,
+    quiet: QuietOption = False,
 ) -> None:
     """Enqueue every record of FILE in one transaction (all or nothing), idempotent on item_key.
 
     Each record: item_key, payload, and optionally tenant, priority, deadline, cost, lane.
     """
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
     from batching import ingest
 
-    records = ingest.read_records(file)
     q = open_queue(db, queue, max_attempts=max_attempts)
-    q.check_schema()
-    result = q.enqueue(records)
+    q.check_schema()  # before reading: a large file takes a while
+    progress = progress_bar(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        quiet=quiet,
+    )
+    with progress:
+        reading = progress.add_task(f"reading {file.name}", total=None)
+        records = ingest.read_records(file, lambda n: progress.update(reading, completed=n))
+        progress.update(reading, total=len(records), visible=False)
+        writing = progress.add_task("enqueueing (one transaction)", total=len(records))
+        result = q.enqueue(records, lambda n: progress.update(writing, completed=n))
     out.print(
         f"{file}: committed {result.inserted} new item(s) to queue {queue!r}; "
         f"{len(result.duplicates)} already present (not enqueued again)"

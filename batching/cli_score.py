@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from batching import errors
-from batching.cli import DEFAULT_DB, app, err, handle_errors, out
+from batching.cli import DEFAULT_DB, QuietOption, app, err, handle_errors, out, progress_bar
 
 ConfigOption = Annotated[
     Path, typer.Option("--config", "-c", help="Pipeline YAML (see deployments/).")
@@ -68,12 +68,7 @@ def score(
             min=0.001, help="Stop claiming after S seconds; waits for new work until then."
         ),
     ] = None,
-    quiet: Annotated[
-        bool,
-        typer.Option(
-            "--quiet", help="No progress bar (there is none when stderr is not a terminal)."
-        ),
-    ] = False,
+    quiet: QuietOption = False,
     workers: Annotated[
         int,
         typer.Option(
@@ -97,16 +92,13 @@ def score(
         max_items=max_items,
         max_seconds=max_seconds,
     )
-    progress = Progress(
+    progress = progress_bar(
         TextColumn("scoring"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[rate]}"),
         TimeElapsedColumn(),
-        console=err,
-        # Not on a pipe or a log file: rich draws nothing there but a blank line at the end.
-        disable=quiet or not err.is_terminal,
-        transient=True,
+        quiet=quiet,
     )
     task = progress.add_task("score", total=None, rate="")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +25,44 @@ from batching import errors, models
 
 _FIELDS = {"item_key", "payload", "tenant", "priority", "deadline", "cost", "lane"}
 _MAX_KEY = 500
+PROGRESS_EVERY = 10_000
+"""``read_records`` reports its progress after this many records (and at the end)."""
 
 
-def read_records(path: str | Path) -> list[models.EnqueueRecord]:
-    """Parse a ``.jsonl``/``.json`` or ``.parquet`` file; raises ``InputError`` naming file and line."""
+def read_records(
+    path: str | Path, on_progress: Callable[[int], None] | None = None
+) -> list[models.EnqueueRecord]:
+    """Parse a ``.jsonl``/``.json`` or ``.parquet`` file; raises ``InputError`` naming file and line.
+
+    ``on_progress`` is called with the number of records read so far, every
+    :data:`PROGRESS_EVERY` records and once at the end.
+    """
     p = Path(path)
     if not p.is_file():
         raise errors.InputError(f"{p}: no such file; give a .jsonl or .parquet file")
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
-        placed = [(f"line {n}", record) for n, record in _read_jsonl(p)]
+        placed = _counted(((f"line {n}", record) for n, record in _read_jsonl(p)), on_progress)
     elif suffix == ".parquet":
-        placed = [(f"row {i}", record) for i, record in enumerate(_read_parquet(p), start=1)]
+        rows = ((f"row {i}", record) for i, record in enumerate(_read_parquet(p), start=1))
+        placed = _counted(rows, on_progress)
     else:
         raise errors.InputError(f"{p}: unknown file type {suffix!r}; use .jsonl or .parquet")
     _check_unique_keys(placed, p)
     return [record for _, record in placed]
+
+
+def _counted(
+    placed: Iterable[tuple[str, models.EnqueueRecord]], on_progress: Callable[[int], None] | None
+) -> list[tuple[str, models.EnqueueRecord]]:
+    out: list[tuple[str, models.EnqueueRecord]] = []
+    for pair in placed:
+        out.append(pair)
+        if on_progress is not None and len(out) % PROGRESS_EVERY == 0:
+            on_progress(len(out))
+    if on_progress is not None:
+        on_progress(len(out))
+    return out
 
 
 def _check_unique_keys(placed: list[tuple[str, models.EnqueueRecord]], p: Path) -> None:
@@ -149,7 +171,7 @@ def _deadline(value: Any, where: str) -> float | None:
 # -- Parquet ------------------------------------------------------------------------------
 
 
-def _read_parquet(p: Path) -> list[models.EnqueueRecord]:
+def _read_parquet(p: Path) -> Iterator[models.EnqueueRecord]:
     try:
         table = pq.read_table(p)
     except (pa.ArrowInvalid, OSError) as exc:
@@ -171,26 +193,22 @@ def _read_parquet(p: Path) -> list[models.EnqueueRecord]:
     else:
         payloads, lengths = _json_payloads(p, col), None
     rest = {c: table.column(c).to_pylist() for c in table.column_names if c != "payload"}
-    out = []
     for i, payload in enumerate(payloads):
         where = f"{p}:row {i + 1}"
         obj = {k: v[i] for k, v in rest.items() if v[i] is not None}
         cost = obj.pop("cost", None)
         key = _key(obj.get("item_key"), where)
-        out.append(
-            models.EnqueueRecord(
-                item_key=key,
-                payload=payload,
-                tenant=_str(obj.get("tenant", "default"), "tenant", where),
-                priority=_int(obj.get("priority", 0), "priority", where),
-                deadline_at=_deadline(_deadline_value(obj.get("deadline")), where),
-                cost=_int(cost, "cost", where)
-                if cost is not None
-                else (int(lengths[i]) if lengths is not None else 1),
-                lane=_str(obj.get("lane", ""), "lane", where),
-            )
+        yield models.EnqueueRecord(
+            item_key=key,
+            payload=payload,
+            tenant=_str(obj.get("tenant", "default"), "tenant", where),
+            priority=_int(obj.get("priority", 0), "priority", where),
+            deadline_at=_deadline(_deadline_value(obj.get("deadline")), where),
+            cost=_int(cost, "cost", where)
+            if cost is not None
+            else (int(lengths[i]) if lengths is not None else 1),
+            lane=_str(obj.get("lane", ""), "lane", where),
         )
-    return out
 
 
 def _deadline_value(value: Any) -> Any:

@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -262,11 +262,18 @@ class SqlQueue:
 
     # -- ingress -----------------------------------------------------------------------------
 
-    def enqueue(self, records: Iterable[models.EnqueueRecord]) -> models.EnqueueResult:
+    def enqueue(
+        self,
+        records: Iterable[models.EnqueueRecord],
+        on_progress: Callable[[int], None] | None = None,
+    ) -> models.EnqueueResult:
         """Insert records in one transaction, idempotent on ``(queue, item_key)``.
 
         Keys already in the queue (or repeated within ``records``) are not inserted again and
         are reported in ``duplicates``. PostgreSQL: one ``NOTIFY`` for the whole call.
+        ``on_progress`` is called with the number of distinct records written so far (new or
+        found present) after each chunk of the transaction; nothing is visible before its
+        commit.
         """
         now = self.clock()
         rows: list[dict[str, Any]] = []
@@ -289,6 +296,8 @@ class SqlQueue:
                     )
                 inserted += len(ids)
                 dupes.extend(r["item_key"] for r in chunk if r["item_key"] not in ids)
+                if on_progress is not None:
+                    on_progress(start + len(chunk))
             if inserted and self.dialect == "postgresql":
                 conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, self.queue)))
         logger.info(

@@ -160,6 +160,22 @@ def test_enqueue_jsonl_and_parquet_reports_duplicates(tmp_path: Path) -> None:
     assert status(tmp_path) == {"ready": 8, "leased": 0, "done": 0, "dead": 0, "expired": 0}
 
 
+def test_enqueue_shows_progress_on_a_terminal_only(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(5))
+    args = ("enqueue", str(jsonl), "--db", DB, "-q", "tabular")
+    piped = batching(*args, cwd=tmp_path)
+    assert (piped.rc, piped.err) == (0, "")
+    # FORCE_COLOR makes rich treat the captured stderr as a terminal.
+    shown = batching(*args, "-q", "other", cwd=tmp_path, env={"FORCE_COLOR": "1"})
+    assert shown.rc == 0, shown.err
+    assert "reading w1.jsonl" in shown.err
+    assert "enqueueing" in shown.err
+    assert "committed" in shown.out
+    quiet = batching(*args, "-q", "third", "--quiet", cwd=tmp_path, env={"FORCE_COLOR": "1"})
+    assert (quiet.rc, quiet.err) == (0, "")
+
+
 MALFORMED = [
     ('{"item_key": "bad", "payload": {"x": [1]}', "not valid JSON"),
     ('{"item_key": "bad"}', "missing payload"),

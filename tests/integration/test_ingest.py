@@ -137,3 +137,20 @@ def test_a_key_twice_in_one_parquet_file_is_refused_naming_both_rows(tmp_path: P
     pq.write_table(table, tmp_path / "r.parquet")
     with pytest.raises(errors.InputError, match=r"r\.parquet:row 3: item_key 'b' repeats row 2"):
         ingest.read_records(tmp_path / "r.parquet")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_progress_is_reported_while_reading_and_at_the_end(
+    tmp_path: Path, suffix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ingest, "PROGRESS_EVERY", 4)
+    rows = [{"item_key": f"k{i}", "payload": {"x": [i]}} for i in range(10)]
+    if suffix == ".jsonl":
+        path = write_jsonl(tmp_path / "r.jsonl", rows)
+    else:
+        path = tmp_path / "r.parquet"
+        keys = [r["item_key"] for r in rows]
+        pq.write_table(pa.table({"item_key": keys, "payload": [[i] for i in range(10)]}), path)
+    seen: list[int] = []
+    assert len(ingest.read_records(path, seen.append)) == 10
+    assert seen == [4, 8, 10]

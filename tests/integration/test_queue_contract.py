@@ -311,6 +311,18 @@ def test_enqueue_is_idempotent_on_key(queue: q.SqlQueue) -> None:
     assert queue.stats().by_state["ready"] == 3
 
 
+def test_enqueue_reports_progress_after_each_chunk(
+    queue: q.SqlQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(q, "_ENQUEUE_CHUNK", 2)
+    seen: list[int] = []
+    result = queue.enqueue(
+        [rec("a"), rec("b"), rec("a"), rec("c"), rec("d"), rec("e")], seen.append
+    )
+    assert (result.inserted, result.duplicates) == (5, ("a",))
+    assert seen == [2, 4, 5]
+
+
 def test_same_key_in_other_queue_is_distinct(queue: q.SqlQueue) -> None:
     other = q.SqlQueue(queue.engine, "other", clock=queue.clock)
     assert queue.enqueue([rec("k")]).inserted == 1
