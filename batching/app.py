@@ -243,6 +243,9 @@ def run_score(
         runner = TorchRunner.load(config.model, base_dir=config.base_dir)
         runner.warmup()
         sink = make_sink(config, queue, res.output)
+        # Expired leases first (a scorer killed with items leased): the sweep below then
+        # deletes their staging files rather than keep them as in flight.
+        queue.release_expired(this_queue=True)
         recovered = sink.recover()
         profile = load_profile(config)
         ctx = context(sink=sink, checksum=runner.checksum)

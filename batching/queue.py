@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 NOTIFY_CHANNEL = "batching_items"
 _ENQUEUE_CHUNK = 1000
+_REAP_LIMIT = 5000  # expired leases returned by one claim (the next claim takes the rest)
 _T = schema.items
 _P = schema.payloads
 _CLAIM_COLUMNS = (
@@ -358,7 +359,8 @@ class SqlQueue:
         Order: priority (high first), then deadline (earliest first, none last), then age.
         ``attempts`` is counted here, so an item that kills its worker still runs out of
         attempts. ``max_cost`` caps the sum of cost hints (the first item is always taken, so an
-        oversized item is not starved). Items past their deadline are moved to ``expired`` first.
+        oversized item is not starved). First, in the same transaction, items past their
+        deadline are moved to ``expired`` and this queue's expired leases are reaped.
         Returns a claim with zero items when nothing is ready.
         """
         if n < 1:
@@ -424,7 +426,7 @@ class SqlQueue:
     ) -> tuple[list[Any], dict[int, bytes]]:
         """PostgreSQL: UPDATE ... RETURNING and the bodies, in one transaction."""
         with self.begin() as conn:
-            self._expire_overdue(conn, now)
+            self._before_claim(conn, now)
             rows = list(conn.execute(sa.text(sql), params).fetchall())
             bodies = self._bodies(conn, [r[0] for r in rows]) if rows else {}
             if len(bodies) != len(rows):
@@ -445,7 +447,7 @@ class SqlQueue:
         reading them back fails, the claim is released, not left leased.
         """
         with self.begin() as conn:
-            self._expire_overdue(conn, now)
+            self._before_claim(conn, now)
             claimed = conn.execute(sa.text(sql), params).rowcount
         if not claimed:
             return [], {}
@@ -522,6 +524,13 @@ class SqlQueue:
         (id_, key, fmt, dtype, shape, enq, queue, lane, tenant, prio, cost, dl, att, mx, _) = r
         payload = models.Payload(data, _FORMATS[fmt], dtype, _shape(shape) if shape else None)
         return models.WorkItem(id_, key, payload, enq, queue, lane, tenant, prio, cost, dl, att, mx)
+
+    def _before_claim(self, conn: Connection, now: float) -> None:
+        """In the claim's transaction: items past their deadline expire, and this queue's
+        expired leases (a worker killed, or stopped without releasing) go back to ready, so
+        a scorer picks up what a dead one left without anyone running the reaper."""
+        self._expire_overdue(conn, now)
+        self._release_expired(conn, now, _REAP_LIMIT, this_queue=True)
 
     def _expire_overdue(self, conn: Connection, now: float) -> int:
         stmt = (
@@ -682,53 +691,66 @@ class SqlQueue:
             )
             return conn.execute(stmt).rowcount
 
-    def release_expired(self, limit: int = 5000) -> models.ReapResult:
+    def release_expired(self, limit: int = 5000, *, this_queue: bool = False) -> models.ReapResult:
         """The reaper: return items whose lease expired to ``ready`` (or ``dead`` past max attempts).
 
-        One conditional statement per outcome; each re-checks ``lease_expires_at < now`` so a
-        lease renewed or acked meanwhile is never clobbered.
+        Every queue in the table (``reconcile --repair``), or this one; each claim also reaps
+        its own queue's expired leases first. One conditional statement per outcome; each
+        re-checks ``lease_expires_at < now`` so a lease renewed or acked meanwhile is never
+        clobbered.
         """
-        now = self.clock()
         with self.begin() as conn:
-            expired = self._expired_ids(conn, now, limit)
-            if not expired:
-                return models.ReapResult(0, 0)
-            base = sa.and_(
-                _T.c.id.in_(expired),
-                _T.c.state == sa.literal_column("1"),
-                _T.c.lease_expires_at < now,
-            )
-            common = {
-                "lease_id": None,
-                "lease_expires_at": None,
-                "leased_by": None,
-                "crash_count": _T.c.crash_count + 1,
-                "last_error": "lease expired (worker lost)",
-            }
-            dead = conn.execute(
-                sa.update(_T)
-                .where(base, _T.c.attempts >= _T.c.max_attempts)
-                .values(state=int(models.State.DEAD), finished_at=now, **common)
-            ).rowcount
-            released = conn.execute(
-                sa.update(_T)
-                .where(base)
-                .values(state=int(models.State.READY), run_after=now, **common)
-            ).rowcount
+            return self._release_expired(conn, self.clock(), limit, this_queue=this_queue)
+
+    def _release_expired(
+        self, conn: Connection, now: float, limit: int, *, this_queue: bool
+    ) -> models.ReapResult:
+        expired = self._expired_ids(conn, now, limit, this_queue=this_queue)
+        if not expired:
+            return models.ReapResult(0, 0)
+        base = sa.and_(
+            _T.c.id.in_(expired),
+            _T.c.state == sa.literal_column("1"),
+            _T.c.lease_expires_at < now,
+        )
+        common = {
+            "lease_id": None,
+            "lease_expires_at": None,
+            "leased_by": None,
+            "crash_count": _T.c.crash_count + 1,
+            "last_error": "lease expired (worker lost)",
+        }
+        dead = conn.execute(
+            sa.update(_T)
+            .where(base, _T.c.attempts >= _T.c.max_attempts)
+            .values(state=int(models.State.DEAD), finished_at=now, **common)
+        ).rowcount
+        released = conn.execute(
+            sa.update(_T).where(base).values(state=int(models.State.READY), run_after=now, **common)
+        ).rowcount
         if released or dead:
             logger.warning(
                 "expired leases released",
-                extra={"action": "release_expired", "n_released": released, "n_dead": dead},
+                extra={
+                    "action": "release_expired",
+                    "queue": self.queue if this_queue else None,
+                    "n_released": released,
+                    "n_dead": dead,
+                },
             )
         return models.ReapResult(released=released, dead=dead)
 
-    def _expired_ids(self, conn: Connection, now: float, limit: int) -> list[int]:
+    def _expired_ids(
+        self, conn: Connection, now: float, limit: int, *, this_queue: bool
+    ) -> list[int]:
         q = (
             sa.select(_T.c.id)
             .where(_T.c.state == sa.literal_column("1"), _T.c.lease_expires_at < now)
             .order_by(_T.c.lease_expires_at)
             .limit(limit)
         )
+        if this_queue:
+            q = q.where(_T.c.queue == self.queue)
         if self.dialect == "postgresql":
             q = q.with_for_update(skip_locked=True, key_share=True)
         return [r[0] for r in conn.execute(q)]

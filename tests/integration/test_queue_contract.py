@@ -421,6 +421,26 @@ def test_heartbeat_keeps_lease_from_reaper(queue: q.SqlQueue, clock: FakeClock) 
     assert r.last_error == "lease expired (worker lost)"
 
 
+def test_a_claim_reaps_its_queues_expired_leases_first(queue: q.SqlQueue, clock: FakeClock) -> None:
+    """A killed scorer's items come back to the next claim, with no reaper run."""
+    other = q.SqlQueue(queue.engine, "other", clock=queue.clock)
+    queue.enqueue([rec("a"), rec("b"), rec("p", max_attempts=1)])
+    other.enqueue([rec("x")])
+    lost = queue.claim(3, lease_s=10)
+    other_lost = other.claim(1, lease_s=10)
+    clock.advance(9)
+    assert len(queue.claim(3, lease_s=10)) == 0  # not expired yet
+    clock.advance(2)
+    again = queue.claim(3, lease_s=10)
+    assert sorted(i.item_key for i in again.items) == ["a", "b"]
+    assert all(i.attempts == 2 for i in again.items)
+    r = row(queue, "p")
+    assert (r.state, r.last_error) == (models.State.DEAD, "lease expired (worker lost)")
+    assert queue.ack(lost.lease_id, [i.id for i in lost.items]) == 0
+    # Another queue's leases are its own scorers' (or the reaper's) to return.
+    assert row(other, "x").lease_id == other_lost.lease_id
+
+
 def test_reaper_dead_letters_after_max_attempts(queue: q.SqlQueue, clock: FakeClock) -> None:
     queue.enqueue([models.EnqueueRecord("p", models.Payload(b"{}"), max_attempts=2)])
     for _ in range(2):

@@ -32,7 +32,7 @@ from tests.integration.test_pipeline import (
     enqueue,
     items,
     load,
-    reap_after_lease,
+    outlive_leases,
     reconcile,
     score,
     slow_w1_queue,
@@ -491,8 +491,8 @@ def test_a_killed_worker_is_reported_and_its_items_are_scored_after_the_lease(
     assert [e["eventType"] for e in events] == ["START", "FAIL"]
     assert events[-1]["run"]["facets"]["parent"]["run"]["runId"] == dead.parent_run_id
 
-    reap_after_lease(sqlite_url, config, lease_s)
+    outlive_leases(lease_s)
     root = tmp_path / "outputs"
-    score(config, sqlite_url, root)
+    score(config, sqlite_url, root)  # its claims reap the dead worker's leases
     assert_done_once(sqlite_url, root, KEYS)
     assert reconcile(config, sqlite_url, root).clean
