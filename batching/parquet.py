@@ -32,7 +32,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import quote
 
 import pyarrow as pa
@@ -150,18 +150,27 @@ def held_leases(conn: Connection, lease_ids: Collection[str]) -> set[str]:
 def check_file(
     path: Path, *, n_rows: int, n_bytes: int | None, sha256: str | None
 ) -> tuple[str | None, frozenset[str]]:
-    """Read a committed file back against its ledger row.
+    """Read a committed file back against its ledger row, through one open file: a rename
+    under way (staging to dataset) cannot make a good file look unreadable half-way.
 
     Returns ``(problem, item_keys)``: ``problem`` is None when the size (bytes), sha256 and row
     count match and the file is readable; otherwise a reason, and ``item_keys`` is empty.
+
+    Raises:
+        FileNotFoundError, IsADirectoryError: no file at ``path`` (look for it elsewhere; it
+            is not corrupt).
     """
     try:
-        size, digest = _digest(path)
-        if n_bytes is not None and size != n_bytes:
-            return f"{size} bytes, ledger says {n_bytes}", frozenset()
-        if sha256 is not None and digest != sha256:
-            return "sha256 differs from the ledger", frozenset()
-        keys = pq.ParquetFile(path).read(columns=["item_key"]).column(0).to_pylist()
+        with path.open("rb") as f:
+            size, digest = _digest(f)
+            if n_bytes is not None and size != n_bytes:
+                return f"{size} bytes, ledger says {n_bytes}", frozenset()
+            if sha256 is not None and digest != sha256:
+                return "sha256 differs from the ledger", frozenset()
+            f.seek(0)
+            keys = pq.ParquetFile(f).read(columns=["item_key"]).column(0).to_pylist()
+    except (FileNotFoundError, IsADirectoryError):
+        raise
     except (OSError, pa.ArrowException) as exc:
         return f"unreadable: {exc}", frozenset()
     if len(keys) != n_rows:
@@ -169,12 +178,11 @@ def check_file(
     return None, frozenset(keys)
 
 
-def _digest(path: Path) -> tuple[int, str]:
+def _digest(f: BinaryIO) -> tuple[int, str]:
     h, size = hashlib.sha256(), 0
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
+    while chunk := f.read(_HASH_CHUNK):
+        h.update(chunk)
+        size += len(chunk)
     return size, h.hexdigest()
 
 
@@ -503,8 +511,11 @@ class ParquetSink:
             staged = {p: parse_staging_name(p.name) for p in self.layout.staging_files()}
         ours = {p: parsed for p, parsed in staged.items() if parsed is not None}
         with self._queue.begin() as conn:
-            known = _known_batches(conn, [b for b, _ in ours.values()])
+            # Leases first: a commit (ack and ledger row together) landing between the two
+            # reads (separate snapshots on PostgreSQL) then shows as held or as known, never
+            # as neither, which would delete a file its scorer is about to publish.
             held = held_leases(conn, {lease for _, lease in ours.values()})
+            known = _known_batches(conn, [b for b, _ in ours.values()])
         removed, in_flight = [], []
         for path, (batch_id, lease_id) in ours.items():
             if batch_id in known:

@@ -247,6 +247,22 @@ class SqlQueue:
             with conn.begin():
                 yield conn
 
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[Connection]:
+        """A read-only transaction whose statements all see one snapshot of the database.
+
+        PostgreSQL: ``REPEATABLE READ`` (its default, ``READ COMMITTED``, takes a new snapshot
+        for each statement, so a commit landing between two reads shows its items done but not
+        its ledger row). SQLite: as ``read()``, a WAL snapshot held for the transaction.
+        """
+        with translate_errors(self._url), self.engine.connect() as conn:
+            if self.dialect == "postgresql":
+                conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+            else:
+                conn.execution_options(**{sqlite.READ_ONLY: True})
+            with conn.begin():
+                yield conn
+
     def migrate(self) -> schema.MigrationResult:
         """Create or upgrade the schema; a second run applies nothing."""
         with translate_errors(self._url):

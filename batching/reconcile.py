@@ -111,7 +111,8 @@ def gather(
     with sinks.translate_errors(f"cannot list {target}"):
         visible = [str(layout.root / p) for p in layout.visible_files()] if layout else []
         staged = layout.staging_files() if layout else []
-    with queue.begin() as conn:
+    # One snapshot for every read: a batch committed meanwhile is wholly in it or wholly out.
+    with queue.snapshot() as conn:
         scope = scope.with_workers(conn)
         rows = _ledger_rows(conn, scope)
         done = _done_items(conn, scope)
@@ -228,11 +229,15 @@ def _check_batch(layout: parquet.ParquetLayout | None, row: Any) -> BatchFacts:
         return facts("retired", row.path)
     staged = layout.staging / PurePath(row.staging_path).name if row.staging_path else None
     for where, path in (("staging", staged), ("dataset", layout.root / row.path)):
-        if path is not None and path.is_file():  # staging first: a rename may be under way
+        if path is None:
+            continue
+        try:  # staging first: a rename under way moves the file from there to the dataset
             problem, keys = parquet.check_file(
                 path, n_rows=row.n_rows, n_bytes=row.n_bytes, sha256=row.sha256
             )
-            return facts(where, str(path), problem, None if problem else keys)
+        except (FileNotFoundError, IsADirectoryError):
+            continue
+        return facts(where, str(path), problem, None if problem else keys)
     return facts("missing", row.path)
 
 

@@ -18,7 +18,7 @@ from batching import queue as q
 from batching import reconcile as rc
 from batching.reconcile import Kind, Severity
 from tests.conftest import FakeClock
-from tests.integration.test_sinks import Crash, claim, items, ledger, results, scored
+from tests.integration.test_sinks import Crash, _after, claim, items, ledger, results, scored
 
 
 def commit(
@@ -66,6 +66,32 @@ def test_a_consistent_dataset_is_clean(
     report = run(queue, root, clock)
     assert report.findings == ()
     assert (report.ok, report.clean, report.counts) == (True, True, {})
+
+
+def test_a_commit_landing_during_the_gather_is_wholly_in_or_out(
+    queue: q.SqlQueue,
+    sink: parquet.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scorer commits while reconcile reads: on PostgreSQL's default isolation the items
+    showed done without their ledger row, a critical lost write that repair requeued."""
+    commit(queue, sink, ["a"], clock)
+    batch = scored(claim(queue, ["b", "c"]), clock)
+    landed: list[bool] = []
+
+    def commit_once() -> None:
+        if not landed:
+            sink.commit(batch)
+            landed.append(True)
+
+    monkeypatch.setattr(rc, "_ledger_rows", _after(rc._ledger_rows, commit_once))
+    report = run(queue, root, clock)
+    assert landed
+    assert report.findings == (), report.to_dict()
+    monkeypatch.undo()
+    assert run(queue, root, clock).findings == ()
 
 
 def make_every_fault(
@@ -221,6 +247,37 @@ def test_staging_file_of_a_held_lease_is_left_alone(
     assert sink.layout.staging_file(batch.batch_id, batch.lease_id).is_file()
     sink.commit(batch)  # the scorer was only slow: its commit still goes through
     assert run(queue, root, clock).findings == ()
+
+
+def test_a_file_renamed_while_reconcile_reads_it_is_not_corrupt(
+    queue: q.SqlQueue,
+    sink: parquet.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The scorer publishes (staging to dataset) just as reconcile opens the staged file:
+    before, that read as "unreadable", and repair requeued a good batch (a duplicate later)."""
+    batch = scored(claim(queue, ["a", "b"]), clock)
+    with monkeypatch.context() as m:
+        m.setattr(sink, "_publish", crash)
+        with pytest.raises(Crash):
+            sink.commit(batch)  # committed, its file still in staging
+    check = parquet.check_file
+
+    def renamed_first(path: Path, **kw: Any) -> Any:
+        if path.parent == sink.layout.staging:
+            assert sink.publish(batch.batch_id)
+        return check(path, **kw)
+
+    monkeypatch.setattr(parquet, "check_file", renamed_first)
+    report = run(queue, root, clock, repair=True)
+    # The ledger row was read before the rename: published but not marked, nothing worse.
+    assert {(f.kind, f.severity) for f in report.findings} == {(Kind.UNPUBLISHED, Severity.WARNING)}
+    assert {r.state for r in items(queue).values()} == {models.State.DONE}
+    monkeypatch.undo()
+    assert run(queue, root, clock).findings == ()
+    assert set(pq.read_table(root / path_of(queue, batch))["item_key"].to_pylist()) == {"a", "b"}
 
 
 def test_dead_expired_and_late_items_are_reported_but_not_critical(

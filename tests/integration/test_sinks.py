@@ -201,6 +201,38 @@ def _raise_crash(*_args: Any, **_kwargs: Any) -> None:
     raise Crash
 
 
+def test_a_commit_landing_inside_anothers_recover_keeps_its_staged_file(
+    queue: q.SqlQueue,
+    sink: parquet.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scorer starting (recover) beside a live one, whose commit lands between the sweep's
+    reads of leases and ledger: the file must not be deleted as a crash leftover."""
+    if queue.dialect != "postgresql":
+        pytest.skip("SQLite's sweep holds the write lock: no commit can land inside it")
+    batch = scored(claim(queue, ["a", "b"]), clock)
+    rel = sink.layout.relative_path(batch.batch_id, batch.model_version, batch.scored_at)
+    staged = sink.layout.staging_file(batch.batch_id, batch.lease_id)
+    n_bytes, digest = sink._write_staging(parquet.batch_table(batch), staged)
+    landed: list[bool] = []
+
+    def commit_once() -> None:  # the live scorer's ack + ledger row, after the first read
+        if not landed:
+            sink._record(batch, rel, staged, n_bytes, digest)
+            landed.append(True)
+
+    for read in ("held_leases", "_known_batches"):
+        monkeypatch.setattr(parquet, read, _after(getattr(parquet, read), commit_once))
+    result = parquet.ParquetSink(queue, root).recover()
+    assert landed
+    assert result.removed_staging == ()
+    assert staged.is_file(), "the live scorer's committed file was deleted"
+    assert sink._try_publish(batch.batch_id, rel, staged)
+    assert set(read_outputs(root)) == {"a", "b"}
+
+
 def test_crash_after_commit_is_rolled_forward_by_recover(
     queue: q.SqlQueue,
     sink: parquet.ParquetSink,
