@@ -255,6 +255,9 @@ class Scorer:
         self.on_progress = on_progress
         self._wait = wait_for_work or (lambda s: time.sleep(s))
         self._stop = threading.Event()
+        # Set only once the forward and commit stages are done: a stop() ends claims at once,
+        # but the batches still in flight need their leases until they commit.
+        self._stages_done = threading.Event()
         self._wake = threading.Event()  # new items, a free forward stage, or claims over
         self._claim_wanted = threading.Event()  # a batch left the batcher
         self._claims_over = threading.Event()
@@ -297,6 +300,7 @@ class Scorer:
             for t in threads[:2]:
                 t.join()
             self._stop.set()
+            self._stages_done.set()
             threads[2].join()
             self.stats.finished_at = self.clock()
         if self._error is not None:
@@ -584,7 +588,7 @@ class Scorer:
 
     def _heartbeat_loop(self) -> None:
         interval = self.config.queue.effective_heartbeat_s
-        while not self._stop.wait(interval):
+        while not self._stages_done.wait(interval):
             with self._lock:
                 leases = list(self._leases)
             for lease_id in leases:

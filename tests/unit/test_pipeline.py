@@ -214,7 +214,10 @@ class FakeRunner:
 
 
 def make_config(
-    max_rows_per_commit: int = 1, commit_interval_s: float = 0.0, **batching: Any
+    max_rows_per_commit: int = 1,
+    commit_interval_s: float = 0.0,
+    heartbeat_s: float | None = None,
+    **batching: Any,
 ) -> config.PipelineConfig:
     """A policy for the fake rig; group commit is off unless asked for, so each scored batch
     is its own commit and tests that count commits are deterministic."""
@@ -225,7 +228,9 @@ def make_config(
         output=config.OutputConfig(
             max_rows_per_commit=max_rows_per_commit, commit_interval_s=commit_interval_s
         ),
-        queue=config.QueueConfig(poll_s=0.001),
+        queue=config.QueueConfig(
+            poll_s=0.001, heartbeat_s=heartbeat_s, lease_s=3 * heartbeat_s if heartbeat_s else 60
+        ),
         latency_slo_s=60.0,
     )
 
@@ -249,6 +254,7 @@ def rig(
     max_attempts: int = 3,
     max_rows_per_commit: int = 1,
     commit_interval_s: float = 0.0,
+    heartbeat_s: float | None = None,
     **batching: Any,
 ) -> Rig:
     clock = clock or FakeClock()
@@ -264,7 +270,7 @@ def rig(
             on_wait(made)
 
     scorer = pipeline.Scorer(
-        make_config(max_rows_per_commit, commit_interval_s, **batching),
+        make_config(max_rows_per_commit, commit_interval_s, heartbeat_s, **batching),
         queue,
         runner,
         sink,
@@ -426,6 +432,32 @@ def test_stop_finishes_batches_in_flight_and_releases_the_rest_without_an_attemp
     assert len(ready) == 12
     assert ready.isdisjoint(r.sink.keys())
     assert {r.queue.row(k).attempts for k in ready} == {0}
+    assert r.queue.keys(models.State.LEASED) == set()
+
+
+def test_heartbeats_go_on_while_a_stop_drains_the_batches_in_flight() -> None:
+    """A SIGTERM stops claims at once; the batches in flight still need their leases until
+    they commit (before, heartbeats stopped with the claims and a slow drain could outlive
+    its leases)."""
+    r = rig(keys(8), max_batch_size=4, claim_size=8, heartbeat_s=0.01)
+    beats_at_stop: list[int] = []
+
+    def stop_then_wait_for_a_heartbeat(n: int) -> None:
+        if n != 1:
+            return
+        r.scorer.stop()
+        beats_at_stop.append(sum(r.queue.heartbeats.values()))
+        deadline = time.monotonic() + 10
+        while sum(r.queue.heartbeats.values()) == beats_at_stop[0]:
+            assert time.monotonic() < deadline, (
+                "no heartbeat after stop() while a batch was in flight"
+            )
+            time.sleep(0.005)
+
+    r.runner.on_forward = stop_then_wait_for_a_heartbeat
+    stats = r.scorer.run(pipeline.RunLimits(until_empty=False))
+    assert stats.committed >= 4
+    assert stats.committed + stats.released == 8
     assert r.queue.keys(models.State.LEASED) == set()
 
 
