@@ -104,7 +104,7 @@ class StagingFile:
     path: str
     batch_id: str | None
     ledger_state: str | None
-    lease_held: bool
+    lease_held: bool  # a commit may still follow: its claim holds items, or a repair wrote it
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STAGING_SUFFIX = ".parquet.tmp"
+REWRITE = "rewrite"
+"""The lease part of a staging file that reconcile's duplicate repair writes (``drop_rows``):
+no claim holds it, so without a rule of its own a scorer starting meanwhile would sweep it."""
+REWRITE_GRACE_S = 600.0
+"""A rewrite's staging file younger than this is in flight; older, its repair died."""
 _HASH_CHUNK = 1 << 20
 _LEDGER = schema.batches
 
@@ -134,6 +139,16 @@ def parse_staging_name(name: str) -> tuple[str, str] | None:
 
 def _sibling(root: Path, what: str) -> Path:
     return root.parent / f"{root.name}.{what}"
+
+
+def rewrite_in_flight(path: Path, lease_id: str) -> bool:
+    """A duplicate repair's staging file, written moments ago: its commit may follow."""
+    if lease_id != REWRITE:
+        return False
+    try:
+        return time.time() - path.stat().st_mtime < REWRITE_GRACE_S
+    except FileNotFoundError:
+        return False
 
 
 def held_leases(conn: Connection, lease_ids: Collection[str]) -> set[str]:
@@ -520,7 +535,7 @@ class ParquetSink:
         for path, (batch_id, lease_id) in ours.items():
             if batch_id in known:
                 continue  # a ledger row names it: roll-forward or reconcile decides
-            if lease_id in held:
+            if lease_id in held or rewrite_in_flight(path, lease_id):
                 in_flight.append(path.name)
                 continue
             with sinks.translate_errors(f"cannot delete staging file {path}"):
@@ -542,7 +557,7 @@ class ParquetSink:
         index = kept.schema.get_field_index("batch_id")
         kept = kept.set_column(index, "batch_id", pa.array([new_id] * kept.num_rows))
         rel = str(PurePath(row.path).with_name(f"part-{new_id}.parquet").as_posix())
-        staged = self.layout.staging_file(new_id, row.lease_id)
+        staged = self.layout.staging_file(new_id, REWRITE)
         n_bytes, digest = self._write_staging(kept, staged)
         keys = kept.column("item_key").to_pylist()
         with self._queue.begin() as conn:

@@ -183,7 +183,8 @@ def _staging_facts(conn: Connection, staged: Sequence[Path]) -> list[StagingFile
     held = parquet.held_leases(conn, {lease for _, lease in ours.values()})
     foreign = [StagingFile(str(p), None, None, False) for p in parsed if p not in ours]
     return foreign + [
-        StagingFile(str(p), b, states.get(b), lease in held) for p, (b, lease) in ours.items()
+        StagingFile(str(p), b, states.get(b), lease in held or parquet.rewrite_in_flight(p, lease))
+        for p, (b, lease) in ours.items()
     ]
 
 

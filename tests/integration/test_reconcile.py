@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
@@ -92,6 +93,39 @@ def test_a_commit_landing_during_the_gather_is_wholly_in_or_out(
     assert report.findings == (), report.to_dict()
     monkeypatch.undo()
     assert run(queue, root, clock).findings == ()
+
+
+def test_a_scorer_starting_during_a_duplicate_repair_keeps_its_rewrite(
+    queue: q.SqlQueue,
+    sink: parquet.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The repair writes the kept rows to staging, then commits them: a scorer's start-up
+    sweep in between deleted the file (no claim holds its lease), and the kept keys lost
+    their output."""
+    commit(queue, sink, ["d1", "d2"], clock)
+    clock.advance(100)
+    queue.purge(50)  # the producer sends d1 again: two files hold it
+    commit(queue, sink, ["d1", "d3"], clock)
+    write = parquet.ParquetSink._write_staging
+    swept: list[Any] = []
+
+    def scorer_starts_after(self: parquet.ParquetSink, table: Any, staged: Path) -> Any:
+        out = write(self, table, staged)
+        swept.append(parquet.ParquetSink(queue, root).recover())
+        return out
+
+    monkeypatch.setattr(parquet.ParquetSink, "_write_staging", scorer_starts_after)
+    report = run(queue, root, clock, repair=True)
+    assert [r.action for r in report.repairs] == ["drop_duplicates"]
+    (recovered,) = swept
+    assert recovered.removed_staging == ()
+    monkeypatch.undo()
+    assert run(queue, root, clock).findings == ()
+    table = ds.dataset(root, format="parquet", partitioning="hive").to_table()
+    assert sorted(table["item_key"].to_pylist()) == ["d1", "d2", "d3"]
 
 
 def make_every_fault(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -231,6 +232,18 @@ def test_a_commit_landing_inside_anothers_recover_keeps_its_staged_file(
     assert staged.is_file(), "the live scorer's committed file was deleted"
     assert sink._try_publish(batch.batch_id, rel, staged)
     assert set(read_outputs(root)) == {"a", "b"}
+
+
+def test_a_rewrite_left_by_a_dead_repair_is_swept_once_it_is_old(
+    queue: q.SqlQueue, sink: parquet.ParquetSink
+) -> None:
+    staged = sink.layout.staging_file(str(uuid.uuid4()), parquet.REWRITE)
+    staged.write_bytes(b"kept rows of a duplicate repair")
+    assert sink.recover().in_flight == (staged.name,)
+    old = staged.stat().st_mtime - parquet.REWRITE_GRACE_S - 1
+    os.utime(staged, (old, old))
+    assert sink.recover().removed_staging == (staged.name,)
+    assert not staged.exists()
 
 
 def test_crash_after_commit_is_rolled_forward_by_recover(
