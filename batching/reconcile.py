@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
@@ -255,6 +255,9 @@ class _Repairer:
     queue: SqlQueue
     sink: parquet.ParquetSink | None
     now: float
+    # Batches this pass rewrote without their duplicates: old id -> the batch now holding the
+    # rest of its rows. A winner found at gather time may be one of them.
+    rewritten: dict[str, str] = field(default_factory=dict)
 
     def run(self, findings: Sequence[Finding]) -> list[Repair]:
         out: list[Repair] = []
@@ -301,12 +304,16 @@ class _Repairer:
         loser = f.batch_ids[0]
         with self.queue.begin() as conn:
             for key, winner in f.details["winner_by_key"].items():
+                while winner in self.rewritten:
+                    winner = self.rewritten[winner]
                 conn.execute(
                     _I.update()
                     .where(_I.c.batch_id == loser, _I.c.item_key == key)
                     .values(batch_id=winner)
                 )
         new = self.sink.drop_rows(loser, f.item_keys)
+        if new is not None:
+            self.rewritten[loser] = new
         return [Repair("drop_duplicates", loser if new is None else f"{loser} -> {new}", f.count)]
 
     def lost(self, f: Finding) -> list[Repair]:

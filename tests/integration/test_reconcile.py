@@ -128,6 +128,29 @@ def test_a_scorer_starting_during_a_duplicate_repair_keeps_its_rewrite(
     assert sorted(table["item_key"].to_pylist()) == ["d1", "d2", "d3"]
 
 
+def test_a_winner_rewritten_earlier_in_the_same_repair_keeps_its_keys(
+    queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
+) -> None:
+    """``a-middle`` loses k2 to ``z-earliest`` and wins k1 against ``b-latest``. The repair
+    rewrites a-middle first; k1's item must then point at the rewrite, not at a-middle, which
+    is superseded (a lost write on the next pass, rescored into another duplicate)."""
+
+    def commit_as(batch_id: str, keys: list[str]) -> None:
+        clock.advance(1)
+        sink.commit(dataclasses.replace(scored(claim(queue, keys), clock), batch_id=batch_id))
+
+    commit_as("z-earliest", ["k2"])
+    set_items(queue, ["k2"], state=int(models.State.READY))
+    commit_as("a-middle", ["k1", "k2"])
+    set_items(queue, ["k1"], state=int(models.State.READY))
+    commit_as("b-latest", ["k1"])
+    report = run(queue, root, clock, repair=True)
+    assert [r.action for r in report.repairs] == ["drop_duplicates", "drop_duplicates"]
+    assert run(queue, root, clock).findings == ()
+    table = ds.dataset(root, format="parquet", partitioning="hive").to_table()
+    assert sorted(table["item_key"].to_pylist()) == ["k1", "k2"]
+
+
 def make_every_fault(
     queue: q.SqlQueue,
     sink: parquet.ParquetSink,
