@@ -123,6 +123,14 @@ def reconcile(
     run: Annotated[
         str | None, typer.Option("--run", help="Only the batches of this run id.")
     ] = None,
+    dataset_lost: Annotated[
+        bool,
+        typer.Option(
+            "--dataset-lost",
+            help="The Parquet dataset was deleted: judge its batches (and with --repair requeue "
+            "their items) instead of refusing an output folder without files.",
+        ),
+    ] = False,
 ) -> None:
     """Prove every done item has exactly one committed output; list what is wrong.
 
@@ -152,6 +160,7 @@ def reconcile(
             run_id=run,
             now=now,
             repair=repair,
+            dataset_lost=dataset_lost,
         )
     finally:
         queue.engine.dispose()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from batching import models, parquet, schema, sinks
+from batching import errors, models, parquet, schema, sinks
 from batching.findings import (
     SAMPLE_KEYS,
     BatchFacts,
@@ -103,8 +103,15 @@ def gather(
     run_id: str | None = None,
     now: float,
     staging: str | Path | None = None,
+    dataset_lost: bool = False,
 ) -> Facts:
-    """Read the queue, the ledger and the files into :class:`Facts` (files listed first)."""
+    """Read the queue, the ledger and the files into :class:`Facts` (files listed first).
+
+    Raises:
+        ConfigError: the Parquet root holds no file and no live batch in scope has its file
+            anywhere: a wrong ``output.path`` would read as every file lost (``--repair`` would
+            rescore them all). ``dataset_lost`` judges them anyway.
+    """
     table = str(target) if output_kind == "sql" else None
     scope = _Scope(queue.queue, output_kind, table, since, run_id, now)
     layout = None if table else parquet.ParquetLayout.for_root(target, staging)
@@ -123,7 +130,37 @@ def gather(
     with sinks.translate_errors(f"cannot read {target}"):
         batches = tuple(_check_batch(layout, r) for r in rows)
         still = tuple(s for s in listed if Path(s.path).exists())  # published meanwhile
+    if layout is not None and not visible and not dataset_lost:
+        _refuse_empty_dataset(layout, rows, batches, queue.queue)
     return Facts(output_kind, batches, done, foreign, visible_states, still, **health)
+
+
+def _refuse_empty_dataset(
+    layout: parquet.ParquetLayout,
+    rows: Sequence[Any],
+    batches: Sequence[BatchFacts],
+    queue: str,
+) -> None:
+    """Refuse when every live batch's file is missing and the root holds none at all."""
+    live = [r for r, b in zip(rows, batches, strict=True) if r.state in sinks.LIVE_STATES]
+    if not live or any(b.where != "missing" for b in batches if b.state in sinks.LIVE_STATES):
+        return
+    roots = sorted({_written_under(r.staging_path) for r in live if r.staging_path})
+    elsewhere = [r for r in roots if r != str(layout.root)]
+    where = f" (written under {', '.join(elsewhere[:3])})" if elsewhere else ""
+    raise errors.ConfigError(
+        f"no Parquet files under {layout.root}, but the ledger has {len(live)} committed "
+        f"batch(es) of queue {queue!r}{where}: check output.path or --output; if the dataset "
+        "was deleted, reconcile with --dataset-lost to judge (and with --repair requeue) them"
+    )
+
+
+def _written_under(staging_path: str) -> str:
+    """The dataset root a staging file was written for (``<root>.staging`` by default)."""
+    folder = PurePath(staging_path).parent
+    if folder.name.endswith(".staging"):
+        return str(folder.with_name(folder.name.removesuffix(".staging")))
+    return str(folder)
 
 
 def _ledger_rows(conn: Connection, scope: _Scope) -> list[Any]:
@@ -380,6 +417,7 @@ def reconcile(
     now: float,
     repair: bool = False,
     staging: str | Path | None = None,
+    dataset_lost: bool = False,
 ) -> Report:
     """Check that every done item of ``queue`` has exactly one committed output.
 
@@ -393,12 +431,16 @@ def reconcile(
         now: the time stale leases are judged against (epoch s).
         repair: fix what can be fixed (see the module docstring); never deletes data.
         staging: the Parquet staging folder, when not the default ``<root>.staging``.
+        dataset_lost: judge the ledger's batches even when the Parquet root holds no file
+            (refused otherwise: a wrong root would read as every file lost).
 
     Returns:
         The findings as gathered before any repair, and the repairs made.
 
     Raises:
         QueueError: the database failed. SinkError: a file could not be listed or moved.
+        ConfigError: an empty Parquet root while the ledger has live batches (see
+            ``dataset_lost``).
     """
     location = str(sink_root_or_table)
     facts = gather(
@@ -409,6 +451,7 @@ def reconcile(
         run_id=run_id,
         now=now,
         staging=staging,
+        dataset_lost=dataset_lost,
     )
     findings = tuple(classify(facts))
     repairs: tuple[Repair, ...] = ()

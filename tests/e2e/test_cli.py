@@ -511,6 +511,28 @@ def test_reconcile_clean_then_a_deleted_file_then_repair(ws: Path) -> None:
     assert state["done"] == N_ROWS - len(lost_keys)
 
 
+def test_reconcile_of_a_wrong_output_folder_is_refused_not_repaired(ws: Path) -> None:
+    """A typo in --output read as every file lost: --repair rescored the whole dataset."""
+    config = str(ws / "pipeline.yaml")
+    before = status(ws)
+    for extra in ((), ("--repair",)):
+        r = batching("reconcile", "-c", config, "--output", "outputs-typo", *extra, cwd=ws)
+        assert r.rc == 2
+        line = one_error_line(r)
+        assert "no Parquet files under" in line
+        assert (
+            "(written under " in line
+        )  # where the scorer wrote (the copied workspace: its original)
+        assert "--dataset-lost" in line
+    assert status(ws) == before, "a refused reconcile changed the queue"
+
+    shutil.rmtree(ws / "outputs")  # the dataset really is gone: judged when asked
+    lost = batching("reconcile", "-c", config, "--dataset-lost", "--repair", "--json", cwd=ws)
+    assert lost.rc == 1, lost.err
+    assert lost.json()["counts"]["missing_file"] > 0
+    assert status(ws)["ready"] == N_ROWS
+
+
 def test_reconcile_scoped_by_run_and_since(scored: Scored, ws: Path) -> None:
     config = str(ws / "pipeline.yaml")
     run = scored.run_id(scored.first)
