@@ -121,6 +121,14 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
 
 def _parse_url(url: str) -> sa.URL:
     """``url`` parsed (``postgres://`` mapped to psycopg 3), or ``ConfigError`` naming it redacted."""
+    _, sep, rest = url.partition("://")
+    if sep and rest.split("/", 1)[0].count("@") > 1:
+        # The driver would take what follows the first "@" for the host, and name it (part of
+        # the password) in its error.
+        raise errors.ConfigError(
+            f"database URL {redact(url)!r} has an '@' in its user name or password; "
+            "percent-encode it as %40"
+        )
     try:
         return sa.make_url(normalize_url(url))
     except (exc.ArgumentError, ValueError):  # ValueError: a port that is not a number

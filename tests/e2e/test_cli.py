@@ -315,6 +315,18 @@ def test_a_password_in_a_malformed_db_url_is_never_printed(tmp_path: Path, url: 
         assert "u:***@127.0.0.1" in one_error_line(r)
 
 
+def test_a_raw_at_sign_in_a_password_is_refused_without_printing_any_of_it(
+    tmp_path: Path,
+) -> None:
+    """The driver read the part after the first '@' as the host and printed it."""
+    r = batching("status", "--db", "postgresql://u:sek@ret99@127.0.0.1:9/x", cwd=tmp_path)
+    assert r.rc == 2
+    line = one_error_line(r)
+    assert "ret99" not in r.out + r.err
+    assert "u:***@127.0.0.1" in line
+    assert "%40" in line
+
+
 # ----------------------------------------------------------------------------- config commands
 
 
