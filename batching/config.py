@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,10 +17,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from batching import errors
+from batching.redaction import redact_url
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_DB_URL = re.compile(r"^(sqlite|postgres|postgresql)(\+\w+)?://")
 
 DEFAULT_DB_URL = "sqlite:///batching.db"
 
@@ -33,14 +36,41 @@ def check_identifier(value: str, what: str) -> str:
     return value
 
 
+def _numeric(annotation: Any) -> bool:
+    """Whether a field holds a number (``int``, ``float``, optionally None)."""
+    args = typing.get_args(annotation) or (annotation,)
+    return any(a in (int, float) for a in args) and bool not in args
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Infinity and NaN are no setting's value (`.inf` would pass every "at most" check).
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        """YAML's ``true`` would otherwise pass as 1 for a number."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+                    raise ValueError(f"{name} must be a number, got {str(value).lower()}")
+        return data
 
 
 class DatabaseConfig(_Model):
     """Where the queue table lives."""
 
     url: str = DEFAULT_DB_URL
+
+    @field_validator("url")
+    @classmethod
+    def _supported(cls, value: str) -> str:
+        if not _DB_URL.match(value):
+            raise ValueError(
+                f"must be sqlite:///FILE or postgresql://USER@HOST:PORT/DB, got {redact_url(value)!r}"
+            )
+        return value
 
 
 class QueueConfig(_Model):
@@ -85,6 +115,13 @@ class ModelSpec(_Model):
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     autocast: Literal["none", "bf16", "fp16"] = "none"
+
+    @field_validator("sha256", mode="before")
+    @classmethod
+    def _quoted(cls, value: Any) -> Any:
+        if isinstance(value, int | float):  # all digits: YAML read a number (and lost zeros)
+            raise ValueError('sha256 must be a quoted string in YAML: sha256: "<64 hex digits>"')
+        return value
 
     @field_validator("sha256")
     @classmethod

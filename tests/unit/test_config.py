@@ -50,6 +50,16 @@ def test_shipped_configs_load(name: str) -> None:
         ),
         ({"model": MODEL, "lineage": {"transport": "http"}}, "transport http needs url"),
         ({"model": MODEL, "bogus": 1}, "bogus: Extra inputs are not permitted"),
+        # YAML reads all-digit text as a number, true as a boolean, .inf as infinity.
+        ({"model": {**MODEL, "sha256": 10**63}}, 'sha256: "<64 hex digits>"'),
+        ({"model": MODEL, "batching": {"max_batch_size": True}}, "max_batch_size must be a num"),
+        ({"model": MODEL, "queue": {"lease_s": False}}, "queue: lease_s must be a number, got"),
+        ({"model": MODEL, "latency_slo_s": float("inf")}, "latency_slo_s: Input should be a fin"),
+        ({"model": MODEL, "output": {"commit_interval_s": float("nan")}}, "should be a finite"),
+        (
+            {"model": MODEL, "database": {"url": "mysql://u:pw@h/db"}},
+            "must be sqlite:///FILE or postgresql://USER@HOST:PORT/DB, got 'mysql://u:***@h/db'",
+        ),
         ({}, "model: Field required"),
     ],
 )
