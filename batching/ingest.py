@@ -38,6 +38,8 @@ def read_records(
     :data:`PROGRESS_EVERY` records and once at the end.
     """
     p = Path(path)
+    if p.is_dir():
+        raise errors.InputError(f"{p}: is a folder; give a .jsonl or .parquet file")
     if not p.is_file():
         raise errors.InputError(f"{p}: no such file; give a .jsonl or .parquet file")
     suffix = p.suffix.lower()
@@ -123,12 +125,25 @@ def _key(value: Any, where: str) -> str:
         raise errors.InputError(f"{where}: item_key must be a non-empty string")
     if len(value) > _MAX_KEY:
         raise errors.InputError(f"{where}: item_key longer than {_MAX_KEY} characters")
-    return value
+    return _text(value, "item_key", where)
 
 
 def _str(value: Any, name: str, where: str) -> str:
     if not isinstance(value, str) or len(value) > 200:
         raise errors.InputError(f"{where}: {name} must be a string of at most 200 characters")
+    return _text(value, name, where)
+
+
+def _text(value: str, name: str, where: str) -> str:
+    """Text both databases store: no NUL (PostgreSQL refuses it), no lone surrogate."""
+    if "\x00" in value:
+        raise errors.InputError(f"{where}: {name} contains a NUL character; remove it")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise errors.InputError(
+            f"{where}: {name} is not valid Unicode text (a lone surrogate escape); fix it"
+        ) from None
     return value
 
 
@@ -221,12 +236,13 @@ def _tensor_payloads(p: Path, col: pa.Array) -> tuple[list[models.Payload], np.n
     if col.null_count:
         raise errors.InputError(f"{p}: payload column has {col.null_count} null row(s)")
     values = col.flatten()
-    if values.null_count or not (
-        pa.types.is_integer(values.type) or pa.types.is_floating(values.type)
-    ):
+    if values.null_count:
         raise errors.InputError(
-            f"{p}: tensor payload column must hold non-null numbers, got {values.type}"
+            f"{p}: payload column has {values.null_count} null element(s) inside its lists; "
+            "every element of a tensor payload must be a number"
         )
+    if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+        raise errors.InputError(f"{p}: tensor payload column must hold numbers, got {values.type}")
     flat = values.to_numpy(zero_copy_only=False)
     flat = np.ascontiguousarray(flat, dtype=flat.dtype.newbyteorder("<"))
     if pa.types.is_fixed_size_list(col.type):

@@ -97,10 +97,16 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
     """
     parsed = _parse_url(url)
     backend = parsed.get_backend_name()
-    if backend == "sqlite" and _sqlite_file(parsed) is None:
+    file = _sqlite_file(parsed) if backend == "sqlite" else None
+    if backend == "sqlite" and file is None:
         raise errors.ConfigError(
             f"database URL {redact_url(url)!r} names no file; the queue must outlive the process "
             "and be shared by its connections: use sqlite:///FILE"
+        )
+    if file is not None and not file.parent.is_dir():
+        raise errors.ConfigError(
+            f"no folder {file.parent.absolute()} for the database file {file.name}; create the "
+            "folder first, or fix the path (relative paths start from the current folder)"
         )
     if backend not in ("sqlite", "postgresql"):
         raise errors.ConfigError(

@@ -248,6 +248,13 @@ def test_a_missing_database_file_says_run_init_and_is_not_created(
     assert not (tmp_path / "typo.db").exists(), "a read created the database it did not find"
 
 
+def test_init_in_a_folder_that_does_not_exist_names_it(tmp_path: Path) -> None:
+    r = batching("init", "--db", "sqlite:///nodir/queue.db", cwd=tmp_path)
+    assert r.rc == 2
+    assert f"no folder {tmp_path / 'nodir'} for the database file queue.db" in one_error_line(r)
+    assert not (tmp_path / "nodir").exists()
+
+
 def test_a_database_without_schema_says_run_init(tmp_path: Path) -> None:
     (tmp_path / "empty.db").touch()  # e.g. made by the sqlite3 shell
     r = batching("status", "--db", "sqlite:///empty.db", cwd=tmp_path)

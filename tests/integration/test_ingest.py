@@ -54,6 +54,8 @@ def test_jsonl_fields_defaults_and_cost(tmp_path: Path) -> None:
         ('{"item_key": "k", "payload": {}, "cost": 0}', "r.jsonl:2: cost must be >= 1"),
         ('{"item_key": "k", "payload": {}, "deadline": "soon"}', "r.jsonl:2: deadline must be"),
         ('{"item_key": "k", "payload": {}, "priority": "high"}', "r.jsonl:2: priority must be"),
+        ('{"item_key": "k\\u0000", "payload": {}}', "r.jsonl:2: item_key contains a NUL"),
+        ('{"item_key": "k", "payload": {}, "lane": "\\ud800"}', "r.jsonl:2: lane is not valid"),
     ],
 )
 def test_jsonl_bad_record_names_file_and_line(tmp_path: Path, line: str, message: str) -> None:
@@ -104,6 +106,10 @@ def test_parquet_json_strings_and_structs(tmp_path: Path) -> None:
         (pa.table({"item_key": ["a"]}), "missing column(s) payload"),
         (pa.table({"item_key": ["a"], "payload": ["{}"], "extra": [1]}), "unknown column(s) extra"),
         (pa.table({"item_key": ["a"], "payload": ["nope"]}), "row 1: payload is not valid JSON"),
+        (
+            pa.table({"item_key": ["a", "b"], "payload": [[1.0, None], [2.0, 3.0]]}),
+            "payload column has 1 null element(s) inside its lists",
+        ),
     ],
 )
 def test_parquet_bad_input(tmp_path: Path, table: pa.Table, message: str) -> None:
@@ -118,6 +124,8 @@ def test_unknown_suffix_and_missing_file(tmp_path: Path) -> None:
         ingest.read_records(tmp_path / "x.csv")
     with pytest.raises(errors.InputError, match="no such file"):
         ingest.read_records(tmp_path / "missing.jsonl")
+    with pytest.raises(errors.InputError, match="is a folder; give a "):
+        ingest.read_records(tmp_path)
 
 
 def test_a_key_twice_in_one_jsonl_file_is_refused_naming_both_lines(tmp_path: Path) -> None:
