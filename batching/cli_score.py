@@ -11,7 +11,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.table import Table
 
 from batching import errors
-from batching.cli import DEFAULT_DB, QuietOption, app, err, handle_errors, out, progress_bar
+from batching.cli import (
+    DEFAULT_DB,
+    QuietOption,
+    app,
+    err,
+    handle_errors,
+    out,
+    progress_bar,
+    warn_unknown_queue,
+)
 
 ConfigOption = Annotated[
     Path, typer.Option("--config", "-c", help="Pipeline YAML (see deployments/).")
@@ -133,6 +142,32 @@ def score(
         )
     out.print(summary_table(outcome.summary, f"run {outcome.run_id}"))
     _where(outcome.output, outcome.events_path, outcome.lineage_failures)
+    _explain_nothing_scored(cfg, db, outcome.summary)
+
+
+def _explain_nothing_scored(cfg: Any, db: str | None, summary: dict[str, Any]) -> None:
+    """A run that scored nothing says why, when the queue shows it: a queue name without
+    items (a typo), or items leased by other scorers (a dead one's come back when their
+    leases expire)."""
+    if summary.get("items_committed") or summary.get("items_failed"):
+        return
+    from batching import app as wiring
+
+    queue = wiring.open_queue(cfg, wiring.resolve(cfg, db, None).db_url)
+    try:
+        stats = queue.stats()
+        leased = stats.by_state.get("leased", 0)
+        if not stats.groups:
+            warn_unknown_queue(queue)
+        elif leased and not stats.by_state.get("ready"):
+            err.print(
+                f"note: nothing was ready; {leased} item(s) of queue {queue.queue!r} are leased "
+                "by other scorers (a dead scorer's come back when their leases expire, "
+                f"queue.lease_s {cfg.queue.lease_s:g} s)",
+                highlight=False,
+            )
+    finally:
+        queue.engine.dispose()
 
 
 def _where(output: str, events_path: Any, lineage_failures: int) -> None:
@@ -164,6 +199,8 @@ def _score_workers(cfg: Any, n: int, **kwargs: Any) -> None:
     runs = (f"{r.run_id}{' (failed)' if r.error else ''}" for r in outcome.reports)
     out.print(f"worker runs: {', '.join(runs)}")
     _where(result.output, result.events_path, result.lineage_failures)
+    if not outcome.exit_code:
+        _explain_nothing_scored(cfg, kwargs.get("db_url"), result.summary)
     for message in outcome.errors():
         err.print(f"[red]error:[/red] {message}", markup=True, highlight=False, soft_wrap=True)
     if outcome.exit_code:

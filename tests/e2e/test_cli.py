@@ -452,6 +452,26 @@ def test_score_max_items_stops_after_n_then_a_full_run_drains_the_queue(
     assert sorted(table["item_key"].to_pylist()) == sorted(f"w1-{i}" for i in range(N_ROWS))
 
 
+def test_a_run_that_scores_nothing_says_why(tmp_path: Path) -> None:
+    from batching import queue as q
+
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(3))
+    assert batching("enqueue", str(jsonl), "--db", DB, "-q", "tabular", cwd=tmp_path).rc == 0
+    typo = batching(
+        "score", "-c", str(write_config(tmp_path, queue={"name": "tabluar"})), cwd=tmp_path
+    )
+    assert typo.rc == 0, typo.err
+    assert "warning: queue 'tabluar' has no items; queues in this database: tabular" in typo.err
+
+    engine = q.create_engine(f"sqlite:///{tmp_path / 'queue.db'}")
+    q.SqlQueue(engine, "tabular").claim(3, lease_s=600)  # another scorer holds them
+    engine.dispose()
+    held = batching("score", "-c", str(write_config(tmp_path)), cwd=tmp_path)
+    assert held.rc == 0, held.err
+    assert "3 item(s) of queue 'tabular' are leased by other scorers" in held.err
+
+
 def test_score_on_an_uninitialised_database_is_one_line(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     r = batching("score", "-c", str(config), "--db", "sqlite:///other.db", "--quiet", cwd=tmp_path)
