@@ -117,8 +117,12 @@ sa.Index(
     postgresql_where=sa.text("state = 0 AND deadline_at IS NOT NULL"),
     sqlite_where=sa.text("state = 0 AND deadline_at IS NOT NULL"),
 )
+# Leased rows by queue and expiry (migration 7; before, by expiry alone): every claim reaps
+# its queue's expired leases first, and without ``queue`` leading SQLite read the whole queue
+# for it under the write lock (300k items: 37.9 against 1.1 ms a claim, measured).
 sa.Index(
-    "ix_batching_items_lease_exp",
+    "ix_batching_items_leased",
+    items.c.queue,
     items.c.lease_expires_at,
     postgresql_where=_LEASED,
     sqlite_where=_LEASED,
@@ -279,6 +283,13 @@ def _v6(conn: Connection) -> None:
         index.create(conn, checkfirst=True)
 
 
+def _v7(conn: Connection) -> None:
+    conn.execute(sa.text("DROP INDEX IF EXISTS ix_batching_items_lease_exp"))
+    for index in items.indexes:
+        if index.name == "ix_batching_items_leased":
+            index.create(conn, checkfirst=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "queue items, archive, batch ledger, runs, results", _v1),
     Migration(2, "expiry index leads with queue", _v2),
@@ -286,6 +297,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "archive rows get their own key", _v4),
     Migration(5, "leased rows keep one index, by expiry", _v5),
     Migration(6, "runs record the run they are a worker of", _v6),
+    Migration(7, "leased rows indexed by queue, then expiry", _v7),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -299,6 +300,46 @@ def test_migration_6_gives_runs_a_parent_and_keeps_the_runs_there(queue: q.SqlQu
         indexes = {str(ix["name"]) for ix in sa.inspect(conn).get_indexes("batching_runs")}
     assert rows == {"old": None, "child": "old"}
     assert "ix_batching_runs_parent" in indexes
+
+
+def test_migration_7_indexes_leased_rows_by_queue_then_expiry(queue: q.SqlQueue) -> None:
+    rewind(  # to version 6: leased rows indexed by expiry alone
+        queue,
+        7,
+        "DROP INDEX ix_batching_items_leased",
+        "CREATE INDEX ix_batching_items_lease_exp ON batching_items (lease_expires_at)"
+        " WHERE state = 1",
+    )
+    result = queue.migrate()
+    assert (result.from_version, result.to_version) == (6, schema.SCHEMA_VERSION)
+    names = index_names(queue)
+    assert "ix_batching_items_leased" in names
+    assert "ix_batching_items_lease_exp" not in names
+
+
+def test_a_claims_reap_reads_its_queues_leased_rows_not_the_queue(queue: q.SqlQueue) -> None:
+    """Every claim reaps first, under SQLite's write lock: it must not scan the queue."""
+    if queue.dialect != "sqlite":
+        pytest.skip("the plan checked is SQLite's (no ANALYZE statistics, as in production)")
+    queue.enqueue([rec(f"k{i}") for i in range(50)])
+    seen: list[tuple[str, Any]] = []
+
+    def keep(_conn: Any, _cursor: Any, statement: str, params: Any, *_: Any) -> None:
+        if "lease_expires_at <" in statement and statement.lstrip().startswith("SELECT"):
+            seen.append((statement, params))
+
+    sa.event.listen(queue.engine, "before_cursor_execute", keep)
+    try:
+        queue.claim(5, lease_s=30)
+    finally:
+        sa.event.remove(queue.engine, "before_cursor_execute", keep)
+    ((statement, params),) = seen
+    with queue.engine.connect() as conn:
+        plan = " ".join(
+            str(r[-1]) for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, params)
+        )
+    assert "ix_batching_items_leased" in plan, plan
+    assert "TEMP B-TREE" not in plan, plan
 
 
 def test_enqueue_is_idempotent_on_key(queue: q.SqlQueue) -> None:
