@@ -295,14 +295,16 @@ class Scorer:
         try:
             self._feed(limits or RunLimits())
         finally:
-            self._release_pending()
-            self._put(self._to_forward, _DONE)
-            for t in threads[:2]:
-                t.join()
-            self._stop.set()
-            self._stages_done.set()
-            threads[2].join()
-            self.stats.finished_at = self.clock()
+            try:
+                self._release_pending()
+            finally:  # a failed release still ends the stages and the heartbeats
+                self._put(self._to_forward, _DONE)
+                for t in threads[:2]:
+                    t.join()
+                self._stop.set()
+                self._stages_done.set()
+                threads[2].join()
+                self.stats.finished_at = self.clock()
         if self._error is not None:
             raise self._error
         return self.stats

@@ -461,6 +461,20 @@ def test_heartbeats_go_on_while_a_stop_drains_the_batches_in_flight() -> None:
     assert r.queue.keys(models.State.LEASED) == set()
 
 
+def test_a_failed_release_still_ends_every_stage_and_the_heartbeats() -> None:
+    r = rig(keys(20), max_batch_size=4, claim_size=20, heartbeat_s=0.01)
+    r.runner.on_decode = lambda n: r.scorer.stop() if n == 2 else None
+
+    def release(*_args: object) -> int:
+        raise errors.QueueError("database gone")
+
+    r.queue.release = release  # type: ignore[method-assign]
+    with pytest.raises(errors.QueueError):
+        r.scorer.run(pipeline.RunLimits(until_empty=False))
+    alive = {t.name for t in threading.enumerate()} & {"forward", "commit", "heartbeat"}
+    assert alive == set(), f"{alive} still running after run() raised"
+
+
 def test_stop_before_run_claims_nothing() -> None:
     r = rig(keys(5))
     r.scorer.stop()
