@@ -366,9 +366,11 @@ class ParquetSink:
     def drop_rows(self, batch_id: str, keys: Collection[str]) -> str | None:
         """Remove the rows of ``keys`` from a live batch (duplicates found by reconcile).
 
-        The old file goes to quarantine and its row becomes ``superseded``; the remaining rows,
-        if any, are committed as a new batch (same run, lease and model version) whose id is
-        returned, and items that pointed at the old batch are moved to it.
+        The old row becomes ``superseded`` and its file goes to quarantine; the remaining
+        rows, if any, are committed as a new batch (same run, lease and model version) whose id
+        is returned, and items that pointed at the old batch are moved to it. The row is
+        superseded only if it is still live, in the same transaction: of two repairs of one
+        batch at once, the second changes nothing.
         """
         row = self._ledger_row(batch_id)
         if row is None or row.state not in sinks.LIVE_STATES:
@@ -379,8 +381,10 @@ class ParquetSink:
         drop = pc.is_in(table["item_key"], value_set=pa.array(list(keys), pa.string()))
         kept = table.filter(pc.invert(drop))
         if kept.num_rows == 0:
-            self.layout.quarantine_file(old)
-            self._set_state(batch_id, sinks.SUPERSEDED)
+            with self._queue.begin() as conn:
+                won = _supersede(conn, batch_id, None, ())
+            if won:
+                self.layout.quarantine_file(old)
             return None
         return self._rewrite(row, kept, old)
 
@@ -547,12 +551,9 @@ class ParquetSink:
         with self._queue.begin() as conn:
             return conn.execute(_LEDGER.select().where(_LEDGER.c.batch_id == batch_id)).first()
 
-    def _set_state(self, batch_id: str, state: str) -> None:
-        with self._queue.begin() as conn:
-            conn.execute(_LEDGER.update().where(_LEDGER.c.batch_id == batch_id).values(state=state))
-
-    def _rewrite(self, row: Any, kept: pa.Table, old: Path) -> str:
-        """Commit ``kept`` as a new batch replacing ``row``; quarantine the old file."""
+    def _rewrite(self, row: Any, kept: pa.Table, old: Path) -> str | None:
+        """Commit ``kept`` as a new batch replacing ``row``; quarantine the old file. None when
+        another repair superseded ``row`` first (its staged file is then deleted)."""
         new_id = str(uuid.uuid4())
         index = kept.schema.get_field_index("batch_id")
         kept = kept.set_column(index, "batch_id", pa.array([new_id] * kept.num_rows))
@@ -560,17 +561,23 @@ class ParquetSink:
         staged = self.layout.staging_file(new_id, REWRITE)
         n_bytes, digest = self._write_staging(kept, staged)
         keys = kept.column("item_key").to_pylist()
+        values = dict(row._mapping)
+        values |= {"batch_id": new_id, "path": rel, "staging_path": str(staged)}
+        values |= {"n_rows": len(keys), "n_bytes": n_bytes, "sha256": digest}
+        values |= {"state": sinks.COMMITTED, "committed_at": self._queue.clock()}
+        values |= {"published_at": None}
         with self._queue.begin() as conn:
-            values = dict(row._mapping)
-            values |= {"batch_id": new_id, "path": rel, "staging_path": str(staged)}
-            values |= {"n_rows": len(keys), "n_bytes": n_bytes, "sha256": digest}
-            values |= {
-                "state": sinks.COMMITTED,
-                "committed_at": self._queue.clock(),
-                "published_at": None,
-            }
-            conn.execute(_LEDGER.insert().values(**values))
-            _supersede(conn, row.batch_id, new_id, keys)
+            won = _supersede(conn, row.batch_id, new_id, keys)
+            if won:
+                conn.execute(_LEDGER.insert().values(**values))
+        if not won:
+            with sinks.translate_errors(f"cannot delete staging file {staged}"):
+                staged.unlink(missing_ok=True)
+            logger.warning(
+                "batch already repaired by another reconcile",
+                extra={"action": "repair_skipped", "batch_id": row.batch_id},
+            )
+            return None
         self.layout.quarantine_file(old)
         self._publish(new_id, rel, staged)
         return new_id
@@ -583,13 +590,18 @@ def _known_batches(conn: Connection, batch_ids: Sequence[str]) -> set[str]:
     return {str(r[0]) for r in conn.execute(q)}
 
 
-def _supersede(conn: Connection, old_id: str, new_id: str, keys: Sequence[str]) -> None:
-    t = schema.items
-    conn.execute(
-        _LEDGER.update().where(_LEDGER.c.batch_id == old_id).values(state=sinks.SUPERSEDED)
-    )
-    conn.execute(
-        t.update()
-        .where(t.c.batch_id == old_id, t.c.item_key.in_(list(keys)))
-        .values(batch_id=new_id)
-    )
+def _supersede(conn: Connection, old_id: str, new_id: str | None, keys: Sequence[str]) -> bool:
+    """Mark ``old_id`` superseded if it is still live, moving ``keys``' items to ``new_id``;
+    False (nothing changed) when it is not: another repair got there first."""
+    live = _LEDGER.c.state.in_(sinks.LIVE_STATES)
+    won = conn.execute(
+        _LEDGER.update().where(_LEDGER.c.batch_id == old_id, live).values(state=sinks.SUPERSEDED)
+    ).rowcount
+    if won and new_id is not None and keys:
+        t = schema.items
+        conn.execute(
+            t.update()
+            .where(t.c.batch_id == old_id, t.c.item_key.in_(list(keys)))
+            .values(batch_id=new_id)
+        )
+    return bool(won)

@@ -128,6 +128,41 @@ def test_a_scorer_starting_during_a_duplicate_repair_keeps_its_rewrite(
     assert sorted(table["item_key"].to_pylist()) == ["d1", "d2", "d3"]
 
 
+def test_two_repairs_of_one_duplicate_at_once_rewrite_it_once(
+    queue: q.SqlQueue,
+    sink: parquet.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second `reconcile --repair` runs while the first is writing its rewrite: before,
+    both superseded the batch, one quarantine failed, and two rewrites held the same key."""
+    commit(queue, sink, ["d1", "d2"], clock)
+    clock.advance(100)
+    queue.purge(50)
+    commit(queue, sink, ["d1", "d3"], clock)
+    write = parquet.ParquetSink._write_staging
+    inner: list[rc.Report] = []
+    calls: list[Path] = []
+
+    def another_repair_meanwhile(self: parquet.ParquetSink, table: Any, staged: Path) -> Any:
+        out = write(self, table, staged)
+        calls.append(staged)
+        if len(calls) == 1:  # the outer repair's rewrite is staged: the inner one runs whole
+            inner.append(run(queue, root, clock, repair=True))
+        return out
+
+    monkeypatch.setattr(parquet.ParquetSink, "_write_staging", another_repair_meanwhile)
+    outer = run(queue, root, clock, repair=True)
+    assert [r.action for r in inner[0].repairs] == ["drop_duplicates"]
+    assert [r.action for r in outer.repairs] == ["drop_duplicates"]
+    monkeypatch.undo()
+    assert run(queue, root, clock).findings == ()
+    assert not list(sink.layout.staging.iterdir()), "the losing rewrite was left in staging"
+    table = ds.dataset(root, format="parquet", partitioning="hive").to_table()
+    assert sorted(table["item_key"].to_pylist()) == ["d1", "d2", "d3"]
+
+
 def test_a_winner_rewritten_earlier_in_the_same_repair_keeps_its_keys(
     queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
 ) -> None:
