@@ -59,6 +59,16 @@ def found(report: rc.Report) -> dict[tuple[Kind, Severity], list[rc.Finding]]:
     return out
 
 
+def commit_a_duplicate(
+    queue: q.SqlQueue, sink: sinks.Sink, clock: FakeClock
+) -> tuple[sinks.ScoredBatch, sinks.ScoredBatch]:
+    """d1 in two files: retention purged its done row, then the producer sent it again."""
+    first = commit(queue, sink, ["d1", "d2"], clock)
+    clock.advance(100)
+    queue.purge(50)
+    return first, commit(queue, sink, ["d1", "d3"], clock)
+
+
 def test_a_consistent_dataset_is_clean(
     queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
 ) -> None:
@@ -105,10 +115,7 @@ def test_a_scorer_starting_during_a_duplicate_repair_keeps_its_rewrite(
     """The repair writes the kept rows to staging, then commits them: a scorer's start-up
     sweep in between deleted the file (no claim holds its lease), and the kept keys lost
     their output."""
-    commit(queue, sink, ["d1", "d2"], clock)
-    clock.advance(100)
-    queue.purge(50)  # the producer sends d1 again: two files hold it
-    commit(queue, sink, ["d1", "d3"], clock)
+    commit_a_duplicate(queue, sink, clock)
     write = parquet.ParquetSink._write_staging
     swept: list[Any] = []
 
@@ -137,10 +144,7 @@ def test_two_repairs_of_one_duplicate_at_once_rewrite_it_once(
 ) -> None:
     """A second `reconcile --repair` runs while the first is writing its rewrite: before,
     both superseded the batch, one quarantine failed, and two rewrites held the same key."""
-    commit(queue, sink, ["d1", "d2"], clock)
-    clock.advance(100)
-    queue.purge(50)
-    commit(queue, sink, ["d1", "d3"], clock)
+    commit_a_duplicate(queue, sink, clock)
     write = parquet.ParquetSink._write_staging
     inner: list[rc.Report] = []
     calls: list[Path] = []
@@ -195,10 +199,7 @@ def make_every_fault(
 ) -> dict[str, Any]:
     """Create each fault class for real; returns what the assertions need."""
     made: dict[str, Any] = {}
-    made["first"] = commit(queue, sink, ["d1", "d2"], clock)
-    clock.advance(100)
-    queue.purge(50)  # retention dropped the done rows; the producer sends d1 again, with d3
-    made["second"] = commit(queue, sink, ["d1", "d3"], clock)
+    made["first"], made["second"] = commit_a_duplicate(queue, sink, clock)
     made["gone"] = gone = commit(queue, sink, ["m1", "m2"], clock)
     (root / path_of(queue, gone)).unlink()
     made["cut"] = cut = commit(queue, sink, ["t1"], clock)
@@ -452,10 +453,7 @@ def test_outputs_survive_repair_bit_for_bit(
     root: Path,
     clock: FakeClock,
 ) -> None:
-    first = commit(queue, sink, ["d1", "d2"], clock)
-    clock.advance(100)
-    queue.purge(50)
-    commit(queue, sink, ["d1", "d3"], clock)
+    first, _ = commit_a_duplicate(queue, sink, clock)
     run(queue, root, clock, repair=True)
     table = pq.read_table(root).to_pydict()
     out = dict(zip(table["item_key"], table["output"], strict=True))
