@@ -455,7 +455,7 @@ def test_sigterm_to_the_group_while_workers_start_stops_them_cleanly(
 def test_a_killed_worker_is_reported_and_its_items_are_scored_after_the_lease(
     sqlite_url: str, tmp_path: Path, score_process: ScoreProcess
 ) -> None:
-    lease_s = 1.5
+    lease_s = 4.0  # heartbeats every 1.3 s: a loaded machine must not lose a live lease
     path, config = slow_w1_queue(sqlite_url, tmp_path, N, lease_s=lease_s)
     proc = score_process(path, *WORKERS)
     wait_for(lambda: len(worker_pids(proc.pid)) == 2, 60, "two worker processes")
