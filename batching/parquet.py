@@ -172,8 +172,9 @@ def check_file(
     count match and the file is readable; otherwise a reason, and ``item_keys`` is empty.
 
     Raises:
-        FileNotFoundError, IsADirectoryError: no file at ``path`` (look for it elsewhere; it
-            is not corrupt).
+        FileNotFoundError, IsADirectoryError, NotADirectoryError: no file at ``path`` (look
+            for it elsewhere; it is not corrupt).
+        PermissionError: this process may not read it (not corrupt either).
     """
     try:
         with path.open("rb") as f:
@@ -184,8 +185,8 @@ def check_file(
                 return "sha256 differs from the ledger", frozenset()
             f.seek(0)
             keys = pq.ParquetFile(f).read(columns=["item_key"]).column(0).to_pylist()
-    except (FileNotFoundError, IsADirectoryError):
-        raise
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError):
+        raise  # not here, or not ours to read: neither says the file is corrupt
     except (OSError, pa.ArrowException) as exc:
         return f"unreadable: {exc}", frozenset()
     if len(keys) != n_rows:

@@ -273,7 +273,7 @@ def _check_batch(layout: parquet.ParquetLayout | None, row: Any) -> BatchFacts:
             problem, keys = parquet.check_file(
                 path, n_rows=row.n_rows, n_bytes=row.n_bytes, sha256=row.sha256
             )
-        except (FileNotFoundError, IsADirectoryError):
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             continue
         return facts(where, str(path), problem, None if problem else keys)
     return facts("missing", row.path)

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 
-from batching import models, parquet, schema, sinks
+from batching import errors, models, parquet, schema, sinks
 from batching import queue as q
 from batching import reconcile as rc
 from batching.reconcile import Kind, Severity
@@ -371,6 +371,31 @@ def test_a_file_renamed_while_reconcile_reads_it_is_not_corrupt(
     monkeypatch.undo()
     assert run(queue, root, clock).findings == ()
     assert set(pq.read_table(root / path_of(queue, batch))["item_key"].to_pylist()) == {"a", "b"}
+
+
+def test_a_file_reconcile_may_not_read_is_an_error_not_a_corrupt_file(
+    queue: q.SqlQueue,
+    sink: parquet.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before, reconcile run as another user reported it corrupt, and --repair requeued it."""
+    batch = commit(queue, sink, ["a"], clock)
+    locked = root / path_of(queue, batch)
+    real_open = Path.open
+
+    def open_(self: Path, *args: Any, **kwargs: Any) -> Any:
+        if self == locked:  # the tests run as root, which file modes do not stop
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", open_)
+    with pytest.raises(errors.SinkError, match="Permission denied"):
+        run(queue, root, clock, repair=True)
+    monkeypatch.undo()
+    assert items(queue)["a"].state == models.State.DONE
+    assert run(queue, root, clock).findings == ()
 
 
 def test_dead_expired_and_late_items_are_reported_but_not_critical(
