@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 NOTIFY_CHANNEL = "batching_items"
 _ENQUEUE_CHUNK = 1000
+_PURGE_CHUNK = 10_000  # items archived and deleted per statement
 _REAP_LIMIT = 5000  # expired leases returned by one claim (the next claim takes the rest)
 _T = schema.items
 _P = schema.payloads
@@ -858,15 +859,25 @@ class SqlQueue:
             _T.c.state == sa.literal_column("2"),
             _T.c.finished_at < cutoff,
         )
+        n = 0
         with self.begin() as conn:
-            if archive:
-                cols = [c.name for c in schema.items_archive.columns if c.name != "archive_id"]
-                source = sa.select(
-                    *(_P.c.payload if c == "payload" else _T.c[c] for c in cols)
-                ).join_from(_T, _P, _P.c.id == _T.c.id)
-                conn.execute(schema.items_archive.insert().from_select(cols, source.where(cond)))
-            conn.execute(sa.delete(_P).where(_P.c.id.in_(sa.select(_T.c.id).where(cond))))
-            n = conn.execute(sa.delete(_T).where(cond)).rowcount
+            # The rows first, locked (PostgreSQL): a reconcile requeueing one of them between
+            # the statements below would leave a ready item without its payload.
+            ids = list(conn.execute(sa.select(_T.c.id).where(cond).with_for_update()).scalars())
+            for start in range(0, len(ids), _PURGE_CHUNK):
+                chunk = self._id_in(ids[start : start + _PURGE_CHUNK])
+                if archive:
+                    cols = [c.name for c in schema.items_archive.columns if c.name != "archive_id"]
+                    source = sa.select(
+                        *(_P.c.payload if c == "payload" else _T.c[c] for c in cols)
+                    ).join_from(_T, _P, _P.c.id == _T.c.id)
+                    conn.execute(
+                        schema.items_archive.insert().from_select(cols, source.where(chunk))
+                    )
+                conn.execute(
+                    sa.delete(_P).where(self._id_in(ids[start : start + _PURGE_CHUNK], _P.c.id))
+                )
+                n += conn.execute(sa.delete(_T).where(chunk)).rowcount
         logger.info("items purged", extra={"action": "purge", "n_items": n, "archived": archive})
         return n
 

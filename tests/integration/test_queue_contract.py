@@ -118,6 +118,54 @@ def test_purge_deletes_payloads_and_archive_keeps_them(queue: q.SqlQueue, clock:
     assert sorted(archived) == [("a", b'{"x":[1]}'), ("b", b'{"x":[1]}')]
 
 
+def test_an_item_requeued_while_purge_runs_keeps_its_payload(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    """PostgreSQL: reconcile requeued a done item between purge's payload and item deletes;
+    the item came back ready without its payload (dead at its next claim)."""
+    if queue.dialect != "postgresql":
+        pytest.skip("SQLite's purge holds the only write lock: nothing runs between its steps")
+    queue.enqueue([rec("a")])
+    claim = queue.claim(1, lease_s=30)
+    queue.ack(claim.lease_id, [claim.items[0].id])
+    clock.advance(100)
+    requeue = threading.Thread(
+        target=lambda: (
+            queue.engine.dispose(close=False) or _requeue_in_own_transaction(queue.engine.url, "a")
+        )
+    )
+
+    def requeue_once(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
+        if statement.startswith("DELETE FROM batching_items") and requeue.ident is None:
+            requeue.start()
+            requeue.join(timeout=1)  # the rows locked, it waits for the purge to commit
+
+    sa.event.listen(queue.engine, "before_cursor_execute", requeue_once)
+    try:
+        queue.purge(10)
+    finally:
+        sa.event.remove(queue.engine, "before_cursor_execute", requeue_once)
+    requeue.join(timeout=30)
+    with queue.engine.connect() as conn:
+        left = conn.execute(
+            sa.select(schema.items.c.state, schema.payloads.c.id).outerjoin(
+                schema.payloads, schema.payloads.c.id == schema.items.c.id
+            )
+        ).all()
+    assert all(payload is not None for _state, payload in left), left
+
+
+def _requeue_in_own_transaction(url: sa.URL, key: str) -> None:
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(
+            schema.items.update()
+            .where(schema.items.c.item_key == key, schema.items.c.state == 2)
+            .values(state=0)
+        )
+    engine.dispose()
+
+
 def test_an_item_whose_payload_row_is_gone_is_dead_lettered_and_the_rest_claimed(
     queue: q.SqlQueue,
 ) -> None:
