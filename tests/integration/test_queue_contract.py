@@ -129,11 +129,7 @@ def test_an_item_requeued_while_purge_runs_keeps_its_payload(
     claim = queue.claim(1, lease_s=30)
     queue.ack(claim.lease_id, [claim.items[0].id])
     clock.advance(100)
-    requeue = threading.Thread(
-        target=lambda: (
-            queue.engine.dispose(close=False) or _requeue_in_own_transaction(queue.engine.url, "a")
-        )
-    )
+    requeue = threading.Thread(target=_requeue_in_own_transaction, args=(queue.engine, "a"))
 
     def requeue_once(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
         if statement.startswith("DELETE FROM batching_items") and requeue.ident is None:
@@ -155,15 +151,13 @@ def test_an_item_requeued_while_purge_runs_keeps_its_payload(
     assert all(payload is not None for _state, payload in left), left
 
 
-def _requeue_in_own_transaction(url: sa.URL, key: str) -> None:
-    engine = sa.create_engine(url)
-    with engine.begin() as conn:
+def _requeue_in_own_transaction(engine: sa.Engine, key: str) -> None:
+    with engine.begin() as conn:  # another pooled connection: its own transaction
         conn.execute(
             schema.items.update()
             .where(schema.items.c.item_key == key, schema.items.c.state == 2)
             .values(state=0)
         )
-    engine.dispose()
 
 
 def test_an_item_whose_payload_row_is_gone_is_dead_lettered_and_the_rest_claimed(
