@@ -77,19 +77,29 @@ def _run_child(
     while child.is_alive() and not stop.wait(0.5):
         pass
     if not child.is_alive():
+        if child.exitcode:  # it failed on its own (e.g. the server went away): nothing paused
+            sys.stderr.write(
+                f"flows.serve: the runner stopped with exit code {child.exitcode} (is the "
+                f"Prefect server reachable?). {_PAUSE_HINT}\n"
+            )
         return child.exitcode or 0
     _signal_group(child, signal.SIGINT)  # the runner pauses schedules and stops its runs
     child.join(grace_s)
     if child.is_alive():
         sys.stderr.write(
             f"flows.serve: the runner did not stop within {grace_s:g}s (is the Prefect server "
-            "reachable?); killing it. Its schedules may still be active: pause them with "
-            "`prefect deployment schedule pause --all` once the server is back\n"
+            f"reachable?); killing it. {_PAUSE_HINT}\n"
         )
         _signal_group(child, signal.SIGKILL)
         child.join()
         return 1
     return 0
+
+
+_PAUSE_HINT = (
+    "Its schedules may still be active: pause them with "
+    "`prefect deployment schedule pause --all` once the server is back"
+)
 
 
 def _signal_group(child: mp.process.BaseProcess, sig: signal.Signals) -> None:
@@ -111,7 +121,13 @@ def _serve(limit: int, supervisor: int, grace_s: float) -> None:
 
     from flows.deployments import all_deployments
 
-    serve(*all_deployments(), limit=limit)
+    try:
+        serve(*all_deployments(), limit=limit)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # one line, not Prefect's traceback; the supervisor says the rest
+        sys.stderr.write(f"flows.serve: the runner failed: {type(exc).__name__}: {exc}\n")
+        sys.exit(1)
 
 
 def _stop_if_orphaned(supervisor: int, grace_s: float) -> None:

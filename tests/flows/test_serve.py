@@ -74,3 +74,17 @@ def test_a_runner_that_stops_on_the_signal_exits_cleanly() -> None:
     sent = term_self_after(1.0)
     assert serve.supervise(1, 10.0, target=stops) == 0
     assert time.monotonic() - sent[0] < 8  # well inside the 10 s grace
+
+
+def fails(_limit: int, _supervisor: int, _grace_s: float) -> None:
+    os.setsid()
+    raise SystemExit(1)  # as _serve does when the runner fails (its server went away)
+
+
+def test_a_runner_that_fails_on_its_own_is_reported_with_the_pause_hint(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    assert serve.supervise(1, 10.0, target=fails) == 1
+    err = capfd.readouterr().err
+    assert "the runner stopped with exit code 1" in err
+    assert "prefect deployment schedule pause --all" in err

@@ -174,7 +174,11 @@ def test_reconciling_the_parent_run_covers_its_workers_batches(parented: Parente
 
 def test_the_workers_logs_reach_the_parents_handlers(parented: Parented) -> None:
     committed = [r for r in parented.records if r.getMessage() == "batch committed"]
-    assert {getattr(r, "worker", None) for r in committed} == {0, 1}
+    # Every worker that committed (on a loaded machine one may have claimed everything).
+    reports = parented.result.workers.reports
+    busy = {r.index for r in reports if r.stats is not None and r.stats.committed}
+    assert busy
+    assert {getattr(r, "worker", None) for r in committed} == busy
     assert sum(r.n_items for r in committed) == N
 
 
