@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -249,10 +250,17 @@ def run_score(
         recovered = sink.recover()
         profile = load_profile(config)
         ctx = context(sink=sink, checksum=runner.checksum)
+        abandoned = q.RunLedger(queue).close_abandoned(_silent_for_s(config))
         runs = _ledger_start(queue, config, ctx, runner.checksum, parent[0] if parent else None)
     except Exception as exc:  # a precondition failed: the run is still on record as failed
         record_failed_start(emitter, context(), exc)
         raise
+    _fail_abandoned(
+        emitter,
+        replace(ctx, parent_run_id=None, parent_job_name=None, job_name=config.name),
+        config,
+        abandoned,
+    )
     out_ds = ctx.outputs[0]
     emitter.start(ctx)
     scorer: pipeline.Scorer | None = None
@@ -270,6 +278,7 @@ def run_score(
             service_time=profile.predict if profile else None,
             on_progress=on_progress,
             wait_for_work=q.Waiter(queue.engine, queue.queue).wait,
+            on_heartbeat=_beat(runs, run_id),
         )
         if on_scorer is not None:
             on_scorer(scorer)
@@ -297,6 +306,59 @@ def run_score(
         _as_dict(recovered),
         stats,
     )
+
+
+def _silent_for_s(config: cfg.PipelineConfig) -> float:
+    """How long a running run may go without a heartbeat before it counts as abandoned: two
+    leases (its items' leases have expired by then too, so it can commit nothing more)."""
+    return 2 * config.queue.lease_s
+
+
+def _beat(runs: q.RunLedger, run_id: str) -> Callable[[], None]:
+    """The run ledger's heartbeat for ``run_id``; a database hiccup is logged, not raised."""
+
+    def beat() -> None:
+        try:
+            runs.beat(run_id)
+        except errors.BatchingError:
+            logger.warning("run heartbeat not recorded", exc_info=True)
+
+    return beat
+
+
+class _Beating:
+    """Calls ``beat`` every ``interval_s`` on a thread of its own until ``stop()``: the parent
+    of ``--workers`` runs no scorer, whose heartbeat would keep its ledger row alive."""
+
+    def __init__(self, beat: Callable[[], None], interval_s: float) -> None:
+        self._done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(beat, interval_s), name="run-heartbeat", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, beat: Callable[[], None], interval_s: float) -> None:
+        while not self._done.wait(interval_s):
+            beat()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def _fail_abandoned(
+    emitter: lineage.LineageEmitter,
+    ctx: lineage.RunContext,
+    config: cfg.PipelineConfig,
+    abandoned: list[models.AbandonedRun],
+) -> None:
+    """FAIL in lineage the runs of the config's job (``ctx``: this run's, as a run of that
+    job) that died without an end (closed in the ledger by ``close_abandoned``); a worker's
+    run is its parent's to close."""
+    for run in abandoned:
+        if run.flow == config.name and run.parent_run_id is None:
+            dead = replace(ctx, run_id=run.run_id)
+            emitter.fail(dead, errors.BatchingError(run.error), outputs=[])
 
 
 def _ledger_start(
@@ -400,6 +462,7 @@ def run_score_workers(
 
     worker_run_ids = [lineage.new_run_id() for _ in range(n)]
     emitter.start(ctx)
+    beating = _Beating(_beat(runs, run_id), config.queue.effective_heartbeat_s)
     try:
         outcome = run_workers(
             config,
@@ -416,6 +479,7 @@ def run_score_workers(
             run_ids=worker_run_ids,
         )
     except BaseException as exc:
+        beating.stop()
         summary = {"items_committed": counts[0], "items_failed": counts[1]}
         emitter.fail(ctx, exc, outputs=[ctx.outputs[0].with_stats(counts[0])])
         emitter.close()
@@ -426,6 +490,7 @@ def run_score_workers(
         finally:
             queue.engine.dispose()
         raise
+    beating.stop()
     result = WorkersScoreOutcome(
         run_id,
         outcome,

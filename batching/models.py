@@ -109,6 +109,16 @@ class ReapResult:
 
 
 @dataclass(frozen=True, slots=True)
+class AbandonedRun:
+    """A run closed by ``RunLedger.close_abandoned``: its process died while it ran."""
+
+    run_id: str
+    flow: str
+    parent_run_id: str | None
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
 class LaneStats:
     """Queue metrics for one (queue, lane, tenant) group."""
 

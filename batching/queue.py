@@ -25,6 +25,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -975,10 +976,57 @@ class RunLedger:
             "model_sha256": model_sha256,
             "state": "running",
             "started_at": self._queue.clock(),
+            "heartbeat_at": self._queue.clock(),
         }
         with self._queue.begin() as conn:
             conn.execute(sa.delete(schema.runs).where(schema.runs.c.run_id == run_id))
             conn.execute(schema.runs.insert().values(**row))
+
+    def beat(self, run_id: str) -> None:
+        """Record that a running run is alive (its scorer's heartbeat calls it)."""
+        r = schema.runs.c
+        with self._queue.begin() as conn:
+            conn.execute(
+                sa.update(schema.runs)
+                .where(r.run_id == run_id, r.state == "running")
+                .values(heartbeat_at=self._queue.clock())
+            )
+
+    def close_abandoned(self, silent_for_s: float) -> list[models.AbandonedRun]:
+        """Close as ``failed`` this queue's runs still ``running`` whose heartbeat stopped
+        more than ``silent_for_s`` ago: their process died (killed, or its machine lost)
+        without closing them. Runs that never beat (before migration 8) are left alone."""
+        r = schema.runs.c
+        now = self._queue.clock()
+        stale = sa.and_(
+            r.queue == self._queue.queue,
+            r.state == "running",
+            r.heartbeat_at.is_not(None),
+            r.heartbeat_at < now - silent_for_s,
+        )
+        with self._queue.begin() as conn:
+            rows = conn.execute(
+                sa.select(r.run_id, r.flow, r.parent_run_id, r.heartbeat_at).where(stale)
+            ).all()
+            closed = []
+            for row in rows:
+                when = datetime.fromtimestamp(row.heartbeat_at, UTC).isoformat(timespec="seconds")
+                error = f"abandoned: no heartbeat since {when} (its process died)"
+                n = conn.execute(
+                    sa.update(schema.runs)
+                    .where(r.run_id == row.run_id, stale)
+                    .values(state="failed", finished_at=now, error=error)
+                ).rowcount
+                if n:
+                    closed.append(
+                        models.AbandonedRun(row.run_id, row.flow, row.parent_run_id, error)
+                    )
+        if closed:
+            logger.warning(
+                "abandoned runs closed",
+                extra={"action": "runs_abandoned", "run_ids": [a.run_id for a in closed]},
+            )
+        return closed
 
     def finish(
         self, run_id: str, state: str, summary: Mapping[str, Any], error: str | None = None

@@ -192,6 +192,9 @@ runs = sa.Table(
     # A worker of ``batching score --workers`` (migration 6): the run it is part of, so a
     # reconcile of that run covers its workers' batches.
     sa.Column("parent_run_id", sa.String(64)),
+    # A scoring run's last sign of life (migration 8): a run still "running" without one for
+    # a while died with its process, and the next run on its queue closes it as failed.
+    sa.Column("heartbeat_at", sa.Float),
 )
 sa.Index(
     "ix_batching_runs_parent",
@@ -290,6 +293,12 @@ def _v7(conn: Connection) -> None:
             index.create(conn, checkfirst=True)
 
 
+def _v8(conn: Connection) -> None:
+    columns = {c["name"] for c in sa.inspect(conn).get_columns(runs.name)}
+    if "heartbeat_at" not in columns:
+        conn.execute(sa.text(f"ALTER TABLE {runs.name} ADD COLUMN heartbeat_at FLOAT"))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "queue items, archive, batch ledger, runs, results", _v1),
     Migration(2, "expiry index leads with queue", _v2),
@@ -298,6 +307,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(5, "leased rows keep one index, by expiry", _v5),
     Migration(6, "runs record the run they are a worker of", _v6),
     Migration(7, "leased rows indexed by queue, then expiry", _v7),
+    Migration(8, "runs record their last heartbeat", _v8),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -110,6 +110,14 @@ def items(url: str) -> dict[str, Any]:
     return rows
 
 
+def runs(url: str) -> list[Any]:
+    engine = q.create_engine(url)
+    with engine.connect() as conn:
+        rows = list(conn.execute(sa.select(schema.runs)))
+    engine.dispose()
+    return rows
+
+
 def ledger(url: str) -> dict[str, Any]:
     engine = q.create_engine(url)
     with engine.connect() as conn:
@@ -475,11 +483,24 @@ def test_sigkill_mid_run_then_restart_and_reconcile_lose_nothing(
 
     leased = {k for k, r in items(sqlite_url).items() if r.state == models.State.LEASED}
     assert leased, "the kill left no leased items; nothing tested"
-    outlive_leases(lease_s)
+    (killed,) = [r.run_id for r in runs(sqlite_url) if r.state == "running"]
+    outlive_leases(2 * lease_s)  # the run's heartbeat too: it counts as abandoned after that
 
     root = tmp_path / "outputs"
-    # No reaper run: the restart recovers the sink, its claims reap the dead run's leases.
+    # No reaper run: the restart recovers the sink, its claims reap the dead run's leases,
+    # and it closes the dead run (ledger and lineage).
     restart = score(config, sqlite_url, root)
+    dead = {r.run_id: r for r in runs(sqlite_url)}[killed]
+    assert dead.state == "failed"
+    assert dead.error.startswith("abandoned: no heartbeat since ")
+    assert restart.events_path is not None
+    ended = [
+        e["eventType"]
+        for e in lineage_log.read_events(restart.events_path)
+        if e["run"]["runId"] == killed
+    ]
+    assert ended[0] == "START"
+    assert ended[-1] == "FAIL"
     report = reconcile(config, sqlite_url, root)
     assert report.clean, json.dumps(report.to_dict())[:2000]
     out = assert_done_once(sqlite_url, root, {f"w1-{i}" for i in range(N_SIGNAL)})

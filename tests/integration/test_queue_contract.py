@@ -384,6 +384,49 @@ def test_a_claims_reap_reads_its_queues_leased_rows_not_the_queue(queue: q.SqlQu
     assert "TEMP B-TREE" not in plan, plan
 
 
+def test_migration_8_gives_runs_a_heartbeat_and_leaves_old_runs_alone(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    rewind(  # to version 7: runs without a heartbeat, one of them running
+        queue,
+        8,
+        "ALTER TABLE batching_runs DROP COLUMN heartbeat_at",
+        "INSERT INTO batching_runs (run_id, flow, queue, state, started_at, n_items, n_failed,"
+        " n_batches) VALUES ('old', 'score', 'contract', 'running', 1.0, 0, 0, 0)",
+    )
+    result = queue.migrate()
+    assert (result.from_version, result.to_version) == (7, schema.SCHEMA_VERSION)
+    clock.advance(10_000)
+    assert q.RunLedger(queue).close_abandoned(60) == []  # it never beat: not judged
+
+
+def test_a_run_whose_heartbeat_stopped_is_closed_as_abandoned(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    runs, other = q.RunLedger(queue), q.RunLedger(q.SqlQueue(queue.engine, "other", clock=clock))
+    runs.start("dead", "score")
+    runs.start("alive", "score")
+    runs.start("done", "score")
+    runs.finish("done", "completed", {})
+    other.start("elsewhere", "score")
+    clock.advance(100)
+    runs.beat("alive")
+    clock.advance(30)
+    (closed,) = runs.close_abandoned(120)  # "dead" last beat 130 s ago, "alive" 30 s ago
+    assert (closed.run_id, closed.flow, closed.parent_run_id) == ("dead", "score", None)
+    assert closed.error.startswith("abandoned: no heartbeat since ")
+    with queue.engine.connect() as conn:
+        c = schema.runs.c
+        states = dict(conn.execute(sa.select(c.run_id, c.state)).all())
+    assert states == {
+        "dead": "failed",
+        "alive": "running",
+        "done": "completed",
+        "elsewhere": "running",
+    }
+    assert runs.close_abandoned(120) == []
+
+
 def test_enqueue_is_idempotent_on_key(queue: q.SqlQueue) -> None:
     first = queue.enqueue([rec("a"), rec("b"), rec("a")])
     assert first.inserted == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue as stdqueue
+import threading
 from collections import Counter
 from dataclasses import dataclass
 
@@ -242,3 +243,23 @@ def test_the_workers_error_has_one_type_whatever_the_worker_order(
         return
     assert type(error) is expected
     assert str(error) == "; ".join(WorkersOutcome(reports).errors())
+
+
+def test_the_parent_run_beats_until_stopped() -> None:
+    """The parent of --workers runs no scorer: its ledger row needs beats of its own."""
+    from batching.app import _Beating
+
+    two = threading.Semaphore(0)
+    beats: list[int] = []
+
+    def beat() -> None:
+        beats.append(1)
+        two.release()
+
+    beating = _Beating(beat, 0.001)
+    assert two.acquire(timeout=10)
+    assert two.acquire(timeout=10)
+    beating.stop()
+    after = len(beats)
+    assert not any(t.name == "run-heartbeat" and t.is_alive() for t in threading.enumerate())
+    assert len(beats) == after
