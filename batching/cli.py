@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -269,6 +270,8 @@ def parse_duration(text: str, name: str) -> float:
     try:
         value = float(body)
     except ValueError:
+        value = math.nan
+    if not math.isfinite(value):  # nan and inf parse as floats; nan compared as "older"
         raise errors.ConfigError(
             f"{name} must be a duration like 90s, 30m, 12h or 7d, got {text!r}"
         ) from None

@@ -1,0 +1,27 @@
+"""Durations on the command line (purge --older-than, reconcile --since)."""
+
+from __future__ import annotations
+
+import pytest
+
+from batching import errors
+from batching.cli import parse_duration
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("90s", 90), ("30m", 1800), ("12h", 43200), ("7d", 604800), ("2.5", 2.5)]
+)
+def test_a_duration_in_seconds(text: str, seconds: float) -> None:
+    assert parse_duration(text, "--older-than") == seconds
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "infd", "-inf", "NaNh", "soon", "", "d"])
+def test_what_is_not_a_finite_duration_is_refused(text: str) -> None:
+    """`--older-than nan` compared as older than everything: PostgreSQL purged every item."""
+    with pytest.raises(errors.ConfigError, match="must be a duration like 90s"):
+        parse_duration(text, "--older-than")
+
+
+def test_a_negative_duration_is_refused() -> None:
+    with pytest.raises(errors.ConfigError, match="must not be negative"):
+        parse_duration("-1d", "--older-than")
