@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
 
+import click
 import typer
 from rich import box
 from rich.console import Console
@@ -24,6 +25,7 @@ from rich.table import Table
 
 from batching import errors
 from batching.logs import configure_logging
+from batching.redaction import redact_url
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -87,6 +89,19 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(2) from None
         except errors.BatchingError as exc:
             err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as exc:  # a bug: still one line; the traceback when asked for
+            if os.environ.get("BATCHING_DEBUG"):
+                raise
+            err.print(
+                f"[red]error:[/red] unexpected {type(exc).__name__}: {redact_url(str(exc))} "
+                "(a bug: run again with BATCHING_DEBUG=1 for the traceback, and report it)",
+                markup=True,
+                highlight=False,
+                soft_wrap=True,
+            )
             raise typer.Exit(1) from None
 
     return wrapper

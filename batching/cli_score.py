@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 from pathlib import Path
 from typing import Annotated, Any
@@ -55,6 +56,12 @@ def summary_table(summary: dict[str, Any], title: str = "run summary") -> Table:
     return table
 
 
+def _finite(value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"must be a number of seconds, got {value}")
+    return value
+
+
 @app.command()
 @handle_errors
 def score(
@@ -74,7 +81,9 @@ def score(
     max_seconds: Annotated[
         float | None,
         typer.Option(
-            min=0.001, help="Stop claiming after S seconds; waits for new work until then."
+            min=0.001,
+            callback=_finite,
+            help="Stop claiming after S seconds; waits for new work until then.",
         ),
     ] = None,
     quiet: QuietOption = False,

@@ -25,22 +25,24 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
     if not p.exists():
         return []
     events: list[dict[str, Any]] = []
-    with p.open(encoding="utf-8") as lines:
+    with p.open("rb") as lines:
         for number, line in enumerate(lines, start=1):
             if line.strip():
                 _append_event(events, line, p, number)
     return events
 
 
-def _append_event(events: list[dict[str, Any]], line: str, path: Path, number: int) -> None:
+def _append_event(events: list[dict[str, Any]], line: bytes, path: Path, number: int) -> None:
     try:
-        event = json.loads(line)
-    except json.JSONDecodeError:
+        event = json.loads(line)  # UTF-8 (or -16/-32) JSON text
+    except (json.JSONDecodeError, UnicodeDecodeError):
         event = None
     if not isinstance(event, dict):
         reason = "not a JSON object"
     elif not isinstance(event.get("run"), dict) or not isinstance(event["run"].get("runId"), str):
         reason = "no run.runId"
+    elif not isinstance(event.get("eventType"), str) or not isinstance(event.get("job"), dict):
+        reason = "no eventType or job"
     else:
         events.append(event)
         return

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 NOTIFY_CHANNEL = "batching_items"
 _ENQUEUE_CHUNK = 1000
+_DRIVERS = {"sqlite": ("pysqlite",), "postgresql": ("psycopg",)}  # synchronous DBAPIs we test
 _PURGE_CHUNK = 10_000  # items archived and deleted per statement
 _REAP_LIMIT = 5000  # expired leases returned by one claim (the next claim takes the rest)
 _T = schema.items
@@ -113,6 +114,12 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
     if backend not in ("sqlite", "postgresql"):
         raise errors.ConfigError(
             f"database {redact(url)} is not supported; use sqlite:///FILE or postgresql://HOST/DB"
+        )
+    if parsed.get_driver_name() not in _DRIVERS[backend]:
+        raise errors.ConfigError(
+            f"database driver {parsed.get_driver_name()!r} in {redact(url)} is not supported "
+            f"(the queue runs on {' or '.join(_DRIVERS[backend])}); write the URL as "
+            f"{'postgresql://' if backend == 'postgresql' else 'sqlite:///'}..."
         )
     try:
         if backend == "sqlite":

@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.test_cli import DB, DEPLOYMENTS, batching, one_error_line, write_config
 
 TABULAR = str(DEPLOYMENTS / "tabular.yaml")
@@ -145,3 +147,49 @@ def test_reconcile_refuses_a_run_not_in_the_ledger(tmp_path: Path) -> None:
     line = one_error_line(r)
     assert "no run nosuch of queue 'tabular' in the run ledger of sqlite:///queue.db" in line
     assert "omit --run" in line
+
+
+# ----------------------------------------------------------------------------- whatever else
+
+
+def test_binary_or_incomplete_event_lines_are_skipped_not_a_traceback(tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    events.write_bytes(b'\x89PNG\x00\xff\xfe\n{"run": {"runId": "r"}}\n')
+    r = batching("lineage", "--events", str(events), cwd=tmp_path)
+    assert r.rc == 2
+    assert f"{events}:1: lineage event skipped (not a JSON object)" in r.err
+    assert f"{events}:2: lineage event skipped (no eventType or job)" in r.err
+
+
+def test_an_async_database_driver_is_refused_naming_the_one_to_use(tmp_path: Path) -> None:
+    r = batching("status", "--db", "postgresql+asyncpg://u:sekret@127.0.0.1:9/x", cwd=tmp_path)
+    assert r.rc == 2
+    line = one_error_line(r)
+    assert "database driver 'asyncpg'" in line
+    assert "write the URL as postgresql://" in line
+    assert "sekret" not in line
+
+
+def test_an_unexpected_error_is_one_line_without_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug still ends in one line (the traceback only with BATCHING_DEBUG=1)."""
+    from typer.testing import CliRunner
+
+    from batching import cli, cli_ops, lineage_log  # noqa: F401  (cli_ops: the lineage command)
+
+    def boom(_path: object) -> list[dict[str, object]]:
+        raise RuntimeError("boom at postgresql://u:sekret@h/db")
+
+    monkeypatch.setattr(lineage_log, "read_events", boom)
+    events = tmp_path / "events.jsonl"
+    events.write_text("{}\n")
+    monkeypatch.delenv("BATCHING_DEBUG", raising=False)
+    result = CliRunner().invoke(cli.app, ["lineage", "--events", str(events)])
+    assert result.exit_code == 1
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith("error: unexpected RuntimeError: boom at postgresql://u:***@h/db")
+    assert "BATCHING_DEBUG=1" in line
+    monkeypatch.setenv("BATCHING_DEBUG", "1")
+    debug = CliRunner().invoke(cli.app, ["lineage", "--events", str(events)])
+    assert isinstance(debug.exception, RuntimeError)
