@@ -355,6 +355,7 @@ def _wind_down(
 
 
 _STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+_PARENT_POLL_S = 1.0  # how often a worker checks that its parent is alive
 
 
 class _StopRequests:
@@ -464,7 +465,20 @@ def _work(index: int, job: _Job, messages: Any, stop_event: Any) -> None:
         stop_event.wait()
         request_stop()
 
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        """The parent was killed (SIGKILL, the OOM killer): nobody reads our messages or
+        will stop us. Stop as if asked, and exit without waiting to flush messages into a
+        pipe nobody empties (the process would hang at exit, holding its GPU memory)."""
+        while not stop_event.wait(_PARENT_POLL_S):
+            if os.getppid() != parent:
+                messages.cancel_join_thread()
+                request_stop()
+                return
+
     threading.Thread(target=watch, name="stop-watch", daemon=True).start()
+    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
     _log_to_parent(index, messages, job.log_level)
     torch.set_num_threads(job.threads)
 

@@ -438,6 +438,28 @@ def test_sigterm_to_the_parent_stops_every_worker_and_loses_nothing(
     assert reconcile(config, sqlite_url, root).clean
 
 
+def test_workers_whose_parent_is_killed_stop_and_exit(
+    sqlite_url: str, tmp_path: Path, score_process: ScoreProcess
+) -> None:
+    """Before, they ran on and then hung at exit on a full pipe nobody read, for ever."""
+    path, _ = slow_w1_queue(sqlite_url, tmp_path, N)
+    proc = score_process(path, *WORKERS)
+    wait_for(lambda: len(worker_pids(proc.pid)) == 2, 60, "two worker processes")
+    wait_for_done(sqlite_url, 200, proc)
+    pids = worker_pids(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+
+    def gone(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+        except FileNotFoundError:
+            return True
+
+    wait_for(lambda: all(gone(p) for p in pids), 60, "the orphaned workers to exit")
+    assert_stopped_mid_run(sqlite_url, "the workers ran to the end before they were orphaned")
+
+
 @pytest.mark.slow
 def test_sigterm_to_the_group_while_workers_start_stops_them_cleanly(
     sqlite_url: str, tmp_path: Path, score_process: ScoreProcess
