@@ -452,6 +452,8 @@ def _http_transport(cfg: config.LineageConfig) -> HttpTransport:
     session.auth = credentials  # kept out of the URL, which the client logs at DEBUG
     n = cfg.retries
     retry = {"total": n, "connect": n, "read": n, "status": n, "backoff_factor": 0.1}
+    # A backend's Retry-After (urllib3 honours up to 6 h) must not hold a run.
+    retry["respect_retry_after_header"] = False
     http_cfg = HttpConfig(
         url=url.rstrip("/") + "/",  # keep a base path: urljoin drops a last segment
         endpoint=cfg.endpoint.lstrip("/"),
@@ -519,6 +521,14 @@ class LineageEmitter:
         self._cooldown_s = cooldown_s
         self._resume_at = float("-inf")
         self._lock = threading.Lock()
+        # HTTP: a whole send (retries included) gets this long; the socket timeout alone
+        # does not bound a server that answers a byte at a time.
+        self._deadline_s = (
+            (cfg.timeout_s + 0.5) * (cfg.retries + 1)
+            if cfg.transport == "http" and transport is None
+            else None
+        )
+        self._in_flight: threading.Thread | None = None  # a send past its deadline
 
     def start(self, run: RunContext) -> bool:
         """Emit START; returns whether the event was delivered."""
@@ -556,13 +566,45 @@ class LineageEmitter:
                 self._count_failure("lineage event dropped", "lineage_emit_skipped", state, run)
                 return False
             try:
-                self._send(state, run, outputs, error, now)
+                self._send_within_deadline(state, run, outputs, error, now)
             except Exception as exc:  # lineage never fails a run
                 self._resume_at = self._clock() + self._cooldown_s
                 self._count_failure("lineage emit failed", "lineage_emit_failed", state, run, exc)
                 return False
             self.emitted += 1
             return True
+
+    def _send_within_deadline(
+        self,
+        state: RunState,
+        run: RunContext,
+        outputs: Sequence[DatasetRef] | None,
+        error: BaseException | None,
+        now: float,
+    ) -> None:
+        """``_send``, given up after the deadline (it goes on in the background, and until it
+        ends every further event is dropped rather than sent beside it)."""
+        if self._deadline_s is None:
+            self._send(state, run, outputs, error, now)
+            return
+        if self._in_flight is not None and self._in_flight.is_alive():
+            raise TimeoutError("an earlier lineage event is still being sent")
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                self._send(state, run, outputs, error, now)
+            except BaseException as exc:
+                failed.append(exc)
+
+        sender = threading.Thread(target=send, name="lineage-send", daemon=True)
+        sender.start()
+        sender.join(self._deadline_s)
+        if sender.is_alive():
+            self._in_flight = sender
+            raise TimeoutError(f"no answer within {self._deadline_s:g}s")
+        if failed:
+            raise failed[0]
 
     def _send(
         self,

@@ -290,6 +290,67 @@ def test_a_silent_http_backend_is_cut_off_by_the_timeout(tmp_path: Path, silent_
     assert emitter.failures == 2
 
 
+class _RetryLater(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(503)
+        self.send_header("Retry-After", "3600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _Drip(BaseHTTPRequestHandler):
+    """Answers a byte at a time, never finishing: each read is inside the socket timeout."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.wfile.write(b"HTTP/1.1 201 Created\r\nX-Slow: ")
+        try:
+            for _ in range(600):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.1)
+        except OSError:  # the client gave up
+            pass
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("handler", [_RetryLater, _Drip], ids=["retry-after-1h", "drip"])
+def test_a_backend_that_holds_the_request_does_not_hold_the_run(
+    tmp_path: Path, handler: type[BaseHTTPRequestHandler]
+) -> None:
+    """Before: Retry-After was honoured (up to 6 h), and a reply trickling in within each
+    socket timeout never timed out."""
+    port = next(serve := _serve(handler))
+    try:
+        emitter = http_emitter(f"http://127.0.0.1:{port}", tmp_path, timeout_s=0.5, retries=1)
+        run = run_context(tmp_path)
+        started = time.monotonic()
+        assert emitter.start(run) is False
+        assert emitter.complete(run) is False  # dropped while the first is still going
+        elapsed = time.monotonic() - started
+        emitter.close()
+    finally:
+        next(serve, None)
+    assert elapsed < 10.0  # the deadline is (0.5 + 0.5) x 2 = 2 s
+    assert emitter.failures == 2
+
+
 class _Recorder(BaseHTTPRequestHandler):
     received: ClassVar[list[tuple[str, str, dict[str, Any]]]]
 
