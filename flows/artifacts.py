@@ -52,18 +52,26 @@ class Progress:
     ``total`` is the work the run expects (ready items at its start, capped by ``max_items``).
     The artifact is updated at most every ``interval_s`` seconds, through a client this object
     owns (Prefect's helper would leave one open per worker thread), and never fails the run.
-    A clean exit records the final share.
+    Updates are sent from a thread of their own, the latest share only: with the API slow or
+    down, the client's retries took minutes, and the commit thread waited on them. A clean
+    exit records the final share (waiting at most ``exit_wait_s`` for it).
     """
 
-    def __init__(self, name: str, total: int, interval_s: float = 2.0) -> None:
+    def __init__(
+        self, name: str, total: int, interval_s: float = 2.0, exit_wait_s: float = 10.0
+    ) -> None:
         self.name = name
         self.total = total
         self.interval_s = interval_s
+        self.exit_wait_s = exit_wait_s
         self.artifact_id: UUID | None = None
         self._client: SyncPrefectClient | None = None
         self._done = 0
         self._last = time.monotonic()
-        self._lock = threading.Lock()
+        self._pending: float | None = None  # the latest share not sent yet
+        self._wake = threading.Event()
+        self._closing = False
+        self._sender: threading.Thread | None = None
 
     def __enter__(self) -> Progress:
         self.artifact_id = _id(
@@ -74,15 +82,23 @@ class Progress:
             )
         )
         self._client = get_client(sync_client=True).__enter__()
+        self._sender = threading.Thread(target=self._send_loop, name="progress", daemon=True)
+        self._sender.start()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         if kind is None:
-            self._update(self.percent(self._done))
-        with self._lock:
-            if self._client is not None:
-                self._client.__exit__(None, None, None)
-                self._client = None
+            self._post(self.percent(self._done))
+        self._closing = True
+        self._wake.set()
+        if self._sender is not None:
+            self._sender.join(self.exit_wait_s)
+            if self._sender.is_alive():  # still waiting on the API: leave it, and its client
+                logger.warning("progress artifact not updated at the end (the API is slow)")
+                return
+        if self._client is not None:
+            self._client.__exit__(None, None, None)
+            self._client = None
 
     def __call__(self, stats: pipeline.RunStats) -> None:
         """``on_progress`` hook: called after every batch."""
@@ -95,20 +111,33 @@ class Progress:
         if now - self._last < self.interval_s:
             return
         self._last = now
-        self._update(self.percent(self._done))
+        self._post(self.percent(self._done))
 
     def percent(self, done: int) -> float:
         """Share of ``total`` done, in percent, at most 100."""
         return 100.0 if self.total <= 0 else min(100.0, 100.0 * done / self.total)
 
-    def _update(self, percent: float) -> None:
-        with self._lock:
-            if self._client is None or self.artifact_id is None:
+    def _post(self, percent: float) -> None:
+        self._pending = percent
+        self._wake.set()
+
+    def _send_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            percent, self._pending = self._pending, None
+            if percent is not None:
+                self._update(percent)
+            if self._closing and self._pending is None:
                 return
-            try:
-                self._client.update_artifact(self.artifact_id, ArtifactUpdate(data=percent))
-            except Exception:  # progress is cosmetic: never fail or stall a run over it
-                logger.warning("progress artifact not updated", exc_info=True)
+
+    def _update(self, percent: float) -> None:
+        if self._client is None or self.artifact_id is None:
+            return
+        try:
+            self._client.update_artifact(self.artifact_id, ArtifactUpdate(data=percent))
+        except Exception:  # progress is cosmetic: never fail or stall a run over it
+            logger.warning("progress artifact not updated", exc_info=True)
 
 
 def finding_rows(findings: Sequence[rc.Finding]) -> list[dict[str, Any]]:

@@ -1,0 +1,41 @@
+"""The progress artifact against the real Prefect test server."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import SyncPrefectClient
+
+from flows import artifacts
+
+
+def test_a_slow_api_never_holds_the_caller_and_the_latest_share_is_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The commit thread calls ``counts``: with the API slow (the client retrying for
+    minutes), it waited on every update."""
+    release = threading.Event()
+    sent: list[float] = []
+    update = SyncPrefectClient.update_artifact
+
+    def slow(self: SyncPrefectClient, artifact_id: Any, artifact: Any) -> None:
+        release.wait(30)
+        sent.append(artifact.data)
+        update(self, artifact_id, artifact)
+
+    monkeypatch.setattr(SyncPrefectClient, "update_artifact", slow)
+
+    @flow
+    def scoring() -> None:
+        with artifacts.Progress("slow-api", 100, interval_s=0) as progress:
+            for done in range(1, 51):
+                progress.counts(done, 0, done)  # returns while the first update hangs
+            assert sent == []
+            release.set()
+
+    scoring()
+    assert sent[-1] == 50.0  # the final share; the stale ones in between were skipped
+    assert len(sent) < 50
