@@ -164,11 +164,15 @@ def check_backlog(cfg: config.PipelineConfig, db_url: str | None) -> dict[str, A
     """
     if cfg.backlog_alert_depth is None and cfg.backlog_alert_age_s is None:
         return None
-    queue = app.open_queue(cfg, settings.db_url(db_url) or cfg.database.url)
     try:
-        payload = events.backlog(cfg, queue.stats())
-    finally:
-        queue.engine.dispose()
+        queue = app.open_queue(cfg, settings.db_url(db_url) or cfg.database.url)
+        try:
+            payload = events.backlog(cfg, queue.stats())
+        finally:
+            queue.engine.dispose()
+    except errors.QueueError:  # after a scoring run that succeeded: not a reason to fail it
+        get_run_logger().warning("backlog not checked: the queue could not be read", exc_info=True)
+        return None
     if payload is not None:
         events.emit_backlog(cfg, payload)
         get_run_logger().warning("queue backlog over its alert threshold: %s", payload)

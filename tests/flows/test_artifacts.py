@@ -39,3 +39,24 @@ def test_a_slow_api_never_holds_the_caller_and_the_latest_share_is_sent(
     scoring()
     assert sent[-1] == 50.0  # the final share; the stale ones in between were skipped
     assert len(sent) < 50
+
+
+def test_a_backlog_check_that_cannot_read_the_queue_does_not_fail_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It runs after scoring: a database hiccup there failed a run that had scored."""
+    from batching import errors
+    from flows import score, settings
+
+    cfg = settings.load(settings.ONLINE).model_copy(update={"backlog_alert_depth": 1})
+
+    def down(*_args: Any) -> Any:
+        raise errors.QueueError("database postgresql://u:***@db/x failed: connection refused")
+
+    monkeypatch.setattr(score.app, "open_queue", down)
+
+    @flow
+    def after_scoring() -> Any:
+        return score.check_backlog(cfg, None)
+
+    assert after_scoring() is None
