@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
 
-import click
 import typer
+import typer.exceptions as typer_exceptions
 from rich import box
 from rich.console import Console
 from rich.progress import Progress, ProgressColumn
@@ -90,8 +90,8 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except errors.BatchingError as exc:
             err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
-            raise
+        except (typer.Exit, typer.Abort, typer_exceptions.TyperException):
+            raise  # typer's own ways out (exit codes, usage errors)
         except Exception as exc:  # a bug: still one line; the traceback when asked for
             if os.environ.get("BATCHING_DEBUG"):
                 raise
