@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -246,7 +246,7 @@ def run_score(
         sink = make_sink(config, queue, res.output)
         # Expired leases first (a scorer killed with items leased): the sweep below then
         # deletes their staging files rather than keep them as in flight.
-        queue.release_expired(this_queue=True)
+        _reap_all(queue)
         recovered = sink.recover()
         profile = load_profile(config)
         ctx = context(sink=sink, checksum=runner.checksum)
@@ -306,6 +306,13 @@ def run_score(
         _as_dict(recovered),
         stats,
     )
+
+
+def _reap_all(queue: q.SqlQueue, chunk: int = 5000) -> None:
+    """Every expired lease of the queue, ``chunk`` items per transaction (a killed scorer may
+    have held more than one claim's worth)."""
+    while sum(astuple(queue.release_expired(chunk, this_queue=True))) == chunk:
+        pass
 
 
 def _silent_for_s(config: cfg.PipelineConfig) -> float:

@@ -516,3 +516,17 @@ def test_sigkill_mid_run_then_restart_and_reconcile_lose_nothing(
     after = items(sqlite_url)
     assert all(after[k].crash_count >= 1 for k in leased), "the leases were not reaped"
     assert not list((tmp_path / "outputs.staging").iterdir()), "staging leftovers"
+
+
+def test_a_runs_start_up_reaps_every_expired_lease_not_just_one_chunk(sqlite_url: str) -> None:
+    from tests.conftest import FakeClock
+
+    clock = FakeClock()
+    queue = q.SqlQueue(q.create_engine(sqlite_url), "tabular", clock=clock)
+    queue.enqueue([models.EnqueueRecord(f"k{i}", models.Payload(b"{}")) for i in range(5)])
+    for _ in range(5):
+        queue.claim(1, lease_s=10)  # five claims of a scorer that was then killed
+    clock.advance(11)
+    wiring._reap_all(queue, chunk=2)
+    assert queue.stats().by_state["ready"] == 5
+    queue.engine.dispose()
