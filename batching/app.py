@@ -250,62 +250,65 @@ def run_score(
         recovered = sink.recover()
         profile = load_profile(config)
         ctx = context(sink=sink, checksum=runner.checksum)
-        abandoned = q.RunLedger(queue).close_abandoned(_silent_for_s(config))
+        ledger = q.RunLedger(queue)
+        abandoned = ledger.close_abandoned(_silent_for_s(config), but=run_id)
         runs = _ledger_start(queue, config, ctx, runner.checksum, parent[0] if parent else None)
     except Exception as exc:  # a precondition failed: the run is still on record as failed
         record_failed_start(emitter, context(), exc)
         raise
-    _fail_abandoned(
-        emitter,
-        replace(ctx, parent_run_id=None, parent_job_name=None, job_name=config.name),
-        config,
-        abandoned,
-    )
-    out_ds = ctx.outputs[0]
-    emitter.start(ctx)
-    scorer: pipeline.Scorer | None = None
-    # Objects alive now (the model, torch, SQLAlchemy, Prefect) are frozen out of the cyclic
-    # GC for the run: a claim allocates thousands of items, and each collection of the oldest
-    # generation otherwise walked them all again (W1: 32.7k -> 37.2k rows/s, measured).
-    gc.freeze()
+    # From its ledger row to its end the run beats, lineage calls (up to their deadline)
+    # included: a live run must never look abandoned to another run starting meanwhile.
+    beating = _Beating(_beat(runs, run_id), config.queue.effective_heartbeat_s)
     try:
-        scorer = pipeline.Scorer(
-            config,
-            queue,
-            runner,
-            sink,
-            _scored_factory(run_id, config.model.version),
-            service_time=profile.predict if profile else None,
-            on_progress=on_progress,
-            wait_for_work=q.Waiter(queue.engine, queue.queue).wait,
-            on_heartbeat=_beat(runs, run_id),
-        )
-        if on_scorer is not None:
-            on_scorer(scorer)
-        stats = scorer.run(limits or pipeline.RunLimits())  # its commit stage flushes the sink
-    except BaseException as exc:
-        done = scorer.stats if scorer is not None else None
-        runs.finish(run_id, "failed", done.summary() if done else {}, error=str(exc))
-        emitter.fail(ctx, exc, outputs=[out_ds.with_stats(done.committed if done else 0)])
+        _fail_abandoned(emitter, ctx, config, abandoned)
+        out_ds = ctx.outputs[0]
+        emitter.start(ctx)
+        scorer: pipeline.Scorer | None = None
+        # Objects alive now (the model, torch, SQLAlchemy, Prefect) are frozen out of the cyclic
+        # GC for the run: a claim allocates thousands of items, and each collection of the oldest
+        # generation otherwise walked them all again (W1: 32.7k -> 37.2k rows/s, measured).
+        gc.freeze()
+        try:
+            scorer = pipeline.Scorer(
+                config,
+                queue,
+                runner,
+                sink,
+                _scored_factory(run_id, config.model.version),
+                service_time=profile.predict if profile else None,
+                on_progress=on_progress,
+                wait_for_work=q.Waiter(queue.engine, queue.queue).wait,
+            )
+            if on_scorer is not None:
+                on_scorer(scorer)
+            stats = scorer.run(limits or pipeline.RunLimits())  # its commit stage flushes the sink
+        except BaseException as exc:
+            done = scorer.stats if scorer is not None else None
+            beating.stop()
+            runs.finish(run_id, "failed", done.summary() if done else {}, error=str(exc))
+            emitter.fail(ctx, exc, outputs=[out_ds.with_stats(done.committed if done else 0)])
+            emitter.close()
+            raise
+        finally:
+            gc.unfreeze()
+        summary = stats.summary()
+        beating.stop()
+        runs.finish(run_id, "completed", summary)
+        emitter.complete(ctx, outputs=[out_ds.with_stats(stats.committed, stats.bytes_written)])
         emitter.close()
-        raise
+        queue.engine.dispose()
+        summary["lineage_failures"] = emitter.failures
+        return ScoreOutcome(
+            run_id,
+            summary,
+            str(res.output),
+            emitter.events_path,
+            emitter.failures,
+            _as_dict(recovered),
+            stats,
+        )
     finally:
-        gc.unfreeze()
-    summary = stats.summary()
-    runs.finish(run_id, "completed", summary)
-    emitter.complete(ctx, outputs=[out_ds.with_stats(stats.committed, stats.bytes_written)])
-    emitter.close()
-    queue.engine.dispose()
-    summary["lineage_failures"] = emitter.failures
-    return ScoreOutcome(
-        run_id,
-        summary,
-        str(res.output),
-        emitter.events_path,
-        emitter.failures,
-        _as_dict(recovered),
-        stats,
-    )
+        beating.stop()
 
 
 def _reap_all(queue: q.SqlQueue, chunk: int = 5000) -> None:
@@ -359,12 +362,17 @@ def _fail_abandoned(
     config: cfg.PipelineConfig,
     abandoned: list[models.AbandonedRun],
 ) -> None:
-    """FAIL in lineage the runs of the config's job (``ctx``: this run's, as a run of that
-    job) that died without an end (closed in the ledger by ``close_abandoned``); a worker's
-    run is its parent's to close."""
+    """FAIL in lineage the runs of the config's job that died without an end (closed in the
+    ledger by ``close_abandoned``): the job and its queue input from ``ctx``, none of this
+    run's facets (its model or config may differ). A worker's run is its parent's to close."""
     for run in abandoned:
         if run.flow == config.name and run.parent_run_id is None:
-            dead = replace(ctx, run_id=run.run_id)
+            dead = lineage.RunContext(
+                run_id=run.run_id,
+                job_name=config.name,
+                job_namespace=ctx.job_namespace,
+                inputs=ctx.inputs,
+            )
             emitter.fail(dead, errors.BatchingError(run.error), outputs=[])
 
 
@@ -460,6 +468,8 @@ def run_score_workers(
     except Exception as exc:
         record_failed_start(emitter, ctx, exc)
         raise
+    # The parent runs no scorer: it beats for its ledger row itself, from now to its end.
+    beating = _Beating(_beat(runs, run_id), config.queue.effective_heartbeat_s)
     counts = [0, 0, 0]  # the workers' summed progress: committed, failed, claimed
 
     def progress(committed: int, failed: int, claimed: int) -> None:
@@ -469,7 +479,6 @@ def run_score_workers(
 
     worker_run_ids = [lineage.new_run_id() for _ in range(n)]
     emitter.start(ctx)
-    beating = _Beating(_beat(runs, run_id), config.queue.effective_heartbeat_s)
     try:
         outcome = run_workers(
             config,
@@ -486,10 +495,10 @@ def run_score_workers(
             run_ids=worker_run_ids,
         )
     except BaseException as exc:
-        beating.stop()
         summary = {"items_committed": counts[0], "items_failed": counts[1]}
         emitter.fail(ctx, exc, outputs=[ctx.outputs[0].with_stats(counts[0])])
         emitter.close()
+        beating.stop()
         try:
             runs.finish(run_id, "failed", summary, error=str(exc) or type(exc).__name__)
         except errors.BatchingError:  # the database is down too: the run stays "running"
@@ -497,7 +506,6 @@ def run_score_workers(
         finally:
             queue.engine.dispose()
         raise
-    beating.stop()
     result = WorkersScoreOutcome(
         run_id,
         outcome,
@@ -518,6 +526,7 @@ def run_score_workers(
     else:
         emitter.fail(ctx, error, outputs=[out_ds])
     emitter.close()  # lineage first: a ledger that cannot be updated now still gets it
+    beating.stop()
     try:
         state = "completed" if error is None else "failed"
         runs.finish(run_id, state, summary, error=None if error is None else str(error))

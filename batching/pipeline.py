@@ -230,8 +230,6 @@ class Scorer:
             outputs by item id, the lease id and the scoring time.
         service_time: predicted forward seconds for (n_items, length), for deadline releases.
         on_progress: called from the commit thread after every group commit.
-        on_heartbeat: called from the heartbeat thread every heartbeat interval while the run
-            lasts (the run ledger's sign of life); it must not raise.
     """
 
     def __init__(
@@ -246,7 +244,6 @@ class Scorer:
         service_time: ServiceTime | None = None,
         on_progress: Progress | None = None,
         wait_for_work: Callable[[float], object] | None = None,
-        on_heartbeat: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.queue = queue
@@ -257,7 +254,6 @@ class Scorer:
         self.batcher = MicroBatcher(config.batching, clock, service_time)
         self.on_progress = on_progress
         self._wait = wait_for_work or (lambda s: time.sleep(s))
-        self._on_heartbeat = on_heartbeat
         self._stop = threading.Event()
         # Set only once the forward and commit stages are done: a stop() ends claims at once,
         # but the batches still in flight need their leases until they commit.
@@ -603,8 +599,6 @@ class Scorer:
                         "heartbeat found lease lost",
                         extra={"action": "lease_lost", "lease_id": lease_id},
                     )
-            if self._on_heartbeat is not None:
-                self._on_heartbeat()
 
     def _release_pending(self) -> None:
         pending = self.batcher.drain() if self._stop.is_set() or self._error is not None else []

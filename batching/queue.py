@@ -999,10 +999,13 @@ class RunLedger:
                 .values(heartbeat_at=self._queue.clock())
             )
 
-    def close_abandoned(self, silent_for_s: float) -> list[models.AbandonedRun]:
+    def close_abandoned(
+        self, silent_for_s: float, *, but: str | None = None
+    ) -> list[models.AbandonedRun]:
         """Close as ``failed`` this queue's runs still ``running`` whose heartbeat stopped
         more than ``silent_for_s`` ago: their process died (killed, or its machine lost)
-        without closing them. Runs that never beat (before migration 8) are left alone."""
+        without closing them. Runs that never beat (before migration 8) are left alone, and
+        so is ``but`` (the run about to start: a retry reuses its id)."""
         r = schema.runs.c
         now = self._queue.clock()
         stale = sa.and_(
@@ -1010,6 +1013,7 @@ class RunLedger:
             r.state == "running",
             r.heartbeat_at.is_not(None),
             r.heartbeat_at < now - silent_for_s,
+            r.run_id != but if but is not None else sa.true(),
         )
         with self._queue.begin() as conn:
             rows = conn.execute(

@@ -31,7 +31,7 @@ from batching import queue as q
 from batching import reconcile as rc
 from batching.runner import TorchRunner
 from tests import olspec
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 
 DEPLOYMENTS = REPO / "deployments"
 W1_DIM = 64
@@ -530,3 +530,39 @@ def test_a_runs_start_up_reaps_every_expired_lease_not_just_one_chunk(sqlite_url
     wiring._reap_all(queue, chunk=2)
     assert queue.stats().by_state["ready"] == 5
     queue.engine.dispose()
+
+
+def test_a_live_run_waiting_on_lineage_is_not_taken_for_abandoned(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """Its ledger row beats from the moment it is written: before, the first beat came from
+    the scorer, after a lineage START that a slow backend may hold up to its deadline."""
+    import socket
+    import threading
+
+    lease_s = 1.2  # silent for two leases (2.4 s) counts as abandoned
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        path = write_config(
+            "tabular.yaml",
+            tmp_path,
+            queue={"name": "tabular", "lease_s": lease_s},
+            lineage={"transport": "http", "url": url, "timeout_s": 4.0, "retries": 0},
+        )
+        config = cfg.load_config(path)
+        enqueue(sqlite_url, config, w1_records(20, tmp_path))
+        done: list[wiring.ScoreOutcome] = []
+        run = threading.Thread(target=lambda: done.append(score(config, sqlite_url, None)))
+        run.start()
+        wait_for(lambda: any(r.state == "running" for r in runs(sqlite_url)), 60, "its ledger row")
+        time.sleep(2 * lease_s + 0.5)  # the START is still waiting on the silent backend
+        other = open_queue(sqlite_url, config)
+        closed = q.RunLedger(other).close_abandoned(2 * lease_s)
+        other.engine.dispose()
+        run.join(60)
+    assert closed == [], "a run that was alive was closed as abandoned"
+    (outcome,) = done
+    assert outcome.summary["items_committed"] == 20
+    assert {r.state for r in runs(sqlite_url)} == {"completed"}
