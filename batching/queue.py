@@ -867,27 +867,31 @@ class SqlQueue:
             _T.c.state == sa.literal_column("2"),
             _T.c.finished_at < cutoff,
         )
-        n = 0
-        with self.begin() as conn:
-            # The rows first, locked (PostgreSQL): a reconcile requeueing one of them between
-            # the statements below would leave a ready item without its payload.
-            ids = list(conn.execute(sa.select(_T.c.id).where(cond).with_for_update()).scalars())
-            for start in range(0, len(ids), _PURGE_CHUNK):
-                chunk = self._id_in(ids[start : start + _PURGE_CHUNK])
-                if archive:
-                    cols = [c.name for c in schema.items_archive.columns if c.name != "archive_id"]
-                    source = sa.select(
-                        *(_P.c.payload if c == "payload" else _T.c[c] for c in cols)
-                    ).join_from(_T, _P, _P.c.id == _T.c.id)
+        n, more = 0, True
+        while more:  # a transaction per chunk: no long write lock, no id list of the whole table
+            with self.begin() as conn:
+                # The rows first, locked (PostgreSQL): a reconcile requeueing one of them
+                # between the statements below would leave a ready item without its payload.
+                ids = list(
                     conn.execute(
-                        schema.items_archive.insert().from_select(cols, source.where(chunk))
-                    )
-                conn.execute(
-                    sa.delete(_P).where(self._id_in(ids[start : start + _PURGE_CHUNK], _P.c.id))
+                        sa.select(_T.c.id).where(cond).limit(_PURGE_CHUNK).with_for_update()
+                    ).scalars()
                 )
-                n += conn.execute(sa.delete(_T).where(chunk)).rowcount
+                more = len(ids) == _PURGE_CHUNK
+                if ids:
+                    n += self._purge_rows(conn, ids, archive=archive)
         logger.info("items purged", extra={"action": "purge", "n_items": n, "archived": archive})
         return n
+
+    def _purge_rows(self, conn: Connection, ids: list[int], *, archive: bool) -> int:
+        """Archive (if asked), then delete these items and their payloads; returns how many."""
+        if archive:
+            cols = [c.name for c in schema.items_archive.columns if c.name != "archive_id"]
+            source = sa.select(*(_P.c.payload if c == "payload" else _T.c[c] for c in cols))
+            source = source.join_from(_T, _P, _P.c.id == _T.c.id).where(self._id_in(ids))
+            conn.execute(schema.items_archive.insert().from_select(cols, source))
+        conn.execute(sa.delete(_P).where(self._id_in(ids, _P.c.id)))
+        return int(conn.execute(sa.delete(_T).where(self._id_in(ids))).rowcount)
 
 
 _FORMATS = {f.value: f for f in models.PayloadFormat}

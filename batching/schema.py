@@ -337,7 +337,8 @@ def migrate(engine: Engine, now: Callable[[], float]) -> MigrationResult:
 
     Stop scorers first when a migration rewrites a table: 3 drops the inline payload column
     (SQLite rewrites ``batching_items``; PostgreSQL takes an exclusive lock, and the space
-    returns only after ``VACUUM FULL``), 4 rebuilds ``batching_items_archive``.
+    returns only after ``VACUUM FULL``), 4 rebuilds ``batching_items_archive``, 7 drops and
+    builds an index of ``batching_items`` (PostgreSQL locks the table until it commits).
     """
     with engine.begin() as conn:
         _lock(conn)

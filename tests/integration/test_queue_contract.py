@@ -118,6 +118,23 @@ def test_purge_deletes_payloads_and_archive_keeps_them(queue: q.SqlQueue, clock:
     assert sorted(archived) == [("a", b'{"x":[1]}'), ("b", b'{"x":[1]}')]
 
 
+def test_purge_works_through_many_chunks(
+    queue: q.SqlQueue, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(q, "_PURGE_CHUNK", 2)
+    queue.enqueue([rec(k) for k in "abcde"])
+    claim = queue.claim(5, lease_s=30)
+    queue.ack(claim.lease_id, [i.id for i in claim.items])
+    clock.advance(100)
+    assert queue.purge(10, archive=True) == 5
+    with queue.engine.connect() as conn:
+        archived = conn.execute(sa.select(schema.items_archive.c.item_key)).scalars().all()
+        payloads = conn.execute(sa.select(sa.func.count()).select_from(schema.payloads)).scalar()
+    assert sorted(archived) == list("abcde")
+    assert payloads == 0
+    assert queue.stats().by_state["done"] == 0
+
+
 def test_an_item_requeued_while_purge_runs_keeps_its_payload(
     queue: q.SqlQueue, clock: FakeClock
 ) -> None:
@@ -425,6 +442,8 @@ def test_a_run_whose_heartbeat_stopped_is_closed_as_abandoned(
         "elsewhere": "running",
     }
     assert runs.close_abandoned(120) == []
+    clock.advance(1000)  # "alive" is silent too now, but it is the run starting (a retry)
+    assert runs.close_abandoned(120, but="alive") == []
 
 
 def test_enqueue_is_idempotent_on_key(queue: q.SqlQueue) -> None:
