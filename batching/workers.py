@@ -355,7 +355,6 @@ def _wind_down(
 
 
 _STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
-_PARENT_POLL_S = 1.0  # how often a worker checks that its parent is alive
 
 
 class _StopRequests:
@@ -465,17 +464,18 @@ def _work(index: int, job: _Job, messages: Any, stop_event: Any) -> None:
         stop_event.wait()
         request_stop()
 
-    parent = os.getppid()
+    parent = mp.parent_process()  # set up at spawn: no window where its death is missed
 
     def watch_parent() -> None:
-        """The parent was killed (SIGKILL, the OOM killer): nobody reads our messages or
-        will stop us. Stop as if asked, and exit without waiting to flush messages into a
-        pipe nobody empties (the process would hang at exit, holding its GPU memory)."""
-        while not stop_event.wait(_PARENT_POLL_S):
-            if os.getppid() != parent:
-                messages.cancel_join_thread()
-                request_stop()
-                return
+        """The parent was killed (SIGKILL, the OOM killer; also after it asked us to stop):
+        nobody reads our messages or will stop us. Stop as if asked, and exit without
+        waiting to flush messages into a pipe nobody empties (the process would hang at
+        exit, holding its GPU memory)."""
+        if parent is None:
+            return
+        parent.join()  # returns when the parent process ends
+        messages.cancel_join_thread()
+        request_stop()
 
     threading.Thread(target=watch, name="stop-watch", daemon=True).start()
     threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
