@@ -71,6 +71,7 @@ class Progress:
         self._pending: float | None = None  # the latest share not sent yet
         self._wake = threading.Event()
         self._closing = False
+        self._swap = threading.Lock()  # guards _pending and _closing
         self._sender: threading.Thread | None = None
 
     def __enter__(self) -> Progress:
@@ -89,16 +90,14 @@ class Progress:
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         if kind is None:
             self._post(self.percent(self._done))
-        self._closing = True
+        with self._swap:
+            self._closing = True
         self._wake.set()
-        if self._sender is not None:
-            self._sender.join(self.exit_wait_s)
-            if self._sender.is_alive():  # still waiting on the API: leave it, and its client
-                logger.warning("progress artifact not updated at the end (the API is slow)")
-                return
-        if self._client is not None:
-            self._client.__exit__(None, None, None)
-            self._client = None
+        if self._sender is None:
+            return
+        self._sender.join(self.exit_wait_s)  # it sends the last share, then closes the client
+        if self._sender.is_alive():
+            logger.warning("progress artifact not updated at the end (the API is slow)")
 
     def __call__(self, stats: pipeline.RunStats) -> None:
         """``on_progress`` hook: called after every batch."""
@@ -118,18 +117,24 @@ class Progress:
         return 100.0 if self.total <= 0 else min(100.0, 100.0 * done / self.total)
 
     def _post(self, percent: float) -> None:
-        self._pending = percent
+        with self._swap:
+            self._pending = percent
         self._wake.set()
 
     def _send_loop(self) -> None:
         while True:
             self._wake.wait()
             self._wake.clear()
-            percent, self._pending = self._pending, None
+            with self._swap:  # a post between a read and a reset would be lost
+                percent, self._pending = self._pending, None
             if percent is not None:
                 self._update(percent)
-            if self._closing and self._pending is None:
-                return
+            with self._swap:
+                if self._closing and self._pending is None:
+                    break
+        if self._client is not None:  # closed by whoever uses it last: this thread
+            self._client.__exit__(None, None, None)
+            self._client = None
 
     def _update(self, percent: float) -> None:
         if self._client is None or self.artifact_id is None:
