@@ -1,11 +1,14 @@
 """The deployments, their schedules and triggers, as ``python -m flows.serve`` serves them.
 
-``deployments/prefect.yaml`` declares the same three for a process work pool; a test keeps the
+``deployments/prefect.yaml`` declares the same four for a process work pool; a test keeps the
 two in step.
 
-* ``batching-score/score``: every 5 min the online profile for at most 240 s; at 02:00 UTC the
-  bulk profile for at most 3 h; on ``batching.queue.backlog`` of the online queue, another
-  bounded online run. One run at a time: a run due while one is running is cancelled.
+* ``batching-score/score``: every 5 min the online profile for at most 240 s; on
+  ``batching.queue.backlog`` of the online queue, another bounded online run. One run at a
+  time: a run due while one is running is cancelled.
+* ``batching-score/score-nightly``: at 02:00 UTC the bulk profile for at most 3 h, one at a
+  time. A deployment of its own: on ``score``'s, a backlog of online runs in progress at 02:00
+  cancelled the night's bulk drain.
 * ``batching-reconcile/reconcile``: hourly over the last 2 h; and whenever a score or bulk run
   ends Completed, Failed or Crashed, over that run, with that run's config and locations.
 * ``batching-bulk/bulk``: on demand, with ``input_path``.
@@ -74,26 +77,34 @@ def backlog_trigger() -> DeploymentEventTrigger:
     )
 
 
+def _one_at_a_time() -> ConcurrencyLimitConfig:
+    return ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW)
+
+
 def score_deployment() -> RunnerDeployment:
-    """``batching-score/score``: the online interval, the nightly bulk drain, the backlog trigger."""
+    """``batching-score/score``: the online interval and the backlog trigger."""
     deployment = score.to_deployment(
         name="score",
         parameters={"config": settings.ONLINE, "max_seconds": ONLINE_MAX_S},
-        schedules=[
-            Interval(timedelta(seconds=INTERVAL_S)),
-            Cron(
-                "0 2 * * *",
-                timezone="UTC",
-                parameters={"config": settings.BULK, "max_seconds": BULK_MAX_S},
-            ),
-        ],
+        schedules=[Interval(timedelta(seconds=INTERVAL_S))],
         triggers=[backlog_trigger()],
-        concurrency_limit=ConcurrencyLimitConfig(
-            limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW
-        ),
+        concurrency_limit=_one_at_a_time(),
         tags=TAGS,
     )
     return cast(RunnerDeployment, deployment)  # sync_compatible: the object itself here
+
+
+def nightly_deployment() -> RunnerDeployment:
+    """``batching-score/score-nightly``: the bulk drain at 02:00 UTC, with a concurrency slot
+    of its own (online runs in progress must not cancel it)."""
+    deployment = score.to_deployment(
+        name="score-nightly",
+        parameters={"config": settings.BULK, "max_seconds": BULK_MAX_S},
+        schedules=[Cron("0 2 * * *", timezone="UTC")],
+        concurrency_limit=_one_at_a_time(),
+        tags=TAGS,
+    )
+    return cast(RunnerDeployment, deployment)
 
 
 def reconcile_deployment() -> RunnerDeployment:
@@ -118,4 +129,4 @@ def bulk_deployment() -> RunnerDeployment:
 
 def all_deployments() -> list[RunnerDeployment]:
     """Every deployment, for ``serve``."""
-    return [score_deployment(), reconcile_deployment(), bulk_deployment()]
+    return [score_deployment(), nightly_deployment(), reconcile_deployment(), bulk_deployment()]

@@ -1,9 +1,9 @@
 """Serve every deployment from this process, no work pool needed: ``python -m flows.serve``.
 
 Run it from the repository root against a Prefect server (``PREFECT_API_URL``). It registers
-the score, reconcile and bulk deployments with their schedules and triggers, then polls for
-their runs and executes each in a subprocess (at most ``--limit`` at a time) until Ctrl-C or
-SIGTERM, which pauses the schedules. Triggers stay registered (they are automations): delete
+the score, score-nightly, reconcile and bulk deployments with their schedules and triggers,
+then polls for their runs and executes each in a subprocess (at most ``--limit`` at a time)
+until Ctrl-C or SIGTERM, which pauses the schedules. Triggers stay registered (they are automations): delete
 them with ``prefect automation delete`` when the deployments go.
 
 Prefect's runner pauses the schedules through the API when it stops; with the server gone, its

@@ -164,8 +164,8 @@ def enqueue_text(stack: Stack, n_items: int) -> None:
 def test_served_deployments_score_reconcile_alert_and_deploy(stack: Stack, tmp_path: Path) -> None:
     enqueue_text(stack, 40)
     serve = stack.start("-m", "flows.serve", name="serve")
-    deployments = wait_for(lambda: len(d := stack.deployments()) == 3 and d, 90, "3 deployments")
-    assert set(deployments) == {"score", "reconcile", "bulk"}
+    deployments = wait_for(lambda: len(d := stack.deployments()) == 4 and d, 90, "4 deployments")
+    assert set(deployments) == {"score", "score-nightly", "reconcile", "bulk"}
 
     out = str(tmp_path / "outputs" / "text")
     score_run = stack.post(
@@ -282,7 +282,7 @@ def test_serve_exits_within_its_grace_period_when_the_server_is_gone(stack: Stac
     pausing the schedules for minutes; either way `flows.serve` ends within the grace period
     (tests/flows/test_serve.py covers the kill path deterministically)."""
     serve = stack.start("-m", "flows.serve", "--shutdown-grace-s", "3", name="serve")
-    wait_for(lambda: len(stack.deployments()) == 3, 90, "3 deployments")
+    wait_for(lambda: len(stack.deployments()) == 4, 90, "4 deployments")
     server = stack.procs[0]
     os.killpg(server.pid, signal.SIGKILL)
     server.wait(10)
