@@ -260,23 +260,14 @@ class SqlQueue:
 
     @contextlib.contextmanager
     def read(self) -> Iterator[Connection]:
-        """A read-only transaction; errors become ``QueueError``.
+        """A read-only transaction whose statements all see one snapshot; errors become
+        ``QueueError``. Do not write in it.
 
         SQLite: a deferred ``BEGIN``, which reads a WAL snapshot without taking the write lock
-        (``begin()`` would queue behind claims and commits just to read). Do not write in it.
-        """
-        with translate_errors(self._url), self.engine.connect() as conn:
-            conn.execution_options(**{sqlite.READ_ONLY: True})
-            with conn.begin():
-                yield conn
-
-    @contextlib.contextmanager
-    def snapshot(self) -> Iterator[Connection]:
-        """A read-only transaction whose statements all see one snapshot of the database.
-
-        PostgreSQL: ``REPEATABLE READ`` (its default, ``READ COMMITTED``, takes a new snapshot
-        for each statement, so a commit landing between two reads shows its items done but not
-        its ledger row). SQLite: as ``read()``, a WAL snapshot held for the transaction.
+        (``begin()`` would queue behind claims and commits just to read). PostgreSQL:
+        ``REPEATABLE READ`` (its default, ``READ COMMITTED``, takes a new snapshot for each
+        statement, so a commit landing between two reads shows its items done but not its
+        ledger row).
         """
         with translate_errors(self._url), self.engine.connect() as conn:
             if self.dialect == "postgresql":

@@ -119,7 +119,7 @@ def gather(
         visible = [str(layout.root / p) for p in layout.visible_files()] if layout else []
         staged = layout.staging_files() if layout else []
     # One snapshot for every read: a batch committed meanwhile is wholly in it or wholly out.
-    with queue.snapshot() as conn:
+    with queue.read() as conn:
         scope = scope.with_workers(conn)
         rows = _ledger_rows(conn, scope)
         done = _done_items(conn, scope)
