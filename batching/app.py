@@ -250,9 +250,8 @@ def run_score(
         recovered = sink.recover()
         profile = load_profile(config)
         ctx = context(sink=sink, checksum=runner.checksum)
-        ledger = q.RunLedger(queue)
-        abandoned = ledger.close_abandoned(_silent_for_s(config), but=run_id)
         runs = _ledger_start(queue, config, ctx, runner.checksum, parent[0] if parent else None)
+        abandoned = runs.close_abandoned(_silent_for_s(config), but=run_id)
     except Exception as exc:  # a precondition failed: the run is still on record as failed
         record_failed_start(emitter, context(), exc)
         raise

@@ -566,45 +566,13 @@ class LineageEmitter:
                 self._count_failure("lineage event dropped", "lineage_emit_skipped", state, run)
                 return False
             try:
-                self._send_within_deadline(state, run, outputs, error, now)
+                self._send(state, run, outputs, error, now)
             except Exception as exc:  # lineage never fails a run
                 self._resume_at = self._clock() + self._cooldown_s
                 self._count_failure("lineage emit failed", "lineage_emit_failed", state, run, exc)
                 return False
             self.emitted += 1
             return True
-
-    def _send_within_deadline(
-        self,
-        state: RunState,
-        run: RunContext,
-        outputs: Sequence[DatasetRef] | None,
-        error: BaseException | None,
-        now: float,
-    ) -> None:
-        """``_send``, given up after the deadline (it goes on in the background, and until it
-        ends every further event is dropped rather than sent beside it)."""
-        if self._deadline_s is None:
-            self._send(state, run, outputs, error, now)
-            return
-        if self._in_flight is not None and self._in_flight.is_alive():
-            raise TimeoutError("an earlier lineage event is still being sent")
-        failed: list[BaseException] = []
-
-        def send() -> None:
-            try:
-                self._send(state, run, outputs, error, now)
-            except BaseException as exc:
-                failed.append(exc)
-
-        sender = threading.Thread(target=send, name="lineage-send", daemon=True)
-        sender.start()
-        sender.join(self._deadline_s)
-        if sender.is_alive():
-            self._in_flight = sender
-            raise TimeoutError(f"no answer within {self._deadline_s:g}s")
-        if failed:
-            raise failed[0]
 
     def _send(
         self,
@@ -625,7 +593,33 @@ class LineageEmitter:
         )
         if self.events_path is not None:
             self.events_path.parent.mkdir(parents=True, exist_ok=True)
-        self._transport.emit(event)
+        self._deliver(event)
+
+    def _deliver(self, event: RunEvent) -> None:
+        """Hand ``event`` to the transport; over HTTP, given up after the deadline (the send
+        goes on in the background, and until it ends every further event is dropped rather
+        than sent beside it)."""
+        if self._deadline_s is None:
+            self._transport.emit(event)
+            return
+        if self._in_flight is not None and self._in_flight.is_alive():
+            raise TimeoutError("an earlier lineage event is still being sent")
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                self._transport.emit(event)
+            except BaseException as exc:
+                failed.append(exc)
+
+        sender = threading.Thread(target=send, name="lineage-send", daemon=True)
+        sender.start()
+        sender.join(self._deadline_s)
+        if sender.is_alive():
+            self._in_flight = sender
+            raise TimeoutError(f"no answer within {self._deadline_s:g}s")
+        if failed:
+            raise failed[0]
 
     def _count_failure(
         self,
