@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -219,6 +220,13 @@ def worker_pids(parent: int) -> list[int]:
     return pids
 
 
+def two_workers_running(score_process: ScoreProcess, path: Path) -> subprocess.Popen[str]:
+    """``batching score --workers 2`` on ``path``, once both worker processes are there."""
+    proc = score_process(path, *WORKERS)
+    wait_for(lambda: len(worker_pids(proc.pid)) == 2, 60, "two worker processes")
+    return proc
+
+
 def test_when_the_parent_fails_its_workers_stop_and_nothing_stays_leased(
     sqlite_url: str, tmp_path: Path
 ) -> None:
@@ -420,8 +428,7 @@ def test_sigterm_to_the_parent_stops_every_worker_and_loses_nothing(
     sqlite_url: str, tmp_path: Path, score_process: ScoreProcess
 ) -> None:
     path, config = slow_w1_queue(sqlite_url, tmp_path, N)
-    proc = score_process(path, *WORKERS)
-    wait_for(lambda: len(worker_pids(proc.pid)) == 2, 60, "two worker processes")
+    proc = two_workers_running(score_process, path)
     wait_for_done(sqlite_url, 200, proc)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
@@ -443,8 +450,7 @@ def test_workers_whose_parent_is_killed_stop_and_exit(
 ) -> None:
     """Before, they ran on and then hung at exit on a full pipe nobody read, for ever."""
     path, _ = slow_w1_queue(sqlite_url, tmp_path, N)
-    proc = score_process(path, *WORKERS)
-    wait_for(lambda: len(worker_pids(proc.pid)) == 2, 60, "two worker processes")
+    proc = two_workers_running(score_process, path)
     wait_for_done(sqlite_url, 200, proc)
     pids = worker_pids(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
@@ -467,8 +473,7 @@ def test_sigterm_to_the_group_while_workers_start_stops_them_cleanly(
     # As a supervisor stopping a whole process group would: the workers get SIGTERM while
     # still importing torch, before they have handlers of their own.
     path, _ = slow_w1_queue(sqlite_url, tmp_path, N)
-    proc = score_process(path, *WORKERS)
-    wait_for(lambda: len(worker_pids(proc.pid)) == 2, 60, "two worker processes")
+    proc = two_workers_running(score_process, path)
     os.killpg(proc.pid, signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
@@ -483,8 +488,7 @@ def test_a_killed_worker_is_reported_and_its_items_are_scored_after_the_lease(
 ) -> None:
     lease_s = 4.0  # heartbeats every 1.3 s: a loaded machine must not lose a live lease
     path, config = slow_w1_queue(sqlite_url, tmp_path, N, lease_s=lease_s)
-    proc = score_process(path, *WORKERS)
-    wait_for(lambda: len(worker_pids(proc.pid)) == 2, 60, "two worker processes")
+    proc = two_workers_running(score_process, path)
     wait_for_done(sqlite_url, 200, proc)
     os.kill(worker_pids(proc.pid)[0], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=120)
