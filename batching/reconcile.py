@@ -142,10 +142,10 @@ def _refuse_empty_dataset(
     queue: str,
 ) -> None:
     """Refuse when every live batch's file is missing and the root holds none at all."""
-    live = [r for r, b in zip(rows, batches, strict=True) if r.state in sinks.LIVE_STATES]
-    if not live or any(b.where != "missing" for b in batches if b.state in sinks.LIVE_STATES):
+    live = [(r, b) for r, b in zip(rows, batches, strict=True) if r.state in sinks.LIVE_STATES]
+    if not live or any(b.where != "missing" for _, b in live):
         return
-    roots = sorted({_written_under(r.staging_path) for r in live if r.staging_path})
+    roots = sorted({_written_under(r.staging_path) for r, _ in live if r.staging_path})
     elsewhere = [r for r in roots if r != str(layout.root)]
     where = f" (written under {', '.join(elsewhere[:3])})" if elsewhere else ""
     raise errors.ConfigError(
