@@ -490,6 +490,9 @@ def test_a_killed_worker_is_reported_and_its_items_are_scored_after_the_lease(
     path, config = slow_w1_queue(sqlite_url, tmp_path, N, lease_s=lease_s)
     proc = two_workers_running(score_process, path)
     wait_for_done(sqlite_url, 200, proc)
+    # Both workers' runs on record (parent and two workers): on a loaded machine one worker
+    # may still be loading the model when the other has done 200 items.
+    wait_for(lambda: len(runs(sqlite_url)) == 3, 60, "both workers' runs")
     os.kill(worker_pids(proc.pid)[0], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr
