@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -246,7 +246,7 @@ def run_score(
         sink = make_sink(config, queue, res.output)
         # Expired leases first (a scorer killed with items leased): the sweep below then
         # deletes their staging files rather than keep them as in flight.
-        _reap_all(queue)
+        queue.release_expired(this_queue=True)
         recovered = sink.recover()
         profile = load_profile(config)
         ctx = context(sink=sink, checksum=runner.checksum)
@@ -308,13 +308,6 @@ def run_score(
         )
     finally:
         beating.stop()
-
-
-def _reap_all(queue: q.SqlQueue, chunk: int = 5000) -> None:
-    """Every expired lease of the queue, ``chunk`` items per transaction (a killed scorer may
-    have held more than one claim's worth)."""
-    while sum(astuple(queue.release_expired(chunk, this_queue=True))) == chunk:
-        pass
 
 
 def _silent_for_s(config: cfg.PipelineConfig) -> float:

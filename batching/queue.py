@@ -722,15 +722,21 @@ class SqlQueue:
             return conn.execute(stmt).rowcount
 
     def release_expired(self, limit: int = 5000, *, this_queue: bool = False) -> models.ReapResult:
-        """The reaper: return items whose lease expired to ``ready`` (or ``dead`` past max attempts).
+        """The reaper: return items whose lease expired to ``ready`` (or ``dead`` past max
+        attempts), every one of them, ``limit`` per transaction.
 
         Every queue in the table (``reconcile --repair``), or this one; each claim also reaps
         its own queue's expired leases first. One conditional statement per outcome; each
         re-checks ``lease_expires_at < now`` so a lease renewed or acked meanwhile is never
         clobbered.
         """
-        with self.begin() as conn:
-            return self._release_expired(conn, self.clock(), limit, this_queue=this_queue)
+        released = dead = 0
+        while True:  # ``limit`` items a transaction, until none is left
+            with self.begin() as conn:
+                done = self._release_expired(conn, self.clock(), limit, this_queue=this_queue)
+            released, dead = released + done.released, dead + done.dead
+            if done.released + done.dead < limit:
+                return models.ReapResult(released=released, dead=dead)
 
     def _release_expired(
         self, conn: Connection, now: float, limit: int, *, this_queue: bool

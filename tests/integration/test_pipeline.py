@@ -518,7 +518,7 @@ def test_sigkill_mid_run_then_restart_and_reconcile_lose_nothing(
     assert not list((tmp_path / "outputs.staging").iterdir()), "staging leftovers"
 
 
-def test_a_runs_start_up_reaps_every_expired_lease_not_just_one_chunk(sqlite_url: str) -> None:
+def test_the_reaper_returns_every_expired_lease_not_just_one_chunk(sqlite_url: str) -> None:
     from tests.conftest import FakeClock
 
     clock = FakeClock()
@@ -527,7 +527,7 @@ def test_a_runs_start_up_reaps_every_expired_lease_not_just_one_chunk(sqlite_url
     for _ in range(5):
         queue.claim(1, lease_s=10)  # five claims of a scorer that was then killed
     clock.advance(11)
-    wiring._reap_all(queue, chunk=2)
+    assert queue.release_expired(2, this_queue=True) == models.ReapResult(released=5, dead=0)
     assert queue.stats().by_state["ready"] == 5
     queue.engine.dispose()
 
