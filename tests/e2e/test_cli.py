@@ -239,9 +239,8 @@ def test_a_bad_db_url_is_one_line(tmp_path: Path, url: str, code: int) -> None:
 def test_a_missing_database_file_says_run_init_and_is_not_created(
     tmp_path: Path, command: str
 ) -> None:
-    args = {"purge": ["--older-than", "1d"], "reconcile": ["-c", str(write_config(tmp_path))]}
-    args = args.get(command, [])
-    r = batching(command, "--db", "sqlite:///typo.db", *args, cwd=tmp_path)
+    extra = {"purge": ["--older-than", "1d"], "reconcile": ["-c", str(write_config(tmp_path))]}
+    r = batching(command, "--db", "sqlite:///typo.db", *extra.get(command, []), cwd=tmp_path)
     assert r.rc == 2
     assert f"no database at {tmp_path / 'typo.db'}" in one_error_line(r)
     assert "batching init" in r.err

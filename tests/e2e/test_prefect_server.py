@@ -164,7 +164,9 @@ def enqueue_text(stack: Stack, n_items: int) -> None:
 def test_served_deployments_score_reconcile_alert_and_deploy(stack: Stack, tmp_path: Path) -> None:
     enqueue_text(stack, 40)
     serve = stack.start("-m", "flows.serve", name="serve")
-    deployments = wait_for(lambda: len(d := stack.deployments()) == 4 and d, 90, "4 deployments")
+    deployments = wait_for(
+        lambda: d if len(d := stack.deployments()) == 4 else None, 90, "4 deployments"
+    )
     assert set(deployments) == {"score", "score-nightly", "reconcile", "bulk"}
 
     out = str(tmp_path / "outputs" / "text")

@@ -17,10 +17,9 @@ from prefect.client.schemas.filters import (
     LogFilter,
     LogFilterFlowRunId,
 )
-from prefect.client.schemas.objects import TaskRun
+from prefect.client.schemas.objects import State, TaskRun
 from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter
 from prefect.logging.handlers import APILogHandler
-from prefect.states import State
 
 from batching import app, ingest, lineage_log, workloads
 from batching import queue as q

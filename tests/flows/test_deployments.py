@@ -10,7 +10,7 @@ import importlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 import pytest
@@ -102,7 +102,7 @@ def applied() -> Iterator[list[UUID]]:
 
 
 def _apply(deployment: RunnerDeployment, applied: list[UUID]) -> UUID:
-    deployment_id = deployment.apply()
+    deployment_id = cast(UUID, deployment.apply())  # sync_compatible: the id itself here
     applied.append(deployment_id)
     return deployment_id
 

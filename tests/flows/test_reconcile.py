@@ -91,7 +91,7 @@ def test_reconcile_alerts_on_real_faults_and_repair_makes_the_next_run_clean(
 
     failed = reconcile(**pipeline.params(), return_state=True)
     assert failed.is_failed()
-    assert "critical findings" in failed.message
+    assert "critical findings" in (failed.message or "")
     run_id = run_id_of(failed)
     rows = _finding_rows(run_id)
     assert {(r["class"], r["severity"]) for r in rows} == {

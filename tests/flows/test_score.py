@@ -113,7 +113,7 @@ def test_batching_logs_reach_the_run_at_info_from_every_thread(healthy: Run) -> 
         }
 
     logs = wait_for(
-        lambda: (found := batching_logs()) and "batch committed" in found and found,
+        lambda: found if "batch committed" in (found := batching_logs()) else None,
         what="batching logs in the run",
     )
     assert logs["model loaded"].level == 20  # the task's thread

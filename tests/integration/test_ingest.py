@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from batching import errors, ingest, models
 
 
-def write_jsonl(path: Path, rows: list[object]) -> Path:
+def write_jsonl(path: Path, rows: Sequence[object]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 

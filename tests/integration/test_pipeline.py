@@ -155,7 +155,8 @@ def w1_model() -> torch.nn.Module:
 
 def w1_direct(x: np.ndarray) -> np.ndarray:
     with torch.inference_mode():
-        return w1_model()(torch.from_numpy(x)).numpy()
+        out: np.ndarray = w1_model()(torch.from_numpy(x)).numpy()
+    return out
 
 
 # ----------------------------------------------------------------------------- exactly once
@@ -407,7 +408,9 @@ def test_a_run_that_fails_as_scoring_starts_is_failed_in_lineage_and_the_run_led
 # ----------------------------------------------------------------------------- signals
 
 
-def wait_for_done(url: str, at_least: int, proc: subprocess.Popen, timeout_s: float = 60) -> int:
+def wait_for_done(
+    url: str, at_least: int, proc: subprocess.Popen[Any], timeout_s: float = 60
+) -> int:
     """Poll the queue until ``at_least`` items are done (the run is mid-way), return the count."""
     engine = q.create_engine(url)
     deadline = time.monotonic() + timeout_s
@@ -449,7 +452,7 @@ def outlive_leases(lease_s: float) -> None:
 
 @pytest.mark.slow
 def test_sigterm_mid_run_loses_nothing_and_charges_no_attempt(
-    sqlite_url: str, tmp_path: Path, score_process: Callable[..., subprocess.Popen]
+    sqlite_url: str, tmp_path: Path, score_process: Callable[..., subprocess.Popen[Any]]
 ) -> None:
     path, config = slow_w1_queue(sqlite_url, tmp_path, N_SIGNAL)
     proc = score_process(path)
@@ -478,7 +481,7 @@ def test_sigterm_mid_run_loses_nothing_and_charges_no_attempt(
 
 @pytest.mark.slow
 def test_sigkill_mid_run_then_restart_and_reconcile_lose_nothing(
-    sqlite_url: str, tmp_path: Path, score_process: Callable[..., subprocess.Popen]
+    sqlite_url: str, tmp_path: Path, score_process: Callable[..., subprocess.Popen[Any]]
 ) -> None:
     lease_s = 4.0  # heartbeats every 1.3 s: a loaded machine must not lose a live lease
     path, config = slow_w1_queue(sqlite_url, tmp_path, N_SIGNAL, lease_s=lease_s)

@@ -9,7 +9,8 @@ from collections import Counter
 from typing import Any
 
 from batching import models, pipeline
-from tests.unit.test_pipeline import FakeClock, Rig, keys, rig
+from tests.conftest import FakeClock
+from tests.unit.test_pipeline import Rig, keys, rig
 
 
 def test_items_reaped_and_claimed_again_while_in_flight_commit_once_under_the_new_lease() -> None:

@@ -10,6 +10,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,7 +30,9 @@ def fill(url: str, name: str, n: int) -> None:
     engine.dispose()
 
 
-def run_claimers(url: str, name: str, n_procs: int, claim_size: int, tmp: Path) -> list[dict]:
+def run_claimers(
+    url: str, name: str, n_procs: int, claim_size: int, tmp: Path
+) -> list[dict[str, Any]]:
     outs = [tmp / f"claims-{i}.json" for i in range(n_procs)]
     procs = [
         subprocess.Popen(

@@ -69,7 +69,10 @@ def test_deferred_marks_ride_on_the_next_commit_and_flush_and_recover_records_th
     first = sink.commit(scored(claim(queue, ["a"]), clock))
     assert first.published
     assert visible(root) == {first.location}  # readers see it at once
-    states = lambda: {r.batch_id: r.state for r in ledger(queue)}  # noqa: E731
+
+    def states() -> dict[str, str]:
+        return {r.batch_id: r.state for r in ledger(queue)}
+
     assert states() == {first.batch_id: "committed"}
     second = sink.commit(scored(claim(queue, ["b"]), clock))
     assert states() == {first.batch_id: "published", second.batch_id: "committed"}

@@ -180,7 +180,7 @@ def test_the_workers_logs_reach_the_parents_handlers(parented: Parented) -> None
     busy = {r.index for r in reports if r.stats is not None and r.stats.committed}
     assert busy
     assert {getattr(r, "worker", None) for r in committed} == busy
-    assert sum(r.n_items for r in committed) == N
+    assert sum(r.__dict__["n_items"] for r in committed) == N
 
 
 def test_the_parent_and_worker_events_validate_against_the_spec(parented: Parented) -> None:

@@ -190,7 +190,9 @@ class FakeRunner:
     forwarded: int = 0
     sizes: list[int] = field(default_factory=list)
 
-    def decode(self, items: Sequence[models.WorkItem]) -> tuple[list[models.WorkItem], dict]:
+    def decode(
+        self, items: Sequence[models.WorkItem]
+    ) -> tuple[list[models.WorkItem], dict[int, str]]:
         self.decoded += 1
         if self.on_decode is not None:
             self.on_decode(self.decoded)
@@ -466,7 +468,7 @@ def test_a_failed_release_still_ends_every_stage_and_the_heartbeats() -> None:
     r = rig(keys(20), max_batch_size=4, claim_size=20, heartbeat_s=0.01)
     r.runner.on_decode = lambda n: r.scorer.stop() if n == 2 else None
 
-    def release(*_args: object) -> int:
+    def release(lease_id: str, ids: list[int] | None = None) -> int:
         raise errors.QueueError("database gone")
 
     r.queue.release = release  # type: ignore[method-assign]

@@ -66,7 +66,7 @@ def test_refuses_when_wait_plus_full_batch_exceeds_the_slo() -> None:
 
 
 def test_a_commit_interval_counts_toward_the_worst_case() -> None:
-    shape = {"max_batch_size": 32, "length_buckets": (32, 64, 128)}
+    shape: dict[str, Any] = {"max_batch_size": 32, "length_buckets": (32, 64, 128)}
     base = pipeline(**shape)
     service = 0.001 + 1e-5 * 32 * 128
     lingering = base.model_copy(

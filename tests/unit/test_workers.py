@@ -167,7 +167,7 @@ def test_worker_records_reach_the_parents_handlers_and_a_broken_one_costs_only_t
         library.removeHandler(kept)
         library.removeHandler(broken)
     assert watch.reports == {0: report}, "a failing log handler stopped the watch"
-    assert [(r.name, r.getMessage(), r.worker) for r in kept.records] == [
+    assert [(r.name, r.getMessage(), r.__dict__["worker"]) for r in kept.records] == [
         ("batching.parquet", "batch committed", 1)
     ] * 2
 
