@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 from pathlib import Path
 from typing import Annotated, Any
@@ -42,6 +43,14 @@ def load(config: Path) -> Any:
     from batching.config import load_config
 
     return load_config(config)
+
+
+def lineage_settings(cfg: Any) -> Any:
+    """The config's lineage settings overridden by the ``OPENLINEAGE*`` environment, as the
+    flows do (``OPENLINEAGE_URL`` sends the events to Marquez)."""
+    from batching.lineage import config_from_env
+
+    return config_from_env(os.environ, cfg.lineage)
 
 
 def summary_table(summary: dict[str, Any], title: str = "run summary") -> Table:
@@ -100,11 +109,13 @@ def score(
     """Claim, batch, score and commit items from the config's queue.
 
     SIGTERM or Ctrl-C stops claiming, finishes the batches in flight and releases the rest.
+    Lineage goes where the config says, or where $OPENLINEAGE_URL (OPENLINEAGE_*) points.
     """
     from batching import app as wiring
     from batching import pipeline
 
     cfg = load(config)
+    lineage_config = lineage_settings(cfg)
     limits = pipeline.RunLimits(
         until_empty=until_empty or max_seconds is None,
         max_items=max_items,
@@ -130,7 +141,15 @@ def score(
 
     if workers > 1:
         with progress:
-            _score_workers(cfg, workers, db_url=db, output=output, limits=limits, on_progress=show)
+            _score_workers(
+                cfg,
+                workers,
+                db_url=db,
+                output=output,
+                limits=limits,
+                on_progress=show,
+                lineage_config=lineage_config,
+            )
         return
 
     def on_progress(stats: pipeline.RunStats) -> None:
@@ -148,6 +167,7 @@ def score(
             limits=limits,
             on_progress=on_progress,
             on_scorer=on_scorer,
+            lineage_config=lineage_config,
         )
     out.print(summary_table(outcome.summary, f"run {outcome.run_id}"))
     _where(outcome.output, outcome.events_path, outcome.lineage_failures)

@@ -12,6 +12,7 @@ import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -196,9 +197,26 @@ class LineageConfig(_Model):
 
     @model_validator(mode="after")
     def _url_for_http(self) -> LineageConfig:
-        if self.transport == "http" and not self.url:
+        if self.transport != "http":
+            return self
+        if not self.url:
             raise ValueError("transport http needs url (e.g. http://localhost:5000)")
+        if not _is_http_url(self.url):
+            raise ValueError(
+                f"lineage url {redact_url(self.url)!r} is not a URL like http://marquez:5000"
+                " (http or https, a host, a numeric port if any)"
+            )
         return self
+
+
+def _is_http_url(url: str) -> bool:
+    """Whether ``url`` is ``http(s)://host[:port][/path]``, as the lineage transport needs."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises on a port that is not a number in range
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 class PipelineConfig(_Model):

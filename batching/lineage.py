@@ -706,7 +706,10 @@ def _describe(exc: ValueError) -> str:
     details = getattr(exc, "errors", None)
     if not callable(details):
         return redact_url(str(exc))
-    parts = [f"{'.'.join(map(str, e['loc'])) or 'lineage'}: {e['msg']}" for e in details()]
+    parts = []
+    for e in details():
+        loc, msg = ".".join(map(str, e["loc"])), e["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
     return redact_url("; ".join(parts))
 
 

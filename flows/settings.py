@@ -34,10 +34,16 @@ def config_path(path: str) -> Path:
 def load(path: str, overrides: Mapping[str, Any] | None = None) -> config.PipelineConfig:
     """Load a pipeline config; ``overrides`` (nested mappings) win over the file.
 
+    The ``OPENLINEAGE*`` environment is checked too, so that a malformed ``OPENLINEAGE_URL``
+    fails a run here, before any task, and not after its preconditions loaded the model.
+
     Raises:
-        ConfigError: the file is missing or a setting is invalid (the message names it).
+        ConfigError: the file is missing, a setting is invalid, or the lineage environment is
+            (the message names it).
     """
-    return config.load_config(config_path(path), dict(overrides) if overrides else None)
+    cfg = config.load_config(config_path(path), dict(overrides) if overrides else None)
+    lineage_config(cfg)
+    return cfg
 
 
 def db_url(override: str | None, env: Mapping[str, str] = os.environ) -> str | None:

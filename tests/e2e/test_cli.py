@@ -11,9 +11,11 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import yaml
@@ -478,6 +480,55 @@ def test_score_on_an_uninitialised_database_is_one_line(tmp_path: Path) -> None:
     assert "batching init" in one_error_line(r)
     assert not (tmp_path / "other.db").exists()
     assert not list(tmp_path.rglob("events.jsonl")), "a run that never started is in lineage"
+
+
+class _LineageSink(BaseHTTPRequestHandler):
+    """A lineage backend that records the events POSTed to it."""
+
+    received: ClassVar[list[dict[str, Any]]]
+
+    def do_POST(self) -> None:
+        self.received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(201)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_score_sends_lineage_where_openlineage_url_points(tmp_path: Path) -> None:
+    received: list[dict[str, Any]] = []
+    server = ThreadingHTTPServer(
+        ("127.0.0.1", 0), type("S", (_LineageSink,), {"received": received})
+    )
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+        jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(5))
+        assert batching("enqueue", str(jsonl), "--db", DB, "-q", "tabular", cwd=tmp_path).rc == 0
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        r = batching(
+            "score", "-c", str(write_config(tmp_path)), cwd=tmp_path, env={"OPENLINEAGE_URL": url}
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.rc == 0, r.err
+    assert [e["eventType"] for e in received] == ["START", "COMPLETE"]
+    assert not list(tmp_path.rglob("events.jsonl")), "lineage also went to the config's file"
+    assert "lineage: " not in r.out  # no local log to point at
+
+
+def test_score_refuses_a_malformed_openlineage_url_before_claiming(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(5))
+    assert batching("enqueue", str(jsonl), "--db", DB, "-q", "tabular", cwd=tmp_path).rc == 0
+    env = {"OPENLINEAGE_URL": "marquez:5000"}
+    r = batching("score", "-c", str(write_config(tmp_path)), cwd=tmp_path, env=env)
+    assert r.rc == 2
+    assert "lineage url 'marquez:5000' is not a URL like http://marquez:5000" in one_error_line(r)
+    assert status(tmp_path)["ready"] == 5
 
 
 @pytest.mark.parametrize("output", ["afile", "afile/sub", "/proc/no-such-folder"])

@@ -221,6 +221,23 @@ def test_zero_workers_is_refused_before_anything_is_claimed(tmp_path: Any) -> No
     assert pipeline.by_state()["ready"] == 10
 
 
+@pytest.mark.parametrize("flow", ["score", "reconcile"])
+def test_a_malformed_lineage_url_fails_the_run_before_any_task(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, flow: str
+) -> None:
+    from flows.reconcile import reconcile
+
+    monkeypatch.setenv("OPENLINEAGE_URL", "marquez:5000")
+    pipeline = make_pipeline(tmp_path, 10)
+    state = (score if flow == "score" else reconcile)(**pipeline.params(), return_state=True)
+    assert state.is_failed()
+    message = state.message or ""
+    assert "lineage url 'marquez:5000' is not a URL like http://marquez:5000" in message
+    assert "\n" not in message
+    assert task_runs_of(run_id_of(state)) == [], "no task ran (the model was not even loaded)"
+    assert {k: n for k, n in pipeline.by_state().items() if n} == {"ready": 10}
+
+
 @pytest.fixture
 def dead_lineage(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lineage goes over http to a loopback port where nothing listens."""

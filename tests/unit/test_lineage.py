@@ -225,6 +225,33 @@ def test_config_from_env_rejects_bad_values(env: dict[str, str], message: str) -
         lineage.config_from_env(env, BASE)
 
 
+@pytest.mark.parametrize(
+    "url",
+    ["localhost:5000", "marquez", "http://", "ftp://marquez", "http://[::1", "http://m:port"],
+)
+def test_a_malformed_lineage_url_is_refused_in_the_environment_and_in_a_config(url: str) -> None:
+    with pytest.raises(errors.ConfigError, match="is not a URL like http://marquez:5000"):
+        lineage.config_from_env({"OPENLINEAGE_URL": url}, BASE)
+    with pytest.raises(ValueError, match="is not a URL like http://marquez:5000"):
+        config.LineageConfig(transport="http", url=url)
+    disabled = {"OPENLINEAGE_URL": url, "OPENLINEAGE_DISABLED": "true"}
+    assert lineage.config_from_env(disabled, BASE).transport == "none"
+
+
+def test_a_refused_lineage_url_keeps_its_password_out_of_the_message() -> None:
+    with pytest.raises(errors.ConfigError) as caught:
+        lineage.config_from_env({"OPENLINEAGE_URL": "http://ol:s3cret@m:99999"}, BASE)
+    assert "s3cret" not in str(caught.value)
+    assert "http://ol:***@m:99999" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["http://m", "https://m/api", "http://ol:pw@m:5000", "http://[::1]:5000/x"]
+)
+def test_http_lineage_urls_with_a_host_are_accepted(url: str) -> None:
+    assert lineage.config_from_env({"OPENLINEAGE_URL": url}, BASE).url == url
+
+
 # ----------------------------------------------------------------------------- events
 
 ITEMS = lineage.DatasetRef(
@@ -454,9 +481,18 @@ def test_console_transport_logs_the_event_json(
 
 
 def test_invalid_http_url_is_a_config_error_without_the_password() -> None:
-    cfg = config.LineageConfig(transport="http", url="marquez-user:secret@nohost")
+    url = "marquez-user:secret@nohost"
+    with pytest.raises(errors.ConfigError, match="is not a URL") as refused:
+        config.parse_config(
+            {
+                "model": {"name": "w1-mlp", "sha256": "a" * 64},
+                "lineage": {"transport": "http", "url": url},
+            }
+        )
+    assert "secret" not in str(refused.value)
+    unchecked = config.LineageConfig.model_construct(transport="http", url=url)
     with pytest.raises(errors.ConfigError, match="is not a URL") as info:
-        lineage.LineageEmitter(cfg, base_dir=Path("/cfg"), producer=PRODUCER)
+        lineage.LineageEmitter(unchecked, base_dir=Path("/cfg"), producer=PRODUCER)
     assert "secret" not in str(info.value)
 
 
