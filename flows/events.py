@@ -2,12 +2,14 @@
 
 * ``batching.queue.backlog`` on resource ``batching.queue.<queue>``: after a score run, the
   queue's ready depth or oldest ready age is at or over ``backlog_alert_depth`` /
-  ``backlog_alert_age_s``. The score deployment's trigger starts another run on it.
+  ``backlog_alert_age_s``. The score deployment's trigger starts another run on it; the
+  score flow emits it once Completed (its ``on_completion`` hook).
 * ``batching.reconcile.failed`` on resource ``batching.output.<queue>``: reconcile found a
   critical fault (still there after a repair, when repairing). The alert automation notifies.
 * ``batching.reconcile.repaired`` on the same resource: reconcile repaired faults.
 
-Inside a flow run the server adds the flow run, flow and deployment as related resources.
+Inside a flow run (its hooks too) the client adds the flow run, flow and deployment as related
+resources.
 """
 
 from __future__ import annotations
@@ -52,12 +54,12 @@ def backlog(cfg: config.PipelineConfig, stats: models.QueueStats) -> dict[str, A
     }
 
 
-def emit_backlog(cfg: config.PipelineConfig, payload: dict[str, Any]) -> None:
-    """Emit ``batching.queue.backlog`` for the config's queue."""
+def emit_backlog(payload: dict[str, Any]) -> None:
+    """Emit ``batching.queue.backlog`` for the queue and config a :func:`backlog` payload names."""
     resource = {
-        "prefect.resource.id": queue_resource(cfg.queue.name),
-        "prefect.resource.name": cfg.queue.name,
-        "batching.config": cfg.name,
+        "prefect.resource.id": queue_resource(payload["queue"]),
+        "prefect.resource.name": payload["queue"],
+        "batching.config": payload["config"],
     }
     emit_event(event=BACKLOG, resource=resource, payload=payload)
 

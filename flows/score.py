@@ -9,8 +9,11 @@
    from the queue; committed items are never scored twice). Its hard time limit is
    ``max_seconds``, enforced between micro-batches: a Prefect task timeout cannot interrupt a
    forward pass. It keeps a progress artifact current and publishes the run summary table.
-3. ``check-backlog``: emits ``batching.queue.backlog`` when the queue is still deeper or older
-   than the config's ``backlog_alert_depth`` / ``backlog_alert_age_s``.
+3. ``check-backlog``: whether the queue is still deeper or older than the config's
+   ``backlog_alert_depth`` / ``backlog_alert_age_s``. The run's ``on_completion`` hook then
+   emits ``batching.queue.backlog``: only once the run is Completed, because the event starts
+   another run of the ``score`` deployment (one at a time, ``CANCEL_NEW``), which a run still
+   holding the deployment's slot would have cancelled.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from prefect import flow, get_run_logger, runtime, task
+from prefect import Flow, flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
-from prefect.client.schemas.objects import State, TaskRun
+from prefect.client.schemas.objects import FlowRun, State, TaskRun
 from prefect.tasks import Task, exponential_backoff
 
 from batching import app, config, errors, parquet, pipeline
@@ -158,10 +161,8 @@ def require_workers(workers: int) -> None:
 
 @task(name="check-backlog", cache_policy=NO_CACHE)
 def check_backlog(cfg: config.PipelineConfig, db_url: str | None) -> dict[str, Any] | None:
-    """Emit ``batching.queue.backlog`` when the queue crosses its alert depth or age.
-
-    Returns the event payload, or None when the queue is within both thresholds.
-    """
+    """The ``batching.queue.backlog`` payload when the queue crosses its alert depth or age,
+    else None (also when the queue cannot be read). :func:`emit_backlog` sends it."""
     if cfg.backlog_alert_depth is None and cfg.backlog_alert_age_s is None:
         return None
     try:
@@ -174,9 +175,20 @@ def check_backlog(cfg: config.PipelineConfig, db_url: str | None) -> dict[str, A
         get_run_logger().warning("backlog not checked: the queue could not be read", exc_info=True)
         return None
     if payload is not None:
-        events.emit_backlog(cfg, payload)
         get_run_logger().warning("queue backlog over its alert threshold: %s", payload)
     return payload
+
+
+def emit_backlog(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
+    """``on_completion`` hook: emit the run's backlog event, if its summary carries one.
+
+    Prefect calls it after the server accepted Completed, which released the deployment's
+    concurrency slot, so the run the event triggers is not cancelled by this one.
+    """
+    summary = state.result(raise_on_failure=False)
+    payload = summary.get(BACKLOG_KEY) if isinstance(summary, dict) else None
+    if payload:
+        events.emit_backlog(payload)
 
 
 def flow_run_id() -> str:
@@ -199,7 +211,11 @@ def before_scoring(
         raise
 
 
-@flow(name="batching-score")
+BACKLOG_KEY = "backlog"
+"""Key of the score flow's result: the backlog event payload, or None."""
+
+
+@flow(name="batching-score", on_completion=[emit_backlog])
 def score(
     config: str = settings.ONLINE,
     overrides: dict[str, Any] | None = None,
@@ -222,7 +238,8 @@ def score(
             child lineage job ``<name>.worker-<i>`` of this flow run's.
 
     Returns:
-        The run summary (items, batches, batch sizes, padding, latency, items/s).
+        The run summary (items, batches, batch sizes, padding, latency, items/s), and under
+        ``backlog`` the backlog event payload (None when the queue is within its thresholds).
     """
     with logs.to_prefect(flow_run_id()):
         cfg = settings.load(config, overrides)
@@ -232,5 +249,5 @@ def score(
         expected = min(found["ready"], max_items or found["ready"])
         limits = pipeline.RunLimits(max_seconds=max_seconds, max_items=max_items)
         outcome = score_queue(cfg, db_url, output, limits, expected, workers)
-        check_backlog(cfg, db_url)
-        return outcome.summary
+        backlog = check_backlog(cfg, db_url)
+        return outcome.summary | {BACKLOG_KEY: backlog}

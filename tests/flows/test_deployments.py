@@ -154,6 +154,10 @@ def test_a_backlog_after_a_score_run_emits_an_event_that_triggers_another_run(
     assert event.resource.id == "batching.queue.text"
     assert event.payload["depth"] == 40 - state.result()["items_committed"]
     assert event.payload["reasons"] == ["depth"]
+    assert state.result()["backlog"] == event.payload
     assert f"prefect.flow-run.{run_id_of(state)}" in {r.id for r in event.related}
+    # Sent once the run is Completed: before, it was sent while the run still held the
+    # deployment's one slot, and the run it triggered could be cancelled (CANCEL_NEW).
+    assert event.occurred >= state.timestamp
     (run,) = wait_for(lambda: _triggered_runs(score_id), what="the backlog-triggered score run")
     assert run.parameters == {"config": settings.ONLINE, "max_seconds": deployments.ONLINE_MAX_S}
