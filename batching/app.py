@@ -185,13 +185,77 @@ def make_emitter(
     )
 
 
+def _never(_exc: BaseException) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """Which try of a run this is, when the caller retries a failed run under the same run id
+    (the score flow's task retries: the run id is the flow run's).
+
+    The first attempt records lineage START; a later one resumes the run (RUNNING), its run
+    ledger row and what is left of its limits. A failure that ``retried`` says will be retried
+    ends the attempt, not the run: lineage RUNNING with the error, not FAIL (OpenLineage: one
+    START and one terminal event per run), and the COMPLETE or FAIL at the end counts every
+    attempt's rows.
+    """
+
+    number: int = 1
+    retried: Callable[[BaseException], bool] = _never
+
+    def open(self, emitter: lineage.LineageEmitter, ctx: lineage.RunContext) -> None:
+        """START the run, or mark it running again on a retry."""
+        if self.number == 1:
+            emitter.start(ctx)
+        else:
+            emitter.running(ctx)
+
+    def fail(
+        self,
+        emitter: lineage.LineageEmitter,
+        ctx: lineage.RunContext,
+        error: BaseException,
+        outputs: list[lineage.DatasetRef],
+    ) -> None:
+        """FAIL the run, or only this attempt when ``error`` is to be retried."""
+        if self.retried(error):
+            emitter.running(ctx, error)
+        else:
+            emitter.fail(ctx, error, outputs=outputs)
+
+
+FIRST = Attempt()
+
+
 def record_failed_start(
-    emitter: lineage.LineageEmitter, ctx: lineage.RunContext, error: BaseException
+    emitter: lineage.LineageEmitter,
+    ctx: lineage.RunContext,
+    error: BaseException,
+    attempt: Attempt = FIRST,
 ) -> None:
     """START then FAIL (with the error) for a run that failed before scoring began."""
-    emitter.start(ctx)
-    emitter.fail(ctx, error, outputs=[ctx.outputs[0].with_stats(0)])
+    attempt.open(emitter, ctx)
+    attempt.fail(emitter, ctx, error, [ctx.outputs[0].with_stats(0)])
     emitter.close()
+
+
+def _left(
+    limits: pipeline.RunLimits, so_far: models.RunSoFar | None, now: float
+) -> pipeline.RunLimits:
+    """A retry's limits: what the run's earlier attempts left of them (items, seconds)."""
+    if so_far is None:
+        return limits
+    done = so_far.items_committed + so_far.items_failed
+    return replace(
+        limits,
+        max_items=None if limits.max_items is None else max(0, limits.max_items - done),
+        max_seconds=(
+            None
+            if limits.max_seconds is None
+            else max(0.001, limits.max_seconds - (now - so_far.started_at))
+        ),
+    )
 
 
 @dataclass
@@ -219,11 +283,13 @@ def run_score(
     on_scorer: Callable[[pipeline.Scorer], None] | None = None,
     lineage_config: cfg.LineageConfig | None = None,
     job_name: str | None = None,
+    attempt: Attempt = FIRST,
 ) -> ScoreOutcome:
     """Run one scoring run end to end: checks, recovery, scoring, run ledger and lineage.
 
     ``parent`` (run id, job name) and ``job_name`` place the run under a parent lineage run
     (``run_score_workers``); by default the run is the config's job, without a parent.
+    ``attempt``: a retry of the run ``run_id`` (see :class:`Attempt`).
 
     Raises:
         SchemaError, QueueError, CheckpointError, SinkError: a precondition or stage failed.
@@ -250,18 +316,21 @@ def run_score(
         recovered = sink.recover()
         profile = load_profile(config)
         ctx = context(sink=sink, checksum=runner.checksum)
-        runs = _ledger_start(queue, config, ctx, runner.checksum, parent[0] if parent else None)
+        runs, so_far = _ledger_start(
+            queue, config, ctx, runner.checksum, parent[0] if parent else None
+        )
         abandoned = runs.close_abandoned(_silent_for_s(config), but=run_id)
     except Exception as exc:  # a precondition failed: the run is still on record as failed
-        record_failed_start(emitter, context(), exc)
+        record_failed_start(emitter, context(), exc, attempt)
         raise
+    before = so_far.items_committed if so_far else 0  # by the run's earlier attempts
     # From its ledger row to its end the run beats, lineage calls (up to their deadline)
     # included: a live run must never look abandoned to another run starting meanwhile.
     beating = _Beating(_beat(runs, run_id), config.queue.effective_heartbeat_s)
     try:
         _fail_abandoned(emitter, ctx, config, abandoned)
         out_ds = ctx.outputs[0]
-        emitter.start(ctx)
+        attempt.open(emitter, ctx)
         scorer: pipeline.Scorer | None = None
         # Objects alive now (the model, torch, SQLAlchemy, Prefect) are frozen out of the cyclic
         # GC for the run: a claim allocates thousands of items, and each collection of the oldest
@@ -280,12 +349,14 @@ def run_score(
             )
             if on_scorer is not None:
                 on_scorer(scorer)
-            stats = scorer.run(limits or pipeline.RunLimits())  # its commit stage flushes the sink
+            # its commit stage flushes the sink
+            stats = scorer.run(_left(limits or pipeline.RunLimits(), so_far, queue.clock()))
         except BaseException as exc:
             done = scorer.stats if scorer is not None else None
             beating.stop()
             runs.finish(run_id, "failed", done.summary() if done else {}, error=str(exc))
-            emitter.fail(ctx, exc, outputs=[out_ds.with_stats(done.committed if done else 0)])
+            committed = before + (done.committed if done else 0)
+            attempt.fail(emitter, ctx, exc, [out_ds.with_stats(committed)])
             emitter.close()
             raise
         finally:
@@ -293,10 +364,14 @@ def run_score(
         summary = stats.summary()
         beating.stop()
         runs.finish(run_id, "completed", summary)
-        emitter.complete(ctx, outputs=[out_ds.with_stats(stats.committed, stats.bytes_written)])
+        # The bytes are this attempt's only: a retry reports the rows alone.
+        size = stats.bytes_written if so_far is None else None
+        emitter.complete(ctx, outputs=[out_ds.with_stats(before + stats.committed, size)])
         emitter.close()
         queue.engine.dispose()
         summary["lineage_failures"] = emitter.failures
+        if so_far is not None:
+            summary |= {"attempt": attempt.number, "run_items_committed": before + stats.committed}
         return ScoreOutcome(
             run_id,
             summary,
@@ -374,10 +449,11 @@ def _ledger_start(
     ctx: lineage.RunContext,
     checksum: str | None,
     parent_run_id: str | None = None,
-) -> q.RunLedger:
-    """Record the run as started in the run ledger; returns the ledger to finish it."""
+) -> tuple[q.RunLedger, models.RunSoFar | None]:
+    """Record the run as started in the run ledger; returns the ledger to finish it, and
+    what the run's earlier attempts did when this is a retry."""
     runs = q.RunLedger(queue)
-    runs.start(
+    so_far = runs.start(
         ctx.run_id,
         config.name,
         config_hash=ctx.config_hash,
@@ -385,7 +461,7 @@ def _ledger_start(
         model_sha256=checksum,
         parent_run_id=parent_run_id,
     )
-    return runs
+    return runs, so_far
 
 
 def _checked(config: cfg.PipelineConfig, db_url: str | None, output: str | None) -> Resolved:
@@ -430,6 +506,7 @@ def run_score_workers(
     on_progress: WorkersProgress | None = None,
     stop: Any = None,
     resend_signals: bool = False,
+    attempt: Attempt = FIRST,
 ) -> WorkersScoreOutcome:
     """Score with ``n`` worker processes as ONE run of the config's job.
 
@@ -441,7 +518,7 @@ def run_score_workers(
     ``reconcile --run <parent>`` covers the workers' batches. Worker failures are reported
     in the outcome (``workers.error()``), not raised; the run of a worker that died without
     closing it (killed) is closed here as failed. ``resend_signals`` and the rest are as for
-    ``workers.run_workers``.
+    ``workers.run_workers``; ``attempt`` as for ``run_score``.
 
     Raises:
         SchemaError, QueueError, SinkError, ConfigError, CheckpointError: the database, the
@@ -456,10 +533,11 @@ def run_score_workers(
         queue = open_queue(config, res.db_url)
         queue.check_schema()
         ctx = scoring_context(config, res, run_id, sink=make_sink(config, queue, res.output))
-        runs = _ledger_start(queue, config, ctx, config.model.sha256)
+        runs, so_far = _ledger_start(queue, config, ctx, config.model.sha256)
     except Exception as exc:
-        record_failed_start(emitter, ctx, exc)
+        record_failed_start(emitter, ctx, exc, attempt)
         raise
+    before = so_far.items_committed if so_far else 0  # by the run's earlier attempts
     # The parent runs no scorer: it beats for its ledger row itself, from now to its end.
     beating = _Beating(_beat(runs, run_id), config.queue.effective_heartbeat_s)
     counts = [0, 0, 0]  # the workers' summed progress: committed, failed, claimed
@@ -470,14 +548,14 @@ def run_score_workers(
             on_progress(committed, failed, claimed)
 
     worker_run_ids = [lineage.new_run_id() for _ in range(n)]
-    emitter.start(ctx)
+    attempt.open(emitter, ctx)
     try:
         outcome = run_workers(
             config,
             n,
             db_url=db_url,
             output=output,
-            limits=limits,
+            limits=_left(limits or pipeline.RunLimits(), so_far, queue.clock()),
             threads=threads,
             on_progress=progress,
             stop=stop,
@@ -488,7 +566,7 @@ def run_score_workers(
         )
     except BaseException as exc:
         summary = {"items_committed": counts[0], "items_failed": counts[1]}
-        emitter.fail(ctx, exc, outputs=[ctx.outputs[0].with_stats(counts[0])])
+        attempt.fail(emitter, ctx, exc, [ctx.outputs[0].with_stats(before + counts[0])])
         emitter.close()
         beating.stop()
         try:
@@ -507,16 +585,15 @@ def run_score_workers(
     )
     summary = result.summary
     stats = outcome.stats()
-    out_ds = ctx.outputs[0].with_stats(
-        summary["items_committed"], stats.bytes_written if stats else None
-    )
+    size = stats.bytes_written if stats and so_far is None else None  # a retry: rows alone
+    out_ds = ctx.outputs[0].with_stats(before + summary["items_committed"], size)
     for report in (r for r in outcome.reports if r.died):
         _close_dead_worker(emitter, runs, ctx, report)
     error = outcome.error()
     if error is None:
         emitter.complete(ctx, outputs=[out_ds])
     else:
-        emitter.fail(ctx, error, outputs=[out_ds])
+        attempt.fail(emitter, ctx, error, [out_ds])
     emitter.close()  # lineage first: a ledger that cannot be updated now still gets it
     beating.stop()
     try:

@@ -534,6 +534,11 @@ class LineageEmitter:
         """Emit START; returns whether the event was delivered."""
         return self._emit(RunState.START, run, None, None)
 
+    def running(self, run: RunContext, error: BaseException | None = None) -> bool:
+        """Emit RUNNING: a retry resumes the run, or (with ``error``, as an ``errorMessage``
+        facet) an attempt failed and the run will be retried."""
+        return self._emit(RunState.RUNNING, run, None, error)
+
     def complete(self, run: RunContext, outputs: Sequence[DatasetRef] | None = None) -> bool:
         """Emit COMPLETE; ``outputs`` (with statistics) replace ``run.outputs`` if given."""
         return self._emit(RunState.COMPLETE, run, outputs, None)

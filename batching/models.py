@@ -119,6 +119,16 @@ class AbandonedRun:
 
 
 @dataclass(frozen=True, slots=True)
+class RunSoFar:
+    """What earlier attempts of a run did (``RunLedger.start`` of a run id already on record:
+    a retry): when the first began, and the items they committed and failed."""
+
+    started_at: float
+    items_committed: int
+    items_failed: int
+
+
+@dataclass(frozen=True, slots=True)
 class LaneStats:
     """Queue metrics for one (queue, lane, tenant) group."""
 

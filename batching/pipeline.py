@@ -202,6 +202,9 @@ def summary_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
     rows += [(f"busy s: {k}", f"{v:.3g}") for k, v in busy]
     if "lineage_failures" in summary:
         rows.append(("lineage events not delivered", f"{summary['lineage_failures']}"))
+    if "attempt" in summary:  # a retry: the rows above are this attempt's
+        rows.append(("attempt", f"{summary['attempt']}"))
+        rows.append(("items committed, all attempts", f"{summary['run_items_committed']}"))
     return rows
 
 

@@ -971,11 +971,18 @@ class RunLedger:
         model_version: str | None = None,
         model_sha256: str | None = None,
         parent_run_id: str | None = None,
-    ) -> None:
-        """Record a run as ``running`` (a rerun with the same id restarts the row);
-        ``parent_run_id``: the run this one is a worker of."""
+    ) -> models.RunSoFar | None:
+        """Record a run as ``running``; ``parent_run_id``: the run this one is a worker of.
+
+        A run id already on record is a retry of that run (a Prefect task retry reuses the
+        flow run's id): its row is resumed, keeping when it started, with the rows that the
+        run and its workers committed counted from the batch ledger (an attempt that failed
+        or died may have committed more than it reported); ``finish`` adds this attempt's
+        counts. That is returned; else None.
+        """
+        r = schema.runs.c
+        now = self._queue.clock()
         row = {
-            "run_id": run_id,
             "parent_run_id": parent_run_id,
             "flow": flow,
             "queue": self._queue.queue,
@@ -983,12 +990,26 @@ class RunLedger:
             "model_version": model_version,
             "model_sha256": model_sha256,
             "state": "running",
-            "started_at": self._queue.clock(),
-            "heartbeat_at": self._queue.clock(),
+            "heartbeat_at": now,
+            "finished_at": None,
+            "error": None,
         }
         with self._queue.begin() as conn:
-            conn.execute(sa.delete(schema.runs).where(schema.runs.c.run_id == run_id))
-            conn.execute(schema.runs.insert().values(**row))
+            prior = conn.execute(
+                sa.select(r.started_at, r.n_items, r.n_failed).where(r.run_id == run_id)
+            ).first()
+            if prior is None:
+                conn.execute(schema.runs.insert().values(run_id=run_id, started_at=now, **row))
+                return None
+            workers = sa.select(r.run_id).where(r.parent_run_id == run_id)
+            ids = [run_id, *conn.execute(workers).scalars()]
+            b = schema.batches.c
+            committed = conn.execute(
+                sa.select(sa.func.coalesce(sa.func.sum(b.n_rows), 0)).where(b.run_id.in_(ids))
+            ).scalar_one()
+            update = sa.update(schema.runs).where(r.run_id == run_id)
+            conn.execute(update.values(n_items=committed, **row))
+        return models.RunSoFar(prior.started_at, int(committed), prior.n_failed)
 
     def beat(self, run_id: str) -> None:
         """Record that a running run is alive (its scorer's heartbeat calls it)."""
@@ -1043,13 +1064,15 @@ class RunLedger:
     def finish(
         self, run_id: str, state: str, summary: Mapping[str, Any], error: str | None = None
     ) -> None:
-        """Record how a run ended: ``completed`` or ``failed``, with its summary as JSON."""
+        """Record how a run (or an attempt of it) ended: ``completed`` or ``failed``, with its
+        summary as JSON. Its counts add to those of the run's earlier attempts."""
+        r = schema.runs.c
         values = {
             "state": state,
             "finished_at": self._queue.clock(),
-            "n_items": int(summary.get("items_committed", 0)),
-            "n_failed": int(summary.get("items_failed", 0)),
-            "n_batches": int(summary.get("batches", 0)),
+            "n_items": r.n_items + int(summary.get("items_committed", 0)),
+            "n_failed": r.n_failed + int(summary.get("items_failed", 0)),
+            "n_batches": r.n_batches + int(summary.get("batches", 0)),
             "summary": json.dumps(summary, default=str),
             "error": error[:2000] if error else None,
         }

@@ -27,6 +27,7 @@ from typing import Any, ParamSpec, TypeVar
 from prefect import Flow, flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import FlowRun, State, TaskRun
+from prefect.context import TaskRunContext
 from prefect.tasks import Task, exponential_backoff
 
 from batching import app, config, errors, parquet, pipeline
@@ -122,8 +123,11 @@ def score_queue(
 
     ``expected``: the items the run expects to score, the progress artifact's 100 %.
     ``workers`` > 1: that many scorer processes, each a child lineage run of the flow run's.
+    A retry resumes the run: one lineage run and run-ledger row whose counts add up every
+    attempt's, and only what is left of ``limits`` (see :class:`batching.app.Attempt`).
     """
     outcome: app.ScoreOutcome | app.WorkersScoreOutcome
+    attempt = this_attempt()
     with artifacts.Progress(cfg.name, expected) as progress:
         if workers > 1:
             outcome = app.run_score_workers(
@@ -136,6 +140,7 @@ def score_queue(
                 on_progress=progress.counts,
                 lineage_config=settings.lineage_config(cfg),
                 resend_signals=True,  # a cancel still ends the flow run as Prefect intends
+                attempt=attempt,
             )
             if (error := outcome.workers.error()) is not None:
                 raise error
@@ -148,9 +153,23 @@ def score_queue(
                 run_id=flow_run_id(),
                 on_progress=progress,
                 lineage_config=settings.lineage_config(cfg),
+                attempt=attempt,
             )
     artifacts.publish_summary(cfg.name, outcome.run_id, outcome.summary, outcome.output)
     return outcome
+
+
+def this_attempt() -> app.Attempt:
+    """This try of the running task, and whether Prefect will retry a failure of it: while
+    retries are left, a :data:`TRANSIENT` one (as ``retry_transient`` decides)."""
+    number = runtime.task_run.run_count
+    context = TaskRunContext.get()
+    retries = context.task.retries if context is not None else 0
+
+    def retried(exc: BaseException) -> bool:
+        return number <= retries and isinstance(exc, TRANSIENT)
+
+    return app.Attempt(number, retried)
 
 
 def require_workers(workers: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -255,3 +256,68 @@ def test_a_dead_lineage_backend_neither_fails_nor_slows_the_run(
     assert run.summary["lineage_failures"] >= 1, "events went to the dead endpoint"
     assert not pipeline.events_path.exists(), "no file transport"
     assert run.wall_s < healthy.wall_s + 3.0, (run.wall_s, healthy.wall_s)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_retried_score_task_resumes_one_run_and_counts_every_attempt(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, registry: Registry, workers: int
+) -> None:
+    """Before: a retry restarted the run's ledger row (the first attempt's rows vanished from
+    its counts), emitted a second START, and got the whole max_items again."""
+    import sqlalchemy as sa
+
+    from batching import app, schema
+    from flows import score as score_module
+
+    pipeline = make_pipeline(tmp_path, 300, batching={"max_batch_size": 25})
+    real: dict[str, Callable[..., Any]] = {
+        "run_score": app.run_score,
+        "run_score_workers": app.run_score_workers,
+    }
+    calls: list[str] = []
+
+    def first_fails(name: str) -> Callable[..., Any]:
+        """The first call fails with a transient error once 50 rows are committed."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            if len(calls) > 1:
+                return real[name](*args, **kwargs)
+            report = kwargs["on_progress"]
+
+            def then_fail(*counts: Any) -> None:
+                report(*counts)
+                stats = counts[0]  # run_score: RunStats; run_score_workers: committed, ...
+                if (stats if isinstance(stats, int) else stats.committed) >= 50:
+                    raise errors.SinkError("output disk gone")
+
+            return real[name](*args, **{**kwargs, "on_progress": then_fail})
+
+        return run
+
+    for name in real:
+        monkeypatch.setattr(app, name, first_fails(name))
+    monkeypatch.setattr(
+        score_module, "score_queue", score_module.score_queue.with_options(retry_delay_seconds=0)
+    )
+    run = run_score(pipeline, max_items=200, workers=workers)
+
+    assert run.state.is_completed(), run.state.message
+    assert len(calls) == 2, calls
+    done = pipeline.by_state()["done"]
+    assert 50 <= done <= 200, "the retry got what the first attempt left of max_items"
+    engine = sa.create_engine(pipeline.db_url)
+    with engine.connect() as conn:
+        r = schema.runs.c
+        (row,) = conn.execute(
+            sa.select(r.state, r.n_items).where(r.run_id == run.run_id, r.parent_run_id.is_(None))
+        ).all()
+    engine.dispose()
+    assert tuple(row) == ("completed", done)
+    events = pipeline.lineage(run.run_id)
+    assert [e["eventType"] for e in events] == ["START", "RUNNING", "RUNNING", "COMPLETE"]
+    assert "output disk gone" in events[1]["run"]["facets"]["errorMessage"]["message"]
+    (out,) = events[-1]["outputs"]
+    assert out["outputFacets"]["outputStatistics"]["rowCount"] == done
+    for event in events:
+        olspec.assert_valid_event(event, registry)

@@ -721,3 +721,38 @@ def test_payload_shape_is_stored_as_json(queue: q.SqlQueue) -> None:
         ]
     )
     assert json.loads(row(queue, "s").shape) == [1]
+
+
+def test_a_run_started_again_is_resumed_with_what_it_and_its_workers_committed(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    """A Prefect task retry reuses the run id: before, its row was deleted and inserted
+    again, and the first attempt's rows fell out of the run's counts."""
+    runs = q.RunLedger(queue)
+    assert runs.start("run", "score") is None
+    runs.start("worker", "score.worker-0", parent_run_id="run")
+    with queue.begin() as conn:
+        for batch, run_id, n in (("b1", "run", 30), ("b2", "worker", 12), ("b3", "other", 99)):
+            conn.execute(
+                schema.batches.insert().values(
+                    batch_id=batch, run_id=run_id, queue=queue.queue, lease_id="l",
+                    model_version="v1", sink="parquet", n_rows=n, state="published",
+                    committed_at=clock(),
+                )
+            )  # fmt: skip
+    runs.finish("run", "failed", {"items_committed": 20, "items_failed": 2}, error="disk gone")
+    started = clock()
+    clock.advance(50)
+
+    so_far = runs.start("run", "score")  # the retry
+
+    assert so_far == models.RunSoFar(started, 42, 2)  # 30 + 12: more than it reported
+    runs.finish("run", "completed", {"items_committed": 8, "items_failed": 1, "batches": 1})
+    with queue.engine.connect() as conn:
+        c = schema.runs.c
+        row = conn.execute(
+            sa.select(c.state, c.started_at, c.n_items, c.n_failed, c.error).where(
+                c.run_id == "run"
+            )
+        ).one()
+    assert tuple(row) == ("completed", started, 50, 3, None)
