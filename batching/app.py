@@ -236,7 +236,8 @@ def record_failed_start(
 ) -> None:
     """START then FAIL (with the error) for a run that failed before scoring began."""
     attempt.open(emitter, ctx)
-    attempt.fail(emitter, ctx, error, [ctx.outputs[0].with_stats(0)])
+    out = ctx.outputs[0]  # a retry's earlier attempts committed rows this one cannot count
+    attempt.fail(emitter, ctx, error, [out.with_stats(0) if attempt.number == 1 else out])
     emitter.close()
 
 
@@ -247,15 +248,11 @@ def _left(
     if so_far is None:
         return limits
     done = so_far.items_committed + so_far.items_failed
-    return replace(
-        limits,
-        max_items=None if limits.max_items is None else max(0, limits.max_items - done),
-        max_seconds=(
-            None
-            if limits.max_seconds is None
-            else max(0.001, limits.max_seconds - (now - so_far.started_at))
-        ),
-    )
+    items = None if limits.max_items is None else max(0, limits.max_items - done)
+    seconds = None if limits.max_seconds is None else limits.max_seconds - (now - so_far.started_at)
+    if seconds is not None and seconds <= 0:
+        items, seconds = 0, None  # the run's time is spent: claim nothing
+    return replace(limits, max_items=items, max_seconds=seconds)
 
 
 @dataclass
@@ -317,7 +314,7 @@ def run_score(
         profile = load_profile(config)
         ctx = context(sink=sink, checksum=runner.checksum)
         runs, so_far = _ledger_start(
-            queue, config, ctx, runner.checksum, parent[0] if parent else None
+            queue, config, ctx, runner.checksum, parent[0] if parent else None, attempt
         )
         abandoned = runs.close_abandoned(_silent_for_s(config), but=run_id)
     except Exception as exc:  # a precondition failed: the run is still on record as failed
@@ -354,7 +351,8 @@ def run_score(
         except BaseException as exc:
             done = scorer.stats if scorer is not None else None
             beating.stop()
-            runs.finish(run_id, "failed", done.summary() if done else {}, error=str(exc))
+            state = "running" if attempt.retried(exc) else "failed"
+            _finish(runs, run_id, state, done.summary() if done else {}, str(exc))
             committed = before + (done.committed if done else 0)
             attempt.fail(emitter, ctx, exc, [out_ds.with_stats(committed)])
             emitter.close()
@@ -363,7 +361,7 @@ def run_score(
             gc.unfreeze()
         summary = stats.summary()
         beating.stop()
-        runs.finish(run_id, "completed", summary)
+        _finish(runs, run_id, "completed", summary)
         # The bytes are this attempt's only: a retry reports the rows alone.
         size = stats.bytes_written if so_far is None else None
         emitter.complete(ctx, outputs=[out_ds.with_stats(before + stats.committed, size)])
@@ -383,6 +381,18 @@ def run_score(
         )
     finally:
         beating.stop()
+
+
+def _finish(
+    runs: q.RunLedger, run_id: str, state: str, summary: dict[str, Any], error: str | None = None
+) -> None:
+    """Close the run's ledger row; a database that fails now is logged, not raised: the run
+    is over (raising would retry a finished run), and its row, left running, is closed as
+    abandoned by a later run."""
+    try:
+        runs.finish(run_id, state, summary, error=error)
+    except errors.BatchingError:
+        logger.warning("run ledger not updated", exc_info=True)
 
 
 def _silent_for_s(config: cfg.PipelineConfig) -> float:
@@ -449,6 +459,7 @@ def _ledger_start(
     ctx: lineage.RunContext,
     checksum: str | None,
     parent_run_id: str | None = None,
+    attempt: Attempt = FIRST,
 ) -> tuple[q.RunLedger, models.RunSoFar | None]:
     """Record the run as started in the run ledger; returns the ledger to finish it, and
     what the run's earlier attempts did when this is a retry."""
@@ -460,6 +471,7 @@ def _ledger_start(
         model_version=config.model.version,
         model_sha256=checksum,
         parent_run_id=parent_run_id,
+        resume=attempt.number > 1,
     )
     return runs, so_far
 
@@ -487,8 +499,8 @@ class WorkersScoreOutcome:
     @property
     def summary(self) -> dict[str, Any]:
         """The finished workers' counters as one run summary, as ``ScoreOutcome.summary``."""
-        stats = self.workers.stats()
-        summary = stats.summary() if stats is not None else {}
+        stats = self.workers.stats() or pipeline.RunStats(time.time())  # none ran: zeros
+        summary = stats.summary()
         committed = max(summary.get("items_committed", 0), self.committed)
         return {**summary, "items_committed": committed, "lineage_failures": self.lineage_failures}
 
@@ -533,7 +545,7 @@ def run_score_workers(
         queue = open_queue(config, res.db_url)
         queue.check_schema()
         ctx = scoring_context(config, res, run_id, sink=make_sink(config, queue, res.output))
-        runs, so_far = _ledger_start(queue, config, ctx, config.model.sha256)
+        runs, so_far = _ledger_start(queue, config, ctx, config.model.sha256, attempt=attempt)
     except Exception as exc:
         record_failed_start(emitter, ctx, exc, attempt)
         raise
@@ -569,12 +581,9 @@ def run_score_workers(
         attempt.fail(emitter, ctx, exc, [ctx.outputs[0].with_stats(before + counts[0])])
         emitter.close()
         beating.stop()
-        try:
-            runs.finish(run_id, "failed", summary, error=str(exc) or type(exc).__name__)
-        except errors.BatchingError:  # the database is down too: the run stays "running"
-            logger.warning("run ledger not updated", exc_info=True)
-        finally:
-            queue.engine.dispose()
+        state = "running" if attempt.retried(exc) else "failed"
+        _finish(runs, run_id, state, summary, str(exc) or type(exc).__name__)
+        queue.engine.dispose()
         raise
     result = WorkersScoreOutcome(
         run_id,
@@ -596,11 +605,13 @@ def run_score_workers(
         attempt.fail(emitter, ctx, error, [out_ds])
     emitter.close()  # lineage first: a ledger that cannot be updated now still gets it
     beating.stop()
-    try:
-        state = "completed" if error is None else "failed"
-        runs.finish(run_id, state, summary, error=None if error is None else str(error))
-    finally:
-        queue.engine.dispose()
+    if error is None:
+        _finish(runs, run_id, "completed", summary)
+    else:
+        _finish(
+            runs, run_id, "running" if attempt.retried(error) else "failed", summary, str(error)
+        )
+    queue.engine.dispose()
     result.lineage_failures = emitter.failures + sum(r.lineage_failures for r in outcome.reports)
     return result
 

@@ -956,11 +956,16 @@ class Waiter:
                 self._conn = None
 
 
+_LIVE_BATCHES = ("committed", "published")
+"""``sinks.LIVE_STATES`` (not imported: ``sinks`` loads pyarrow)."""
+
+
 class RunLedger:
     """Rows of ``batching_runs``: one per scoring or reconcile run (start, finish, summary)."""
 
     def __init__(self, queue: SqlQueue) -> None:
         self._queue = queue
+        self._before: dict[str, tuple[int, int, int]] = {}  # a resumed run's earlier counts
 
     def start(
         self,
@@ -971,14 +976,16 @@ class RunLedger:
         model_version: str | None = None,
         model_sha256: str | None = None,
         parent_run_id: str | None = None,
+        resume: bool = False,
     ) -> models.RunSoFar | None:
         """Record a run as ``running``; ``parent_run_id``: the run this one is a worker of.
 
-        A run id already on record is a retry of that run (a Prefect task retry reuses the
-        flow run's id): its row is resumed, keeping when it started, with the rows that the
-        run and its workers committed counted from the batch ledger (an attempt that failed
-        or died may have committed more than it reported); ``finish`` adds this attempt's
-        counts. That is returned; else None.
+        A run id already on record restarts its row, unless ``resume`` (a retry of the run:
+        a Prefect task retry reuses the flow run's id): then the row keeps when the run
+        started, and the rows that the run and its workers committed are counted from the
+        batch ledger (an attempt that failed or died may have committed more than it
+        reported); ``finish`` adds this attempt's counts to them. What the earlier attempts
+        did is returned; else None.
         """
         r = schema.runs.c
         now = self._queue.clock()
@@ -996,19 +1003,23 @@ class RunLedger:
         }
         with self._queue.begin() as conn:
             prior = conn.execute(
-                sa.select(r.started_at, r.n_items, r.n_failed).where(r.run_id == run_id)
+                sa.select(r.started_at, r.n_failed, r.n_batches).where(r.run_id == run_id)
             ).first()
-            if prior is None:
+            if prior is None or not resume:
+                conn.execute(sa.delete(schema.runs).where(r.run_id == run_id))
                 conn.execute(schema.runs.insert().values(run_id=run_id, started_at=now, **row))
+                self._before[run_id] = (0, 0, 0)
                 return None
             workers = sa.select(r.run_id).where(r.parent_run_id == run_id)
             ids = [run_id, *conn.execute(workers).scalars()]
             b = schema.batches.c
+            live = b.state.in_(_LIVE_BATCHES)  # a repair's rewrite keeps its run id
             committed = conn.execute(
-                sa.select(sa.func.coalesce(sa.func.sum(b.n_rows), 0)).where(b.run_id.in_(ids))
+                sa.select(sa.func.coalesce(sa.func.sum(b.n_rows), 0)).where(b.run_id.in_(ids), live)
             ).scalar_one()
             update = sa.update(schema.runs).where(r.run_id == run_id)
             conn.execute(update.values(n_items=committed, **row))
+        self._before[run_id] = (int(committed), prior.n_failed, prior.n_batches)
         return models.RunSoFar(prior.started_at, int(committed), prior.n_failed)
 
     def beat(self, run_id: str) -> None:
@@ -1064,15 +1075,17 @@ class RunLedger:
     def finish(
         self, run_id: str, state: str, summary: Mapping[str, Any], error: str | None = None
     ) -> None:
-        """Record how a run (or an attempt of it) ended: ``completed`` or ``failed``, with its
-        summary as JSON. Its counts add to those of the run's earlier attempts."""
-        r = schema.runs.c
+        """Record how a run ended, ``completed`` or ``failed``, with its summary as JSON; or
+        ``running``: an attempt failed and the run will be retried (if the retry never comes,
+        the run is closed as abandoned). The counts of a run resumed by ``start`` are its
+        earlier attempts' plus this one's."""
+        items, failed, batches = self._before.get(run_id, (0, 0, 0))
         values = {
             "state": state,
-            "finished_at": self._queue.clock(),
-            "n_items": r.n_items + int(summary.get("items_committed", 0)),
-            "n_failed": r.n_failed + int(summary.get("items_failed", 0)),
-            "n_batches": r.n_batches + int(summary.get("batches", 0)),
+            "finished_at": None if state == "running" else self._queue.clock(),
+            "n_items": items + int(summary.get("items_committed", 0)),
+            "n_failed": failed + int(summary.get("items_failed", 0)),
+            "n_batches": batches + int(summary.get("batches", 0)),
             "summary": json.dumps(summary, default=str),
             "error": error[:2000] if error else None,
         }

@@ -192,7 +192,7 @@ def run_workers(
     items it had leased return to the queue when their lease expires.
     """
     shares = share_limits(limits or RunLimits(), n)
-    per_worker = threads or max(1, available_cores() // len(shares))
+    per_worker = threads or max(1, available_cores() // max(1, len(shares)))
     log_level = logging.getLogger("batching").getEffectiveLevel()  # the same as here
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()

@@ -42,9 +42,14 @@ TRANSIENT = (errors.QueueError, errors.SinkError)
 """Failures a later attempt can fix: the database or the output location was unavailable."""
 
 
+def is_transient(exc: object) -> bool:
+    """Whether a later attempt can fix ``exc`` (:data:`TRANSIENT`)."""
+    return isinstance(exc, TRANSIENT)
+
+
 def retry_transient(_task: Task[Any, Any], _run: TaskRun, state: State[Any]) -> bool:
     """``retry_condition_fn``: retry only :data:`TRANSIENT` failures."""
-    return isinstance(state.result(raise_on_failure=False), TRANSIENT)
+    return is_transient(state.result(raise_on_failure=False))
 
 
 def retrying_task(
@@ -162,12 +167,12 @@ def score_queue(
 def this_attempt() -> app.Attempt:
     """This try of the running task, and whether Prefect will retry a failure of it: while
     retries are left, a :data:`TRANSIENT` one (as ``retry_transient`` decides)."""
-    number = runtime.task_run.run_count
+    number = max(1, runtime.task_run.run_count)  # 0 outside a task run
     context = TaskRunContext.get()
     retries = context.task.retries if context is not None else 0
 
     def retried(exc: BaseException) -> bool:
-        return number <= retries and isinstance(exc, TRANSIENT)
+        return number <= retries and is_transient(exc)
 
     return app.Attempt(number, retried)
 

@@ -20,6 +20,11 @@ PG_ADMIN_URL = os.environ.get(
 IN_CI = bool(os.environ.get("CI"))
 T = TypeVar("T")
 
+# Tests choose where lineage goes: a developer's exported OPENLINEAGE_URL (as the README's
+# Marquez set-up has) would send their events to Marquez, and the CLI and flows read it.
+for _name in [k for k in os.environ if k.upper().startswith("OPENLINEAGE")]:
+    del os.environ[_name]
+
 
 class KeptRecords(logging.Handler):
     """A log handler that keeps what it is given, for a test to look at."""

@@ -744,15 +744,19 @@ def test_a_run_started_again_is_resumed_with_what_it_and_its_workers_committed(
     started = clock()
     clock.advance(50)
 
-    so_far = runs.start("run", "score")  # the retry
+    so_far = runs.start("run", "score", resume=True)  # the retry
 
     assert so_far == models.RunSoFar(started, 42, 2)  # 30 + 12: more than it reported
-    runs.finish("run", "completed", {"items_committed": 8, "items_failed": 1, "batches": 1})
+    for _ in range(2):  # finishing twice (a dead worker closed again) counts once
+        runs.finish("run", "completed", {"items_committed": 8, "items_failed": 1, "batches": 1})
+    assert run_row(queue, "run") == ("completed", started, 50, 3, None)
+
+    assert runs.start("run", "score") is None  # not a retry: the row starts again
+    assert run_row(queue, "run") == ("running", started + 50, 0, 0, None)
+
+
+def run_row(queue: q.SqlQueue, run_id: str) -> tuple[Any, ...]:
     with queue.engine.connect() as conn:
         c = schema.runs.c
-        row = conn.execute(
-            sa.select(c.state, c.started_at, c.n_items, c.n_failed, c.error).where(
-                c.run_id == "run"
-            )
-        ).one()
-    assert tuple(row) == ("completed", started, 50, 3, None)
+        columns = (c.state, c.started_at, c.n_items, c.n_failed, c.error)
+        return tuple(conn.execute(sa.select(*columns).where(c.run_id == run_id)).one())

@@ -23,6 +23,7 @@ from batching import app as wiring
 from batching import config as cfg
 from batching import lineage, lineage_log, models, schema
 from batching import queue as q
+from batching.pipeline import RunLimits
 from batching.workers import WorkersOutcome, _wind_down, run_workers
 from tests import olspec
 from tests.conftest import KeptRecords, wait_for
@@ -529,3 +530,31 @@ def test_a_killed_worker_is_reported_and_its_items_are_scored_after_the_lease(
     score(config, sqlite_url, root)  # its claims reap the dead worker's leases
     assert_done_once(sqlite_url, root, KEYS)
     assert reconcile(config, sqlite_url, root).clean
+
+
+def test_a_retry_with_no_items_left_completes_without_starting_workers(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """A retry whose earlier attempt used up max_items: before, run_workers divided the cores
+    by zero workers, and the run failed after its work was done."""
+    path = write_config("tabular.yaml", tmp_path)
+    config = cfg.load_config(path)
+    enqueue(sqlite_url, config, w1_records(10, tmp_path))
+    out = str(tmp_path / "out")
+    run_id = lineage.new_run_id()
+    limits = RunLimits(max_items=4)
+    first = wiring.run_score(config, db_url=sqlite_url, output=out, limits=limits, run_id=run_id)
+    assert first.summary["items_committed"] == 4
+
+    retry = wiring.run_score_workers(
+        config, 2, db_url=sqlite_url, output=out, limits=limits, run_id=run_id,
+        attempt=wiring.Attempt(2),
+    )  # fmt: skip
+
+    assert retry.workers.reports == []
+    assert Counter(r.state for r in items(sqlite_url).values())[models.State.DONE] == 4
+    assert retry.events_path is not None
+    events = lineage_log.read_events(retry.events_path)
+    (last,) = [e for e in events if e["run"]["runId"] == run_id][-1:]
+    assert last["eventType"] == "COMPLETE"
+    assert output_rows(last) == 4  # the run's rows: the earlier attempt's
