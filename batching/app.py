@@ -24,6 +24,7 @@ from batching.workers import (
     WorkerReport,
     WorkersOutcome,
     WorkersProgress,
+    is_worker_job,
     run_workers,
     share_limits,
     worker_job_name,
@@ -441,7 +442,8 @@ def _fail_abandoned(
 ) -> None:
     """FAIL in lineage the runs of the config's job that died without an end (closed in the
     ledger by ``close_abandoned``): the job and its queue input from ``ctx``, none of this
-    run's facets (its model or config may differ). A worker's run is its parent's to close."""
+    run's facets (its model or config may differ). A worker's run is its parent's to close,
+    unless the parent is not running either (the whole ``--workers`` run was killed)."""
     for run in abandoned:
         if run.flow == config.name and run.parent_run_id is None:
             dead = lineage.RunContext(
@@ -450,7 +452,18 @@ def _fail_abandoned(
                 job_namespace=ctx.job_namespace,
                 inputs=ctx.inputs,
             )
-            emitter.fail(dead, errors.BatchingError(run.error), outputs=[])
+        elif run.orphan and is_worker_job(run.flow, config.name):
+            dead = lineage.RunContext(
+                run_id=run.run_id,
+                job_name=run.flow,
+                job_namespace=ctx.job_namespace,
+                inputs=ctx.inputs,
+                parent_run_id=run.parent_run_id,
+                parent_job_name=config.name,
+            )
+        else:
+            continue
+        emitter.fail(dead, errors.BatchingError(run.error), outputs=[])
 
 
 def _ledger_start(

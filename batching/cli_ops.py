@@ -217,7 +217,12 @@ def _print_report(report: Report) -> None:
     if report.clean:
         out.print("clean: every done item has exactly one committed output", highlight=False)
     else:
-        hint = "" if report.repairs else "; `--repair` fixes what can be fixed"
+        kinds = {str(f.kind) for f in report.findings if str(f.severity) != "info"}
+        hint = ""
+        if kinds - {"sla_miss"} and not report.repairs:
+            hint = "; `--repair` fixes what can be fixed"
+        elif "sla_miss" in kinds:
+            hint = "; SLA misses are not repaired: see README, Operations (runbook)"
         out.print(f"{critical} critical, {warning} warning finding(s){hint}", highlight=False)
 
 

@@ -116,6 +116,7 @@ class AbandonedRun:
     flow: str
     parent_run_id: str | None
     error: str
+    orphan: bool = False  # a worker whose parent run is not running either: none closes it
 
 
 @dataclass(frozen=True, slots=True)

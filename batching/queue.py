@@ -25,6 +25,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -1065,6 +1066,18 @@ class RunLedger:
                     closed.append(
                         models.AbandonedRun(row.run_id, row.flow, row.parent_run_id, error)
                     )
+            # A worker whose parent is not running either (closed just now, or ended) has no
+            # one left to close it in lineage.
+            parents = {a.parent_run_id for a in closed if a.parent_run_id is not None}
+            alive = set(
+                conn.execute(
+                    sa.select(r.run_id).where(r.run_id.in_(parents), r.state == "running")
+                ).scalars()
+            )
+            closed = [
+                replace(a, orphan=a.parent_run_id is not None and a.parent_run_id not in alive)
+                for a in closed
+            ]
         if closed:
             logger.warning(
                 "abandoned runs closed",

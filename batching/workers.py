@@ -131,6 +131,12 @@ def worker_job_name(parent_job: str, index: int) -> str:
     return f"{parent_job}.worker-{index}"
 
 
+def is_worker_job(job: str, parent_job: str) -> bool:
+    """Whether ``job`` is a :func:`worker_job_name` of ``parent_job``."""
+    head, _, index = job.rpartition(".worker-")
+    return head == parent_job and index.isdigit()
+
+
 def available_cores() -> int:
     """CPU cores this process may run on (its affinity mask, not the machine's count)."""
     try:

@@ -520,6 +520,21 @@ def test_score_sends_lineage_where_openlineage_url_points(tmp_path: Path) -> Non
     assert "lineage: " not in r.out  # no local log to point at
 
 
+def test_an_expired_item_is_an_sla_miss_that_reconcile_reports_but_cannot_repair(
+    tmp_path: Path,
+) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    late = {"item_key": "late", "payload": {"x": [0.5] * 64}, "deadline": "2020-01-01T00:00:00Z"}
+    (tmp_path / "late.jsonl").write_text(json.dumps(late) + "\n")
+    assert batching("enqueue", "late.jsonl", "--db", DB, "-q", "tabular", cwd=tmp_path).rc == 0
+    config = str(write_config(tmp_path))
+    assert batching("score", "-c", config, cwd=tmp_path).rc == 0
+    r = batching("reconcile", "-c", config, cwd=tmp_path)
+    assert r.rc == 1
+    assert "0 critical, 1 warning finding(s); SLA misses are not repaired" in r.out
+    assert "--repair" not in r.out  # before: "`--repair` fixes what can be fixed"
+
+
 def test_score_refuses_a_malformed_openlineage_url_before_claiming(tmp_path: Path) -> None:
     assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
     jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(5))

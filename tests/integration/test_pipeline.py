@@ -30,6 +30,7 @@ from batching import errors, ingest, lineage, lineage_log, models, pipeline, sch
 from batching import queue as q
 from batching import reconcile as rc
 from batching.runner import TorchRunner
+from batching.workers import worker_job_name
 from tests import olspec
 from tests.conftest import REPO, wait_for
 
@@ -519,6 +520,49 @@ def test_sigkill_mid_run_then_restart_and_reconcile_lose_nothing(
     after = items(sqlite_url)
     assert all(after[k].crash_count >= 1 for k in leased), "the leases were not reaped"
     assert not list((tmp_path / "outputs.staging").iterdir()), "staging leftovers"
+
+
+def test_the_workers_of_a_killed_workers_run_are_failed_in_lineage_with_their_parent(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """Before: the next run closed the parent and its workers in the ledger, but lineage got
+    a FAIL for the parent only (a worker's run was its parent's to close, and it was dead)."""
+    config = load("tabular.yaml", tmp_path)
+    enqueue(sqlite_url, config, w1_records(5, tmp_path))
+    queue = open_queue(sqlite_url, config)
+    ledger = q.RunLedger(queue)
+    parent, lone_parent = lineage.new_run_id(), lineage.new_run_id()
+    workers = [lineage.new_run_id() for _ in range(2)]
+    ledger.start(parent, config.name)
+    for i, worker in enumerate(workers):
+        ledger.start(worker, worker_job_name(config.name, i), parent_run_id=parent)
+    ledger.start(lone_parent, config.name)  # alive: its dead worker is its own to close
+    lone_worker = lineage.new_run_id()
+    ledger.start(lone_worker, worker_job_name(config.name, 0), parent_run_id=lone_parent)
+    silent = [parent, *workers, lone_worker]
+    with queue.begin() as conn:  # the whole --workers run was SIGKILLed an hour ago
+        c = schema.runs.c
+        conn.execute(sa.update(schema.runs).where(c.run_id.in_(silent)).values(heartbeat_at=1.0))
+    queue.engine.dispose()
+
+    restart = score(config, sqlite_url, tmp_path / "outputs")
+
+    assert restart.events_path is not None
+    failed = {
+        e["run"]["runId"]: e
+        for e in lineage_log.read_events(restart.events_path)
+        if e["eventType"] == "FAIL"
+    }
+    assert set(failed) == {parent, *workers}
+    registry = olspec.load_registry(olspec.require_spec_dir(), lineage.custom_facet_schemas())
+    for i, worker in enumerate(workers):
+        event = failed[worker]
+        assert event["job"]["name"] == worker_job_name(config.name, i)
+        assert event["run"]["facets"]["parent"]["run"]["runId"] == parent
+        olspec.assert_valid_event(event, registry)
+    states = {r.run_id: r.state for r in runs(sqlite_url)}
+    assert [states[r] for r in silent] == ["failed"] * 4
+    assert states[lone_parent] == "running"
 
 
 def test_the_reaper_returns_every_expired_lease_not_just_one_chunk(sqlite_url: str) -> None:
