@@ -18,7 +18,6 @@ from typing import Any
 from batching import config as cfg
 from batching import errors, lineage, models, parquet, pipeline, sinks
 from batching import queue as q
-from batching.runner import TorchRunner
 from batching.service_profile import ServiceProfile
 from batching.workers import (
     WorkerReport,
@@ -305,6 +304,8 @@ def run_score(
     try:
         queue = open_queue(config, res.db_url)
         queue.check_schema()
+        from batching.runner import TorchRunner  # torch: only what scores loads it
+
         runner = TorchRunner.load(config.model, base_dir=config.base_dir)
         runner.warmup()
         sink = make_sink(config, queue, res.output)
