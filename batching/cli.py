@@ -215,7 +215,8 @@ def status(
         table.add_row(*(names[k] for k in keys), *(str(v) for v in counts), age)
     out.print(table)
     totals = ", ".join(f"{k} {v}" for k, v in stats.by_state.items())
-    out.print(f"total: {totals}; expired leases {stats.expired_leases}")
+    backoff = f"; {stats.backoff} ready waiting out a retry backoff" if stats.backoff else ""
+    out.print(f"total: {totals}; expired leases {stats.expired_leases}{backoff}")
 
 
 @app.command()

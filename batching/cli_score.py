@@ -171,20 +171,27 @@ def score(
         )
     out.print(summary_table(outcome.summary, f"run {outcome.run_id}"))
     _where(outcome.output, outcome.events_path, outcome.lineage_failures)
-    _explain_nothing_scored(cfg, db, outcome.summary)
+    _explain_what_is_left(cfg, db, outcome.summary)
 
 
-def _explain_nothing_scored(cfg: Any, db: str | None, summary: dict[str, Any]) -> None:
-    """A run that scored nothing says why, when the queue shows it: a queue name without
-    items (a typo), or items leased by other scorers (a dead one's come back when their
-    leases expire)."""
-    if summary.get("items_committed") or summary.get("items_failed"):
-        return
+def _explain_what_is_left(cfg: Any, db: str | None, summary: dict[str, Any]) -> None:
+    """A run that stops while the queue still holds items says why, when the queue shows it:
+    items waiting out a retry backoff (an until-empty run does not wait for them); and when
+    it scored nothing, a queue name without items (a typo), or items leased by other scorers
+    (a dead one's come back when their leases expire)."""
     from batching import app as wiring
 
     queue = wiring.open_queue(cfg, wiring.resolve(cfg, db, None).db_url)
     try:
         stats = queue.stats()
+        if stats.backoff:
+            err.print(
+                f"note: {stats.backoff} item(s) of queue {queue.queue!r} are waiting out a "
+                "retry backoff (a failed attempt); run again later to score them",
+                highlight=False,
+            )
+        if summary.get("items_committed") or summary.get("items_failed"):
+            return
         leased = stats.by_state.get("leased", 0)
         if not stats.groups:
             warn_unknown_queue(queue)
@@ -229,7 +236,7 @@ def _score_workers(cfg: Any, n: int, **kwargs: Any) -> None:
     out.print(f"worker runs: {', '.join(runs)}")
     _where(result.output, result.events_path, result.lineage_failures)
     if not outcome.exit_code:
-        _explain_nothing_scored(cfg, kwargs.get("db_url"), result.summary)
+        _explain_what_is_left(cfg, kwargs.get("db_url"), result.summary)
     for message in outcome.errors():
         err.print(f"[red]error:[/red] {message}", markup=True, highlight=False, soft_wrap=True)
     if outcome.exit_code:

@@ -143,6 +143,7 @@ class LaneStats:
     expired: int = 0
     expired_leases: int = 0
     oldest_ready_age_s: float | None = None
+    backoff: int = 0  # ready items not due yet: waiting out a retry's backoff
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +154,7 @@ class QueueStats:
     oldest_ready_age_s: float | None
     expired_leases: int
     groups: tuple[LaneStats, ...] = field(default_factory=tuple)
+    backoff: int = 0  # ready items not due yet: waiting out a retry's backoff
 
 
 @dataclass(frozen=True, slots=True)

@@ -817,6 +817,9 @@ class SqlQueue:
                 "xl"
             ),
             sa.func.min(sa.case((ready, _T.c.enqueued_at))).label("oldest"),
+            sa.func.sum(sa.case((sa.and_(ready, _T.c.run_after > now), 1), else_=0)).label(
+                "backoff"
+            ),
         ).group_by(_T.c.queue, _T.c.lane, _T.c.tenant)
         if not all_queues:
             q = q.where(_T.c.queue == self.queue)
@@ -832,6 +835,7 @@ class SqlQueue:
             oldest_ready_age_s=max(ages) if ages else None,
             expired_leases=sum(g.expired_leases for g in groups),
             groups=groups,
+            backoff=sum(g.backoff for g in groups),
         )
 
     def redrive(
@@ -912,6 +916,7 @@ def _lane_stats(r: Any, now: float) -> models.LaneStats:
         expired=int(r.expired or 0),
         expired_leases=int(r.xl or 0),
         oldest_ready_age_s=(now - float(r.oldest)) if r.oldest is not None else None,
+        backoff=int(r.backoff or 0),
     )
 
 

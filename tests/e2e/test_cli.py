@@ -473,6 +473,24 @@ def test_a_run_that_scores_nothing_says_why(tmp_path: Path) -> None:
     assert "3 item(s) of queue 'tabular' are leased by other scorers" in held.err
 
 
+def test_an_until_empty_run_says_when_items_wait_out_a_retry_backoff(tmp_path: Path) -> None:
+    """A NaN input gives a NaN score: the item fails and waits out its backoff, which an
+    until-empty run does not wait for. Before, it exited 0 saying nothing of it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pa.array([[0.1] * 64, [float("nan")] * 64], type=pa.list_(pa.float32()))
+    pq.write_table(pa.table({"item_key": ["ok", "nan"], "payload": rows}), tmp_path / "r.parquet")
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    assert batching("enqueue", "r.parquet", "--db", DB, "-q", "tabular", cwd=tmp_path).rc == 0
+    config = write_config(tmp_path, queue={"backoff_base_s": 120})  # still waiting at the end
+    r = batching("score", "-c", str(config), cwd=tmp_path)
+    assert r.rc == 0, r.err
+    assert "1 item(s) of queue 'tabular' are waiting out a retry backoff" in r.err
+    shown = batching("status", "--db", DB, "-q", "tabular", cwd=tmp_path)
+    assert "1 ready waiting out a retry backoff" in shown.out
+
+
 def test_score_on_an_uninitialised_database_is_one_line(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     r = batching("score", "-c", str(config), "--db", "sqlite:///other.db", "--quiet", cwd=tmp_path)
