@@ -17,6 +17,8 @@ stale_lease            warning   leased items whose lease expired and were not r
 sla_miss               warning   items finished after their deadline, or expired
 dead                   info      dead-lettered items, counted by ``last_error``
 expired                info      items expired before scoring, counted by ``last_error``
+other_dataset          warning   a batch missing here but whole in the other dataset root it
+                                 was written to (not judged or repaired here: reconcile there)
 =====================  ========  =============================================================
 
 :func:`classify` is pure: gathering (I/O) and repair live in :mod:`batching.reconcile`, so the
@@ -59,6 +61,7 @@ class Kind(enum.StrEnum):
     SLA_MISS = "sla_miss"
     DEAD = "dead"
     EXPIRED = "expired"
+    OTHER_DATASET = "other_dataset"
 
 
 # ----------------------------------------------------------------------------- facts (input)
@@ -121,7 +124,9 @@ class Facts:
     """Everything :func:`classify` needs; built by :func:`gather`, or by hand in tests.
 
     ``visible``: each visible file (absolute path) -> its ledger row's state (None: no row).
-    ``foreign_batches``: batches of another sink that done items point at (not judged here).
+    ``foreign_batches``: batches of another sink, or written to another dataset root, that
+    done items point at (not judged here). ``other_datasets``: those other roots, with how
+    many batches of the scope each holds.
     """
 
     output_kind: OutputKind
@@ -134,6 +139,7 @@ class Facts:
     dead: ItemTally = ItemTally()
     expired: ItemTally = ItemTally()
     late: ItemTally = ItemTally()
+    other_datasets: Mapping[str, int] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- report (output)
@@ -243,6 +249,9 @@ def classify(facts: Facts) -> list[Finding]:
     findings += _lost_writes(facts)
     findings += _orphans(facts)
     findings += _queue_findings(facts)
+    for root, n in sorted(facts.other_datasets.items()):
+        msg = f"{n} batch(es) not here but in {root}, where they were written: reconcile there"
+        findings.append(Finding(Kind.OTHER_DATASET, Severity.WARNING, msg, files=(root,), count=n))
     return findings
 
 

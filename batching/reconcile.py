@@ -16,6 +16,8 @@ is pure and unit-tested on hand-made :class:`Facts`.
 from __future__ import annotations
 
 import logging
+import os
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
@@ -130,9 +132,33 @@ def gather(
     with sinks.translate_errors(f"cannot read {target}"):
         batches = tuple(_check_batch(layout, r) for r in rows)
         still = tuple(s for s in listed if Path(s.path).exists())  # published meanwhile
-    if layout is not None and not visible and not dataset_lost:
+    if layout is None:
+        return Facts(output_kind, batches, done, foreign, visible_states, still, **health)
+    if not visible and not dataset_lost:
         _refuse_empty_dataset(layout, rows, batches, queue.queue)
-    return Facts(output_kind, batches, done, foreign, visible_states, still, **health)
+    # A batch missing here but whole in the root it was written to (another config's
+    # output.path, or --output) is that dataset's: judged here it read as a missing file, and
+    # --repair scored its items again, into this dataset. ``dataset_lost`` judges them all.
+    elsewhere = [
+        not dataset_lost and b.where == "missing" and _kept_elsewhere(layout, r)
+        for r, b in zip(rows, batches, strict=True)
+    ]
+    others = Counter(
+        _written_under(r.staging_path) for r, e in zip(rows, elsewhere, strict=True) if e
+    )
+    foreign |= {r.batch_id for r, e in zip(rows, elsewhere, strict=True) if e}
+    batches = tuple(b for b, e in zip(batches, elsewhere, strict=True) if not e)
+    return Facts(
+        output_kind, batches, done, foreign, visible_states, still, **health, other_datasets=others
+    )
+
+
+def _kept_elsewhere(layout: parquet.ParquetLayout, row: Any) -> bool:
+    """Whether a batch's file is in the dataset root it was written for, another one."""
+    if not row.staging_path or not row.path:
+        return False
+    root = Path(_written_under(row.staging_path))
+    return not _same_folder(root, layout.root) and (root / row.path).is_file()
 
 
 def _refuse_empty_dataset(
@@ -153,6 +179,16 @@ def _refuse_empty_dataset(
         f"batch(es) of queue {queue!r}{where}: check output.path or --output; if the dataset "
         "was deleted, reconcile with --dataset-lost to judge (and with --repair requeue) them"
     )
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    """Whether two paths name one folder (spelled alike, or the same folder on disk)."""
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either is gone
+        return False
 
 
 def _written_under(staging_path: str) -> str:

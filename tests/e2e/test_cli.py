@@ -430,9 +430,17 @@ def scored(tmp_path_factory: pytest.TempPathFactory) -> Scored:
 
 @pytest.fixture
 def ws(scored: Scored, tmp_path: Path) -> Path:
-    """A private copy of the scored workspace (tests may break it)."""
+    """A private copy of the scored workspace (tests may break it), whose ledger names the
+    copy's staging folder: its batches were written here, as far as reconcile can tell."""
+    import sqlite3
+
     copy = tmp_path / "ws"
     shutil.copytree(scored.path, copy)
+    with sqlite3.connect(copy / "queue.db") as db:
+        db.execute(
+            "UPDATE batching_batches SET staging_path = replace(staging_path, ?, ?)",
+            (str(scored.path), str(copy)),
+        )
     return copy
 
 

@@ -472,6 +472,31 @@ def test_batches_of_another_sink_are_not_judged(
     assert run(queue, "batching_results", clock, output_kind="sql").findings == ()
 
 
+def test_batches_written_to_another_dataset_are_not_judged_or_rescored(
+    queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock, tmp_path: Path
+) -> None:
+    """One queue, two output roots (a copied config's output.path, or --output): before, the
+    other root's batches read as missing files here, and --repair scored their items again."""
+    other_root = tmp_path / "other"
+    commit(queue, sink, ["a", "b"], clock)
+    commit(queue, parquet.ParquetSink(queue, other_root), ["c"], clock)
+
+    report = run(queue, root, clock, repair=True)
+
+    assert report.repairs == ()
+    assert [(f.kind, f.severity, f.count) for f in report.findings] == [
+        (Kind.OTHER_DATASET, Severity.WARNING, 1)
+    ]
+    assert str(other_root) in report.findings[0].message
+    assert (report.ok, report.clean) == (True, False)  # not green: said, not repaired
+    assert {k: r.state for k, r in items(queue).items()} == dict.fromkeys("abc", models.State.DONE)
+    assert run(queue, other_root, clock).findings[0].kind is Kind.OTHER_DATASET  # a and b
+
+    lost = commit(queue, sink, ["d"], clock)
+    (root / path_of(queue, lost)).unlink()  # written here, gone: still a missing file
+    assert Kind.MISSING_FILE in {f.kind for f in run(queue, root, clock).findings}
+
+
 def test_outputs_survive_repair_bit_for_bit(
     queue: q.SqlQueue,
     sink: parquet.ParquetSink,
