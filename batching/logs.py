@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from batching.redaction import redact_url
+
 
 class OneLine(logging.Formatter):
     """Library warnings on stderr as one line each: no tracebacks for a user to wade through."""
@@ -17,6 +19,10 @@ class OneLine(logging.Formatter):
         text = super().format(record)
         if record.exc_info and record.exc_info[1] is not None:
             text += f" ({record.exc_info[1]})"
+        elif error := record.__dict__.get("error"):  # the library's structured cause (masked)
+            kind = record.__dict__.get("error_type")
+            error = redact_url(str(error))
+            text += f" ({kind}: {error})" if kind else f" ({error})"
         return text.rstrip()
 
 

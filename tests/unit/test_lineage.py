@@ -599,3 +599,20 @@ def test_summarize_an_unfinished_run() -> None:
 @pytest.mark.parametrize(("events", "run_id"), [([], None), (EVENTS, "unknown-run")])
 def test_summarize_nothing_gives_none(events: list[dict[str, Any]], run_id: str | None) -> None:
     assert lineage_log.summarize_run(events, run_id) is None
+
+
+def test_the_command_line_shows_why_an_event_was_not_delivered(
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, the CLI printed "lineage emit failed" and nothing of the cause, which the
+    record carries (masked) for structured logs."""
+    from batching.logs import OneLine
+
+    em = emitter(ListTransport(fail_next=1), clock)
+    with caplog.at_level(logging.WARNING, logger="batching.lineage"):
+        em.start(run_context())
+    (record,) = caplog.records
+    line = OneLine("%(levelname)s %(name)s: %(message)s").format(record)
+    assert line.startswith("WARNING batching.lineage: lineage emit failed (ConnectionError: ")
+    assert "secret" not in line
+    assert "\n" not in line
