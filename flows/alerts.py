@@ -11,6 +11,7 @@ import argparse
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlsplit
 from uuid import UUID
 
 import yaml
@@ -18,6 +19,7 @@ from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.client.orchestration import get_client
 from prefect.events.schemas.automations import AutomationCore
 
+from batching.redaction import redact_url
 from flows import settings
 
 AUTOMATIONS = settings.REPO / "deployments" / "automations"
@@ -54,10 +56,26 @@ def create(url: str, paths: Iterable[Path] | None = None) -> dict[str, UUID]:
     return created
 
 
+def webhook_url(text: str) -> str:
+    """``--webhook-url``: an http(s) URL with a host, else refused (argparse exits 2)."""
+    try:
+        parts = urlsplit(text)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is not a number, an unclosed IPv6 bracket
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"{redact_url(text)!r} is not an http(s) URL like https://hooks.example.com/alerts"
+        )
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command line: ``--webhook-url URL``."""
     parser = argparse.ArgumentParser(prog="python -m flows.alerts", description=__doc__)
-    parser.add_argument("--webhook-url", required=True, help="where alerts are POSTed")
+    parser.add_argument(
+        "--webhook-url", required=True, type=webhook_url, help="where alerts are POSTed"
+    )
     args = parser.parse_args(argv)
     for name, automation_id in create(args.webhook_url).items():
         print(f"automation {name}: {automation_id}")
