@@ -966,6 +966,16 @@ _LIVE_BATCHES = ("committed", "published")
 """``sinks.LIVE_STATES`` (not imported: ``sinks`` loads pyarrow)."""
 
 
+def _committed_rows(conn: Connection, run_id: str) -> int:
+    """Rows the run and its workers committed, from the batch ledger."""
+    r, b = schema.runs.c, schema.batches.c
+    workers = sa.select(r.run_id).where(r.parent_run_id == run_id)
+    ids = [run_id, *conn.execute(workers).scalars()]
+    live = b.state.in_(_LIVE_BATCHES)  # a repair's rewrite keeps its run id
+    total = sa.select(sa.func.coalesce(sa.func.sum(b.n_rows), 0)).where(b.run_id.in_(ids), live)
+    return int(conn.execute(total).scalar_one())
+
+
 class RunLedger:
     """Rows of ``batching_runs``: one per scoring or reconcile run (start, finish, summary)."""
 
@@ -1016,13 +1026,7 @@ class RunLedger:
                 conn.execute(schema.runs.insert().values(run_id=run_id, started_at=now, **row))
                 self._before[run_id] = (0, 0, 0)
                 return None
-            workers = sa.select(r.run_id).where(r.parent_run_id == run_id)
-            ids = [run_id, *conn.execute(workers).scalars()]
-            b = schema.batches.c
-            live = b.state.in_(_LIVE_BATCHES)  # a repair's rewrite keeps its run id
-            committed = conn.execute(
-                sa.select(sa.func.coalesce(sa.func.sum(b.n_rows), 0)).where(b.run_id.in_(ids), live)
-            ).scalar_one()
+            committed = _committed_rows(conn, run_id)
             update = sa.update(schema.runs).where(r.run_id == run_id)
             conn.execute(update.values(n_items=committed, **row))
         self._before[run_id] = (int(committed), prior.n_failed, prior.n_batches)
@@ -1065,7 +1069,12 @@ class RunLedger:
                 n = conn.execute(
                     sa.update(schema.runs)
                     .where(r.run_id == row.run_id, stale)
-                    .values(state="failed", finished_at=now, error=error)
+                    .values(
+                        state="failed",
+                        finished_at=now,
+                        error=error,
+                        n_items=_committed_rows(conn, row.run_id),  # it never reported them
+                    )
                 ).rowcount
                 if n:
                     closed.append(
@@ -1085,7 +1094,9 @@ class RunLedger:
             ]
         if closed:
             logger.warning(
-                "abandoned runs closed",
+                "%d abandoned run(s) closed as failed: %s",
+                len(closed),
+                ", ".join(a.run_id for a in closed),
                 extra={"action": "runs_abandoned", "run_ids": [a.run_id for a in closed]},
             )
         return closed

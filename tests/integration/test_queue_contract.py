@@ -426,10 +426,12 @@ def test_a_run_whose_heartbeat_stopped_is_closed_as_abandoned(
     runs.start("done", "score")
     runs.finish("done", "completed", {})
     other.start("elsewhere", "score")
+    add_batch(queue, clock, "b1", "dead", 17)  # committed before it died, never reported
     clock.advance(100)
     runs.beat("alive")
     clock.advance(30)
     (closed,) = runs.close_abandoned(120)  # "dead" last beat 130 s ago, "alive" 30 s ago
+    assert run_row(queue, "dead")[2] == 17, "its rows are counted from the batch ledger"
     assert (closed.run_id, closed.flow, closed.parent_run_id) == ("dead", "score", None)
     assert closed.error.startswith("abandoned: no heartbeat since ")
     with queue.engine.connect() as conn:
@@ -731,15 +733,8 @@ def test_a_run_started_again_is_resumed_with_what_it_and_its_workers_committed(
     runs = q.RunLedger(queue)
     assert runs.start("run", "score") is None
     runs.start("worker", "score.worker-0", parent_run_id="run")
-    with queue.begin() as conn:
-        for batch, run_id, n in (("b1", "run", 30), ("b2", "worker", 12), ("b3", "other", 99)):
-            conn.execute(
-                schema.batches.insert().values(
-                    batch_id=batch, run_id=run_id, queue=queue.queue, lease_id="l",
-                    model_version="v1", sink="parquet", n_rows=n, state="published",
-                    committed_at=clock(),
-                )
-            )  # fmt: skip
+    for batch, run_id, n in (("b1", "run", 30), ("b2", "worker", 12), ("b3", "other", 99)):
+        add_batch(queue, clock, batch, run_id, n)
     runs.finish("run", "failed", {"items_committed": 20, "items_failed": 2}, error="disk gone")
     started = clock()
     clock.advance(50)
@@ -760,3 +755,15 @@ def run_row(queue: q.SqlQueue, run_id: str) -> tuple[Any, ...]:
         c = schema.runs.c
         columns = (c.state, c.started_at, c.n_items, c.n_failed, c.error)
         return tuple(conn.execute(sa.select(*columns).where(c.run_id == run_id)).one())
+
+
+def add_batch(queue: q.SqlQueue, clock: FakeClock, batch_id: str, run_id: str, n: int) -> None:
+    """A published batch of ``n`` rows committed by ``run_id``, in the ledger alone."""
+    with queue.begin() as conn:
+        conn.execute(
+            schema.batches.insert().values(
+                batch_id=batch_id, run_id=run_id, queue=queue.queue, lease_id="l",
+                model_version="v1", sink="parquet", n_rows=n, state="published",
+                committed_at=clock(),
+            )
+        )  # fmt: skip
