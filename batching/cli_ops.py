@@ -35,9 +35,8 @@ def lineage(
 
     path = events or _events_from_config(config)
     if not path.is_file():
-        raise errors.InputError(
-            f"{path}: no lineage event log; run `batching score` first or pass --events"
-        )
+        fix = "check the path" if events else "run `batching score` first or pass --events"
+        raise errors.InputError(f"{path}: no lineage event log; {fix}")
     summary = lineage_log.summarize_run(lineage_log.read_events(path), run)
     if summary is None and run is None:
         raise errors.InputError(f"{path}: no lineage events; run `batching score` first")

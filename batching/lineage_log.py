@@ -25,14 +25,20 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
     if not p.exists():
         return []
     events: list[dict[str, Any]] = []
+    skipped = 0
     with p.open("rb") as lines:
         for number, line in enumerate(lines, start=1):
-            if line.strip():
-                _append_event(events, line, p, number)
+            if line.strip() and not _append_event(events, line, p, number, quiet=skipped >= 5):
+                skipped += 1
+    if skipped > 5:  # the first five are named; not a wall of warnings for a wrong file
+        logger.warning("%s: %d more lines skipped (not lineage events)", p, skipped - 5)
     return events
 
 
-def _append_event(events: list[dict[str, Any]], line: bytes, path: Path, number: int) -> None:
+def _append_event(
+    events: list[dict[str, Any]], line: bytes, path: Path, number: int, *, quiet: bool
+) -> bool:
+    """Append the line's event; False (with a warning unless ``quiet``) when it is none."""
     try:
         event = json.loads(line)  # UTF-8 (or -16/-32) JSON text
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -45,9 +51,11 @@ def _append_event(events: list[dict[str, Any]], line: bytes, path: Path, number:
         reason = "no eventType or job"
     else:
         events.append(event)
-        return
-    extra = {"action": "lineage_event_unreadable", "file": str(path), "line_number": number}
-    logger.warning("%s:%d: lineage event skipped (%s)", path, number, reason, extra=extra)
+        return True
+    if not quiet:
+        extra = {"action": "lineage_event_unreadable", "file": str(path), "line_number": number}
+        logger.warning("%s:%d: lineage event skipped (%s)", path, number, reason, extra=extra)
+    return False
 
 
 def summarize_run(

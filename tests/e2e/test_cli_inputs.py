@@ -161,6 +161,22 @@ def test_binary_or_incomplete_event_lines_are_skipped_not_a_traceback(tmp_path: 
     assert f"{events}:2: lineage event skipped (no eventType or job)" in r.err
 
 
+def test_a_file_that_is_no_event_log_gets_five_warnings_and_a_count_not_a_wall(
+    tmp_path: Path,
+) -> None:
+    """Before, `--events README.md` printed ~560 warnings before its one-line error."""
+    text = tmp_path / "notes.md"
+    text.write_text("".join(f"line {i}\n" for i in range(100)))
+    r = batching("lineage", "--events", str(text), cwd=tmp_path)
+    assert r.rc == 2
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 7, r.err  # five named lines, the count, the error
+    assert f"{text}: 95 more lines skipped (not lineage events)" in r.err
+    missing = batching("lineage", "--events", str(tmp_path / "nope.jsonl"), cwd=tmp_path)
+    assert missing.rc == 2
+    assert "no lineage event log; check the path" in missing.err  # not "pass --events"
+
+
 def test_an_async_database_driver_is_refused_naming_the_one_to_use(tmp_path: Path) -> None:
     r = batching("status", "--db", "postgresql+asyncpg://u:sekret@127.0.0.1:9/x", cwd=tmp_path)
     assert r.rc == 2
