@@ -687,9 +687,15 @@ def _scored_factory(run_id: str, model_version: str) -> pipeline.ScoredBatchFact
 
 
 def check_config(config: cfg.PipelineConfig) -> Any:
-    """Plan-time policy check against the config's measured service profile."""
-    from batching import policy
+    """Plan-time policy check against the config's measured service profile.
 
+    Raises:
+        ConfigError: ``model.name`` is neither built in nor a factory (before, the check
+            blamed the service profile and advised ``batching profile``, which failed too).
+    """
+    from batching import policy, zoo
+
+    zoo.check_name(config.model.name)
     return policy.check_policy(config, load_profile(config))
 
 

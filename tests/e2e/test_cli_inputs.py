@@ -136,6 +136,15 @@ def test_check_names_a_missing_service_profile(tmp_path: Path) -> None:
         assert f"run `batching profile -c {config}` to create it" in line
 
 
+def test_check_names_an_unknown_model_not_the_service_profile(tmp_path: Path) -> None:
+    """Before: it blamed the profile and advised `batching profile`, which failed too."""
+    r = batching("check", "-c", str(write_config(tmp_path, model={"name": "nosuch"})), cwd=tmp_path)
+    assert r.rc == 2
+    line = one_error_line(r)
+    assert "model 'nosuch' is not built in" in line
+    assert "package.module:function" in line
+
+
 # ----------------------------------------------------------------------------- reconcile
 
 
