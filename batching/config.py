@@ -24,6 +24,7 @@ _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _DB_URL = re.compile(r"^(sqlite|postgres|postgresql)(\+\w+)?://")
+_NAMESPACE = re.compile(r"^[a-zA-Z:;=/0-9_\-.@+]{1,1024}$")  # Marquez's NamespaceName
 
 DEFAULT_DB_URL = "sqlite:///batching.db"
 
@@ -194,6 +195,16 @@ class LineageConfig(_Model):
     namespace: str = "batching"
     timeout_s: float = Field(2.0, gt=0, le=60)
     retries: int = Field(1, ge=0, le=5)
+
+    @field_validator("namespace")
+    @classmethod
+    def _marquez_namespace(cls, value: str) -> str:
+        if not _NAMESPACE.match(value):
+            raise ValueError(
+                f"namespace {value!r} is not one Marquez accepts: letters, digits and "
+                ":;=/_-.@+ only, no spaces (e.g. batching-prod)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _url_for_http(self) -> LineageConfig:

@@ -616,3 +616,18 @@ def test_the_command_line_shows_why_an_event_was_not_delivered(
     assert line.startswith("WARNING batching.lineage: lineage emit failed (ConnectionError: ")
     assert "secret" not in line
     assert "\n" not in line
+
+
+@pytest.mark.parametrize("namespace", ["has space", "my team!", "", "ns#1"])
+def test_a_namespace_marquez_would_refuse_is_refused_here(namespace: str) -> None:
+    """Marquez's NamespaceName rule; before, it was sent, and only delivery failures showed."""
+    with pytest.raises(errors.ConfigError, match="is not one Marquez accepts"):
+        lineage.config_from_env({"OPENLINEAGE_NAMESPACE": namespace or " "}, BASE)
+    if namespace:
+        with pytest.raises(errors.ConfigError, match="is not one Marquez accepts"):
+            config.parse_config(
+                {
+                    "model": {"name": "w1-mlp", "sha256": "a" * 64},
+                    "lineage": {"namespace": namespace},
+                }
+            )
