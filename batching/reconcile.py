@@ -479,17 +479,21 @@ def reconcile(
             ``dataset_lost``).
     """
     location = str(sink_root_or_table)
-    facts = gather(
-        queue,
-        location,
-        output_kind=output_kind,
-        since=since,
-        run_id=run_id,
-        now=now,
-        staging=staging,
-        dataset_lost=dataset_lost,
-    )
-    findings = tuple(classify(facts))
+
+    def find() -> tuple[Finding, ...]:
+        facts = gather(
+            queue,
+            location,
+            output_kind=output_kind,
+            since=since,
+            run_id=run_id,
+            now=now,
+            staging=staging,
+            dataset_lost=dataset_lost,
+        )
+        return tuple(classify(facts))
+
+    findings = find()
     repairs: tuple[Repair, ...] = ()
     if repair and findings:
         sink = (
@@ -498,6 +502,11 @@ def reconcile(
             else None
         )
         repairs = tuple(_Repairer(queue, sink, now).run(findings))
+        if any(r.action == "release_expired" and r.n_items for r in repairs):
+            # A dead scorer's staging files were in flight while its leases held; reaped,
+            # they are leftovers: moved now, not by a second --repair.
+            left = [f for f in find() if f.kind is Kind.ORPHAN_FILE]
+            repairs += tuple(_Repairer(queue, sink, now).run(left))
     report = Report(output_kind, location, now, since, run_id, findings, repairs)
     _log(report)
     return report

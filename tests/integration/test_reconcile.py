@@ -342,6 +342,31 @@ def test_staging_file_of_a_held_lease_is_left_alone(
     assert run(queue, root, clock).findings == ()
 
 
+def test_one_repair_reaps_a_dead_scorers_leases_and_moves_its_staging_file(
+    queue: q.SqlQueue,
+    sink: parquet.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: the first --repair reaped the leases, which made the staging file a leftover
+    that only a second --repair moved (found by a new-user walkthrough, after a SIGKILL)."""
+    batch = scored(claim(queue, ["a", "b"], lease_s=5), clock)
+    with monkeypatch.context() as m:
+        m.setattr(sink, "_record", crash)
+        with pytest.raises(Crash):
+            sink.commit(batch)  # staged, then the scorer was killed
+    assert list(sink.layout.staging.iterdir())
+    clock.advance(10)
+
+    report = run(queue, root, clock, repair=True)
+
+    assert {f.kind for f in report.findings} == {Kind.STALE_LEASE}
+    assert {r.action for r in report.repairs} >= {"release_expired"}
+    assert not list(sink.layout.staging.iterdir()), report.repairs
+    assert run(queue, root, clock).clean
+
+
 def test_a_file_renamed_while_reconcile_reads_it_is_not_corrupt(
     queue: q.SqlQueue,
     sink: parquet.ParquetSink,
