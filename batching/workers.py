@@ -202,7 +202,7 @@ def run_workers(
     log_level = logging.getLogger("batching").getEffectiveLevel()  # the same as here
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()
-    stops = _StopRequests(ctx)
+    stops = _StopRequests()
     procs = [
         ctx.Process(
             target=_work,
@@ -220,7 +220,6 @@ def run_workers(
                     run_ids[i] if run_ids else None,
                 ),
                 messages,
-                stops.event,
             ),
             name=f"batching-worker-{i}",
         )
@@ -235,12 +234,12 @@ def run_workers(
                 started.append(p)
         while not watch.done():
             watch.poll(poll_s)
-            stops.forward(asked=stop is not None and stop.is_set())
+            stops.forward(started, asked=stop is not None and stop.is_set())
     except BaseException:
         # This process failed (a progress callback raised, a worker could not start): stop
         # the workers, and keep reading their messages, or one blocked writing to the queue
         # never exits.
-        stops.event.set()
+        stops.stop(started)
         seen = stops.signals
         _wind_down(started, messages, hurry=lambda: stops.signals > seen)
         raise
@@ -364,22 +363,27 @@ _STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 
 
 class _StopRequests:
-    """SIGTERM/SIGINT to this process, passed to the workers as one shared event.
+    """SIGTERM/SIGINT to this process (or a stop asked for), passed on to every live worker
+    as a SIGTERM of its own: each stops claiming, finishes its batches in flight and exits.
+
+    Not a shared ``multiprocessing.Event``: a worker that had exited while a thread of it
+    waited on the event still counted as a waiter, and ``Event.set()`` then waited for it to
+    wake, forever (the parent hung, and the other workers went on).
 
     A worker spends seconds importing torch before its own handlers exist; a signal's default
     action would kill it then, mid-start. So the main thread blocks both signals while it
     starts the workers, and each inherits the mask: a stop signal sent to a starting worker
     waits (Linux never discards a blocked signal) for the handler it installs before it
     unblocks them. This process's handler is installed first, so a signal delivered to any
-    of its threads meanwhile is kept, and passed on through the event, which workers watch
-    from the start. (multiprocessing's resource tracker unblocks both signals in the thread
+    of its threads meanwhile is kept, and passed on once every worker has started.
+    (multiprocessing's resource tracker unblocks both signals in the thread
     that starts it, so it is started before the mask is set.) Any thread can hold the mask,
     but only the main thread can set handlers: elsewhere the caller stops workers through
     ``run_workers(stop=...)``.
     """
 
-    def __init__(self, ctx: Any) -> None:
-        self.event = ctx.Event()
+    def __init__(self) -> None:
+        self.sent = False  # the workers were asked to stop
         self.signals = 0  # stop signals received so far
         self.received: int | None = None  # the first of them
         self._asked = threading.Event()
@@ -402,12 +406,22 @@ class _StopRequests:
         self.signals += 1
         if self.received is None:
             self.received = signum
-        self._asked.set()  # the event itself takes a lock: set it outside the handler
+        self._asked.set()  # passed on by the watch loop, outside the handler
 
-    def forward(self, *, asked: bool = False) -> None:
-        """Pass a stop request (a signal, or ``asked``) on to the workers."""
-        if (asked or self._asked.is_set()) and not self.event.is_set():
-            self.event.set()
+    def forward(self, workers: Sequence[Any], *, asked: bool = False) -> None:
+        """Pass a stop request (a signal, or ``asked``) on to the workers, once."""
+        if (asked or self._asked.is_set()) and not self.sent:
+            self.stop(workers)
+
+    def stop(self, workers: Sequence[Any]) -> None:
+        """SIGTERM every worker still running (a starting one holds it until its handler is
+        installed). One that exited but is not reaped yet keeps its pid: no other process
+        can be signalled by mistake."""
+        self.sent = True
+        for p in workers:
+            if p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
 
     def restore(self) -> None:
         for sig, handler in self._old.items():
@@ -448,7 +462,7 @@ def _log_to_parent(index: int, messages: Any, level: int) -> None:
     library.propagate = False
 
 
-def _work(index: int, job: _Job, messages: Any, stop_event: Any) -> None:
+def _work(index: int, job: _Job, messages: Any) -> None:
     """A worker process: one whole scoring run, reported back over ``messages``."""
     import torch
 
@@ -466,10 +480,6 @@ def _work(index: int, job: _Job, messages: Any, stop_event: Any) -> None:
         signal.signal(sig, request_stop)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
-    def watch() -> None:
-        stop_event.wait()
-        request_stop()
-
     parent = mp.parent_process()  # set up at spawn: no window where its death is missed
 
     def watch_parent() -> None:
@@ -483,7 +493,6 @@ def _work(index: int, job: _Job, messages: Any, stop_event: Any) -> None:
         messages.cancel_join_thread()
         request_stop()
 
-    threading.Thread(target=watch, name="stop-watch", daemon=True).start()
     threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
     _log_to_parent(index, messages, job.log_level)
     torch.set_num_threads(job.threads)

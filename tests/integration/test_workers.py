@@ -276,6 +276,40 @@ def test_workers_run_from_another_thread_stop_when_asked(sqlite_url: str, tmp_pa
     assert_stopped_mid_run(sqlite_url, "the workers ran to the end; stop was ignored")
 
 
+def test_stopping_workers_after_they_exited_does_not_hang(sqlite_url: str, tmp_path: Path) -> None:
+    """The parent fails (here its progress callback) once both workers have exited. Before,
+    the stop went through a shared multiprocessing.Event, and its set() waited forever for
+    the exited workers' waiting threads to wake (a CI run hung in the flow retry test)."""
+    config = load("tabular.yaml", tmp_path, batching={"max_batch_size": 20})
+    enqueue(sqlite_url, config, w1_records(40, tmp_path))
+    failed: list[BaseException] = []
+
+    def fail_once_exited(committed: int, failed_: int, claimed: int) -> None:
+        if committed < 40:
+            return
+        wait_for(
+            lambda: not [p for p in multiprocessing.active_children() if "worker" in p.name],
+            60,
+            "both workers to exit",
+        )
+        raise RuntimeError("the parent failed after its workers exited")
+
+    def run() -> None:
+        try:
+            run_workers(
+                config, 2, db_url=sqlite_url, output=str(tmp_path / "outputs"),
+                on_progress=fail_once_exited,
+            )  # fmt: skip
+        except RuntimeError as exc:
+            failed.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(timeout=120)
+    assert not runner.is_alive(), "stopping the exited workers hung"
+    assert failed, "the callback's failure was not raised"
+
+
 def test_workers_started_off_the_main_thread_survive_sigterm_while_starting(
     sqlite_url: str, tmp_path: Path
 ) -> None:
