@@ -52,6 +52,20 @@ def crash(*_args: Any, **_kwargs: Any) -> None:
     raise Crash
 
 
+def commit_dying_at(
+    sink: parquet.ParquetSink,
+    step: str,
+    batch: sinks.ScoredBatch,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Commit ``batch`` with the process dying at the sink's ``step`` (``_record``: staged,
+    never committed; ``_publish``: committed, its file still in staging)."""
+    with monkeypatch.context() as m:
+        m.setattr(sink, step, crash)
+        with pytest.raises(Crash):
+            sink.commit(batch)
+
+
 def found(report: rc.Report) -> dict[tuple[Kind, Severity], list[rc.Finding]]:
     out: dict[tuple[Kind, Severity], list[rc.Finding]] = {}
     for f in report.findings:
@@ -211,16 +225,10 @@ def make_every_fault(
     queue.ack(lost.lease_id, [i.id for i in lost.items])  # acked, no output, no batch
     claim(queue, ["l2"])
     set_items(queue, ["l2"], state=int(models.State.DONE), batch_id=made["first"].batch_id)
-    with monkeypatch.context() as m:
-        m.setattr(sink, "_publish", crash)
-        made["unpublished"] = scored(claim(queue, ["u1"]), clock)
-        with pytest.raises(Crash):
-            sink.commit(made["unpublished"])
-    with monkeypatch.context() as m:
-        m.setattr(sink, "_record", crash)
-        leftover = scored(claim(queue, ["o1"], lease_s=10), clock)
-        with pytest.raises(Crash):
-            sink.commit(leftover)
+    made["unpublished"] = scored(claim(queue, ["u1"]), clock)
+    commit_dying_at(sink, "_publish", made["unpublished"], monkeypatch)
+    leftover = scored(claim(queue, ["o1"], lease_s=10), clock)
+    commit_dying_at(sink, "_record", leftover, monkeypatch)
     made["leftover"] = sink.layout.staging_file(leftover.batch_id, leftover.lease_id)
     clock.advance(11)
     assert queue.release_expired().released == 1
@@ -331,10 +339,7 @@ def test_staging_file_of_a_held_lease_is_left_alone(
 ) -> None:
     c = claim(queue, ["a"])
     batch = scored(c, clock)
-    with monkeypatch.context() as m:
-        m.setattr(sink, "_record", crash)
-        with pytest.raises(Crash):
-            sink.commit(batch)
+    commit_dying_at(sink, "_record", batch, monkeypatch)
     report = run(queue, root, clock, repair=True)
     assert report.findings == ()
     assert sink.layout.staging_file(batch.batch_id, batch.lease_id).is_file()
@@ -352,10 +357,7 @@ def test_one_repair_reaps_a_dead_scorers_leases_and_moves_its_staging_file(
     """Before: the first --repair reaped the leases, which made the staging file a leftover
     that only a second --repair moved (found by a new-user walkthrough, after a SIGKILL)."""
     batch = scored(claim(queue, ["a", "b"], lease_s=5), clock)
-    with monkeypatch.context() as m:
-        m.setattr(sink, "_record", crash)
-        with pytest.raises(Crash):
-            sink.commit(batch)  # staged, then the scorer was killed
+    commit_dying_at(sink, "_record", batch, monkeypatch)  # staged, then the scorer was killed
     assert list(sink.layout.staging.iterdir())
     clock.advance(10)
 
@@ -377,10 +379,7 @@ def test_a_file_renamed_while_reconcile_reads_it_is_not_corrupt(
     """The scorer publishes (staging to dataset) just as reconcile opens the staged file:
     before, that read as "unreadable", and repair requeued a good batch (a duplicate later)."""
     batch = scored(claim(queue, ["a", "b"]), clock)
-    with monkeypatch.context() as m:
-        m.setattr(sink, "_publish", crash)
-        with pytest.raises(Crash):
-            sink.commit(batch)  # committed, its file still in staging
+    commit_dying_at(sink, "_publish", batch, monkeypatch)  # committed, its file still in staging
     check = parquet.check_file
 
     def renamed_first(path: Path, **kw: Any) -> Any:
