@@ -151,6 +151,11 @@ payloads = sa.Table(
 
 items_archive = sa.Table("batching_items_archive", metadata, *_item_columns(archive=True))
 
+BATCH_COMMITTED = "committed"
+BATCH_PUBLISHED = "published"
+BATCH_LIVE_STATES = (BATCH_COMMITTED, BATCH_PUBLISHED)
+"""Ledger states of a batch whose rows count (``sinks`` names them; ``queue`` counts them)."""
+
 batches = sa.Table(
     "batching_batches",
     metadata,

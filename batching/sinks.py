@@ -33,15 +33,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-COMMITTED = "committed"
+COMMITTED = schema.BATCH_COMMITTED
 """Ledger state: acked and recorded; the Parquet file may still be in staging."""
-PUBLISHED = "published"
+PUBLISHED = schema.BATCH_PUBLISHED
 """Ledger state: the output is visible to readers."""
 QUARANTINED = "quarantined"
 """Ledger state: reconcile found the output missing or corrupt and requeued its items."""
 SUPERSEDED = "superseded"
 """Ledger state: reconcile removed duplicate rows; the batch was rewritten or dropped."""
-LIVE_STATES = (COMMITTED, PUBLISHED)
+LIVE_STATES = schema.BATCH_LIVE_STATES
 
 SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,36}$")
 """Batch and lease ids (they become file names): letters, digits, ``_`` and ``-``, 1-36."""
