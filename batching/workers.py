@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from multiprocessing import resource_tracker
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from batching import errors
@@ -201,7 +202,12 @@ def run_workers(
     per_worker = threads or max(1, available_cores() // max(1, len(shares)))
     log_level = logging.getLogger("batching").getEffectiveLevel()  # the same as here
     ctx = mp.get_context("spawn")
-    messages = ctx.Queue()
+    # One pipe per worker, not one shared queue: a worker killed while writing to a shared
+    # queue dies holding its cross-process write lock, and every other worker then blocks
+    # on its next message, forever; and a message it left half-written in a pipe that this
+    # process also holds open is one a reader waits on forever. A pipe of its own whose
+    # write end only the worker holds turns both into an end of file here.
+    pipes = [ctx.Pipe(duplex=False) for _ in shares]
     stops = _StopRequests()
     procs = [
         ctx.Process(
@@ -219,34 +225,40 @@ def run_workers(
                     lineage_config,
                     run_ids[i] if run_ids else None,
                 ),
-                messages,
+                pipes[i][1],
             ),
             name=f"batching-worker-{i}",
         )
         for i, share in enumerate(shares)
     ]
-    watch = _Watch(procs, messages, on_progress)
+    watch = _Watch(procs, [reader for reader, _ in pipes], on_progress)
     started: list[Any] = []
     try:
         with stops.starting():
-            for p in procs:
-                p.start()
+            for p, (_, writer) in zip(procs, pipes, strict=True):
+                try:
+                    p.start()
+                finally:
+                    writer.close()  # the worker's copy is its own; this one would hide its end
                 started.append(p)
         while not watch.done():
             watch.poll(poll_s)
             stops.forward(started, asked=stop is not None and stop.is_set())
     except BaseException:
         # This process failed (a progress callback raised, a worker could not start): stop
-        # the workers, and keep reading their messages, or one blocked writing to the queue
+        # the workers, and keep reading their messages, or one blocked writing to its pipe
         # never exits.
         stops.stop(started)
         seen = stops.signals
-        _wind_down(started, messages, hurry=lambda: stops.signals > seen)
+        _wind_down(started, watch, hurry=lambda: stops.signals > seen)
         raise
     finally:
         stops.restore()
+        for writer in (w for _, w in pipes if not w.closed):  # workers never started
+            writer.close()
     for p in procs:
         p.join()
+    watch.close()
     if resend_signals:
         stops.resend()
     reports = [watch.reports[i] for i in range(len(procs))]
@@ -256,13 +268,18 @@ def run_workers(
 
 
 class _Watch:
-    """The parent's view of its workers: their summed progress and their reports."""
+    """The parent's view of its workers: their summed progress and their reports, read from
+    one pipe per worker. A worker whose pipe ends without a report died (killed, out of
+    memory); so did one that exited while nothing was left in its pipe."""
 
     def __init__(
-        self, procs: Sequence[Any], messages: Any, on_progress: WorkersProgress | None
+        self,
+        procs: Sequence[Any],
+        inboxes: Sequence[Connection],
+        on_progress: WorkersProgress | None,
     ) -> None:
         self._procs = procs
-        self._messages = messages
+        self._open = dict(enumerate(inboxes))
         self._on_progress = on_progress
         self._counts: dict[int, tuple[int, int, int]] = {}
         self.reports: dict[int, WorkerReport] = {}
@@ -271,11 +288,35 @@ class _Watch:
         return len(self.reports) == len(self._procs)
 
     def poll(self, timeout_s: float) -> None:
-        """Take one message; when none comes, look for workers that died without a report."""
-        try:
-            self._take(self._messages.get(timeout=timeout_s))
-        except stdqueue.Empty:
-            self._silent_deaths()
+        """Read what the workers sent, waiting up to ``timeout_s`` for something to come."""
+        self._read(timeout_s, logs_only=False)
+        self._silent_deaths()
+
+    def drain_logs(self) -> None:
+        """Relay the log records already sent, without waiting: while stopped workers wind
+        down (one blocked writing to a full pipe never exits)."""
+        self._read(0, logs_only=True)
+
+    def close(self) -> None:
+        for conn in self._open.values():
+            conn.close()
+        self._open.clear()
+
+    def _read(self, timeout_s: float, *, logs_only: bool) -> None:
+        by_conn: dict[Any, int] = {conn: i for i, conn in self._open.items()}
+        for conn in wait(list(by_conn), timeout_s):
+            index = by_conn[conn]
+            for _ in range(_READS_PER_LOOK):  # then the other workers' turn
+                try:
+                    message = self._open[index].recv()
+                except (EOFError, OSError):  # the worker exited; or died mid-message
+                    self._open.pop(index).close()
+                    self._ended(index)
+                    break
+                if not logs_only or message[0] == "log":
+                    self._take(message)
+                if not self._open[index].poll(0):
+                    break
 
     def _take(self, message: tuple[str, int, Any]) -> None:
         kind, index, body = message
@@ -289,22 +330,24 @@ class _Watch:
         if self._on_progress is not None:
             self._on_progress(*(sum(c[k] for c in self._counts.values()) for k in range(3)))
 
-    def _silent_deaths(self) -> None:
-        # Which workers have exited, first; then everything already in the pipe. A worker's
-        # report is in the pipe before it exits, so one of those still without a report
-        # never sent one (the other order would misreport a worker that just finished).
-        exited = [
-            (i, p.exitcode)
-            for i, p in enumerate(self._procs)
-            if i not in self.reports and p.exitcode is not None
-        ]
-        if not exited:
+    def _ended(self, index: int) -> None:
+        """Worker ``index``'s pipe ended: it has exited (or is exiting); without a report, it
+        died."""
+        if index in self.reports:
             return
-        for message in _drained(self._messages):
-            self._take(message)
-        for i, code in exited:
-            if i not in self.reports:
-                self.reports[i] = _died(i, code, self._counts.get(i, (0, 0, 0))[0])
+        proc = self._procs[index]
+        proc.join(timeout=10)  # its end of the pipe closes as it exits
+        self.reports[index] = _died(index, proc.exitcode, self._counts.get(index, (0, 0, 0))[0])
+
+    def _silent_deaths(self) -> None:
+        # A worker that exited with nothing left in its pipe, whose end of file has not come
+        # (a process it started holds the write end): dead, unless it reported.
+        for i, p in enumerate(self._procs):
+            conn = self._open.get(i)
+            if i in self.reports or p.exitcode is None or conn is None or conn.poll(0):
+                continue
+            self._open.pop(i).close()
+            self._ended(i)
 
 
 def _relay(record: logging.LogRecord) -> None:
@@ -316,17 +359,11 @@ def _relay(record: logging.LogRecord) -> None:
         logger.debug("a worker's log record was not handled", exc_info=True)
 
 
-def _drained(messages: Any) -> Iterator[Any]:
-    """The messages already in the queue, without waiting for more."""
-    while True:
-        try:
-            yield messages.get_nowait()
-        except stdqueue.Empty:
-            return
-
-
-def _died(index: int, exitcode: int, committed: int) -> WorkerReport:
-    how = f"was killed by signal {-exitcode}" if exitcode < 0 else f"exited {exitcode}"
+def _died(index: int, exitcode: int | None, committed: int) -> WorkerReport:
+    if exitcode is None:  # its pipe ended, yet it has not exited
+        how = "closed its pipe"
+    else:
+        how = f"was killed by signal {-exitcode}" if exitcode < 0 else f"exited {exitcode}"
     return WorkerReport(
         index,
         error=f"the worker process {how} before reporting; items it had leased return to "
@@ -339,25 +376,27 @@ def _died(index: int, exitcode: int, committed: int) -> WorkerReport:
 
 def _wind_down(
     started: Sequence[Any],
-    messages: Any,
+    watch: _Watch,
     *,
     hurry: Callable[[], bool] = lambda: False,
     grace_s: float = 60.0,
 ) -> None:
-    """Wait for stopped workers, draining their messages (a worker blocked writing to the
-    queue never exits); kill those still running after ``grace_s``, or at once when
-    ``hurry()`` (a second Ctrl-C). Their leased items return when the lease expires."""
+    """Wait for stopped workers, relaying what they say as they stop (items released, ...)
+    and so emptying their pipes (a worker blocked writing to a full one never exits); kill
+    those still running after ``grace_s``, or at once when ``hurry()`` (a second Ctrl-C).
+    Their leased items return when the lease expires."""
     deadline = time.monotonic() + grace_s
     while any(p.is_alive() for p in started) and time.monotonic() < deadline and not hurry():
-        for kind, _, body in _drained(messages):
-            if kind == "log":  # what the workers say as they stop (items released, ...)
-                _relay(body)
+        watch.drain_logs()
         time.sleep(0.05)
     for p in started:
         if p.is_alive():
             p.kill()  # not terminate(): a worker's SIGTERM handler only asks it to stop
         p.join()
+    watch.close()
 
+
+_READS_PER_LOOK = 1000
 
 _STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 
@@ -435,35 +474,76 @@ class _StopRequests:
             signal.raise_signal(self.received)
 
 
+_CLOSE = object()
+
+
+class _Outbox:
+    """A worker's messages to the parent, written to its pipe by one thread of their own:
+    ``put`` never blocks and never writes, so any thread may call it, even a signal handler
+    (``SimpleQueue.put`` is reentrant), and a slow parent never stalls a scoring stage.
+    Once the parent is gone (its end closed), messages are dropped."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._pending: stdqueue.SimpleQueue[Any] = stdqueue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send, name="to-parent", daemon=True)
+        self._sender.start()
+
+    def put(self, message: tuple[str, int, Any]) -> None:
+        self._pending.put(message)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Send what is pending, then stop (waiting at most ``timeout_s``)."""
+        self._pending.put(_CLOSE)
+        self._sender.join(timeout_s)
+
+    def _send(self) -> None:
+        while (message := self._pending.get()) is not _CLOSE:
+            try:
+                self._conn.send(message)  # pickled whole before a byte is written
+            except OSError:  # the parent is gone (EPIPE): nobody will read the rest
+                return
+            except Exception:  # a message that cannot be pickled is dropped
+                continue
+
+
 class _ToParent(logging.handlers.QueueHandler):
     """A worker's ``batching`` records, sent to the parent as ``("log", index, record)``: the
     parent's handlers (stderr for the CLI, Prefect's API handler in a flow run) take them."""
 
-    def __init__(self, index: int, messages: Any) -> None:
-        super().__init__(messages)
+    def __init__(self, index: int, outbox: _Outbox) -> None:
+        super().__init__(outbox)  # type: ignore[arg-type]
         self.index = index
-        self.messages = messages
+        self.outbox = outbox
         self.setFormatter(OneLine("%(message)s"))  # the exception on the line, no traceback
 
     def enqueue(self, record: logging.LogRecord) -> None:
         record.worker = self.index
-        self.messages.put(("log", self.index, record))
+        self.outbox.put(("log", self.index, record))
 
 
-def _log_to_parent(index: int, messages: Any, level: int) -> None:
+def _log_to_parent(index: int, outbox: _Outbox, level: int) -> None:
     """Route ``batching`` records to the parent only: a handler the spawned interpreter
     picked up on its own (Prefect's, when it re-imports the parent's ``__main__``) would send
     them a second time, without a flow run to send them to."""
     library = logging.getLogger("batching")
     for handler in list(library.handlers):
         library.removeHandler(handler)
-    library.addHandler(_ToParent(index, messages))
+    library.addHandler(_ToParent(index, outbox))
     library.setLevel(level)
     library.propagate = False
 
 
-def _work(index: int, job: _Job, messages: Any) -> None:
-    """A worker process: one whole scoring run, reported back over ``messages``."""
+def _work(index: int, job: _Job, conn: Connection) -> None:
+    """A worker process: one whole scoring run, reported back over ``conn``."""
+    outbox = _Outbox(conn)
+    try:
+        _score(index, job, outbox)
+    finally:
+        outbox.close()
+
+
+def _score(index: int, job: _Job, outbox: _Outbox) -> None:
     import torch
 
     from batching import app
@@ -484,17 +564,15 @@ def _work(index: int, job: _Job, messages: Any) -> None:
 
     def watch_parent() -> None:
         """The parent was killed (SIGKILL, the OOM killer; also after it asked us to stop):
-        nobody reads our messages or will stop us. Stop as if asked, and exit without
-        waiting to flush messages into a pipe nobody empties (the process would hang at
-        exit, holding its GPU memory)."""
+        nobody reads our messages or will stop us. Stop as if asked; our messages fail to
+        send (the pipe is broken) and are dropped, so nothing waits on them at exit."""
         if parent is None:
             return
         parent.join()  # returns when the parent process ends
-        messages.cancel_join_thread()
         request_stop()
 
     threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
-    _log_to_parent(index, messages, job.log_level)
+    _log_to_parent(index, outbox, job.log_level)
     torch.set_num_threads(job.threads)
 
     def on_scorer(scorer: Scorer) -> None:
@@ -503,7 +581,7 @@ def _work(index: int, job: _Job, messages: Any) -> None:
             scorer.stop()
 
     def on_progress(stats: RunStats) -> None:
-        messages.put(("progress", index, (stats.committed, stats.failed, stats.claimed)))
+        outbox.put(("progress", index, (stats.committed, stats.failed, stats.claimed)))
 
     try:
         outcome = app.run_score(
@@ -522,12 +600,12 @@ def _work(index: int, job: _Job, messages: Any) -> None:
         code = 2 if isinstance(exc, errors.USAGE_ERRORS) else 1
         kind = type(exc).__name__
         report = WorkerReport(index, error=str(exc), exit_code=code, error_type=kind)
-        messages.put(("report", index, report))
+        outbox.put(("report", index, report))
         return
     except BaseException as exc:  # not ours: one line to the parent and to its log
         logger.exception("worker %d failed", index)
         report = WorkerReport(index, error=f"{type(exc).__name__}: {exc}", exit_code=1)
-        messages.put(("report", index, report))
+        outbox.put(("report", index, report))
         return
     report = WorkerReport(
         index,
@@ -537,4 +615,4 @@ def _work(index: int, job: _Job, messages: Any) -> None:
         events_path=str(outcome.events_path) if outcome.events_path else None,
         lineage_failures=outcome.lineage_failures,
     )
-    messages.put(("report", index, report))
+    outbox.put(("report", index, report))

@@ -24,7 +24,7 @@ from batching import config as cfg
 from batching import lineage, lineage_log, models, schema
 from batching import queue as q
 from batching.pipeline import RunLimits
-from batching.workers import WorkersOutcome, _wind_down, run_workers
+from batching.workers import WorkersOutcome, _Watch, _wind_down, run_workers
 from tests import olspec
 from tests.conftest import KeptRecords, wait_for
 from tests.integration.conftest import ScoreProcess
@@ -376,7 +376,7 @@ def test_a_stop_signal_is_passed_on_to_the_handler_before_once_the_workers_stopp
     assert_stopped_mid_run(sqlite_url, "the workers ran to the end; the signal was lost")
 
 
-def _stubborn(ready: Any) -> None:
+def _stubborn(ready: Any, _pipe: Any) -> None:
     """A worker stuck in a long batch: SIGTERM only asks it to stop, as in ``_work``."""
     signal.signal(signal.SIGTERM, lambda *_: None)
     ready.set()
@@ -386,14 +386,15 @@ def _stubborn(ready: Any) -> None:
 @pytest.mark.parametrize("second_signal", [False, True])
 def test_winding_down_kills_a_worker_that_outlives_the_grace(second_signal: bool) -> None:
     ctx = multiprocessing.get_context("spawn")
-    messages = ctx.Queue()
+    reader, writer = ctx.Pipe(duplex=False)
     ready = ctx.Event()
-    worker = ctx.Process(target=_stubborn, args=(ready,))
+    worker = ctx.Process(target=_stubborn, args=(ready, writer))
     worker.start()
+    writer.close()
     assert ready.wait(60), "the worker did not start"
     worker.terminate()  # asks; the worker goes on
     started = time.monotonic()
-    _wind_down([worker], messages, hurry=lambda: second_signal, grace_s=3.0)
+    _wind_down([worker], _Watch([worker], [reader], None), hurry=lambda: second_signal, grace_s=3.0)
     took = time.monotonic() - started
     assert worker.exitcode == -signal.SIGKILL
     assert took < (1.0 if second_signal else 10.0), took

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import queue as stdqueue
+import multiprocessing
+import os
+import struct
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import pytest
 
 from batching import errors
 from batching.pipeline import RunLimits, RunStats
-from batching.workers import WorkerReport, WorkersOutcome, _Watch, share_limits
+from batching.workers import WorkerReport, WorkersOutcome, _Outbox, _Watch, share_limits
 from tests.conftest import KeptRecords
 
 
@@ -114,32 +118,66 @@ def test_all_finished_is_exit_0_and_no_report_is_no_stats() -> None:
     assert WorkersOutcome([WorkerReport(0, error="x", exit_code=1)]).stats() is None
 
 
-class RacyMessages:
-    """The race: the blocking read times out just before the worker's report lands and the
-    worker exits."""
-
-    def __init__(self, late: list[tuple[str, int, object]]) -> None:
-        self.late = late
-
-    def get(self, timeout: float) -> object:
-        raise stdqueue.Empty
-
-    def get_nowait(self) -> object:
-        if not self.late:
-            raise stdqueue.Empty
-        return self.late.pop(0)
-
-
 @dataclass
 class Exited:
+    """A worker process, as the watch sees it."""
+
     exitcode: int | None
 
+    def join(self, timeout: float | None = None) -> None:
+        pass
 
-def test_a_worker_that_reported_and_exited_between_two_looks_is_not_called_dead() -> None:
+
+def sent(*messages: tuple[str, int, object], torn: bool = False) -> Connection:
+    """A pipe's read end holding ``messages``, as a worker wrote them before it exited
+    (its write end closed); ``torn``: then killed mid-way through one more message."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    for message in messages:
+        writer.send(message)
+    if torn:  # the length of a 1,000-byte message, and only 10 of its bytes
+        os.write(writer.fileno(), struct.pack("!i", 1000) + b"x" * 10)
+    writer.close()
+    return reader
+
+
+def test_a_worker_that_reported_and_exited_is_not_called_dead() -> None:
     report = WorkerReport(0, run_id="r0")
-    watch = _Watch([Exited(0), Exited(None)], RacyMessages([("report", 0, report)]), None)
+    watch = _Watch([Exited(0)], [sent(("progress", 0, (3, 0, 3)), ("report", 0, report))], None)
     watch.poll(0.01)
     assert watch.reports == {0: report}
+    assert watch.done()
+
+
+def test_a_worker_killed_mid_message_is_called_dead_not_waited_for() -> None:
+    """Its last message is half in the pipe: the read ends at the end of file, not in a wait
+    for bytes that never come (a shared queue's pipe, which the parent held open too)."""
+    done = threading.Event()
+    watch = _Watch([Exited(-9)], [sent(("progress", 0, (5, 0, 8)), torn=True)], None)
+
+    def poll() -> None:
+        watch.poll(0.01)
+        done.set()
+
+    threading.Thread(target=poll, daemon=True).start()
+    assert done.wait(10), "the watch waits for the rest of a dead worker's message"
+    assert watch.reports[0].died
+    assert watch.reports[0].committed == 5
+    assert "killed by signal 9" in (watch.reports[0].error or "")
+
+
+def test_a_dead_worker_leaves_the_others_reporting() -> None:
+    report = WorkerReport(1, run_id="r1")
+    progress: list[tuple[int, int, int]] = []
+    watch = _Watch(
+        [Exited(-9), Exited(0)],
+        [sent(torn=True), sent(("progress", 1, (4, 1, 5)), ("report", 1, report))],
+        lambda *counts: progress.append(counts),
+    )
+    while not watch.done():
+        watch.poll(0.01)
+    assert watch.reports[1] == report
+    assert watch.reports[0].died
+    assert progress == [(4, 1, 5)]
 
 
 class Broken(logging.Handler):
@@ -156,12 +194,12 @@ def test_worker_records_reach_the_parents_handlers_and_a_broken_one_costs_only_t
     )
     record.worker = 1
     report = WorkerReport(0, run_id="r0")
-    messages = RacyMessages([("log", 0, record), ("log", 0, record), ("report", 0, report)])
+    inbox = sent(("log", 0, record), ("log", 0, record), ("report", 0, report))
     library, kept, broken = logging.getLogger("batching"), KeptRecords(), Broken()
     library.addHandler(kept)
     library.addHandler(broken)
     try:
-        watch = _Watch([Exited(0)], messages, None)
+        watch = _Watch([Exited(0)], [inbox], None)
         watch.poll(0.01)
     finally:
         library.removeHandler(kept)
@@ -173,11 +211,47 @@ def test_worker_records_reach_the_parents_handlers_and_a_broken_one_costs_only_t
 
 
 def test_a_worker_that_exited_without_a_report_is_called_dead_with_how() -> None:
-    watch = _Watch([Exited(-9)], RacyMessages([]), None)
+    watch = _Watch([Exited(-9)], [sent()], None)
     watch.poll(0.01)
     assert watch.reports[0].error is not None
     assert "killed by signal 9" in watch.reports[0].error
     assert watch.done()
+
+
+def test_a_worker_that_exited_while_its_pipe_stays_open_is_called_dead() -> None:
+    """A process it started still holds the write end: no end of file ever comes."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    try:
+        watch = _Watch([Exited(1)], [reader], None)
+        watch.poll(0.01)
+        assert "exited 1" in (watch.reports[0].error or "")
+    finally:
+        writer.close()
+
+
+def test_the_outbox_sends_in_order_from_any_thread_and_drops_what_the_parent_cannot_take() -> None:
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    outbox = _Outbox(writer)
+    outbox.put(("progress", 0, (1, 0, 1)))
+    outbox.put(("log", 0, threading.Lock()))  # cannot be pickled: dropped, not fatal
+    outbox.put(("report", 0, WorkerReport(0, run_id="r0")))
+    outbox.close(timeout_s=10)
+    writer.close()
+    got = []
+    with contextlib.suppress(EOFError):
+        while True:
+            got.append(reader.recv())
+    assert got == [("progress", 0, (1, 0, 1)), ("report", 0, WorkerReport(0, run_id="r0"))]
+
+
+def test_the_outbox_of_a_worker_whose_parent_is_gone_closes_without_waiting() -> None:
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    reader.close()
+    outbox = _Outbox(writer)
+    for i in range(1000):  # more than a pipe holds
+        outbox.put(("log", 0, "x" * 1000 + str(i)))
+    outbox.close(timeout_s=10)
+    assert not outbox._sender.is_alive()
 
 
 @pytest.mark.parametrize(
