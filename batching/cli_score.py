@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -111,6 +112,7 @@ def score(
     SIGTERM or Ctrl-C stops claiming, finishes the batches in flight and releases the rest.
     Lineage goes where the config says, or where $OPENLINEAGE_URL (OPENLINEAGE_*) points.
     """
+    stop = _StopOnSignal()  # first: a signal while the model loads must not kill the run
     from batching import app as wiring
     from batching import pipeline
 
@@ -149,15 +151,12 @@ def score(
                 limits=limits,
                 on_progress=show,
                 lineage_config=lineage_config,
+                stop=stop.asked,
             )
         return
 
     def on_progress(stats: pipeline.RunStats) -> None:
         show(stats.committed, stats.failed, stats.claimed)
-
-    def on_scorer(scorer: pipeline.Scorer) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: scorer.stop())
 
     with progress:
         outcome = wiring.run_score(
@@ -166,12 +165,37 @@ def score(
             output=output,
             limits=limits,
             on_progress=on_progress,
-            on_scorer=on_scorer,
+            on_scorer=stop.attach,
             lineage_config=lineage_config,
         )
     out.print(summary_table(outcome.summary, f"run {outcome.run_id}"))
     _where(outcome.output, outcome.events_path, outcome.lineage_failures)
     _explain_what_is_left(cfg, db, outcome.summary)
+
+
+class _StopOnSignal:
+    """SIGTERM and SIGINT, from the start of ``batching score`` to its end, stop the run:
+    once it scores, its scorer stops claiming, commits what is in flight and releases the
+    rest; a signal that comes earlier (config, model load, start-up recovery) is kept, and
+    stops the scorer as soon as it exists, so the run closes in the ledger and in lineage
+    (the signal's default action killed it there: exit -15, a run left ``running``). Workers
+    take ``asked`` (``run_workers(stop=...)``)."""
+
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+        self._scorer: Any = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, _signum: int, _frame: Any) -> None:
+        self.asked.set()
+        if self._scorer is not None:
+            self._scorer.stop()
+
+    def attach(self, scorer: Any) -> None:
+        self._scorer = scorer
+        if self.asked.is_set():
+            scorer.stop()
 
 
 def _explain_what_is_left(cfg: Any, db: str | None, summary: dict[str, Any]) -> None:

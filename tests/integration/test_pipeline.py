@@ -579,6 +579,41 @@ def test_the_reaper_returns_every_expired_lease_not_just_one_chunk(sqlite_url: s
     queue.engine.dispose()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_before_scoring_starts_closes_the_run_and_leaves_the_queue_as_it_was(
+    sqlite_url: str,
+    tmp_path: Path,
+    score_process: Callable[..., subprocess.Popen[Any]],
+    workers: int,
+) -> None:
+    """The signal lands while the run waits on its lineage START, before any scorer exists.
+    Before, its default action killed the process there (exit -15), leaving the run
+    ``running`` in the ledger until a later run closed it as abandoned."""
+    import socket
+
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        silent.settimeout(60)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        path = write_config(
+            "tabular.yaml",
+            tmp_path,
+            lineage={"transport": "http", "url": url, "timeout_s": 2.0, "retries": 0},
+        )
+        enqueue(sqlite_url, cfg.load_config(path), w1_records(20, tmp_path))
+        proc = score_process(path, "--workers", str(workers))
+        connection, _ = silent.accept()  # the parent run's START is on its way, unanswered
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+        connection.close()
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert {r.state for r in items(sqlite_url).values()} == {models.State.READY}
+    assert {r.state for r in runs(sqlite_url)} == {"completed"}, stdout
+
+
 def test_a_live_run_waiting_on_lineage_is_not_taken_for_abandoned(
     sqlite_url: str, tmp_path: Path
 ) -> None:
