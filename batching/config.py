@@ -15,7 +15,15 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from batching import errors
 from batching.redaction import redact_url
@@ -195,6 +203,10 @@ class LineageConfig(_Model):
     namespace: str = "batching"
     timeout_s: float = Field(2.0, gt=0, le=60)
     retries: int = Field(1, ge=0, le=5)
+    # Sent as ``Authorization: Bearer <key>`` by the http transport. Set only from the
+    # environment (OPENLINEAGE_API_KEY, see lineage.config_from_env), never from a file:
+    # left out of every dump, so of the config hash, the lineage config facet and the logs.
+    api_key: SecretStr | None = Field(None, exclude=True, repr=False)
 
     @field_validator("namespace")
     @classmethod
@@ -292,6 +304,12 @@ def parse_config(data: Any, *, source: str = "config", base_dir: str = ".") -> P
     """Validate a mapping into a ``PipelineConfig``; raises ``ConfigError`` naming each bad field."""
     if not isinstance(data, dict):
         raise errors.ConfigError(f"{source}: expected a mapping of settings at the top level")
+    lineage = data.get("lineage")
+    if isinstance(lineage, dict) and "api_key" in lineage:
+        raise errors.ConfigError(
+            f"{source}: lineage.api_key: a secret does not belong in a config file; remove it "
+            "and set OPENLINEAGE_API_KEY in the scorer's environment"
+        )
     try:
         return PipelineConfig.model_validate({**data, "base_dir": base_dir})
     except ValidationError as exc:

@@ -57,7 +57,12 @@ from openlineage.client.facet_v2 import (
 from openlineage.client.transport import Transport
 from openlineage.client.transport.console import ConsoleConfig, ConsoleTransport
 from openlineage.client.transport.file import FileConfig, FileTransport
-from openlineage.client.transport.http import HttpConfig, HttpTransport
+from openlineage.client.transport.http import (
+    ApiKeyTokenProvider,
+    HttpConfig,
+    HttpTransport,
+    TokenProvider,
+)
 from openlineage.client.transport.http_common import DEFAULT_RETRY_CONFIG
 from openlineage.client.transport.noop import NoopConfig, NoopTransport
 from openlineage.client.uuid import generate_new_uuid
@@ -454,10 +459,12 @@ def _http_transport(cfg: config.LineageConfig) -> HttpTransport:
     retry = {"total": n, "connect": n, "read": n, "status": n, "backoff_factor": 0.1}
     # A backend's Retry-After (urllib3 honours up to 6 h) must not hold a run.
     retry["respect_retry_after_header"] = False
+    key = cfg.api_key.get_secret_value() if cfg.api_key else None
     http_cfg = HttpConfig(
         url=url.rstrip("/") + "/",  # keep a base path: urljoin drops a last segment
         endpoint=cfg.endpoint.lstrip("/"),
         timeout=cfg.timeout_s,
+        auth=ApiKeyTokenProvider({"apiKey": key}) if key else TokenProvider({}),
         session=session,
         retry={**DEFAULT_RETRY_CONFIG, **retry},
     )
@@ -657,9 +664,11 @@ def config_from_env(env: Mapping[str, str], base: config.LineageConfig) -> confi
     """Return ``base`` overridden by OpenLineage's environment variables, for edges (CLI, flows).
 
     Honoured: ``OPENLINEAGE_DISABLED=true`` (transport none), ``OPENLINEAGE_URL`` (http) and
-    ``OPENLINEAGE_ENDPOINT``, ``OPENLINEAGE_NAMESPACE``, and ``OPENLINEAGE__TRANSPORT__TYPE``
+    ``OPENLINEAGE_ENDPOINT``, ``OPENLINEAGE_NAMESPACE``, ``OPENLINEAGE_API_KEY`` (a bearer
+    token for the http transport), and ``OPENLINEAGE__TRANSPORT__TYPE``
     (file|http|console|noop|none), ``__URL``, ``__ENDPOINT``, ``__TIMEOUT``, ``__LOG_FILE_PATH``,
-    ``__RETRY`` (``{"total": n}`` or ``n``). ``__TRANSPORT__`` values win over ``OPENLINEAGE_URL``.
+    ``__RETRY`` (``{"total": n}`` or ``n``), ``__AUTH__APIKEY`` (or ``__AUTH__API_KEY``).
+    ``__TRANSPORT__`` values win over the others.
 
     Raises:
         ConfigError: a value is invalid (message names the setting; URLs are redacted).
@@ -672,11 +681,14 @@ def config_from_env(env: Mapping[str, str], base: config.LineageConfig) -> confi
         updates["endpoint"] = upper["OPENLINEAGE_ENDPOINT"]
     if upper.get("OPENLINEAGE_NAMESPACE"):
         updates["namespace"] = upper["OPENLINEAGE_NAMESPACE"]
+    if upper.get("OPENLINEAGE_API_KEY"):
+        updates["api_key"] = upper["OPENLINEAGE_API_KEY"]
     updates |= _transport_env(upper)
     if upper.get("OPENLINEAGE_DISABLED", "").strip().lower() == "true":
         updates["transport"] = "none"
+    kept = {"api_key": base.api_key}  # not in a dump
     try:
-        return config.LineageConfig.model_validate({**base.model_dump(), **updates})
+        return config.LineageConfig.model_validate({**base.model_dump(), **kept, **updates})
     except ValueError as exc:
         raise errors.ConfigError(f"OPENLINEAGE_* environment: {_describe(exc)}") from None
 
@@ -694,6 +706,9 @@ def _transport_env(upper: Mapping[str, str]) -> dict[str, Any]:
         out["path"] = upper[_ENV_TRANSPORT + "LOG_FILE_PATH"]
     if _ENV_TRANSPORT + "RETRY" in upper:
         out["retries"] = _retries(upper[_ENV_TRANSPORT + "RETRY"])
+    for name in ("AUTH__APIKEY", "AUTH__API_KEY"):  # the client's own spelling, and ours
+        if upper.get(_ENV_TRANSPORT + name):
+            out["api_key"] = upper[_ENV_TRANSPORT + name]
     return out
 
 

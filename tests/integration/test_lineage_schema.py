@@ -400,3 +400,25 @@ def test_http_transport_posts_valid_events_to_url_plus_endpoint(
         assert "secret" not in json.dumps(event)
     assert not [r for r in caplog.records if "secret" in r.getMessage()]
     assert (emitter.emitted, emitter.failures) == (2, 0)
+
+
+def test_an_api_key_from_the_environment_is_sent_as_a_bearer_token_and_never_logged(
+    tmp_path: Path,
+    registry: Registry,
+    marquez_stub: tuple[int, list[Any]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    port, received = marquez_stub
+    env = {"OPENLINEAGE_URL": f"http://127.0.0.1:{port}", "OPENLINEAGE_API_KEY": "k-s3cret"}
+    cfg = lineage.config_from_env(env, config.LineageConfig())
+    run = run_context(tmp_path)
+    with caplog.at_level(logging.DEBUG):
+        emitter = lineage.LineageEmitter(cfg, base_dir=tmp_path, producer=PRODUCER)
+        assert emitter.start(run)
+        assert emitter.complete(run)
+        emitter.close()
+    assert [auth for _, auth, _ in received] == ["Bearer k-s3cret"] * 2
+    for _, _, event in received:
+        olspec.assert_valid_event(event, registry)
+        assert "s3cret" not in json.dumps(event)
+    assert not [r for r in caplog.records if "s3cret" in r.getMessage()]

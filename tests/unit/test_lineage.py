@@ -252,6 +252,42 @@ def test_http_lineage_urls_with_a_host_are_accepted(url: str) -> None:
     assert lineage.config_from_env({"OPENLINEAGE_URL": url}, BASE).url == url
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "OPENLINEAGE_API_KEY",
+        "OPENLINEAGE__TRANSPORT__AUTH__APIKEY",  # the OpenLineage client's spelling
+        "OPENLINEAGE__TRANSPORT__AUTH__API_KEY",
+    ],
+)
+def test_an_api_key_comes_from_the_environment_and_stays_out_of_every_dump(name: str) -> None:
+    env = {"OPENLINEAGE_URL": "http://m:5000", name: "k-s3cret"}
+    got = lineage.config_from_env(env, BASE)
+    assert got.api_key is not None
+    assert got.api_key.get_secret_value() == "k-s3cret"
+    assert "s3cret" not in repr(got) + str(got.model_dump()) + got.model_dump_json()
+    # Another override keeps it: the key is not in the dump the overrides start from.
+    again = lineage.config_from_env({"OPENLINEAGE_NAMESPACE": "prod"}, got)
+    assert again.api_key == got.api_key
+    pipeline = config.parse_config({"model": {"name": "w1-mlp", "version": "v", "sha256": "0" * 64}})
+    with_key = pipeline.model_copy(update={"lineage": got})
+    assert with_key.config_hash() == pipeline.model_copy(
+        update={"lineage": got.model_copy(update={"api_key": None})}
+    ).config_hash()
+    assert "s3cret" not in json.dumps(with_key.model_dump(mode="json"))
+
+
+def test_an_api_key_in_a_config_file_is_refused_with_where_it_goes() -> None:
+    data = {
+        "model": {"name": "w1-mlp", "version": "v", "sha256": "0" * 64},
+        "lineage": {"transport": "http", "url": "http://m", "api_key": "k-s3cret"},
+    }
+    with pytest.raises(errors.ConfigError, match="set OPENLINEAGE_API_KEY") as caught:
+        config.parse_config(data, source="prod.yaml")
+    assert "s3cret" not in str(caught.value)
+    assert str(caught.value).startswith("prod.yaml: lineage.api_key:")
+
+
 # ----------------------------------------------------------------------------- events
 
 ITEMS = lineage.DatasetRef(
