@@ -206,7 +206,8 @@ def run_workers(
     # queue dies holding its cross-process write lock, and every other worker then blocks
     # on its next message, forever; and a message it left half-written in a pipe that this
     # process also holds open is one a reader waits on forever. A pipe of its own whose
-    # write end only the worker holds turns both into an end of file here.
+    # write end only the worker holds turns both into an end of file here (a process the
+    # worker started could hold it too; batching starts none).
     pipes = [ctx.Pipe(duplex=False) for _ in shares]
     stops = _StopRequests()
     procs = [
@@ -233,11 +234,19 @@ def run_workers(
     ]
     watch = _Watch(procs, [reader for reader, _ in pipes], on_progress)
     started: list[Any] = []
+    if stop is not None and stop.is_set():  # asked before any worker started: start none
+        watch.close()
+        for _, writer in pipes:
+            writer.close()
+        return WorkersOutcome()
     try:
         with stops.starting():
-            for p, (_, writer) in zip(procs, pipes, strict=True):
+            for i, (p, (_, writer)) in enumerate(zip(procs, pipes, strict=True)):
                 try:
                     p.start()
+                except BaseException:
+                    watch.forget(i)  # no worker behind that pipe: its end is no death
+                    raise
                 finally:
                     writer.close()  # the worker's copy is its own; this one would hide its end
                 started.append(p)
@@ -256,9 +265,7 @@ def run_workers(
         stops.restore()
         for writer in (w for _, w in pipes if not w.closed):  # workers never started
             writer.close()
-    for p in procs:
-        p.join()
-    watch.close()
+    _join(procs, watch)
     if resend_signals:
         stops.resend()
     reports = [watch.reports[i] for i in range(len(procs))]
@@ -292,10 +299,16 @@ class _Watch:
         self._read(timeout_s, logs_only=False)
         self._silent_deaths()
 
-    def drain_logs(self) -> None:
-        """Relay the log records already sent, without waiting: while stopped workers wind
-        down (one blocked writing to a full pipe never exits)."""
-        self._read(0, logs_only=True)
+    def drain_logs(self, timeout_s: float = 0.0) -> None:
+        """Relay the log records sent, waiting up to ``timeout_s`` for one: while workers
+        exit (one blocked writing to a full pipe never would)."""
+        self._read(timeout_s, logs_only=True)
+
+    def forget(self, index: int) -> None:
+        """Stop reading worker ``index``'s pipe (it never started)."""
+        conn = self._open.pop(index, None)
+        if conn is not None:
+            conn.close()
 
     def close(self) -> None:
         for conn in self._open.values():
@@ -336,7 +349,8 @@ class _Watch:
         if index in self.reports:
             return
         proc = self._procs[index]
-        proc.join(timeout=10)  # its end of the pipe closes as it exits
+        if getattr(proc, "pid", 0) is not None:  # started (a fake in tests has none)
+            proc.join(timeout=10)  # its end of the pipe closes as it exits
         self.reports[index] = _died(index, proc.exitcode, self._counts.get(index, (0, 0, 0))[0])
 
     def _silent_deaths(self) -> None:
@@ -386,14 +400,31 @@ def _wind_down(
     those still running after ``grace_s``, or at once when ``hurry()`` (a second Ctrl-C).
     Their leased items return when the lease expires."""
     deadline = time.monotonic() + grace_s
-    while any(p.is_alive() for p in started) and time.monotonic() < deadline and not hurry():
+    try:
+        while any(p.is_alive() for p in started) and time.monotonic() < deadline and not hurry():
+            watch.drain_logs(0.05)
+    finally:
+        for p in started:
+            if p.is_alive():
+                p.kill()  # not terminate(): a worker's SIGTERM handler only asks it to stop
+            p.join()
+        with contextlib.suppress(Exception):
+            watch.drain_logs()  # their last words: the pipes hold them after they exit
+        watch.close()
+
+
+def _join(procs: Sequence[Any], watch: _Watch) -> None:
+    """Wait for workers that have reported to exit, relaying what they log meanwhile: a
+    worker whose pipe fills as it exits waits for a reader, and this is the reader."""
+    try:
+        while any(p.is_alive() for p in procs):
+            watch.drain_logs(0.05)
         watch.drain_logs()
-        time.sleep(0.05)
-    for p in started:
-        if p.is_alive():
-            p.kill()  # not terminate(): a worker's SIGTERM handler only asks it to stop
-        p.join()
-    watch.close()
+    finally:
+        for p in procs:
+            if p.pid is not None:
+                p.join()
+        watch.close()
 
 
 _READS_PER_LOOK = 1000

@@ -376,6 +376,43 @@ def test_a_stop_signal_is_passed_on_to_the_handler_before_once_the_workers_stopp
     assert_stopped_mid_run(sqlite_url, "the workers ran to the end; the signal was lost")
 
 
+def test_a_worker_that_cannot_start_fails_the_run_with_its_own_error_and_stops_the_others(
+    sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the unstarted worker's closed pipe read as a death, whose join raised
+    AssertionError ("can only join a started process") over the real error, and left
+    the first worker running."""
+    _, config = slow_w1_queue(sqlite_url, tmp_path, 50)
+    spawn = multiprocessing.get_context("spawn").Process
+    real_start, started = spawn.start, list[Any]()
+
+    def start(self: Any) -> None:
+        if started:
+            raise BlockingIOError(11, "Resource temporarily unavailable (fork)")
+        started.append(self)
+        real_start(self)
+
+    monkeypatch.setattr(spawn, "start", start)
+    with pytest.raises(BlockingIOError, match="fork"):
+        run_workers(config, 2, db_url=sqlite_url, output=str(tmp_path / "outputs"))
+    (first,) = started
+    assert not first.is_alive(), "the worker that started was left running"
+    assert first.exitcode == 0, "it was killed, not stopped"
+
+
+def test_workers_asked_to_stop_before_they_start_are_not_started(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    _, config = slow_w1_queue(sqlite_url, tmp_path, 50)
+    asked = threading.Event()
+    asked.set()
+    started = time.monotonic()
+    outcome = run_workers(config, 2, db_url=sqlite_url, stop=asked)
+    assert outcome.reports == []
+    assert time.monotonic() - started < 2.0, "workers were started (a model load each)"
+    assert {r.state for r in items(sqlite_url).values()} == {models.State.READY}
+
+
 def _stubborn(ready: Any, _pipe: Any) -> None:
     """A worker stuck in a long batch: SIGTERM only asks it to stop, as in ``_work``."""
     signal.signal(signal.SIGTERM, lambda *_: None)
