@@ -178,8 +178,11 @@ class _StopOnSignal:
     once it scores, its scorer stops claiming, commits what is in flight and releases the
     rest; a signal that comes earlier (config, model load, start-up recovery) is kept, and
     stops the scorer as soon as it exists, so the run closes in the ledger and in lineage
-    (the signal's default action killed it there: exit -15, a run left ``running``). Workers
-    take ``asked`` (``run_workers(stop=...)``)."""
+    (the signal's default action killed it there: exit -15, a run left ``running``). A
+    second signal before then is not kept: start-up can wait minutes on an unreachable
+    database or lineage backend, and signalling again is how to stop at once (the run is
+    then closed as abandoned by a later one). Workers take ``asked``
+    (``run_workers(stop=...)``; asked before they start, none starts)."""
 
     def __init__(self) -> None:
         self.asked = threading.Event()
@@ -187,10 +190,19 @@ class _StopOnSignal:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
 
-    def _on_signal(self, _signum: int, _frame: Any) -> None:
-        self.asked.set()
+    def _on_signal(self, signum: int, _frame: Any) -> None:
         if self._scorer is not None:
+            self.asked.set()
             self._scorer.stop()
+            return
+        if not self.asked.is_set():
+            self.asked.set()
+            # os.write, not the console: the main thread may be inside a print of its own
+            os.write(2, b"stopping once start-up is done (signal again to stop now)\n")
+            return
+        default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+        signal.signal(signum, default)
+        signal.raise_signal(signum)
 
     def attach(self, scorer: Any) -> None:
         self._scorer = scorer
@@ -241,12 +253,14 @@ def _where(output: str, events_path: Any, lineage_failures: int) -> None:
         )
 
 
-def _score_workers(cfg: Any, n: int, **kwargs: Any) -> None:
+def _score_workers(cfg: Any, n: int, *, stop: threading.Event, **kwargs: Any) -> None:
     from batching import app as wiring
 
-    result = wiring.run_score_workers(cfg, n, **kwargs)
+    result = wiring.run_score_workers(cfg, n, stop=stop, **kwargs)
     outcome = result.workers
-    if len(outcome.reports) < n:
+    if stop.is_set() and not outcome.reports:
+        err.print("note: stopped by a signal before the workers started; nothing was claimed")
+    elif len(outcome.reports) < n:
         err.print(
             f"note: --max-items is shared out between the workers: {len(outcome.reports)} "
             f"of {n} had items to claim, so only they ran",
@@ -256,8 +270,9 @@ def _score_workers(cfg: Any, n: int, **kwargs: Any) -> None:
     if done:
         title = f"run {result.run_id}: {len(done)} of {len(outcome.reports)} workers"
         out.print(summary_table(result.summary, title))
-    runs = (f"{r.run_id}{' (failed)' if r.error else ''}" for r in outcome.reports)
-    out.print(f"worker runs: {', '.join(runs)}")
+    if outcome.reports:
+        runs = (f"{r.run_id}{' (failed)' if r.error else ''}" for r in outcome.reports)
+        out.print(f"worker runs: {', '.join(runs)}")
     _where(result.output, result.events_path, result.lineage_failures)
     if not outcome.exit_code:
         _explain_what_is_left(cfg, kwargs.get("db_url"), result.summary)
