@@ -229,6 +229,11 @@ class LineageConfig(_Model):
                 f"lineage url {redact_url(self.url)!r} is not a URL like http://marquez:5000"
                 " (http or https, a host, a numeric port if any)"
             )
+        if self.api_key is not None and urlsplit(self.url).username is not None:
+            raise ValueError(
+                f"lineage url {redact_url(self.url)!r} has credentials and an API key is set "
+                "too (OPENLINEAGE_API_KEY); use one: the URL's Basic auth would replace the key"
+            )
         return self
 
 

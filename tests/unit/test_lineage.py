@@ -277,6 +277,15 @@ def test_an_api_key_comes_from_the_environment_and_stays_out_of_every_dump(name:
     assert "s3cret" not in json.dumps(with_key.model_dump(mode="json"))
 
 
+def test_an_api_key_beside_credentials_in_the_url_is_refused() -> None:
+    """requests applies the URL's Basic auth over the bearer header: the key was dropped."""
+    env = {"OPENLINEAGE_URL": "http://u:pw@m:5000", "OPENLINEAGE_API_KEY": "k-s3cret"}
+    with pytest.raises(errors.ConfigError, match="use one") as caught:
+        lineage.config_from_env(env, BASE)
+    assert "s3cret" not in str(caught.value)
+    assert "pw" not in str(caught.value)
+
+
 def test_an_api_key_in_a_config_file_is_refused_with_where_it_goes() -> None:
     data = {
         "model": {"name": "w1-mlp", "version": "v", "sha256": "0" * 64},
