@@ -13,6 +13,9 @@ orphan_file            critical  a visible ``*.parquet`` that no live ledger row
                        warning   a staging leftover: never committed and its lease is gone
 duplicate              critical  one ``(model_version, item_key)`` in two live batches
 unpublished            warning   ledger ``committed`` but the file not published yet
+                       info      the file is published; the ledger's mark is not (a live
+                                 scorer records it with its next commit; recovery or
+                                 ``--repair`` does after a crash): readers see the file
 stale_lease            warning   leased items whose lease expired and were not reaped
 sla_miss               warning   items finished after their deadline, or expired
 dead                   info      dead-lettered items, counted by ``last_error``
@@ -262,8 +265,11 @@ def _batch_findings(b: BatchFacts, keys_by_batch: Mapping[str | None, list[str]]
         kind, severity, msg = Kind.MISSING_FILE, Severity.CRITICAL, "its file is missing"
     elif b.problem is not None:
         kind, severity, msg = Kind.TRUNCATED_OR_CORRUPT, Severity.CRITICAL, b.problem
-    elif b.state == sinks.COMMITTED or b.where == "staging":
-        kind, severity, msg = Kind.UNPUBLISHED, Severity.WARNING, f"not published ({b.where})"
+    elif b.where == "staging":
+        kind, severity, msg = Kind.UNPUBLISHED, Severity.WARNING, "not published (staging)"
+    elif b.state == sinks.COMMITTED:  # in the dataset: only the ledger's mark is pending
+        kind, severity = Kind.UNPUBLISHED, Severity.INFO
+        msg = "published; its ledger mark is pending (recorded with the scorer's next commit)"
     else:
         return []
     keys = tuple(sorted(keys_by_batch.get(b.batch_id, ())))

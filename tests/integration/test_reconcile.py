@@ -119,6 +119,23 @@ def test_a_commit_landing_during_the_gather_is_wholly_in_or_out(
     assert run(queue, root, clock).findings == ()
 
 
+def test_a_live_scorers_pending_publish_mark_is_clean_not_a_warning(
+    queue: q.SqlQueue, root: Path, clock: FakeClock
+) -> None:
+    """A scorer records "published" with its next commit: an hourly reconcile beside it read
+    the wait as an unpublished warning, exit 1, and paged while nothing was wrong."""
+    live = parquet.ParquetSink(queue, root, defer_marks=True)
+    batch = scored(claim(queue, ["a", "b"]), clock)
+    assert live.commit(batch).published
+    report = run(queue, root, clock)
+    assert report.clean, report.to_dict()
+    (pending,) = report.findings
+    assert (pending.kind, pending.severity) == (Kind.UNPUBLISHED, Severity.INFO)
+    assert pending.batch_ids == (batch.batch_id,)
+    live.flush()
+    assert run(queue, root, clock).findings == ()
+
+
 def test_a_scorer_starting_during_a_duplicate_repair_keeps_its_rewrite(
     queue: q.SqlQueue,
     sink: parquet.ParquetSink,
@@ -390,7 +407,7 @@ def test_a_file_renamed_while_reconcile_reads_it_is_not_corrupt(
     monkeypatch.setattr(parquet, "check_file", renamed_first)
     report = run(queue, root, clock, repair=True)
     # The ledger row was read before the rename: published but not marked, nothing worse.
-    assert {(f.kind, f.severity) for f in report.findings} == {(Kind.UNPUBLISHED, Severity.WARNING)}
+    assert {(f.kind, f.severity) for f in report.findings} == {(Kind.UNPUBLISHED, Severity.INFO)}
     assert {r.state for r in items(queue).values()} == {models.State.DONE}
     monkeypatch.undo()
     assert run(queue, root, clock).findings == ()
