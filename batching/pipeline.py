@@ -592,16 +592,29 @@ class Scorer:
     # -- leases ------------------------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
+        """Extend every lease the run holds, each heartbeat interval. A lease that extends no
+        row is reported lost only when it does so twice and the run still holds it: once is
+        mostly a commit that acked its last rows between the copy of the leases and the
+        heartbeat (its batch still in the commit stage); a lease really lost stays held until
+        its commit fails with LeaseLost, which is reported too."""
         interval = self.config.queue.effective_heartbeat_s
+        missed: set[str] = set()
         while not self._stages_done.wait(interval):
             with self._lock:
                 leases = list(self._leases)
-            for lease_id in leases:
-                if self.queue.heartbeat(lease_id, self.config.queue.lease_s) == 0:
-                    logger.warning(
-                        "heartbeat found lease lost",
-                        extra={"action": "lease_lost", "lease_id": lease_id},
-                    )
+            empty = {
+                lease_id
+                for lease_id in leases
+                if self.queue.heartbeat(lease_id, self.config.queue.lease_s) == 0
+            }
+            with self._lock:
+                held = set(self._leases)
+            for lease_id in sorted(empty & missed & held):
+                logger.warning(
+                    "heartbeat found lease lost",
+                    extra={"action": "lease_lost", "lease_id": lease_id},
+                )
+            missed = empty
 
     def _release_pending(self) -> None:
         pending = self.batcher.drain() if self._stop.is_set() or self._error is not None else []

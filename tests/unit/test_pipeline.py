@@ -464,6 +464,35 @@ def test_heartbeats_go_on_while_a_stop_drains_the_batches_in_flight() -> None:
     assert r.queue.keys(models.State.LEASED) == set()
 
 
+@pytest.mark.parametrize(("zeros", "warned"), [(1, False), (None, True)])
+def test_a_lease_is_reported_lost_only_when_two_heartbeats_in_a_row_find_it_empty(
+    zeros: int | None, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One empty heartbeat is mostly a commit that acked the lease's last rows just before
+    it: healthy runs logged "lease lost" several times each."""
+    r = rig(keys(4), max_batch_size=4, claim_size=4, heartbeat_s=0.01)
+    beats: list[int] = []
+    enough = threading.Event()
+
+    def heartbeat(lease_id: str, lease_s: float) -> int:
+        beats.append(1)
+        if len(beats) >= 4:
+            enough.set()
+        return 0 if zeros is None or len(beats) <= zeros else 1
+
+    def slow_forward(n: int) -> None:  # the batch in flight while the heartbeats run
+        assert enough.wait(10), "no heartbeats"
+
+    r.queue.heartbeat = heartbeat  # type: ignore[method-assign]
+    r.runner.on_forward = slow_forward
+    with caplog.at_level("WARNING", logger="batching.pipeline"):
+        stats = r.scorer.run(pipeline.RunLimits(until_empty=True))
+    assert enough.is_set()
+    assert stats.committed == 4
+    lost = [rec for rec in caplog.records if rec.getMessage() == "heartbeat found lease lost"]
+    assert bool(lost) is warned
+
+
 def test_a_failed_release_still_ends_every_stage_and_the_heartbeats() -> None:
     r = rig(keys(20), max_batch_size=4, claim_size=20, heartbeat_s=0.01)
     r.runner.on_decode = lambda n: r.scorer.stop() if n == 2 else None
