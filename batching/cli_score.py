@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import signal
@@ -189,6 +190,10 @@ class _StopOnSignal:
         self._scorer: Any = None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        # At exit the interpreter puts every Python handler back to the default action, and
+        # a signal then killed a run that had finished (exit -15 after its summary); an
+        # ignored signal stays ignored.
+        atexit.register(_ignore_stop_signals)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         if self._scorer is not None:
@@ -208,6 +213,11 @@ class _StopOnSignal:
         self._scorer = scorer
         if self.asked.is_set():
             scorer.stop()
+
+
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _explain_what_is_left(cfg: Any, db: str | None, summary: dict[str, Any]) -> None:

@@ -614,6 +614,23 @@ def test_sigterm_before_scoring_starts_closes_the_run_and_leaves_the_queue_as_it
     assert {r.state for r in runs(sqlite_url)} == {"completed"}, stdout
 
 
+def test_sigterm_while_a_finished_run_exits_still_exits_0(
+    sqlite_url: str, tmp_path: Path, score_process: Callable[..., subprocess.Popen[Any]]
+) -> None:
+    """At exit the interpreter puts Python's handlers back to the default action: a SIGTERM
+    then killed a run that had scored everything and printed its summary (exit -15)."""
+    path = write_config("tabular.yaml", tmp_path)
+    enqueue(sqlite_url, cfg.load_config(path), w1_records(20, tmp_path))
+    proc = score_process(path)
+    assert proc.stdout is not None
+    assert proc.stdout.readline(), "no summary"  # the run is over; the process is ending
+    while proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.002)
+    assert proc.returncode == 0
+    assert {r.state for r in items(sqlite_url).values()} == {models.State.DONE}
+
+
 def test_a_live_run_waiting_on_lineage_is_not_taken_for_abandoned(
     sqlite_url: str, tmp_path: Path
 ) -> None:

@@ -269,11 +269,16 @@ def test_an_api_key_comes_from_the_environment_and_stays_out_of_every_dump(name:
     # Another override keeps it: the key is not in the dump the overrides start from.
     again = lineage.config_from_env({"OPENLINEAGE_NAMESPACE": "prod"}, got)
     assert again.api_key == got.api_key
-    pipeline = config.parse_config({"model": {"name": "w1-mlp", "version": "v", "sha256": "0" * 64}})
+    pipeline = config.parse_config(
+        {"model": {"name": "w1-mlp", "version": "v", "sha256": "0" * 64}}
+    )
     with_key = pipeline.model_copy(update={"lineage": got})
-    assert with_key.config_hash() == pipeline.model_copy(
-        update={"lineage": got.model_copy(update={"api_key": None})}
-    ).config_hash()
+    assert (
+        with_key.config_hash()
+        == pipeline.model_copy(
+            update={"lineage": got.model_copy(update={"api_key": None})}
+        ).config_hash()
+    )
     assert "s3cret" not in json.dumps(with_key.model_dump(mode="json"))
 
 
