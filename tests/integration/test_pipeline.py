@@ -627,7 +627,8 @@ def test_sigterm_while_a_finished_run_exits_still_exits_0(
     while proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.002)
-    assert proc.returncode == 0
+    _, stderr = proc.communicate()  # and close its pipes
+    assert proc.returncode == 0, stderr
     assert {r.state for r in items(sqlite_url).values()} == {models.State.DONE}
 
 
