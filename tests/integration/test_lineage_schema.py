@@ -379,6 +379,32 @@ def marquez_stub() -> Iterator[tuple[int, list[tuple[str, str, dict[str, Any]]]]
     thread.join()
 
 
+def send_start_and_complete(
+    cfg: config.LineageConfig, base: Path, caplog: pytest.LogCaptureFixture
+) -> lineage.LineageEmitter:
+    """A run's START and COMPLETE through ``cfg``'s transport, with DEBUG logs captured."""
+    run = run_context(base)
+    with caplog.at_level(logging.DEBUG):
+        emitter = lineage.LineageEmitter(cfg, base_dir=base, producer=PRODUCER)
+        assert emitter.start(run)
+        assert emitter.complete(run, [run.outputs[0].with_stats(5)])
+        emitter.close()
+    return emitter
+
+
+def assert_kept_out(
+    secret: str,
+    received: list[tuple[str, str, dict[str, Any]]],
+    registry: Registry,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every event posted is valid and holds no ``secret``; no log record holds it."""
+    for _, _, event in received:
+        olspec.assert_valid_event(event, registry)
+        assert secret not in json.dumps(event)
+    assert not [r for r in caplog.records if secret in r.getMessage()]
+
+
 def test_http_transport_posts_valid_events_to_url_plus_endpoint(
     tmp_path: Path,
     registry: Registry,
@@ -386,19 +412,12 @@ def test_http_transport_posts_valid_events_to_url_plus_endpoint(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     port, received = marquez_stub
-    run = run_context(tmp_path)
-    with caplog.at_level(logging.DEBUG):
-        emitter = http_emitter(f"http://user:secret@127.0.0.1:{port}/marquez", tmp_path)
-        assert emitter.start(run)
-        assert emitter.complete(run, [run.outputs[0].with_stats(5)])
-        emitter.close()
+    cfg = config.LineageConfig(transport="http", url=f"http://user:secret@127.0.0.1:{port}/marquez")
+    emitter = send_start_and_complete(cfg, tmp_path, caplog)
     assert [path for path, _, _ in received] == ["/marquez/api/v1/lineage"] * 2
     basic = "Basic " + base64.b64encode(b"user:secret").decode()
     assert [auth for _, auth, _ in received] == [basic] * 2  # credentials still reach Marquez
-    for _, _, event in received:
-        olspec.assert_valid_event(event, registry)
-        assert "secret" not in json.dumps(event)
-    assert not [r for r in caplog.records if "secret" in r.getMessage()]
+    assert_kept_out("secret", received, registry, caplog)
     assert (emitter.emitted, emitter.failures) == (2, 0)
 
 
@@ -411,14 +430,6 @@ def test_an_api_key_from_the_environment_is_sent_as_a_bearer_token_and_never_log
     port, received = marquez_stub
     env = {"OPENLINEAGE_URL": f"http://127.0.0.1:{port}", "OPENLINEAGE_API_KEY": "k-s3cret"}
     cfg = lineage.config_from_env(env, config.LineageConfig())
-    run = run_context(tmp_path)
-    with caplog.at_level(logging.DEBUG):
-        emitter = lineage.LineageEmitter(cfg, base_dir=tmp_path, producer=PRODUCER)
-        assert emitter.start(run)
-        assert emitter.complete(run)
-        emitter.close()
+    send_start_and_complete(cfg, tmp_path, caplog)
     assert [auth for _, auth, _ in received] == ["Bearer k-s3cret"] * 2
-    for _, _, event in received:
-        olspec.assert_valid_event(event, registry)
-        assert "s3cret" not in json.dumps(event)
-    assert not [r for r in caplog.records if "s3cret" in r.getMessage()]
+    assert_kept_out("s3cret", received, registry, caplog)
