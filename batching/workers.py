@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import logging.handlers
+import math
 import multiprocessing as mp
 import os
 import queue as stdqueue
@@ -265,7 +266,8 @@ def run_workers(
         stops.restore()
         for writer in (w for _, w in pipes if not w.closed):  # workers never started
             writer.close()
-    _join(procs, watch)
+    # Every worker has reported: relay what they log as they exit.
+    _wind_down(procs, watch, grace_s=math.inf)
     if resend_signals:
         stops.resend()
     reports = [watch.reports[i] for i in range(len(procs))]
@@ -349,7 +351,7 @@ class _Watch:
         if index in self.reports:
             return
         proc = self._procs[index]
-        if getattr(proc, "pid", 0) is not None:  # started (a fake in tests has none)
+        if proc.pid is not None:  # it started
             proc.join(timeout=10)  # its end of the pipe closes as it exits
         self.reports[index] = _died(index, proc.exitcode, self._counts.get(index, (0, 0, 0))[0])
 
@@ -395,10 +397,10 @@ def _wind_down(
     hurry: Callable[[], bool] = lambda: False,
     grace_s: float = 60.0,
 ) -> None:
-    """Wait for stopped workers, relaying what they say as they stop (items released, ...)
-    and so emptying their pipes (a worker blocked writing to a full one never exits); kill
-    those still running after ``grace_s``, or at once when ``hurry()`` (a second Ctrl-C).
-    Their leased items return when the lease expires."""
+    """Wait for stopped (or finished) workers, relaying what they say as they stop (items
+    released, ...) and so emptying their pipes (a worker blocked writing to a full one never
+    exits); kill those still running after ``grace_s``, or at once when ``hurry()`` (a
+    second Ctrl-C). Their leased items return when the lease expires."""
     deadline = time.monotonic() + grace_s
     try:
         while any(p.is_alive() for p in started) and time.monotonic() < deadline and not hurry():
@@ -410,20 +412,6 @@ def _wind_down(
             p.join()
         with contextlib.suppress(Exception):
             watch.drain_logs()  # their last words: the pipes hold them after they exit
-        watch.close()
-
-
-def _join(procs: Sequence[Any], watch: _Watch) -> None:
-    """Wait for workers that have reported to exit, relaying what they log meanwhile: a
-    worker whose pipe fills as it exits waits for a reader, and this is the reader."""
-    try:
-        while any(p.is_alive() for p in procs):
-            watch.drain_logs(0.05)
-        watch.drain_logs()
-    finally:
-        for p in procs:
-            if p.pid is not None:
-                p.join()
         watch.close()
 
 

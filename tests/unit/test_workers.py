@@ -123,6 +123,7 @@ class Exited:
     """A worker process, as the watch sees it."""
 
     exitcode: int | None
+    pid: int | None = 4242  # started
 
     def join(self, timeout: float | None = None) -> None:
         pass
