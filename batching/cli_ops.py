@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -134,7 +135,8 @@ def reconcile(
     """Prove every done item has exactly one committed output; list what is wrong.
 
     Exit 0: clean (info findings only). Exit 1: critical or warning findings.
-    Exit 2: bad input. With --repair the findings shown are those found before it; run again.
+    Exit 2: bad input. With --repair it checks again after repairing, shows both, and the
+    exit code says what is left (as the reconcile flow does).
     """
     import time
 
@@ -147,27 +149,33 @@ def reconcile(
     now = time.time()
     res = wiring.resolve(cfg, db, output)
     queue = wiring.open_queue(cfg, res.db_url)
+    check = functools.partial(
+        rc.reconcile,
+        queue,
+        res.output,
+        output_kind=cfg.output.kind,
+        since=now - window if window is not None else None,
+        run_id=run,
+        dataset_lost=dataset_lost,
+    )
     try:
         queue.check_schema()
         if run is not None:
             _check_run(queue, run, res.db_url)
-        report = rc.reconcile(
-            queue,
-            res.output,
-            output_kind=cfg.output.kind,
-            since=now - window if window is not None else None,
-            run_id=run,
-            now=now,
-            repair=repair,
-            dataset_lost=dataset_lost,
-        )
+        report = check(now=now, repair=repair)
+        # What a repair left: the same check again, repairing nothing (its exit code counts).
+        after = check(now=time.time(), repair=False) if repair else None
     finally:
         queue.engine.dispose()
     if as_json:
-        sys.stdout.write(json.dumps(report.to_dict(), indent=2, default=str) + "\n")
+        doc = report.to_dict() | ({"after_repair": after.to_dict()} if after else {})
+        sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
     else:
         _print_report(report)
-    if not report.clean:
+        if after is not None:
+            out.print("after repair:", highlight=False)
+            _print_report(after)
+    if not (after or report).clean:
         raise typer.Exit(1)
 
 

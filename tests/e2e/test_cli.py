@@ -559,6 +559,9 @@ def test_an_expired_item_is_an_sla_miss_that_reconcile_reports_but_cannot_repair
     assert r.rc == 1
     assert "0 critical, 1 warning finding(s); SLA misses are not repaired" in r.out
     assert "--repair" not in r.out  # before: "`--repair` fixes what can be fixed"
+    repaired = batching("reconcile", "-c", config, "--repair", "--json", cwd=tmp_path)
+    assert repaired.rc == 1  # what is left after the repair: the miss
+    assert repaired.json()["after_repair"]["counts"] == {"sla_miss": 1, "expired": 1}
 
 
 def test_score_refuses_a_malformed_openlineage_url_before_claiming(tmp_path: Path) -> None:
@@ -630,9 +633,14 @@ def test_reconcile_clean_then_a_deleted_file_then_repair(ws: Path) -> None:
     assert any(gone.name in f for f in finding["files"])
 
     repaired = batching("reconcile", "-c", config, "--repair", cwd=ws)
-    assert repaired.rc == 1  # it reports what it found, and what it did
-    assert "missing_file" in repaired.out
-    assert "requeue" in repaired.out
+    # It shows what it found and did, then checks again: the exit code says what is left
+    # (before, exit 1 from the findings as found, and "run again" to learn the outcome).
+    assert repaired.rc == 0, repaired.out
+    found, _, left = repaired.out.partition("after repair:")
+    assert "missing_file" in found
+    assert "requeue" in found
+    assert "missing_file" not in left
+    assert "clean: every done item" in left
     after = batching("reconcile", "-c", config, "--json", cwd=ws)
     assert after.rc == 0, after.out
     assert after.json()["counts"] == {"dead": 2}  # info only
@@ -658,8 +666,9 @@ def test_reconcile_of_a_wrong_output_folder_is_refused_not_repaired(ws: Path) ->
 
     shutil.rmtree(ws / "outputs")  # the dataset really is gone: judged when asked
     lost = batching("reconcile", "-c", config, "--dataset-lost", "--repair", "--json", cwd=ws)
-    assert lost.rc == 1, lost.err
-    assert lost.json()["counts"]["missing_file"] > 0
+    assert lost.rc == 0, lost.err  # what is left after the repair: nothing
+    assert lost.json()["counts"]["missing_file"] > 0  # as found
+    assert lost.json()["after_repair"]["clean"] is True
     assert status(ws)["ready"] == N_ROWS
 
 
