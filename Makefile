@@ -1,5 +1,5 @@
 # The two set-up commands: `make demo` and `make check`. Both create .venv on first use.
-.PHONY: demo check setup setup-dev lint types test test-fast bench
+.PHONY: demo check setup setup-dev lint types test test-fast bench chaos-smoke
 
 VENV := .venv/bin
 
@@ -29,3 +29,11 @@ check: lint types test
 
 bench: setup-dev
 	$(VENV)/python bench/queue_bench.py
+
+# A few crash-fuzz rounds (bench/chaos.py) on SQLite and PostgreSQL; CI runs it after `check`
+# with the commit count as SEED: another plan per commit, each replayable with its seed.
+SEED ?= 1
+PG_URL ?= postgresql://postgres@127.0.0.1:5432/postgres
+chaos-smoke: setup-dev
+	$(VENV)/python bench/chaos.py --rounds 4 --seed $(SEED)
+	$(VENV)/python bench/chaos.py --rounds 2 --seed $(SEED) --pg $(PG_URL)

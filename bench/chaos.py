@@ -72,7 +72,7 @@ BLOWS = (
     "none",
 )
 BATCHING_SETTINGS: tuple[dict[str, int], ...] = (
-    {},  # shipped: 512 / 2048
+    {},  # shipped: 2048 / 8192
     {"max_batch_size": 64, "claim_size": 128},
     {"max_batch_size": 8, "claim_size": 32},
 )
