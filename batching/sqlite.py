@@ -253,9 +253,13 @@ def unpack_claim(queue: str, row: Sequence[Any]) -> tuple[list[Any], dict[int, b
     )
     bodies: dict[int, bytes] = {}
     if len(row) > 14:
-        data, at = row[14] or b"", 0
-        for id_, size in zip(ids, sizes, strict=True):
-            if size is not None:
-                bodies[id_] = data[at : at + size]
-                at += size
+        data = row[14] or b""
+        if None in sizes:  # a body row is missing (the caller buries those items)
+            present = [
+                (id_, size) for id_, size in zip(ids, sizes, strict=True) if size is not None
+            ]
+            ids, sizes = [p[0] for p in present], [p[1] for p in present]
+        ends = list(itertools.accumulate(sizes))
+        starts = itertools.chain((0,), ends)
+        bodies = dict(zip(ids, map(data.__getitem__, map(slice, starts, ends)), strict=True))
     return rows, bodies
