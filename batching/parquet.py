@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 import os
 import shutil
 import threading
@@ -222,6 +223,9 @@ _FILE_FIELDS: tuple[tuple[str, pa.DataType], ...] = (
 )
 
 
+_QUEUE, _TENANT = operator.attrgetter("queue"), operator.attrgetter("tenant")
+
+
 def batch_table(batch: sinks.ScoredBatch) -> pa.Table:
     """The Parquet rows of a batch: one per item, ``output`` as ``fixed_size_list<float32>``."""
     mat = batch.matrix()
@@ -229,13 +233,13 @@ def batch_table(batch: sinks.ScoredBatch) -> pa.Table:
     output = pa.FixedSizeListArray.from_arrays(pa.array(mat.reshape(-1), pa.float32()), dim)
     scored_us = round(batch.scored_at * 1_000_000)
     columns: dict[str, Any] = {
-        "item_key": [i.item_key for i in batch.items],
+        "item_key": list(map(models.ITEM_KEY, batch.items)),
         "output": output,
         "scored_at": pa.array([scored_us] * n, pa.timestamp("us", tz="UTC")),
         "run_id": [batch.run_id] * n,
         "batch_id": [batch.batch_id] * n,
-        "queue": [i.queue for i in batch.items],
-        "tenant": [i.tenant for i in batch.items],
+        "queue": list(map(_QUEUE, batch.items)),
+        "tenant": list(map(_TENANT, batch.items)),
     }
     meta = {"batching.model_version": batch.model_version, "batching.run_id": batch.run_id}
     return pa.table(columns).replace_schema_metadata(meta)

@@ -80,7 +80,7 @@ class ScoredBatch:
                 raise errors.SinkError(f"{what} must match [A-Za-z0-9_-]{{1,36}}, got {value!r}")
         if not self.items:
             raise errors.SinkError(f"batch {self.batch_id} has no items; nothing to commit")
-        ids = {i.id for i in self.items}
+        ids = set(map(models.ITEM_ID, self.items))
         if ids != set(self.outputs) or len(ids) != len(self.items):
             raise errors.SinkError(
                 f"batch {self.batch_id}: need exactly one output per item "
@@ -99,7 +99,8 @@ class ScoredBatch:
 
     def _stack(self) -> npt.NDArray[np.float32]:
         try:
-            out = np.stack([self.outputs[i.id] for i in self.items]).astype("<f4", copy=False)
+            rows = list(map(self.outputs.__getitem__, map(models.ITEM_ID, self.items)))
+            out = np.stack(rows).astype("<f4", copy=False)
         except (ValueError, TypeError) as exc:
             raise errors.SinkError(
                 f"batch {self.batch_id}: outputs must be 1-D of equal length ({exc})"
