@@ -226,7 +226,12 @@ def _done_items(conn: Connection, scope: _Scope) -> tuple[DoneItem, ...]:
         return tuple(DoneItem(r.item_key, r.batch_id) for r in conn.execute(q))
     r = schema.results_table(scope.table)
     joined = _I.outerjoin(_B, _B.c.batch_id == _I.c.batch_id).outerjoin(
-        r, sa.and_(r.c.model_version == _B.c.model_version, r.c.item_key == _I.c.item_key)
+        r,
+        sa.and_(
+            r.c.queue == _I.c.queue,
+            r.c.model_version == _B.c.model_version,
+            r.c.item_key == _I.c.item_key,
+        ),
     )
     q = sa.select(_I.c.item_key, _I.c.batch_id, r.c.item_key.label("result_key"))
     rows = conn.execute(q.select_from(joined).where(*scope.done()))

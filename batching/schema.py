@@ -11,7 +11,7 @@ statements run on SQLite and PostgreSQL and tests can drive time with a fake clo
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,14 +209,20 @@ sa.Index(
 )
 
 
+# The SQL sink's key (migration 9; before, without ``queue``): item keys are unique per queue,
+# so two queues scoring with one model version into one table may share a key. Keyed without
+# the queue, the second queue's output was dropped as a replay while its item was acked.
+RESULTS_KEY = ("queue", "model_version", "item_key")
+
+
 def results_table(name: str = "batching_results", md: sa.MetaData | None = None) -> sa.Table:
-    """The SQL sink's results table, keyed by ``(model_version, item_key)``."""
+    """The SQL sink's results table, keyed by :data:`RESULTS_KEY`."""
     return sa.Table(
         name,
         md if md is not None else sa.MetaData(),
+        sa.Column("queue", sa.String(200), primary_key=True),
         sa.Column("model_version", sa.String(100), primary_key=True),
         sa.Column("item_key", sa.String(500), primary_key=True),
-        sa.Column("queue", sa.String(200), nullable=False),
         sa.Column("output", sa.LargeBinary, nullable=False),
         sa.Column("output_dim", sa.Integer, nullable=False),
         sa.Column("scored_at", sa.Float, nullable=False),
@@ -265,18 +271,43 @@ def _v4(conn: Connection) -> None:
     columns = {c["name"] for c in sa.inspect(conn).get_columns(items_archive.name)}
     if "archive_id" in columns:
         return
-    # Rebuild under a new name, copy, swap: the same statements on SQLite and PostgreSQL.
-    rebuilt = items_archive.to_metadata(sa.MetaData(), name=f"{items_archive.name}_new")
+    names = [c.name for c in items_archive.columns if c.name != "archive_id"]
+    _rebuild(conn, items_archive, names, order="finished_at, id")
+
+
+def _rebuild(conn: Connection, table: sa.Table, names: Sequence[str], order: str) -> None:
+    """Rebuild ``table`` as declared, keeping the rows' ``names`` columns: create it under a
+    new name, copy, drop the old one, rename (the same statements on SQLite and PostgreSQL)."""
+    rebuilt = table.to_metadata(sa.MetaData(), name=f"{table.name}_new")
     rebuilt.create(conn)
-    names = ", ".join(c.name for c in items_archive.columns if c.name != "archive_id")
+    cols = ", ".join(names)
     conn.execute(
         sa.text(
-            f"INSERT INTO {rebuilt.name} ({names}) SELECT {names} FROM {items_archive.name}"
-            " ORDER BY finished_at, id"
+            f"INSERT INTO {rebuilt.name} ({cols}) SELECT {cols} FROM {table.name} ORDER BY {order}"
         )
     )
-    conn.execute(sa.text(f"DROP TABLE {items_archive.name}"))
-    conn.execute(sa.text(f"ALTER TABLE {rebuilt.name} RENAME TO {items_archive.name}"))
+    conn.execute(sa.text(f"DROP TABLE {table.name}"))
+    conn.execute(sa.text(f"ALTER TABLE {rebuilt.name} RENAME TO {table.name}"))
+
+
+def ensure_results_table(conn: Connection, table: sa.Table) -> bool:
+    """Create a custom results table if missing, or key it by :data:`RESULTS_KEY` if it is
+    keyed the old way (migration 9 covers ``batching_results`` only); returns whether an
+    existing table was rebuilt. Scorers starting together take turns (PostgreSQL: the
+    migration lock; SQLite: the write lock)."""
+    _lock(conn)
+    table.create(conn, checkfirst=True)
+    return rekey_results(conn, table)
+
+
+def rekey_results(conn: Connection, table: sa.Table) -> bool:
+    """Key a results table by :data:`RESULTS_KEY` if it is keyed the old way; returns whether
+    it was rebuilt. Its rows all stay (the old key was the stricter one)."""
+    key = sa.inspect(conn).get_pk_constraint(table.name)["constrained_columns"]
+    if set(key) == set(RESULTS_KEY):
+        return False
+    _rebuild(conn, table, [c.name for c in table.columns], order="scored_at")
+    return True
 
 
 def _v5(conn: Connection) -> None:
@@ -304,6 +335,10 @@ def _v8(conn: Connection) -> None:
         conn.execute(sa.text(f"ALTER TABLE {runs.name} ADD COLUMN heartbeat_at FLOAT"))
 
 
+def _v9(conn: Connection) -> None:
+    rekey_results(conn, results)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "queue items, archive, batch ledger, runs, results", _v1),
     Migration(2, "expiry index leads with queue", _v2),
@@ -313,6 +348,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(6, "runs record the run they are a worker of", _v6),
     Migration(7, "leased rows indexed by queue, then expiry", _v7),
     Migration(8, "runs record their last heartbeat", _v8),
+    Migration(9, "SQL results keyed by queue, model version and item key", _v9),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -343,7 +379,8 @@ def migrate(engine: Engine, now: Callable[[], float]) -> MigrationResult:
     Stop scorers first when a migration rewrites a table: 3 drops the inline payload column
     (SQLite rewrites ``batching_items``; PostgreSQL takes an exclusive lock, and the space
     returns only after ``VACUUM FULL``), 4 rebuilds ``batching_items_archive``, 7 drops and
-    builds an index of ``batching_items`` (PostgreSQL locks the table until it commits).
+    builds an index of ``batching_items`` (PostgreSQL locks the table until it commits), 9
+    rebuilds ``batching_results``.
     """
     with engine.begin() as conn:
         _lock(conn)

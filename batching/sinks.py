@@ -5,7 +5,7 @@ Both sinks commit *exactly once in effect*: the items are acked (compare-and-set
 and the batch is recorded in ``batching_batches`` in ONE transaction, so a batch whose lease was
 lost is never committed (``errors.LeaseLost``) and a committed batch is never lost.
 
-SQL: outputs go to ``batching_results`` (or a custom table) keyed by ``(model_version,
+SQL: outputs go to ``batching_results`` (or a custom table) keyed by ``(queue, model_version,
 item_key)``; a replayed key is not inserted twice (``ON CONFLICT DO NOTHING``).
 
 OS and pyarrow errors become ``errors.SinkError`` in :func:`translate_errors` only.
@@ -173,14 +173,15 @@ def translate_errors(what: str) -> Iterator[None]:
 
 
 class SqlSink:
-    """Outputs in a SQL results table keyed by ``(model_version, item_key)``.
+    """Outputs in a SQL results table keyed by ``(queue, model_version, item_key)``.
 
     Outputs are stored as little-endian float32 bytes plus ``output_dim``. Results, acks and
     the ledger row (state ``published``) commit in one transaction.
 
     Args:
         queue: the queue whose database holds the results table.
-        table: results table name; a name other than ``batching_results`` is created if missing.
+        table: results table name; a name other than ``batching_results`` is created if
+            missing, and keyed by queue too if it was created before that key (migration 9).
 
     Raises:
         ConfigError: ``table`` is not a SQL identifier.
@@ -196,7 +197,11 @@ class SqlSink:
         else:
             self._table = schema.results_table(table)
             with queue.begin() as conn:
-                self._table.create(conn, checkfirst=True)
+                if schema.ensure_results_table(conn, self._table):
+                    logger.warning(
+                        "results table keyed by queue, model version and item key (rebuilt)",
+                        extra={"action": "results_rekeyed", "table": table},
+                    )
 
     def flush(self) -> None:
         """Nothing is deferred: outputs, acks and the ledger row commit together."""
@@ -263,7 +268,7 @@ class SqlSink:
             stmt = (
                 insert(self._table)
                 .values(rows[start : start + 500])
-                .on_conflict_do_nothing(index_elements=["model_version", "item_key"])
+                .on_conflict_do_nothing(index_elements=list(schema.RESULTS_KEY))
                 .returning(self._table.c.item_key)
             )
             inserted += len(conn.execute(stmt).all())

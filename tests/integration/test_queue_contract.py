@@ -417,6 +417,28 @@ def test_migration_8_gives_runs_a_heartbeat_and_leaves_old_runs_alone(
     assert q.RunLedger(queue).close_abandoned(60) == []  # it never beat: not judged
 
 
+def test_migration_9_keys_sql_results_by_queue_and_keeps_their_rows(queue: q.SqlQueue) -> None:
+    blob = "BYTEA" if queue.dialect == "postgresql" else "BLOB"
+    rewind(  # to version 8: results keyed by model version and item key
+        queue,
+        9,
+        "DROP TABLE batching_results",
+        "CREATE TABLE batching_results (model_version VARCHAR(100), item_key VARCHAR(500),"
+        f" queue VARCHAR(200) NOT NULL, output {blob} NOT NULL, output_dim INTEGER NOT NULL,"
+        " scored_at FLOAT NOT NULL, run_id VARCHAR(64) NOT NULL, batch_id VARCHAR(36) NOT NULL,"
+        " PRIMARY KEY (model_version, item_key))",
+        "INSERT INTO batching_results VALUES ('v1', 'k', 'contract', '', 0, 1.0, 'r', 'b')",
+    )
+    result = queue.migrate()
+    assert (result.from_version, result.to_version) == (8, schema.SCHEMA_VERSION)
+    with queue.engine.connect() as conn:
+        key = sa.inspect(conn).get_pk_constraint("batching_results")["constrained_columns"]
+        rows = conn.execute(sa.select(schema.results.c.queue, schema.results.c.item_key)).all()
+    assert set(key) == set(schema.RESULTS_KEY)
+    assert [tuple(r) for r in rows] == [("contract", "k")]
+    assert queue.migrate().applied is False
+
+
 def test_a_run_whose_heartbeat_stopped_is_closed_as_abandoned(
     queue: q.SqlQueue, clock: FakeClock
 ) -> None:

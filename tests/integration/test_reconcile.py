@@ -480,6 +480,32 @@ def test_run_and_since_limit_the_ledger_window(
     assert (missing.kind, missing.item_keys) == (Kind.MISSING_FILE, ("a",))
 
 
+def test_two_queues_sharing_a_sql_results_table_keep_and_reconcile_their_own_outputs(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    """Item keys are unique per queue. Keyed by (model version, item key) alone, the second
+    queue's output of a shared key was dropped as a replay while its item was acked, and
+    reconcile matched that item to the first queue's row: clean (found by a new-user walkthrough)."""
+    other = q.SqlQueue(queue.engine, "other", clock=clock)
+    commit(queue, sinks.SqlSink(queue), ["x"], clock)
+    batch = scored(claim(other, ["x"]), clock)
+    assert sinks.SqlSink(other).commit(batch).n_rows == 1
+    t = schema.results
+    with queue.engine.connect() as conn:
+        rows = {r.queue: r for r in conn.execute(sa.select(t).where(t.c.item_key == "x"))}
+    assert set(rows) == {queue.queue, "other"}
+    (item,) = batch.items
+    np.testing.assert_array_equal(
+        np.frombuffer(rows["other"].output, "<f4"), batch.outputs[item.id]
+    )
+    assert run(other, "batching_results", clock, output_kind="sql").findings == ()
+    with other.begin() as conn:
+        conn.execute(t.delete().where(t.c.queue == "other"))
+    report = run(other, "batching_results", clock, output_kind="sql")
+    assert [(f.kind, f.item_keys) for f in report.findings] == [(Kind.LOST_WRITE, ("x",))]
+    assert run(queue, "batching_results", clock, output_kind="sql").findings == ()
+
+
 def test_sql_lost_writes_are_found_and_requeued(queue: q.SqlQueue, clock: FakeClock) -> None:
     sink = sinks.SqlSink(queue)
     commit(queue, sink, ["a"], clock)

@@ -374,6 +374,45 @@ def test_sql_replay_keeps_the_first_output_and_adds_no_row(
     assert {r.state for r in items(queue).values()} == {models.State.DONE}
 
 
+def test_a_custom_results_table_keyed_the_old_way_is_rekeyed_with_its_rows(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    """A table made before migration 9 (keyed without the queue) is rebuilt when a sink opens
+    it: its rows stay, and a second queue can then store its output of a shared key."""
+    with queue.begin() as conn:
+        conn.execute(
+            sa.text(
+                "CREATE TABLE old_results (model_version VARCHAR(100), item_key VARCHAR(500),"
+                " queue VARCHAR(200) NOT NULL, output BYTEA NOT NULL, output_dim INTEGER NOT NULL,"
+                " scored_at FLOAT NOT NULL, run_id VARCHAR(64) NOT NULL,"
+                " batch_id VARCHAR(36) NOT NULL, PRIMARY KEY (model_version, item_key))"
+                if queue.dialect == "postgresql"
+                else "CREATE TABLE old_results (model_version VARCHAR(100), item_key VARCHAR(500),"
+                " queue VARCHAR(200) NOT NULL, output BLOB NOT NULL, output_dim INTEGER NOT NULL,"
+                " scored_at FLOAT NOT NULL, run_id VARCHAR(64) NOT NULL,"
+                " batch_id VARCHAR(36) NOT NULL, PRIMARY KEY (model_version, item_key))"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO old_results VALUES ('v1', 'x', 'elsewhere', :out, 1, 1.0, 'r0', 'b0')"
+            ),
+            {"out": b"\x00\x00\x80\x3f"},
+        )
+    sink = sinks.SqlSink(queue, "old_results")
+    with queue.engine.connect() as conn:
+        key = sa.inspect(conn).get_pk_constraint("old_results")["constrained_columns"]
+    assert set(key) == set(schema.RESULTS_KEY)
+    assert sink.commit(scored(claim(queue, ["x"]), clock)).n_rows == 1
+    t = schema.results_table("old_results")
+    with queue.engine.connect() as conn:
+        queues = sorted(r.queue for r in conn.execute(sa.select(t).where(t.c.item_key == "x")))
+    assert queues == sorted(["elsewhere", queue.queue])
+    assert (
+        sinks.SqlSink(queue, "old_results").commit(scored(claim(queue, ["y"]), clock)).n_rows == 1
+    )
+
+
 def test_sql_commit_with_a_lost_lease_writes_nothing(queue: q.SqlQueue, clock: FakeClock) -> None:
     sink = sinks.SqlSink(queue)
     c = claim(queue, ["a"], lease_s=10)
