@@ -47,7 +47,9 @@ def resolve(config: cfg.PipelineConfig, db_url: str | None, output: str | None) 
     """Apply ``--db`` / ``--output`` overrides to the config's database and output location.
 
     The local lineage log sits beside the dataset: ``<dataset parent>/lineage/events.jsonl``
-    (``outputs/lineage/events.jsonl`` for a SQL sink), unless the config names a path.
+    (``outputs/lineage/events.jsonl`` beside the config file for a SQL sink; before, under the
+    current folder, where ``batching lineage`` run elsewhere did not find it), unless the config
+    names a path.
     """
     url = db_url or config.database.url
     if config.output.kind == "parquet":
@@ -57,11 +59,16 @@ def resolve(config: cfg.PipelineConfig, db_url: str | None, output: str | None) 
     else:
         where = output or config.output.table
         cfg.check_identifier(str(where), "--output (SQL table)")
-        events_dir = Path("outputs").resolve()
+        events_dir = _sql_events_dir(config)
     events = lineage.events_path(
         config.lineage, base_dir=Path(config.base_dir), output_dir=events_dir
     )
     return Resolved(url, where, events if config.lineage.transport == "file" else None)
+
+
+def _sql_events_dir(config: cfg.PipelineConfig) -> Path:
+    """Where a SQL sink's local lineage log goes (it has no dataset folder to sit beside)."""
+    return (Path(config.base_dir) / "outputs").resolve()
 
 
 def require_writable_folder(path: Path, what: str) -> None:
@@ -181,7 +188,7 @@ def make_emitter(
         lineage_config or config.lineage,
         base_dir=Path(config.base_dir),
         producer=PRODUCER,
-        output_dir=res.events_path.parent.parent if res.events_path else Path("outputs").resolve(),
+        output_dir=res.events_path.parent.parent if res.events_path else _sql_events_dir(config),
     )
 
 

@@ -588,6 +588,26 @@ def test_an_output_folder_that_cannot_be_made_is_one_line_before_any_lineage(
     assert not list(tmp_path.rglob("events.jsonl")), "a run that never started is in lineage"
 
 
+def test_a_sql_sinks_lineage_log_sits_beside_its_config_whatever_the_folder(
+    tmp_path: Path,
+) -> None:
+    """Before, a SQL sink's local lineage went to ./outputs/lineage of the folder `score` ran
+    in, and `batching lineage -c` run from another folder found no log (new-user walkthrough)."""
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "run").mkdir()
+    db = f"sqlite:///{tmp_path / 'q.db'}"
+    assert batching("init", "--db", db, cwd=tmp_path).rc == 0
+    rows = [{"item_key": f"k{i}", "payload": {"x": [0.1] * 64}} for i in range(5)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert batching("enqueue", "in.jsonl", "--db", db, "-q", "tabular", cwd=tmp_path).rc == 0
+    config = str(write_config(tmp_path / "cfg", database={"url": db}, output={"kind": "sql"}))
+    assert batching("score", "-c", config, cwd=tmp_path / "run").rc == 0
+    assert not (tmp_path / "run" / "outputs").exists()
+    assert (tmp_path / "cfg" / "outputs" / "lineage" / "events.jsonl").is_file()
+    shown = batching("lineage", "-c", config, "--json", cwd=tmp_path)
+    assert shown.rc == 0, shown.err
+
+
 def test_lineage_json_shows_each_run(scored: Scored) -> None:
     latest = batching("lineage", "-c", "pipeline.yaml", "--json", cwd=scored.path)
     assert latest.rc == 0, latest.err
