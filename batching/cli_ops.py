@@ -97,6 +97,8 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 _SHOW_FILES = 3
+# Findings --repair leaves as they are: a deadline missed, a batch whole in another dataset.
+_NOT_REPAIRED = frozenset({"sla_miss", "other_dataset"})
 _SHOW_KEYS = 5
 
 
@@ -226,11 +228,16 @@ def _print_report(report: Report) -> None:
     else:
         kinds = {str(f.kind) for f in report.findings if str(f.severity) != "info"}
         hint = ""
-        if kinds - {"sla_miss"} and not report.repairs:
+        if kinds - _NOT_REPAIRED and not report.repairs:
             hint = "; `--repair` fixes what can be fixed"
-        elif "sla_miss" in kinds:
-            hint = "; SLA misses are not repaired: see README, Operations (runbook)"
+        elif kinds & _NOT_REPAIRED:
+            hint = f"; {', '.join(sorted(kinds & _NOT_REPAIRED))} not repaired: see README, Operations (runbook)"
         out.print(f"{critical} critical, {warning} warning finding(s){hint}", highlight=False)
+    requeued = sum(r.n_items for r in report.repairs if r.action == "requeue")
+    if requeued:
+        out.print(
+            f"{requeued} item(s) requeued: `batching score` scores them again", highlight=False
+        )
 
 
 def _relative(path: str, root: str) -> str:

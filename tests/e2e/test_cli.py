@@ -557,7 +557,7 @@ def test_an_expired_item_is_an_sla_miss_that_reconcile_reports_but_cannot_repair
     assert batching("score", "-c", config, cwd=tmp_path).rc == 0
     r = batching("reconcile", "-c", config, cwd=tmp_path)
     assert r.rc == 1
-    assert "0 critical, 1 warning finding(s); SLA misses are not repaired" in r.out
+    assert "0 critical, 1 warning finding(s); sla_miss not repaired" in r.out
     assert "--repair" not in r.out  # before: "`--repair` fixes what can be fixed"
     repaired = batching("reconcile", "-c", config, "--repair", "--json", cwd=tmp_path)
     assert repaired.rc == 1  # what is left after the repair: the miss
@@ -658,7 +658,7 @@ def test_reconcile_clean_then_a_deleted_file_then_repair(ws: Path) -> None:
     assert repaired.rc == 0, repaired.out
     found, _, left = repaired.out.partition("after repair:")
     assert "missing_file" in found
-    assert "requeue" in found
+    assert f"{len(lost_keys)} item(s) requeued: `batching score` scores them again" in found
     assert "missing_file" not in left
     assert "clean: every done item" in left
     after = batching("reconcile", "-c", config, "--json", cwd=ws)
