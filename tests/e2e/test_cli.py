@@ -588,6 +588,22 @@ def test_an_output_folder_that_cannot_be_made_is_one_line_before_any_lineage(
     assert not list(tmp_path.rglob("events.jsonl")), "a run that never started is in lineage"
 
 
+def test_score_names_the_database_it_read_when_the_environment_overrode_the_config(
+    tmp_path: Path,
+) -> None:
+    """$BATCHING_DB_URL overrides the config's database.url; the run now says which it read
+    (a walkthrough scored another database than the config named, and nothing said so)."""
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    assert batching("init", "--db", other, cwd=tmp_path).rc == 0
+    row = {"item_key": "k", "payload": {"x": [0.1] * 64}}
+    (tmp_path / "in.jsonl").write_text(json.dumps(row) + "\n")
+    assert batching("enqueue", "in.jsonl", "--db", other, "-q", "tabular", cwd=tmp_path).rc == 0
+    config = str(write_config(tmp_path, database={"url": "sqlite:///named.db"}))
+    r = batching("score", "-c", config, cwd=tmp_path, env={"BATCHING_DB_URL": other})
+    assert r.rc == 0, r.err
+    assert f"queue: tabular in {other}" in r.out
+
+
 def test_a_sql_sinks_lineage_log_sits_beside_its_config_whatever_the_folder(
     tmp_path: Path,
 ) -> None:
