@@ -6,6 +6,7 @@ the CLI and ``flows/`` turn env and flags into overrides passed to :func:`load_c
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
@@ -291,8 +292,27 @@ def _format_validation(source: str, exc: ValidationError) -> str:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = _unknown_setting(err["loc"])
         parts.append(f"{loc}: {msg}")
     return f"{source}: " + "; ".join(parts)
+
+
+def _unknown_setting(loc: tuple[int | str, ...]) -> str:
+    """ "unknown setting", with the nearest known names of its section (a typo's fix)."""
+    model: type[BaseModel] = PipelineConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        kinds = (field.annotation, *typing.get_args(field.annotation)) if field else ()
+        nested = [t for t in kinds if isinstance(t, type) and issubclass(t, BaseModel)]
+        if not nested:
+            return "unknown setting"
+        model = nested[0]
+    known = [name for name in model.model_fields if name != "base_dir"]
+    near = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    if near:
+        return f"unknown setting; did you mean {near[0]}?"
+    return f"unknown setting; known here: {', '.join(known)}"
 
 
 def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -49,7 +49,12 @@ def test_shipped_configs_load(name: str) -> None:
             "length_buckets must be strictly increasing",
         ),
         ({"model": MODEL, "lineage": {"transport": "http"}}, "transport http needs url"),
-        ({"model": MODEL, "bogus": 1}, "bogus: Extra inputs are not permitted"),
+        ({"model": MODEL, "bogus": 1}, "bogus: unknown setting; known here: name, profile,"),
+        (
+            {"model": MODEL, "batching": {"max_wiat_s": 1}},
+            "batching.max_wiat_s: unknown setting; did you mean max_wait_s?",
+        ),
+        ({"model": {**MODEL, "devise": "cpu"}}, "model.devise: unknown setting; did you mean devi"),
         # YAML reads all-digit text as a number, true as a boolean, .inf as infinity.
         ({"model": {**MODEL, "sha256": 10**63}}, 'sha256: "<64 hex digits>"'),
         ({"model": MODEL, "batching": {"max_batch_size": True}}, "max_batch_size must be a num"),
