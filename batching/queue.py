@@ -198,10 +198,21 @@ def translate_errors(url: str) -> Iterator[None]:
         yield
     except exc.OperationalError as e:
         reason = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
-        raise errors.QueueError(f"database {redact(url)} failed: {reason}") from e
+        raise errors.QueueError(f"database {redact(url)} failed: {reason}{_hint(reason)}") from e
     except exc.DBAPIError as e:
         reason = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
         raise errors.QueueError(f"database {redact(url)}: {reason}") from e
+
+
+_HINTS = (  # what to do about the connection failures users meet first
+    ("does not exist", "create it (createdb, then `batching init --db URL`) or fix the URL"),
+    ("Connection refused", "is the server running? check the host and port"),
+    ("password authentication failed", "check the user and password in the URL"),
+)
+
+
+def _hint(reason: str) -> str:
+    return next((f"; {fix}" for text, fix in _HINTS if text in reason), "")
 
 
 def backoff_s(attempts: int, base_s: float, max_s: float, rng: random.Random) -> float:

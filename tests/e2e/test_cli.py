@@ -588,6 +588,16 @@ def test_an_output_folder_that_cannot_be_made_is_one_line_before_any_lineage(
     assert not list(tmp_path.rglob("events.jsonl")), "a run that never started is in lineage"
 
 
+def test_a_postgresql_database_that_does_not_exist_is_named_with_the_fix(
+    pg_url: str, tmp_path: Path
+) -> None:
+    missing = pg_url.rpartition("/")[0] + "/batching_no_such_db"
+    r = batching("status", "--db", missing, cwd=tmp_path)
+    assert r.rc == 1
+    line = one_error_line(r)
+    assert 'database "batching_no_such_db" does not exist; create it (createdb' in line
+
+
 def test_score_names_the_database_it_read_when_the_environment_overrode_the_config(
     tmp_path: Path,
 ) -> None:
