@@ -169,6 +169,8 @@ def enqueue(
         f"{file}: committed {result.inserted} new item(s) to queue {queue!r}; "
         f"{len(result.duplicates)} already present (not enqueued again)"
     )
+    if not records:
+        err.print(f"warning: {file} holds no records; nothing to enqueue", highlight=False)
     if result.duplicates:
         shown = ", ".join(result.duplicates[:5])
         more = f" and {len(result.duplicates) - 5} more" if len(result.duplicates) > 5 else ""

@@ -588,6 +588,14 @@ def test_an_output_folder_that_cannot_be_made_is_one_line_before_any_lineage(
     assert not list(tmp_path.rglob("events.jsonl")), "a run that never started is in lineage"
 
 
+def test_an_empty_file_enqueues_nothing_and_says_so(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    (tmp_path / "empty.jsonl").write_text("")
+    r = batching("enqueue", "empty.jsonl", "--db", DB, cwd=tmp_path)
+    assert r.rc == 0
+    assert "warning: empty.jsonl holds no records; nothing to enqueue" in r.err
+
+
 def test_a_postgresql_database_that_does_not_exist_is_named_with_the_fix(
     pg_url: str, tmp_path: Path
 ) -> None:
