@@ -694,15 +694,21 @@ def _scored_factory(run_id: str, model_version: str) -> pipeline.ScoredBatchFact
 
 
 def check_config(config: cfg.PipelineConfig) -> Any:
-    """Plan-time policy check against the config's measured service profile.
+    """Plan-time policy check against the config's measured service profile, after the pinned
+    checkpoint (its file and sha256: a wrong digest fails here, before merge, not at the first
+    score; nothing is deserialized).
 
     Raises:
         ConfigError: ``model.name`` is neither built in nor a factory (before, the check
             blamed the service profile and advised ``batching profile``, which failed too).
+        CheckpointError: no checkpoint for a factory, a missing file, or another sha256.
     """
     from batching import policy, zoo
 
-    zoo.check_name(config.model.name)
+    spec = config.model
+    zoo.read_pinned(
+        zoo.checkpoint_path(spec.name, spec.checkpoint, Path(config.base_dir)), spec.sha256
+    )
     return policy.check_policy(config, load_profile(config))
 
 

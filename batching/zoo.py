@@ -279,6 +279,15 @@ def load_checkpoint(path: Path, sha256: str) -> dict[str, torch.Tensor]:
         CheckpointError: the file is missing, its digest is not ``sha256``, its format is not
             supported, it needs arbitrary unpickling, or it does not hold a state dict.
     """
+    return _as_state_dict(_deserialize(read_pinned(path, sha256), path), path)
+
+
+def read_pinned(path: Path, sha256: str) -> bytes:
+    """The bytes of ``path`` if their sha256 is ``sha256`` (nothing is deserialized).
+
+    Raises:
+        CheckpointError: the file is missing or unreadable, or its digest is another.
+    """
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -292,7 +301,7 @@ def load_checkpoint(path: Path, sha256: str) -> dict[str, torch.Tensor]:
             "restore the pinned file, or if this file is the one to run set model.sha256 to "
             "its digest and bump model.version"
         )
-    return _as_state_dict(_deserialize(data, path), path)
+    return data
 
 
 def _deserialize(data: bytes, path: Path) -> object:

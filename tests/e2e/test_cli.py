@@ -345,6 +345,19 @@ def test_check_passes_on_every_shipped_config(tmp_path: Path) -> None:
         assert r.out.rstrip().endswith(": ok")
 
 
+def test_check_verifies_the_pinned_checkpoint_before_the_policy(tmp_path: Path) -> None:
+    """Before, `check` said ok with a wrong model.sha256 (only score refused it), and for a
+    factory without a checkpoint blamed the service profile (new-user walkthrough)."""
+    wrong = "0" * 64
+    r = batching("check", "-c", str(write_config(tmp_path, model={"sha256": wrong})), cwd=tmp_path)
+    assert r.rc == 2
+    assert f"but the config pins {wrong}" in one_error_line(r)
+    factory = write_config(tmp_path, model={"name": "nosuchmod:build"})
+    r = batching("check", "-c", str(factory), cwd=tmp_path)
+    assert r.rc == 2
+    assert "so it needs a checkpoint: set model.checkpoint" in one_error_line(r)
+
+
 def test_check_fails_with_the_numbers_when_the_window_breaks_the_objective(tmp_path: Path) -> None:
     near = write_config(tmp_path, batching={"max_batch_size": 512, "max_wait_s": 0.499})
     r = batching("check", "-c", str(near), cwd=tmp_path)
