@@ -586,7 +586,10 @@ class SqlQueue:
         n = conn.execute(stmt).rowcount
         if n:
             logger.warning(
-                "items expired", extra={"action": "expire", "queue": self.queue, "n_items": n}
+                "%d item(s) of queue %r expired: deadline passed before scoring",
+                n,
+                self.queue,
+                extra={"action": "expire", "queue": self.queue, "n_items": n},
             )
         return n
 

@@ -567,7 +567,9 @@ def test_an_expired_item_is_an_sla_miss_that_reconcile_reports_but_cannot_repair
     (tmp_path / "late.jsonl").write_text(json.dumps(late) + "\n")
     assert batching("enqueue", "late.jsonl", "--db", DB, "-q", "tabular", cwd=tmp_path).rc == 0
     config = str(write_config(tmp_path))
-    assert batching("score", "-c", config, cwd=tmp_path).rc == 0
+    scored = batching("score", "-c", config, cwd=tmp_path)
+    assert scored.rc == 0
+    assert "1 item(s) of queue 'tabular' expired: deadline passed" in scored.err  # counted
     r = batching("reconcile", "-c", config, cwd=tmp_path)
     assert r.rc == 1
     assert "0 critical, 1 warning finding(s); sla_miss not repaired" in r.out
