@@ -38,7 +38,10 @@ app = typer.Typer(
     add_completion=False,
 )
 # Messages stay on one line (paths in them can be copied); tables still fit the terminal.
-out = Console(soft_wrap=True)
+# Without one (a pipe, a CI log) rich lays tables out in 80 columns, which cut paths and
+# lineage dataset names mid-word; 240 keeps them whole ($COLUMNS still wins).
+_PIPE_WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 240
+out = Console(soft_wrap=True, width=_PIPE_WIDTH)
 err = Console(stderr=True, soft_wrap=True)
 
 QuietOption = Annotated[

@@ -657,6 +657,15 @@ def test_a_sql_sinks_lineage_log_sits_beside_its_config_whatever_the_folder(
     assert shown.rc == 0, shown.err
 
 
+def test_tables_keep_long_names_whole_when_output_is_not_a_terminal(scored: Scored) -> None:
+    """Piped (a CI log, a script), rich laid tables out in 80 columns and cut the lineage
+    dataset names mid-path (found by a new-user walkthrough)."""
+    events = str(scored.path / "lineage" / "events.jsonl")
+    r = batching("lineage", "--events", events, cwd=scored.path)
+    assert r.rc == 0, r.err
+    assert str(scored.path / "outputs") in r.out
+
+
 def test_lineage_json_shows_each_run(scored: Scored) -> None:
     latest = batching("lineage", "-c", "pipeline.yaml", "--json", cwd=scored.path)
     assert latest.rc == 0, latest.err
