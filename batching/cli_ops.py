@@ -29,12 +29,19 @@ def lineage(
     config: Annotated[
         Path | None, typer.Option("--config", "-c", help="Pipeline YAML whose event log to read.")
     ] = None,
+    output: OutputOverride = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """Show a run's job, inputs, outputs and facets from the local OpenLineage event log."""
+    """Show a run's job, inputs, outputs and facets from the local OpenLineage event log.
+
+    With --config, the log the config's runs write; add the --output a run was scored with to
+    find its log beside that output.
+    """
     from batching import lineage_log
 
-    path = events or _events_from_config(config)
+    if output is not None and config is None:
+        raise errors.InputError("--output needs --config (the config the run was scored with)")
+    path = events or _events_from_config(config, output)
     if not path.is_file():
         fix = "check the path" if events else "run `batching score` first or pass --events"
         raise errors.InputError(f"{path}: no lineage event log; {fix}")
@@ -49,13 +56,13 @@ def lineage(
     _print_summary(summary)
 
 
-def _events_from_config(config: Path | None) -> Path:
+def _events_from_config(config: Path | None, output: str | None) -> Path:
     if config is None:
         return Path("outputs/lineage/events.jsonl")
     from batching import app as wiring
     from batching.config import load_config
 
-    res = wiring.resolve(load_config(config), None, None)
+    res = wiring.resolve(load_config(config), None, output)
     if res.events_path is None:
         raise errors.ConfigError(f"{config}: lineage transport is not file; nothing local to read")
     return res.events_path

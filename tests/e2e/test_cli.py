@@ -666,6 +666,22 @@ def test_tables_keep_long_names_whole_when_output_is_not_a_terminal(scored: Scor
     assert str(scored.path / "outputs") in r.out
 
 
+def test_lineage_finds_the_log_of_a_run_scored_with_another_output(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    row = {"item_key": "k", "payload": {"x": [0.1] * 64}}
+    (tmp_path / "in.jsonl").write_text(json.dumps(row) + "\n")
+    assert batching("enqueue", "in.jsonl", "--db", DB, "-q", "tabular", cwd=tmp_path).rc == 0
+    config = str(write_config(tmp_path))
+    assert batching("score", "-c", config, "--output", "elsewhere/out", cwd=tmp_path).rc == 0
+    shown = batching("lineage", "-c", config, "--output", "elsewhere/out", "--json", cwd=tmp_path)
+    assert shown.rc == 0, shown.err
+    assert shown.json()["state"] == "COMPLETE"
+    assert batching("lineage", "-c", config, cwd=tmp_path).rc == 2  # not where the config writes
+    bare = batching("lineage", "--output", "elsewhere/out", cwd=tmp_path)
+    assert bare.rc == 2
+    assert "--output needs --config" in one_error_line(bare)
+
+
 def test_lineage_json_shows_each_run(scored: Scored) -> None:
     latest = batching("lineage", "-c", "pipeline.yaml", "--json", cwd=scored.path)
     assert latest.rc == 0, latest.err
