@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
@@ -162,18 +163,30 @@ def enqueue(
         TimeElapsedColumn(),
         quiet=quiet,
     )
-    with progress:
-        reading = progress.add_task(f"reading {file.name}", total=None)
-        records = ingest.read_records(file, lambda n: progress.update(reading, completed=n))
-        progress.update(reading, total=len(records), visible=False)
-        writing = progress.add_task("enqueueing (one transaction)", total=len(records))
-        result = q.enqueue(records, lambda n: progress.update(writing, completed=n))
+    try:
+        with progress:
+            reading = progress.add_task(f"reading {file.name}", total=None)
+            records = ingest.read_records(file, lambda n: progress.update(reading, completed=n))
+            progress.update(reading, total=len(records), visible=False)
+            writing = progress.add_task("enqueueing (one transaction)", total=len(records))
+            result = q.enqueue(records, lambda n: progress.update(writing, completed=n))
+    except KeyboardInterrupt:
+        err.print(f"interrupted: nothing of {file} was enqueued (one transaction)")
+        raise typer.Exit(130) from None
     out.print(
         f"{file}: committed {result.inserted} new item(s) to queue {queue!r}; "
         f"{len(result.duplicates)} already present (not enqueued again)"
     )
     if not records:
         err.print(f"warning: {file} holds no records; nothing to enqueue", highlight=False)
+    now = time.time()
+    late = sum(1 for r in records if r.deadline_at is not None and r.deadline_at <= now)
+    if late:
+        err.print(
+            f"warning: {late} record(s) of {file} are already past their deadline; they expire "
+            "at the next claim, unscored (an SLA miss)",
+            highlight=False,
+        )
     if result.duplicates:
         shown = ", ".join(result.duplicates[:5])
         more = f" and {len(result.duplicates) - 5} more" if len(result.duplicates) > 5 else ""

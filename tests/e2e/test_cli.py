@@ -565,7 +565,9 @@ def test_an_expired_item_is_an_sla_miss_that_reconcile_reports_but_cannot_repair
     assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
     late = {"item_key": "late", "payload": {"x": [0.5] * 64}, "deadline": "2020-01-01T00:00:00Z"}
     (tmp_path / "late.jsonl").write_text(json.dumps(late) + "\n")
-    assert batching("enqueue", "late.jsonl", "--db", DB, "-q", "tabular", cwd=tmp_path).rc == 0
+    sent = batching("enqueue", "late.jsonl", "--db", DB, "-q", "tabular", cwd=tmp_path)
+    assert sent.rc == 0
+    assert "warning: 1 record(s) of late.jsonl are already past their deadline" in sent.err
     config = str(write_config(tmp_path))
     scored = batching("score", "-c", config, cwd=tmp_path)
     assert scored.rc == 0
