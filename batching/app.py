@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from batching import config as cfg
-from batching import errors, lineage, models, parquet, pipeline, sinks
+from batching import database, errors, lineage, models, parquet, pipeline, run_ledger, sinks
 from batching import queue as q
 from batching.service_profile import ServiceProfile
 from batching.workers import (
@@ -101,9 +101,9 @@ def open_queue(
         ConfigError: the URL is malformed, or names a SQLite file that does not exist.
     """
     if not create:
-        q.require_database(db_url)
+        database.require_database(db_url)
     return q.SqlQueue(
-        q.create_engine(db_url),
+        database.create_engine(db_url),
         config.queue.name,
         clock=clock,
         max_attempts=config.queue.max_attempts,
@@ -393,7 +393,11 @@ def run_score(
 
 
 def _finish(
-    runs: q.RunLedger, run_id: str, state: str, summary: dict[str, Any], error: str | None = None
+    runs: run_ledger.RunLedger,
+    run_id: str,
+    state: str,
+    summary: dict[str, Any],
+    error: str | None = None,
 ) -> None:
     """Close the run's ledger row; a database that fails now is logged, not raised: the run
     is over (raising would retry a finished run), and its row, left running, is closed as
@@ -410,7 +414,7 @@ def _silent_for_s(config: cfg.PipelineConfig) -> float:
     return 2 * config.queue.lease_s
 
 
-def _beat(runs: q.RunLedger, run_id: str) -> Callable[[], None]:
+def _beat(runs: run_ledger.RunLedger, run_id: str) -> Callable[[], None]:
     """The run ledger's heartbeat for ``run_id``; a database hiccup is logged, not raised."""
 
     def beat() -> None:
@@ -481,10 +485,10 @@ def _ledger_start(
     checksum: str | None,
     parent_run_id: str | None = None,
     attempt: Attempt = FIRST,
-) -> tuple[q.RunLedger, models.RunSoFar | None]:
+) -> tuple[run_ledger.RunLedger, models.RunSoFar | None]:
     """Record the run as started in the run ledger; returns the ledger to finish it, and
     what the run's earlier attempts did when this is a retry."""
-    runs = q.RunLedger(queue)
+    runs = run_ledger.RunLedger(queue)
     so_far = runs.start(
         ctx.run_id,
         config.name,
@@ -500,7 +504,7 @@ def _ledger_start(
 def _checked(config: cfg.PipelineConfig, db_url: str | None, output: str | None) -> Resolved:
     """Where a run reads and writes, refused as bad input before anything is on record."""
     res = resolve(config, db_url, output)
-    q.require_database(res.db_url)
+    database.require_database(res.db_url)
     if config.output.kind == "parquet":
         require_writable_folder(Path(res.output), "the output folder (output.path / --output)")
     return res
@@ -639,7 +643,7 @@ def run_score_workers(
 
 def _close_dead_worker(
     emitter: lineage.LineageEmitter,
-    runs: q.RunLedger,
+    runs: run_ledger.RunLedger,
     parent: lineage.RunContext,
     report: WorkerReport,
 ) -> None:

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import Progress, ProgressColumn
 from rich.table import Table
 
-from batching import errors
+from batching import database, errors
 from batching.logs import configure_logging
 from batching.redaction import redact_url
 
@@ -117,18 +117,17 @@ def open_queue(db: str, queue: str = "default", *, create: bool = False, **kwarg
     from batching import queue as q
 
     if not create:
-        q.require_database(db)
-    return q.SqlQueue(q.create_engine(db), queue, **kwargs)
+        database.require_database(db)
+    return q.SqlQueue(database.create_engine(db), queue, **kwargs)
 
 
 @app.command()
 @handle_errors
 def init(db: DbOption = DEFAULT_DB) -> None:
     """Create or upgrade the queue schema (a second run changes nothing)."""
-    from batching import queue as q
 
     result = open_queue(db, create=True).migrate()
-    where = q.redact(db)
+    where = database.redact(db)
     if result.applied:
         out.print(
             f"{where}: schema upgraded from version {result.from_version} to {result.to_version}"

@@ -193,7 +193,7 @@ def _check_run(queue: Any, run: str, db_url: str) -> None:
     import sqlalchemy as sa
 
     from batching import schema
-    from batching.queue import redact
+    from batching.database import redact
 
     runs = schema.runs
     with queue.read() as conn:

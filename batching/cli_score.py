@@ -255,7 +255,7 @@ def _explain_what_is_left(cfg: Any, db: str | None, summary: dict[str, Any]) -> 
 def _where(cfg: Any, db: str | None, output: str, events_path: Any, lineage_failures: int) -> None:
     """The closing lines: which queue was read (``--db`` or $BATCHING_DB_URL override the
     config's database: say which one), where outputs and lineage went, lineage not delivered."""
-    from batching.queue import redact
+    from batching.database import redact
 
     out.print(f"queue: {cfg.queue.name} in {redact(db or cfg.database.url)}", highlight=False)
     out.print(f"outputs: {output}")

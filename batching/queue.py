@@ -7,7 +7,7 @@ and a write with a stale lease changes nothing and reports 0 rows.
 SQLite: WAL, ``synchronous=NORMAL``, ``busy_timeout``; write transactions start with
 ``BEGIN IMMEDIATE`` (a deferred transaction that upgrades to a write ignores the busy timeout),
 ``read()`` transactions deferred; engine set-up, the writer lock and the claim's one-row
-read-back live in :mod:`batching.sqlite`. PostgreSQL: claims lock candidates in a
+read-back live in :mod:`batching.sqlite`, URLs and engines in :mod:`batching.database`. PostgreSQL: claims lock candidates in a
 ``MATERIALIZED`` CTE with ``FOR NO KEY UPDATE SKIP LOCKED``; enqueue sends one ``NOTIFY`` per
 batch and :class:`Waiter` listens, polling as a backstop.
 """
@@ -22,29 +22,22 @@ import operator
 import random
 import threading
 import time
-import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import exc
-from sqlalchemy import util as sa_util
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
-from batching import errors, models, schema, sqlite
+from batching import database, errors, models, schema, sqlite
 from batching.protocols import Clock
-from batching.redaction import redact_url
 
 logger = logging.getLogger(__name__)
 
 NOTIFY_CHANNEL = "batching_items"
 _ENQUEUE_CHUNK = 1000
-_DRIVERS = {"sqlite": ("pysqlite",), "postgresql": ("psycopg",)}  # synchronous DBAPIs we test
 _PURGE_CHUNK = 10_000  # items archived and deleted per statement
 _REAP_LIMIT = 5000  # expired leases returned by one claim (the next claim takes the rest)
 _T = schema.items
@@ -74,145 +67,6 @@ _BY_DEADLINE_AGE_ID = operator.itemgetter(
     _CLAIM_COLUMNS.index("id"),
 )
 _BY_PRIORITY = operator.itemgetter(_CLAIM_COLUMNS.index("priority"))
-
-
-def normalize_url(url: str) -> str:
-    """Map ``postgres://``/``postgresql://`` to the psycopg 3 driver; other URLs pass through."""
-    for prefix in ("postgres://", "postgresql://"):
-        if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix) :]
-    return url
-
-
-def redact(url: str) -> str:
-    """The URL with its password replaced by ``***`` (safe to log or print), also when it
-    does not parse (a missing ``:``, a port that is not a number)."""
-    try:  # SQLAlchemy masks the user-info password; redact_url also a password= in the query
-        return redact_url(sa.make_url(url).render_as_string(hide_password=True))
-    except (exc.ArgumentError, ValueError):
-        return redact_url(url)
-
-
-def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
-    """An engine tuned for the queue (SQLite: WAL + BEGIN IMMEDIATE; PostgreSQL: psycopg 3).
-
-    Raises:
-        ConfigError: the URL is malformed or names an unsupported database.
-    """
-    parsed = _parse_url(url)
-    backend = parsed.get_backend_name()
-    file = _sqlite_file(parsed) if backend == "sqlite" else None
-    if backend == "sqlite" and file is None:
-        raise errors.ConfigError(
-            f"database URL {redact_url(url)!r} names no file; the queue must outlive the process "
-            "and be shared by its connections: use sqlite:///FILE"
-        )
-    if file is not None and not file.parent.is_dir():
-        raise errors.ConfigError(
-            f"no folder {file.parent.absolute()} for the database file {file.name}; create the "
-            "folder first, or fix the path (relative paths start from the current folder)"
-        )
-    if backend not in ("sqlite", "postgresql"):
-        raise errors.ConfigError(
-            f"database {redact(url)} is not supported; use sqlite:///FILE or postgresql://HOST/DB"
-        )
-    if parsed.get_driver_name() not in _DRIVERS[backend]:
-        raise errors.ConfigError(
-            f"database driver {parsed.get_driver_name()!r} in {redact(url)} is not supported "
-            f"(the queue runs on {' or '.join(_DRIVERS[backend])}); write the URL as "
-            f"{'postgresql://' if backend == 'postgresql' else 'sqlite:///'}..."
-        )
-    try:
-        if backend == "sqlite":
-            engine = sa.create_engine(parsed, pool_size=4, max_overflow=8)
-            sqlite.configure(engine, sqlite_busy_timeout_ms)
-            return engine
-        return sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
-    except (ImportError, exc.ArgumentError, TypeError, ValueError) as e:  # no driver, bad options
-        raise errors.ConfigError(
-            f"database URL {redact(url)!r} cannot be used ({type(e).__name__}: "
-            f"{redact_url(str(e))}); use sqlite:///FILE or postgresql://USER@HOST:PORT/DB"
-        ) from None
-
-
-def _parse_url(url: str) -> sa.URL:
-    """``url`` parsed (``postgres://`` mapped to psycopg 3), or ``ConfigError`` naming it redacted."""
-    _, sep, rest = url.partition("://")
-    if sep and rest.split("/", 1)[0].count("@") > 1:
-        # The driver would take what follows the first "@" for the host, and name it (part of
-        # the password) in its error.
-        raise errors.ConfigError(
-            f"database URL {redact(url)!r} has an '@' in its user name or password; "
-            "percent-encode it as %40"
-        )
-    try:
-        return sa.make_url(normalize_url(url))
-    except (exc.ArgumentError, ValueError):  # ValueError: a port that is not a number
-        raise errors.ConfigError(
-            f"database URL {redact(url)!r} is malformed; use sqlite:///FILE or "
-            "postgresql://USER@HOST:PORT/DB"
-        ) from None
-
-
-def _sqlite_file(parsed: sa.URL) -> Path | None:
-    """The file a SQLite URL names (``file:`` URIs included), or None for a memory database."""
-    database = parsed.database or ""
-    mode = parsed.query.get("mode")
-    modes = {mode} if isinstance(mode, str) else set(mode or ())
-    try:
-        uri = sa_util.asbool(parsed.query.get("uri", False))
-    except ValueError:
-        uri = False
-    if uri and database.startswith("file:"):
-        location = urllib.parse.urlsplit(database)  # file:x.db, file:///abs, file://localhost/abs
-        database = urllib.parse.unquote(location.path)
-        modes |= set(urllib.parse.parse_qs(location.query).get("mode", ()))
-    if database in ("", ":memory:") or "memory" in modes:
-        return None
-    return Path(database)
-
-
-def require_database(url: str) -> None:
-    """Refuse a SQLite URL whose file is not there: opening it would create an empty database
-    (and leave it behind) only to fail its schema check. ``batching init`` creates it.
-
-    Raises:
-        ConfigError: the URL is malformed, or its SQLite file does not exist.
-    """
-    parsed = _parse_url(url)
-    if parsed.get_backend_name() != "sqlite":
-        return
-    path = _sqlite_file(parsed)
-    if path is None or path.exists():
-        return
-    raise errors.ConfigError(
-        f"no database at {path.resolve()}: create it with `batching init "
-        f"--db {redact(url)}`, or fix the path (relative paths start from the current folder)"
-    )
-
-
-@contextlib.contextmanager
-def translate_errors(url: str) -> Iterator[None]:
-    """Turn SQLAlchemy errors into ``QueueError`` with the URL redacted (the one place it happens)."""
-    try:
-        yield
-    except exc.OperationalError as e:
-        reason = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
-        raise errors.QueueError(f"database {redact(url)} failed: {reason}{_hint(reason)}") from e
-    except exc.DBAPIError as e:
-        reason = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
-        raise errors.QueueError(f"database {redact(url)}: {reason}") from e
-
-
-_HINTS = (  # what to do about the connection failures users meet first
-    ("does not exist", "create it (createdb, then `batching init --db URL`) or fix the URL"),
-    ("Connection refused", "is the server running? check the host and port"),
-    ("password authentication failed", "check the user and password in the URL"),
-)
-
-
-def _hint(reason: str) -> str:
-    return next((f"; {fix}" for text, fix in _HINTS if text in reason), "")
 
 
 def backoff_s(attempts: int, base_s: float, max_s: float, rng: random.Random) -> float:
@@ -267,7 +121,7 @@ class SqlQueue:
         SQLite's sleep-and-retry busy handler.
         """
         lock = sqlite.writer_lock(self.engine)
-        with lock, translate_errors(self._url), self.engine.begin() as conn:
+        with lock, database.translate_errors(self._url), self.engine.begin() as conn:
             yield conn
 
     @contextlib.contextmanager
@@ -281,7 +135,7 @@ class SqlQueue:
         statement, so a commit landing between two reads shows its items done but not its
         ledger row).
         """
-        with translate_errors(self._url), self.engine.connect() as conn:
+        with database.translate_errors(self._url), self.engine.connect() as conn:
             if self.dialect == "postgresql":
                 conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
             else:
@@ -291,7 +145,7 @@ class SqlQueue:
 
     def migrate(self) -> schema.MigrationResult:
         """Create or upgrade the schema; a second run applies nothing."""
-        with translate_errors(self._url):
+        with database.translate_errors(self._url):
             return schema.migrate(self.engine, self.clock)
 
     def check_schema(self) -> None:
@@ -300,7 +154,7 @@ class SqlQueue:
             try:
                 schema.require_current(conn)
             except errors.SchemaError as exc:  # name the database the user has to upgrade
-                message = str(exc).replace("--db URL", f"--db {redact(self._url)}")
+                message = str(exc).replace("--db URL", f"--db {database.redact(self._url)}")
                 raise errors.SchemaError(message) from None
 
     # -- ingress -----------------------------------------------------------------------------
@@ -996,161 +850,3 @@ class Waiter:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
-
-
-def _committed_rows(conn: Connection, run_id: str) -> int:
-    """Rows the run and its workers committed, from the batch ledger."""
-    r, b = schema.runs.c, schema.batches.c
-    workers = sa.select(r.run_id).where(r.parent_run_id == run_id)
-    ids = [run_id, *conn.execute(workers).scalars()]
-    live = b.state.in_(schema.BATCH_LIVE_STATES)  # a repair's rewrite keeps its run id
-    total = sa.select(sa.func.coalesce(sa.func.sum(b.n_rows), 0)).where(b.run_id.in_(ids), live)
-    return int(conn.execute(total).scalar_one())
-
-
-class RunLedger:
-    """Rows of ``batching_runs``: one per scoring or reconcile run (start, finish, summary)."""
-
-    def __init__(self, queue: SqlQueue) -> None:
-        self._queue = queue
-        self._before: dict[str, tuple[int, int, int]] = {}  # a resumed run's earlier counts
-
-    def start(
-        self,
-        run_id: str,
-        flow: str,
-        *,
-        config_hash: str | None = None,
-        model_version: str | None = None,
-        model_sha256: str | None = None,
-        parent_run_id: str | None = None,
-        resume: bool = False,
-    ) -> models.RunSoFar | None:
-        """Record a run as ``running``; ``parent_run_id``: the run this one is a worker of.
-
-        A run id already on record restarts its row, unless ``resume`` (a retry of the run:
-        a Prefect task retry reuses the flow run's id): then the row keeps when the run
-        started, and the rows that the run and its workers committed are counted from the
-        batch ledger (an attempt that failed or died may have committed more than it
-        reported); ``finish`` adds this attempt's counts to them. What the earlier attempts
-        did is returned; else None.
-        """
-        r = schema.runs.c
-        now = self._queue.clock()
-        row = {
-            "parent_run_id": parent_run_id,
-            "flow": flow,
-            "queue": self._queue.queue,
-            "config_hash": config_hash,
-            "model_version": model_version,
-            "model_sha256": model_sha256,
-            "state": "running",
-            "heartbeat_at": now,
-            "finished_at": None,
-            "error": None,
-        }
-        with self._queue.begin() as conn:
-            prior = conn.execute(
-                sa.select(r.started_at, r.n_failed, r.n_batches).where(r.run_id == run_id)
-            ).first()
-            if prior is None or not resume:
-                conn.execute(sa.delete(schema.runs).where(r.run_id == run_id))
-                conn.execute(schema.runs.insert().values(run_id=run_id, started_at=now, **row))
-                self._before[run_id] = (0, 0, 0)
-                return None
-            committed = _committed_rows(conn, run_id)
-            update = sa.update(schema.runs).where(r.run_id == run_id)
-            conn.execute(update.values(n_items=committed, **row))
-        self._before[run_id] = (int(committed), prior.n_failed, prior.n_batches)
-        return models.RunSoFar(prior.started_at, int(committed), prior.n_failed)
-
-    def beat(self, run_id: str) -> None:
-        """Record that a running run is alive (its scorer's heartbeat calls it)."""
-        r = schema.runs.c
-        with self._queue.begin() as conn:
-            conn.execute(
-                sa.update(schema.runs)
-                .where(r.run_id == run_id, r.state == "running")
-                .values(heartbeat_at=self._queue.clock())
-            )
-
-    def close_abandoned(
-        self, silent_for_s: float, *, but: str | None = None
-    ) -> list[models.AbandonedRun]:
-        """Close as ``failed`` this queue's runs still ``running`` whose heartbeat stopped
-        more than ``silent_for_s`` ago: their process died (killed, or its machine lost)
-        without closing them. Runs that never beat (before migration 8) are left alone, and
-        so is ``but`` (the run about to start: a retry reuses its id)."""
-        r = schema.runs.c
-        now = self._queue.clock()
-        stale = sa.and_(
-            r.queue == self._queue.queue,
-            r.state == "running",
-            r.heartbeat_at.is_not(None),
-            r.heartbeat_at < now - silent_for_s,
-            r.run_id != but if but is not None else sa.true(),
-        )
-        with self._queue.begin() as conn:
-            rows = conn.execute(
-                sa.select(r.run_id, r.flow, r.parent_run_id, r.heartbeat_at).where(stale)
-            ).all()
-            closed = []
-            for row in rows:
-                when = datetime.fromtimestamp(row.heartbeat_at, UTC).isoformat(timespec="seconds")
-                error = f"abandoned: no heartbeat since {when} (its process died)"
-                n = conn.execute(
-                    sa.update(schema.runs)
-                    .where(r.run_id == row.run_id, stale)
-                    .values(
-                        state="failed",
-                        finished_at=now,
-                        error=error,
-                        n_items=_committed_rows(conn, row.run_id),  # it never reported them
-                    )
-                ).rowcount
-                if n:
-                    closed.append(
-                        models.AbandonedRun(row.run_id, row.flow, row.parent_run_id, error)
-                    )
-            # A worker whose parent is not running either (closed just now, or ended) has no
-            # one left to close it in lineage.
-            parents = {a.parent_run_id for a in closed if a.parent_run_id is not None}
-            alive = set(
-                conn.execute(
-                    sa.select(r.run_id).where(r.run_id.in_(parents), r.state == "running")
-                ).scalars()
-            )
-            closed = [
-                replace(a, orphan=a.parent_run_id is not None and a.parent_run_id not in alive)
-                for a in closed
-            ]
-        if closed:
-            logger.warning(
-                "%d abandoned run(s) closed as failed: %s",
-                len(closed),
-                ", ".join(a.run_id for a in closed),
-                extra={"action": "runs_abandoned", "run_ids": [a.run_id for a in closed]},
-            )
-        return closed
-
-    def finish(
-        self, run_id: str, state: str, summary: Mapping[str, Any], error: str | None = None
-    ) -> None:
-        """Record how a run ended, ``completed`` or ``failed``, with its summary as JSON; or
-        ``running``: an attempt failed and the run will be retried (if the retry never comes,
-        the run is closed as abandoned). The counts of a run resumed by ``start`` are its
-        earlier attempts' plus this one's."""
-        items, failed, batches = self._before.get(run_id, (0, 0, 0))
-        values = {
-            "state": state,
-            "finished_at": None if state == "running" else self._queue.clock(),
-            "n_items": items + int(summary.get("items_committed", 0)),
-            "n_failed": failed + int(summary.get("items_failed", 0)),
-            "n_batches": batches + int(summary.get("batches", 0)),
-            "summary": json.dumps(summary, default=str),
-            "error": error[:2000] if error else None,
-        }
-        with self._queue.begin() as conn:
-            conn.execute(
-                sa.update(schema.runs).where(schema.runs.c.run_id == run_id).values(**values)
-            )

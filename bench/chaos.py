@@ -56,8 +56,8 @@ import pyarrow.parquet as pq
 import sqlalchemy as sa
 import yaml
 
+from batching import database as db
 from batching import models, schema, workloads
-from batching import queue as q
 from batching.config import load_config
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deployments"
@@ -247,7 +247,7 @@ class Round:
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         (self.work / "log").mkdir(parents=True, exist_ok=True)
-        self.engine = q.create_engine(self.db_url)
+        self.engine = db.create_engine(self.db_url)
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -738,7 +738,7 @@ def print_story(rnd: Round, url: str, *, kept: bool) -> None:
     """What the round did and what was wrong; where to look and how to replay it."""
     print(f"  replay: python bench/chaos.py --seed {rnd.seed} --rounds 1")
     if kept:
-        print(f"  kept: {rnd.work} (database {q.redact(url)})")
+        print(f"  kept: {rnd.work} (database {db.redact(url)})")
     for label, lines in (
         ("action", rnd.actions),
         ("VIOLATION", rnd.violations[:20]),
@@ -759,7 +759,8 @@ def main(argv: list[str] | None = None) -> int:
             pg_admin(args.pg, "SELECT 1")
         except Exception as exc:  # unreachable or refused: bad argument, one line
             print(
-                f"chaos.py: --pg {q.redact(args.pg)}: {str(exc).splitlines()[0]}", file=sys.stderr
+                f"chaos.py: --pg {db.redact(args.pg)}: {str(exc).splitlines()[0]}",
+                file=sys.stderr,
             )
             return 2
     print(

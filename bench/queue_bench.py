@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psycopg
 
-from batching import models
+from batching import database, models
 from batching import queue as q
 
 
@@ -27,7 +27,7 @@ def _records(n: int) -> list[models.EnqueueRecord]:
 
 def measure(url: str, claim_size: int, n_items: int) -> float:
     """Rows per second to claim and ack ``n_items`` in claims of ``claim_size``."""
-    engine = q.create_engine(url)
+    engine = database.create_engine(url)
     queue = q.SqlQueue(engine, f"bench-{claim_size}")
     queue.migrate()
     queue.enqueue(_records(n_items))

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from batching import models
+from batching import database, models
 from batching import queue as q
 
 NEW = (
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=300_000, help="items in the queue")
     n = parser.parse_args().items
     url = f"sqlite:///{Path(tempfile.mkdtemp()) / 'q.db'}"
-    queue = q.SqlQueue(q.create_engine(url), "w1")
+    queue = q.SqlQueue(database.create_engine(url), "w1")
     queue.migrate()
     queue.enqueue(models.EnqueueRecord(f"k{i}", models.Payload(b'{"x":[1]}')) for i in range(n))
     done = 0

@@ -35,7 +35,7 @@ import torch
 
 from batching import app, ingest, models, pipeline, workloads, zoo
 from batching.config import load_config
-from batching.queue import normalize_url
+from batching.database import normalize_url
 from batching.workers import run_workers
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deployments"

@@ -91,12 +91,13 @@ def pg_template() -> Iterator[str]:
         pytest.skip(reason)
     import psycopg
 
+    from batching import database
     from batching import queue as q
 
     name = f"batching_tpl_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    engine = q.create_engine(_pg_url(name))
+    engine = database.create_engine(_pg_url(name))
     q.SqlQueue(engine).migrate()
     engine.dispose()
     yield name
@@ -120,10 +121,11 @@ def pg_url(pg_template: str) -> Iterator[str]:
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     """URL of a fresh, migrated SQLite file for one test."""
+    from batching import database
     from batching import queue as q
 
     url = f"sqlite:///{tmp_path / 'queue.db'}"
-    engine = q.create_engine(url)
+    engine = database.create_engine(url)
     q.SqlQueue(engine).migrate()
     engine.dispose()
     return url

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import pytest
 import yaml
 
-from batching import workloads
+from batching import database, workloads
 from tests.conftest import REPO
 
 BATCHING = str(Path(sys.executable).with_name("batching"))
@@ -486,7 +486,7 @@ def test_a_run_that_scores_nothing_says_why(tmp_path: Path) -> None:
     assert typo.rc == 0, typo.err
     assert "warning: queue 'tabluar' has no items; queues in this database: tabular" in typo.err
 
-    engine = q.create_engine(f"sqlite:///{tmp_path / 'queue.db'}")
+    engine = database.create_engine(f"sqlite:///{tmp_path / 'queue.db'}")
     q.SqlQueue(engine, "tabular").claim(3, lease_s=600)  # another scorer holds them
     engine.dispose()
     held = batching("score", "-c", str(write_config(tmp_path)), cwd=tmp_path)

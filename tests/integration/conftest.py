@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from batching import parquet
+from batching import database, parquet
 from batching import queue as q
 from tests.conftest import FakeClock
 
 
 @pytest.fixture
 def queue(db_url: str, clock: FakeClock) -> Iterator[q.SqlQueue]:
-    engine = q.create_engine(db_url)
+    engine = database.create_engine(db_url)
     yield q.SqlQueue(engine, "sinks", clock=clock)
     engine.dispose()
 

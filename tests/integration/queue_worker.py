@@ -10,11 +10,12 @@ import json
 import sys
 import time
 
+from batching import database
 from batching import queue as q
 
 
 def drain(url: str, name: str, n: int, out: str) -> None:
-    engine = q.create_engine(url)
+    engine = database.create_engine(url)
     queue = q.SqlQueue(engine, name)
     claims, empty = [], 0
     while empty < 3:
@@ -33,7 +34,7 @@ def drain(url: str, name: str, n: int, out: str) -> None:
 
 
 def hold(url: str, name: str, n: int, lease_s: float) -> None:
-    engine = q.create_engine(url)
+    engine = database.create_engine(url)
     claim = q.SqlQueue(engine, name).claim(n, lease_s=lease_s)
     print(json.dumps({"lease": claim.lease_id, "ids": [i.id for i in claim.items]}), flush=True)
     time.sleep(3600)

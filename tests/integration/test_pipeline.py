@@ -26,7 +26,18 @@ import yaml
 
 from batching import app as wiring
 from batching import config as cfg
-from batching import errors, ingest, lineage, lineage_log, models, pipeline, schema, workloads
+from batching import (
+    database,
+    errors,
+    ingest,
+    lineage,
+    lineage_log,
+    models,
+    pipeline,
+    run_ledger,
+    schema,
+    workloads,
+)
 from batching import queue as q
 from batching import reconcile as rc
 from batching.runner import TorchRunner
@@ -104,7 +115,7 @@ def dataset(root: Path) -> dict[str, Any]:
 
 
 def items(url: str) -> dict[str, Any]:
-    engine = q.create_engine(url)
+    engine = database.create_engine(url)
     with engine.connect() as conn:
         rows = {r.item_key: r for r in conn.execute(sa.select(schema.items))}
     engine.dispose()
@@ -112,7 +123,7 @@ def items(url: str) -> dict[str, Any]:
 
 
 def runs(url: str) -> list[Any]:
-    engine = q.create_engine(url)
+    engine = database.create_engine(url)
     with engine.connect() as conn:
         rows = list(conn.execute(sa.select(schema.runs)))
     engine.dispose()
@@ -120,7 +131,7 @@ def runs(url: str) -> list[Any]:
 
 
 def ledger(url: str) -> dict[str, Any]:
-    engine = q.create_engine(url)
+    engine = database.create_engine(url)
     with engine.connect() as conn:
         rows = {r.batch_id: r for r in conn.execute(sa.select(schema.batches))}
     engine.dispose()
@@ -350,7 +361,7 @@ def test_the_sql_sink_commits_each_item_exactly_once(db_url: str, tmp_path: Path
     again = score(config, db_url, None)
     assert again.summary["items_committed"] == 0
 
-    engine = q.create_engine(db_url)
+    engine = database.create_engine(db_url)
     with engine.connect() as conn:
         results = conn.execute(sa.select(schema.results)).all()
     engine.dispose()
@@ -413,7 +424,7 @@ def wait_for_done(
     url: str, at_least: int, proc: subprocess.Popen[Any], timeout_s: float = 60
 ) -> int:
     """Poll the queue until ``at_least`` items are done (the run is mid-way), return the count."""
-    engine = q.create_engine(url)
+    engine = database.create_engine(url)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -530,7 +541,7 @@ def test_the_workers_of_a_killed_workers_run_are_failed_in_lineage_with_their_pa
     config = load("tabular.yaml", tmp_path)
     enqueue(sqlite_url, config, w1_records(5, tmp_path))
     queue = open_queue(sqlite_url, config)
-    ledger = q.RunLedger(queue)
+    ledger = run_ledger.RunLedger(queue)
     parent, lone_parent = lineage.new_run_id(), lineage.new_run_id()
     workers = [lineage.new_run_id() for _ in range(2)]
     ledger.start(parent, config.name)
@@ -569,7 +580,7 @@ def test_the_reaper_returns_every_expired_lease_not_just_one_chunk(sqlite_url: s
     from tests.conftest import FakeClock
 
     clock = FakeClock()
-    queue = q.SqlQueue(q.create_engine(sqlite_url), "tabular", clock=clock)
+    queue = q.SqlQueue(database.create_engine(sqlite_url), "tabular", clock=clock)
     queue.enqueue([models.EnqueueRecord(f"k{i}", models.Payload(b"{}")) for i in range(5)])
     for _ in range(5):
         queue.claim(1, lease_s=10)  # five claims of a scorer that was then killed
@@ -659,7 +670,7 @@ def test_a_live_run_waiting_on_lineage_is_not_taken_for_abandoned(
         wait_for(lambda: any(r.state == "running" for r in runs(sqlite_url)), 60, "its ledger row")
         time.sleep(2 * lease_s + 0.5)  # the START is still waiting on the silent backend
         other = open_queue(sqlite_url, config)
-        closed = q.RunLedger(other).close_abandoned(2 * lease_s)
+        closed = run_ledger.RunLedger(other).close_abandoned(2 * lease_s)
         other.engine.dispose()
         run.join(60)
     assert closed == [], "a run that was alive was closed as abandoned"

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from batching import models, sqlite
+from batching import database, models, sqlite
 from batching import queue as q
 from tests.conftest import REPO, wait_for
 
@@ -23,7 +23,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def fill(url: str, name: str, n: int) -> None:
-    engine = q.create_engine(url)
+    engine = database.create_engine(url)
     queue = q.SqlQueue(engine, name)
     records = [models.EnqueueRecord(f"k{i}", models.Payload(b"{}")) for i in range(n)]
     assert queue.enqueue(records).inserted == n
@@ -61,7 +61,7 @@ def test_concurrent_claimers_ack_every_item_exactly_once(
     assert max(claimed.values()) == 1, "an item was claimed by two live leases"
     assert sum(c["acked"] for c in claims) == n_items
     assert len({c["lease"] for c in claims}) == len(claims)
-    engine = q.create_engine(url)
+    engine = database.create_engine(url)
     stats = q.SqlQueue(engine, "conc").stats()
     engine.dispose()
     assert stats.by_state["done"] == n_items
@@ -90,7 +90,7 @@ def test_sigkilled_claimer_items_are_reaped_and_finished(
     assert proc.wait(timeout=30) == -signal.SIGKILL
     proc.stdout.close()
 
-    engine = q.create_engine(url)
+    engine = database.create_engine(url)
     queue = q.SqlQueue(engine, "kill")
     assert queue.release_expired().released == 0, "lease still live right after the kill"
     time.sleep(2.2)  # the dead claimer's 2 s lease runs out in real time
@@ -102,7 +102,7 @@ def test_sigkilled_claimer_items_are_reaped_and_finished(
     assert sorted(i for c in claims for i in c["ids"]) == sorted(
         set(i for c in claims for i in c["ids"])
     )
-    engine = q.create_engine(url)
+    engine = database.create_engine(url)
     queue = q.SqlQueue(engine, "kill")
     assert queue.stats().by_state["done"] == 300
     with engine.connect() as conn:
@@ -135,7 +135,7 @@ def write_while_another_process_holds_the_lock_file(
     """Seconds an enqueue took while another process held ``<db>.writer-lock`` (only the file
     lock: SQLite's own write lock stays free) for ``hold_s``."""
     db = tmp_path / "q.db"
-    engine = q.create_engine(f"sqlite:///{db}", sqlite_busy_timeout_ms=busy_timeout_ms)
+    engine = database.create_engine(f"sqlite:///{db}", sqlite_busy_timeout_ms=busy_timeout_ms)
     queue = q.SqlQueue(engine, "lock")
     queue.migrate()
     ready = tmp_path / "ready"
@@ -168,7 +168,7 @@ def test_a_forked_child_takes_the_writer_lock_after_the_parent_not_with_it(
 ) -> None:
     """The child gets a fresh lock (the parent's thread lock was held at the fork) and a file
     descriptor of its own, so it waits for the parent's flock instead of sharing it."""
-    engine = q.create_engine(f"sqlite:///{tmp_path / 'q.db'}")
+    engine = database.create_engine(f"sqlite:///{tmp_path / 'q.db'}")
     lock = sqlite.writer_lock(engine)
     with lock:
         pid = os.fork()

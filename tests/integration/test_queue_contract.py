@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from batching import errors, models, schema
+from batching import database, errors, models, run_ledger, schema
 from batching import queue as q
 from tests.conftest import FakeClock
 
@@ -26,7 +26,7 @@ def rec(key: str, **kw: object) -> models.EnqueueRecord:
 
 @pytest.fixture
 def queue(db_url: str, clock: FakeClock) -> Iterator[q.SqlQueue]:
-    engine = q.create_engine(db_url)
+    engine = database.create_engine(db_url)
     yield q.SqlQueue(engine, "contract", clock=clock, rng=random.Random(7))
     engine.dispose()
 
@@ -264,7 +264,7 @@ def test_a_sqlite_claim_whose_bodies_exceed_the_longest_blob_reads_them_row_by_r
 ) -> None:
     """SQLite caps a string or blob (1 GB by default; 5,000 bytes here): bodies that add up to
     more cannot come back concatenated, so the claim reads them one by one."""
-    engine = q.create_engine(f"sqlite:///{tmp_path / 'q.db'}")
+    engine = database.create_engine(f"sqlite:///{tmp_path / 'q.db'}")
 
     @sa.event.listens_for(engine, "connect")
     def _small_limit(dbapi_conn: sqlite3.Connection, _record: object) -> None:
@@ -351,7 +351,7 @@ def test_migration_6_gives_runs_a_parent_and_keeps_the_runs_there(queue: q.SqlQu
     )
     result = queue.migrate()
     assert (result.from_version, result.to_version) == (5, schema.SCHEMA_VERSION)
-    q.RunLedger(queue).start("child", "score.worker-0", parent_run_id="old")
+    run_ledger.RunLedger(queue).start("child", "score.worker-0", parent_run_id="old")
     with queue.engine.connect() as conn:
         rows = dict(
             conn.execute(sa.select(schema.runs.c.run_id, schema.runs.c.parent_run_id)).all()
@@ -414,7 +414,7 @@ def test_migration_8_gives_runs_a_heartbeat_and_leaves_old_runs_alone(
     result = queue.migrate()
     assert (result.from_version, result.to_version) == (7, schema.SCHEMA_VERSION)
     clock.advance(10_000)
-    assert q.RunLedger(queue).close_abandoned(60) == []  # it never beat: not judged
+    assert run_ledger.RunLedger(queue).close_abandoned(60) == []  # it never beat: not judged
 
 
 def test_migration_9_keys_sql_results_by_queue_and_keeps_their_rows(queue: q.SqlQueue) -> None:
@@ -442,7 +442,10 @@ def test_migration_9_keys_sql_results_by_queue_and_keeps_their_rows(queue: q.Sql
 def test_a_run_whose_heartbeat_stopped_is_closed_as_abandoned(
     queue: q.SqlQueue, clock: FakeClock
 ) -> None:
-    runs, other = q.RunLedger(queue), q.RunLedger(q.SqlQueue(queue.engine, "other", clock=clock))
+    runs, other = (
+        run_ledger.RunLedger(queue),
+        run_ledger.RunLedger(q.SqlQueue(queue.engine, "other", clock=clock)),
+    )
     runs.start("dead", "score")
     runs.start("alive", "score")
     runs.start("done", "score")
@@ -693,14 +696,14 @@ def test_redrive_and_purge(queue: q.SqlQueue, clock: FakeClock) -> None:
 
 
 def test_schema_check_refuses_uninitialised_db(tmp_path: object) -> None:
-    engine = q.create_engine(f"sqlite:///{tmp_path}/empty.db")
+    engine = database.create_engine(f"sqlite:///{tmp_path}/empty.db")
     with pytest.raises(errors.SchemaError, match="batching init"):
         q.SqlQueue(engine).check_schema()
     engine.dispose()
 
 
 def test_unreachable_database_is_a_queue_error_without_password() -> None:
-    engine = q.create_engine("postgresql://u:sekret@127.0.0.1:9/none?connect_timeout=2")
+    engine = database.create_engine("postgresql://u:sekret@127.0.0.1:9/none?connect_timeout=2")
     with pytest.raises(errors.QueueError) as info:
         q.SqlQueue(engine).check_schema()
     assert "sekret" not in str(info.value)
@@ -708,7 +711,7 @@ def test_unreachable_database_is_a_queue_error_without_password() -> None:
 
 
 def test_sqlite_claim_uses_ready_index(sqlite_url: str) -> None:
-    engine = q.create_engine(sqlite_url)
+    engine = database.create_engine(sqlite_url)
     sql = q.SqlQueue(engine)._claim_sql(None, None)
     inner = sql[sql.index("SELECT id, cost") : sql.index("LIMIT :n")]
     with engine.connect() as conn:
@@ -723,7 +726,7 @@ def test_sqlite_claim_uses_ready_index(sqlite_url: str) -> None:
 
 @pytest.mark.postgres
 def test_notify_wakes_a_waiting_scorer(pg_url: str) -> None:
-    engine = q.create_engine(pg_url)
+    engine = database.create_engine(pg_url)
     waiter = q.Waiter(engine, "wake")
     assert waiter.wait(0.05) is False
     timer = threading.Timer(0.2, lambda: q.SqlQueue(engine, "wake").enqueue([rec("n")]))
@@ -752,7 +755,7 @@ def test_a_run_started_again_is_resumed_with_what_it_and_its_workers_committed(
 ) -> None:
     """A Prefect task retry reuses the run id: before, its row was deleted and inserted
     again, and the first attempt's rows fell out of the run's counts."""
-    runs = q.RunLedger(queue)
+    runs = run_ledger.RunLedger(queue)
     assert runs.start("run", "score") is None
     runs.start("worker", "score.worker-0", parent_run_id="run")
     for batch, run_id, n in (("b1", "run", 30), ("b2", "worker", 12), ("b3", "other", 99)):

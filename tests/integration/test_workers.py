@@ -21,8 +21,7 @@ from referencing import Registry
 
 from batching import app as wiring
 from batching import config as cfg
-from batching import lineage, lineage_log, models, schema
-from batching import queue as q
+from batching import database, lineage, lineage_log, models, schema
 from batching.pipeline import RunLimits
 from batching.workers import WorkersOutcome, _Watch, _wind_down, run_workers
 from tests import olspec
@@ -49,7 +48,7 @@ KEYS = {f"w1-{i}" for i in range(N)}
 
 
 def runs(url: str) -> list[str]:
-    engine = q.create_engine(url)
+    engine = database.create_engine(url)
     with engine.connect() as conn:
         states = list(conn.execute(sa.select(schema.runs.c.state)).scalars())
     engine.dispose()
@@ -152,7 +151,7 @@ def test_workers_are_one_lineage_run_with_a_child_job_each(parented: Parented) -
 
 def test_reconciling_the_parent_run_covers_its_workers_batches(parented: Parented) -> None:
     result, config = parented.result, parented.config
-    engine = q.create_engine(parented.url)
+    engine = database.create_engine(parented.url)
     with engine.connect() as conn:
         runs_ = schema.runs.c
         ledger = {r[0]: r[1] for r in conn.execute(sa.select(runs_.run_id, runs_.parent_run_id))}
@@ -576,7 +575,7 @@ def test_a_killed_worker_is_reported_and_its_items_are_scored_after_the_lease(
     assert "(failed)" in stdout, "the dead worker's run id is not listed"
 
     # The dead worker never closed its run: the parent did, in the ledger and in lineage.
-    engine = q.create_engine(sqlite_url)
+    engine = database.create_engine(sqlite_url)
     with engine.connect() as conn:
         c = schema.runs.c
         rows = conn.execute(sa.select(c.run_id, c.state, c.error, c.parent_run_id)).all()
