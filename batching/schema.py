@@ -277,17 +277,21 @@ def _v4(conn: Connection) -> None:
 
 def _rebuild(conn: Connection, table: sa.Table, names: Sequence[str], order: str) -> None:
     """Rebuild ``table`` as declared, keeping the rows' ``names`` columns: create it under a
-    new name, copy, drop the old one, rename (the same statements on SQLite and PostgreSQL)."""
+    new name, copy, drop the old one, rename (the same statements on SQLite and PostgreSQL).
+    SQLite renames in legacy mode, so views that name the table are not re-checked halfway."""
+    quote = conn.dialect.identifier_preparer.quote
     rebuilt = table.to_metadata(sa.MetaData(), name=f"{table.name}_new")
     rebuilt.create(conn)
-    cols = ", ".join(names)
-    conn.execute(
-        sa.text(
-            f"INSERT INTO {rebuilt.name} ({cols}) SELECT {cols} FROM {table.name} ORDER BY {order}"
-        )
-    )
-    conn.execute(sa.text(f"DROP TABLE {table.name}"))
-    conn.execute(sa.text(f"ALTER TABLE {rebuilt.name} RENAME TO {table.name}"))
+    cols = ", ".join(map(quote, names))
+    old, new = quote(table.name), quote(rebuilt.name)
+    conn.execute(sa.text(f"INSERT INTO {new} ({cols}) SELECT {cols} FROM {old} ORDER BY {order}"))
+    conn.execute(sa.text(f"DROP TABLE {old}"))
+    legacy = conn.dialect.name == "sqlite"
+    if legacy:
+        conn.exec_driver_sql("PRAGMA legacy_alter_table = ON")
+    conn.execute(sa.text(f"ALTER TABLE {new} RENAME TO {old}"))
+    if legacy:
+        conn.exec_driver_sql("PRAGMA legacy_alter_table = OFF")
 
 
 def ensure_results_table(conn: Connection, table: sa.Table) -> bool:
@@ -302,11 +306,35 @@ def ensure_results_table(conn: Connection, table: sa.Table) -> bool:
 
 def rekey_results(conn: Connection, table: sa.Table) -> bool:
     """Key a results table by :data:`RESULTS_KEY` if it is keyed the old way; returns whether
-    it was rebuilt. Its rows all stay (the old key was the stricter one)."""
-    key = sa.inspect(conn).get_pk_constraint(table.name)["constrained_columns"]
-    if set(key) == set(RESULTS_KEY):
+    it was changed. Its rows all stay (the old key was the stricter one).
+
+    PostgreSQL changes the key in place (the table keeps its name, grants and the views on it).
+    SQLite cannot, so the table is rebuilt; one with columns batching does not declare is
+    refused rather than rebuilt without them.
+
+    Raises:
+        SchemaError: a SQLite table with columns of its own (rekey it by hand).
+    """
+    inspector = sa.inspect(conn)
+    pk = inspector.get_pk_constraint(table.name)
+    if set(pk["constrained_columns"]) == set(RESULTS_KEY):
         return False
-    _rebuild(conn, table, [c.name for c in table.columns], order="scored_at")
+    quote = conn.dialect.identifier_preparer.quote
+    key = ", ".join(map(quote, RESULTS_KEY))
+    if conn.dialect.name == "postgresql":
+        name = pk.get("name")
+        drop = f"DROP CONSTRAINT {quote(name)}, " if name else ""
+        conn.execute(sa.text(f"ALTER TABLE {quote(table.name)} {drop}ADD PRIMARY KEY ({key})"))
+        return True
+    have = [str(c["name"]) for c in inspector.get_columns(table.name)]
+    extra = sorted(set(have) - {c.name for c in table.columns})
+    if extra:
+        raise errors.SchemaError(
+            f"results table {table.name} has columns batching does not declare "
+            f"({', '.join(extra)}), so it is not rebuilt: rebuild it by hand with PRIMARY KEY "
+            f"({key}) (before migration 9 the key had no queue)"
+        )
+    _rebuild(conn, table, have, order="scored_at")
     return True
 
 

@@ -428,14 +428,17 @@ def test_migration_9_keys_sql_results_by_queue_and_keeps_their_rows(queue: q.Sql
         " scored_at FLOAT NOT NULL, run_id VARCHAR(64) NOT NULL, batch_id VARCHAR(36) NOT NULL,"
         " PRIMARY KEY (model_version, item_key))",
         "INSERT INTO batching_results VALUES ('v1', 'k', 'contract', '', 0, 1.0, 'r', 'b')",
+        "CREATE VIEW results_seen AS SELECT item_key FROM batching_results",  # a reader's view
     )
     result = queue.migrate()
     assert (result.from_version, result.to_version) == (8, schema.SCHEMA_VERSION)
     with queue.engine.connect() as conn:
         key = sa.inspect(conn).get_pk_constraint("batching_results")["constrained_columns"]
         rows = conn.execute(sa.select(schema.results.c.queue, schema.results.c.item_key)).all()
+        seen = conn.execute(sa.text("SELECT item_key FROM results_seen")).scalars().all()
     assert set(key) == set(schema.RESULTS_KEY)
     assert [tuple(r) for r in rows] == [("contract", "k")]
+    assert seen == ["k"]  # the view still reads the table
     assert queue.migrate().applied is False
 
 
