@@ -152,11 +152,12 @@ def translate_errors(url: str) -> Iterator[None]:
 
 
 _HINTS = (  # what to do about the connection failures users meet first
-    ("does not exist", "create it (createdb, then `batching init --db URL`) or fix the URL"),
-    ("Connection refused", "is the server running? check the host and port"),
-    ("password authentication failed", "check the user and password in the URL"),
+    (('database "', "does not exist"), "create it (createdb), then `batching init --db URL`"),
+    (('role "', "does not exist"), "check the user name in the URL (or create that role)"),
+    (("Connection refused",), "is the server running? check the host and port"),
+    (("password authentication failed",), "check the user and password in the URL"),
 )
 
 
 def _hint(reason: str) -> str:
-    return next((f"; {fix}" for text, fix in _HINTS if text in reason), "")
+    return next((f"; {fix}" for texts, fix in _HINTS if all(t in reason for t in texts)), "")

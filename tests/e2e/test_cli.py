@@ -621,6 +621,10 @@ def test_a_postgresql_database_that_does_not_exist_is_named_with_the_fix(
     assert r.rc == 1
     line = one_error_line(r)
     assert 'database "batching_no_such_db" does not exist; create it (createdb' in line
+    host = pg_url.split("@", 1)[1]  # a user that does not exist gets other advice
+    r = batching("status", "--db", f"postgresql://batching_no_such_role@{host}", cwd=tmp_path)
+    assert r.rc == 1
+    assert "does not exist; check the user name in the URL" in one_error_line(r)
 
 
 def test_score_names_the_database_it_read_when_the_environment_overrode_the_config(
