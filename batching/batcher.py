@@ -92,18 +92,17 @@ def batch_stats(
     size = len(items)
     costs = list(map(_COST, items))
     total, widest = sum(costs), max(costs)
-    enqueued = list(map(_ENQUEUED, items))
-    if max(enqueued) <= formed_at:  # no wait to clamp: the sums run in C
-        waits_sum = formed_at * size - math.fsum(enqueued)
-    else:
-        waits_sum = math.fsum(max(0.0, formed_at - e) for e in enqueued)
+    enqueued = map(_ENQUEUED, items)
+    waits = list(map(operator.sub, itertools.repeat(formed_at, size), enqueued))
+    if min(waits) < 0.0:  # clock skew: clamp each wait (rare; otherwise all of it runs in C)
+        waits = [max(0.0, w) for w in waits]
     return models.BatchStats(
         size=size,
         cost=total,
         fill=size / max_batch_size,
         padding_efficiency=total / (size * widest) if widest > 0 else 1.0,
-        oldest_wait_s=max(0.0, formed_at - min(enqueued)),
-        mean_wait_s=max(0.0, waits_sum) / size,
+        oldest_wait_s=max(waits),
+        mean_wait_s=sum(waits) / size,
     )
 
 
