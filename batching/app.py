@@ -273,6 +273,7 @@ class ScoreOutcome:
     lineage_failures: int = 0
     recovered: dict[str, Any] = field(default_factory=dict)
     stats: pipeline.RunStats | None = None  # the raw counters behind ``summary``
+    db_url: str = ""  # the database read (``--db`` or the config's)
 
 
 def run_score(
@@ -387,6 +388,7 @@ def run_score(
             emitter.failures,
             _as_dict(recovered),
             stats,
+            res.db_url,
         )
     finally:
         beating.stop()
@@ -520,6 +522,7 @@ class WorkersScoreOutcome:
     events_path: Path | None
     lineage_failures: int = 0  # the parent's and the finished workers' events not delivered
     committed: int = 0  # by every worker, the failed ones too (their last progress report)
+    db_url: str = ""  # the database read (``--db`` or the config's)
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -616,6 +619,7 @@ def run_score_workers(
         str(res.output),
         emitter.events_path,
         committed=counts[0],
+        db_url=res.db_url,
     )
     summary = result.summary
     stats = outcome.stats()

@@ -63,12 +63,25 @@ Reason = Literal["size", "cost", "wait", "deadline", "flush"]
 
 _Entry = TypeVar("_Entry", bound=tuple[Any, ...])
 _COMPACT_SLACK = 64  # stale entries tolerated before a rebuild, beyond 2x live items
-# Field getters of a WorkItem (C calls): the per-item work below runs as map/zip over items,
+# The per-item work below runs as map/zip over items with models' field getters (C calls),
 # not as a Python step per item (the batcher held ~22% of a W1 run's GIL time that way).
 _ID, _COST, _ENQUEUED = models.ITEM_ID, models.ITEM_COST, models.ITEM_ENQUEUED_AT
-_PRIORITY, _DEADLINE = operator.attrgetter("priority"), operator.attrgetter("deadline_at")
 _SEQ = operator.itemgetter(-1)  # of an ordered entry
-_FIRST = operator.itemgetter(0)
+
+
+def _grouped(
+    keys: list[int], seqs: list[int], items: list[models.WorkItem]
+) -> list[tuple[int, list[int], list[models.WorkItem]]]:
+    """``(key, seqs, items)`` per distinct key (a bucket, a cost), in first-seen order; one
+    group without a step per item when every key is the same (fixed-size inputs)."""
+    if keys and keys.count(keys[0]) == len(keys):
+        return [(keys[0], seqs, items)]
+    groups: dict[int, tuple[list[int], list[models.WorkItem]]] = {}
+    for key, seq, item in zip(keys, seqs, items, strict=True):
+        group_seqs, group_items = groups.setdefault(key, ([], []))
+        group_seqs.append(seq)
+        group_items.append(item)
+    return [(key, group_seqs, group_items) for key, (group_seqs, group_items) in groups.items()]
 
 
 def bucket_index(cost: int, edges: Sequence[int]) -> int:
@@ -203,7 +216,7 @@ class _Bucket:
         costs = list(map(_COST, items))
         self.cost += sum(costs)
         enqueued = list(map(_ENQUEUED, items))
-        deadlines = list(map(_DEADLINE, items))
+        deadlines = list(map(models.ITEM_DEADLINE_AT, items))
         sort_deadlines: Iterable[float]
         if deadlines.count(None) == len(deadlines):  # the common case: no deadline at all
             sort_deadlines = itertools.repeat(math.inf, len(items))
@@ -212,28 +225,15 @@ class _Bucket:
             self._deadlines.add(
                 [(d, q) for d, q in zip(deadlines, seqs, strict=True) if d is not None]
             )
-        prios = map(operator.neg, map(_PRIORITY, items))
+        prios = map(operator.neg, map(models.ITEM_PRIORITY, items))
         self._order.add(list(zip(prios, sort_deadlines, enqueued, seqs, strict=True)))
         self._ages.add(list(zip(enqueued, seqs, strict=True)))
-        for cost, members in self._by_cost(costs, seqs, items):
+        for cost, group_seqs, group_items in _grouped(costs, seqs, items):
             group = self._groups.get(cost)
             if group is None:
                 group = self._groups[cost] = {}
                 bisect.insort(self._costs, cost)
-            group.update(members)
-
-    @staticmethod
-    def _by_cost(
-        costs: list[int], seqs: list[int], items: list[models.WorkItem]
-    ) -> Iterable[tuple[int, Iterable[tuple[int, models.WorkItem]]]]:
-        """``(cost, (seq, item) pairs)`` per distinct cost; one group without a step per item
-        when every item costs the same (fixed-size inputs)."""
-        if costs and costs.count(costs[0]) == len(costs):
-            return [(costs[0], zip(seqs, items, strict=True))]
-        groups: dict[int, list[tuple[int, models.WorkItem]]] = {}
-        for cost, seq, item in zip(costs, seqs, items, strict=True):
-            groups.setdefault(cost, []).append((seq, item))
-        return groups.items()
+            group.update(zip(group_seqs, group_items, strict=True))
 
     def oldest_enqueued_at(self) -> float:
         """``enqueued_at`` of the oldest pending item (bucket must be non-empty)."""
@@ -298,9 +298,9 @@ class _Bucket:
         taken = list(map(self.items.pop, seqs))
         costs = list(map(_COST, taken))
         self.cost -= sum(costs)
-        for cost, members in self._by_cost(costs, seqs, taken):
+        for cost, group_seqs, _ in _grouped(costs, seqs, taken):
             group = self._groups[cost]
-            collections.deque(map(group.__delitem__, map(_FIRST, members)), maxlen=0)
+            collections.deque(map(group.__delitem__, group_seqs), maxlen=0)
             if not group:
                 del self._groups[cost]
                 del self._costs[bisect.bisect_left(self._costs, cost)]
@@ -373,16 +373,8 @@ class MicroBatcher:
         self._check_new(batch)
         seqs = list(itertools.islice(self._seq, len(batch)))
         indexes = list(map(self._bucket_of, map(_COST, batch)))
-        if indexes and indexes.count(indexes[0]) == len(indexes):  # one bucket: no grouping
-            self._buckets[indexes[0]].push(seqs, batch)
-        else:
-            by_bucket: dict[int, tuple[list[int], list[models.WorkItem]]] = {}
-            for index, seq, item in zip(indexes, seqs, batch, strict=True):
-                group_seqs, group_items = by_bucket.setdefault(index, ([], []))
-                group_seqs.append(seq)
-                group_items.append(item)
-            for index, (group_seqs, group_items) in by_bucket.items():
-                self._buckets[index].push(group_seqs, group_items)
+        for index, group_seqs, group_items in _grouped(indexes, seqs, batch):
+            self._buckets[index].push(group_seqs, group_items)
         self._ids.update(map(_ID, batch))
 
     def poll(self, *, flush: bool = False) -> models.Batch | None:

@@ -170,7 +170,7 @@ def score(
             lineage_config=lineage_config,
         )
     out.print(summary_table(outcome.summary, f"run {outcome.run_id}"))
-    _where(cfg, db, outcome.output, outcome.events_path, outcome.lineage_failures)
+    _where(cfg, outcome)
     _explain_what_is_left(cfg, db, outcome.summary)
 
 
@@ -252,13 +252,14 @@ def _explain_what_is_left(cfg: Any, db: str | None, summary: dict[str, Any]) -> 
         queue.engine.dispose()
 
 
-def _where(cfg: Any, db: str | None, output: str, events_path: Any, lineage_failures: int) -> None:
+def _where(cfg: Any, outcome: Any) -> None:
     """The closing lines: which queue was read (``--db`` or $BATCHING_DB_URL override the
     config's database: say which one), where outputs and lineage went, lineage not delivered."""
     from batching.database import redact
 
-    out.print(f"queue: {cfg.queue.name} in {redact(db or cfg.database.url)}", highlight=False)
-    out.print(f"outputs: {output}")
+    out.print(f"queue: {cfg.queue.name} in {redact(outcome.db_url)}", highlight=False)
+    out.print(f"outputs: {outcome.output}")
+    events_path, lineage_failures = outcome.events_path, outcome.lineage_failures
     if events_path:
         out.print(f"lineage: {events_path}")
     if lineage_failures:
@@ -287,7 +288,7 @@ def _score_workers(cfg: Any, n: int, *, stop: threading.Event, **kwargs: Any) ->
     if outcome.reports:
         runs = (f"{r.run_id}{' (failed)' if r.error else ''}" for r in outcome.reports)
         out.print(f"worker runs: {', '.join(runs)}")
-    _where(cfg, kwargs.get("db_url"), result.output, result.events_path, result.lineage_failures)
+    _where(cfg, result)
     if not outcome.exit_code:
         _explain_what_is_left(cfg, kwargs.get("db_url"), result.summary)
     for message in outcome.errors():

@@ -85,8 +85,13 @@ class WorkItem(NamedTuple):
 # than take a Python step per item.
 ITEM_ID = operator.attrgetter("id")
 ITEM_KEY = operator.attrgetter("item_key")
-ITEM_COST = operator.attrgetter("cost")
+ITEM_PAYLOAD = operator.attrgetter("payload")
 ITEM_ENQUEUED_AT = operator.attrgetter("enqueued_at")
+ITEM_QUEUE = operator.attrgetter("queue")
+ITEM_TENANT = operator.attrgetter("tenant")
+ITEM_PRIORITY = operator.attrgetter("priority")
+ITEM_COST = operator.attrgetter("cost")
+ITEM_DEADLINE_AT = operator.attrgetter("deadline_at")
 
 
 @dataclass(frozen=True, slots=True)

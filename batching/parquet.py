@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import operator
 import os
 import shutil
 import threading
@@ -223,9 +222,6 @@ _FILE_FIELDS: tuple[tuple[str, pa.DataType], ...] = (
 )
 
 
-_QUEUE, _TENANT = operator.attrgetter("queue"), operator.attrgetter("tenant")
-
-
 def batch_table(batch: sinks.ScoredBatch) -> pa.Table:
     """The Parquet rows of a batch: one per item, ``output`` as ``fixed_size_list<float32>``."""
     mat = batch.matrix()
@@ -238,8 +234,8 @@ def batch_table(batch: sinks.ScoredBatch) -> pa.Table:
         "scored_at": pa.array([scored_us] * n, pa.timestamp("us", tz="UTC")),
         "run_id": [batch.run_id] * n,
         "batch_id": [batch.batch_id] * n,
-        "queue": list(map(_QUEUE, batch.items)),
-        "tenant": list(map(_TENANT, batch.items)),
+        "queue": list(map(models.ITEM_QUEUE, batch.items)),
+        "tenant": list(map(models.ITEM_TENANT, batch.items)),
     }
     meta = {"batching.model_version": batch.model_version, "batching.run_id": batch.run_id}
     return pa.table(columns).replace_schema_metadata(meta)

@@ -63,7 +63,6 @@ def dense_rows(
     return blocks, failures
 
 
-_PAYLOAD = operator.attrgetter("payload")
 _DATA, _FORMAT, _DTYPE, _SHAPE = (operator.itemgetter(i) for i in range(4))  # of a Payload
 
 
@@ -74,7 +73,7 @@ def _uniform_tensors(
     one valid (dtype, shape) and of its byte length. None for anything else (the item by item
     path then blames each bad payload). Saved 1.5 us a row of GIL time on W1 (py-spy --gil).
     """
-    payloads = list(map(_PAYLOAD, items))
+    payloads = list(map(models.ITEM_PAYLOAD, items))
     kinds = set(
         zip(map(_FORMAT, payloads), map(_DTYPE, payloads), map(_SHAPE, payloads), strict=True)
     )

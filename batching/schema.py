@@ -408,7 +408,7 @@ def migrate(engine: Engine, now: Callable[[], float]) -> MigrationResult:
     (SQLite rewrites ``batching_items``; PostgreSQL takes an exclusive lock, and the space
     returns only after ``VACUUM FULL``), 4 rebuilds ``batching_items_archive``, 7 drops and
     builds an index of ``batching_items`` (PostgreSQL locks the table until it commits), 9
-    rebuilds ``batching_results``.
+    rekeys ``batching_results`` (SQLite rebuilds it; PostgreSQL locks it while it rekeys).
     """
     with engine.begin() as conn:
         _lock(conn)

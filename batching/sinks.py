@@ -199,7 +199,7 @@ class SqlSink:
             with queue.begin() as conn:
                 if schema.ensure_results_table(conn, self._table):
                     logger.warning(
-                        "results table keyed by queue, model version and item key (rebuilt)",
+                        "results table rekeyed by queue, model version and item key",
                         extra={"action": "results_rekeyed", "table": table},
                     )
 
