@@ -306,6 +306,7 @@ class Scorer:
                 self._put(self._to_forward, _DONE)
                 for t in threads[:2]:
                     t.join()
+                self._release_stranded()
                 self._stop.set()
                 self._stages_done.set()
                 threads[2].join()
@@ -643,6 +644,37 @@ class Scorer:
             logger.info(
                 "items released", extra={"action": "release", "n_items": self.stats.released}
             )
+
+    def _release_stranded(self) -> None:
+        """After a failed stage, give back the batches still queued between the stages: they
+        were never run (or ran fine and wait for a commit that will not come). Left leased,
+        the run's retry could not claim them until their lease expired. The batch a stage
+        failed on is not among them: it keeps its attempt and waits for the reaper."""
+        if self._error is None:
+            return
+        for q in (self._to_forward, self._to_commit):
+            while True:
+                try:
+                    job = q.get_nowait()
+                except stdqueue.Empty:
+                    break
+                if job is _DONE:
+                    continue
+                batch, leases = job[0], job[1]
+                by_lease: dict[str, list[int]] = {}
+                for item_id, lease_id in leases.items():
+                    by_lease.setdefault(lease_id, []).append(item_id)
+                for lease_id, ids in by_lease.items():
+                    try:
+                        self.stats.released += self.queue.release(lease_id, ids)
+                    except errors.QueueError:
+                        logger.warning(
+                            "items not released; they return when the lease expires",
+                            extra={"action": "release_failed", "lease_id": lease_id},
+                            exc_info=True,
+                        )
+                    mine = set(ids)
+                    self._forget(lease_id, [i for i in batch.items if i.id in mine])
 
     def _guard(self, target: Callable[[], None]) -> None:
         try:
