@@ -276,6 +276,7 @@ class Scorer:
             maxsize=config.batching.max_inflight_batches
         )
         self._error: BaseException | None = None
+        self._stranded: list[Any] = []  # jobs a stage could not hand on after another failed
         self.stats = RunStats(started_at=clock())
 
     def stop(self) -> None:
@@ -428,13 +429,17 @@ class Scorer:
         return True
 
     def _put(self, q: stdqueue.Queue[Any], job: Any) -> None:
-        # A stage that died never takes its next job: give up once an error is recorded.
+        # A stage that died never takes its next job: give up once an error is recorded, and
+        # leave the job with the others stranded between the stages, for the shutdown to release.
         while self._error is None:
             try:
                 q.put(job, timeout=0.1)
                 return
             except stdqueue.Full:
                 continue
+        if job is not _DONE:
+            with self._lock:
+                self._stranded.append(job)
 
     def _get(self, q: stdqueue.Queue[Any], on_idle: Callable[[], None] | None = None) -> Any:
         while self._error is None:
@@ -652,29 +657,31 @@ class Scorer:
         failed on is not among them: it keeps its attempt and waits for the reaper."""
         if self._error is None:
             return
+        jobs = self._stranded
         for q in (self._to_forward, self._to_commit):
             while True:
                 try:
-                    job = q.get_nowait()
+                    jobs.append(q.get_nowait())
                 except stdqueue.Empty:
                     break
-                if job is _DONE:
-                    continue
-                batch, leases = job[0], job[1]
-                by_lease: dict[str, list[int]] = {}
-                for item_id, lease_id in leases.items():
-                    by_lease.setdefault(lease_id, []).append(item_id)
-                for lease_id, ids in by_lease.items():
-                    try:
-                        self.stats.released += self.queue.release(lease_id, ids)
-                    except errors.QueueError:
-                        logger.warning(
-                            "items not released; they return when the lease expires",
-                            extra={"action": "release_failed", "lease_id": lease_id},
-                            exc_info=True,
-                        )
-                    mine = set(ids)
-                    self._forget(lease_id, [i for i in batch.items if i.id in mine])
+        for job in jobs:
+            if job is _DONE:
+                continue
+            batch, leases = job[0], job[1]
+            by_lease: dict[str, list[int]] = {}
+            for item_id, lease_id in leases.items():
+                by_lease.setdefault(lease_id, []).append(item_id)
+            for lease_id, ids in by_lease.items():
+                try:
+                    self.stats.released += self.queue.release(lease_id, ids)
+                except errors.QueueError:
+                    logger.warning(
+                        "items not released; they return when the lease expires",
+                        extra={"action": "release_failed", "lease_id": lease_id},
+                        exc_info=True,
+                    )
+                mine = set(ids)
+                self._forget(lease_id, [i for i in batch.items if i.id in mine])
 
     def _guard(self, target: Callable[[], None]) -> None:
         try:
