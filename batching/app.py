@@ -10,7 +10,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -687,7 +687,7 @@ def _as_dict(value: Any) -> dict[str, Any]:
 
 def _scored_factory(run_id: str, model_version: str) -> pipeline.ScoredBatchFactory:
     def make(
-        items: tuple[models.WorkItem, ...], lease_id: str, outputs: dict[int, Any], at: float
+        items: Sequence[models.WorkItem], lease_id: str, outputs: Mapping[int, Any], at: float
     ) -> Any:
         return sinks.ScoredBatch(
             items=items,

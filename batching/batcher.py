@@ -33,6 +33,13 @@ Policy:
   ``max_batch_size`` rows, else cost), else ``"deadline"`` or ``"wait"`` for the time trigger
   that fired first, else ``"flush"``.
 
+Uniform claims (``models.ItemBlock``: one tensor shape, cost and priority, no deadline) skip
+the per-item structures while no bucket holds an item: blocks wait in order and full batches
+are cut from the first as slices, which is what the bucket would cut (the same items, reason,
+stats and times; tested against the item path on random workloads). A first block that holds
+no full batch, a block that would come before those waiting, or items of another kind send
+every pending block into the buckets, where the rules above decide.
+
 The batcher never drops items (expired deadlines are released, not discarded). Buckets keep
 their items in sorted lists, lazily deleted: a claim arrives already in bucket order, so an
 ``add`` of k items is O(k) (one merge when it interleaves with what is pending) and a release
@@ -103,9 +110,13 @@ def batch_stats(
     ``padding_efficiency`` is sum(cost) / (size * max(cost)), 1.0 when all costs are equal.
     """
     size = len(items)
-    costs = list(map(_COST, items))
-    total, widest = sum(costs), max(costs)
-    enqueued = map(_ENQUEUED, items)
+    if isinstance(items, models.ItemBlock):  # one cost: no column to read
+        widest = items.template.cost
+        total = widest * size
+    else:
+        costs = list(map(_COST, items))
+        total, widest = sum(costs), max(costs)
+    enqueued = models.item_enqueued_at(items)
     waits = list(map(operator.sub, itertools.repeat(formed_at, size), enqueued))
     if min(waits) < 0.0:  # clock skew: clamp each wait (rare; otherwise all of it runs in C)
         waits = [max(0.0, w) for w in waits]
@@ -349,6 +360,10 @@ class MicroBatcher:
         self._edges = tuple(policy.length_buckets)
         self._budget = _Budget(policy.max_batch_size, policy.max_batch_cost)
         self._buckets = [_Bucket() for _ in range(len(self._edges) + 1)]
+        # Uniform claims (ItemBlocks) wait here, in order, while no bucket holds an item: full
+        # batches are cut from the first as slices, without an entry per item. Whatever is
+        # not a full batch goes to the buckets (see _settle), so the policy is unchanged.
+        self._blocks: collections.deque[models.ItemBlock] = collections.deque()
         self._ids: set[int] = set()
         self._seq = itertools.count()
         self._bucket_of = functools.partial(bisect.bisect_left, self._edges)  # bucket_index
@@ -369,7 +384,51 @@ class MicroBatcher:
             ValueError: an item id is already pending (or repeated), or an item's cost is < 0.
                 Nothing is added in that case.
         """
-        batch = list(items)
+        if isinstance(items, models.ItemBlock) and self._take_block(items):
+            return
+        if self._blocks:  # items of another kind: every pending item goes to the buckets
+            self._spill()
+        self._add_items(list(items))
+
+    def _take_block(self, block: models.ItemBlock) -> bool:
+        """Keep ``block`` whole if it can be cut as it stands: no bucket holds an item, it
+        falls in the bucket of the blocks waiting and after them in that bucket's order (lower priority, or the same and
+        enqueued no earlier: a claim after a retry's backoff may hold older items), and its ids
+        are new."""
+        if not block or any(self._buckets) or block.template.cost < 0:
+            return False
+        if self._blocks:  # the buckets' order: priority, then enqueued_at, then arrival
+            last = self._blocks[-1]
+            prio, last_prio = block.template.priority, last.template.priority
+            if (
+                self._bucket_of(block.template.cost) != self._bucket_of(last.template.cost)
+                or prio > last_prio
+                or (prio == last_prio and block.enqueued_at[0] < last.enqueued_at[-1])
+            ):
+                return False
+        ids = set(block.ids)
+        if len(ids) != len(block) or not self._ids.isdisjoint(ids):
+            return False  # the item path names the repeated item
+        self._blocks.append(block)
+        self._ids.update(ids)
+        return True
+
+    def _spill(self) -> None:
+        """Move the waiting blocks into the buckets, item by item (the general path)."""
+        blocks, self._blocks = list(self._blocks), collections.deque()
+        for block in blocks:
+            self._ids.difference_update(block.ids)
+            self._add_items(list(block))
+
+    def _settle(self) -> None:
+        """A first block that holds no full batch goes to the buckets with those after it:
+        there the wait, deadline and flush rules decide."""
+        if self._blocks:
+            head = self._blocks[0]
+            if not self._budget.full(len(head), len(head) * head.template.cost):
+                self._spill()
+
+    def _add_items(self, batch: list[models.WorkItem]) -> None:
         self._check_new(batch)
         seqs = list(itertools.islice(self._seq, len(batch)))
         indexes = list(map(self._bucket_of, map(_COST, batch)))
@@ -389,7 +448,10 @@ class MicroBatcher:
         """
         if not self._ids:
             return None
+        self._settle()
         now = self._clock()
+        if self._blocks:
+            return self._cut_block(now)
         states = self._readiness()
         best = min(states, key=lambda s: (not s.ready(now), s.due_at, s.index))
         if not (flush or best.ready(now)):
@@ -404,7 +466,11 @@ class MicroBatcher:
         """
         if not self._ids:
             return None
+        self._settle()
         now = self._clock()
+        if self._blocks:  # the first holds a full batch: due now, or since the oldest's wait
+            oldest = min(block.enqueued_at[0] for block in self._blocks)
+            return min(oldest + self._policy.max_wait_s, now)
         return min(state.ready_at(now) for state in self._readiness())
 
     def drain(self) -> list[models.Batch]:
@@ -461,6 +527,30 @@ class MicroBatcher:
             formed_at=now,
             stats=batch_stats(items, now, self._policy.max_batch_size),
             bucket=state.index,
+        )
+
+    def _cut_block(self, now: float) -> models.Batch:
+        """The next full batch from the first block: its first rows (claim order is the
+        bucket's order for items of one priority and no deadline), as the buckets would cut."""
+        head = self._blocks[0]
+        cost = head.template.cost
+        budget = self._budget
+        n = budget.max_size
+        if budget.max_cost is not None and cost > 0:
+            n = max(1, min(n, budget.max_cost // cost))
+        items = head[:n]
+        if n < len(head):
+            self._blocks[0] = head[n:]
+        else:
+            self._blocks.popleft()
+        self._ids.difference_update(items.ids)
+        size = self._policy.max_batch_size
+        return models.Batch(
+            items=items,
+            reason="size" if len(items) >= size else "cost",
+            formed_at=now,
+            stats=batch_stats(items, now, size),
+            bucket=self._bucket_of(cost),
         )
 
     def _reason(self, state: _Readiness, n_items: int, now: float) -> Reason:

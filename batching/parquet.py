@@ -28,7 +28,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePath
@@ -229,16 +229,25 @@ def batch_table(batch: sinks.ScoredBatch) -> pa.Table:
     output = pa.FixedSizeListArray.from_arrays(pa.array(mat.reshape(-1), pa.float32()), dim)
     scored_us = round(batch.scored_at * 1_000_000)
     columns: dict[str, Any] = {
-        "item_key": list(map(models.ITEM_KEY, batch.items)),
+        "item_key": _column(batch.items, "keys", models.ITEM_KEY),
         "output": output,
         "scored_at": pa.array([scored_us] * n, pa.timestamp("us", tz="UTC")),
         "run_id": [batch.run_id] * n,
         "batch_id": [batch.batch_id] * n,
-        "queue": list(map(models.ITEM_QUEUE, batch.items)),
-        "tenant": list(map(models.ITEM_TENANT, batch.items)),
+        "queue": _column(batch.items, "queue", models.ITEM_QUEUE),
+        "tenant": _column(batch.items, "tenant", models.ITEM_TENANT),
     }
     meta = {"batching.model_version": batch.model_version, "batching.run_id": batch.run_id}
     return pa.table(columns).replace_schema_metadata(meta)
+
+
+def _column(items: Sequence[models.WorkItem], name: str, get: Callable[[Any], Any]) -> list[Any]:
+    """One field of every item: an ItemBlock's column or shared value, else one C call."""
+    if isinstance(items, models.ItemBlock):
+        if name == "keys":
+            return items.keys
+        return [getattr(items.template, name)] * len(items)
+    return list(map(get, items))
 
 
 class ParquetSink:
@@ -415,7 +424,7 @@ class ParquetSink:
         self, batch: sinks.ScoredBatch, rel: str, staged: Path, n_bytes: int, digest: str
     ) -> None:
         """Step 2: ack the items and insert the ledger row in one transaction."""
-        ids = [i.id for i in batch.items]
+        ids = models.item_ids(batch.items)
         marks = self._pending_marks()
         with self._queue.begin() as conn:
             self._queue.ack_all_or_raise(conn, batch.lease_id, ids, batch.batch_id)

@@ -90,6 +90,18 @@ def _uniform_tensors(
     return list(range(len(items))), raw.reshape(-1, dim).astype(np.float32)
 
 
+def block_rows(block: models.ItemBlock, dim: int) -> FloatArray | None:
+    """An ItemBlock's payloads as float32 ``[n, dim]``: one ``frombuffer`` over its bytes once
+    its first item passes the checks every item would (they share dtype, shape and length).
+    None when that item fails them (the item path then blames each)."""
+    first = block[0]
+    dtype, n_bytes, reason = _tensor_header(first.payload, "fiu", (dim,))
+    if reason is not None or len(first.payload.data) != n_bytes:
+        return None
+    raw = np.frombuffer(block.data, dtype=np.dtype(dtype))
+    return raw.reshape(len(block), dim).astype(np.float32)
+
+
 def _json_blocks(
     items: Sequence[models.WorkItem],
     rows: list[tuple[int, object]],

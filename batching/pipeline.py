@@ -35,6 +35,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from batching import errors, models
 from batching.batcher import MicroBatcher, ServiceTime
 from batching.config import PipelineConfig
@@ -46,7 +48,13 @@ _DONE = object()
 
 class QueuePort(Protocol):
     def claim(
-        self, n: int, *, lease_s: float, lane: str | None = None, max_cost: int | None = None
+        self,
+        n: int,
+        *,
+        lease_s: float,
+        lane: str | None = None,
+        max_cost: int | None = None,
+        columns: bool = False,
     ) -> models.Claim: ...
     def heartbeat(self, lease_id: str, lease_s: float) -> int: ...
     def fail(
@@ -84,6 +92,10 @@ class _LeasePart:
     outputs: dict[int, Any] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)
     undecodable: dict[int, str] = field(default_factory=dict)
+    # Uniform batches scored whole (ItemBlocks and their output matrices): committed as
+    # columns, without an object per item, unless the part also holds items of the above.
+    blocks: list[models.ItemBlock] = field(default_factory=list)
+    matrices: list[Any] = field(default_factory=list)
 
 
 # RunStats fields that add up across scorers (RunStats.merged).
@@ -217,11 +229,22 @@ def _pct(sorted_values: list[float] | list[int], p: float) -> float:
     return float(sorted_values[k])
 
 
-ScoredBatchFactory = Callable[[tuple[models.WorkItem, ...], str, dict[int, Any], float], Any]
+ScoredBatchFactory = Callable[[Sequence[models.WorkItem], str, Mapping[int, Any], float], Any]
 Progress = Callable[[RunStats], None]
 
 
+def _joinable(blocks: list[models.ItemBlock]) -> bool:
+    template = blocks[0].template
+    return all(block.template == template for block in blocks)
+
+
+def _stacked(matrices: list[Any]) -> Any:
+    return matrices[0] if len(matrices) == 1 else np.concatenate(matrices)
+
+
 def _has_deadline(batch: models.Batch) -> bool:
+    if isinstance(batch.items, models.ItemBlock):  # never holds one
+        return False
     return any(item.deadline_at is not None for item in batch.items)
 
 
@@ -395,13 +418,15 @@ class Scorer:
         if limits.max_items is not None:
             n = min(n, limits.max_items - self.stats.claimed)
         started = time.perf_counter()
-        claim = self.queue.claim(n, lease_s=self.config.queue.lease_s, lane=self.config.queue.lane)
+        claim = self.queue.claim(
+            n, lease_s=self.config.queue.lease_s, lane=self.config.queue.lane, columns=True
+        )
         self.stats.stage_s["claim"] += time.perf_counter() - started
         if not claim.items:
             return False
         with self._lock:
             self._leases[claim.lease_id] = len(claim.items)
-            ids = map(models.ITEM_ID, claim.items)
+            ids = models.item_ids(claim.items)
             self._item_lease.update(zip(ids, itertools.repeat(claim.lease_id)))
         self.stats.claimed += len(claim.items)
         with self._batch_lock:
@@ -414,7 +439,7 @@ class Scorer:
         if batch is None:
             return False
         self._claim_wanted.set()
-        ids = list(map(models.ITEM_ID, batch.items))
+        ids = models.item_ids(batch.items)
         with self._lock:  # the leases as claimed now: a reaped item may be claimed again
             leases = dict(zip(ids, map(self._item_lease.__getitem__, ids), strict=True))
         started = time.perf_counter()
@@ -543,8 +568,17 @@ class Scorer:
             owners = set(leases.values())
             if len(owners) == 1 and not result.failures:  # the common case, without a step
                 part = parts.setdefault(owners.pop(), _LeasePart())  # per item
+                outputs = result.outputs
+                if (
+                    isinstance(batch.items, models.ItemBlock)
+                    and isinstance(outputs, models.OutputRows)
+                    and outputs.ids == batch.items.ids
+                ):
+                    part.blocks.append(batch.items)
+                    part.matrices.append(outputs.matrix)
+                    continue
                 part.ok.extend(batch.items)
-                part.outputs.update(result.outputs)
+                part.outputs.update(outputs)
                 part.items.extend(batch.items)
                 continue
             for item in batch.items:
@@ -570,33 +604,43 @@ class Scorer:
     def _commit_lease_part(self, lease_id: str, part: _LeasePart, now: float) -> int:
         """Commit one lease's scored items and fail its failed ones; returns sink commits made."""
         made = 0
-        if part.ok:
+        ok: Sequence[models.WorkItem] = part.ok
+        outputs: Mapping[int, Any] = part.outputs
+        held: Sequence[models.WorkItem] = part.items
+        if part.blocks and not part.items and _joinable(part.blocks):
+            block = models.ItemBlock.join(part.blocks)
+            ok, held = block, block
+            outputs = models.OutputRows(block.ids, _stacked(part.matrices))
+        elif part.blocks:  # beside items (or blocks of other kinds): all as items
+            for block, matrix in zip(part.blocks, part.matrices, strict=True):
+                part.ok.extend(block)
+                part.outputs.update(zip(block.ids, matrix, strict=True))
+                part.items.extend(block)
+        if ok:
             try:
-                committed = self.sink.commit(
-                    self.make_scored(tuple(part.ok), lease_id, part.outputs, now)
-                )
+                committed = self.sink.commit(self.make_scored(ok, lease_id, outputs, now))
             except errors.LeaseLost as exc:
                 logger.warning(
                     "lease lost",
                     extra={"action": "lease_lost", "lease_id": lease_id, "error": str(exc)},
                 )
-                self.stats.lease_lost += len(part.ok)
+                self.stats.lease_lost += len(ok)
             else:
                 done = self.clock()
                 self.stats.bytes_written += getattr(committed, "n_bytes", None) or 0
-                self.stats.committed += len(part.ok)
+                self.stats.committed += len(ok)
                 since = functools.partial(operator.sub, done)
-                self.stats.latencies_s.extend(map(since, map(models.ITEM_ENQUEUED_AT, part.ok)))
+                self.stats.latencies_s.extend(map(since, models.item_enqueued_at(ok)))
                 made = 1
         for failures, retry in ((part.failures, True), (part.undecodable, False)):
             if failures:
                 res = self.queue.fail(lease_id, failures, retry=retry)
                 self.stats.failed += res.retried + res.dead
-        self._forget(lease_id, part.items)
+        self._forget(lease_id, held)
         return made
 
-    def _forget(self, lease_id: str, items: list[models.WorkItem]) -> None:
-        ids = list(map(models.ITEM_ID, items))
+    def _forget(self, lease_id: str, items: Sequence[models.WorkItem]) -> None:
+        ids = models.item_ids(items)
         with self._lock:
             owners = map(self._item_lease.get, ids)
             mine = itertools.compress(ids, map(operator.eq, owners, itertools.repeat(lease_id)))

@@ -249,6 +249,7 @@ class SqlQueue:
         lease_s: float,
         lane: str | None = None,
         max_cost: int | None = None,
+        columns: bool = False,
     ) -> models.Claim:
         """Lease up to ``n`` ready items in one statement, under one new lease id.
 
@@ -257,7 +258,9 @@ class SqlQueue:
         attempts. ``max_cost`` caps the sum of cost hints (the first item is always taken, so an
         oversized item is not starved). First, in the same transaction, items past their
         deadline are moved to ``expired`` and this queue's expired leases are reaped.
-        Returns a claim with zero items when nothing is ready.
+        Returns a claim with zero items when nothing is ready. With ``columns``, a SQLite
+        claim of uniform items (see ``sqlite.claimed_block``) holds them as one
+        :class:`~batching.models.ItemBlock`.
         """
         if n < 1:
             raise ValueError("n must be >= 1")
@@ -273,8 +276,14 @@ class SqlQueue:
             "expires": now + lease_s,
             "budget": max_cost,
         }
-        claim = self._claim_sqlite if self.dialect == "sqlite" else self._claim_returning
-        rows, bodies = claim(self._claim_sql(lane, max_cost), params, now)
+        sql = self._claim_sql(lane, max_cost)
+        if self.dialect == "sqlite":
+            claimed = self._claim_sqlite(sql, params, now, columns)
+            if isinstance(claimed, models.ItemBlock):
+                return models.Claim(lease_id, claimed, now + lease_s)
+            rows, bodies = claimed
+        else:
+            rows, bodies = self._claim_returning(sql, params, now)
         rows.sort(key=_BY_DEADLINE_AGE_ID)
         rows.sort(key=_BY_PRIORITY, reverse=True)  # stable: ties keep the order above
         return models.Claim(
@@ -331,8 +340,8 @@ class SqlQueue:
         return rows, bodies
 
     def _claim_sqlite(
-        self, sql: str, params: dict[str, Any], now: float
-    ) -> tuple[list[Any], dict[int, bytes]]:
+        self, sql: str, params: dict[str, Any], now: float, columns: bool = False
+    ) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock:
         """SQLite: the UPDATE alone under the write lock, then the rows read back outside it.
 
         Python's sqlite3 releases and retakes the GIL for every row it steps. With other
@@ -345,32 +354,37 @@ class SqlQueue:
         """
         with self.begin() as conn:
             self._before_claim(conn, now)
-            claimed = conn.execute(sa.text(sql), params).rowcount
-        if not claimed:
+            n_claimed = conn.execute(sa.text(sql), params).rowcount
+        if not n_claimed:
             return [], {}
         try:
             with self.read() as conn:
-                rows, bodies = self._read_claimed(conn, params)
+                claimed = self._read_claimed(conn, params, columns)
         except BaseException:
             # The UPDATE committed: give the items back rather than leave them leased (and
             # charged an attempt) until the lease expires.
             self._release_quietly(params["lease"])
             raise
+        if isinstance(claimed, models.ItemBlock):
+            return claimed
+        rows, bodies = claimed
         if len(bodies) != len(rows):
             with self.begin() as conn:
                 rows = self._bury_bodiless(conn, params["lease"], rows, bodies, now)
         return rows, bodies
 
     def _read_claimed(
-        self, conn: Connection, params: dict[str, Any]
-    ) -> tuple[list[Any], dict[int, bytes]]:
+        self, conn: Connection, params: dict[str, Any], columns: bool
+    ) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock:
         try:
-            return sqlite.unpack_claim(self.queue, conn.execute(sqlite.CLAIMED, params).one())
+            row = conn.execute(sqlite.CLAIMED, params).one()
         except exc.DataError:  # "string or blob too big": bodies over 1 GB in all
             rows, _ = sqlite.unpack_claim(
                 self.queue, conn.execute(sqlite.CLAIMED_NO_BODIES, params).one()
             )
             return rows, self._bodies(conn, [r[0] for r in rows])
+        block = sqlite.claimed_block(self.queue, row) if columns else None
+        return block if block is not None else sqlite.unpack_claim(self.queue, row)
 
     def _release_quietly(self, lease_id: str) -> None:
         try:

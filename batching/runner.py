@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -73,7 +73,9 @@ class Decoded:
 
 @dataclass(frozen=True, slots=True)
 class ScoreResult:
-    """Outputs of one batch: ``outputs`` (id -> float32 ``[output_dim]``) and ``failures``.
+    """Outputs of one batch: ``outputs`` (id -> float32 ``[output_dim]``; a batch scored in
+    one pass without a failure gives them as one matrix, ``models.OutputRows``) and
+    ``failures``.
 
     Every input item is in exactly one of the two. ``service_s`` is forward wall seconds (copies
     in and out included); ``n_forward`` counts model calls (more than 1 after splits).
@@ -81,7 +83,7 @@ class ScoreResult:
     dtype or field): no retry can help them, unlike a failure in the forward pass.
     """
 
-    outputs: dict[int, FloatArray]
+    outputs: Mapping[int, FloatArray]
     failures: dict[int, str]
     service_s: float
     real_tokens: int
@@ -94,6 +96,7 @@ class ScoreResult:
 @dataclass(slots=True)
 class _Tally:
     outputs: dict[int, FloatArray] = field(default_factory=dict)
+    chunks: list[tuple[Sequence[int], FloatArray]] = field(default_factory=list)  # all finite
     failures: dict[int, str] = field(default_factory=dict)
     batch_error: str | None = None
     n_forward: int = 0
@@ -238,6 +241,11 @@ class TorchRunner:
     def _decode_dense(self, items: Sequence[models.WorkItem]) -> Decoded:
         dim = self._info.input_dim
         assert dim is not None  # dense models always know it (zoo.describe)
+        if isinstance(items, models.ItemBlock) and len(items):
+            matrix = payloads.block_rows(items, dim)
+            if matrix is not None:
+                inputs = torch.from_numpy(matrix).to(self._dtype)
+                return Decoded(tuple(items.ids), inputs, None, np.ones(len(items), np.int64), {})
         rows, failures = payloads.dense_rows(items, dim)
         if not failures and len(rows) == 1:  # the common case: one block, every item, in order
             matrix = rows[0][1]
@@ -279,8 +287,14 @@ class TorchRunner:
         tally = _Tally(failures=dict(decoded.failures))
         for start, stop in self._plan(decoded):
             self._run_range(decoded, start, stop, tally)
+        outputs: Mapping[int, FloatArray] = tally.outputs
+        if len(tally.chunks) == 1 and not outputs:  # the whole batch, scored at once
+            outputs = models.OutputRows(*tally.chunks[0])
+        else:
+            for ids, out in tally.chunks:
+                tally.outputs.update(zip(ids, out, strict=True))
         return ScoreResult(
-            outputs=tally.outputs,
+            outputs=outputs,
             failures=tally.failures,
             service_s=time.perf_counter() - started,
             real_tokens=decoded.real_tokens,
@@ -374,7 +388,7 @@ class TorchRunner:
     def _collect(self, ids: Sequence[int], out: FloatArray, tally: _Tally) -> None:
         finite = np.asarray(np.isfinite(out).all(axis=1), dtype=np.bool_)
         if finite.all():
-            tally.outputs.update(zip(ids, out, strict=True))
+            tally.chunks.append((ids, out))
             return
         for item_id, row, ok in zip(ids, out, finite, strict=True):
             if ok:

@@ -74,13 +74,14 @@ class ScoredBatch:
     _matrix: npt.NDArray[np.float32] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "items", tuple(self.items))
+        if not isinstance(self.items, models.ItemBlock):  # a block stays columns
+            object.__setattr__(self, "items", tuple(self.items))
         for what, value in (("batch_id", self.batch_id), ("lease_id", self.lease_id)):
             if not SAFE_ID.match(value):
                 raise errors.SinkError(f"{what} must match [A-Za-z0-9_-]{{1,36}}, got {value!r}")
         if not self.items:
             raise errors.SinkError(f"batch {self.batch_id} has no items; nothing to commit")
-        ids = set(map(models.ITEM_ID, self.items))
+        ids = set(models.item_ids(self.items))
         if ids != set(self.outputs) or len(ids) != len(self.items):
             raise errors.SinkError(
                 f"batch {self.batch_id}: need exactly one output per item "
@@ -98,9 +99,15 @@ class ScoredBatch:
         return self._matrix
 
     def _stack(self) -> npt.NDArray[np.float32]:
+        outputs = self.outputs
         try:
-            rows = list(map(self.outputs.__getitem__, map(models.ITEM_ID, self.items)))
-            out = np.stack(rows).astype("<f4", copy=False)
+            if isinstance(outputs, models.OutputRows) and outputs.ids == models.item_ids(
+                self.items
+            ):  # already one matrix, in the items' order
+                out = np.asarray(outputs.matrix).astype("<f4", copy=False)
+            else:
+                rows = list(map(outputs.__getitem__, models.item_ids(self.items)))
+                out = np.stack(rows).astype("<f4", copy=False)
         except (ValueError, TypeError) as exc:
             raise errors.SinkError(
                 f"batch {self.batch_id}: outputs must be 1-D of equal length ({exc})"
@@ -215,7 +222,7 @@ class SqlSink:
         """
         rows = self._rows(batch)
         with self._queue.begin() as conn:
-            ids = [i.id for i in batch.items]
+            ids = models.item_ids(batch.items)
             self._queue.ack_all_or_raise(conn, batch.lease_id, ids, batch.batch_id)
             inserted = self._insert_new(conn, rows)
             conn.execute(_LEDGER.insert().values(**self._ledger_values(batch, inserted)))

@@ -21,12 +21,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import orjson
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 
-from batching import schema
+from batching import models, schema
 
 try:
     import fcntl
@@ -217,6 +218,40 @@ CLAIMED = sa.text(
 )
 # Without the bodies, for a claim whose bodies add up to more than SQLite's longest blob.
 CLAIMED_NO_BODIES = sa.text(_CLAIMED_COLUMNS_SQL + _CLAIMED_FROM_SQL)
+
+
+def claimed_block(queue: str, row: Sequence[Any]) -> models.ItemBlock | None:
+    """A row of ``CLAIMED`` as one :class:`~batching.models.ItemBlock`, in claim order, when
+    its items are uniform: tensor payloads of one dtype, shape and byte length, one lane,
+    tenant, priority and cost, and no deadline. None otherwise (``unpack_claim`` then)."""
+    if len(row) <= 14 or not row[14]:
+        return None
+    ids, keys, fmts, dtypes, shapes, lanes, tenants, prios, costs, atts, maxes, sizes = map(
+        orjson.loads, row[:12]
+    )
+    n = len(ids)
+    shared = (fmts, dtypes, shapes, lanes, tenants, prios, costs, sizes)
+    if not n or any(c.count(c[0]) != n for c in shared) or fmts[0] != "tensor":
+        return None
+    if row[13].count("NULL") != n or sizes[0] is None or len(row[14]) != n * sizes[0]:
+        return None  # a deadline, or a body row missing
+    enqueued = list(map(float, row[12].split(",")))
+    data: bytes = row[14]
+    # Claim order with one priority and no deadline: enqueued_at, then id. The aggregate
+    # mostly returns them so already (ids in enqueue order); otherwise sort once.
+    if ids != sorted(ids) or enqueued != sorted(enqueued):
+        order = sorted(range(n), key=list(zip(enqueued, ids, strict=True)).__getitem__)
+        ids, keys, enqueued, atts, maxes = (
+            list(map(col.__getitem__, order)) for col in (ids, keys, enqueued, atts, maxes)
+        )
+        rows = np.frombuffer(data, dtype=np.uint8).reshape(n, sizes[0])
+        data = rows[np.asarray(order)].tobytes()
+    shape = tuple(map(int, orjson.loads(shapes[0]))) if shapes[0] else None
+    payload = models.Payload(b"", models.PayloadFormat.TENSOR, dtypes[0], shape)
+    template = models.WorkItem(
+        0, "", payload, 0.0, queue, lanes[0], tenants[0], prios[0], costs[0], None, 0, 0
+    )
+    return models.ItemBlock(template, ids, keys, enqueued, atts, maxes, data)
 
 
 def unpack_claim(queue: str, row: Sequence[Any]) -> tuple[list[Any], dict[int, bytes]]:

@@ -321,6 +321,79 @@ def test_w1_outputs_read_back_match_the_model_run_directly(sqlite_url: str, tmp_
     assert np.std(want) > 1e-3  # the comparison can tell rows apart
 
 
+def tensor_record(key: str, row: np.ndarray) -> models.EnqueueRecord:
+    return raw_record(
+        key, models.Payload(row.tobytes(), models.PayloadFormat.TENSOR, "float32", row.shape)
+    )
+
+
+class DecodeSpy:
+    """Wraps the run's runner: records the kind of every batch it decodes."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner, self.kinds = runner, Counter[str]()
+
+    def decode(self, items: Any) -> Any:
+        self.kinds[type(items).__name__] += 1
+        return self.runner.decode(items)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+
+def spy_on_decode(spies: list[DecodeSpy]) -> Callable[[pipeline.Scorer], None]:
+    def wrap(scorer: pipeline.Scorer) -> None:
+        spies.append(DecodeSpy(scorer.runner))
+        scorer.runner = spies[-1]
+
+    return wrap
+
+
+def test_uniform_tensor_claims_score_as_columns_and_a_non_finite_row_fails_alone(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    # Tensor rows of one dtype and shape are claimed as ItemBlocks and cut into batches as
+    # slices. A NaN row among them is as uniform as the rest: the batch takes the item path
+    # at commit, its batch-mates commit, and the row is retried, then dead.
+    n = 200
+    config = load(
+        "tabular.yaml",
+        tmp_path,
+        batching={"max_batch_size": 50, "claim_size": 100},
+        queue={"max_attempts": 2, "backoff_base_s": 0},
+    )
+    x = workloads.w1_inputs(n)
+    records = [tensor_record(f"w1-{i}", row) for i, row in enumerate(x)]
+    records.insert(120, tensor_record("nan-row", np.full(W1_DIM, np.nan, np.float32)))
+    enqueue(sqlite_url, config, records)
+    root = tmp_path / "outputs"
+    spies: list[DecodeSpy] = []
+    first = score(config, sqlite_url, root, on_scorer=spy_on_decode(spies))
+    score(config, sqlite_url, root)  # the retry of nan-row
+    assert spies[0].kinds["ItemBlock"] >= 3, spies[0].kinds
+    assert first.summary["items_committed"] == n
+    out = assert_done_once(sqlite_url, root, {f"w1-{i}" for i in range(n)})
+    got = np.array([out[f"w1-{i}"]["output"] for i in range(n)], dtype=np.float32)
+    np.testing.assert_allclose(got, w1_direct(x), rtol=0, atol=1e-6)
+    nan_row = items(sqlite_url)["nan-row"]
+    assert (nan_row.state, nan_row.attempts) == (models.State.DEAD, 2)
+    assert "not finite" in nan_row.last_error
+    assert reconcile(config, sqlite_url, root).counts == {"dead": 1}
+
+
+def test_a_uniform_claim_of_the_wrong_shape_is_dead_item_by_item_with_its_reason(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    config = load("tabular.yaml", tmp_path)
+    records = [tensor_record(f"short-{i}", np.zeros(3, np.float32)) for i in range(5)]
+    enqueue(sqlite_url, config, records)
+    outcome = score(config, sqlite_url, tmp_path / "outputs")
+    assert (outcome.summary["items_committed"], outcome.summary["items_failed"]) == (0, 5)
+    for row in items(sqlite_url).values():
+        assert row.state == models.State.DEAD
+        assert "does not match (64,)" in row.last_error
+
+
 def test_w2_padded_batch_outputs_match_each_sequence_scored_alone(
     sqlite_url: str, tmp_path: Path
 ) -> None:

@@ -237,6 +237,50 @@ def test_a_claim_returns_every_field_exactly_as_enqueued(
     assert (got["nul"].max_attempts, got["empty"].max_attempts) == (2, queue.max_attempts)
 
 
+def tensor_rec(key: str, value: int, **kw: Any) -> models.EnqueueRecord:
+    data = bytes([value]) * 4
+    payload = models.Payload(data, models.PayloadFormat.TENSOR, kw.pop("dtype", "uint8"), (4,))
+    return models.EnqueueRecord(item_key=key, payload=payload, cost=4, **kw)
+
+
+@pytest.mark.parametrize(
+    ("odd_one", "block"),
+    [
+        (None, True),
+        ({"deadline_at": 1_800_000_100.0}, False),
+        ({"dtype": "int8"}, False),
+        ({"priority": 2}, False),
+        ({"tenant": "t2"}, False),
+    ],
+)
+def test_a_columns_claim_of_uniform_items_is_one_block_of_the_same_items_in_claim_order(
+    queue: q.SqlQueue, clock: FakeClock, odd_one: dict[str, Any] | None, block: bool
+) -> None:
+    # Enqueued in three rounds, the last one earlier on the clock: claim order is by
+    # enqueued_at, not id, and the block must follow it (its bytes too).
+    records = [tensor_rec(f"k{i}", i) for i in range(6)]
+    for start, at in ((0, 10.0), (2, 30.0), (4, 20.0)):
+        clock.now = 1_800_000_000.0 + at
+        queue.enqueue(records[start : start + 2])
+    if odd_one is not None:
+        queue.enqueue([tensor_rec("odd", 99, **odd_one)])
+    clock.now = 1_800_000_040.0  # all ready
+    twin = q.SqlQueue(queue.engine, "contract", clock=clock)
+    claim = queue.claim(10, lease_s=30, columns=True)
+    assert isinstance(claim.items, models.ItemBlock) == (block and queue.dialect == "sqlite")
+    keys = [i.item_key for i in claim.items]
+    want = ["k0", "k1", "k4", "k5", "k2", "k3"]
+    assert [k for k in keys if k != "odd"] == want
+    for item in claim.items:
+        if item.item_key != "odd":
+            assert item.payload.data == bytes([int(item.item_key[1:])]) * 4
+            assert (item.cost, item.attempts, item.queue) == (4, 1, "contract")
+    # the same claim made item by item on a second queue of the same items gives equal items
+    twin.release(claim.lease_id)
+    again = twin.claim(10, lease_s=30)
+    assert [i._replace(attempts=1) for i in again.items] == list(claim.items)
+
+
 def test_a_sqlite_claim_that_fails_after_its_update_gives_the_items_back(
     queue: q.SqlQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:

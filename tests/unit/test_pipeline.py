@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +52,13 @@ class InMemoryQueue:
                 self.rows[item_id] = Row(item, run_after=self.clock())
 
     def claim(
-        self, n: int, *, lease_s: float, lane: str | None = None, max_cost: int | None = None
+        self,
+        n: int,
+        *,
+        lease_s: float,
+        lane: str | None = None,
+        max_cost: int | None = None,
+        columns: bool = False,  # items as work items either way (ItemBlocks: integration tests)
     ) -> models.Claim:
         with self._lock:
             self._leases += 1
@@ -129,12 +135,12 @@ class InMemoryQueue:
 @dataclass(frozen=True)
 class Scored:
     lease_id: str
-    items: tuple[models.WorkItem, ...]
-    outputs: dict[int, Any]
+    items: Sequence[models.WorkItem]
+    outputs: Mapping[int, Any]
 
 
 def make_scored(
-    items: tuple[models.WorkItem, ...], lease_id: str, outputs: dict[int, Any], scored_at: float
+    items: Sequence[models.WorkItem], lease_id: str, outputs: Mapping[int, Any], scored_at: float
 ) -> Scored:
     return Scored(lease_id, items, outputs)
 
