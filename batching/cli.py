@@ -38,6 +38,31 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            out.print(f"batching {version('batching')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            out.print("batching (not installed: run `pip install -e .`)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="Print the version and exit.", callback=_version, is_eager=True
+        ),
+    ] = False,
+) -> None:
+    """Durable dynamic batching for model inference: queue, score, commit exactly once."""
+
+
 # Messages stay on one line (paths in them can be copied); tables still fit the terminal.
 # Without one (a pipe, a CI log) rich lays tables out in 80 columns, which cut paths and
 # lineage dataset names mid-word; 240 keeps them whole ($COLUMNS still wins).

@@ -118,6 +118,13 @@ def test_help_lists_every_command_and_each_command_has_help(tmp_path: Path) -> N
     assert "Usage: batching" in bare.out + bare.err
 
 
+def test_version_prints_the_installed_version(tmp_path: Path) -> None:
+    from importlib.metadata import version
+
+    r = batching("--version", cwd=tmp_path)
+    assert (r.rc, r.out.strip()) == (0, f"batching {version('batching')}")
+
+
 def test_python_m_runs_the_same_cli(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "batching.cli", "--help"],
