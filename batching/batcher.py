@@ -415,10 +415,15 @@ class MicroBatcher:
 
     def _spill(self) -> None:
         """Move the waiting blocks into the buckets, item by item (the general path)."""
-        blocks, self._blocks = list(self._blocks), collections.deque()
-        for block in blocks:
+        while self._blocks:  # one at a time: a failed add leaves the rest where they were
+            block = self._blocks[0]
             self._ids.difference_update(block.ids)
-            self._add_items(list(block))
+            try:
+                self._add_items(list(block))
+            except BaseException:
+                self._ids.update(block.ids)
+                raise
+            self._blocks.popleft()
 
     def _settle(self) -> None:
         """A first block that holds no full batch goes to the buckets with those after it:

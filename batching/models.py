@@ -135,13 +135,13 @@ class ItemBlock(Sequence[WorkItem]):
         n = len(ids)
         if not (len(keys) == len(enqueued_at) == len(attempts) == len(max_attempts) == n):
             raise ValueError("ItemBlock columns differ in length")
-        if n and len(data) % n:
-            raise ValueError(f"{len(data)} payload bytes do not split into {n} items")
+        if n and memoryview(data).nbytes % n:
+            raise ValueError(f"{memoryview(data).nbytes} payload bytes do not split into {n} items")
         self.template = template
         self.ids, self.keys, self.enqueued_at = ids, keys, enqueued_at
         self.attempts, self.max_attempts = attempts, max_attempts
         self.data = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-        self.item_nbytes = len(data) // n if n else 0
+        self.item_nbytes = len(self.data) // n if n else 0  # bytes, whatever data's format
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -243,8 +243,8 @@ def _stacked(matrices: list[Any]) -> Any:
 
 
 def _has_deadline(batch: models.Batch) -> bool:
-    if isinstance(batch.items, models.ItemBlock):  # never holds one
-        return False
+    if isinstance(batch.items, models.ItemBlock):  # one for all
+        return batch.items.template.deadline_at is not None
     return any(item.deadline_at is not None for item in batch.items)
 
 
@@ -577,9 +577,10 @@ class Scorer:
                     part.blocks.append(batch.items)
                     part.matrices.append(outputs.matrix)
                     continue
-                part.ok.extend(batch.items)
+                built = tuple(batch.items)  # a block's items built once
+                part.ok.extend(built)
                 part.outputs.update(outputs)
-                part.items.extend(batch.items)
+                part.items.extend(built)
                 continue
             for item in batch.items:
                 part = parts.setdefault(leases[item.id], _LeasePart())
@@ -613,9 +614,10 @@ class Scorer:
             outputs = models.OutputRows(block.ids, _stacked(part.matrices))
         elif part.blocks:  # beside items (or blocks of other kinds): all as items
             for block, matrix in zip(part.blocks, part.matrices, strict=True):
-                part.ok.extend(block)
+                built = list(block)  # each item built once
+                part.ok.extend(built)
                 part.outputs.update(zip(block.ids, matrix, strict=True))
-                part.items.extend(block)
+                part.items.extend(built)
         if ok:
             try:
                 committed = self.sink.commit(self.make_scored(ok, lease_id, outputs, now))
