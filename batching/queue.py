@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import orjson
 import sqlalchemy as sa
 from sqlalchemy import exc
 from sqlalchemy.dialects import postgresql
@@ -480,10 +481,10 @@ class SqlQueue:
         """``column`` is one of ``ids``, as ONE bound value (a PostgreSQL array, a JSON array
         read by SQLite's json_each): an IN list of 512 binds cost more than the UPDATE it
         filtered."""
-        values = [int(i) for i in ids]
+        values = list(map(int, ids))
         if self.dialect == "postgresql":
             return column == sa.any_(sa.literal(values, postgresql.ARRAY(sa.BigInteger)))
-        each = sa.func.json_each(sa.literal(json.dumps(values))).table_valued("value")
+        each = sa.func.json_each(sa.literal(orjson.dumps(values).decode())).table_valued("value")
         return column.in_(sa.select(each.c.value))
 
     def heartbeat(self, lease_id: str, lease_s: float) -> int:
