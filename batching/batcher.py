@@ -110,13 +110,9 @@ def batch_stats(
     ``padding_efficiency`` is sum(cost) / (size * max(cost)), 1.0 when all costs are equal.
     """
     size = len(items)
-    if isinstance(items, models.ItemBlock):  # one cost: no column to read
-        widest = items.template.cost
-        total = widest * size
-    else:
-        costs = list(map(_COST, items))
-        total, widest = sum(costs), max(costs)
-    enqueued = models.item_enqueued_at(items)
+    costs = models.item_column(items, "cost")
+    total, widest = sum(costs), max(costs)
+    enqueued = models.item_column(items, "enqueued_at")
     waits = list(map(operator.sub, itertools.repeat(formed_at, size), enqueued))
     if min(waits) < 0.0:  # clock skew: clamp each wait (rare; otherwise all of it runs in C)
         waits = [max(0.0, w) for w in waits]
@@ -200,6 +196,12 @@ class _Budget:
         if n_taken >= self.max_size:
             return False
         return self.max_cost is None or cost_taken + cost <= self.max_cost
+
+    def rows_of(self, cost: int) -> int:
+        """Rows of one ``cost`` that a batch takes (what ``fits`` lets in, one by one)."""
+        if self.max_cost is None or cost <= 0:
+            return self.max_size
+        return max(1, min(self.max_size, self.max_cost // cost))
 
     def full(self, n_items: int, cost: int) -> bool:
         """Whether pending items of this count and total cost make at least one capped batch."""
@@ -391,10 +393,10 @@ class MicroBatcher:
         self._add_items(list(items))
 
     def _take_block(self, block: models.ItemBlock) -> bool:
-        """Keep ``block`` whole if it can be cut as it stands: no bucket holds an item, it
-        falls in the bucket of the blocks waiting and after them in that bucket's order (lower priority, or the same and
-        enqueued no earlier: a claim after a retry's backoff may hold older items), and its ids
-        are new."""
+        """Keep ``block`` whole if it can be cut as it stands: no bucket holds an item, it falls
+        in the bucket of the blocks waiting and comes after them in its order (lower priority,
+        or the same and enqueued no earlier: a claim after a retry's backoff may hold older
+        items), and its ids are new."""
         if not block or any(self._buckets) or block.template.cost < 0:
             return False
         if self._blocks:  # the buckets' order: priority, then enqueued_at, then arrival
@@ -534,31 +536,30 @@ class MicroBatcher:
             bucket=state.index,
         )
 
+    def _full_reason(self, n_items: int) -> Reason:
+        return "size" if n_items >= self._policy.max_batch_size else "cost"
+
     def _cut_block(self, now: float) -> models.Batch:
         """The next full batch from the first block: its first rows (claim order is the
         bucket's order for items of one priority and no deadline), as the buckets would cut."""
         head = self._blocks[0]
         cost = head.template.cost
-        budget = self._budget
-        n = budget.max_size
-        if budget.max_cost is not None and cost > 0:
-            n = max(1, min(n, budget.max_cost // cost))
+        n = self._budget.rows_of(cost)
         items = head[:n]
         if n < len(head):
             self._blocks[0] = head[n:]
         else:
             self._blocks.popleft()
         self._ids.difference_update(items.ids)
-        size = self._policy.max_batch_size
         return models.Batch(
             items=items,
-            reason="size" if len(items) >= size else "cost",
+            reason=self._full_reason(len(items)),
             formed_at=now,
-            stats=batch_stats(items, now, size),
+            stats=batch_stats(items, now, self._policy.max_batch_size),
             bucket=self._bucket_of(cost),
         )
 
     def _reason(self, state: _Readiness, n_items: int, now: float) -> Reason:
         if state.full:
-            return "size" if n_items >= self._policy.max_batch_size else "cost"
+            return self._full_reason(n_items)
         return state.trigger if state.due_at <= now else "flush"

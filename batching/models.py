@@ -86,11 +86,8 @@ class WorkItem(NamedTuple):
 # Field getters of a WorkItem: C calls, for hot paths that map them over a whole batch rather
 # than take a Python step per item.
 ITEM_ID = operator.attrgetter("id")
-ITEM_KEY = operator.attrgetter("item_key")
 ITEM_PAYLOAD = operator.attrgetter("payload")
 ITEM_ENQUEUED_AT = operator.attrgetter("enqueued_at")
-ITEM_QUEUE = operator.attrgetter("queue")
-ITEM_TENANT = operator.attrgetter("tenant")
 ITEM_PRIORITY = operator.attrgetter("priority")
 ITEM_COST = operator.attrgetter("cost")
 ITEM_DEADLINE_AT = operator.attrgetter("deadline_at")
@@ -135,13 +132,13 @@ class ItemBlock(Sequence[WorkItem]):
         n = len(ids)
         if not (len(keys) == len(enqueued_at) == len(attempts) == len(max_attempts) == n):
             raise ValueError("ItemBlock columns differ in length")
-        if n and memoryview(data).nbytes % n:
-            raise ValueError(f"{memoryview(data).nbytes} payload bytes do not split into {n} items")
+        self.data = data if isinstance(data, bytes) else memoryview(data).cast("B")  # bytes
+        if n and len(self.data) % n:
+            raise ValueError(f"{len(self.data)} payload bytes do not split into {n} items")
+        self.item_nbytes = len(self.data) // n if n else 0
         self.template = template
         self.ids, self.keys, self.enqueued_at = ids, keys, enqueued_at
         self.attempts, self.max_attempts = attempts, max_attempts
-        self.data = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-        self.item_nbytes = len(self.data) // n if n else 0  # bytes, whatever data's format
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -181,7 +178,19 @@ class ItemBlock(Sequence[WorkItem]):
         return map(self.__getitem__, range(len(self.ids)))
 
     def __repr__(self) -> str:
-        return f"ItemBlock({len(self.ids)} items, {self.template.payload.dtype} {self.template.payload.shape})"
+        payload = self.template.payload
+        return f"ItemBlock({len(self.ids)} items, {payload.dtype} {payload.shape})"
+
+    def column(self, name: str) -> list[Any]:
+        """The field ``name`` of every item, in order, without building the items (but for
+        ``payload``)."""
+        own = _BLOCK_COLUMNS.get(name)
+        if own is not None:
+            column: list[Any] = getattr(self, own)  # the column itself: read, do not change
+            return column
+        if name == "payload":
+            return [item.payload for item in self]
+        return [getattr(self.template, name)] * len(self.ids)
 
     @classmethod
     def join(cls, blocks: Sequence[ItemBlock]) -> ItemBlock:
@@ -229,14 +238,22 @@ class OutputRows(Mapping[int, Any]):
         return len(self.ids)
 
 
-def item_ids(items: Sequence[WorkItem]) -> list[int]:
-    """The ids of ``items`` in order: an ItemBlock's column, or one C call over work items."""
-    return items.ids if isinstance(items, ItemBlock) else list(map(ITEM_ID, items))
+# ItemBlock columns by WorkItem field; the other fields are the block's shared ones.
+_BLOCK_COLUMNS = {
+    "id": "ids",
+    "item_key": "keys",
+    "enqueued_at": "enqueued_at",
+    "attempts": "attempts",
+    "max_attempts": "max_attempts",
+}
 
 
-def item_enqueued_at(items: Sequence[WorkItem]) -> list[float]:
-    """The ``enqueued_at`` of ``items`` in order (an ItemBlock's column, or one C call)."""
-    return items.enqueued_at if isinstance(items, ItemBlock) else list(map(ITEM_ENQUEUED_AT, items))
+def item_column(items: Sequence[WorkItem], name: str) -> list[Any]:
+    """The field ``name`` of every item, in order: an ItemBlock's column (or shared value),
+    else one C call over the work items. Read the list; do not change it."""
+    if isinstance(items, ItemBlock):
+        return items.column(name)
+    return list(map(operator.attrgetter(name), items))
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePath
@@ -229,25 +229,16 @@ def batch_table(batch: sinks.ScoredBatch) -> pa.Table:
     output = pa.FixedSizeListArray.from_arrays(pa.array(mat.reshape(-1), pa.float32()), dim)
     scored_us = round(batch.scored_at * 1_000_000)
     columns: dict[str, Any] = {
-        "item_key": _column(batch.items, "keys", models.ITEM_KEY),
+        "item_key": models.item_column(batch.items, "item_key"),
         "output": output,
         "scored_at": pa.array([scored_us] * n, pa.timestamp("us", tz="UTC")),
         "run_id": [batch.run_id] * n,
         "batch_id": [batch.batch_id] * n,
-        "queue": _column(batch.items, "queue", models.ITEM_QUEUE),
-        "tenant": _column(batch.items, "tenant", models.ITEM_TENANT),
+        "queue": models.item_column(batch.items, "queue"),
+        "tenant": models.item_column(batch.items, "tenant"),
     }
     meta = {"batching.model_version": batch.model_version, "batching.run_id": batch.run_id}
     return pa.table(columns).replace_schema_metadata(meta)
-
-
-def _column(items: Sequence[models.WorkItem], name: str, get: Callable[[Any], Any]) -> list[Any]:
-    """One field of every item: an ItemBlock's column or shared value, else one C call."""
-    if isinstance(items, models.ItemBlock):
-        if name == "keys":
-            return items.keys
-        return [getattr(items.template, name)] * len(items)
-    return list(map(get, items))
 
 
 class ParquetSink:
@@ -424,7 +415,7 @@ class ParquetSink:
         self, batch: sinks.ScoredBatch, rel: str, staged: Path, n_bytes: int, digest: str
     ) -> None:
         """Step 2: ack the items and insert the ledger row in one transaction."""
-        ids = models.item_ids(batch.items)
+        ids = models.item_column(batch.items, "id")
         marks = self._pending_marks()
         with self._queue.begin() as conn:
             self._queue.ack_all_or_raise(conn, batch.lease_id, ids, batch.batch_id)

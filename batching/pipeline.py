@@ -233,11 +233,6 @@ ScoredBatchFactory = Callable[[Sequence[models.WorkItem], str, Mapping[int, Any]
 Progress = Callable[[RunStats], None]
 
 
-def _joinable(blocks: list[models.ItemBlock]) -> bool:
-    template = blocks[0].template
-    return all(block.template == template for block in blocks)
-
-
 def _stacked(matrices: list[Any]) -> Any:
     return matrices[0] if len(matrices) == 1 else np.concatenate(matrices)
 
@@ -426,7 +421,7 @@ class Scorer:
             return False
         with self._lock:
             self._leases[claim.lease_id] = len(claim.items)
-            ids = models.item_ids(claim.items)
+            ids = models.item_column(claim.items, "id")
             self._item_lease.update(zip(ids, itertools.repeat(claim.lease_id)))
         self.stats.claimed += len(claim.items)
         with self._batch_lock:
@@ -439,7 +434,7 @@ class Scorer:
         if batch is None:
             return False
         self._claim_wanted.set()
-        ids = models.item_ids(batch.items)
+        ids = models.item_column(batch.items, "id")
         with self._lock:  # the leases as claimed now: a reaped item may be claimed again
             leases = dict(zip(ids, map(self._item_lease.__getitem__, ids), strict=True))
         started = time.perf_counter()
@@ -608,11 +603,11 @@ class Scorer:
         ok: Sequence[models.WorkItem] = part.ok
         outputs: Mapping[int, Any] = part.outputs
         held: Sequence[models.WorkItem] = part.items
-        if part.blocks and not part.items and _joinable(part.blocks):
+        if part.blocks and not part.items:  # one lease's blocks: one claim's shared fields
             block = models.ItemBlock.join(part.blocks)
             ok, held = block, block
             outputs = models.OutputRows(block.ids, _stacked(part.matrices))
-        elif part.blocks:  # beside items (or blocks of other kinds): all as items
+        elif part.blocks:  # beside items: all as items
             for block, matrix in zip(part.blocks, part.matrices, strict=True):
                 built = list(block)  # each item built once
                 part.ok.extend(built)
@@ -632,7 +627,7 @@ class Scorer:
                 self.stats.bytes_written += getattr(committed, "n_bytes", None) or 0
                 self.stats.committed += len(ok)
                 since = functools.partial(operator.sub, done)
-                self.stats.latencies_s.extend(map(since, models.item_enqueued_at(ok)))
+                self.stats.latencies_s.extend(map(since, models.item_column(ok, "enqueued_at")))
                 made = 1
         for failures, retry in ((part.failures, True), (part.undecodable, False)):
             if failures:
@@ -642,7 +637,7 @@ class Scorer:
         return made
 
     def _forget(self, lease_id: str, items: Sequence[models.WorkItem]) -> None:
-        ids = models.item_ids(items)
+        ids = models.item_column(items, "id")
         with self._lock:
             owners = map(self._item_lease.get, ids)
             mine = itertools.compress(ids, map(operator.eq, owners, itertools.repeat(lease_id)))

@@ -260,7 +260,7 @@ class SqlQueue:
         oversized item is not starved). First, in the same transaction, items past their
         deadline are moved to ``expired`` and this queue's expired leases are reaped.
         Returns a claim with zero items when nothing is ready. With ``columns``, a SQLite
-        claim of uniform items (see ``sqlite.claimed_block``) holds them as one
+        claim of uniform items (see ``sqlite.unpack_claim``) holds them as one
         :class:`~batching.models.ItemBlock`.
         """
         if n < 1:
@@ -384,8 +384,7 @@ class SqlQueue:
                 self.queue, conn.execute(sqlite.CLAIMED_NO_BODIES, params).one()
             )
             return rows, self._bodies(conn, [r[0] for r in rows])
-        block = sqlite.claimed_block(self.queue, row) if columns else None
-        return block if block is not None else sqlite.unpack_claim(self.queue, row)
+        return sqlite.unpack_claim(self.queue, row, columns=columns)
 
     def _release_quietly(self, lease_id: str) -> None:
         try:

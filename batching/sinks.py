@@ -81,7 +81,7 @@ class ScoredBatch:
                 raise errors.SinkError(f"{what} must match [A-Za-z0-9_-]{{1,36}}, got {value!r}")
         if not self.items:
             raise errors.SinkError(f"batch {self.batch_id} has no items; nothing to commit")
-        ids = set(models.item_ids(self.items))
+        ids = set(models.item_column(self.items, "id"))
         if ids != set(self.outputs) or len(ids) != len(self.items):
             raise errors.SinkError(
                 f"batch {self.batch_id}: need exactly one output per item "
@@ -99,14 +99,12 @@ class ScoredBatch:
         return self._matrix
 
     def _stack(self) -> npt.NDArray[np.float32]:
-        outputs = self.outputs
+        outputs, ids = self.outputs, models.item_column(self.items, "id")
         try:
-            if isinstance(outputs, models.OutputRows) and outputs.ids == models.item_ids(
-                self.items
-            ):  # already one matrix, in the items' order
+            if isinstance(outputs, models.OutputRows) and outputs.ids == ids:  # in item order
                 out = np.asarray(outputs.matrix).astype("<f4", copy=False)
             else:
-                rows = list(map(outputs.__getitem__, models.item_ids(self.items)))
+                rows = list(map(outputs.__getitem__, ids))
                 out = np.stack(rows).astype("<f4", copy=False)
         except (ValueError, TypeError) as exc:
             raise errors.SinkError(
@@ -222,7 +220,7 @@ class SqlSink:
         """
         rows = self._rows(batch)
         with self._queue.begin() as conn:
-            ids = models.item_ids(batch.items)
+            ids = models.item_column(batch.items, "id")
             self._queue.ack_all_or_raise(conn, batch.lease_id, ids, batch.batch_id)
             inserted = self._insert_new(conn, rows)
             conn.execute(_LEDGER.insert().values(**self._ledger_values(batch, inserted)))

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import orjson
@@ -220,23 +220,19 @@ CLAIMED = sa.text(
 CLAIMED_NO_BODIES = sa.text(_CLAIMED_COLUMNS_SQL + _CLAIMED_FROM_SQL)
 
 
-def claimed_block(queue: str, row: Sequence[Any]) -> models.ItemBlock | None:
-    """A row of ``CLAIMED`` as one :class:`~batching.models.ItemBlock`, in claim order, when
-    its items are uniform: tensor payloads of one dtype, shape and byte length, one lane,
-    tenant, priority and cost, and no deadline. None otherwise (``unpack_claim`` then)."""
-    if len(row) <= 14 or not row[14]:
-        return None
-    ids, keys, fmts, dtypes, shapes, lanes, tenants, prios, costs, atts, maxes, sizes = map(
-        orjson.loads, row[:12]
-    )
-    n = len(ids)
+def _as_block(
+    queue: str, cols: list[list[Any]], enqueued: list[float], row: Sequence[Any]
+) -> models.ItemBlock | None:
+    """The parsed columns of a ``CLAIMED`` row as one ItemBlock, in claim order, when its items
+    are uniform: tensor payloads of one dtype, shape and byte length, one lane, tenant,
+    priority and cost, and no deadline. None otherwise."""
+    ids, keys, fmts, dtypes, shapes, lanes, tenants, prios, costs, atts, maxes, sizes = cols
+    n, data = len(ids), row[14]
     shared = (fmts, dtypes, shapes, lanes, tenants, prios, costs, sizes)
-    if not n or any(c.count(c[0]) != n for c in shared) or fmts[0] != "tensor":
+    if any(c.count(c[0]) != n for c in shared) or fmts[0] != "tensor" or sizes[0] is None:
         return None
-    if row[13].count("NULL") != n or sizes[0] is None or len(row[14]) != n * sizes[0]:
+    if row[13].count("NULL") != n or not data or len(data) != n * sizes[0]:
         return None  # a deadline, or a body row missing
-    enqueued = list(map(float, row[12].split(",")))
-    data: bytes = row[14]
     # Claim order with one priority and no deadline: enqueued_at, then id. The aggregate
     # mostly returns them so already (ids in enqueue order); otherwise sort once.
     if ids != sorted(ids) or enqueued != sorted(enqueued):
@@ -254,16 +250,29 @@ def claimed_block(queue: str, row: Sequence[Any]) -> models.ItemBlock | None:
     return models.ItemBlock(template, ids, keys, enqueued, atts, maxes, data)
 
 
-def unpack_claim(queue: str, row: Sequence[Any]) -> tuple[list[Any], dict[int, bytes]]:
+@overload
+def unpack_claim(
+    queue: str, row: Sequence[Any], *, columns: Literal[False] = False
+) -> tuple[list[Any], dict[int, bytes]]: ...
+@overload
+def unpack_claim(
+    queue: str, row: Sequence[Any], *, columns: bool
+) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock: ...
+def unpack_claim(
+    queue: str, row: Sequence[Any], *, columns: bool = False
+) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock:
     """A row of ``CLAIMED`` as claimed rows (``_CLAIM_COLUMNS`` order) and bodies by
     id, a column at a time in C (JSON arrays, ``float`` over split text) and one ``zip``. A
-    row of ``CLAIMED_NO_BODIES`` gives the rows and no bodies."""
-    ids, keys, fmts, dtypes, shapes, lanes, tenants, prios, costs, atts, maxes, sizes = map(
-        orjson.loads, row[:12]
-    )
+    row of ``CLAIMED_NO_BODIES`` gives the rows and no bodies. With ``columns``, uniform items
+    (see ``_as_block``) come back as one :class:`~batching.models.ItemBlock` instead."""
+    cols = list(map(orjson.loads, row[:12]))
+    ids, keys, fmts, dtypes, shapes, lanes, tenants, prios, costs, atts, maxes, sizes = cols
     if not ids:
         return [], {}
     enqueued = list(map(float, row[12].split(",")))
+    block = _as_block(queue, cols, enqueued, row) if columns and len(row) > 14 else None
+    if block is not None:
+        return block
     deadlines = [None if d == "NULL" else float(d) for d in row[13].split(",")]
     by_deadline = [schema.NO_DEADLINE if d is None else d for d in deadlines]
     rows = list(

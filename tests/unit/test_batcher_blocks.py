@@ -54,7 +54,7 @@ def test_a_block_is_a_sequence_of_the_items_it_holds() -> None:
     assert (items[2].cost, items[2].priority, items[2].enqueued_at) == (3, 2, 100.002)
     assert list(b[1:3]) == items[1:3]
     assert list(models.ItemBlock.join([b[:2], b[2:]])) == items
-    assert models.item_ids(b[3:]) == [13, 14]
+    assert models.item_column(b[3:], "id") == [13, 14]
     with pytest.raises(IndexError):
         b[5]
 
@@ -109,10 +109,10 @@ def test_full_batches_of_a_block_are_slices_not_items() -> None:
     first = b.poll()
     assert first is not None
     assert isinstance(first.items, models.ItemBlock)
-    assert (models.item_ids(first.items), first.reason) == ([1, 2, 3, 4], "size")
+    assert (models.item_column(first.items, "id"), first.reason) == ([1, 2, 3, 4], "size")
     second = b.poll()
     assert second is not None
-    assert models.item_ids(second.items) == [5, 6, 7, 8]
+    assert models.item_column(second.items, "id") == [5, 6, 7, 8]
     assert b.poll() is None  # 2 left, not due: they wait in a bucket like any item
     assert len(b) == 2
 
