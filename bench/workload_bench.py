@@ -6,7 +6,8 @@ In one run, same machine, same model, same requests:
   dynamic  the full pipeline with the shipped policy for the profile
   queue    (W1) claim + ack alone at the scorer's claim size: the ceiling of one scorer
 and for W2 online, an open-loop run: Poisson arrivals at 50% and 90% of the measured dynamic
-capacity, p50/p99 enqueue-to-commit latency.
+capacity, p50/p99 enqueue-to-commit latency. Limit and dynamic runs are interleaved
+``--repeats`` times and their medians compared (every run is in the JSON).
 
     python bench/workload_bench.py [--w1-items 50000] [--w2-items 3000] [--online-s 20] [--only w1|w2]
     python bench/workload_bench.py --only w1 --pg postgresql://postgres@127.0.0.1:5432/postgres
@@ -130,9 +131,10 @@ def queue_floor(cfg: Any, records: list[models.EnqueueRecord]) -> float:
     return rate
 
 
-def w1(tmp: Path, n: int) -> None:
+def w1(tmp: Path, n: int, repeats: int) -> None:
+    """Limit, dynamic tensor and dynamic JSON interleaved ``repeats`` times; medians, as for
+    W2, so one noisy moment on a shared machine decides neither side of a ratio."""
     x = workloads.w1_inputs(n)
-    limit = w1_limit(x)
     pq_file = workloads.write_w1_parquet(tmp / "w1.parquet", n)
     tensor_recs = ingest.read_records(pq_file)
     json_file = workloads.write_lines(tmp / "w1.jsonl", workloads.w1_json_lines(n))
@@ -141,16 +143,23 @@ def w1(tmp: Path, n: int) -> None:
     b1 = pipeline_rate(
         config("tabular.yaml", tmp, "w1b1", max_batch_size=1, claim_size=64), tensor_recs[:n1]
     )
-    dyn_t = pipeline_rate(config("tabular.yaml", tmp, "w1t"), tensor_recs)
-    dyn_j = pipeline_rate(config("tabular.yaml", tmp, "w1j"), json_recs)
+    limits, tensor_runs, json_runs = [w1_limit(x)], [], []
+    for r in range(repeats):
+        tensor_runs.append(pipeline_rate(config("tabular.yaml", tmp, f"w1t{r}"), tensor_recs))
+        json_runs.append(pipeline_rate(config("tabular.yaml", tmp, f"w1j{r}"), json_recs))
+        limits.append(w1_limit(x))
     floor = queue_floor(config("tabular.yaml", tmp, "w1floor"), tensor_recs)
-    limit = max(limit, w1_limit(x))  # measured before and after: the faster one (noisy host)
+    limit = statistics.median(limits)
+    dyn_t, dyn_j = _median_run(tensor_runs), _median_run(json_runs)
     RESULTS["w1"] = {
         "items": n,
         "limit_rows_s": limit,
+        "limit_runs": limits,
         "batch1_rows_s": b1["items_per_s"],
         "dynamic_tensor_rows_s": dyn_t["items_per_s"],
+        "dynamic_tensor_runs": [s["items_per_s"] for s in tensor_runs],
         "dynamic_json_rows_s": dyn_j["items_per_s"],
+        "dynamic_json_runs": [s["items_per_s"] for s in json_runs],
         "tensor_vs_limit": dyn_t["items_per_s"] / limit,
         "json_vs_limit": dyn_j["items_per_s"] / limit,
         "tensor_vs_batch1": dyn_t["items_per_s"] / b1["items_per_s"],
@@ -163,6 +172,11 @@ def w1(tmp: Path, n: int) -> None:
         "queue_only_rows_s": floor,
         "queue_only_vs_limit": floor / limit,
     }
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median rows/s (the upper middle one of an even count)."""
+    return sorted(runs, key=lambda s: s["items_per_s"])[len(runs) // 2]
 
 
 def scorer_processes(cfg: Any, n: int, k: int) -> float:
@@ -255,7 +269,7 @@ def w2(tmp: Path, n: int, online_s: float, repeats: int) -> None:
         runs.append(pipeline_rate(config("bulk.yaml", tmp, f"w2d{r}"), recs))
         limits.append(w2_limit(seqs))
     limit = statistics.median(limits)
-    dyn = sorted(runs, key=lambda s: s["items_per_s"])[len(runs) // 2]
+    dyn = _median_run(runs)
     RESULTS["w2"] = {
         "items": n,
         "limit_rows_s": limit,
@@ -343,14 +357,16 @@ def main() -> None:
         "--online-s", type=seconds, default=20.0, help="length of each open-loop W2 run"
     )
     parser.add_argument("--only", choices=["w1", "w2"])
-    parser.add_argument("--repeats", type=count, default=3, help="W2 limit/dynamic repetitions")
+    parser.add_argument(
+        "--repeats", type=count, default=3, help="limit/dynamic repetitions (W1 and W2)"
+    )
     parser.add_argument("--json", type=Path, help="also write results here")
     parser.add_argument("--pg", metavar="URL", help="also run W1 on this PostgreSQL server")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "w1"):
-            w1(Path(tmp), args.w1_items)
+            w1(Path(tmp), args.w1_items, args.repeats)
             w1_sqlite_processes(Path(tmp), args.w1_items)
             if args.pg:
                 w1_pg(Path(tmp), args.w1_items, args.pg)
