@@ -193,10 +193,16 @@ def _read_parquet(p: Path) -> Iterator[models.EnqueueRecord]:
         raise errors.InputError(f"{p}: not a readable Parquet file ({exc})") from None
     missing = {"item_key", "payload"} - set(table.column_names)
     if missing:
-        raise errors.InputError(f"{p}: missing column(s) {', '.join(sorted(missing))}")
+        raise errors.InputError(
+            f"{p}: missing column(s) {', '.join(sorted(missing))}; every file needs item_key "
+            "(text) and payload (JSON text, a struct, or a list of numbers)"
+        )
     unknown = set(table.column_names) - _FIELDS
     if unknown:
-        raise errors.InputError(f"{p}: unknown column(s) {', '.join(sorted(unknown))}")
+        raise errors.InputError(
+            f"{p}: unknown column(s) {', '.join(sorted(unknown))}; "
+            f"allowed: {', '.join(sorted(_FIELDS))}"
+        )
     col = table.column("payload").combine_chunks()
     tensor = (
         pa.types.is_list(col.type)
@@ -234,11 +240,16 @@ def _deadline_value(value: Any) -> Any:
 
 def _tensor_payloads(p: Path, col: pa.Array) -> tuple[list[models.Payload], np.ndarray]:
     if col.null_count:
-        raise errors.InputError(f"{p}: payload column has {col.null_count} null row(s)")
+        first = col.is_null().to_pylist().index(True) + 1
+        raise errors.InputError(
+            f"{p}:row {first}: payload is null ({col.null_count} null row(s) in all); "
+            "every row needs a payload"
+        )
     values = col.flatten()
     if values.null_count:
+        first = next(i for i, v in enumerate(col.to_pylist()) if None in v) + 1
         raise errors.InputError(
-            f"{p}: payload column has {values.null_count} null element(s) inside its lists; "
+            f"{p}:row {first}: payload has a null element ({values.null_count} in all); "
             "every element of a tensor payload must be a number"
         )
     if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):

@@ -104,12 +104,20 @@ def test_parquet_json_strings_and_structs(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("table", "message"),
     [
-        (pa.table({"item_key": ["a"]}), "missing column(s) payload"),
-        (pa.table({"item_key": ["a"], "payload": ["{}"], "extra": [1]}), "unknown column(s) extra"),
+        (pa.table({"item_key": ["a"]}), "missing column(s) payload; every file needs item_key"),
+        (
+            pa.table({"item_key": ["a"], "payload": ["{}"], "extra": [1]}),
+            "unknown column(s) extra; allowed: cost, deadline, item_key, lane, payload, priority,"
+            " tenant",
+        ),
         (pa.table({"item_key": ["a"], "payload": ["nope"]}), "row 1: payload is not valid JSON"),
         (
-            pa.table({"item_key": ["a", "b"], "payload": [[1.0, None], [2.0, 3.0]]}),
-            "payload column has 1 null element(s) inside its lists",
+            pa.table({"item_key": ["a", "b", "c"], "payload": [[2.0], [1.0, None], [None]]}),
+            "row 2: payload has a null element (2 in all)",
+        ),
+        (
+            pa.table({"item_key": ["a", "b", "c"], "payload": [[2.0], None, None]}),
+            "row 2: payload is null (2 null row(s) in all)",
         ),
     ],
 )
