@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import urllib.parse
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,11 +34,16 @@ def normalize_url(url: str) -> str:
 
 def redact(url: str) -> str:
     """The URL with its password replaced by ``***`` (safe to log or print), also when it
-    does not parse (a missing ``:``, a port that is not a number)."""
+    does not parse (a missing ``:``, a port that is not a number); ``postgresql://`` as the
+    user wrote it, not the driver form :func:`normalize_url` made of it."""
     try:  # SQLAlchemy masks the user-info password; redact_url also a password= in the query
-        return redact_url(sa.make_url(url).render_as_string(hide_password=True))
+        shown = redact_url(sa.make_url(url).render_as_string(hide_password=True))
     except (exc.ArgumentError, ValueError):
-        return redact_url(url)
+        shown = redact_url(url)
+    driver_form = normalize_url("postgresql://")
+    if shown.startswith(driver_form):  # the driver normalize_url adds, not the user's URL
+        return "postgresql://" + shown.removeprefix(driver_form)
+    return shown
 
 
 def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
@@ -70,11 +76,19 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
             f"{'postgresql://' if backend == 'postgresql' else 'sqlite:///'}..."
         )
     try:
-        if backend == "sqlite":
-            engine = sa.create_engine(parsed, pool_size=4, max_overflow=8)
-            sqlite.configure(engine, sqlite_busy_timeout_ms)
-            return engine
-        return sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
+        with warnings.catch_warnings():
+            # e.g. "?mode=ro" without "uri=true": SQLAlchemy would ignore it, with a warning.
+            warnings.simplefilter("error", exc.SAWarning)
+            if backend == "sqlite":
+                engine = sa.create_engine(parsed, pool_size=4, max_overflow=8)
+                sqlite.configure(engine, sqlite_busy_timeout_ms)
+                return engine
+            return sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
+    except exc.SAWarning as e:
+        reason = redact_url(str(e)).split(" (Background on this")[0]
+        raise errors.ConfigError(
+            f"database URL {redact(url)!r} cannot be used as written: {reason}"
+        ) from None
     except (ImportError, exc.ArgumentError, TypeError, ValueError) as e:  # no driver, bad options
         raise errors.ConfigError(
             f"database URL {redact(url)!r} cannot be used ({type(e).__name__}: "

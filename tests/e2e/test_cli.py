@@ -236,12 +236,23 @@ def test_a_parquet_file_without_payload_is_refused(tmp_path: Path) -> None:
         ("postgresql+psycopg2://u@127.0.0.1:9/x", 2),  # a driver that is not installed
         ("sqlite:///file::memory:?uri=1", 2),
         ("sqlite:///x.db?timeout=abc", 2),  # pysqlite's float() of an option
+        ("sqlite:///x.db?mode=ro", 2),  # a URI argument without uri=true (SQLAlchemy ignores it)
     ],
 )
 def test_a_bad_db_url_is_one_line(tmp_path: Path, url: str, code: int) -> None:
     r = batching("status", "--db", url, cwd=tmp_path)
     assert r.rc == code
     one_error_line(r)
+
+
+def test_an_unreachable_server_is_one_line_without_the_password(tmp_path: Path) -> None:
+    # Port 1 on the loopback: nothing listens there, the connection is refused at once.
+    r = batching("status", "--db", "postgresql://scorer:s3cret@127.0.0.1:1/queue", cwd=tmp_path)
+    line = one_error_line(r)
+    assert r.rc == 1
+    assert "database postgresql://scorer:***@127.0.0.1:1/queue failed" in line
+    assert "is the server running? check the host and port" in line
+    assert "s3cret" not in r.err + r.out
 
 
 @pytest.mark.parametrize("command", ["status", "redrive", "purge", "reconcile"])
