@@ -380,11 +380,11 @@ class SqlQueue:
         try:
             row = conn.execute(sqlite.CLAIMED, params).one()
         except exc.DataError:  # "string or blob too big": bodies over 1 GB in all
-            rows, _ = sqlite.unpack_claim(
-                self.queue, conn.execute(sqlite.CLAIMED_NO_BODIES, params).one()
-            )
+            row = conn.execute(sqlite.CLAIMED_NO_BODIES, params).one()
+            rows, _ = sqlite.unpack_claim(self.queue, row, _claimed_times(conn, row, params))
             return rows, self._bodies(conn, [r[0] for r in rows])
-        return sqlite.unpack_claim(self.queue, row, columns=columns)
+        times = _claimed_times(conn, row, params)
+        return sqlite.unpack_claim(self.queue, row, times, columns=columns)
 
     def _release_quietly(self, lease_id: str) -> None:
         try:
@@ -770,6 +770,14 @@ class SqlQueue:
             conn.execute(schema.items_archive.insert().from_select(cols, source))
         conn.execute(sa.delete(_P).where(self._id_in(ids, _P.c.id)))
         return int(conn.execute(sa.delete(_T).where(self._id_in(ids))).rowcount)
+
+
+def _claimed_times(conn: Connection, row: Sequence[Any], params: dict[str, Any]) -> Any:
+    """A SQLite claim's ``CLAIMED_TIMES`` row, read only when its items need it (most share
+    one enqueue time and have no deadline: no second read)."""
+    if not sqlite.needs_times(row):
+        return None
+    return conn.execute(sqlite.CLAIMED_TIMES, params).one()
 
 
 _FORMATS = {f.value: f for f in models.PayloadFormat}

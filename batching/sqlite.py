@@ -187,9 +187,10 @@ def configure(engine: Engine, busy_timeout_ms: int) -> None:
 
 
 # A SQLite claim read back as ONE row of columns (see SqlQueue._claim_sqlite, unpack_claim):
-# JSON arrays; floats as quote() text joined by commas (quote() round-trips a float exactly,
-# JSON's 15 digits would not); body lengths (null: the body row is missing); the bodies
-# concatenated. Every aggregate walks the same rows in the same order.
+# JSON arrays; body lengths (null: the body row is missing); the earliest and latest
+# enqueued_at and the number of deadlines; the bodies concatenated. Every aggregate walks the
+# same rows in the same order. Most claims need no more: their items were enqueued together
+# and have no deadline. The others read their times with CLAIMED_TIMES.
 _SQLITE_JSON_COLUMNS = (
     "i.id",
     "i.item_key",
@@ -207,31 +208,68 @@ _SQLITE_JSON_COLUMNS = (
 _CLAIMED_COLUMNS_SQL = (
     "SELECT "
     + ", ".join(f"json_group_array({c})" for c in _SQLITE_JSON_COLUMNS)
-    + ", group_concat(quote(i.enqueued_at)), group_concat(quote(i.deadline_at))"
+    + ", min(i.enqueued_at), max(i.enqueued_at), count(i.deadline_at)"
 )
+_CLAIMED_WHERE_SQL = " WHERE i.lease_expires_at = :expires AND i.state = 1 AND i.lease_id = :lease"
 _CLAIMED_FROM_SQL = (
-    " FROM batching_items i LEFT JOIN batching_payloads p ON p.id = i.id"
-    " WHERE i.lease_expires_at = :expires AND i.state = 1 AND i.lease_id = :lease"
+    " FROM batching_items i LEFT JOIN batching_payloads p ON p.id = i.id" + _CLAIMED_WHERE_SQL
 )
 CLAIMED = sa.text(
     _CLAIMED_COLUMNS_SQL + ", CAST(group_concat(p.payload, '') AS BLOB)" + _CLAIMED_FROM_SQL
 )
+BODIES = len(_SQLITE_JSON_COLUMNS) + 3  # CLAIMED's column of bodies
 # Without the bodies, for a claim whose bodies add up to more than SQLite's longest blob.
 CLAIMED_NO_BODIES = sa.text(_CLAIMED_COLUMNS_SQL + _CLAIMED_FROM_SQL)
+# Each item's times, with its id: floats as quote() text joined by commas (quote() round-trips
+# a float exactly, JSON's 15 digits would not). Formatting them costs ~0.6 us a row, more than
+# everything else read back, so only for claims that need it (see needs_times).
+CLAIMED_TIMES = sa.text(
+    "SELECT json_group_array(i.id), group_concat(quote(i.enqueued_at)),"
+    " group_concat(quote(i.deadline_at)) FROM batching_items i" + _CLAIMED_WHERE_SQL
+)
+
+
+def needs_times(row: Sequence[Any]) -> bool:
+    """Whether a ``CLAIMED`` row's items need ``CLAIMED_TIMES``: enqueued at different times,
+    or with a deadline."""
+    earliest, latest, deadlines = row[BODIES - 3 : BODIES]
+    return bool(earliest != latest or deadlines)
+
+
+def _times(
+    ids: list[int], row: Sequence[Any], times: Sequence[Any] | None
+) -> tuple[list[float], list[float | None]]:
+    """Each item's enqueued_at and deadline, in the order of ``ids``: from the ``CLAIMED``
+    row's shared values, or from a ``CLAIMED_TIMES`` row."""
+    n = len(ids)
+    if times is None:
+        return [row[BODIES - 3]] * n, [None] * n
+    enqueued = list(map(float, times[1].split(",")))
+    deadlines = [None if d == "NULL" else float(d) for d in times[2].split(",")]
+    times_ids = orjson.loads(times[0])
+    if times_ids != ids:  # another walk of the rows: align them by id
+        at = dict(zip(times_ids, range(len(times_ids)), strict=True))
+        enqueued = [enqueued[at[i]] for i in ids]
+        deadlines = [deadlines[at[i]] for i in ids]
+    return enqueued, deadlines
 
 
 def _as_block(
-    queue: str, cols: list[list[Any]], enqueued: list[float], row: Sequence[Any]
+    queue: str,
+    cols: list[list[Any]],
+    enqueued: list[float],
+    deadlines: list[float | None],
+    data: bytes | None,
 ) -> models.ItemBlock | None:
     """The parsed columns of a ``CLAIMED`` row as one ItemBlock, in claim order, when its items
     are uniform: tensor payloads of one dtype, shape and byte length, one lane, tenant,
     priority and cost, and no deadline. None otherwise."""
     ids, keys, fmts, dtypes, shapes, lanes, tenants, prios, costs, atts, maxes, sizes = cols
-    n, data = len(ids), row[14]
+    n = len(ids)
     shared = (fmts, dtypes, shapes, lanes, tenants, prios, costs, sizes)
     if any(c.count(c[0]) != n for c in shared) or fmts[0] != "tensor" or sizes[0] is None:
         return None
-    if row[13].count("NULL") != n or not data or len(data) != n * sizes[0]:
+    if deadlines.count(None) != n or not data or len(data) != n * sizes[0]:
         return None  # a deadline, or a body row missing
     # Claim order with one priority and no deadline: enqueued_at, then id. The aggregate
     # mostly returns them so already (ids in enqueue order); otherwise sort once.
@@ -252,28 +290,35 @@ def _as_block(
 
 @overload
 def unpack_claim(
-    queue: str, row: Sequence[Any], *, columns: Literal[False] = False
+    queue: str,
+    row: Sequence[Any],
+    times: Sequence[Any] | None = None,
+    *,
+    columns: Literal[False] = False,
 ) -> tuple[list[Any], dict[int, bytes]]: ...
 @overload
 def unpack_claim(
-    queue: str, row: Sequence[Any], *, columns: bool
+    queue: str, row: Sequence[Any], times: Sequence[Any] | None = None, *, columns: bool
 ) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock: ...
 def unpack_claim(
-    queue: str, row: Sequence[Any], *, columns: bool = False
+    queue: str, row: Sequence[Any], times: Sequence[Any] | None = None, *, columns: bool = False
 ) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock:
     """A row of ``CLAIMED`` as claimed rows (``_CLAIM_COLUMNS`` order) and bodies by
     id, a column at a time in C (JSON arrays, ``float`` over split text) and one ``zip``. A
-    row of ``CLAIMED_NO_BODIES`` gives the rows and no bodies. With ``columns``, uniform items
+    row of ``CLAIMED_NO_BODIES`` gives the rows and no bodies. ``times`` is the claim's
+    ``CLAIMED_TIMES`` row, required when :func:`needs_times`. With ``columns``, uniform items
     (see ``_as_block``) come back as one :class:`~batching.models.ItemBlock` instead."""
-    cols = list(map(orjson.loads, row[:12]))
+    cols = list(map(orjson.loads, row[: len(_SQLITE_JSON_COLUMNS)]))
     ids, keys, fmts, dtypes, shapes, lanes, tenants, prios, costs, atts, maxes, sizes = cols
     if not ids:
         return [], {}
-    enqueued = list(map(float, row[12].split(",")))
-    block = _as_block(queue, cols, enqueued, row) if columns and len(row) > 14 else None
+    if times is None and needs_times(row):
+        raise ValueError("this claim's items need their CLAIMED_TIMES row")
+    enqueued, deadlines = _times(ids, row, times)
+    data = row[BODIES] if len(row) > BODIES else None
+    block = _as_block(queue, cols, enqueued, deadlines, data) if columns else None
     if block is not None:
         return block
-    deadlines = [None if d == "NULL" else float(d) for d in row[13].split(",")]
     by_deadline = [schema.NO_DEADLINE if d is None else d for d in deadlines]
     rows = list(
         zip(
@@ -296,8 +341,8 @@ def unpack_claim(
         )
     )
     bodies: dict[int, bytes] = {}
-    if len(row) > 14:
-        data = row[14] or b""
+    if len(row) > BODIES:
+        data = data or b""
         if None in sizes:  # a body row is missing (the caller buries those items)
             present = [
                 (id_, size) for id_, size in zip(ids, sizes, strict=True) if size is not None

@@ -56,7 +56,7 @@ def claimer(q: Any, size: int, batch: int, out: queue.Queue[Any]) -> None:
         with q.read() as conn:
             row = conn.execute(sqlite.CLAIMED, params).one()
         ids, keys = orjson.loads(row[0]), orjson.loads(row[1])
-        matrix = np.frombuffer(row[14], dtype="<f4").reshape(len(ids), DIM).copy()
+        matrix = np.frombuffer(row[sqlite.BODIES], dtype="<f4").reshape(len(ids), DIM).copy()
         for s in range(0, len(ids), batch):
             out.put((lease, ids[s : s + batch], keys[s : s + batch], matrix[s : s + batch]))
 
