@@ -11,7 +11,9 @@ import pytest
 from batching import models, sqlite
 
 
-def claimed_row(ids: list[int], enqueued: list[float], deadlines: list[float | None]) -> tuple:
+def claimed_row(
+    ids: list[int], enqueued: list[float], deadlines: list[float | None]
+) -> tuple[Any, ...]:
     """A ``CLAIMED`` row of uniform 4-byte tensor items, bodies b"<id>" * 4 each."""
     n = len(ids)
     columns: list[list[Any]] = [
@@ -33,7 +35,9 @@ def claimed_row(ids: list[int], enqueued: list[float], deadlines: list[float | N
     return (*map(json.dumps, columns), *aggregates, bodies)
 
 
-def times_row(ids: list[int], enqueued: list[float], deadlines: list[float | None]) -> tuple:
+def times_row(
+    ids: list[int], enqueued: list[float], deadlines: list[float | None]
+) -> tuple[Any, ...]:
     """A ``CLAIMED_TIMES`` row: SQLite's quote() text of each float, NULL for none."""
     quoted = ",".join("NULL" if d is None else repr(d) for d in deadlines)
     return (json.dumps(ids), ",".join(map(repr, enqueued)), quoted)
@@ -55,7 +59,9 @@ def test_times_read_in_another_row_order_are_aligned_by_id() -> None:
     row = claimed_row(ids, enqueued, deadlines)
     assert sqlite.needs_times(row)
     times = times_row(ids[::-1], enqueued[::-1], deadlines[::-1])
-    rows, _ = sqlite.unpack_claim("q", row, times, columns=True)  # a deadline: not a block
+    claimed = sqlite.unpack_claim("q", row, times, columns=True)
+    assert not isinstance(claimed, models.ItemBlock)  # a deadline: not a block
+    rows, _ = claimed
     assert [(r[0], r[5], r[11]) for r in rows] == [(5, 1.5, 9.25), (3, 2.5, None)]
 
 
