@@ -273,15 +273,21 @@ class Round:
     def enqueue(self) -> None:
         self.n_items = self.rng.randint(500, 12_000)
         attempts = self.rng.choice((5, 5, 2, 1))  # 1: whatever a killed scorer held is dead
-        prefix = f"r{self.seed}-"
-        path = workloads.write_w1_parquet(self.work / "w1.parquet", self.n_items, prefix=prefix)
-        self.keys = {f"{prefix}{i}" for i in range(self.n_items)}
+        # One to three enqueues, so claims hold items of one enqueue time (read back as one
+        # value) or of several (each item's time read back).
+        parts = self.rng.choice((1, 2, 3))
+        self.keys = set()
         self.must("init", "init", "--db", self.db_url)
-        self.must(
-            "enqueue", "enqueue", str(path), "-q", QUEUE, "--db", self.db_url, "--quiet",
-            "--max-attempts", str(attempts),
-        )  # fmt: skip
-        self.actions.append(f"{self.n_items} items, max attempts {attempts}")
+        for part in range(parts):
+            n = self.n_items // parts + (part < self.n_items % parts)
+            prefix = f"r{self.seed}-{part}-"
+            path = workloads.write_w1_parquet(self.work / f"w1-{part}.parquet", n, prefix=prefix)
+            self.keys |= {f"{prefix}{i}" for i in range(n)}
+            self.must(
+                "enqueue", "enqueue", str(path), "-q", QUEUE, "--db", self.db_url, "--quiet",
+                "--max-attempts", str(attempts),
+            )  # fmt: skip
+        self.actions.append(f"{self.n_items} items in {parts} enqueue(s), max attempts {attempts}")
 
     # -- commands -------------------------------------------------------------------------
 
