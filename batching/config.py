@@ -289,30 +289,50 @@ class PipelineConfig(_Model):
 
 def _format_validation(source: str, exc: ValidationError) -> str:
     parts = []
+    unknown: dict[tuple[int | str, ...], list[str]] = {}  # by section, in order
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = _unknown_setting(err["loc"])
-        parts.append(f"{loc}: {msg}")
+            unknown.setdefault(tuple(err["loc"][:-1]), []).append(str(err["loc"][-1]))
+            continue
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        parts.append(f"{loc}: {err['msg'].removeprefix('Value error, ')}")
+    parts += [_unknown_settings(section, names) for section, names in unknown.items()]
     return f"{source}: " + "; ".join(parts)
 
 
-def _unknown_setting(loc: tuple[int | str, ...]) -> str:
-    """ "unknown setting", with the nearest known names of its section (a typo's fix)."""
+def _unknown_settings(section: tuple[int | str, ...], names: list[str]) -> str:
+    """Unknown settings of one section, each with the nearest known name (a typo's fix), and
+    the section's known names once when one of them has none."""
+    known = _known_settings(section)
+    prefix = "".join(f"{part}." for part in section)
+    labels, unmatched = [], False
+    for name in names:
+        near = difflib.get_close_matches(name, known, n=1)
+        unmatched = unmatched or not near
+        labels.append((f"{prefix}{name}", f"did you mean {near[0]}?" if near else None))
+    if len(labels) == 1:
+        (label, hint), what = labels[0], "unknown setting"
+        if hint:
+            return f"{label}: {what}; {hint}"
+    else:
+        label = ", ".join(f"{n} ({h})" if h else n for n, h in labels)
+        what = "unknown settings"
+    if unmatched and known:
+        return f"{label}: {what}; known here: {', '.join(known)}"
+    return f"{label}: {what}"
+
+
+def _known_settings(section: tuple[int | str, ...]) -> list[str]:
+    """The setting names of a config section (none when it is not a section of settings)."""
     model: type[BaseModel] = PipelineConfig
-    for part in loc[:-1]:
+    for part in section:
         field = model.model_fields.get(str(part))
         kinds = (field.annotation, *typing.get_args(field.annotation)) if field else ()
         nested = [t for t in kinds if isinstance(t, type) and issubclass(t, BaseModel)]
         if not nested:
-            return "unknown setting"
+            return []
         model = nested[0]
-    known = [name for name in model.model_fields if name != "base_dir"]
-    near = difflib.get_close_matches(str(loc[-1]), known, n=1)
-    if near:
-        return f"unknown setting; did you mean {near[0]}?"
-    return f"unknown setting; known here: {', '.join(known)}"
+    return [name for name in model.model_fields if name != "base_dir"]
 
 
 def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -329,6 +349,12 @@ def parse_config(data: Any, *, source: str = "config", base_dir: str = ".") -> P
     """Validate a mapping into a ``PipelineConfig``; raises ``ConfigError`` naming each bad field."""
     if not isinstance(data, dict):
         raise errors.ConfigError(f"{source}: expected a mapping of settings at the top level")
+    if "deployments" in data and "model" not in data:
+        raise errors.ConfigError(
+            f"{source}: a Prefect deployment file (it lists deployments), not a scoring "
+            "config; give a scoring config such as deployments/tabular.yaml (prefect deploy "
+            "reads this file)"
+        )
     lineage = data.get("lineage")
     if isinstance(lineage, dict) and "api_key" in lineage:
         raise errors.ConfigError(

@@ -363,6 +363,13 @@ def test_check_passes_on_every_shipped_config(tmp_path: Path) -> None:
         assert r.out.rstrip().endswith(": ok")
 
 
+def test_check_on_the_prefect_deployment_file_says_which_file_to_give(tmp_path: Path) -> None:
+    r = batching("check", "-c", str(DEPLOYMENTS / "prefect.yaml"), cwd=tmp_path)
+    assert r.rc == 2
+    assert "a Prefect deployment file" in one_error_line(r)
+    assert "deployments/tabular.yaml" in r.err
+
+
 def test_check_verifies_the_pinned_checkpoint_before_the_policy(tmp_path: Path) -> None:
     """Before, `check` said ok with a wrong model.sha256 (only score refused it), and for a
     factory without a checkpoint blamed the service profile (new-user walkthrough)."""

@@ -55,6 +55,16 @@ def test_shipped_configs_load(name: str) -> None:
             "batching.max_wiat_s: unknown setting; did you mean max_wait_s?",
         ),
         ({"model": {**MODEL, "devise": "cpu"}}, "model.devise: unknown setting; did you mean devi"),
+        (  # several in one section: each named, the section's settings listed once
+            {"model": MODEL, "batching": {"max_wiat_s": 1, "foo": 2, "bar": 3}},
+            "batching.max_wiat_s (did you mean max_wait_s?), batching.foo, batching.bar: unknown"
+            " settings; known here: max_batch_size, max_batch_cost, max_wait_s,",
+        ),
+        (
+            {"prefect-version": "3.4.0", "deployments": [{"name": "score"}]},
+            "a Prefect deployment file (it lists deployments), not a scoring config; give a"
+            " scoring config such as deployments/tabular.yaml",
+        ),
         # YAML reads all-digit text as a number, true as a boolean, .inf as infinity.
         ({"model": {**MODEL, "sha256": 10**63}}, 'sha256: "<64 hex digits>"'),
         ({"model": MODEL, "batching": {"max_batch_size": True}}, "max_batch_size must be a num"),
