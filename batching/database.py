@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import urllib.parse
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,20 +74,19 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
             f"(the queue runs on {' or '.join(_DRIVERS[backend])}); write the URL as "
             f"{'postgresql://' if backend == 'postgresql' else 'sqlite:///'}..."
         )
-    try:
-        with warnings.catch_warnings():
-            # e.g. "?mode=ro" without "uri=true": SQLAlchemy would ignore it, with a warning.
-            warnings.simplefilter("error", exc.SAWarning)
-            if backend == "sqlite":
-                engine = sa.create_engine(parsed, pool_size=4, max_overflow=8)
-                sqlite.configure(engine, sqlite_busy_timeout_ms)
-                return engine
-            return sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
-    except exc.SAWarning as e:
-        reason = redact_url(str(e)).split(" (Background on this")[0]
+    ignored = _ignored_sqlite_options(parsed) if backend == "sqlite" else []
+    if ignored:
         raise errors.ConfigError(
-            f"database URL {redact(url)!r} cannot be used as written: {reason}"
-        ) from None
+            f"database URL {redact(url)!r}: {', '.join(ignored)} would be ignored without "
+            "uri=true; add &uri=true to pass them to SQLite (e.g. "
+            "sqlite:///file:queue.db?mode=ro&uri=true), or remove them"
+        )
+    try:
+        if backend == "sqlite":
+            engine = sa.create_engine(parsed, pool_size=4, max_overflow=8)
+            sqlite.configure(engine, sqlite_busy_timeout_ms)
+            return engine
+        return sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
     except (ImportError, exc.ArgumentError, TypeError, ValueError) as e:  # no driver, bad options
         raise errors.ConfigError(
             f"database URL {redact(url)!r} cannot be used ({type(e).__name__}: "
@@ -113,6 +111,23 @@ def _parse_url(url: str) -> sa.URL:
             f"database URL {redact(url)!r} is malformed; use sqlite:///FILE or "
             "postgresql://USER@HOST:PORT/DB"
         ) from None
+
+
+# Query options the pysqlite driver takes itself; without uri=true it drops any other (with a
+# warning), so "?mode=ro" alone would quietly open the file read-write.
+_PYSQLITE_OPTIONS = frozenset(
+    ("uri", "timeout", "isolation_level", "detect_types", "check_same_thread", "cached_statements")
+)
+
+
+def _ignored_sqlite_options(parsed: sa.URL) -> list[str]:
+    """The query options of a SQLite URL that the driver would ignore (SQLite URI options
+    given without ``uri=true``)."""
+    try:
+        uri = sa_util.asbool(parsed.query.get("uri", False))
+    except ValueError:
+        uri = False
+    return [] if uri else sorted(set(parsed.query) - _PYSQLITE_OPTIONS)
 
 
 def _sqlite_file(parsed: sa.URL) -> Path | None:
