@@ -237,6 +237,22 @@ def test_a_claim_returns_every_field_exactly_as_enqueued(
     assert (got["nul"].max_attempts, got["empty"].max_attempts) == (2, queue.max_attempts)
 
 
+@pytest.mark.parametrize("columns", [False, True])
+def test_times_that_differ_within_a_claim_come_back_exactly(
+    queue: q.SqlQueue, clock: FakeClock, columns: bool
+) -> None:
+    # Floats SQLite's own text (quote(), JSON: 15 digits) does not give back.
+    times = [279_351_518.97043097, 1_796_091_256.6041782, 1_796_091_256.6041784]
+    deadline = 1_796_099_999.1234567
+    for i, at in enumerate(times):
+        clock.now = at
+        queue.enqueue([tensor_rec(f"t{i}", i, deadline_at=deadline if i == 2 else None)])
+    clock.now = 1_796_091_300.0
+    claim = queue.claim(10, lease_s=30, columns=columns)
+    got = {i.item_key: (i.enqueued_at, i.deadline_at) for i in claim.items}
+    assert got == {"t0": (times[0], None), "t1": (times[1], None), "t2": (times[2], deadline)}
+
+
 def tensor_rec(key: str, value: int, **kw: Any) -> models.EnqueueRecord:
     data = bytes([value]) * 4
     payload = models.Payload(data, models.PayloadFormat.TENSOR, kw.pop("dtype", "uint8"), (4,))

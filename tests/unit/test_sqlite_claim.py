@@ -38,9 +38,16 @@ def claimed_row(
 def times_row(
     ids: list[int], enqueued: list[float], deadlines: list[float | None]
 ) -> tuple[Any, ...]:
-    """A ``CLAIMED_TIMES`` row: SQLite's quote() text of each float, NULL for none."""
-    quoted = ",".join("NULL" if d is None else repr(d) for d in deadlines)
-    return (json.dumps(ids), ",".join(map(repr, enqueued)), quoted)
+    """A ``CLAIMED_TIMES`` row: ids, then each time as whole seconds and fraction * 2^52."""
+
+    def whole(t: float | None) -> int | None:
+        return None if t is None else int(t)
+
+    def fraction(t: float | None) -> int | None:
+        return None if t is None else int((t - int(t)) * 2**52)
+
+    columns = (ids, *(list(map(f, ts)) for ts in (enqueued, deadlines) for f in (whole, fraction)))
+    return tuple(map(json.dumps, columns))
 
 
 def test_items_enqueued_together_without_deadlines_need_no_second_read() -> None:
