@@ -167,7 +167,9 @@ def enqueue(
     file: Annotated[Path, typer.Argument(help="JSONL or Parquet file of records.")],
     db: DbOption = DEFAULT_DB,
     queue: QueueOption = "default",
-    max_attempts: Annotated[int, typer.Option(min=1, help="Attempts before an item is dead.")] = 5,
+    max_attempts: Annotated[
+        int, typer.Option(min=1, max=1000, help="Attempts before an item is dead (1-1000).")
+    ] = 5,
     quiet: QuietOption = False,
 ) -> None:
     """Enqueue every record of FILE in one transaction (all or nothing), idempotent on item_key.

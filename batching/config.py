@@ -380,6 +380,8 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pi
         raise errors.ConfigError(
             f"{p}: cannot read config ({exc.strerror}); check the path"
         ) from None
+    except UnicodeDecodeError:
+        raise errors.ConfigError(f"{p}: not UTF-8 text; save the config as UTF-8") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -64,6 +64,11 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
             f"no folder {file.parent.absolute()} for the database file {file.name}; create the "
             "folder first, or fix the path (relative paths start from the current folder)"
         )
+    if backend == "postgresql" and not parsed.database:
+        raise errors.ConfigError(
+            f"database URL {redact(url)!r} names no database (it would use the server's "
+            "default); use postgresql://USER@HOST:PORT/DB"
+        )
     if backend not in ("sqlite", "postgresql"):
         raise errors.ConfigError(
             f"database {redact(url)} is not supported; use sqlite:///FILE or postgresql://HOST/DB"
@@ -105,7 +110,10 @@ def _parse_url(url: str) -> sa.URL:
             "percent-encode it as %40"
         )
     try:
-        return sa.make_url(normalize_url(url))
+        parsed = sa.make_url(normalize_url(url))
+        if parsed.port is not None and not 0 < parsed.port < 65536:
+            raise ValueError("port out of range")
+        return parsed
     except (exc.ArgumentError, ValueError):  # ValueError: a port that is not a number
         raise errors.ConfigError(
             f"database URL {redact(url)!r} is malformed; use sqlite:///FILE or "

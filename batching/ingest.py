@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,20 +45,21 @@ def read_records(
         raise errors.InputError(f"{p}: no such file; give a .jsonl or .parquet file")
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
-        placed = _counted(((f"line {n}", record) for n, record in _read_jsonl(p)), on_progress)
+        placed = _counted(((n, record) for n, record in _read_jsonl(p)), on_progress)
+        unit, prefix = "line", f"{p}:"
     elif suffix == ".parquet":
-        rows = ((f"row {i}", record) for i, record in enumerate(_read_parquet(p), start=1))
-        placed = _counted(rows, on_progress)
+        placed = _counted(enumerate(_read_parquet(p), start=1), on_progress)
+        unit, prefix = "row", f"{p}:row "
     else:
         raise errors.InputError(f"{p}: unknown file type {suffix!r}; use .jsonl or .parquet")
-    _check_unique_keys(placed, p)
+    _check_unique_keys(placed, prefix, unit)
     return [record for _, record in placed]
 
 
 def _counted(
-    placed: Iterable[tuple[str, models.EnqueueRecord]], on_progress: Callable[[int], None] | None
-) -> list[tuple[str, models.EnqueueRecord]]:
-    out: list[tuple[str, models.EnqueueRecord]] = []
+    placed: Iterable[tuple[int, models.EnqueueRecord]], on_progress: Callable[[int], None] | None
+) -> list[tuple[int, models.EnqueueRecord]]:
+    out: list[tuple[int, models.EnqueueRecord]] = []
     for pair in placed:
         out.append(pair)
         if on_progress is not None and len(out) % PROGRESS_EVERY == 0:
@@ -67,16 +69,19 @@ def _counted(
     return out
 
 
-def _check_unique_keys(placed: list[tuple[str, models.EnqueueRecord]], p: Path) -> None:
+def _check_unique_keys(
+    placed: list[tuple[int, models.EnqueueRecord]], prefix: str, unit: str
+) -> None:
     """A key twice in one file is two requests under one idempotency key: the second would be
     dropped as "already present" with its payload. Refuse the file instead, naming both."""
-    first: dict[str, str] = {}
+    first: dict[str, int] = {}
     for place, record in placed:
         seen = first.setdefault(record.item_key, place)
         if seen != place:
             raise errors.InputError(
-                f"{p}:{place}: item_key {record.item_key!r} repeats {seen}; give each "
-                "request its own key (a key already in the queue is skipped, not within a file)"
+                f"{prefix}{place}: item_key {record.item_key!r} repeats {unit} {seen}; give "
+                "each request its own key (a key already in the queue is skipped, not within a "
+                "file)"
             )
 
 
@@ -108,10 +113,9 @@ def record_from_mapping(obj: Any, where: str) -> models.EnqueueRecord:
     payload = obj["payload"]
     if not isinstance(payload, (dict, list)):
         raise errors.InputError(f"{where}: payload must be a JSON object or array")
-    data = json.dumps(payload, separators=(",", ":")).encode()
     return models.EnqueueRecord(
         item_key=key,
-        payload=models.Payload(data),
+        payload=models.Payload(_json_bytes(payload, where)),
         tenant=_str(obj.get("tenant", "default"), "tenant", where),
         priority=_int(obj.get("priority", 0), "priority", where),
         deadline_at=_deadline(obj.get("deadline"), where),
@@ -153,11 +157,27 @@ def _int(value: Any, name: str, where: str) -> int:
     return value
 
 
+def _json_bytes(payload: Any, where: str) -> bytes:
+    """The payload as compact JSON; NaN and infinities (which Python's JSON reads, 1e400
+    included, and writes back as NaN/Infinity) are refused: no JSON parser reads them."""
+    try:
+        return json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        raise errors.InputError(
+            f"{where}: payload holds NaN or an infinite number (NaN, Infinity or one as large "
+            "as 1e400); JSON payloads take finite numbers only"
+        ) from None
+
+
 def _cost(value: Any, payload: Any, where: str) -> int:
     if value is None:
         if isinstance(payload, dict) and isinstance(payload.get("tokens"), list):
             return max(1, len(payload["tokens"]))
         return max(1, len(payload)) if isinstance(payload, list) else 1
+    return _given_cost(value, where)
+
+
+def _given_cost(value: Any, where: str) -> int:
     cost = _int(value, "cost", where)
     if cost < 1:
         raise errors.InputError(f"{where}: cost must be >= 1, got {cost}")
@@ -168,6 +188,8 @@ def _deadline(value: Any, where: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise errors.InputError(f"{where}: deadline must be a finite time, got {value!r}")
         return float(value)
     if isinstance(value, str):
         try:
@@ -225,9 +247,9 @@ def _read_parquet(p: Path) -> Iterator[models.EnqueueRecord]:
             tenant=_str(obj.get("tenant", "default"), "tenant", where),
             priority=_int(obj.get("priority", 0), "priority", where),
             deadline_at=_deadline(_deadline_value(obj.get("deadline")), where),
-            cost=_int(cost, "cost", where)
+            cost=_given_cost(cost, where)
             if cost is not None
-            else (int(lengths[i]) if lengths is not None else 1),
+            else (max(1, int(lengths[i])) if lengths is not None else 1),
             lane=_str(obj.get("lane", ""), "lane", where),
         )
 
@@ -283,5 +305,5 @@ def _json_payloads(p: Path, col: pa.Array) -> list[models.Payload]:
                 ) from None
         if not isinstance(value, (dict, list)):
             raise errors.InputError(f"{p}:row {i + 1}: payload must be a JSON object or array")
-        out.append(models.Payload(json.dumps(value, separators=(",", ":")).encode()))
+        out.append(models.Payload(_json_bytes(value, f"{p}:row {i + 1}")))
     return out

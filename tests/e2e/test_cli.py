@@ -237,6 +237,8 @@ def test_a_parquet_file_without_payload_is_refused(tmp_path: Path) -> None:
         ("sqlite:///file::memory:?uri=1", 2),
         ("sqlite:///x.db?timeout=abc", 2),  # pysqlite's float() of an option
         ("sqlite:///x.db?mode=ro", 2),  # a URI argument without uri=true (SQLAlchemy ignores it)
+        ("postgresql://u@127.0.0.1:5432/", 2),  # no database: the server's default would do
+        ("postgresql://u@127.0.0.1:99999/x", 2),  # a port out of range
     ],
 )
 def test_a_bad_db_url_is_one_line(tmp_path: Path, url: str, code: int) -> None:

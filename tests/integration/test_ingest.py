@@ -57,6 +57,13 @@ def test_jsonl_fields_defaults_and_cost(tmp_path: Path) -> None:
         ('{"item_key": "k", "payload": {}, "priority": "high"}', "r.jsonl:2: priority must be"),
         ('{"item_key": "k\\u0000", "payload": {}}', "r.jsonl:2: item_key contains a NUL"),
         ('{"item_key": "k", "payload": {}, "lane": "\\ud800"}', "r.jsonl:2: lane is not valid"),
+        ('{"item_key": "k", "payload": {"x": [NaN, 1]}}', "r.jsonl:2: payload holds NaN"),
+        ('{"item_key": "k", "payload": {"x": [-Infinity]}}', "r.jsonl:2: payload holds NaN"),
+        ('{"item_key": "k", "payload": {"x": [1e400]}}', "r.jsonl:2: payload holds NaN"),
+        (
+            '{"item_key": "k", "payload": {}, "deadline": 1e400}',
+            "r.jsonl:2: deadline must be a fin",
+        ),
     ],
 )
 def test_jsonl_bad_record_names_file_and_line(tmp_path: Path, line: str, message: str) -> None:
@@ -80,10 +87,11 @@ def test_parquet_fixed_size_list_becomes_tensor_payloads(tmp_path: Path) -> None
 
 
 def test_parquet_variable_lists_cost_is_length(tmp_path: Path) -> None:
-    col = pa.array([[1, 2, 3], [4], [5, 6]], type=pa.list_(pa.int64()))
-    pq.write_table(pa.table({"item_key": ["a", "b", "c"], "payload": col}), tmp_path / "v.parquet")
+    col = pa.array([[1, 2, 3], [4], [5, 6], []], type=pa.list_(pa.int64()))
+    keys = ["a", "b", "c", "empty"]
+    pq.write_table(pa.table({"item_key": keys, "payload": col}), tmp_path / "v.parquet")
     recs = ingest.read_records(tmp_path / "v.parquet")
-    assert [r.cost for r in recs] == [3, 1, 2]
+    assert [r.cost for r in recs] == [3, 1, 2, 1]  # at least 1, as a given cost must be
     assert np.frombuffer(recs[2].payload.data, dtype="<i8").tolist() == [5, 6]
 
 
@@ -111,6 +119,11 @@ def test_parquet_json_strings_and_structs(tmp_path: Path) -> None:
             " tenant",
         ),
         (pa.table({"item_key": ["a"], "payload": ["nope"]}), "row 1: payload is not valid JSON"),
+        (
+            pa.table({"item_key": ["a", "b"], "payload": [[1.0], [2.0]], "cost": [1, -7]}),
+            "row 2: cost must be >= 1, got -7",
+        ),
+        (pa.table({"item_key": ["a"], "payload": ['{"x": [NaN]}']}), "row 1: payload holds NaN"),
         (
             pa.table({"item_key": ["a", "b", "c"], "payload": [[2.0], [1.0, None], [None]]}),
             "row 2: payload has a null element (2 in all)",
@@ -145,7 +158,7 @@ def test_a_key_twice_in_one_jsonl_file_is_refused_naming_both_lines(tmp_path: Pa
     ]
     path = write_jsonl(tmp_path / "r.jsonl", rows)
     path.write_text(path.read_text().replace("\n", "\n\n", 1))  # blank lines keep numbering
-    with pytest.raises(errors.InputError, match=r"r\.jsonl:line 4: item_key 'a' repeats line 1"):
+    with pytest.raises(errors.InputError, match=r"r\.jsonl:4: item_key 'a' repeats line 1"):
         ingest.read_records(path)
 
 

@@ -92,6 +92,9 @@ def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
         config.load_config(tmp_path / "c.yaml")
     with pytest.raises(errors.ConfigError, match="cannot read config"):
         config.load_config(tmp_path / "none.yaml")
+    (tmp_path / "u16.yaml").write_text("name: x\n", encoding="utf-16")  # a Windows editor's
+    with pytest.raises(errors.ConfigError, match=r"u16\.yaml: not UTF-8 text; save the config"):
+        config.load_config(tmp_path / "u16.yaml")
 
 
 def test_overrides_and_relative_paths(tmp_path: Path) -> None:
