@@ -147,6 +147,8 @@ class SqlQueue:
     def migrate(self) -> schema.MigrationResult:
         """Create or upgrade the schema; a second run applies nothing."""
         with database.translate_errors(self._url):
+            if self.dialect == "sqlite":
+                sqlite.use_wal(self.engine)
             return schema.migrate(self.engine, self.clock)
 
     def check_schema(self) -> None:

@@ -174,8 +174,13 @@ def configure(engine: Engine, busy_timeout_ms: int) -> None:
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
         cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-        cur.execute("PRAGMA journal_mode = WAL")
         cur.execute("PRAGMA synchronous = NORMAL")
+        # WAL is a setting of the file: `batching init` sets it (use_wal), and a queue
+        # database found without it (restored from a copy) gets it back. Any other file
+        # (another program's database, an empty file given to a read-only command by
+        # mistake) is left as it was: the schema check refuses it next.
+        if cur.execute("PRAGMA journal_mode").fetchone()[0] != "wal" and _is_queue(cur):
+            cur.execute("PRAGMA journal_mode = WAL")
         cur.close()
 
     @event.listens_for(engine, "begin")
@@ -184,6 +189,24 @@ def configure(engine: Engine, busy_timeout_ms: int) -> None:
         # transactions begin deferred: a WAL snapshot that never waits for writers.
         read_only = conn.get_execution_options().get(READ_ONLY, False)
         conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+
+def _is_queue(cur: Any) -> bool:
+    found = cur.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+        (schema.schema_version.name,),
+    ).fetchone()
+    return found is not None
+
+
+def use_wal(engine: Engine) -> None:
+    """Put the engine's SQLite file in WAL mode (before ``batching init`` creates the schema;
+    the mode stays with the file). Outside any transaction: SQLite refuses it inside one."""
+    raw = engine.raw_connection()
+    try:
+        raw.cursor().execute("PRAGMA journal_mode = WAL").fetchall()
+    finally:
+        raw.close()
 
 
 # A SQLite claim read back as ONE row of columns (see SqlQueue._claim_sqlite, unpack_claim):

@@ -5,6 +5,7 @@ Every command must exit 0 (ok), 1 (failed) or 2 (bad input), and never print a t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -267,6 +268,26 @@ def test_a_missing_database_file_says_run_init_and_is_not_created(
     assert f"no database at {tmp_path / 'typo.db'}" in one_error_line(r)
     assert "batching init" in r.err
     assert not (tmp_path / "typo.db").exists(), "a read created the database it did not find"
+
+
+def test_a_read_command_leaves_another_programs_database_as_it_was(tmp_path: Path) -> None:
+    import hashlib
+    import sqlite3
+
+    other = tmp_path / "other.db"
+    with contextlib.closing(sqlite3.connect(other)) as db:
+        db.execute("CREATE TABLE foo (x)")
+        db.commit()
+    (tmp_path / "empty.db").write_bytes(b"")
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.iterdir()}
+    for name in before:
+        r = batching("status", "--db", f"sqlite:///{name}", cwd=tmp_path)
+        assert "run `batching init" in one_error_line(r)
+    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.iterdir()}
+    assert after == before, "a read-only command rewrote (or added) a file: WAL switched on?"
+    assert batching("init", "--db", "sqlite:///q.db", cwd=tmp_path).rc == 0
+    with contextlib.closing(sqlite3.connect(tmp_path / "q.db")) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
 def test_init_in_a_folder_that_does_not_exist_names_it(tmp_path: Path) -> None:
