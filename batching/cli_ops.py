@@ -45,7 +45,13 @@ def lineage(
     if not path.is_file():
         fix = "check the path" if events else "run `batching score` first or pass --events"
         raise errors.InputError(f"{path}: no lineage event log; {fix}")
-    summary = lineage_log.summarize_run(lineage_log.read_events(path), run)
+    read = lineage_log.read_events(path)
+    summary = lineage_log.summarize_run(read, run)
+    if not read and path.stat().st_size and events is not None:
+        raise errors.InputError(
+            f"{path}: no line of it is a lineage event; give the events file a run wrote "
+            "(lineage.path in its config)"
+        )
     if summary is None and run is None:
         raise errors.InputError(f"{path}: no lineage events; run `batching score` first")
     if summary is None:

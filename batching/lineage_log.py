@@ -19,43 +19,43 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
     """Read a JSONL events file in file order; ``[]`` when it does not exist.
 
     A line that is not a JSON object (e.g. torn by a crash), or an event without a run id (not a
-    run event, so nothing to summarize) is skipped with a warning naming the file and line.
+    run event, so nothing to summarize) is skipped with a warning naming the file and line: the
+    first five, then a count. A file with no event at all gets no warnings (it is not an events
+    file; the caller says so once).
     """
     p = Path(path)
     if not p.exists():
         return []
     events: list[dict[str, Any]] = []
-    skipped = 0
+    skipped: list[tuple[int, str]] = []
     with p.open("rb") as lines:
         for number, line in enumerate(lines, start=1):
-            if line.strip() and not _append_event(events, line, p, number, quiet=skipped >= 5):
-                skipped += 1
-    if skipped > 5:  # the first five are named; not a wall of warnings for a wrong file
-        logger.warning("%s: %d more lines skipped (not lineage events)", p, skipped - 5)
+            reason = _append_event(events, line) if line.strip() else None
+            if reason is not None:
+                skipped.append((number, reason))
+    if events:
+        for number, reason in skipped[:5]:
+            extra = {"action": "lineage_event_unreadable", "file": str(p), "line_number": number}
+            logger.warning("%s:%d: lineage event skipped (%s)", p, number, reason, extra=extra)
+        if len(skipped) > 5:  # not a wall of warnings
+            logger.warning("%s: %d more lines skipped (not lineage events)", p, len(skipped) - 5)
     return events
 
 
-def _append_event(
-    events: list[dict[str, Any]], line: bytes, path: Path, number: int, *, quiet: bool
-) -> bool:
-    """Append the line's event; False (with a warning unless ``quiet``) when it is none."""
+def _append_event(events: list[dict[str, Any]], line: bytes) -> str | None:
+    """Append the line's event; else why it is none."""
     try:
         event = json.loads(line)  # UTF-8 (or -16/-32) JSON text
     except (json.JSONDecodeError, UnicodeDecodeError):
         event = None
     if not isinstance(event, dict):
-        reason = "not a JSON object"
-    elif not isinstance(event.get("run"), dict) or not isinstance(event["run"].get("runId"), str):
-        reason = "no run.runId"
-    elif not isinstance(event.get("eventType"), str) or not isinstance(event.get("job"), dict):
-        reason = "no eventType or job"
-    else:
-        events.append(event)
-        return True
-    if not quiet:
-        extra = {"action": "lineage_event_unreadable", "file": str(path), "line_number": number}
-        logger.warning("%s:%d: lineage event skipped (%s)", path, number, reason, extra=extra)
-    return False
+        return "not a JSON object"
+    if not isinstance(event.get("run"), dict) or not isinstance(event["run"].get("runId"), str):
+        return "no run.runId"
+    if not isinstance(event.get("eventType"), str) or not isinstance(event.get("job"), dict):
+        return "no eventType or job"
+    events.append(event)
+    return None
 
 
 def summarize_run(

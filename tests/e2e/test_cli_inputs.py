@@ -46,13 +46,15 @@ def test_lineage_skips_events_without_a_run_naming_file_and_line(tmp_path: Path)
 
 
 def test_lineage_on_a_file_without_events_says_so(tmp_path: Path) -> None:
-    for text in ("", '{"eventType": "START"}\n'):
-        events = tmp_path / "events.jsonl"
+    events = tmp_path / "events.jsonl"
+    for text, says in (
+        ("", "no lineage events; run `batching score` first"),
+        ('{"eventType": "START"}\n', "no line of it is a lineage event; give the events file"),
+    ):
         events.write_text(text)
         r = batching("lineage", "--events", str(events), cwd=tmp_path)
         assert r.rc == 2
-        line = r.err.strip().splitlines()[-1]
-        assert line == f"error: {events}: no lineage events; run `batching score` first"
+        assert one_error_line(r).startswith(f"error: {events}: {says}")
 
 
 # ----------------------------------------------------------------------------- profile
@@ -161,26 +163,39 @@ def test_reconcile_refuses_a_run_not_in_the_ledger(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- whatever else
 
 
+EVENT = (
+    '{"run": {"runId": "r1"}, "eventType": "START", "job": {"namespace": "n", "name": "j"},'
+    ' "eventTime": "2026-12-01T00:00:00+00:00"}\n'
+)
+
+
 def test_binary_or_incomplete_event_lines_are_skipped_not_a_traceback(tmp_path: Path) -> None:
     events = tmp_path / "events.jsonl"
-    events.write_bytes(b'\x89PNG\x00\xff\xfe\n{"run": {"runId": "r"}}\n')
+    events.write_bytes(b'\x89PNG\x00\xff\xfe\n{"run": {"runId": "r"}}\n' + EVENT.encode())
     r = batching("lineage", "--events", str(events), cwd=tmp_path)
-    assert r.rc == 2
+    assert r.rc == 0, r.err
     assert f"{events}:1: lineage event skipped (not a JSON object)" in r.err
     assert f"{events}:2: lineage event skipped (no eventType or job)" in r.err
+    assert "r1" in r.out
 
 
-def test_a_file_that_is_no_event_log_gets_five_warnings_and_a_count_not_a_wall(
-    tmp_path: Path,
-) -> None:
-    """Before, `--events README.md` printed ~560 warnings before its one-line error."""
+def test_a_file_that_is_no_event_log_gets_one_line_not_a_wall(tmp_path: Path) -> None:
+    """Before, `--events README.md` printed ~560 warnings before its one-line error, then
+    five warnings and a count: a file with no event at all is not an events file."""
     text = tmp_path / "notes.md"
     text.write_text("".join(f"line {i}\n" for i in range(100)))
     r = batching("lineage", "--events", str(text), cwd=tmp_path)
     assert r.rc == 2
-    lines = r.err.strip().splitlines()
-    assert len(lines) == 7, r.err  # five named lines, the count, the error
-    assert f"{text}: 95 more lines skipped (not lineage events)" in r.err
+    assert "no line of it is a lineage event; give the events file a run wrote" in (
+        one_error_line(r)
+    )
+    # Among real events, the first five bad lines are named, then a count.
+    mixed = tmp_path / "events.jsonl"
+    mixed.write_text(EVENT + text.read_text())
+    r = batching("lineage", "--events", str(mixed), cwd=tmp_path)
+    assert r.rc == 0, r.err
+    assert len(r.err.strip().splitlines()) == 6, r.err  # five named lines, the count
+    assert f"{mixed}: 95 more lines skipped (not lineage events)" in r.err
     missing = batching("lineage", "--events", str(tmp_path / "nope.jsonl"), cwd=tmp_path)
     assert missing.rc == 2
     assert "no lineage event log; check the path" in missing.err  # not "pass --events"
