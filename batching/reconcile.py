@@ -520,7 +520,9 @@ def reconcile(
 def _log(report: Report) -> None:
     extra = {"action": "reconcile", "ok": report.ok, "counts": report.counts}
     extra["n_repairs"] = len(report.repairs)
-    if not report.ok:
+    if report.repairs:  # what is left is the next check's to report (cli, flow)
+        logger.warning("reconcile found faults and repaired them", extra=extra)
+    elif not report.ok:
         logger.error("reconcile found critical faults", extra=extra)
     elif not report.clean:
         logger.warning("reconcile found warnings", extra=extra)

@@ -789,6 +789,7 @@ def test_reconcile_clean_then_a_deleted_file_then_repair(ws: Path) -> None:
     assert f"{len(lost_keys)} item(s) requeued: `batching score` scores them again" in found
     assert "missing_file" not in left
     assert "clean: every done item" in left
+    assert "ERROR" not in repaired.err, repaired.err  # it ends clean: no error logged
     after = batching("reconcile", "-c", config, "--json", cwd=ws)
     assert after.rc == 0, after.out
     assert after.json()["counts"] == {"dead": 2}  # info only
