@@ -51,6 +51,9 @@ def resolve(config: cfg.PipelineConfig, db_url: str | None, output: str | None) 
     current folder, where ``batching lineage`` run elsewhere did not find it), unless the config
     names a path.
     """
+    for flag, value in (("--db", db_url), ("--output", output)):
+        if value is not None and not value.strip():
+            raise errors.ConfigError(f"{flag} is empty; give a value or leave the option out")
     url = db_url or config.database.url
     if config.output.kind == "parquet":
         root = Path(output) if output else config.resolve(config.output.path) or Path("outputs")

@@ -295,7 +295,10 @@ def _format_validation(source: str, exc: ValidationError) -> str:
             unknown.setdefault(tuple(err["loc"][:-1]), []).append(str(err["loc"][-1]))
             continue
         loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        parts.append(f"{loc}: {err['msg'].removeprefix('Value error, ')}")
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "model_type" and err.get("input") is None:  # "queue:" and nothing
+            msg = "an empty section; give its settings or remove it"
+        parts.append(f"{loc}: {msg}")
     parts += [_unknown_settings(section, names) for section, names in unknown.items()]
     return f"{source}: " + "; ".join(parts)
 

@@ -152,8 +152,12 @@ def _text(value: str, name: str, where: str) -> str:
 
 
 def _int(value: Any, name: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > 2**31 - 1:
+    if isinstance(value, bool) or not isinstance(value, int):
         raise errors.InputError(f"{where}: {name} must be an integer, got {value!r}")
+    if abs(value) > 2**31 - 1:
+        raise errors.InputError(
+            f"{where}: {name} {value} is out of range; give an integer of at most {2**31 - 1}"
+        )
     return value
 
 

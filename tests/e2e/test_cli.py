@@ -248,6 +248,13 @@ def test_a_bad_db_url_is_one_line(tmp_path: Path, url: str, code: int) -> None:
     one_error_line(r)
 
 
+@pytest.mark.parametrize("flag", ["--db", "--output"])
+def test_an_empty_override_is_refused_not_ignored(tmp_path: Path, flag: str) -> None:
+    r = batching("score", "-c", str(DEPLOYMENTS / "tabular.yaml"), flag, "", cwd=tmp_path)
+    assert r.rc == 2
+    assert f"{flag} is empty; give a value or leave the option out" in one_error_line(r)
+
+
 def test_an_unreachable_server_is_one_line_without_the_password(tmp_path: Path) -> None:
     # Port 1 on the loopback: nothing listens there, the connection is refused at once.
     r = batching("status", "--db", "postgresql://scorer:s3cret@127.0.0.1:1/queue", cwd=tmp_path)

@@ -55,6 +55,7 @@ def test_jsonl_fields_defaults_and_cost(tmp_path: Path) -> None:
         ('{"item_key": "k", "payload": {}, "cost": 0}', "r.jsonl:2: cost must be >= 1"),
         ('{"item_key": "k", "payload": {}, "deadline": "soon"}', "r.jsonl:2: deadline must be"),
         ('{"item_key": "k", "payload": {}, "priority": "high"}', "r.jsonl:2: priority must be"),
+        ('{"item_key": "k", "payload": {}, "priority": 3000000000}', "r.jsonl:2: priority 30000"),
         ('{"item_key": "k\\u0000", "payload": {}}', "r.jsonl:2: item_key contains a NUL"),
         ('{"item_key": "k", "payload": {}, "lane": "\\ud800"}', "r.jsonl:2: lane is not valid"),
         ('{"item_key": "k", "payload": {"x": [NaN, 1]}}', "r.jsonl:2: payload holds NaN"),

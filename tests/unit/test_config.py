@@ -76,6 +76,7 @@ def test_shipped_configs_load(name: str) -> None:
             "must be sqlite:///FILE or postgresql://USER@HOST:PORT/DB, got 'mysql://u:***@h/db'",
         ),
         ({}, "model: Field required"),
+        ({"model": MODEL, "queue": None}, "queue: an empty section; give its settings or remove"),
     ],
 )
 def test_invalid_configs_name_the_field(data: dict[str, object], message: str) -> None:
