@@ -64,6 +64,7 @@ USAGE_ERRORS: tuple[type[BatchingError], ...] = (
     InputError,
     CheckpointError,
     PolicyError,
+    SchemaError,  # a database not (yet) at this version: like a missing file, run init
 )
 
 
