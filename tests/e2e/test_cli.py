@@ -308,7 +308,7 @@ def test_init_in_a_folder_that_does_not_exist_names_it(tmp_path: Path) -> None:
 def test_a_database_without_schema_says_run_init(tmp_path: Path) -> None:
     (tmp_path / "empty.db").touch()  # e.g. made by the sqlite3 shell
     r = batching("status", "--db", "sqlite:///empty.db", cwd=tmp_path)
-    assert r.rc == 1
+    assert r.rc == 2  # bad input, like a missing file: run init
     assert "run `batching init --db sqlite:///empty.db`" in one_error_line(r)
 
 
