@@ -94,9 +94,9 @@ DbOption = Annotated[
 ]
 
 
-def _queue_name(value: str) -> str:
+def _queue_name(value: str | None) -> str | None:
     # The same bounds as a config's queue.name: a queue no config can name is a typo.
-    if not 1 <= len(value) <= 200:
+    if value is not None and not 1 <= len(value) <= 200:
         raise typer.BadParameter(f"must be 1 to 200 characters, got {len(value)}")
     return value
 
@@ -223,13 +223,19 @@ def enqueue(
 @handle_errors
 def status(
     db: DbOption = DEFAULT_DB,
-    queue: QueueOption = "default",
+    queue: Annotated[
+        str | None,
+        typer.Option("--queue", "-q", help="Queue name [default: default].", callback=_queue_name),
+    ] = None,
     all_queues: Annotated[bool, typer.Option("--all", help="Every queue in the table.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Queue depth by state, oldest ready age, expired leases, per queue, lane and tenant."""
     from dataclasses import asdict
 
+    if all_queues and queue is not None:
+        raise errors.InputError("--all and --queue together: give one (--all: every queue)")
+    queue = queue or "default"
     q = open_queue(db, queue)
     q.check_schema()
     stats = q.stats(all_queues=all_queues)

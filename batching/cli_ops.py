@@ -41,6 +41,11 @@ def lineage(
 
     if output is not None and config is None:
         raise errors.InputError("--output needs --config (the config the run was scored with)")
+    if events is not None and config is not None:
+        raise errors.InputError(
+            "--events and --config name two event logs; give one (--events: a file, --config: "
+            "the log its runs write)"
+        )
     path = events or _events_from_config(config, output)
     if not path.is_file():
         fix = "check the path" if events else "run `batching score` first or pass --events"

@@ -121,7 +121,7 @@ class ModelSpec(_Model):
 
     name: str = Field(..., min_length=1)
     version: str = Field(..., min_length=1, max_length=100)
-    checkpoint: str | None = None
+    checkpoint: str | None = Field(None, min_length=1)
     sha256: str
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -177,7 +177,7 @@ class OutputConfig(_Model):
     """Where committed outputs go: a Parquet dataset or a SQL results table."""
 
     kind: Literal["parquet", "sql"] = "parquet"
-    path: str = "outputs"
+    path: str = Field("outputs", min_length=1)
     table: str = "batching_results"
     max_rows_per_commit: int = Field(8192, ge=1)
     # How long the commit stage may gather scored batches into one commit (one file): 0 =
@@ -198,7 +198,7 @@ class LineageConfig(_Model):
     """Where OpenLineage events go; a lineage outage never fails a run."""
 
     transport: Literal["file", "http", "console", "none"] = "file"
-    path: str | None = None
+    path: str | None = Field(None, min_length=1)
     url: str | None = None
     endpoint: str = "api/v1/lineage"
     namespace: str = "batching"
@@ -370,6 +370,26 @@ def parse_config(data: Any, *, source: str = "config", base_dir: str = ".") -> P
         raise errors.ConfigError(_format_validation(source, exc)) from None
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int) -> None:
+        super().__init__(f"{key!r} given twice")
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (YAML keeps the last, so a
+    pasted-in second ``batching:`` would silently replace the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """Load and validate a YAML pipeline config; ``overrides`` (nested dicts) win over the file.
 
@@ -386,7 +406,11 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pi
     except UnicodeDecodeError:
         raise errors.ConfigError(f"{p}: not UTF-8 text; save the config as UTF-8") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
+    except _DuplicateKey as exc:
+        raise errors.ConfigError(
+            f"{p}: line {exc.line}: {exc.key!r} is given twice in one section; keep one"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

@@ -684,7 +684,12 @@ def config_from_env(env: Mapping[str, str], base: config.LineageConfig) -> confi
     if upper.get("OPENLINEAGE_API_KEY"):
         updates["api_key"] = upper["OPENLINEAGE_API_KEY"]
     updates |= _transport_env(upper)
-    if upper.get("OPENLINEAGE_DISABLED", "").strip().lower() == "true":
+    disabled = upper.get("OPENLINEAGE_DISABLED", "").strip().lower()
+    if disabled not in ("", "true", "false"):
+        raise errors.ConfigError(
+            f"OPENLINEAGE_DISABLED={upper['OPENLINEAGE_DISABLED']!r}: use true or false"
+        )
+    if disabled == "true":
         updates["transport"] = "none"
     kept = {"api_key": base.api_key}  # not in a dump
     try:

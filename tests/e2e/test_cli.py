@@ -248,6 +248,21 @@ def test_a_bad_db_url_is_one_line(tmp_path: Path, url: str, code: int) -> None:
     one_error_line(r)
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["status", "--all", "-q", "text"], "--all and --queue together: give one"),
+        (["lineage", "--events", "e.jsonl", "-c", "c.yaml"], "--events and --config name two"),
+    ],
+)
+def test_options_that_contradict_each_other_are_refused(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    r = batching(*args, cwd=tmp_path)
+    assert r.rc == 2
+    assert message in one_error_line(r)
+
+
 @pytest.mark.parametrize("flag", ["--db", "--output"])
 def test_an_empty_override_is_refused_not_ignored(tmp_path: Path, flag: str) -> None:
     r = batching("score", "-c", str(DEPLOYMENTS / "tabular.yaml"), flag, "", cwd=tmp_path)

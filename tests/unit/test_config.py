@@ -77,6 +77,9 @@ def test_shipped_configs_load(name: str) -> None:
         ),
         ({}, "model: Field required"),
         ({"model": MODEL, "queue": None}, "queue: an empty section; give its settings or remove"),
+        ({"model": {**MODEL, "checkpoint": ""}}, "model.checkpoint: String should have at least 1"),
+        ({"model": MODEL, "output": {"path": ""}}, "output.path: String should have at least 1"),
+        ({"model": MODEL, "lineage": {"path": ""}}, "lineage.path: String should have at least 1"),
     ],
 )
 def test_invalid_configs_name_the_field(data: dict[str, object], message: str) -> None:
@@ -93,6 +96,9 @@ def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
         config.load_config(tmp_path / "c.yaml")
     with pytest.raises(errors.ConfigError, match="cannot read config"):
         config.load_config(tmp_path / "none.yaml")
+    (tmp_path / "twice.yaml").write_text("name: a\nbatching: {}\nname: b\n")
+    with pytest.raises(errors.ConfigError, match=r"twice\.yaml: line 3: 'name' is given twice"):
+        config.load_config(tmp_path / "twice.yaml")
     (tmp_path / "u16.yaml").write_text("name: x\n", encoding="utf-16")  # a Windows editor's
     with pytest.raises(errors.ConfigError, match=r"u16\.yaml: not UTF-8 text; save the config"):
         config.load_config(tmp_path / "u16.yaml")

@@ -218,6 +218,7 @@ def test_config_from_env(env: dict[str, str], expected: dict[str, Any]) -> None:
         ({"OPENLINEAGE__TRANSPORT__TYPE": "http"}, "needs url"),
         ({"OPENLINEAGE__TRANSPORT__RETRY": "lots"}, "RETRY must be JSON"),
         ({"OPENLINEAGE__TRANSPORT__TIMEOUT": "-1"}, "timeout_s"),
+        ({"OPENLINEAGE_DISABLED": "maybe"}, "OPENLINEAGE_DISABLED='maybe': use true or false"),
     ],
 )
 def test_config_from_env_rejects_bad_values(env: dict[str, str], message: str) -> None:
