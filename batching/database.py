@@ -180,14 +180,26 @@ def translate_errors(url: str) -> Iterator[None]:
     """Turn SQLAlchemy errors into ``QueueError`` with the URL redacted (the one place it happens)."""
     try:
         yield
-    except exc.OperationalError as e:
-        reason = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
-        raise errors.QueueError(f"database {redact(url)} failed: {reason}{_hint(reason)}") from e
     except exc.DBAPIError as e:
         reason = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
+        for texts, fix in _NOT_A_DATABASE:  # bad input (exit 2), not a database failure
+            if all(t in reason for t in texts):
+                raise errors.ConfigError(f"database {redact(url)}: {reason}; {fix}") from e
+        if isinstance(e, exc.OperationalError):
+            raise errors.QueueError(
+                f"database {redact(url)} failed: {reason}{_hint(reason)}"
+            ) from e
         raise errors.QueueError(f"database {redact(url)}: {reason}") from e
 
 
+_NOT_A_DATABASE = (  # a URL that names something else: what to give instead
+    (("file is not a database",), "the path names a file that is not SQLite; check it"),
+    (
+        ("unable to open database file",),
+        "the path must name a file (not a folder) in a folder this user can write",
+    ),
+    (("invalid sslmode value",), "use sslmode=disable, prefer, require, verify-ca or verify-full"),
+)
 _HINTS = (  # what to do about the connection failures users meet first
     (('database "', "does not exist"), "create it (createdb), then `batching init --db URL`"),
     (('role "', "does not exist"), "check the user name in the URL (or create that role)"),

@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Sequence
@@ -202,11 +203,14 @@ def _is_queue(cur: Any) -> bool:
 def use_wal(engine: Engine) -> None:
     """Put the engine's SQLite file in WAL mode (before ``batching init`` creates the schema;
     the mode stays with the file). Outside any transaction: SQLite refuses it inside one."""
-    raw = engine.raw_connection()
-    try:
-        raw.cursor().execute("PRAGMA journal_mode = WAL").fetchall()
-    finally:
-        raw.close()
+    try:  # the raw connection's errors (its connect events' too) are sqlite3's own
+        raw = engine.raw_connection()
+        try:
+            raw.cursor().execute("PRAGMA journal_mode = WAL").fetchall()
+        finally:
+            raw.close()
+    except sqlite3.Error as e:  # as SQLAlchemy raises them, for database.translate_errors
+        raise sa.exc.OperationalError("PRAGMA journal_mode = WAL", None, e) from e
 
 
 # A SQLite claim read back as ONE row of columns (see SqlQueue._claim_sqlite, unpack_claim):

@@ -313,6 +313,26 @@ def test_a_read_command_leaves_another_programs_database_as_it_was(tmp_path: Pat
         assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
+@pytest.mark.parametrize(
+    ("command", "url", "message"),
+    [
+        ("init", "sqlite:///adir", "the path must name a file (not a folder)"),
+        ("status", "sqlite:///notes.db", "file is not a database; the path names a file that"),
+        ("init", "sqlite:///notes.db", "file is not a database; the path names a file that"),
+        ("status", "postgresql://u@127.0.0.1:5432/x?sslmode=bogus", "use sslmode=disable,"),
+    ],
+)
+def test_a_url_naming_something_else_is_bad_input(
+    tmp_path: Path, command: str, url: str, message: str
+) -> None:
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "notes.db").write_text("not a database\n")
+    r = batching(command, "--db", url, cwd=tmp_path)
+    assert r.rc == 2, r.err
+    assert message in one_error_line(r)
+    assert (tmp_path / "notes.db").read_text() == "not a database\n"
+
+
 def test_init_in_a_folder_that_does_not_exist_names_it(tmp_path: Path) -> None:
     r = batching("init", "--db", "sqlite:///nodir/queue.db", cwd=tmp_path)
     assert r.rc == 2
