@@ -84,7 +84,8 @@ def _finding_rows(run_id: str) -> list[dict[str, Any]]:
 def test_reconcile_alerts_on_real_faults_and_repair_makes_the_next_run_clean(
     tmp_path: Path, registry: Registry
 ) -> None:
-    pipeline = make_pipeline(tmp_path, 200, batching={"max_batch_size": 25})
+    # Claims of 50: several leases, so several files for make_faults to break two of.
+    pipeline = make_pipeline(tmp_path, 200, batching={"max_batch_size": 25, "claim_size": 50})
     assert score(**pipeline.params(), return_state=True).is_completed()
     make_faults(pipeline)
     since = time.time()
