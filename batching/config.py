@@ -308,21 +308,13 @@ def _unknown_settings(section: tuple[int | str, ...], names: list[str]) -> str:
     the section's known names once when one of them has none."""
     known = _known_settings(section)
     prefix = "".join(f"{part}." for part in section)
-    labels, unmatched = [], False
-    for name in names:
-        near = difflib.get_close_matches(name, known, n=1)
-        unmatched = unmatched or not near
-        labels.append((f"{prefix}{name}", f"did you mean {near[0]}?" if near else None))
-    if len(labels) == 1:
-        (label, hint), what = labels[0], "unknown setting"
-        if hint:
-            return f"{label}: {what}; {hint}"
-    else:
-        label = ", ".join(f"{n} ({h})" if h else n for n, h in labels)
-        what = "unknown settings"
-    if unmatched and known:
-        return f"{label}: {what}; known here: {', '.join(known)}"
-    return f"{label}: {what}"
+    near = {name: difflib.get_close_matches(name, known, n=1) for name in names}
+    if len(names) == 1 and near[names[0]]:  # one typo: its fix is enough
+        return f"{prefix}{names[0]}: unknown setting; did you mean {near[names[0]][0]}?"
+    labels = [f"{prefix}{n}" + (f" (did you mean {m[0]}?)" if m else "") for n, m in near.items()]
+    what = "unknown setting" if len(names) == 1 else "unknown settings"
+    tail = f"; known here: {', '.join(known)}" if known and not all(near.values()) else ""
+    return f"{', '.join(labels)}: {what}{tail}"
 
 
 def _known_settings(section: tuple[int | str, ...]) -> list[str]:

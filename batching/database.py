@@ -131,11 +131,15 @@ _PYSQLITE_OPTIONS = frozenset(
 def _ignored_sqlite_options(parsed: sa.URL) -> list[str]:
     """The query options of a SQLite URL that the driver would ignore (SQLite URI options
     given without ``uri=true``)."""
+    return [] if _uri_on(parsed) else sorted(set(parsed.query) - _PYSQLITE_OPTIONS)
+
+
+def _uri_on(parsed: sa.URL) -> bool:
+    """Whether a SQLite URL sets ``uri=true`` (as the driver reads it; unreadable: off)."""
     try:
-        uri = sa_util.asbool(parsed.query.get("uri", False))
+        return bool(sa_util.asbool(parsed.query.get("uri", False)))
     except ValueError:
-        uri = False
-    return [] if uri else sorted(set(parsed.query) - _PYSQLITE_OPTIONS)
+        return False
 
 
 def _sqlite_file(parsed: sa.URL) -> Path | None:
@@ -143,11 +147,7 @@ def _sqlite_file(parsed: sa.URL) -> Path | None:
     database = parsed.database or ""
     mode = parsed.query.get("mode")
     modes = {mode} if isinstance(mode, str) else set(mode or ())
-    try:
-        uri = sa_util.asbool(parsed.query.get("uri", False))
-    except ValueError:
-        uri = False
-    if uri and database.startswith("file:"):
+    if _uri_on(parsed) and database.startswith("file:"):
         location = urllib.parse.urlsplit(database)  # file:x.db, file:///abs, file://localhost/abs
         database = urllib.parse.unquote(location.path)
         modes |= set(urllib.parse.parse_qs(location.query).get("mode", ()))

@@ -244,7 +244,8 @@ _CLAIMED_FROM_SQL = (
 CLAIMED = sa.text(
     _CLAIMED_COLUMNS_SQL + ", CAST(group_concat(p.payload, '') AS BLOB)" + _CLAIMED_FROM_SQL
 )
-BODIES = len(_SQLITE_JSON_COLUMNS) + 3  # CLAIMED's column of bodies
+_TIMES = slice(len(_SQLITE_JSON_COLUMNS), len(_SQLITE_JSON_COLUMNS) + 3)  # min, max, deadlines
+BODIES = _TIMES.stop  # CLAIMED's column of bodies
 # Without the bodies, for a claim whose bodies add up to more than SQLite's longest blob.
 CLAIMED_NO_BODIES = sa.text(_CLAIMED_COLUMNS_SQL + _CLAIMED_FROM_SQL)
 # Each item's times, with its id, as two integers a time: its whole seconds and its fraction
@@ -279,7 +280,7 @@ def _exact_or_none(whole: int | None, fraction: int | None) -> float | None:
 def needs_times(row: Sequence[Any]) -> bool:
     """Whether a ``CLAIMED`` row's items need ``CLAIMED_TIMES``: enqueued at different times,
     or with a deadline."""
-    earliest, latest, deadlines = row[BODIES - 3 : BODIES]
+    earliest, latest, deadlines = row[_TIMES]
     return bool(earliest != latest or deadlines)
 
 
@@ -290,7 +291,7 @@ def _times(
     row's shared values, or from a ``CLAIMED_TIMES`` row."""
     n = len(ids)
     if times is None:
-        return [row[BODIES - 3]] * n, [None] * n
+        return [row[_TIMES.start]] * n, [None] * n
     times_ids, *parts = map(orjson.loads, times)
     enqueued = list(map(_exact, parts[0], parts[1]))
     deadlines = list(map(_exact_or_none, parts[2], parts[3]))
@@ -355,7 +356,7 @@ def unpack_claim(
     row of ``CLAIMED_NO_BODIES`` gives the rows and no bodies. ``times`` is the claim's
     ``CLAIMED_TIMES`` row, required when :func:`needs_times`. With ``columns``, uniform items
     (see ``_as_block``) come back as one :class:`~batching.models.ItemBlock` instead."""
-    cols = list(map(orjson.loads, row[: len(_SQLITE_JSON_COLUMNS)]))
+    cols = list(map(orjson.loads, row[: _TIMES.start]))
     ids, keys, fmts, dtypes, shapes, lanes, tenants, prios, costs, atts, maxes, sizes = cols
     if not ids:
         return [], {}
