@@ -10,13 +10,23 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from batching import config as cfg
-from batching import database, errors, lineage, models, parquet, pipeline, run_ledger, sinks
+from batching import (
+    database,
+    errors,
+    lineage,
+    models,
+    naming,
+    pipeline,
+    registry,
+    run_ledger,
+    sinks,
+)
 from batching import queue as q
 from batching.service_profile import ServiceProfile
 from batching.workers import (
@@ -36,41 +46,63 @@ PRODUCER = "https://github.com/batching/batching"
 
 @dataclass(frozen=True)
 class Resolved:
-    """Where a run reads and writes, after CLI/flow overrides."""
+    """Where a run reads and writes, after CLI/flow overrides: the queue's database, the
+    outputs (``target``; ``output`` is its location) and the local lineage log."""
 
     db_url: str
-    output: Path | str
+    target: registry.Target
     events_path: Path | None
+
+    @property
+    def output(self) -> str:
+        """The dataset root or the results table."""
+        return self.target.where
 
 
 def resolve(config: cfg.PipelineConfig, db_url: str | None, output: str | None) -> Resolved:
     """Apply ``--db`` / ``--output`` overrides to the config's database and output location.
 
-    The local lineage log sits beside the dataset: ``<dataset parent>/lineage/events.jsonl``
-    (``outputs/lineage/events.jsonl`` beside the config file for a SQL sink; before, under the
-    current folder, where ``batching lineage`` run elsewhere did not find it), unless the config
-    names a path.
+    The local lineage log sits beside a local output folder: ``<its parent>/lineage/events.jsonl``
+    (``outputs/lineage/events.jsonl`` beside the config file for a table or an object-store
+    URI; before, under the current folder, where ``batching lineage`` run elsewhere did not
+    find it), unless the config names a path.
+
+    Raises:
+        ConfigError: an override is empty, or names no SQL table for a SQL sink.
     """
     for flag, value in (("--db", db_url), ("--output", output)):
         if value is not None and not value.strip():
             raise errors.ConfigError(f"{flag} is empty; give a value or leave the option out")
-    url = db_url or config.database.url
-    if config.output.kind == "parquet":
-        root = Path(output) if output else config.resolve(config.output.path) or Path("outputs")
-        where: Path | str = root.resolve()
-        events_dir = Path(where).parent
-    else:
-        where = output or config.output.table
-        cfg.check_identifier(str(where), "--output (SQL table)")
-        events_dir = _sql_events_dir(config)
+    target = output_target(config, output)
+    folder = registry.kind_of(target).local_folder(target)
+    events_dir = folder.parent if folder is not None else _sql_events_dir(config)
     events = lineage.events_path(
         config.lineage, base_dir=Path(config.base_dir), output_dir=events_dir
     )
-    return Resolved(url, where, events if config.lineage.transport == "file" else None)
+    return Resolved(
+        db_url or config.database.url,
+        target,
+        events if config.lineage.transport == "file" else None,
+    )
+
+
+def output_target(config: cfg.PipelineConfig, output: str | None) -> registry.Target:
+    """The config's outputs, ``output`` (``--output``) overriding its location."""
+    out = config.output
+    if out.kind == "sql":
+        table = output or out.table
+        cfg.check_identifier(table, "--output (SQL table)")
+        return registry.Target("sql", table, url=out.url)
+    where = output or out.path
+    if "://" not in where:  # a local folder: relative to the config's (--output: the cwd's)
+        local = Path(where) if output else config.resolve(where) or Path(where)
+        where = str(local.expanduser().resolve())
+    return registry.Target(out.kind, where)
 
 
 def _sql_events_dir(config: cfg.PipelineConfig) -> Path:
-    """Where a SQL sink's local lineage log goes (it has no dataset folder to sit beside)."""
+    """Where the local lineage log of outputs without a local folder goes (a table, an
+    object-store URI): beside the config file."""
     return (Path(config.base_dir) / "outputs").resolve()
 
 
@@ -115,11 +147,13 @@ def open_queue(
     )
 
 
-def make_sink(config: cfg.PipelineConfig, queue: q.SqlQueue, where: Path | str) -> Any:
-    """A Parquet or SQL sink bound to ``queue`` (outputs and acks commit together)."""
-    if config.output.kind == "parquet":
-        return parquet.ParquetSink(queue, Path(where), defer_marks=True)
-    return sinks.SqlSink(queue, str(where))
+def open_sink(
+    queue: q.SqlQueue, res: Resolved, *, scorer: bool = False, read_only: bool = False
+) -> sinks.Sink:
+    """The run's sink (``registry``), committing through ``queue``; ``scorer``: a scoring
+    run's (the Parquet sink defers its ledger marks to the next commit); ``read_only``:
+    reconcile's (it creates no folder or table until a repair writes)."""
+    return registry.open_sink(queue, replace(res.target, scorer=scorer, read_only=read_only))
 
 
 def load_profile(config: cfg.PipelineConfig) -> ServiceProfile | None:
@@ -131,21 +165,20 @@ def load_profile(config: cfg.PipelineConfig) -> ServiceProfile | None:
 
 
 def datasets(
-    config: cfg.PipelineConfig, res: Resolved, sink: Any = None
+    config: cfg.PipelineConfig, res: Resolved, sink: sinks.Sink | None = None
 ) -> tuple[lineage.DatasetRef, lineage.DatasetRef]:
-    """Lineage datasets: the queue table (input) and the Parquet dataset or results table
-    (output), with the output's schema when its ``sink`` is open."""
-    ns, name = lineage.sql_dataset_id(res.db_url, "batching_items")
+    """Lineage datasets: the queue table (input) and the run's outputs, named by their sink
+    (with its schema when the ``sink`` is open)."""
+    ns, name = naming.sql_dataset_id(res.db_url, "batching_items")
     queue_ds = lineage.DatasetRef(
         ns, name, (("item_key", "string"), ("payload_format", "string"), ("cost", "integer"))
     )
-    if config.output.kind == "parquet":
-        ns, name = lineage.file_dataset_id(Path(res.output).resolve())
-    else:
-        ns, name = lineage.sql_dataset_id(res.db_url, str(res.output))
-    described = sink.describe().get("fields", ()) if sink is not None else ()
-    fields = tuple((str(n), str(t)) for n, t in described)
-    return queue_ds, lineage.DatasetRef(ns, name, fields)
+    if sink is None:
+        ns, name = registry.dataset_id(res.target, res.db_url)
+        return queue_ds, lineage.DatasetRef(ns, name, ())
+    described = sink.describe()
+    fields = tuple((str(n), str(t)) for n, t in described["fields"])
+    return queue_ds, lineage.DatasetRef(described["namespace"], described["name"], fields)
 
 
 def scoring_context(
@@ -319,7 +352,7 @@ def run_score(
 
         runner = TorchRunner.load(config.model, base_dir=config.base_dir)
         runner.warmup()
-        sink = make_sink(config, queue, res.output)
+        sink = open_sink(queue, res, scorer=True)
         # Expired leases first (a scorer killed with items leased): the sweep below then
         # deletes their staging files rather than keep them as in flight.
         queue.release_expired(this_queue=True)
@@ -351,8 +384,7 @@ def run_score(
                 config,
                 queue,
                 runner,
-                sink,
-                _scored_factory(run_id, config.model.version),
+                sinks.Outputs(sink, run_id, config.model.version),
                 service_time=profile.predict if profile else None,
                 on_progress=on_progress,
                 wait_for_work=q.Waiter(queue.engine, queue.queue).wait,
@@ -510,8 +542,9 @@ def _checked(config: cfg.PipelineConfig, db_url: str | None, output: str | None)
     """Where a run reads and writes, refused as bad input before anything is on record."""
     res = resolve(config, db_url, output)
     database.require_database(res.db_url)
-    if config.output.kind == "parquet":
-        require_writable_folder(Path(res.output), "the output folder (output.path / --output)")
+    folder = registry.kind_of(res.target).local_folder(res.target)
+    if folder is not None:
+        require_writable_folder(folder, "the output folder (output.path / --output)")
     return res
 
 
@@ -575,7 +608,7 @@ def run_score_workers(
     try:
         queue = open_queue(config, res.db_url)
         queue.check_schema()
-        ctx = scoring_context(config, res, run_id, sink=make_sink(config, queue, res.output))
+        ctx = scoring_context(config, res, run_id, sink=open_sink(queue, res))
         runs, so_far = _ledger_start(queue, config, ctx, config.model.sha256, attempt=attempt)
     except Exception as exc:
         record_failed_start(emitter, ctx, exc, attempt)
@@ -686,22 +719,6 @@ def _as_dict(value: Any) -> dict[str, Any]:
         if is_dataclass(value) and not isinstance(value, type)
         else {"result": str(value)}
     )
-
-
-def _scored_factory(run_id: str, model_version: str) -> pipeline.ScoredBatchFactory:
-    def make(
-        items: Sequence[models.WorkItem], lease_id: str, outputs: Mapping[int, Any], at: float
-    ) -> Any:
-        return sinks.ScoredBatch(
-            items=items,
-            outputs=outputs,
-            lease_id=lease_id,
-            run_id=run_id,
-            model_version=model_version,
-            scored_at=at,
-        )
-
-    return make
 
 
 def check_config(config: cfg.PipelineConfig) -> Any:

@@ -169,19 +169,18 @@ def reconcile(
     now = time.time()
     res = wiring.resolve(cfg, db, output)
     queue = wiring.open_queue(cfg, res.db_url)
-    check = functools.partial(
-        rc.reconcile,
-        queue,
-        res.output,
-        output_kind=cfg.output.kind,
-        since=now - window if window is not None else None,
-        run_id=run,
-        dataset_lost=dataset_lost,
-    )
     try:
         queue.check_schema()
         if run is not None:
             _check_run(queue, run, res.db_url)
+        check = functools.partial(
+            rc.reconcile,
+            queue,
+            wiring.open_sink(queue, res, read_only=True),
+            since=now - window if window is not None else None,
+            run_id=run,
+            dataset_lost=dataset_lost,
+        )
         report = check(now=now, repair=repair)
         # What a repair left: the same check again, repairing nothing (its exit code counts).
         after = check(now=time.time(), repair=False) if repair else None

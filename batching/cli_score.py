@@ -416,11 +416,24 @@ def demo(
     ] = Path("batching-demo"),
     n_text: Annotated[int, typer.Option(min=1, help="W2 text requests to enqueue.")] = 300,
     n_tabular: Annotated[int, typer.Option(min=1, help="W1 tabular requests to enqueue.")] = 5000,
+    sink: Annotated[
+        str,
+        typer.Option(
+            help="Where outputs go: parquet (a dataset per queue) or sql (a table in the database)."
+        ),
+    ] = "parquet",
 ) -> None:
     """One command on SQLite: init, enqueue W2 and W1 samples, score both, show outputs."""
     from batching import demo as d
 
-    d.run_demo(workdir, n_text=n_text, n_tabular=n_tabular, out=out, summary_table=summary_table)
+    d.run_demo(
+        workdir,
+        n_text=n_text,
+        n_tabular=n_tabular,
+        out=out,
+        summary_table=summary_table,
+        sink=sink,
+    )
 
 
 _ = DEFAULT_DB

@@ -177,8 +177,12 @@ class OutputConfig(_Model):
     """Where committed outputs go: a Parquet dataset or a SQL results table."""
 
     kind: Literal["parquet", "sql"] = "parquet"
+    # The Parquet dataset root; a relative path starts from the config file's folder.
     path: str = Field("outputs", min_length=1)
     table: str = "batching_results"
+    # kind sql: the database of the results table when it is not the queue's (a warehouse);
+    # outputs then roll forward from the queue's outbox. Credentials: PGPASSWORD / ~/.pgpass.
+    url: str | None = None
     max_rows_per_commit: int = Field(8192, ge=1)
     # How long the commit stage may gather scored batches into one commit (one file): 0 =
     # commit whatever is waiting as soon as the stage is free. A bulk run whose model is the
@@ -192,6 +196,24 @@ class OutputConfig(_Model):
         if not _IDENTIFIER.match(value):
             raise ValueError("table must be a SQL identifier (letters, digits, _)")
         return value
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not _DB_URL.match(value):
+            raise ValueError(
+                "url must be sqlite:///FILE or postgresql://USER@HOST:PORT/DB, got "
+                f"{redact_url(value)!r}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _settings_of_its_kind(self) -> OutputConfig:
+        if self.url is not None and self.kind != "sql":
+            raise ValueError(
+                f"url is a setting of kind sql (a table in another database), not {self.kind}"
+            )
+        return self
 
 
 class LineageConfig(_Model):

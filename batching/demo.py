@@ -16,19 +16,32 @@ from batching.config import load_config
 DEPLOYMENTS = Path(__file__).resolve().parents[1] / "deployments"
 
 
-def _config(name: str) -> Any:
+SINKS = ("parquet", "sql")
+"""What the demo can write: a Parquet dataset per queue, or one SQL table."""
+
+
+def _config(name: str, sink: str) -> Any:
     path = DEPLOYMENTS / name
     if not path.is_file():
         raise errors.ConfigError(
             f"{path}: shipped config not found; run the demo from a clone of the repository"
         )
-    return load_config(path)
+    return load_config(path, {"output": {"kind": sink}})
 
 
 def run_demo(
-    workdir: Path, *, n_text: int, n_tabular: int, out: Console, summary_table: Callable[..., Any]
+    workdir: Path,
+    *,
+    n_text: int,
+    n_tabular: int,
+    out: Console,
+    summary_table: Callable[..., Any],
+    sink: str = "parquet",
 ) -> None:
-    """Init a SQLite queue in ``workdir``, enqueue W2 (JSONL) and W1 (Parquet tensors), score both."""
+    """Init a SQLite queue in ``workdir``, enqueue W2 (JSONL) and W1 (Parquet tensors), score
+    both into ``sink`` outputs (see :data:`SINKS`)."""
+    if sink not in SINKS:
+        raise errors.ConfigError(f"--sink must be one of {', '.join(SINKS)}, got {sink!r}")
     if workdir.exists() and not workdir.is_dir():
         raise errors.ConfigError(f"{workdir}: not a folder; pass --dir a new or existing folder")
     try:
@@ -44,7 +57,7 @@ def run_demo(
         ) from None
     db = f"sqlite:///{(workdir / 'demo.db').resolve()}"
     for name, file in (("online.yaml", text_file), ("tabular.yaml", tab_file)):
-        cfg = _config(name)
+        cfg = _config(name, sink)
         queue = wiring.open_queue(cfg, db, create=True)
         queue.migrate()
         result = queue.enqueue(ingest.read_records(file))
@@ -53,10 +66,11 @@ def run_demo(
         )
         queue.engine.dispose()
         target = workdir / "outputs" / cfg.queue.name
+        where = "batching_results" if sink == "sql" else str(target)
         with out.status(f"scoring queue {cfg.queue.name!r} with {cfg.model.name}"):
-            outcome = wiring.run_score(cfg, db_url=db, output=str(target))
+            outcome = wiring.run_score(cfg, db_url=db, output=where)
         out.print(summary_table(outcome.summary, f"{cfg.name}: run {outcome.run_id}"))
-        _show(out, target)
+        _show(out, sink, where, db, cfg.queue.name)
         if outcome.events_path:
             out.print(
                 f"lineage events: {outcome.events_path}  (try: batching lineage --events {outcome.events_path})"
@@ -64,15 +78,35 @@ def run_demo(
     out.print(f"database: {db}\nnext: batching status --db {db} --all")
 
 
-def _show(out: Console, target: Path) -> None:
-    table = ds.dataset(target, format="parquet", partitioning="hive").to_table()
-    out.print(
-        f"outputs: {target}  ({table.num_rows} rows in {len(list(target.rglob('*.parquet')))} file(s))"
-    )
-    for row in table.slice(0, 3).to_pylist():
+def _show(out: Console, sink: str, where: str, db: str, queue: str) -> None:
+    """How many rows the outputs hold, and the first three, read as a downstream reader would."""
+    rows, described = _read(sink, where, db, queue)
+    out.print(f"outputs: {described}  ({len(rows)} rows)")
+    for row in rows[:3]:
         values = row["output"]
         shown = ", ".join(f"{v:.4f}" for v in values[:4]) + (", ..." if len(values) > 4 else "")
         out.print(
             f"  {row['item_key']}: [{shown}] ({len(values)} float{'s' if len(values) != 1 else ''},"
             f" model {row['model_version']})"
         )
+
+
+def _read(sink: str, where: str, db: str, queue: str) -> tuple[list[dict[str, Any]], str]:
+    if sink == "parquet":
+        table = ds.dataset(where, format="parquet", partitioning="hive").to_table()
+        n_files = len(list(Path(where).rglob("*.parquet")))
+        return table.to_pylist(), f"{where} (Parquet, {n_files} file(s))"
+    import numpy as np
+    import sqlalchemy as sa
+
+    from batching import database, schema
+
+    t = schema.results
+    engine = database.create_engine(db)
+    with engine.connect() as conn:
+        found = conn.execute(sa.select(t).where(t.c.queue == queue).order_by(t.c.item_key))
+        rows = [dict(r._mapping) for r in found]
+    engine.dispose()
+    for row in rows:
+        row["output"] = np.frombuffer(row["output"], "<f4").tolist()
+    return rows, f"table {where} in {database.redact(db)} (queue {queue!r})"

@@ -1,18 +1,22 @@
 """Reconcile's findings: the facts it gathers, what it reports, and the pure classification.
 
-Finding classes (severity), from the queue table, the ``batching_batches`` ledger and the files:
+Finding classes (severity), from the queue table, the ``batching_batches`` ledger and what each
+sink reports of its output (files, a table; see :mod:`batching.facts`):
 
 =====================  ========  =============================================================
 class                  severity  meaning
 =====================  ========  =============================================================
 lost_write             critical  a done item has no committed output: no ledger row, its batch
                                  was retired, or its key is absent from the file / table
-missing_file           critical  a live ledger row whose file is neither staged nor published
+missing_file           critical  a live ledger row whose output is gone: its file neither staged
+                                 nor published, its rows not in the table, its outbox row lost
 truncated_or_corrupt   critical  file unreadable, or size / sha256 / row count differ
-orphan_file            critical  a visible ``*.parquet`` that no live ledger row names
+orphan_file            critical  a visible ``*.parquet`` that no live ledger row names, or rows
+                                 of a batch in a table without one
                        warning   a staging leftover: never committed and its lease is gone
 duplicate              critical  one ``(model_version, item_key)`` in two live batches
-unpublished            warning   ledger ``committed`` but the file not published yet
+unpublished            warning   ledger ``committed`` but the output not published yet (a file
+                                 in staging, rows waiting in the outbox for the roll-forward)
                        info      the file is published; the ledger's mark is not (a live
                                  scorer records it with its next commit; recovery or
                                  ``--repair`` does after a crash): readers see the file
@@ -34,11 +38,13 @@ import enum
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from batching import sinks
+from batching import models
+from batching.facts import BatchFacts, DoneItem, StagingFile
 
-OutputKind = Literal["parquet", "sql"]
+OutputKind = str
+"""The sink that wrote the outputs judged (``sinks.Sink.kind``): ``parquet`` or ``sql``."""
 SAMPLE_KEYS = 50
 """At most this many item keys are listed in an info or sla_miss finding (counts are exact)."""
 
@@ -71,49 +77,6 @@ class Kind(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class BatchFacts:
-    """One ledger row and what was found for it.
-
-    ``where``: ``dataset`` or ``staging`` (file found there), ``missing``, ``table`` (SQL
-    sink) or ``retired`` (row quarantined or superseded; not checked). ``file``: the path
-    checked (absolute), the ledger path when missing, or the table name. ``keys``: item keys
-    in the file, None when not read (SQL, retired) or unreadable (then ``problem`` says why).
-    """
-
-    batch_id: str
-    model_version: str
-    state: str
-    committed_at: float
-    where: str
-    file: str
-    problem: str | None = None
-    keys: frozenset[str] | None = None
-
-    @property
-    def live(self) -> bool:
-        return self.state in sinks.LIVE_STATES
-
-
-@dataclass(frozen=True, slots=True)
-class DoneItem:
-    """A done item; ``has_output`` is whether the SQL results table has its key (None: Parquet)."""
-
-    item_key: str
-    batch_id: str | None
-    has_output: bool | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StagingFile:
-    """A file in the staging folder; ``batch_id`` None when the name is not a staging name."""
-
-    path: str
-    batch_id: str | None
-    ledger_state: str | None
-    lease_held: bool  # a commit may still follow: its claim holds items, or a repair wrote it
-
-
-@dataclass(frozen=True, slots=True)
 class ItemTally:
     """Items in one state: exact count, reasons (``last_error`` -> count), a sample of keys."""
 
@@ -143,6 +106,7 @@ class Facts:
     expired: ItemTally = ItemTally()
     late: ItemTally = ItemTally()
     other_datasets: Mapping[str, int] = field(default_factory=dict)
+    orphan_batches: tuple[str, ...] = ()
 
 
 # ----------------------------------------------------------------------------- report (output)
@@ -262,12 +226,21 @@ def _batch_findings(b: BatchFacts, keys_by_batch: Mapping[str | None, list[str]]
     if not b.live or b.where == "table":
         return []
     if b.where == "missing":
-        kind, severity, msg = Kind.MISSING_FILE, Severity.CRITICAL, "its file is missing"
+        kind, severity, msg = (
+            Kind.MISSING_FILE,
+            Severity.CRITICAL,
+            b.problem or "its file is missing",
+        )
     elif b.problem is not None:
         kind, severity, msg = Kind.TRUNCATED_OR_CORRUPT, Severity.CRITICAL, b.problem
     elif b.where == "staging":
         kind, severity, msg = Kind.UNPUBLISHED, Severity.WARNING, "not published (staging)"
-    elif b.state == sinks.COMMITTED:  # in the dataset: only the ledger's mark is pending
+    elif b.where == "pending":
+        kind, severity = Kind.UNPUBLISHED, Severity.WARNING
+        msg = "not published (its rows wait in the outbox for the roll-forward)"
+    elif (
+        b.state == models.BatchState.COMMITTED
+    ):  # in the dataset: only the ledger's mark is pending
         kind, severity = Kind.UNPUBLISHED, Severity.INFO
         msg = "published; its ledger mark is pending (recorded with the scorer's next commit)"
     else:
@@ -341,8 +314,8 @@ def _lost_reason(item: DoneItem, batch: BatchFacts | None, foreign: frozenset[st
         return "its batch has no ledger row"
     if not batch.live:
         return f"its batch is {batch.state}"
-    if batch.where == "missing" or batch.problem is not None:
-        return None  # reported as missing_file / truncated_or_corrupt with these keys
+    if batch.where in ("missing", "pending") or batch.problem is not None:
+        return None  # reported as missing_file / truncated_or_corrupt / unpublished
     if item.has_output is False:
         return "no result row for its key"
     if batch.keys is not None and item.item_key not in batch.keys:
@@ -353,13 +326,18 @@ def _lost_reason(item: DoneItem, batch: BatchFacts | None, foreign: frozenset[st
 def _orphans(facts: Facts) -> list[Finding]:
     out = []
     for path, state in sorted(facts.visible.items()):
-        if state not in sinks.LIVE_STATES:
+        if state not in models.LIVE_BATCH_STATES:
             why = "no ledger row" if state is None else f"its ledger row is {state}"
             msg = f"visible file that readers see is not committed ({why})"
             out.append(Finding(Kind.ORPHAN_FILE, Severity.CRITICAL, msg, files=(path,), count=1))
+    for batch_id in facts.orphan_batches:
+        msg = f"rows of batch {batch_id} are in the table without a live ledger row"
+        out.append(
+            Finding(Kind.ORPHAN_FILE, Severity.CRITICAL, msg, batch_ids=(batch_id,), count=1)
+        )
     for sf in facts.staging:
         in_flight = sf.ledger_state is None and sf.lease_held and sf.batch_id is not None
-        if sf.ledger_state == sinks.COMMITTED or in_flight:
+        if sf.ledger_state == models.BatchState.COMMITTED or in_flight:
             continue
         why = "no ledger row" if sf.ledger_state is None else f"ledger row is {sf.ledger_state}"
         msg = f"staging leftover ({why}; lease gone)"

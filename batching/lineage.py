@@ -12,19 +12,13 @@ silent backend costs one attempt (at most ``timeout_s * (retries + 1)``) per coo
 credential reaches an event or a log: URLs, settings and error texts pass through
 :func:`redact_url`, and http credentials travel as session auth, never in the transport's URL.
 
-Dataset naming (https://openlineage.io/docs/spec/naming):
-
-    PostgreSQL  postgres://{host}:{port}   {database}.{schema}.{table}
-    SQLite      sqlite                     {absolute file path}.{table}   (project convention)
-    Parquet     file                       {absolute dataset directory}
+Datasets are named by :mod:`batching.datasets` (the OpenLineage naming spec).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import re
 import threading
 import time
 import traceback
@@ -78,86 +72,6 @@ FACET_SCHEMA_BASE = "https://github.com/batching/batching/blob/main/spec/facets/
 
 _OL_CORE = "https://openlineage.io/spec/2-0-2/OpenLineage.json"
 _MAX_TRACE_CHARS = 8000
-
-# ----------------------------------------------------------------------------- naming
-
-_DB_URL = re.compile(
-    r"^(?P<scheme>[\w+]+)://(?:(?P<user>[^:/]*)(?::(?P<password>.*))?@)?"
-    r"(?:\[(?P<ipv6>[^\]/?]+)\]|(?P<host>[^/:?]*))?(?::(?P<port>[^/?]*))?"
-    r"(?:/(?P<database>[^?]*))?(?:\?(?P<query>.*))?$",
-    re.DOTALL,
-)
-
-
-def sql_dataset_id(
-    url: str, table: str, *, schema: str | None = None, base_dir: Path | None = None
-) -> tuple[str, str]:
-    """Return the OpenLineage ``(namespace, name)`` of ``table`` in the database at ``url``.
-
-    PostgreSQL: ``("postgres://host:port", "database.schema.table")``, schema default ``public``,
-    port default 5432. SQLite: ``("sqlite", "/abs/path/file.db.table")``, a relative file resolved
-    against ``base_dir`` (default: the working directory). Credentials never appear in either part.
-
-    Raises:
-        ConfigError: ``url`` is not a database URL, or its dialect is neither sqlite nor postgresql.
-    """
-    match = _DB_URL.match(url)
-    if match is None:
-        raise errors.ConfigError(
-            f"database url {redact_url(url)!r} is not a URL like "
-            "postgresql://host:5432/db or sqlite:///batching.db"
-        )
-    dialect = match["scheme"].split("+", 1)[0].lower()
-    if dialect == "sqlite":
-        return "sqlite", f"{_sqlite_path(match['database'] or '', base_dir)}.{table}"
-    if dialect in ("postgresql", "postgres"):
-        return _postgres_namespace(match), f"{_postgres_db(match)}.{schema or 'public'}.{table}"
-    raise errors.ConfigError(
-        f"database url dialect {dialect!r} is not supported; use sqlite or postgresql"
-    )
-
-
-def _sqlite_path(database: str, base_dir: Path | None) -> str:
-    database = unquote(database).removeprefix("file:")
-    if database in ("", ":memory:"):
-        return "memory"
-    path = Path(database).expanduser()
-    if not path.is_absolute():
-        path = (base_dir if base_dir is not None else Path.cwd()) / path
-    return os.path.normpath(path)
-
-
-def _postgres_namespace(match: re.Match[str]) -> str:
-    query = dict(p.partition("=")[::2] for p in (match["query"] or "").split("&") if p)
-    if match["ipv6"]:
-        host = f"[{match['ipv6'].lower()}]"
-    else:
-        host = (match["host"] or unquote(query.get("host", "")) or "localhost").lower()
-    return f"postgres://{host}:{match['port'] or query.get('port') or '5432'}"
-
-
-def _postgres_db(match: re.Match[str]) -> str:
-    database = unquote(match["database"] or "") or unquote(match["user"] or "")
-    if not database:
-        raise errors.ConfigError("postgresql url names no database; add /DBNAME after the host")
-    return database
-
-
-def file_dataset_id(path: str | Path, *, base_dir: Path | None = None) -> tuple[str, str]:
-    """Return ``(namespace, name)`` of a file or a Parquet dataset directory.
-
-    Local paths give ``("file", "/absolute/path")``; ``s3://bucket/key`` and ``gs://bucket/key``
-    give ``("s3://bucket", "key")``.
-    """
-    text = str(path)
-    scheme, sep, rest = text.partition("://")
-    if sep and scheme.lower() != "file":
-        bucket, _, key = rest.partition("/")
-        return f"{scheme.lower()}://{bucket}", key.lstrip("/")
-    local = Path(rest if sep else text).expanduser()
-    if not local.is_absolute():
-        local = (base_dir if base_dir is not None else Path.cwd()) / local
-    return "file", os.path.normpath(local)
 
 
 def events_path(
@@ -751,10 +665,8 @@ __all__ = [
     "config_from_env",
     "custom_facet_schemas",
     "events_path",
-    "file_dataset_id",
     "make_transport",
     "new_run_id",
     "redact_mapping",
     "redact_url",
-    "sql_dataset_id",
 ]

@@ -24,6 +24,23 @@ class State(enum.IntEnum):
     EXPIRED = 4
 
 
+class BatchState(enum.StrEnum):
+    """Ledger states of a committed batch, as stored in ``batching_batches.state``."""
+
+    COMMITTED = "committed"
+    """Acked and recorded; its output may not be visible yet (publish rolls it forward)."""
+    PUBLISHED = "published"
+    """Its output is visible to readers."""
+    QUARANTINED = "quarantined"
+    """Reconcile found its output missing or corrupt and requeued its items."""
+    SUPERSEDED = "superseded"
+    """Reconcile removed duplicate rows; the batch was rewritten or dropped."""
+
+
+LIVE_BATCH_STATES = (BatchState.COMMITTED, BatchState.PUBLISHED)
+"""Ledger states of a batch whose rows count."""
+
+
 class PayloadFormat(enum.StrEnum):
     """How ``payload`` bytes are encoded."""
 

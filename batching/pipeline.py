@@ -33,44 +33,17 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from batching import errors, models
+from batching import errors, models, protocols
 from batching.batcher import MicroBatcher, ServiceTime
 from batching.config import PipelineConfig
 from batching.protocols import Clock
 
 logger = logging.getLogger(__name__)
 _DONE = object()
-
-
-class QueuePort(Protocol):
-    def claim(
-        self,
-        n: int,
-        *,
-        lease_s: float,
-        lane: str | None = None,
-        max_cost: int | None = None,
-        columns: bool = False,
-    ) -> models.Claim: ...
-    def heartbeat(self, lease_id: str, lease_s: float) -> int: ...
-    def fail(
-        self, lease_id: str, failures: dict[int, str], *, retry: bool = True
-    ) -> models.FailResult: ...
-    def release(self, lease_id: str, ids: list[int] | None = None) -> int: ...
-
-
-class RunnerPort(Protocol):
-    def decode(self, items: Any) -> Any: ...
-    def forward(self, decoded: Any) -> Any: ...
-
-
-class SinkPort(Protocol):
-    def commit(self, batch: Any) -> Any: ...
-    def flush(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -229,7 +202,6 @@ def _pct(sorted_values: list[float] | list[int], p: float) -> float:
     return float(sorted_values[k])
 
 
-ScoredBatchFactory = Callable[[Sequence[models.WorkItem], str, Mapping[int, Any], float], Any]
 Progress = Callable[[RunStats], None]
 
 
@@ -248,9 +220,8 @@ class Scorer:
 
     Args:
         config: the pipeline config (queue lease/heartbeat, batching policy).
-        queue, runner, sink: adapters (``SqlQueue``, ``TorchRunner``, a sink).
-        make_scored: builds the sink's batch from the items one lease holds in a commit, their
-            outputs by item id, the lease id and the scoring time.
+        queue, runner, outputs: the ports (``protocols``): ``SqlQueue``, ``TorchRunner``,
+            ``sinks.Outputs`` (a sink, and the run and model version it records).
         service_time: predicted forward seconds for (n_items, length), for deadline releases.
         on_progress: called from the commit thread after every group commit.
     """
@@ -258,10 +229,9 @@ class Scorer:
     def __init__(
         self,
         config: PipelineConfig,
-        queue: QueuePort,
-        runner: RunnerPort,
-        sink: SinkPort,
-        make_scored: ScoredBatchFactory,
+        queue: protocols.ClaimPort,
+        runner: protocols.RunnerPort[Any],
+        outputs: protocols.CommitPort,
         *,
         clock: Clock = time.time,
         service_time: ServiceTime | None = None,
@@ -271,8 +241,7 @@ class Scorer:
         self.config = config
         self.queue = queue
         self.runner = runner
-        self.sink = sink
-        self.make_scored = make_scored
+        self.outputs = outputs
         self.clock = clock
         self.batcher = MicroBatcher(config.batching, clock, service_time)
         self.on_progress = on_progress
@@ -520,7 +489,7 @@ class Scorer:
         # What a sink defers is recorded later anyway (the next commit, recover()): a database
         # hiccup here is logged, never a reason to fail the run.
         try:
-            self.sink.flush()
+            self.outputs.flush()
         except errors.QueueError:
             logger.warning("sink flush failed; retried later", exc_info=True)
 
@@ -615,7 +584,7 @@ class Scorer:
                 part.items.extend(built)
         if ok:
             try:
-                committed = self.sink.commit(self.make_scored(ok, lease_id, outputs, now))
+                committed = self.outputs.commit(ok, lease_id, outputs, now)
             except errors.LeaseLost as exc:
                 logger.warning(
                     "lease lost",
@@ -624,7 +593,7 @@ class Scorer:
                 self.stats.lease_lost += len(ok)
             else:
                 done = self.clock()
-                self.stats.bytes_written += getattr(committed, "n_bytes", None) or 0
+                self.stats.bytes_written += committed.n_bytes or 0
                 self.stats.committed += len(ok)
                 since = functools.partial(operator.sub, done)
                 self.stats.latencies_s.extend(map(since, models.item_column(ok, "enqueued_at")))

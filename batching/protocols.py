@@ -1,8 +1,122 @@
-"""Ports the pipeline is given: ``typing.Protocol`` types, standard library only."""
+"""The ports: every ``typing.Protocol`` one layer is given by another, in one place; standard
+library only at run time.
+
+* :data:`Clock` - the time, injected everywhere a decision depends on it.
+* :class:`ClaimPort`, :class:`RunnerPort`, :class:`CommitPort` - what the scoring loop is given:
+  a queue to claim from, a model runner, and the outputs to commit to. The loop imports none
+  of their implementations (``SqlQueue``, ``TorchRunner``, ``outputs.contract.Outputs``).
+* :class:`Fence` - what the outputs are given by the queue: a transaction in the queue's
+  database, and in it the ack of a lease's items under its fence. A sink never sees the queue
+  itself, so it can commit exactly once without knowing how the queue stores its items.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from batching import models, outcomes
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    from sqlalchemy.engine import Connection
 
 Clock = Callable[[], float]
 """Returns the current time in epoch seconds; ``time.time`` in production, a fake in tests."""
+
+D = TypeVar("D")
+"""A runner's decoded batch: made by ``decode``, given to ``forward``, opaque to the loop."""
+
+
+class ClaimPort(Protocol):
+    """The queue, as the scoring loop uses it (``SqlQueue``; ``testing.InMemoryQueue``)."""
+
+    def claim(
+        self,
+        n: int,
+        *,
+        lease_s: float,
+        lane: str | None = None,
+        max_cost: int | None = None,
+        columns: bool = False,
+    ) -> models.Claim: ...
+
+    def heartbeat(self, lease_id: str, lease_s: float) -> int: ...
+
+    def fail(
+        self, lease_id: str, failures: Mapping[int, str], *, retry: bool = True
+    ) -> models.FailResult: ...
+
+    def release(self, lease_id: str, ids: Sequence[int] | None = None) -> int: ...
+
+
+class RunnerPort(Protocol[D]):
+    """The model, as the scoring loop uses it (``TorchRunner``): ``decode`` on the dispatch
+    thread while ``forward`` runs the previous batch on its own."""
+
+    def decode(self, items: Sequence[models.WorkItem]) -> D: ...
+
+    def forward(self, decoded: D) -> outcomes.ScoreResult: ...
+
+
+class CommitPort(Protocol):
+    """The outputs, as the scoring loop uses them (``outputs.contract.Outputs``): commit the
+    scored items of one lease exactly once; record what was deferred."""
+
+    def commit(
+        self,
+        items: Sequence[models.WorkItem],
+        lease_id: str,
+        outputs: Mapping[int, npt.NDArray[np.float32]],
+        scored_at: float,
+    ) -> outcomes.CommitResult:
+        """Raises ``LeaseLost`` when the lease no longer holds every item (nothing written)."""
+        ...
+
+    def flush(self) -> None: ...
+
+
+class Fence(Protocol):
+    """The queue's side of a commit, given to the sinks (``SqlQueue`` satisfies it).
+
+    ``begin()`` opens a write transaction in the queue's database; inside it,
+    ``ack_all_or_raise`` acks a lease's items (compare-and-set on the lease: ``LeaseLost``
+    when any is no longer held), so whatever a sink records in the same transaction commits
+    with the ack or not at all.
+    """
+
+    queue: str
+    clock: Clock
+
+    @property
+    def dialect(self) -> str: ...
+
+    @property
+    def url(self) -> str:
+        """The queue database's URL, its password masked (lineage names a table in it)."""
+        ...
+
+    def begin(self) -> AbstractContextManager[Connection]: ...
+
+    def read(self) -> AbstractContextManager[Connection]: ...
+
+    def ack_all_or_raise(
+        self, conn: Connection, lease_id: str, ids: Sequence[int], batch_id: str
+    ) -> None: ...
+
+    def held_leases(self, conn: Connection, lease_ids: Collection[str]) -> set[str]: ...
+
+    def rebatch(
+        self, conn: Connection, old_batch_id: str, new_batch_id: str, keys: Sequence[str]
+    ) -> int: ...
+
+
+class ReconcilePort(Fence, Protocol):
+    """The queue, as reconcile uses it: the fence's transactions, and the reaper for stale
+    leases (``SqlQueue`` satisfies it)."""
+
+    def release_expired(
+        self, limit: int = 5000, *, this_queue: bool = False
+    ) -> models.ReapResult: ...

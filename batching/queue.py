@@ -23,7 +23,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -112,6 +112,11 @@ class SqlQueue:
     @property
     def dialect(self) -> str:
         return self.engine.dialect.name
+
+    @property
+    def url(self) -> str:
+        """The database's URL, its password masked."""
+        return self._url
 
     @contextlib.contextmanager
     def begin(self) -> Iterator[Connection]:
@@ -538,6 +543,29 @@ class SqlQueue:
             raise errors.LeaseLost(
                 f"lease {lease_id} holds {n} of {len(ids)} items; batch {batch_id} not committed"
             )
+
+    def held_leases(self, conn: Connection, lease_ids: Collection[str]) -> set[str]:
+        """Those of ``lease_ids`` that still hold at least one leased item (a commit may follow)."""
+        if not lease_ids:
+            return set()
+        q = sa.select(_T.c.lease_id).where(
+            _T.c.state == int(models.State.LEASED), _T.c.lease_id.in_(list(lease_ids))
+        )
+        return {str(r[0]) for r in conn.execute(q.distinct())}
+
+    def rebatch(
+        self, conn: Connection, old_batch_id: str, new_batch_id: str, keys: Sequence[str]
+    ) -> int:
+        """Point the done items of ``keys`` committed in ``old_batch_id`` at ``new_batch_id``
+        (a rewrite of the batch), in ``conn``'s transaction; returns rows changed."""
+        if not keys:
+            return 0
+        stmt = (
+            _T.update()
+            .where(_T.c.batch_id == old_batch_id, _T.c.item_key.in_(list(keys)))
+            .values(batch_id=new_batch_id)
+        )
+        return int(conn.execute(stmt).rowcount)
 
     def fail(
         self, lease_id: str, failures: Mapping[int, str], *, retry: bool = True

@@ -2,49 +2,43 @@
 
 The finding classes and their severities are listed in :mod:`batching.findings`.
 
-``repair=True`` reaps stale leases, rolls unpublished batches forward, moves orphan, corrupt
-and superseded files into ``<root>.quarantine/`` (never deletes data), marks retired ledger
-rows ``quarantined`` / ``superseded``, keeps the first-committed copy of a duplicate, and
-requeues items without an output. A second reconcile after a repair finds nothing above info.
+Reconcile reads the queue and the batch ledger itself, and asks the sink for the rest (its
+facts, see :mod:`batching.facts`; its repairs): it never knows which kind of output it judges.
+``repair=True`` reaps stale leases, rolls unpublished batches forward, sets orphan and corrupt
+outputs aside (files to ``<root>.quarantine/``; never deletes data), marks retired ledger rows
+``quarantined`` / ``superseded``, keeps the first-committed copy of a duplicate, and requeues
+items without an output. A second reconcile after a repair finds nothing above info.
 
-Safe beside a live scorer: files are listed *before* the ledger is read (a file becomes visible
-only after its ledger row commits), and a staging file whose lease still holds items is left
-alone (its commit may be in flight). Gathering (I/O) is separate from :func:`classify`, which
-is pure and unit-tested on hand-made :class:`Facts`.
+Safe beside a live scorer: the sink surveys what readers see *before* the ledger is read (an
+output becomes visible only after its ledger row commits), and a staging file whose lease
+still holds items is left alone (its commit may be in flight). Gathering (I/O) is separate
+from :func:`classify`, which is pure and unit-tested on hand-made :class:`Facts`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from batching import errors, models, parquet, schema, sinks
+from batching import ledger, models, protocols, schema, sinks
+from batching.facts import BatchFacts, DoneItem, StagingFile
 from batching.findings import (
     SAMPLE_KEYS,
-    BatchFacts,
-    DoneItem,
     Facts,
     Finding,
     ItemTally,
     Kind,
-    OutputKind,
     Repair,
     Report,
     Severity,
-    StagingFile,
     classify,
 )
-
-if TYPE_CHECKING:
-    from batching.queue import SqlQueue
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +54,7 @@ _R = schema.runs
 @dataclass(frozen=True)
 class _Scope:
     queue: str
-    kind: OutputKind
-    table: str | None
+    ours: sa.ColumnElement[bool]  # the ledger rows of the sink judged
     since: float | None
     run_id: str | None
     now: float
@@ -90,113 +83,49 @@ class _Scope:
         """Batches of the run, or of its workers."""
         return _B.c.run_id.in_(self.run_ids or (self.run_id,))
 
-    def ours(self) -> sa.ColumnElement[bool]:
-        if self.kind == "sql":
-            return sa.and_(_B.c.sink == "sql", _B.c.path == self.table)
-        return _B.c.sink == "parquet"
-
 
 def gather(
-    queue: SqlQueue,
-    target: str | Path,
+    queue: protocols.Fence,
+    sink: sinks.Sink,
     *,
-    output_kind: OutputKind,
     since: float | None = None,
     run_id: str | None = None,
     now: float,
-    staging: str | Path | None = None,
     dataset_lost: bool = False,
 ) -> Facts:
-    """Read the queue, the ledger and the files into :class:`Facts` (files listed first).
+    """Read the queue and the ledger, and the sink's facts of its output, into :class:`Facts`
+    (the sink surveys its output first; see :mod:`batching.facts`).
 
     Raises:
-        ConfigError: the Parquet root holds no file and no live batch in scope has its file
-            anywhere: a wrong ``output.path`` would read as every file lost (``--repair`` would
-            rescore them all). ``dataset_lost`` judges them anyway.
+        ConfigError: the sink refuses to judge (a Parquet root without any file while the
+            ledger has live batches, unless ``dataset_lost``).
     """
-    table = str(target) if output_kind == "sql" else None
-    scope = _Scope(queue.queue, output_kind, table, since, run_id, now)
-    layout = None if table else parquet.ParquetLayout.for_root(target, staging)
-    with sinks.translate_errors(f"cannot list {target}"):
-        visible = [str(layout.root / p) for p in layout.visible_files()] if layout else []
-        staged = layout.staging_files() if layout else []
+    scope = _Scope(queue.queue, sink.owns(), since, run_id, now)
+    survey = sink.survey()
     # One snapshot for every read: a batch committed meanwhile is wholly in it or wholly out.
     with queue.read() as conn:
         scope = scope.with_workers(conn)
         rows = _ledger_rows(conn, scope)
         done = _done_items(conn, scope)
         foreign = _foreign_batches(conn, scope)
-        visible_states = _visible_states(conn, layout, visible) if layout else {}
-        listed = _staging_facts(conn, staged)
         health = _health(conn, scope)
-    with sinks.translate_errors(f"cannot read {target}"):
-        batches = tuple(_check_batch(layout, r) for r in rows)
-        still = tuple(s for s in listed if Path(s.path).exists())  # published meanwhile
-    if layout is None:
-        return Facts(output_kind, batches, done, foreign, visible_states, still, **health)
-    if not visible and not dataset_lost:
-        _refuse_empty_dataset(layout, rows, batches, queue.queue)
-    # A batch missing here but whole in the root it was written to (another config's
-    # output.path, or --output) is that dataset's: judged here it read as a missing file, and
-    # --repair scored its items again, into this dataset. ``dataset_lost`` judges them all.
-    elsewhere = [
-        not dataset_lost and b.where == "missing" and _kept_elsewhere(layout, r)
-        for r, b in zip(rows, batches, strict=True)
-    ]
-    others = Counter(
-        _written_under(r.staging_path) for r, e in zip(rows, elsewhere, strict=True) if e
-    )
-    foreign |= {r.batch_id for r, e in zip(rows, elsewhere, strict=True) if e}
-    batches = tuple(b for b, e in zip(batches, elsewhere, strict=True) if not e)
+        observed = sink.observe(conn, survey, rows)
+    out = sink.inspect(rows, done, observed, dataset_lost=dataset_lost)
+    # Batches of this kind of output written elsewhere (another table, another URI): said, not
+    # judged here (a mistyped location would otherwise read as clean, its batches unseen).
+    others = Counter(out.other_datasets)
+    others.update(path for kind, path in foreign.values() if kind == sink.kind)
     return Facts(
-        output_kind, batches, done, foreign, visible_states, still, **health, other_datasets=others
+        sink.kind,
+        out.batches,
+        out.done,
+        frozenset(foreign) | out.foreign_batches,
+        out.visible,
+        out.staging,
+        **health,
+        other_datasets=dict(others),
+        orphan_batches=out.orphan_batches,
     )
-
-
-def _kept_elsewhere(layout: parquet.ParquetLayout, row: Any) -> bool:
-    """Whether a batch's file is in the dataset root it was written for, another one."""
-    if not row.staging_path or not row.path:
-        return False
-    root = Path(_written_under(row.staging_path))
-    return not _same_folder(root, layout.root) and (root / row.path).is_file()
-
-
-def _refuse_empty_dataset(
-    layout: parquet.ParquetLayout,
-    rows: Sequence[Any],
-    batches: Sequence[BatchFacts],
-    queue: str,
-) -> None:
-    """Refuse when every live batch's file is missing and the root holds none at all."""
-    live = [(r, b) for r, b in zip(rows, batches, strict=True) if r.state in sinks.LIVE_STATES]
-    if not live or any(b.where != "missing" for _, b in live):
-        return
-    roots = sorted({_written_under(r.staging_path) for r, _ in live if r.staging_path})
-    elsewhere = [r for r in roots if r != str(layout.root)]
-    where = f" (written under {', '.join(elsewhere[:3])})" if elsewhere else ""
-    raise errors.ConfigError(
-        f"no Parquet files under {layout.root}, but the ledger has {len(live)} committed "
-        f"batch(es) of queue {queue!r}{where}: check output.path or --output; if the dataset "
-        "was deleted, reconcile with --dataset-lost to judge (and with --repair requeue) them"
-    )
-
-
-def _same_folder(a: Path, b: Path) -> bool:
-    """Whether two paths name one folder (spelled alike, or the same folder on disk)."""
-    if a == b:
-        return True
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # either is gone
-        return False
-
-
-def _written_under(staging_path: str) -> str:
-    """The dataset root a staging file was written for (``<root>.staging`` by default)."""
-    folder = PurePath(staging_path).parent
-    if folder.name.endswith(".staging"):
-        return str(folder.with_name(folder.name.removesuffix(".staging")))
-    return str(folder)
 
 
 def _ledger_rows(conn: Connection, scope: _Scope) -> list[Any]:
@@ -208,62 +137,24 @@ def _ledger_rows(conn: Connection, scope: _Scope) -> list[Any]:
     referenced = sa.select(_I.c.batch_id).where(*scope.done()).scalar_subquery()
     q = _B.select().where(
         _B.c.queue == scope.queue,
-        scope.ours(),
+        scope.ours,
         sa.or_(sa.and_(*window), _B.c.batch_id.in_(referenced)),
     )
     return list(conn.execute(q.order_by(_B.c.committed_at, _B.c.batch_id)))
 
 
-def _foreign_batches(conn: Connection, scope: _Scope) -> frozenset[str]:
+def _foreign_batches(conn: Connection, scope: _Scope) -> dict[str, tuple[str, str]]:
+    """Batches done items point at that the sink judged does not own: ``(sink, path)`` each."""
     referenced = sa.select(_I.c.batch_id).where(*scope.done()).scalar_subquery()
-    q = sa.select(_B.c.batch_id).where(_B.c.batch_id.in_(referenced), sa.not_(scope.ours()))
-    return frozenset(str(r[0]) for r in conn.execute(q))
+    q = sa.select(_B.c.batch_id, _B.c.sink, _B.c.path).where(
+        _B.c.batch_id.in_(referenced), sa.not_(scope.ours)
+    )
+    return {str(r.batch_id): (str(r.sink), str(r.path)) for r in conn.execute(q)}
 
 
 def _done_items(conn: Connection, scope: _Scope) -> tuple[DoneItem, ...]:
-    if scope.table is None:
-        q = sa.select(_I.c.item_key, _I.c.batch_id).where(*scope.done())
-        return tuple(DoneItem(r.item_key, r.batch_id) for r in conn.execute(q))
-    r = schema.results_table(scope.table)
-    joined = _I.outerjoin(_B, _B.c.batch_id == _I.c.batch_id).outerjoin(
-        r,
-        sa.and_(
-            r.c.queue == _I.c.queue,
-            r.c.model_version == _B.c.model_version,
-            r.c.item_key == _I.c.item_key,
-        ),
-    )
-    q = sa.select(_I.c.item_key, _I.c.batch_id, r.c.item_key.label("result_key"))
-    rows = conn.execute(q.select_from(joined).where(*scope.done()))
-    return tuple(DoneItem(x.item_key, x.batch_id, x.result_key is not None) for x in rows)
-
-
-def _visible_states(
-    conn: Connection, layout: parquet.ParquetLayout, visible: Sequence[str]
-) -> dict[str, str | None]:
-    rel = {Path(p).relative_to(layout.root).as_posix(): p for p in visible}
-    states: dict[str, str | None] = dict.fromkeys(visible)
-    for chunk in _chunks(list(rel)):
-        q = sa.select(_B.c.path, _B.c.state).where(_B.c.sink == "parquet", _B.c.path.in_(chunk))
-        for row in conn.execute(q):
-            if states[rel[row.path]] not in sinks.LIVE_STATES:
-                states[rel[row.path]] = row.state
-    return states
-
-
-def _staging_facts(conn: Connection, staged: Sequence[Path]) -> list[StagingFile]:
-    parsed = {p: parquet.parse_staging_name(p.name) for p in staged}
-    ours = {p: x for p, x in parsed.items() if x is not None}
-    states: dict[str, str] = {}
-    for chunk in _chunks([b for b, _ in ours.values()]):
-        q = sa.select(_B.c.batch_id, _B.c.state).where(_B.c.batch_id.in_(chunk))
-        states.update({r.batch_id: r.state for r in conn.execute(q)})
-    held = parquet.held_leases(conn, {lease for _, lease in ours.values()})
-    foreign = [StagingFile(str(p), None, None, False) for p in parsed if p not in ours]
-    return foreign + [
-        StagingFile(str(p), b, states.get(b), lease in held or parquet.rewrite_in_flight(p, lease))
-        for p, (b, lease) in ours.items()
-    ]
+    q = sa.select(_I.c.item_key, _I.c.batch_id).where(*scope.done())
+    return tuple(DoneItem(r.item_key, r.batch_id) for r in conn.execute(q))
 
 
 def _health(conn: Connection, scope: _Scope) -> dict[str, Any]:
@@ -296,30 +187,6 @@ def _tally(
     return ItemTally(sum(reasons.values()), reasons if state != models.State.DONE else {}, keys)
 
 
-def _check_batch(layout: parquet.ParquetLayout | None, row: Any) -> BatchFacts:
-    def facts(where: str, file: str, problem: str | None = None, keys: Any = None) -> BatchFacts:
-        return BatchFacts(
-            row.batch_id, row.model_version, row.state, row.committed_at, where, file, problem, keys
-        )
-
-    if layout is None:
-        return facts("table", row.path)
-    if row.state not in sinks.LIVE_STATES:
-        return facts("retired", row.path)
-    staged = layout.staging / PurePath(row.staging_path).name if row.staging_path else None
-    for where, path in (("staging", staged), ("dataset", layout.root / row.path)):
-        if path is None:
-            continue
-        try:  # staging first: a rename under way moves the file from there to the dataset
-            problem, keys = parquet.check_file(
-                path, n_rows=row.n_rows, n_bytes=row.n_bytes, sha256=row.sha256
-            )
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            continue
-        return facts(where, str(path), problem, None if problem else keys)
-    return facts("missing", row.path)
-
-
 def _chunks(values: Sequence[str]) -> Iterable[list[str]]:
     for start in range(0, len(values), _CHUNK):
         yield list(values[start : start + _CHUNK])
@@ -330,8 +197,8 @@ def _chunks(values: Sequence[str]) -> Iterable[list[str]]:
 
 @dataclass
 class _Repairer:
-    queue: SqlQueue
-    sink: parquet.ParquetSink | None
+    queue: protocols.ReconcilePort
+    sink: sinks.Sink
     now: float
     # Batches this pass rewrote without their duplicates: old id -> the batch now holding the
     # rest of its rows. A winner found at gather time may be one of them.
@@ -351,34 +218,24 @@ class _Repairer:
         return [Repair("release_expired", self.queue.queue, reaped.released + reaped.dead)]
 
     def unpublished(self, f: Finding) -> list[Repair]:
-        assert self.sink is not None
         done = [b for b in f.batch_ids if self.sink.publish(b)]
         return [Repair("roll_forward", b, len(f.item_keys)) for b in done]
 
     def orphan(self, f: Finding) -> list[Repair]:
-        assert self.sink is not None
-        files = [Path(p) for p in f.files if Path(p).exists()]
-        return [Repair("quarantine", str(self.sink.layout.quarantine_file(p))) for p in files]
+        return [Repair("quarantine", t) for t in self.sink.set_aside(f.files, f.batch_ids)]
 
     def retire(self, f: Finding) -> list[Repair]:
-        """Missing or corrupt file: quarantine what is there, requeue its items, retire the row."""
+        """Missing or corrupt output: set aside what is there, requeue its items, retire the row."""
         (batch_id,) = f.batch_ids
         out = []
-        if (
-            self.sink is not None
-            and f.kind is Kind.TRUNCATED_OR_CORRUPT
-            and Path(f.files[0]).exists()
-        ):
-            out += [Repair("quarantine", str(self.sink.layout.quarantine_file(Path(f.files[0]))))]
+        if f.kind is Kind.TRUNCATED_OR_CORRUPT:
+            out += [Repair("quarantine", t) for t in self.sink.set_aside(f.files, f.batch_ids)]
         with self.queue.begin() as conn:
             n = _requeue(conn, self.queue.queue, None, batch_id, str(f.kind), self.now)
-            conn.execute(
-                _B.update().where(_B.c.batch_id == batch_id).values(state=sinks.QUARANTINED)
-            )
+            ledger.retire(conn, batch_id)
         return [*out, Repair("requeue", batch_id, n)]
 
     def duplicate(self, f: Finding) -> list[Repair]:
-        assert self.sink is not None
         loser = f.batch_ids[0]
         with self.queue.begin() as conn:
             for key, winner in f.details["winner_by_key"].items():
@@ -390,9 +247,10 @@ class _Repairer:
                     .values(batch_id=winner)
                 )
         new = self.sink.drop_rows(loser, f.item_keys)
-        if new is not None:
+        if new is not None and new != loser:
             self.rewritten[loser] = new
-        return [Repair("drop_duplicates", loser if new is None else f"{loser} -> {new}", f.count)]
+        target = loser if new in (None, loser) else f"{loser} -> {new}"
+        return [Repair("drop_duplicates", target, f.count)]
 
     def lost(self, f: Finding) -> list[Repair]:
         batch_id = f.batch_ids[0] if f.batch_ids else None
@@ -449,70 +307,51 @@ def _requeue(
 
 
 def reconcile(
-    queue: SqlQueue,
-    sink_root_or_table: str | Path,
+    queue: protocols.ReconcilePort,
+    sink: sinks.Sink,
     *,
-    output_kind: OutputKind,
     since: float | None = None,
     run_id: str | None = None,
     now: float,
     repair: bool = False,
-    staging: str | Path | None = None,
     dataset_lost: bool = False,
 ) -> Report:
-    """Check that every done item of ``queue`` has exactly one committed output.
+    """Check that every done item of ``queue`` has exactly one committed output in ``sink``.
 
     Args:
-        queue: the queue (its database holds the ledger and, for SQL, the results table).
-        sink_root_or_table: the Parquet dataset root, or the SQL results table name.
-        output_kind: ``parquet`` or ``sql``.
+        queue: the queue (its database holds the ledger).
+        sink: the output the items were committed to; it answers for its own facts and repairs.
         since: only items finished and batches committed at or after this time (epoch s);
             batches that window's items point at are always included.
         run_id: only batches of this run (or of its workers) and the items they committed.
         now: the time stale leases are judged against (epoch s).
         repair: fix what can be fixed (see the module docstring); never deletes data.
-        staging: the Parquet staging folder, when not the default ``<root>.staging``.
-        dataset_lost: judge the ledger's batches even when the Parquet root holds no file
-            (refused otherwise: a wrong root would read as every file lost).
+        dataset_lost: judge the ledger's batches even when the output holds nothing at all
+            (a Parquet sink refuses otherwise: a wrong root would read as every file lost).
 
     Returns:
         The findings as gathered before any repair, and the repairs made.
 
     Raises:
-        QueueError: the database failed. SinkError: a file could not be listed or moved.
-        ConfigError: an empty Parquet root while the ledger has live batches (see
-            ``dataset_lost``).
+        QueueError: the database failed. SinkError: the output could not be read or changed.
+        ConfigError: the sink refuses to judge (see ``dataset_lost``).
     """
-    location = str(sink_root_or_table)
 
     def find() -> tuple[Finding, ...]:
-        facts = gather(
-            queue,
-            location,
-            output_kind=output_kind,
-            since=since,
-            run_id=run_id,
-            now=now,
-            staging=staging,
-            dataset_lost=dataset_lost,
-        )
-        return tuple(classify(facts))
+        found = gather(queue, sink, since=since, run_id=run_id, now=now, dataset_lost=dataset_lost)
+        return tuple(classify(found))
 
     findings = find()
     repairs: tuple[Repair, ...] = ()
     if repair and findings:
-        sink = (
-            parquet.ParquetSink(queue, location, staging=staging)
-            if output_kind == "parquet"
-            else None
-        )
         repairs = tuple(_Repairer(queue, sink, now).run(findings))
         if any(r.action == "release_expired" and r.n_items for r in repairs):
             # A dead scorer's staging files were in flight while its leases held; reaped,
             # they are leftovers: moved now, not by a second --repair.
             left = [f for f in find() if f.kind is Kind.ORPHAN_FILE]
             repairs += tuple(_Repairer(queue, sink, now).run(left))
-    report = Report(output_kind, location, now, since, run_id, findings, repairs)
+    location = sink.describe()["location"]
+    report = Report(sink.kind, location, now, since, run_id, findings, repairs)
     _log(report)
     return report
 

@@ -25,7 +25,7 @@ def _committed_rows(conn: Connection, run_id: str) -> int:
     r, b = schema.runs.c, schema.batches.c
     workers = sa.select(r.run_id).where(r.parent_run_id == run_id)
     ids = [run_id, *conn.execute(workers).scalars()]
-    live = b.state.in_(schema.BATCH_LIVE_STATES)  # a repair's rewrite keeps its run id
+    live = b.state.in_(models.LIVE_BATCH_STATES)  # a repair's rewrite keeps its run id
     total = sa.select(sa.func.coalesce(sa.func.sum(b.n_rows), 0)).where(b.run_id.in_(ids), live)
     return int(conn.execute(total).scalar_one())
 

@@ -9,7 +9,7 @@ Failure handling inside ``forward``, per (sub-)batch:
 - CUDA out of memory: split in half and retry; the runner remembers the size that was tried
   next (``oom_ceiling``, in padded units) and chunks every later batch to it.
 - the model broke its contract (not one output per input, wrong width): ``ModelError``; every
-  item of that batch fails with the message and ``ScoreResult.batch_error`` is set.
+  item of that batch fails with the message and ``outcomes.ScoreResult.batch_error`` is set.
 - any other exception: bisect, so a poison item fails alone with the error and its batch-mates
   still get outputs.
 - non-finite outputs fail just those items.
@@ -32,7 +32,7 @@ import numpy.typing as npt
 import torch
 from torch import nn
 
-from batching import errors, models, payloads, zoo
+from batching import errors, models, outcomes, payloads, zoo
 from batching.config import ModelSpec
 from batching.service_profile import ProfilePoint, ServiceProfile
 
@@ -69,28 +69,6 @@ class Decoded:
     def padded_tokens(self) -> int:
         """Rows x padded length (rows for dense inputs)."""
         return len(self.ids) * (int(self.lengths.max()) if len(self.ids) else 0)
-
-
-@dataclass(frozen=True, slots=True)
-class ScoreResult:
-    """Outputs of one batch: ``outputs`` (id -> float32 ``[output_dim]``; a batch scored in
-    one pass without a failure gives them as one matrix, ``models.OutputRows``) and
-    ``failures``.
-
-    Every input item is in exactly one of the two. ``service_s`` is forward wall seconds (copies
-    in and out included); ``n_forward`` counts model calls (more than 1 after splits).
-    ``undecodable``: the failed items whose payload this model cannot read (a wrong shape,
-    dtype or field): no retry can help them, unlike a failure in the forward pass.
-    """
-
-    outputs: Mapping[int, FloatArray]
-    failures: dict[int, str]
-    service_s: float
-    real_tokens: int
-    padded_tokens: int
-    batch_error: str | None = None
-    n_forward: int = 0
-    undecodable: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -277,7 +255,7 @@ class TorchRunner:
 
     # ---- forward (model thread) ------------------------------------------------------------
 
-    def forward(self, decoded: Decoded) -> ScoreResult:
+    def forward(self, decoded: Decoded) -> outcomes.ScoreResult:
         """Run the model on a decoded batch (see module doc for OOM, poison and contract rules).
 
         Returns:
@@ -293,7 +271,7 @@ class TorchRunner:
         else:
             for ids, out in tally.chunks:
                 tally.outputs.update(zip(ids, out, strict=True))
-        return ScoreResult(
+        return outcomes.ScoreResult(
             outputs=outputs,
             failures=tally.failures,
             service_s=time.perf_counter() - started,
@@ -304,7 +282,7 @@ class TorchRunner:
             undecodable=frozenset(decoded.failures),
         )
 
-    def score(self, items: Sequence[models.WorkItem]) -> ScoreResult:
+    def score(self, items: Sequence[models.WorkItem]) -> outcomes.ScoreResult:
         """``forward(decode(items))``."""
         return self.forward(self.decode(items))
 

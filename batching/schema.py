@@ -151,11 +151,6 @@ payloads = sa.Table(
 
 items_archive = sa.Table("batching_items_archive", metadata, *_item_columns(archive=True))
 
-BATCH_COMMITTED = "committed"
-BATCH_PUBLISHED = "published"
-BATCH_LIVE_STATES = (BATCH_COMMITTED, BATCH_PUBLISHED)
-"""Ledger states of a batch whose rows count (``sinks`` names them; ``queue`` counts them)."""
-
 batches = sa.Table(
     "batching_batches",
     metadata,
@@ -173,9 +168,23 @@ batches = sa.Table(
     sa.Column("state", sa.String(16), nullable=False),
     sa.Column("committed_at", sa.Float, nullable=False),
     sa.Column("published_at", sa.Float),
+    # A sink that rolls forward from the outbox (migration 10): the writer that recorded the
+    # batch and its sequence number; a Delta commit carries them as its transaction id.
+    sa.Column("writer", sa.String(64)),
+    sa.Column("seq", sa.BigInteger),
 )
 sa.Index("ix_batching_batches_run", batches.c.run_id)
 sa.Index("ix_batching_batches_committed", batches.c.committed_at)
+
+outbox = sa.Table(
+    "batching_outbox",
+    metadata,
+    sa.Column("batch_id", sa.String(36), primary_key=True),
+    sa.Column("body", sa.LargeBinary, nullable=False),
+)
+"""A committed batch's rows (Arrow IPC) until they are rolled forward into an output outside
+the queue's database (migration 10): written with the ack and the ledger row, deleted with
+the ledger's ``published`` mark."""
 
 runs = sa.Table(
     "batching_runs",
@@ -367,6 +376,15 @@ def _v9(conn: Connection) -> None:
     rekey_results(conn, results)
 
 
+def _v10(conn: Connection) -> None:
+    outbox.create(conn, checkfirst=True)
+    columns = {c["name"] for c in sa.inspect(conn).get_columns(batches.name)}
+    if "writer" not in columns:
+        conn.execute(sa.text(f"ALTER TABLE {batches.name} ADD COLUMN writer VARCHAR(64)"))
+    if "seq" not in columns:
+        conn.execute(sa.text(f"ALTER TABLE {batches.name} ADD COLUMN seq BIGINT"))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "queue items, archive, batch ledger, runs, results", _v1),
     Migration(2, "expiry index leads with queue", _v2),
@@ -377,6 +395,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(7, "leased rows indexed by queue, then expiry", _v7),
     Migration(8, "runs record their last heartbeat", _v8),
     Migration(9, "SQL results keyed by queue, model version and item key", _v9),
+    Migration(10, "an outbox for outputs outside the queue's database", _v10),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -1,51 +1,57 @@
-"""Committed outputs: the shared value types, the ``Sink`` role, the ledger states, and the SQL
-results table sink. The Parquet dataset sink lives in :mod:`batching.parquet`.
+"""The outputs contract: what every sink answers, and how a commit is composed.
 
-Both sinks commit *exactly once in effect*: the items are acked (compare-and-set on the lease)
-and the batch is recorded in ``batching_batches`` in ONE transaction, so a batch whose lease was
-lost is never committed (``errors.LeaseLost``) and a committed batch is never lost.
+A sink never sees the queue. It is given a :class:`~batching.protocols.Fence` (the queue's side of
+a commit: a transaction in the queue's database and the ack of a lease's items in it), and a
+commit is composed from the two by :func:`commit`, the one place the protocol lives:
 
-SQL: outputs go to ``batching_results`` (or a custom table) keyed by ``(queue, model_version,
-item_key)``; a replayed key is not inserted twice (``ON CONFLICT DO NOTHING``).
+1. ``sink.stage(batch)``: make the batch durable outside any transaction, if the sink needs to
+   (the Parquet sink writes and fsyncs a staging file; the others stage nothing here).
+2. In ONE transaction of the queue's database: ``fence.ack_all_or_raise`` acks the lease's
+   items (compare-and-set on the lease: ``LeaseLost``, and nothing is written, when any is no
+   longer held), then ``sink.record(conn, staged)`` inserts the batch's ledger row, and with it
+   whatever must commit with the ack: the results of a table in that database, or the batch's
+   rows in the outbox for a sink that writes elsewhere (a table in another database).
+3. ``sink.publish_staged(staged)``: make it visible (rename into the dataset; roll the outbox
+   forward into the table). A failure here leaves a ``committed`` ledger row that the sink's
+   ``recover()`` at the next start-up and reconcile's repair roll forward, idempotently.
 
-OS and pyarrow errors become ``errors.SinkError`` in :func:`translate_errors` only.
+So the database decides: a crash before step 2 commits leaves no ledger row (the items are
+re-scored once their lease expires); after it, a ledger row that rolls forward into exactly one
+visible copy. Each sink also answers what reconcile and the flows need of its output: its
+``preflight`` (can it be written), its facts (see :mod:`batching.facts`), its repairs.
+
+Sinks: ``parquet`` (:mod:`batching.parquet`) and ``sql`` (:mod:`batching.sql_sink`; in another
+database through :mod:`batching.outbox`); :mod:`batching.registry` opens the one a config
+names. OS and pyarrow errors become ``errors.SinkError`` in :func:`translate_errors` only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import re
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
-from sqlalchemy.engine import Connection
 
-from batching import config, errors, models, schema
+from batching import errors, facts, models, outcomes, protocols
 
 if TYPE_CHECKING:
-    from batching.queue import SqlQueue
+    import sqlalchemy as sa
+    from sqlalchemy.engine import Connection, Row
 
 logger = logging.getLogger(__name__)
 
-COMMITTED = schema.BATCH_COMMITTED
-"""Ledger state: acked and recorded; the Parquet file may still be in staging."""
-PUBLISHED = schema.BATCH_PUBLISHED
-"""Ledger state: the output is visible to readers."""
-QUARANTINED = "quarantined"
-"""Ledger state: reconcile found the output missing or corrupt and requeued its items."""
-SUPERSEDED = "superseded"
-"""Ledger state: reconcile removed duplicate rows; the batch was rewritten or dropped."""
-LIVE_STATES = schema.BATCH_LIVE_STATES
-
 SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,36}$")
 """Batch and lease ids (they become file names): letters, digits, ``_`` and ``-``, 1-36."""
-_LEDGER = schema.batches
 
 
 # ----------------------------------------------------------------------------- value types
@@ -117,52 +123,230 @@ class ScoredBatch:
         return out
 
 
+FILE_FIELDS: tuple[tuple[str, pa.DataType], ...] = (
+    ("item_key", pa.string()),
+    ("scored_at", pa.timestamp("us", tz="UTC")),
+    ("run_id", pa.string()),
+    ("batch_id", pa.string()),
+    ("queue", pa.string()),
+    ("tenant", pa.string()),
+)
+"""The columns of a batch's rows beside ``output`` (``fixed_size_list<float32>``)."""
+
+
+def batch_table(batch: ScoredBatch) -> pa.Table:
+    """The rows of a batch as Arrow: one per item, ``output`` as ``fixed_size_list<float32>``."""
+    mat = batch.matrix()
+    n, dim = mat.shape
+    output = pa.FixedSizeListArray.from_arrays(pa.array(mat.reshape(-1), pa.float32()), dim)
+    scored_us = round(batch.scored_at * 1_000_000)
+    columns: dict[str, object] = {
+        "item_key": models.item_column(batch.items, "item_key"),
+        "output": output,
+        "scored_at": pa.array([scored_us] * n, pa.timestamp("us", tz="UTC")),
+        "run_id": [batch.run_id] * n,
+        "batch_id": [batch.batch_id] * n,
+        "queue": models.item_column(batch.items, "queue"),
+        "tenant": models.item_column(batch.items, "tenant"),
+    }
+    meta = {"batching.model_version": batch.model_version, "batching.run_id": batch.run_id}
+    return pa.table(columns).replace_schema_metadata(meta)
+
+
 @dataclass(frozen=True, slots=True)
-class CommitResult:
-    """What a commit wrote.
+class Staged:
+    """A scored batch after step 1, ready to record: where its rows go (``location``: a path
+    relative to the dataset root, a table, a table URI), and what the sink staged for it: a
+    staging file (``path``, its size and sha256), or its rows as Arrow IPC bytes for the
+    outbox (``body``)."""
 
-    ``location``: the file path relative to the dataset root, or the table name. ``n_rows``:
-    rows written (a replayed SQL key is counted in ``n_replayed`` instead). ``n_bytes``: file
-    size in bytes (None for SQL). ``published`` is False when the batch committed but its
-    rename failed; ``recover()`` publishes it.
-    """
-
-    batch_id: str
-    n_rows: int
+    batch: ScoredBatch
     location: str
+    path: Path | None = None
     n_bytes: int | None = None
-    published: bool = True
-    n_replayed: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class RecoverResult:
-    """What ``recover()`` did: batches published, staging files deleted, staging files kept
-    because their lease is still held (a commit may be in flight)."""
-
-    rolled_forward: tuple[str, ...] = ()
-    removed_staging: tuple[str, ...] = ()
-    in_flight: tuple[str, ...] = ()
+    sha256: str | None = None
+    body: bytes | None = None
 
 
 class SinkDescription(TypedDict):
-    """A sink's output dataset for lineage: kind, location and ``(column, type)`` fields."""
+    """A sink's output dataset for lineage: kind, location, OpenLineage namespace and name
+    (credentials stripped), and ``(column, type)`` fields."""
 
     kind: str
     location: str
+    namespace: str
+    name: str
     fields: list[tuple[str, str]]
 
 
 class Sink(Protocol):
-    """Commits scored batches exactly once in effect."""
+    """An output that commits scored batches exactly once in effect, and answers for itself.
 
-    def commit(self, batch: ScoredBatch) -> CommitResult: ...
+    ``kind`` is what the ledger's ``sink`` column says of its batches; ``fence`` the queue's
+    side of its commits.
+    """
 
-    def flush(self) -> None: ...
+    kind: str
+    fence: protocols.Fence
 
-    def recover(self) -> RecoverResult: ...
+    # -- a commit, composed by :func:`commit` -----------------------------------------------
 
-    def describe(self) -> SinkDescription: ...
+    def stage(self, batch: ScoredBatch) -> Staged:
+        """Step 1: make ``batch`` durable outside the transaction, if this sink needs to."""
+        ...
+
+    def record(self, conn: Connection, staged: Staged) -> outcomes.CommitResult:
+        """Step 2, in the queue's transaction after the ack: the ledger row and what commits
+        with it. Raises ``QueueError`` (nothing committed)."""
+        ...
+
+    def publish_staged(self, staged: Staged) -> bool:
+        """Step 3, after the commit: make it visible; False leaves it for ``recover()``."""
+        ...
+
+    def discard(self, staged: Staged) -> None:
+        """The lease was lost at step 2: remove what step 1 staged."""
+        ...
+
+    def commit(self, batch: ScoredBatch) -> outcomes.CommitResult:
+        """The three steps (:func:`commit` with this sink's fence)."""
+        ...
+
+    def flush(self) -> None:
+        """Record what the sink deferred (the scorer calls it when idle and at the end)."""
+        ...
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def preflight(self) -> None:
+        """Raise ``SinkError`` when the output cannot be written (checked before a run claims)."""
+        ...
+
+    def recover(self) -> outcomes.RecoverResult:
+        """Finish what a crash interrupted: roll ``committed`` batches forward, clear staging."""
+        ...
+
+    def describe(self) -> SinkDescription:
+        """The output dataset, for lineage."""
+        ...
+
+    # -- reconcile (see batching.facts) ------------------------------------------------------
+
+    def owns(self) -> sa.ColumnElement[bool]:
+        """The ledger rows (``schema.batches``) whose outputs this sink judges."""
+        ...
+
+    def survey(self) -> facts.Survey:
+        """What a reader sees now; called before the ledger is read."""
+        ...
+
+    def observe(
+        self, conn: Connection, survey: facts.Survey, rows: Sequence[Row[tuple[object, ...]]]
+    ) -> facts.Observed:
+        """What the ledger says of the survey, in reconcile's snapshot."""
+        ...
+
+    def inspect(
+        self,
+        rows: Sequence[Row[tuple[object, ...]]],
+        done: Sequence[facts.DoneItem],
+        observed: facts.Observed,
+        *,
+        dataset_lost: bool = False,
+    ) -> facts.OutputFacts:
+        """Each ledger row checked against the output, and which done items have theirs."""
+        ...
+
+    def publish(self, batch_id: str) -> bool:
+        """Roll a ``committed`` batch forward (a repair); False when there is nothing to do."""
+        ...
+
+    def set_aside(self, files: Sequence[str], batch_ids: Sequence[str]) -> list[str]:
+        """Move an orphan or corrupt output out of readers' sight, never deleting data (files
+        to quarantine; a table's rows of ``batch_ids`` removed from its latest version);
+        returns where each went."""
+        ...
+
+    def drop_rows(self, batch_id: str, keys: Sequence[str]) -> str | None:
+        """Remove the rows of ``keys`` from a live batch (duplicates); returns the id of the
+        batch now holding the rest, None when none is left (or another repair won)."""
+        ...
+
+
+def commit(fence: protocols.Fence, sink: Sink, batch: ScoredBatch) -> outcomes.CommitResult:
+    """Commit ``batch`` to ``sink`` exactly once in effect (see the module docstring).
+
+    Raises:
+        LeaseLost: the lease no longer holds every item; nothing was committed and what was
+            staged is gone.
+        SinkError: step 1 failed (nothing committed).
+        QueueError: the database failed at step 2 (nothing committed; a staging file is left
+            for ``recover()``).
+    """
+    started = time.perf_counter()
+    staged = sink.stage(batch)
+    ids = models.item_column(batch.items, "id")
+    try:
+        with fence.begin() as conn:
+            fence.ack_all_or_raise(conn, batch.lease_id, ids, batch.batch_id)
+            result = sink.record(conn, staged)
+    except errors.LeaseLost:
+        sink.discard(staged)
+        logger.warning(
+            "batch discarded: lease lost",
+            extra={"action": "lease_lost", "batch_id": batch.batch_id, "sink": sink.kind},
+        )
+        raise
+    if not result.published:  # else nothing is left to do: a table in the queue's database
+        result = dataclasses.replace(result, published=sink.publish_staged(staged))
+    logger.info(
+        "batch committed",
+        extra={
+            "action": "batch_committed",
+            "sink": sink.kind,
+            "batch_id": batch.batch_id,
+            "n_items": len(ids),
+            "n_replayed": result.n_replayed,
+            "n_bytes": result.n_bytes,
+            "published": result.published,
+            "duration_s": time.perf_counter() - started,
+        },
+    )
+    return result
+
+
+class FencedSink:
+    """The part of a sink that is the same for all: ``commit`` through its fence."""
+
+    fence: protocols.Fence
+
+    def commit(self: Sink, batch: ScoredBatch) -> outcomes.CommitResult:
+        """Stage, record with the ack, publish (:func:`commit`)."""
+        return commit(self.fence, self, batch)
+
+
+@dataclass
+class Outputs:
+    """The scoring loop's commit port (:class:`~batching.protocols.CommitPort`): a sink, and the
+    run and model version every batch of the run is recorded with."""
+
+    sink: Sink
+    run_id: str
+    model_version: str
+
+    def commit(
+        self,
+        items: Sequence[models.WorkItem],
+        lease_id: str,
+        outputs: Mapping[int, npt.NDArray[np.float32]],
+        scored_at: float,
+    ) -> outcomes.CommitResult:
+        """Commit one lease's scored items (the sink's ``commit``: :func:`commit`)."""
+        batch = ScoredBatch(items, outputs, lease_id, self.run_id, self.model_version, scored_at)
+        return self.sink.commit(batch)
+
+    def flush(self) -> None:
+        self.sink.flush()
 
 
 @contextlib.contextmanager
@@ -172,125 +356,3 @@ def translate_errors(what: str) -> Iterator[None]:
         yield
     except (OSError, pa.ArrowException) as exc:
         raise errors.SinkError(f"{what}: {exc}") from exc
-
-
-# ----------------------------------------------------------------------------- SQL sink
-
-
-class SqlSink:
-    """Outputs in a SQL results table keyed by ``(queue, model_version, item_key)``.
-
-    Outputs are stored as little-endian float32 bytes plus ``output_dim``. Results, acks and
-    the ledger row (state ``published``) commit in one transaction.
-
-    Args:
-        queue: the queue whose database holds the results table.
-        table: results table name; a name other than ``batching_results`` is created if
-            missing, and keyed by queue too if it was created before that key (migration 9).
-
-    Raises:
-        ConfigError: ``table`` is not a SQL identifier.
-    """
-
-    kind = "sql"
-
-    def __init__(self, queue: SqlQueue, table: str = schema.results.name) -> None:
-        self._queue = queue
-        self.table_name = config.check_identifier(table, "output.table")
-        if table == schema.results.name:
-            self._table = schema.results
-        else:
-            self._table = schema.results_table(table)
-            with queue.begin() as conn:
-                if schema.ensure_results_table(conn, self._table):
-                    logger.warning(
-                        "results table rekeyed by queue, model version and item key",
-                        extra={"action": "results_rekeyed", "table": table},
-                    )
-
-    def flush(self) -> None:
-        """Nothing is deferred: outputs, acks and the ledger row commit together."""
-
-    def commit(self, batch: ScoredBatch) -> CommitResult:
-        """Insert the outputs and ack the items in one transaction; a replayed key is skipped.
-
-        Raises:
-            LeaseLost: the lease no longer holds every item; nothing was written.
-            QueueError: the database failed; nothing was written.
-        """
-        rows = self._rows(batch)
-        with self._queue.begin() as conn:
-            ids = models.item_column(batch.items, "id")
-            self._queue.ack_all_or_raise(conn, batch.lease_id, ids, batch.batch_id)
-            inserted = self._insert_new(conn, rows)
-            conn.execute(_LEDGER.insert().values(**self._ledger_values(batch, inserted)))
-        logger.info(
-            "batch committed",
-            extra={
-                "action": "batch_committed",
-                "batch_id": batch.batch_id,
-                "n_items": len(rows),
-                "n_replayed": len(rows) - inserted,
-            },
-        )
-        return CommitResult(
-            batch.batch_id, inserted, self.table_name, n_replayed=len(rows) - inserted
-        )
-
-    def recover(self) -> RecoverResult:
-        """Nothing to finish: a SQL commit is a single transaction."""
-        return RecoverResult()
-
-    def describe(self) -> SinkDescription:
-        """Dataset kind, table name and its columns."""
-        fields = [(c.name, str(c.type).lower()) for c in self._table.columns]
-        return {"kind": self.kind, "location": self.table_name, "fields": fields}
-
-    def _rows(self, batch: ScoredBatch) -> list[dict[str, Any]]:
-        mat = batch.matrix()
-        return [
-            {
-                "model_version": batch.model_version,
-                "item_key": item.item_key,
-                "queue": item.queue,
-                "output": mat[n].tobytes(),
-                "output_dim": int(mat.shape[1]),
-                "scored_at": batch.scored_at,
-                "run_id": batch.run_id,
-                "batch_id": batch.batch_id,
-            }
-            for n, item in enumerate(batch.items)
-        ]
-
-    def _insert_new(self, conn: Connection, rows: list[dict[str, Any]]) -> int:
-        """Insert rows whose key is new (``ON CONFLICT DO NOTHING``); returns rows inserted."""
-        if self._queue.dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        else:
-            from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
-        inserted = 0
-        for start in range(0, len(rows), 500):
-            stmt = (
-                insert(self._table)
-                .values(rows[start : start + 500])
-                .on_conflict_do_nothing(index_elements=list(schema.RESULTS_KEY))
-                .returning(self._table.c.item_key)
-            )
-            inserted += len(conn.execute(stmt).all())
-        return inserted
-
-    def _ledger_values(self, batch: ScoredBatch, inserted: int) -> dict[str, Any]:
-        now = self._queue.clock()
-        return {
-            "batch_id": batch.batch_id,
-            "run_id": batch.run_id,
-            "queue": self._queue.queue,
-            "lease_id": batch.lease_id,
-            "model_version": batch.model_version,
-            "sink": self.kind,
-            "path": self.table_name,
-            "n_rows": inserted,
-            "state": PUBLISHED,
-            "committed_at": now,
-            "published_at": now,
-        }

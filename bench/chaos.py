@@ -5,17 +5,19 @@ Each round, in a scratch folder and a scratch database (a SQLite file; with --pg
 PostgreSQL database ``chaos_*``, dropped after the round):
   1. `batching init`, then `batching enqueue` of 500-12,000 W1 rows (queue ``tabular``,
      sometimes ``--max-attempts`` 1 or 2), with a copy of ``deployments/tabular.yaml``:
-     lease_s 3-5, shipped or small batches, the Parquet dataset or the SQL results table;
+     lease_s 3-5, shipped or small batches, and one output: the Parquet dataset, the SQL
+     results table, or a results table in another database (rolled forward from the outbox);
   2. 1-4 times: `batching score` (1 or 2 workers) as a process group of its own, sometimes with
      `batching reconcile [--repair]` beside it, then one blow after a random delay or a random
      share of the work: SIGKILL to the parent, to one worker or to the whole group, SIGTERM,
      SIGTERM then SIGKILL, or none (it runs to the end);
   3. drain: wait out the leases, `batching score --until-empty` until nothing is ready or
      leased, `batching reconcile --repair` (drain again if it requeued), `batching reconcile`;
-  4. check, from the database and the files (pyarrow reads every visible Parquet file): every
-     item done with exactly one output row, in the batch its row names, or dead/expired with a
-     reason; no unknown key, no key twice; every visible file a live ledger row (committed or
-     published) with its path, row count and sha256. The same check runs after each blow and
+  4. check, from the database and the outputs (pyarrow reads every visible Parquet file):
+     every item done with exactly one output row, in the batch its
+     row names, or dead/expired with a reason; no unknown key, no key twice; every visible file
+     a live ledger row (committed or published) with its path, row count and sha256; after the
+     drain, no batch left committed or in the outbox. The same check runs after each blow and
      after the drain, once nothing runs (after a blow a done item may still await its publish).
 
 A violation breaks the guarantee (or a reconcile after the drain finds a critical problem); an
@@ -71,12 +73,15 @@ BLOWS = (
     "sigterm+sigkill",
     "none",
 )
+SINKS = ("parquet", "sql", "warehouse")
+"""Outputs a round writes: a Parquet dataset, the queue database's results table, or a results
+table in another database (rolled forward from the outbox)."""
 BATCHING_SETTINGS: tuple[dict[str, int], ...] = (
     {},  # shipped: 2048 / 8192
     {"max_batch_size": 64, "claim_size": 128},
     {"max_batch_size": 8, "claim_size": 32},
 )
-LIVE = set(schema.BATCH_LIVE_STATES)
+LIVE = set(models.LIVE_BATCH_STATES)
 EXIT_S = 120.0  # a scorer (or reconcile) still running this long after its blow: a hang
 DRAIN_RUNS = 6
 
@@ -248,6 +253,7 @@ class Round:
         self.rng = random.Random(self.seed)
         (self.work / "log").mkdir(parents=True, exist_ok=True)
         self.engine = db.create_engine(self.db_url)
+        self.warehouse_url = f"sqlite:///{self.work / 'warehouse.db'}"
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -255,11 +261,13 @@ class Round:
         """A copy of tabular.yaml with this round's settings, validated by the project."""
         data = yaml.safe_load((DEPLOY / "tabular.yaml").read_text())
         self.lease_s = float(self.rng.choice((3, 4, 5)))
-        self.sink = "sql" if self.rng.random() < 0.3 else "parquet"
+        self.sink = self.rng.choices(SINKS, weights=(60, 20, 20))[0]
         data["database"]["url"] = self.db_url
         data["queue"]["lease_s"] = self.lease_s
         data["batching"].update(self.rng.choice(BATCHING_SETTINGS))
         data["output"].update(kind=self.sink, path=str(self.work / "outputs"))
+        if self.sink == "warehouse":  # a results table in another database than the queue's
+            data["output"].update(kind="sql", table="results", url=self.warehouse_url)
         if self.rng.random() < 0.25:
             data["output"]["commit_interval_s"] = 0.2
         data["service_profile"] = str(DEPLOY / data["service_profile"])
@@ -545,25 +553,42 @@ class Round:
     def check(self, stage: str, *, final: bool) -> None:
         """Items, ledger and outputs agree; each problem is a violation naming ``stage``."""
         root = self.work / "outputs"
+        # Outputs read first: a file (a warehouse row) appears after its ledger row.
         files = sorted(root.rglob("*.parquet")) if self.sink == "parquet" else []
-        with self.engine.connect() as conn:  # files listed first: a file appears after its row
+        table = self.outside_rows(root)
+        with self.engine.connect() as conn:
             t, out = schema.items, schema.results
             items = {r.item_key: r for r in conn.execute(sa.select(t).where(t.c.queue == QUEUE))}
             ledger = {r.batch_id: r for r in conn.execute(sa.select(schema.batches))}
             sql = sa.select(out.c.item_key, out.c.batch_id)
-            table = list(conn.execute(sql)) if self.sink == "sql" else []
+            table += [tuple(r) for r in conn.execute(sql)] if self.sink == "sql" else []
+            outbox = set(conn.execute(sa.select(schema.outbox.c.batch_id)).scalars())
         rows: dict[str, list[str]] = {}
         problems = [p for f in files for p in self.check_file(root, f, ledger, rows)]
-        for r in table:
-            rows.setdefault(r.item_key, []).append(r.batch_id)
-            if r.batch_id not in ledger or ledger[r.batch_id].state not in LIVE:
-                problems.append(
-                    f"results row {r.item_key} in batch {r.batch_id}: no live ledger row"
-                )
+        for key, batch_id in table:
+            rows.setdefault(key, []).append(batch_id)
+            if batch_id not in ledger or ledger[batch_id].state not in LIVE:
+                problems.append(f"output row {key} in batch {batch_id}: no live ledger row")
         problems += self.check_ledger(root, ledger, final=final)
+        if final and outbox:
+            problems.append(f"{len(outbox)} batch(es) still in the outbox after the drain")
         problems += self.check_items(items, rows, final=final)
         self.totals.files_read += len(files)
         self.violations += [f"{stage}: {p}" for p in problems]
+
+    def outside_rows(self, root: Path) -> list[tuple[str, str]]:
+        """``(item_key, batch_id)`` of every row of a warehouse table."""
+        if self.sink == "warehouse" and (self.work / "warehouse.db").is_file():
+            engine = db.create_engine(self.warehouse_url)
+            try:
+                with engine.connect() as conn:
+                    if not sa.inspect(conn).has_table("results"):
+                        return []
+                    found = conn.execute(sa.text("SELECT item_key, batch_id FROM results"))
+                    return [(str(k), str(b)) for k, b in found]
+            finally:
+                engine.dispose()
+        return []
 
     def check_file(
         self, root: Path, path: Path, ledger: dict[str, Any], rows: dict[str, list[str]]
@@ -591,13 +616,15 @@ class Round:
         dataset or still staged (not after a drain: recovery rolls it forward)."""
         problems = []
         for row in ledger.values():
+            if final and row.state == models.BatchState.COMMITTED and row.sink != "parquet":
+                problems.append(f"ledger {row.batch_id} ({row.sink}) still committed after a drain")
             if row.state not in LIVE or row.sink != "parquet":
                 continue
             visible = (root / row.path).is_file()
             staged = bool(row.staging_path) and Path(row.staging_path).is_file()
-            if final and (row.state != schema.BATCH_PUBLISHED or not visible):
+            if final and (row.state != models.BatchState.PUBLISHED or not visible):
                 problems.append(f"ledger {row.batch_id} {row.state}, file visible {visible}")
-            elif not visible and (row.state == schema.BATCH_PUBLISHED or not staged):
+            elif not visible and (row.state == models.BatchState.PUBLISHED or not staged):
                 problems.append(f"ledger {row.batch_id} {row.state}: its file is nowhere")
         return problems
 

@@ -54,8 +54,7 @@ def reconcile_outputs(
         queue.check_schema()
         return rc.reconcile(
             queue,
-            res.output,
-            output_kind=cfg.output.kind,
+            app.open_sink(queue, res, read_only=True),
             since=since,
             run_id=run_id,
             now=time.time(),

@@ -18,10 +18,8 @@
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 from prefect import Flow, flow, get_run_logger, runtime, task
@@ -30,7 +28,7 @@ from prefect.client.schemas.objects import FlowRun, State, TaskRun
 from prefect.context import TaskRunContext
 from prefect.tasks import Task, exponential_backoff
 
-from batching import app, config, errors, parquet, pipeline
+from batching import app, config, errors, pipeline
 from batching.runner import TorchRunner
 from flows import artifacts, events, logs, settings
 from flows import lineage as flow_lineage
@@ -89,7 +87,7 @@ def validate_preconditions(
         queue.check_schema()
         ready = queue.stats().by_state.get("ready", 0)
         runner = TorchRunner.load(cfg.model, base_dir=cfg.base_dir)
-        _check_writable(app.make_sink(cfg, queue, res.output))
+        app.open_sink(queue, res).preflight()
     finally:
         queue.engine.dispose()
     report = app.check_config(cfg)
@@ -99,20 +97,6 @@ def validate_preconditions(
         "sha256": runner.checksum,
         "worst_case_latency_s": report.worst_case_latency_s,
     }
-
-
-def _check_writable(sink: Any) -> None:
-    """Write and drop an unnamed file where a Parquet sink stages its files."""
-    if not isinstance(sink, parquet.ParquetSink):
-        return  # a SQL sink writes to the queue database, checked already
-    folder: Path = sink.layout.staging
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        raise errors.SinkError(
-            f"output location {folder} is not writable ({exc.strerror}); fix its permissions"
-        ) from None
 
 
 @retrying_task("score-queue", retries=2, backoff_s=5.0)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from referencing import Registry
 
-from batching import ingest, lineage, parquet, workloads
+from batching import ingest, lineage, parquet_layout, workloads
 from flows import events
 from flows.reconcile import reconcile
 from flows.score import score
@@ -45,7 +45,7 @@ def make_faults(pipeline: Pipeline) -> None:
     files[0].unlink()
     files[1].write_bytes(files[1].read_bytes()[:100])
     staging = pipeline.output.parent / f"{pipeline.output.name}.staging"
-    leftover = f"{uuid.uuid4().hex}.{uuid.uuid4().hex}{parquet.STAGING_SUFFIX}"
+    leftover = f"{uuid.uuid4().hex}.{uuid.uuid4().hex}{parquet_layout.STAGING_SUFFIX}"
     (staging / leftover).write_bytes(b"PAR1 torn")
     _ack_without_output(pipeline)
     _expire_a_lease(pipeline)

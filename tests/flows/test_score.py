@@ -207,7 +207,7 @@ def test_two_workers_score_every_item_once_as_children_of_the_flow_run(
 def test_the_workers_logs_reach_the_flow_run(two_workers: Run) -> None:
     wait_for(
         lambda: any(
-            log.message == "batch committed" and log.name == "batching.parquet"
+            log.message == "batch committed" and log.name.startswith("batching.")
             for log in logs_of(two_workers.run_id)
         ),
         what="a worker's batch committed log in the flow run",

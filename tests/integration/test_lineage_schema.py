@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import pytest
 from referencing import Registry
 
-from batching import config, lineage, lineage_log
+from batching import config, lineage, lineage_log, naming
 from tests import olspec
 
 PRODUCER = "https://github.com/acme/batching/tree/0.1.0"
@@ -36,14 +36,14 @@ def registry() -> Registry:
 
 def datasets(base: Path) -> tuple[lineage.DatasetRef, lineage.DatasetRef, lineage.DatasetRef]:
     items = lineage.DatasetRef(
-        *lineage.sql_dataset_id(DB_URL, "batching_items"),
+        *naming.sql_dataset_id(DB_URL, "batching_items"),
         fields=(("id", "BIGINT"), ("payload", "BYTEA")),
     )
     sqlite_items = lineage.DatasetRef(
-        *lineage.sql_dataset_id(SQLITE_URL, "batching_items", base_dir=base)
+        *naming.sql_dataset_id(SQLITE_URL, "batching_items", base_dir=base)
     )
     results = lineage.DatasetRef(
-        *lineage.file_dataset_id("outputs/results", base_dir=base),
+        *naming.file_dataset_id("outputs/results", base_dir=base),
         fields=(("item_key", "STRING"), ("score", "FLOAT")),
     )
     return items, sqlite_items, results

@@ -36,6 +36,7 @@ from batching import (
     pipeline,
     run_ledger,
     schema,
+    sinks,
     workloads,
 )
 from batching import queue as q
@@ -142,8 +143,9 @@ def reconcile(
     config: cfg.PipelineConfig, url: str, target: Path | str, run_id: str | None = None
 ) -> rc.Report:
     queue = open_queue(url, config)
+    res = wiring.resolve(config, url, str(target))
     report = rc.reconcile(
-        queue, target, output_kind=config.output.kind, now=time.time(), run_id=run_id
+        queue, wiring.open_sink(queue, res, read_only=True), now=time.time(), run_id=run_id
     )
     queue.engine.dispose()
     return report
@@ -283,8 +285,9 @@ def test_a_batch_whose_lease_was_lost_is_not_committed_and_its_items_score_once_
     wrapped: list[ReaperBeforeCommit] = []
 
     def wrap(scorer: pipeline.Scorer) -> None:
-        wrapped.append(ReaperBeforeCommit(scorer.sink, sqlite_url, config))
-        scorer.sink = wrapped[0]
+        assert isinstance(scorer.outputs, sinks.Outputs)
+        wrapped.append(ReaperBeforeCommit(scorer.outputs.sink, sqlite_url, config))
+        scorer.outputs.sink = wrapped[0]
 
     first = score(config, sqlite_url, root, on_scorer=wrap)
     second = score(config, sqlite_url, root)  # picks up what the first run did not

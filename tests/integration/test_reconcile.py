@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 
-from batching import errors, models, parquet, schema, sinks
+from batching import errors, models, parquet, parquet_layout, schema, sinks, sql_sink
 from batching import queue as q
 from batching import reconcile as rc
 from batching.reconcile import Kind, Severity
@@ -31,8 +31,13 @@ def commit(
 
 
 def run(queue: q.SqlQueue, root: Path | str, clock: FakeClock, **kw: Any) -> rc.Report:
-    kw.setdefault("output_kind", "parquet")
-    report = rc.reconcile(queue, root, now=clock(), **kw)
+    kind, staging = kw.pop("output_kind", "parquet"), kw.pop("staging", None)
+    sink: sinks.Sink = (
+        sql_sink.SqlSink(queue, str(root))
+        if kind == "sql"
+        else parquet.ParquetSink(queue, root, staging=staging)
+    )
+    report = rc.reconcile(queue, sink, now=clock(), **kw)
     json.dumps(report.to_dict())  # always JSON-ready
     return report
 
@@ -58,7 +63,7 @@ def commit_dying_at(
     batch: sinks.ScoredBatch,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Commit ``batch`` with the process dying at the sink's ``step`` (``_record``: staged,
+    """Commit ``batch`` with the process dying at the sink's ``step`` (``record``: staged,
     never committed; ``_publish``: committed, its file still in staging)."""
     with monkeypatch.context() as m:
         m.setattr(sink, step, crash)
@@ -245,7 +250,7 @@ def make_every_fault(
     made["unpublished"] = scored(claim(queue, ["u1"]), clock)
     commit_dying_at(sink, "_publish", made["unpublished"], monkeypatch)
     leftover = scored(claim(queue, ["o1"], lease_s=10), clock)
-    commit_dying_at(sink, "_record", leftover, monkeypatch)
+    commit_dying_at(sink, "record", leftover, monkeypatch)
     made["leftover"] = sink.layout.staging_file(leftover.batch_id, leftover.lease_id)
     clock.advance(11)
     assert queue.release_expired().released == 1
@@ -356,7 +361,7 @@ def test_staging_file_of_a_held_lease_is_left_alone(
 ) -> None:
     c = claim(queue, ["a"])
     batch = scored(c, clock)
-    commit_dying_at(sink, "_record", batch, monkeypatch)
+    commit_dying_at(sink, "record", batch, monkeypatch)
     report = run(queue, root, clock, repair=True)
     assert report.findings == ()
     assert sink.layout.staging_file(batch.batch_id, batch.lease_id).is_file()
@@ -374,7 +379,7 @@ def test_one_repair_reaps_a_dead_scorers_leases_and_moves_its_staging_file(
     """Before: the first --repair reaped the leases, which made the staging file a leftover
     that only a second --repair moved (found by a new-user walkthrough, after a SIGKILL)."""
     batch = scored(claim(queue, ["a", "b"], lease_s=5), clock)
-    commit_dying_at(sink, "_record", batch, monkeypatch)  # staged, then the scorer was killed
+    commit_dying_at(sink, "record", batch, monkeypatch)  # staged, then the scorer was killed
     assert list(sink.layout.staging.iterdir())
     clock.advance(10)
 
@@ -397,7 +402,7 @@ def test_a_file_renamed_while_reconcile_reads_it_is_not_corrupt(
     before, that read as "unreadable", and repair requeued a good batch (a duplicate later)."""
     batch = scored(claim(queue, ["a", "b"]), clock)
     commit_dying_at(sink, "_publish", batch, monkeypatch)  # committed, its file still in staging
-    check = parquet.check_file
+    check = parquet_layout.check_file
 
     def renamed_first(path: Path, **kw: Any) -> Any:
         if path.parent == sink.layout.staging:
@@ -487,9 +492,9 @@ def test_two_queues_sharing_a_sql_results_table_keep_and_reconcile_their_own_out
     queue's output of a shared key was dropped as a replay while its item was acked, and
     reconcile matched that item to the first queue's row: clean (found by a new-user walkthrough)."""
     other = q.SqlQueue(queue.engine, "other", clock=clock)
-    commit(queue, sinks.SqlSink(queue), ["x"], clock)
+    commit(queue, sql_sink.SqlSink(queue), ["x"], clock)
     batch = scored(claim(other, ["x"]), clock)
-    assert sinks.SqlSink(other).commit(batch).n_rows == 1
+    assert sql_sink.SqlSink(other).commit(batch).n_rows == 1
     t = schema.results
     with queue.engine.connect() as conn:
         rows = {r.queue: r for r in conn.execute(sa.select(t).where(t.c.item_key == "x"))}
@@ -507,7 +512,7 @@ def test_two_queues_sharing_a_sql_results_table_keep_and_reconcile_their_own_out
 
 
 def test_sql_lost_writes_are_found_and_requeued(queue: q.SqlQueue, clock: FakeClock) -> None:
-    sink = sinks.SqlSink(queue)
+    sink = sql_sink.SqlSink(queue)
     commit(queue, sink, ["a"], clock)
     clock.advance(100)
     queue.purge(50)
@@ -533,7 +538,7 @@ def test_sql_lost_writes_are_found_and_requeued(queue: q.SqlQueue, clock: FakeCl
 def test_batches_of_another_sink_are_not_judged(
     queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
 ) -> None:
-    commit(queue, sinks.SqlSink(queue), ["s"], clock)
+    commit(queue, sql_sink.SqlSink(queue), ["s"], clock)
     commit(queue, sink, ["p"], clock)
     assert run(queue, root, clock).findings == ()
     assert run(queue, "batching_results", clock, output_kind="sql").findings == ()

@@ -16,7 +16,18 @@ import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 
-from batching import database, errors, models, parquet, schema, sinks
+from batching import (
+    database,
+    errors,
+    models,
+    outcomes,
+    parquet,
+    parquet_layout,
+    schema,
+    sinks,
+    sql_sink,
+)
+from batching import ledger as batch_ledger
 from batching import queue as q
 from tests.conftest import FakeClock
 
@@ -138,15 +149,15 @@ def test_a_visible_file_is_always_committed(
     seen: list[str] = []
 
     def check(step: str) -> None:
-        committed = {r.path for r in ledger(queue) if r.state in sinks.LIVE_STATES}
+        committed = {r.path for r in ledger(queue) if r.state in models.LIVE_BATCH_STATES}
         assert visible(root) <= committed, f"uncommitted file visible after {step}"
         seen.append(step)
 
-    for step in ("_write_staging", "_record", "_publish"):
+    for step in ("stage", "_publish", "publish_staged"):
         monkeypatch.setattr(sink, step, _after(getattr(sink, step), functools.partial(check, step)))
     batch = scored(claim(queue, ["x", "y"]), clock)
     sink.commit(batch)
-    assert seen == ["_write_staging", "_record", "_publish"]
+    assert seen == ["stage", "_publish", "publish_staged"]
     assert len(visible(root)) == 2
 
 
@@ -183,7 +194,7 @@ def test_crash_before_commit_leaves_staging_that_recover_removes(
 ) -> None:
     c = claim(queue, ["a"], lease_s=10)
     batch = scored(c, clock)
-    monkeypatch.setattr(sink, "_record", _raise_crash)
+    monkeypatch.setattr(sink, "record", _raise_crash)
     with pytest.raises(Crash):
         sink.commit(batch)
     staged = sink.layout.staging_file(batch.batch_id, batch.lease_id)
@@ -217,33 +228,35 @@ def test_a_commit_landing_inside_anothers_recover_keeps_its_staged_file(
     if queue.dialect != "postgresql":
         pytest.skip("SQLite's sweep holds the write lock: no commit can land inside it")
     batch = scored(claim(queue, ["a", "b"]), clock)
-    rel = sink.layout.relative_path(batch.batch_id, batch.model_version, batch.scored_at)
-    staged = sink.layout.staging_file(batch.batch_id, batch.lease_id)
-    n_bytes, digest = sink._write_staging(parquet.batch_table(batch), staged)
+    staged = sink.stage(batch)
+    assert staged.path is not None
     landed: list[bool] = []
 
     def commit_once() -> None:  # the live scorer's ack + ledger row, after the first read
         if not landed:
-            sink._record(batch, rel, staged, n_bytes, digest)
+            ids = [i.id for i in batch.items]
+            with queue.begin() as conn:
+                queue.ack_all_or_raise(conn, batch.lease_id, ids, batch.batch_id)
+                sink.record(conn, staged)
             landed.append(True)
 
-    for read in ("held_leases", "_known_batches"):
-        monkeypatch.setattr(parquet, read, _after(getattr(parquet, read), commit_once))
+    monkeypatch.setattr(queue, "held_leases", _after(queue.held_leases, commit_once))
+    monkeypatch.setattr(batch_ledger, "states", _after(batch_ledger.states, commit_once))
     result = parquet.ParquetSink(queue, root).recover()
     assert landed
     assert result.removed_staging == ()
-    assert staged.is_file(), "the live scorer's committed file was deleted"
-    assert sink._try_publish(batch.batch_id, rel, staged)
+    assert staged.path.is_file(), "the live scorer's committed file was deleted"
+    assert sink.publish_staged(staged)
     assert set(read_outputs(root)) == {"a", "b"}
 
 
 def test_a_rewrite_left_by_a_dead_repair_is_swept_once_it_is_old(
     queue: q.SqlQueue, sink: parquet.ParquetSink
 ) -> None:
-    staged = sink.layout.staging_file(str(uuid.uuid4()), parquet.REWRITE)
+    staged = sink.layout.staging_file(str(uuid.uuid4()), parquet_layout.REWRITE)
     staged.write_bytes(b"kept rows of a duplicate repair")
     assert sink.recover().in_flight == (staged.name,)
-    old = staged.stat().st_mtime - parquet.REWRITE_GRACE_S - 1
+    old = staged.stat().st_mtime - parquet_layout.REWRITE_GRACE_S - 1
     os.utime(staged, (old, old))
     assert sink.recover().removed_staging == (staged.name,)
     assert not staged.exists()
@@ -271,7 +284,7 @@ def test_crash_after_commit_is_rolled_forward_by_recover(
     assert set(read_outputs(root)) == {"a", "b"}
     (row,) = ledger(queue)
     assert row.state == "published"
-    assert parquet.ParquetSink(queue, root).recover() == sinks.RecoverResult()
+    assert parquet.ParquetSink(queue, root).recover() == outcomes.RecoverResult()
 
 
 def test_failed_rename_returns_unpublished_and_recover_publishes(
@@ -332,7 +345,7 @@ def results(queue: q.SqlQueue, table: str = "batching_results") -> dict[str, Any
 def test_sql_commit_writes_results_acks_and_ledger_together(
     queue: q.SqlQueue, clock: FakeClock
 ) -> None:
-    sink = sinks.SqlSink(queue)
+    sink = sql_sink.SqlSink(queue)
     c = claim(queue, ["a", "b"])
     batch = scored(c, clock)
     result = sink.commit(batch)
@@ -357,7 +370,7 @@ def test_sql_commit_writes_results_acks_and_ledger_together(
 def test_sql_replay_keeps_the_first_output_and_adds_no_row(
     queue: q.SqlQueue, clock: FakeClock
 ) -> None:
-    sink = sinks.SqlSink(queue)
+    sink = sql_sink.SqlSink(queue)
     first = scored(claim(queue, ["a"]), clock)
     sink.commit(first)
     clock.advance(100)
@@ -407,7 +420,7 @@ def test_a_custom_results_table_keyed_the_old_way_is_rekeyed_with_its_rows(
     """A table made before migration 9 (keyed without the queue) is rekeyed when a sink opens
     it: its rows stay, and a second queue can then store its output of a shared key."""
     _old_results_table(queue, name)
-    sink = sinks.SqlSink(queue, name)
+    sink = sql_sink.SqlSink(queue, name)
     with queue.engine.connect() as conn:
         key = sa.inspect(conn).get_pk_constraint(name)["constrained_columns"]
     assert set(key) == set(schema.RESULTS_KEY)
@@ -416,7 +429,7 @@ def test_a_custom_results_table_keyed_the_old_way_is_rekeyed_with_its_rows(
     with queue.engine.connect() as conn:
         queues = sorted(r.queue for r in conn.execute(sa.select(t).where(t.c.item_key == "x")))
     assert queues == sorted(["elsewhere", queue.queue])
-    assert sinks.SqlSink(queue, name).commit(scored(claim(queue, ["y"]), clock)).n_rows == 1
+    assert sql_sink.SqlSink(queue, name).commit(scored(claim(queue, ["y"]), clock)).n_rows == 1
 
 
 def test_an_old_sqlite_results_table_with_columns_of_its_own_is_refused_not_rebuilt(
@@ -426,14 +439,14 @@ def test_an_old_sqlite_results_table_with_columns_of_its_own_is_refused_not_rebu
     queue = q.SqlQueue(engine, "sinks", clock=clock)
     _old_results_table(queue, "mine", "note TEXT")
     with pytest.raises(errors.SchemaError, match=r"columns batching does not declare \(note\)"):
-        sinks.SqlSink(queue, "mine")
+        sql_sink.SqlSink(queue, "mine")
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT note, item_key FROM mine")).all() == [(None, "x")]
     engine.dispose()
 
 
 def test_sql_commit_with_a_lost_lease_writes_nothing(queue: q.SqlQueue, clock: FakeClock) -> None:
-    sink = sinks.SqlSink(queue)
+    sink = sql_sink.SqlSink(queue)
     c = claim(queue, ["a"], lease_s=10)
     batch = scored(c, clock)
     clock.advance(11)
@@ -448,10 +461,10 @@ def test_sql_commit_with_a_lost_lease_writes_nothing(queue: q.SqlQueue, clock: F
 
 def test_sql_custom_table_is_created_and_checked(queue: q.SqlQueue, clock: FakeClock) -> None:
     name = f"scores_{uuid.uuid4().hex[:6]}"
-    sink = sinks.SqlSink(queue, name)
+    sink = sql_sink.SqlSink(queue, name)
     sink.commit(scored(claim(queue, ["a"]), clock))
     assert set(results(queue, name)) == {"a"}
     assert sink.describe()["location"] == name
     assert ("output_dim", "integer") in sink.describe()["fields"]
     with pytest.raises(errors.ConfigError, match="SQL identifier"):
-        sinks.SqlSink(queue, "bad-name; drop")
+        sql_sink.SqlSink(queue, "bad-name; drop")

@@ -12,7 +12,7 @@ import pytest
 from openlineage.client.serde import Serde
 from openlineage.client.transport import Transport
 
-from batching import config, errors, lineage, lineage_log
+from batching import config, errors, lineage, lineage_log, naming
 from tests.conftest import FakeClock
 
 RUN_ID = "0190f6a1-0000-7000-8000-000000000001"
@@ -118,7 +118,7 @@ def test_redact_mapping_masks_secret_keys_and_urls_but_keeps_other_values() -> N
 def test_sql_dataset_id_follows_the_naming_spec(
     url: str, table: str, schema: str | None, expected: tuple[str, str]
 ) -> None:
-    assert lineage.sql_dataset_id(url, table, schema=schema, base_dir=Path("/base")) == expected
+    assert naming.sql_dataset_id(url, table, schema=schema, base_dir=Path("/base")) == expected
 
 
 @pytest.mark.parametrize(
@@ -131,7 +131,7 @@ def test_sql_dataset_id_follows_the_naming_spec(
 )
 def test_sql_dataset_id_rejects_bad_urls_without_showing_the_password(url: str, fix: str) -> None:
     with pytest.raises(errors.ConfigError, match=fix) as info:
-        lineage.sql_dataset_id(url, "t")
+        naming.sql_dataset_id(url, "t")
     assert "secret" not in str(info.value)
 
 
@@ -145,7 +145,7 @@ def test_sql_dataset_id_rejects_bad_urls_without_showing_the_password(url: str, 
     ],
 )
 def test_file_dataset_id(path: str, expected: tuple[str, str]) -> None:
-    assert lineage.file_dataset_id(path, base_dir=Path("/base")) == expected
+    assert naming.file_dataset_id(path, base_dir=Path("/base")) == expected
 
 
 @pytest.mark.parametrize(
@@ -306,7 +306,7 @@ def test_an_api_key_in_a_config_file_is_refused_with_where_it_goes() -> None:
 # ----------------------------------------------------------------------------- events
 
 ITEMS = lineage.DatasetRef(
-    *lineage.sql_dataset_id(SECRET_URL, "batching_items"), fields=(("id", "BIGINT"),)
+    *naming.sql_dataset_id(SECRET_URL, "batching_items"), fields=(("id", "BIGINT"),)
 )
 RESULTS = lineage.DatasetRef("file", "/srv/outputs/results", fields=(("item_key", "STRING"),))
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batching import config, errors, models, pipeline
+from batching import config, errors, models, outcomes, pipeline
 from tests.conftest import FakeClock
 
 # ----------------------------------------------------------------------------- fakes
@@ -91,7 +91,7 @@ class InMemoryQueue:
             return True
 
     def fail(
-        self, lease_id: str, failures: dict[int, str], *, retry: bool = True
+        self, lease_id: str, failures: Mapping[int, str], *, retry: bool = True
     ) -> models.FailResult:
         with self._lock:
             self.fail_calls.append((lease_id, dict(failures)))
@@ -105,7 +105,7 @@ class InMemoryQueue:
                     retried += 1
             return models.FailResult(retried, dead)
 
-    def release(self, lease_id: str, ids: list[int] | None = None) -> int:
+    def release(self, lease_id: str, ids: Sequence[int] | None = None) -> int:
         with self._lock:
             held = self._held(lease_id, ids)
             for row in held:
@@ -139,17 +139,6 @@ class Scored:
     outputs: Mapping[int, Any]
 
 
-def make_scored(
-    items: Sequence[models.WorkItem], lease_id: str, outputs: Mapping[int, Any], scored_at: float
-) -> Scored:
-    return Scored(lease_id, items, outputs)
-
-
-@dataclass(frozen=True)
-class Committed:
-    n_bytes: int
-
-
 class ListSink:
     """Keeps committed batches in a list; acks through the queue, all or nothing."""
 
@@ -160,30 +149,27 @@ class ListSink:
         self.before_commit: Callable[[Scored], None] | None = None
         self.committed = threading.Semaphore(0)  # released once per commit
 
-    def commit(self, batch: Scored) -> Committed:
+    def commit(
+        self,
+        items: Sequence[models.WorkItem],
+        lease_id: str,
+        outputs: Mapping[int, Any],
+        scored_at: float,
+    ) -> outcomes.CommitResult:
+        batch = Scored(lease_id, items, outputs)
         if self.before_commit is not None:
             self.before_commit(batch)
         if not self.queue.ack(batch.lease_id, [i.id for i in batch.items]):
             raise errors.LeaseLost(f"lease {batch.lease_id} lost")
         self.batches.append(batch)
         self.committed.release()
-        return Committed(n_bytes=10 * len(batch.items))
+        return outcomes.CommitResult(lease_id, len(items), "list", n_bytes=10 * len(items))
 
     def flush(self) -> None:
         self.flushes += 1
 
     def keys(self) -> Counter[str]:
         return Counter(i.item_key for b in self.batches for i in b.items)
-
-
-@dataclass
-class Result:
-    outputs: dict[int, Any]
-    failures: dict[int, str]
-    service_s: float = 0.01
-    real_tokens: int = 0
-    padded_tokens: int = 0
-    undecodable: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -205,7 +191,9 @@ class FakeRunner:
         bad = {i.id: "payload is not valid JSON" for i in items if i.payload.data == b"undecodable"}
         return [i for i in items if i.id not in bad], bad
 
-    def forward(self, decoded: tuple[list[models.WorkItem], dict[int, str]]) -> Result:
+    def forward(
+        self, decoded: tuple[list[models.WorkItem], dict[int, str]]
+    ) -> outcomes.ScoreResult:
         self.forwarded += 1
         if self.on_forward is not None:
             self.on_forward(self.forwarded)
@@ -218,7 +206,9 @@ class FakeRunner:
                 failures[item.id] = "RuntimeError: poison"
             else:
                 outputs[item.id] = np.array([float(item.id)], dtype=np.float32)
-        return Result(outputs, failures, 0.01, len(items), len(items), undecodable)
+        return outcomes.ScoreResult(
+            outputs, failures, 0.01, len(items), len(items), undecodable=undecodable
+        )
 
 
 def make_config(
@@ -282,7 +272,6 @@ def rig(
         queue,
         runner,
         sink,
-        make_scored,
         clock=clock,
         on_progress=lambda stats: progress.append(stats.committed),
         wait_for_work=wait,
@@ -503,7 +492,7 @@ def test_a_failed_release_still_ends_every_stage_and_the_heartbeats() -> None:
     r = rig(keys(20), max_batch_size=4, claim_size=20, heartbeat_s=0.01)
     r.runner.on_decode = lambda n: r.scorer.stop() if n == 2 else None
 
-    def release(lease_id: str, ids: list[int] | None = None) -> int:
+    def release(lease_id: str, ids: Sequence[int] | None = None) -> int:
         raise errors.QueueError("database gone")
 
     r.queue.release = release  # type: ignore[method-assign]
@@ -613,7 +602,7 @@ def test_a_lost_lease_is_counted_not_committed_and_its_items_are_scored_again() 
     assert first.summary()["lease_lost_items"] == 4
     assert first.commits == len(r.sink.batches)  # the refused commit is not counted
     assert lost[0].lease_id not in {b.lease_id for b in r.sink.batches}
-    second = pipeline.Scorer(make_config(max_batch_size=4), r.queue, r.runner, r.sink, make_scored)
+    second = pipeline.Scorer(make_config(max_batch_size=4), r.queue, r.runner, r.sink)
     second.run()  # whatever the first run did not pick up again
     assert r.sink.keys() == Counter(keys(8))
     assert first.committed + second.stats.committed == 8

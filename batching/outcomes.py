@@ -1,0 +1,67 @@
+"""What the stages report back: a scored batch (``ScoreResult``), a commit (``CommitResult``)
+and a start-up recovery (``RecoverResult``); standard library only.
+
+The model runner produces the first, the outputs layer the other two; the scoring loop reads
+all three without knowing who made them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreResult:
+    """Outputs of one batch: ``outputs`` (id -> float32 ``[output_dim]``; a batch scored in
+    one pass without a failure gives them as one matrix, ``models.OutputRows``) and
+    ``failures``.
+
+    Every input item is in exactly one of the two. ``service_s`` is forward wall seconds (copies
+    in and out included); ``n_forward`` counts model calls (more than 1 after splits).
+    ``undecodable``: the failed items whose payload this model cannot read (a wrong shape,
+    dtype or field): no retry can help them, unlike a failure in the forward pass.
+    """
+
+    outputs: Mapping[int, npt.NDArray[np.float32]]
+    failures: dict[int, str]
+    service_s: float
+    real_tokens: int
+    padded_tokens: int
+    batch_error: str | None = None
+    n_forward: int = 0
+    undecodable: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """What a commit wrote.
+
+    ``location``: the file path relative to the dataset root, or the table name. ``n_rows``:
+    rows written (a replayed SQL key is counted in ``n_replayed`` instead). ``n_bytes``: file
+    size in bytes (None when the sink writes no file of its own). ``published`` is False when
+    the batch committed but is not visible yet (a rename or a roll-forward failed); the
+    sink's ``recover()`` and reconcile's repair publish it.
+    """
+
+    batch_id: str
+    n_rows: int
+    location: str
+    n_bytes: int | None = None
+    published: bool = True
+    n_replayed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RecoverResult:
+    """What a sink's ``recover()`` did: batches published (rolled forward), staging files
+    deleted, staging files kept because their lease is still held (a commit may be in flight)."""
+
+    rolled_forward: tuple[str, ...] = ()
+    removed_staging: tuple[str, ...] = ()
+    in_flight: tuple[str, ...] = ()
