@@ -55,7 +55,7 @@ class Resolved:
 
     @property
     def output(self) -> str:
-        """The dataset root or the results table."""
+        """The dataset root, the results table or the Delta table URI."""
         return self.target.where
 
 
@@ -97,7 +97,7 @@ def output_target(config: cfg.PipelineConfig, output: str | None) -> registry.Ta
     if "://" not in where:  # a local folder: relative to the config's (--output: the cwd's)
         local = Path(where) if output else config.resolve(where) or Path(where)
         where = str(local.expanduser().resolve())
-    return registry.Target(out.kind, where)
+    return registry.Target(out.kind, where, storage_options=dict(out.storage_options))
 
 
 def _sql_events_dir(config: cfg.PipelineConfig) -> Path:

@@ -419,7 +419,8 @@ def demo(
     sink: Annotated[
         str,
         typer.Option(
-            help="Where outputs go: parquet (a dataset per queue) or sql (a table in the database)."
+            help="Where outputs go: parquet (a dataset per queue), delta (a Delta table per "
+            "queue; needs `pip install 'batching[delta]'`) or sql (a table in the database)."
         ),
     ] = "parquet",
 ) -> None:

@@ -173,16 +173,23 @@ class BatchingPolicy(_Model):
         return self.claim_size or self.max_batch_size * 4
 
 
-class OutputConfig(_Model):
-    """Where committed outputs go: a Parquet dataset or a SQL results table."""
+_CREDENTIAL = re.compile(r"(?i)(secret|password|token|credential|sas|access_key|account_key)")
 
-    kind: Literal["parquet", "sql"] = "parquet"
-    # The Parquet dataset root; a relative path starts from the config file's folder.
+
+class OutputConfig(_Model):
+    """Where committed outputs go: a Parquet dataset, a SQL results table or a Delta table."""
+
+    kind: Literal["parquet", "sql", "delta"] = "parquet"
+    # The Parquet dataset root, or the Delta table: a folder or an object-store URI
+    # (s3://bucket/path); relative paths start from the config file's folder.
     path: str = Field("outputs", min_length=1)
     table: str = "batching_results"
     # kind sql: the database of the results table when it is not the queue's (a warehouse);
     # outputs then roll forward from the queue's outbox. Credentials: PGPASSWORD / ~/.pgpass.
     url: str | None = None
+    # kind delta: delta-rs's object-store settings (AWS_REGION, AWS_ENDPOINT_URL, ...).
+    # Credentials stay in the scorer's environment, where delta-rs reads them.
+    storage_options: dict[str, str] = Field(default_factory=dict)
     max_rows_per_commit: int = Field(8192, ge=1)
     # How long the commit stage may gather scored batches into one commit (one file): 0 =
     # commit whatever is waiting as soon as the stage is free. A bulk run whose model is the
@@ -207,12 +214,26 @@ class OutputConfig(_Model):
             )
         return value
 
+    @field_validator("storage_options")
+    @classmethod
+    def _no_credentials(cls, value: dict[str, str]) -> dict[str, str]:
+        secret = sorted(k for k in value if _CREDENTIAL.search(k))
+        if secret:
+            raise ValueError(
+                f"{', '.join(secret)}: a credential does not belong in a config file; remove "
+                "it and set it in the scorer's environment, where delta-rs reads it (e.g. "
+                "AWS_SECRET_ACCESS_KEY)"
+            )
+        return value
+
     @model_validator(mode="after")
     def _settings_of_its_kind(self) -> OutputConfig:
         if self.url is not None and self.kind != "sql":
             raise ValueError(
                 f"url is a setting of kind sql (a table in another database), not {self.kind}"
             )
+        if self.storage_options and self.kind != "delta":
+            raise ValueError(f"storage_options is a setting of kind delta, not {self.kind}")
         return self
 
 

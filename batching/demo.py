@@ -16,8 +16,8 @@ from batching.config import load_config
 DEPLOYMENTS = Path(__file__).resolve().parents[1] / "deployments"
 
 
-SINKS = ("parquet", "sql")
-"""What the demo can write: a Parquet dataset per queue, or one SQL table."""
+SINKS = ("parquet", "delta", "sql")
+"""What the demo can write: a Parquet dataset and a Delta table per queue, or one SQL table."""
 
 
 def _config(name: str, sink: str) -> Any:
@@ -96,6 +96,11 @@ def _read(sink: str, where: str, db: str, queue: str) -> tuple[list[dict[str, An
         table = ds.dataset(where, format="parquet", partitioning="hive").to_table()
         n_files = len(list(Path(where).rglob("*.parquet")))
         return table.to_pylist(), f"{where} (Parquet, {n_files} file(s))"
+    if sink == "delta":
+        from batching import delta
+
+        table = delta.DeltaSink.read(where, "SELECT item_key, output, model_version FROM t")
+        return table.to_pylist(), f"{where} (Delta table)"
     import numpy as np
     import sqlalchemy as sa
 

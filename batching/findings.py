@@ -44,7 +44,7 @@ from batching import models
 from batching.facts import BatchFacts, DoneItem, StagingFile
 
 OutputKind = str
-"""The sink that wrote the outputs judged (``sinks.Sink.kind``): ``parquet`` or ``sql``."""
+"""The sink that wrote the outputs judged (``sinks.Sink.kind``): ``parquet``, ``sql`` or ``delta``."""
 SAMPLE_KEYS = 50
 """At most this many item keys are listed in an info or sla_miss finding (counts are exact)."""
 

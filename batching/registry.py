@@ -18,7 +18,7 @@ from batching import errors, naming, protocols, sinks
 class Target:
     """Where a run's outputs go, after the CLI's and the flow's overrides.
 
-    ``where``: the Parquet dataset root or the results table. ``url``:
+    ``where``: the Parquet dataset root, the results table, or the Delta table URI. ``url``:
     the database of a results table outside the queue's (None: the queue's). ``scorer``: the
     sink is a scoring run's (the Parquet sink then defers its ledger marks). ``read_only``:
     opened to be read (reconcile), it creates nothing until it writes.
@@ -58,6 +58,17 @@ def _sql(fence: protocols.Fence, target: Target) -> sinks.Sink:
     return sql_sink.WarehouseSqlSink(fence, target.url, target.where)
 
 
+def _delta(fence: protocols.Fence, target: Target) -> sinks.Sink:
+    try:
+        from batching.delta import DeltaSink
+    except ImportError as exc:
+        raise errors.ConfigError(
+            f"output.kind delta needs the deltalake package ({exc}); install it: "
+            "pip install 'batching[delta]'"
+        ) from None
+    return DeltaSink(fence, target.where, storage_options=target.storage_options)
+
+
 def _sql_dataset(target: Target, queue_url: str) -> tuple[str, str]:
     return naming.sql_dataset_id(target.url or queue_url, target.where)
 
@@ -73,6 +84,7 @@ def _local(target: Target) -> Path | None:
 SINKS: dict[str, SinkKind] = {
     "parquet": SinkKind(_parquet, _path_dataset, _local),
     "sql": SinkKind(_sql, _sql_dataset, lambda _target: None),
+    "delta": SinkKind(_delta, _path_dataset, _local),
 }
 
 

@@ -10,7 +10,7 @@ commit is composed from the two by :func:`commit`, the one place the protocol li
    items (compare-and-set on the lease: ``LeaseLost``, and nothing is written, when any is no
    longer held), then ``sink.record(conn, staged)`` inserts the batch's ledger row, and with it
    whatever must commit with the ack: the results of a table in that database, or the batch's
-   rows in the outbox for a sink that writes elsewhere (a table in another database).
+   rows in the outbox for a sink that writes elsewhere (a Delta table, a warehouse table).
 3. ``sink.publish_staged(staged)``: make it visible (rename into the dataset; roll the outbox
    forward into the table). A failure here leaves a ``committed`` ledger row that the sink's
    ``recover()`` at the next start-up and reconcile's repair roll forward, idempotently.
@@ -20,9 +20,10 @@ re-scored once their lease expires); after it, a ledger row that rolls forward i
 visible copy. Each sink also answers what reconcile and the flows need of its output: its
 ``preflight`` (can it be written), its facts (see :mod:`batching.facts`), its repairs.
 
-Sinks: ``parquet`` (:mod:`batching.parquet`) and ``sql`` (:mod:`batching.sql_sink`; in another
-database through :mod:`batching.outbox`); :mod:`batching.registry` opens the one a config
-names. OS and pyarrow errors become ``errors.SinkError`` in :func:`translate_errors` only.
+Sinks: ``parquet`` (:mod:`batching.parquet`), ``sql`` (:mod:`batching.sql_sink`; in another
+database through :mod:`batching.outbox`) and ``delta`` (:mod:`batching.delta`, through the
+outbox too); :mod:`batching.registry` opens the one a config names. OS and pyarrow errors
+become ``errors.SinkError`` in :func:`translate_errors` only.
 """
 
 from __future__ import annotations

@@ -6,15 +6,16 @@ PostgreSQL database ``chaos_*``, dropped after the round):
   1. `batching init`, then `batching enqueue` of 500-12,000 W1 rows (queue ``tabular``,
      sometimes ``--max-attempts`` 1 or 2), with a copy of ``deployments/tabular.yaml``:
      lease_s 3-5, shipped or small batches, and one output: the Parquet dataset, the SQL
-     results table, or a results table in another database (rolled forward from the outbox);
+     results table, a results table in another database or a Delta table (the last two
+     roll forward from the outbox);
   2. 1-4 times: `batching score` (1 or 2 workers) as a process group of its own, sometimes with
      `batching reconcile [--repair]` beside it, then one blow after a random delay or a random
      share of the work: SIGKILL to the parent, to one worker or to the whole group, SIGTERM,
      SIGTERM then SIGKILL, or none (it runs to the end);
   3. drain: wait out the leases, `batching score --until-empty` until nothing is ready or
      leased, `batching reconcile --repair` (drain again if it requeued), `batching reconcile`;
-  4. check, from the database and the outputs (pyarrow reads every visible Parquet file):
-     every item done with exactly one output row, in the batch its
+  4. check, from the database and the outputs (pyarrow reads every visible Parquet file,
+     deltalake the Delta table): every item done with exactly one output row, in the batch its
      row names, or dead/expired with a reason; no unknown key, no key twice; every visible file
      a live ledger row (committed or published) with its path, row count and sha256; after the
      drain, no batch left committed or in the outbox. The same check runs after each blow and
@@ -57,10 +58,12 @@ from typing import Any, NoReturn
 import pyarrow.parquet as pq
 import sqlalchemy as sa
 import yaml
+from deltalake import DeltaTable
 
 from batching import database as db
 from batching import models, schema, workloads
 from batching.config import load_config
+from batching.delta import DeltaSink
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deployments"
 BATCHING = Path(sys.executable).with_name("batching")
@@ -73,9 +76,9 @@ BLOWS = (
     "sigterm+sigkill",
     "none",
 )
-SINKS = ("parquet", "sql", "warehouse")
-"""Outputs a round writes: a Parquet dataset, the queue database's results table, or a results
-table in another database (rolled forward from the outbox)."""
+SINKS = ("parquet", "sql", "warehouse", "delta")
+"""Outputs a round writes: a Parquet dataset, the queue database's results table, a results
+table in another database (rolled forward from the outbox), a Delta table (likewise)."""
 BATCHING_SETTINGS: tuple[dict[str, int], ...] = (
     {},  # shipped: 2048 / 8192
     {"max_batch_size": 64, "claim_size": 128},
@@ -261,7 +264,7 @@ class Round:
         """A copy of tabular.yaml with this round's settings, validated by the project."""
         data = yaml.safe_load((DEPLOY / "tabular.yaml").read_text())
         self.lease_s = float(self.rng.choice((3, 4, 5)))
-        self.sink = self.rng.choices(SINKS, weights=(60, 20, 20))[0]
+        self.sink = self.rng.choices(SINKS, weights=(45, 15, 15, 25))[0]
         data["database"]["url"] = self.db_url
         data["queue"]["lease_s"] = self.lease_s
         data["batching"].update(self.rng.choice(BATCHING_SETTINGS))
@@ -553,7 +556,7 @@ class Round:
     def check(self, stage: str, *, final: bool) -> None:
         """Items, ledger and outputs agree; each problem is a violation naming ``stage``."""
         root = self.work / "outputs"
-        # Outputs read first: a file (a warehouse row) appears after its ledger row.
+        # Outputs read first: a file (a Delta commit, a warehouse row) appears after its row.
         files = sorted(root.rglob("*.parquet")) if self.sink == "parquet" else []
         table = self.outside_rows(root)
         with self.engine.connect() as conn:
@@ -577,7 +580,12 @@ class Round:
         self.violations += [f"{stage}: {p}" for p in problems]
 
     def outside_rows(self, root: Path) -> list[tuple[str, str]]:
-        """``(item_key, batch_id)`` of every row of a warehouse table."""
+        """``(item_key, batch_id)`` of every row of a Delta table or a warehouse table."""
+        if self.sink == "delta":
+            if not DeltaTable.is_deltatable(str(root)):
+                return []
+            got = DeltaSink.read(str(root), "SELECT item_key, batch_id FROM t")
+            return list(zip(got["item_key"].to_pylist(), got["batch_id"].to_pylist(), strict=True))
         if self.sink == "warehouse" and (self.work / "warehouse.db").is_file():
             engine = db.create_engine(self.warehouse_url)
             try:
@@ -643,7 +651,7 @@ class Round:
             if state is models.State.DONE:
                 if final and not found:
                     problems.append(f"{key}: done in batch {item.batch_id}, no output row")
-                if found and self.sink == "parquet" and found[0] != item.batch_id:
+                if found and self.sink in ("parquet", "delta") and found[0] != item.batch_id:
                     problems.append(f"{key}: done in batch {item.batch_id}, row in {found[0]}")
             elif found:
                 problems.append(f"{key}: {state.name} but has an output row in {found[0]}")

@@ -3,7 +3,7 @@
     python kill_at.py POINT [N] -- ARGS
 
 POINT ``before-write``: the ledger row and the outbox row have committed with the ack, the
-output (the upsert) not yet; ``after-write``: the output has the batch, the ledger's
+output (Delta commit, upsert) not yet; ``after-write``: the output has the batch, the ledger's
 ``published`` mark not yet. ``N`` (default 1): at the Nth batch. The process dies by the
 kernel's hand, as an OOM kill would take it: no ``finally`` runs.
 """

@@ -1,6 +1,6 @@
-"""Two `batching score` processes writing one results table in another database, each
-SIGKILLed for real between the queue's commit and the output's: a restart and reconcile
-leave every item exactly once."""
+"""Two `batching score` processes writing one Delta table (or one results table in another
+database), each SIGKILLed for real between the queue's commit and the output's: a restart
+and reconcile leave every item exactly once, read back with ``deltalake`` and DuckDB."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from batching import config as cfg
 from tests.integration.conftest import BATCHING
-from tests.integration.outputs_read import sql_rows
+from tests.integration.outputs_read import delta_rows, duckdb_delta_rows, sql_rows
 from tests.integration.test_pipeline import SLOW, enqueue, items, w1_records, write_config
 
 N = 2000
@@ -25,6 +25,8 @@ LEASE_S = 2.0
 
 
 def output_settings(kind: str, tmp_path: Path) -> dict[str, Any]:
+    if kind == "delta":
+        return {"kind": "delta"}  # at tmp_path / "outputs" (write_config)
     return {"kind": "sql", "table": "results", "url": f"sqlite:///{tmp_path / 'warehouse.db'}"}
 
 
@@ -33,13 +35,18 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def rows_by_key(kind: str, tmp_path: Path) -> Counter[str]:
+    if kind == "delta":
+        uri = str(tmp_path / "outputs")
+        keys = Counter(r["item_key"] for r in delta_rows(uri))
+        assert keys == Counter(k for k, _ in duckdb_delta_rows(uri)), "the readers disagree"
+        return keys
     return Counter(
         r["item_key"] for r in sql_rows(f"sqlite:///{tmp_path / 'warehouse.db'}", "results")
     )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["warehouse"])
+@pytest.mark.parametrize("kind", ["delta", "warehouse"])
 def test_two_scorers_killed_between_the_queue_commit_and_the_output_lose_nothing(
     kind: str, sqlite_url: str, tmp_path: Path
 ) -> None:

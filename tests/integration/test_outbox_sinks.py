@@ -1,28 +1,36 @@
-"""The sinks that roll forward from the outbox (a results table in another database) on a
-real SQLite file and a real PostgreSQL queue, read back with SQLAlchemy, with crashes at every
-step between the queue's commit and the output's."""
+"""The sinks that roll forward from the outbox (a Delta table; a results table in another
+database) on a real SQLite file and a real PostgreSQL queue, read back with ``deltalake``,
+DuckDB's delta reader and SQLAlchemy, with crashes at every step between the queue's commit
+and the output's."""
 
 from __future__ import annotations
 
+import shutil
+import socket
+import subprocess
+import sys
 import threading
+import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import sqlalchemy as sa
+from deltalake import DeltaTable, write_deltalake
 
-from batching import errors, ledger, models, outbox, schema, sinks, sql_sink
+from batching import delta, errors, ledger, models, outbox, schema, sinks, sql_sink
 from batching import queue as q
 from batching import reconcile as rc
 from batching.reconcile import Kind, Severity
-from tests.conftest import FakeClock
-from tests.integration.outputs_read import sql_rows
+from tests.conftest import FakeClock, wait_for
+from tests.integration.outputs_read import delta_rows, duckdb_delta_rows, sql_rows
 from tests.integration.test_sinks import Crash, claim, items, scored
 from tests.integration.test_sinks import ledger as ledger_rows
 
-KINDS = ["warehouse"]
+KINDS = ["delta", "warehouse"]
 
 
 class Output:
@@ -30,16 +38,27 @@ class Output:
 
     def __init__(self, kind: str, tmp_path: Path) -> None:
         self.kind = kind
+        self.uri = str(tmp_path / "table")
         self.url = f"sqlite:///{tmp_path / 'warehouse.db'}"
 
     def open(self, queue: q.SqlQueue) -> outbox.OutboxSink:
+        if self.kind == "delta":
+            return delta.DeltaSink(queue, self.uri)
         return sql_sink.WarehouseSqlSink(queue, self.url, "results")
 
     def rows(self) -> list[tuple[str, str]]:
         """``(item_key, batch_id)`` of every row a reader sees."""
+        if self.kind == "delta":
+            if not DeltaTable.is_deltatable(self.uri):
+                return []
+            found = [(r["item_key"], r["batch_id"]) for r in delta_rows(self.uri)]
+            assert sorted(found) == sorted(duckdb_delta_rows(self.uri)), "readers disagree"
+            return found
         return [(r["item_key"], r["batch_id"]) for r in sql_rows(self.url, "results")]
 
     def outputs(self) -> dict[str, list[float]]:
+        if self.kind == "delta":
+            return {r["item_key"]: r["output"] for r in delta_rows(self.uri)}
         return {r["item_key"]: r["output"] for r in sql_rows(self.url, "results")}
 
 
@@ -279,11 +298,15 @@ def test_a_lost_output_row_is_found_and_requeued(
 ) -> None:
     batch = scored(claim(queue, ["a", "b"]), clock)
     sink.commit(batch)
-    engine = sa.create_engine(output.url)
-    with engine.begin() as conn:
-        conn.execute(sa.text("DELETE FROM results WHERE item_key = 'b'"))
-    engine.dispose()
-    expected = (Kind.LOST_WRITE, Severity.CRITICAL)
+    if output.kind == "delta":
+        DeltaTable(output.uri).delete("item_key = 'b'")
+        expected = (Kind.TRUNCATED_OR_CORRUPT, Severity.CRITICAL)  # 1 row of the ledger's 2
+    else:
+        engine = sa.create_engine(output.url)
+        with engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM results WHERE item_key = 'b'"))
+        engine.dispose()
+        expected = (Kind.LOST_WRITE, Severity.CRITICAL)
     report = reconcile(queue, sink, clock)
     assert [(f.kind, f.severity) for f in report.findings] == [expected]
     reconcile(queue, sink, clock, repair=True)
@@ -292,3 +315,169 @@ def test_a_lost_output_row_is_found_and_requeued(
     sink.commit(scored(again, clock))
     assert reconcile(queue, sink, clock).findings == ()
     assert Counter(k for k, _ in output.rows()) == Counter("ab")
+
+
+# ----------------------------------------------------------------------------- Delta only
+
+
+@pytest.fixture
+def table(tmp_path: Path, queue: q.SqlQueue) -> delta.DeltaSink:
+    return delta.DeltaSink(queue, str(tmp_path / "table"))
+
+
+def append(sink: delta.DeltaSink, batch: sinks.ScoredBatch) -> None:
+    """Rows written behind the ledger's back (a bug, a hand-made fix): what reconcile is for."""
+    rows = delta._delta_rows(sinks.batch_table(batch), batch.model_version)
+    write_deltalake(sink.uri, rows, mode="append", partition_by=delta.PARTITIONS)
+
+
+def test_delta_rows_of_a_batch_the_ledger_does_not_know_are_orphans_set_aside(
+    queue: q.SqlQueue, table: delta.DeltaSink, clock: FakeClock
+) -> None:
+    table.commit(scored(claim(queue, ["a"]), clock))
+    stray = scored(claim(queue, ["x"]), clock)
+    append(table, stray)
+    report = reconcile(queue, table, clock)
+    assert [(f.kind, f.severity, f.batch_ids) for f in report.findings] == [
+        (Kind.ORPHAN_FILE, Severity.CRITICAL, (stray.batch_id,))
+    ]
+    repaired = reconcile(queue, table, clock, repair=True)
+    assert [r.action for r in repaired.repairs] == ["quarantine"]
+    assert [r["item_key"] for r in delta_rows(table.uri)] == ["a"]
+    # Set aside, not destroyed: the version before the repair still has them.
+    old = DeltaTable(table.uri, version=DeltaTable(table.uri).version() - 1)
+    assert old.count() == 2
+
+
+def test_a_delta_batch_written_twice_is_found_and_repaired_to_one_copy(
+    queue: q.SqlQueue, table: delta.DeltaSink, clock: FakeClock
+) -> None:
+    batch = scored(claim(queue, ["a", "b"]), clock)
+    table.commit(batch)
+    append(table, batch)  # the same batch again: what the transaction id prevents
+    report = reconcile(queue, table, clock)
+    assert [(f.kind, f.severity) for f in report.findings] == [
+        (Kind.TRUNCATED_OR_CORRUPT, Severity.CRITICAL)
+    ]
+    assert "4 rows in the table, ledger says 2" in report.findings[0].message
+    reconcile(queue, table, clock, repair=True)
+    again = queue.claim(10, lease_s=30)
+    assert {i.item_key for i in again.items} == {"a", "b"}
+    table.commit(scored(again, clock))
+    assert reconcile(queue, table, clock).findings == ()
+    assert Counter(r["item_key"] for r in delta_rows(table.uri)) == Counter("ab")
+
+
+def test_a_batch_whose_transaction_id_expired_is_found_in_the_log_or_the_rows(
+    queue: q.SqlQueue, table: delta.DeltaSink, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch = scored(claim(queue, ["a"]), clock)
+    table.commit(batch)
+    dt = table.table()
+    # The table no longer knows this writer (its id expired): the log names the batch...
+    gone = outbox.Pending(batch.batch_id, "v1", "run-1", 0.0, "expired-writer", 1)
+    assert table._holds(dt, gone)
+    other = outbox.Pending("not-there", "v1", "run-1", 0.0, "expired-writer", 1)
+    assert not table._holds(dt, other)
+    # ... and when the log was cleaned up too, the rows do.
+    monkeypatch.setattr(delta, "_in_history", lambda *_: None)
+    assert table._holds(dt, gone)
+    assert not table._holds(dt, other)
+
+
+def test_reconcile_of_another_delta_location_says_so_and_creates_nothing(
+    queue: q.SqlQueue, table: delta.DeltaSink, clock: FakeClock, tmp_path: Path
+) -> None:
+    table.commit(scored(claim(queue, ["a"]), clock))
+    wrong = delta.DeltaSink(queue, str(tmp_path / "typo"))
+    report = reconcile(queue, wrong, clock)
+    assert [(f.kind, f.severity, f.files) for f in report.findings] == [
+        (Kind.OTHER_DATASET, Severity.WARNING, (table.uri,))
+    ]
+    assert not report.clean
+    assert not (tmp_path / "typo").exists()
+
+
+def test_a_deleted_delta_table_is_refused_unless_declared_lost(
+    queue: q.SqlQueue, table: delta.DeltaSink, clock: FakeClock
+) -> None:
+    table.commit(scored(claim(queue, ["a"]), clock))
+    shutil.rmtree(table.uri)
+    with pytest.raises(errors.ConfigError, match="no Delta table at"):
+        reconcile(queue, table, clock)
+    lost = reconcile(queue, table, clock, dataset_lost=True)
+    assert [(f.kind, f.severity) for f in lost.findings] == [(Kind.MISSING_FILE, Severity.CRITICAL)]
+    reconcile(queue, table, clock, repair=True, dataset_lost=True)
+    assert items(queue)["a"].state == models.State.READY
+
+
+def test_delta_predicates_quote_item_keys(
+    queue: q.SqlQueue, table: delta.DeltaSink, clock: FakeClock
+) -> None:
+    batch = scored(claim(queue, ["it's", 'a"b', "c\\d"]), clock)
+    table.commit(batch)
+    assert table.drop_rows(batch.batch_id, ["it's"]) == batch.batch_id
+    assert sorted(r["item_key"] for r in delta_rows(table.uri)) == ['a"b', "c\\d"]
+    (row,) = ledger_rows(queue)
+    assert row.n_rows == 2
+
+
+# ----------------------------------------------------------------------------- Delta on S3
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[dict[str, str]]:
+    """A local S3 (moto's server, offline) with a bucket; delta-rs's storage options for it."""
+    pytest.importorskip("moto", reason="moto[server] (a dev dependency) runs a local S3")
+    import boto3
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    creds = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **creds)
+        wait_for(lambda: _answers(client), 30, "moto's S3 server")
+        client.create_bucket(Bucket="outputs")
+        yield {"AWS_ENDPOINT_URL": endpoint, "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def _answers(client: Any) -> bool:
+    try:
+        client.list_buckets()
+    except Exception:  # not up yet: any failure means "try again"
+        return False
+    return True
+
+
+def test_a_delta_table_on_s3_commits_recovers_and_reconciles(
+    queue: q.SqlQueue,
+    s3: dict[str, str],
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Credentials from the environment, where delta-rs reads them (never a config file).
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    uri = f"s3://outputs/{uuid.uuid4().hex}"
+    sink = delta.DeltaSink(queue, uri, storage_options=s3)
+    sink.preflight()
+    first = scored(claim(queue, ["a", "b"]), clock)
+    sink.commit(first)
+    second = scored(claim(queue, ["c"]), clock)
+    commit_dying(sink, second, monkeypatch, delta.DeltaSink, "_write")
+    restarted = delta.DeltaSink(queue, uri, storage_options=s3)
+    assert restarted.recover().rolled_forward == (second.batch_id,)
+    rows = delta_rows(uri, s3)
+    assert sorted(r["item_key"] for r in rows) == ["a", "b", "c"]
+    assert reconcile(queue, restarted, clock).findings == ()
+    assert restarted.describe()["namespace"] == "s3://outputs"

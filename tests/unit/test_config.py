@@ -123,3 +123,37 @@ def test_identifier_check() -> None:
     assert config.check_identifier("batching_results", "t") == "batching_results"
     with pytest.raises(errors.ConfigError, match="t must be a SQL identifier"):
         config.check_identifier("1bad", "t")
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        (
+            {"kind": "delta", "storage_options": {"AWS_SECRET_ACCESS_KEY": "x", "AWS_REGION": "y"}},
+            "AWS_SECRET_ACCESS_KEY: a credential does not belong in a config file",
+        ),
+        ({"kind": "parquet", "storage_options": {"AWS_REGION": "y"}}, "a setting of kind delta"),
+        ({"kind": "parquet", "url": "sqlite:///w.db"}, "url is a setting of kind sql"),
+        ({"kind": "sql", "url": "mysql://h/db"}, "url must be sqlite:///FILE or postgresql://"),
+        ({"kind": "iceberg"}, "output.kind"),
+    ],
+)
+def test_output_settings_of_another_kind_or_secrets_are_refused(
+    output: dict[str, object], message: str
+) -> None:
+    with pytest.raises(errors.ConfigError, match=message):
+        config.parse_config({"model": MODEL, "output": output})
+
+
+def test_a_delta_output_keeps_its_storage_options() -> None:
+    cfg = config.parse_config(
+        {
+            "model": MODEL,
+            "output": {
+                "kind": "delta",
+                "path": "s3://b/t",
+                "storage_options": {"AWS_REGION": "eu-west-1"},
+            },
+        }
+    )
+    assert cfg.output.storage_options == {"AWS_REGION": "eu-west-1"}
