@@ -272,3 +272,50 @@ def _shorten(values: tuple[str, ...], limit: int, *, total: int | None = None) -
     total = max(total or len(values), len(values))
     shown = ", ".join(values[:limit])
     return shown if total <= limit else f"{shown} +{total - limit} more"
+
+
+@app.command()
+@handle_errors
+def maintain(
+    config: ConfigOption,
+    db: DbOverride = None,
+    output: OutputOverride = None,
+    vacuum_retention: Annotated[
+        str | None,
+        typer.Option(
+            help="Keep files a table version of the last DURATION needs (7d, 168h); default: "
+            "the table's own retention (7 days)."
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Housekeeping of the config's output: a Delta table's compaction, checkpoint, vacuum.
+
+    A Parquet dataset or a SQL table needs none: it says so and changes nothing.
+    """
+    cfg = load(config)
+    retention_s = (
+        parse_duration(vacuum_retention, "--vacuum-retention") if vacuum_retention else None
+    )
+    from batching import app as wiring
+
+    res = wiring.resolve(cfg, db, output)
+    queue = wiring.open_queue(cfg, res.db_url)
+    try:
+        queue.check_schema()
+        done = wiring.open_sink(queue, res).maintain(
+            vacuum_retention_h=None if retention_s is None else retention_s / 3600
+        )
+    finally:
+        queue.engine.dispose()
+    if as_json:
+        sys.stdout.write(json.dumps(done, indent=2, default=str) + "\n")
+    elif not done:
+        out.print(
+            f"{res.output}: a {cfg.output.kind} output needs no housekeeping", highlight=False
+        )
+    else:
+        out.print(
+            f"{res.output}: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in done.items()),
+            highlight=False,
+        )

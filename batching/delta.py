@@ -21,8 +21,9 @@ rows.
 
 Rows: the batch's columns (``sinks.batch_table``; ``output`` as a list of float32) plus the
 partition columns ``date`` (UTC day of scoring) and ``model_version``, as the Parquet sink.
-Housekeeping (``maintain``): compaction (``optimize``), a checkpoint, ``vacuum`` of files no
-version within the retention needs, and log clean-up.
+Housekeeping (``maintain``; ``batching maintain``; the maintenance flow): compaction
+(``optimize``), a checkpoint, ``vacuum`` of files no version within the retention needs, and
+log clean-up.
 
 delta-rs aborts the interpreter at exit after ``DeltaTable.to_pyarrow_table()`` (its Arrow
 dataset's threads outlive Arrow; delta-io/delta-rs#2184), so reads here go through

@@ -108,6 +108,9 @@ class OutboxSink(sinks.FencedSink, abc.ABC):
     def describe(self) -> sinks.SinkDescription: ...
 
     @abc.abstractmethod
+    def maintain(self, *, vacuum_retention_h: float | None = None) -> dict[str, object]: ...
+
+    @abc.abstractmethod
     def survey(self) -> facts.Survey: ...
 
     @abc.abstractmethod

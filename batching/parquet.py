@@ -228,6 +228,10 @@ class ParquetSink(sinks.FencedSink):
             "fields": fields,
         }
 
+    def maintain(self, *, vacuum_retention_h: float | None = None) -> dict[str, object]:
+        """Nothing to compact or vacuum: one file per commit, each its own batch."""
+        return {}
+
     def publish(self, batch_id: str) -> bool:
         """Roll a ``committed`` batch forward: rename its staged file into place, mark it published.
 

@@ -231,6 +231,11 @@ class Sink(Protocol):
         """The output dataset, for lineage."""
         ...
 
+    def maintain(self, *, vacuum_retention_h: float | None = None) -> dict[str, object]:
+        """Housekeeping of the output (a Delta table's checkpoint, compaction and vacuum);
+        returns what was done, empty when the sink needs none."""
+        ...
+
     # -- reconcile (see batching.facts) ------------------------------------------------------
 
     def owns(self) -> sa.ColumnElement[bool]:

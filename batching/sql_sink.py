@@ -115,6 +115,10 @@ class SqlSink(sinks.FencedSink):
         namespace, name = naming.sql_dataset_id(self.fence.url, self.table_name)
         return _description(self.kind, self.table_name, namespace, name, self._table)
 
+    def maintain(self, *, vacuum_retention_h: float | None = None) -> dict[str, object]:
+        """Nothing to compact: a table keyed by item."""
+        return {}
+
     # -- reconcile ---------------------------------------------------------------------------
 
     def owns(self) -> sa.ColumnElement[bool]:
@@ -203,6 +207,9 @@ class WarehouseSqlSink(outbox.OutboxSink):
     def describe(self) -> sinks.SinkDescription:
         namespace, name = naming.sql_dataset_id(self.url, self.table_name)
         return _description(self.kind, self.location, namespace, name, self._table)
+
+    def maintain(self, *, vacuum_retention_h: float | None = None) -> dict[str, object]:
+        return {}
 
     def survey(self) -> facts.Survey:
         return facts.Survey()

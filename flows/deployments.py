@@ -1,6 +1,6 @@
 """The deployments, their schedules and triggers, as ``python -m flows.serve`` serves them.
 
-``deployments/prefect.yaml`` declares the same four for a process work pool; a test keeps the
+``deployments/prefect.yaml`` declares the same five for a process work pool; a test keeps the
 two in step.
 
 * ``batching-score/score``: every 5 min the online profile for at most 240 s; on
@@ -12,6 +12,8 @@ two in step.
 * ``batching-reconcile/reconcile``: hourly over the last 2 h; and whenever a score or bulk run
   ends Completed, Failed or Crashed, over that run, with that run's config and locations.
 * ``batching-bulk/bulk``: on demand, with ``input_path``.
+* ``batching-maintain/maintain``: at 03:00 UTC the online output's housekeeping (a Delta
+  table's compaction, checkpoint and vacuum; nothing for the other outputs).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from prefect.schedules import Cron, Interval
 
 from flows import events, settings
 from flows.bulk import bulk
+from flows.maintain import maintain
 from flows.reconcile import reconcile
 from flows.score import score
 
@@ -127,6 +130,24 @@ def bulk_deployment() -> RunnerDeployment:
     return cast(RunnerDeployment, deployment)
 
 
+def maintain_deployment() -> RunnerDeployment:
+    """``batching-maintain/maintain``: the output's housekeeping at 03:00 UTC."""
+    deployment = maintain.to_deployment(
+        name="maintain",
+        parameters={"config": settings.ONLINE},
+        schedules=[Cron("0 3 * * *", timezone="UTC")],
+        concurrency_limit=_one_at_a_time(),
+        tags=TAGS,
+    )
+    return cast(RunnerDeployment, deployment)
+
+
 def all_deployments() -> list[RunnerDeployment]:
     """Every deployment, for ``serve``."""
-    return [score_deployment(), nightly_deployment(), reconcile_deployment(), bulk_deployment()]
+    return [
+        score_deployment(),
+        nightly_deployment(),
+        reconcile_deployment(),
+        bulk_deployment(),
+        maintain_deployment(),
+    ]

@@ -34,6 +34,7 @@ COMMANDS = (
     "purge",
     "lineage",
     "reconcile",
+    "maintain",
     "score",
     "check",
     "profile",
@@ -945,3 +946,32 @@ def test_a_queue_without_items_names_the_queues_there(tmp_path: Path) -> None:
         assert "queue 'tabluar' has no items; queues in this database: tabular" in r.err
     r = batching("redrive", "--db", DB, "-q", "tabular", cwd=tmp_path)
     assert "warning" not in r.err, "a real queue with nothing to redrive is not a typo"
+
+
+def test_maintain_compacts_a_delta_output_and_says_a_parquet_one_needs_nothing(
+    tmp_path: Path,
+) -> None:
+    from tests.integration.test_pipeline import write_config
+
+    db = f"sqlite:///{tmp_path / 'q.db'}"
+    assert batching("init", "--db", db, cwd=tmp_path).rc == 0
+    workloads.write_w1_parquet(tmp_path / "w1.parquet", 200)
+    assert batching("enqueue", "w1.parquet", "-q", "tabular", "--db", db, cwd=tmp_path).rc == 0
+    delta = write_config(
+        "tabular.yaml",
+        tmp_path,
+        batching={"max_batch_size": 32, "claim_size": 32},
+        output={"kind": "delta", "max_rows_per_commit": 32},
+    )
+    assert batching("score", "-c", str(delta), "--db", db, "--quiet", cwd=tmp_path).rc == 0
+    done = batching("maintain", "-c", str(delta), "--db", db, "--json", cwd=tmp_path)
+    assert done.rc == 0, done.err
+    assert json.loads(done.out)["files_added"] == 1
+    bad = batching(
+        "maintain", "-c", str(delta), "--db", db, "--vacuum-retention", "soon", cwd=tmp_path
+    )
+    assert bad.rc == 2
+    assert "--vacuum-retention must be a duration" in bad.err
+    parquet = write_config("tabular.yaml", tmp_path)  # the same file, now a Parquet output
+    left = batching("maintain", "-c", str(parquet), "--db", db, cwd=tmp_path)
+    assert (left.rc, "needs no housekeeping" in left.out) == (0, True)

@@ -1,12 +1,12 @@
 """The deployments as a user runs them, against a real ``prefect server start`` (slow, ~1 min).
 
-1. ``python -m flows.serve`` registers the score, reconcile and bulk deployments; a score run
+1. ``python -m flows.serve`` registers the score, reconcile, bulk and maintain deployments; a score run
    started from its deployment completes in a served subprocess, and its end triggers a
    reconcile of that run (upstream id and output passed on), which completes too; both are
    OpenLineage runs in the JSONL log.
 2. ``flows.alerts`` saves the webhook block and the alert automation: a
    ``batching.reconcile.failed`` event makes the server POST to a local webhook.
-3. ``prefect deploy --all --prefect-file deployments/prefect.yaml`` registers the same three
+3. ``prefect deploy --all --prefect-file deployments/prefect.yaml`` registers the same
    deployments on a process work pool, with their triggers.
 
 The server's scheduler is off, so the interval and cron schedules create no runs here.
@@ -165,9 +165,9 @@ def test_served_deployments_score_reconcile_alert_and_deploy(stack: Stack, tmp_p
     enqueue_text(stack, 40)
     serve = stack.start("-m", "flows.serve", name="serve")
     deployments = wait_for(
-        lambda: d if len(d := stack.deployments()) == 4 else None, 90, "4 deployments"
+        lambda: d if len(d := stack.deployments()) == 5 else None, 90, "5 deployments"
     )
-    assert set(deployments) == {"score", "score-nightly", "reconcile", "bulk"}
+    assert set(deployments) == {"score", "score-nightly", "reconcile", "bulk", "maintain"}
 
     out = str(tmp_path / "outputs" / "text")
     score_run = stack.post(
@@ -284,7 +284,7 @@ def test_serve_exits_within_its_grace_period_when_the_server_is_gone(stack: Stac
     pausing the schedules for minutes; either way `flows.serve` ends within the grace period
     (tests/flows/test_serve.py covers the kill path deterministically)."""
     serve = stack.start("-m", "flows.serve", "--shutdown-grace-s", "3", name="serve")
-    wait_for(lambda: len(stack.deployments()) == 4, 90, "4 deployments")
+    wait_for(lambda: len(stack.deployments()) == 5, 90, "5 deployments")
     server = stack.procs[0]
     os.killpg(server.pid, signal.SIGKILL)
     server.wait(10)

@@ -385,6 +385,21 @@ def test_a_batch_whose_transaction_id_expired_is_found_in_the_log_or_the_rows(
     assert not table._holds(dt, other)
 
 
+def test_delta_housekeeping_compacts_checkpoints_and_vacuums(
+    queue: q.SqlQueue, table: delta.DeltaSink, clock: FakeClock
+) -> None:
+    for n in range(4):
+        table.commit(scored(claim(queue, [f"k{n}"]), clock))
+    done = table.maintain()
+    assert done["files_removed"] == 4
+    assert done["files_added"] == 1
+    assert (
+        Path(table.uri) / "_delta_log" / f"{done['checkpoint_version']:020d}.checkpoint.parquet"
+    ).is_file()
+    assert sorted(r["item_key"] for r in delta_rows(table.uri)) == [f"k{n}" for n in range(4)]
+    assert reconcile(queue, table, clock).findings == ()
+
+
 def test_reconcile_of_another_delta_location_says_so_and_creates_nothing(
     queue: q.SqlQueue, table: delta.DeltaSink, clock: FakeClock, tmp_path: Path
 ) -> None:
