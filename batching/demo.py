@@ -10,7 +10,7 @@ import pyarrow.dataset as ds
 from rich.console import Console
 
 from batching import app as wiring
-from batching import errors, ingest, workloads
+from batching import build, errors, ingest, workloads
 from batching.config import load_config
 
 DEPLOYMENTS = Path(__file__).resolve().parents[1] / "deployments"
@@ -58,7 +58,7 @@ def run_demo(
     db = f"sqlite:///{(workdir / 'demo.db').resolve()}"
     for name, file in (("online.yaml", text_file), ("tabular.yaml", tab_file)):
         cfg = _config(name, sink)
-        queue = wiring.open_queue(cfg, db, create=True)
+        queue = build.open_queue(cfg, db, create=True)
         queue.migrate()
         result = queue.enqueue(ingest.read_records(file))
         out.print(

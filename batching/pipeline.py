@@ -31,192 +31,23 @@ import operator
 import queue as stdqueue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 from batching import errors, models, protocols
 from batching.batcher import MicroBatcher, ServiceTime
 from batching.config import PipelineConfig
 from batching.protocols import Clock
+from batching.run_stats import Progress, RunLimits, RunStats
+from batching.stages import END, D, Dispatched, End, LeasePart, Scored, by_lease, has_deadline
 
 logger = logging.getLogger(__name__)
-_DONE = object()
+J = TypeVar("J", Dispatched, Scored)  # type: ignore[type-arg]
 
 
-@dataclass(frozen=True)
-class RunLimits:
-    """When a run stops: queue empty, after ``max_items`` claimed, or after ``max_seconds``."""
-
-    until_empty: bool = True
-    max_items: int | None = None
-    max_seconds: float | None = None
-
-
-@dataclass
-class _LeasePart:
-    """The items of one lease in a group commit: all of them, those scored, those failed (to
-    retry), and those whose payload the model cannot read (dead at once: a retry cannot help)."""
-
-    items: list[models.WorkItem] = field(default_factory=list)
-    ok: list[models.WorkItem] = field(default_factory=list)
-    outputs: dict[int, Any] = field(default_factory=dict)
-    failures: dict[int, str] = field(default_factory=dict)
-    undecodable: dict[int, str] = field(default_factory=dict)
-    # Uniform batches scored whole (ItemBlocks and their output matrices): committed as
-    # columns, without an object per item, unless the part also holds items of the above.
-    blocks: list[models.ItemBlock] = field(default_factory=list)
-    matrices: list[Any] = field(default_factory=list)
-
-
-# RunStats fields that add up across scorers (RunStats.merged).
-_ADDITIVE = (
-    "committed",
-    "failed",
-    "released",
-    "lease_lost",
-    "claimed",
-    "commits",
-    "batch_sizes",
-    "latencies_s",
-    "service_s",
-    "real_tokens",
-    "padded_tokens",
-    "bytes_written",
-)
-
-
-@dataclass
-class RunStats:
-    """Counters and samples of one run; ``summary()`` turns them into the closing table."""
-
-    started_at: float
-    committed: int = 0
-    failed: int = 0
-    released: int = 0
-    lease_lost: int = 0
-    claimed: int = 0
-    commits: int = 0
-    batch_sizes: list[int] = field(default_factory=list)
-    latencies_s: list[float] = field(default_factory=list)
-    service_s: list[float] = field(default_factory=list)
-    real_tokens: int = 0
-    padded_tokens: int = 0
-    bytes_written: int = 0
-    reasons: collections.Counter[str] = field(default_factory=collections.Counter)
-    stage_s: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys(("claim", "decode", "forward", "commit"), 0.0)
-    )
-    finished_at: float | None = None
-
-    @classmethod
-    def merged(cls, parts: Sequence[RunStats]) -> RunStats:
-        """One run's worth of counters from several scorers' (``score --workers``): counts and
-        samples add up, and the run spans the first start to the last finish."""
-        if not parts:
-            raise ValueError("nothing to merge")
-        total = cls(started_at=min(p.started_at for p in parts))
-        for p in parts:
-            for name in _ADDITIVE:
-                setattr(total, name, getattr(total, name) + getattr(p, name))
-            total.reasons.update(p.reasons)
-            for stage, seconds in p.stage_s.items():
-                total.stage_s[stage] = total.stage_s.get(stage, 0.0) + seconds
-        ends = [p.finished_at for p in parts]
-        total.finished_at = None if None in ends else max(e for e in ends if e is not None)
-        return total
-
-    def summary(self) -> dict[str, Any]:
-        """The run summary: items, batches, batch sizes, padding efficiency, latency, items/s."""
-        elapsed = max((self.finished_at or time.time()) - self.started_at, 1e-9)
-        sizes = sorted(self.batch_sizes)
-        lat = sorted(self.latencies_s)
-        return {
-            "items_committed": self.committed,
-            "items_failed": self.failed,
-            "items_released": self.released,
-            "lease_lost_items": self.lease_lost,
-            "batches": len(sizes),
-            "commits": self.commits,
-            "batch_size_mean": sum(sizes) / len(sizes) if sizes else 0.0,
-            "batch_size_p50": _pct(sizes, 50),
-            "batch_size_p99": _pct(sizes, 99),
-            "padding_efficiency": self.real_tokens / self.padded_tokens
-            if self.padded_tokens
-            else 1.0,
-            "items_per_s": self.committed / elapsed,
-            "latency_p50_s": _pct(lat, 50),
-            "latency_p99_s": _pct(lat, 99),
-            "latency_max_s": lat[-1] if lat else 0.0,
-            "service_s_mean": sum(self.service_s) / len(self.service_s) if self.service_s else 0.0,
-            "release_reasons": dict(self.reasons),
-            "elapsed_s": elapsed,
-            # Where the time went: seconds each stage was busy (stages overlap, so these can
-            # add up to more than elapsed_s; the largest is the bottleneck).
-            "stage_busy_s": dict(self.stage_s),
-        }
-
-
-def summary_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """A run summary as ``(metric, value)`` rows: the CLI's closing table and the Prefect
-    summary artifact both show these."""
-    reasons = summary.get("release_reasons") or {}
-    rows = [
-        ("items committed", f"{summary['items_committed']}"),
-        ("items failed", f"{summary['items_failed']}"),
-        ("items released", f"{summary['items_released']}"),
-        ("batches", f"{summary['batches']}"),
-        ("commits", f"{summary.get('commits', 0)}"),
-        ("batch size mean", f"{summary['batch_size_mean']:.1f}"),
-        (
-            "batch size p50 / p99",
-            f"{summary['batch_size_p50']:.0f} / {summary['batch_size_p99']:.0f}",
-        ),
-        ("padding efficiency", f"{summary['padding_efficiency']:.3f}"),
-        ("items/s", f"{summary['items_per_s']:.1f}"),
-        (
-            "latency p50 / p99 (s, enqueue to commit)",
-            f"{summary['latency_p50_s']:.3f} / {summary['latency_p99_s']:.3f}",
-        ),
-        ("elapsed (s)", f"{summary['elapsed_s']:.1f}"),
-        ("release reasons", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "-"),
-    ]
-    # Three significant digits: a short run's stages are busy for milliseconds, which a fixed
-    # two decimals showed as 0.00.
-    busy = (summary.get("stage_busy_s") or {}).items()
-    rows += [(f"busy s: {k}", f"{v:.3g}") for k, v in busy]
-    if "lineage_failures" in summary:
-        rows.append(("lineage events not delivered", f"{summary['lineage_failures']}"))
-    if "attempt" in summary:  # a retry: the rows above are this attempt's
-        rows.append(("attempt", f"{summary['attempt']}"))
-        rows.append(("items committed, all attempts", f"{summary['run_items_committed']}"))
-    return rows
-
-
-def _pct(sorted_values: list[float] | list[int], p: float) -> float:
-    if not sorted_values:
-        return 0.0
-    k = min(len(sorted_values) - 1, max(0, round(p / 100 * (len(sorted_values) - 1))))
-    return float(sorted_values[k])
-
-
-Progress = Callable[[RunStats], None]
-
-
-def _stacked(matrices: list[Any]) -> Any:
-    return matrices[0] if len(matrices) == 1 else np.concatenate(matrices)
-
-
-def _has_deadline(batch: models.Batch) -> bool:
-    if isinstance(batch.items, models.ItemBlock):  # one for all
-        return batch.items.template.deadline_at is not None
-    return any(item.deadline_at is not None for item in batch.items)
-
-
-class Scorer:
-    """Drains a queue through the model into a sink, within ``RunLimits``.
+class Scorer(Generic[D]):
+    """Drains a queue through the model into a sink, within ``RunLimits``; ``D`` is the
+    runner's decoded batch (``stages``).
 
     Args:
         config: the pipeline config (queue lease/heartbeat, batching policy).
@@ -230,7 +61,7 @@ class Scorer:
         self,
         config: PipelineConfig,
         queue: protocols.ClaimPort,
-        runner: protocols.RunnerPort[Any],
+        runner: protocols.RunnerPort[D],
         outputs: protocols.CommitPort,
         *,
         clock: Clock = time.time,
@@ -258,12 +89,13 @@ class Scorer:
         self._leases: dict[str, int] = {}
         self._item_lease: dict[int, str] = {}
         self._lock = threading.Lock()
-        self._to_forward: stdqueue.Queue[Any] = stdqueue.Queue(maxsize=1)
-        self._to_commit: stdqueue.Queue[Any] = stdqueue.Queue(
+        self._to_forward: stdqueue.Queue[Dispatched[D] | End] = stdqueue.Queue(maxsize=1)
+        self._to_commit: stdqueue.Queue[Scored | End] = stdqueue.Queue(
             maxsize=config.batching.max_inflight_batches
         )
         self._error: BaseException | None = None
-        self._stranded: list[Any] = []  # jobs a stage could not hand on after another failed
+        # Jobs a stage could not hand on after another failed: released at the shutdown.
+        self._stranded: list[Dispatched[D] | Scored] = []
         self.stats = RunStats(started_at=clock())
 
     def stop(self) -> None:
@@ -291,7 +123,7 @@ class Scorer:
             try:
                 self._release_pending()
             finally:  # a failed release still ends the stages and the heartbeats
-                self._put(self._to_forward, _DONE)
+                self._put(self._to_forward, END)
                 for t in threads[:2]:
                     t.join()
                 self._release_stranded()
@@ -414,10 +246,10 @@ class Scorer:
                 self.batcher.add(batch.items)
             raise
         self.stats.stage_s["decode"] += time.perf_counter() - started
-        self._put(self._to_forward, (batch, leases, decoded))
+        self._put(self._to_forward, Dispatched(batch, leases, decoded))
         return True
 
-    def _put(self, q: stdqueue.Queue[Any], job: Any) -> None:
+    def _put(self, q: stdqueue.Queue[J | End], job: J | End) -> None:
         # A stage that died never takes its next job: give up once an error is recorded, and
         # leave the job with the others stranded between the stages, for the shutdown to release.
         while self._error is None:
@@ -426,18 +258,20 @@ class Scorer:
                 return
             except stdqueue.Full:
                 continue
-        if job is not _DONE:
+        if not isinstance(job, End):
             with self._lock:
                 self._stranded.append(job)
 
-    def _get(self, q: stdqueue.Queue[Any], on_idle: Callable[[], None] | None = None) -> Any:
+    def _get(
+        self, q: stdqueue.Queue[J | End], on_idle: Callable[[], None] | None = None
+    ) -> J | End:
         while self._error is None:
             try:
                 return q.get(timeout=0.1)
             except stdqueue.Empty:
                 if on_idle is not None:
                     on_idle()
-        return _DONE
+        return END
 
     def _idle(self) -> None:
         # The model is busy: even a due batch waits (no spinning) until the forward stage takes
@@ -458,14 +292,13 @@ class Scorer:
         while True:
             job = self._get(self._to_forward)
             self._wake.set()  # the forward stage is free: the dispatcher may decode the next
-            if job is _DONE:
-                self._put(self._to_commit, _DONE)
+            if isinstance(job, End):
+                self._put(self._to_commit, END)
                 return
-            batch, leases, decoded = job
             started = time.perf_counter()
-            result = self.runner.forward(decoded)
+            result = self.runner.forward(job.decoded)
             self.stats.stage_s["forward"] += time.perf_counter() - started
-            self._put(self._to_commit, (batch, leases, result))
+            self._put(self._to_commit, Scored(job.batch, job.leases, result))
 
     def _commit_loop(self) -> None:
         # Idle for 0.1 s: the sink records what it deferred (the Parquet sink's publish marks),
@@ -474,7 +307,7 @@ class Scorer:
         try:
             while not finished:
                 job = self._get(self._to_commit, on_idle=self._flush_sink)
-                if job is _DONE:
+                if isinstance(job, End):
                     break
                 jobs, finished = self._group(job)
                 started = time.perf_counter()
@@ -493,7 +326,7 @@ class Scorer:
         except errors.QueueError:
             logger.warning("sink flush failed; retried later", exc_info=True)
 
-    def _group(self, first: Any) -> tuple[list[Any], bool]:
+    def _group(self, first: Scored) -> tuple[list[Scored], bool]:
         """Group commit: ``first`` plus the scored batches already waiting, or arriving within
         ``output.commit_interval_s`` (0: none), up to ``output.max_rows_per_commit`` rows. It
         turns many small commits (a file, fsyncs and transactions each) into one: under load
@@ -502,10 +335,10 @@ class Scorer:
         group at once; so does an item with a deadline (the batcher released it in time for
         the deadline, not for the deadline plus the wait) and a failed stage.
         """
-        jobs, rows = [first], len(first[0])
+        jobs, rows = [first], len(first.batch)
         interval = self.config.output.commit_interval_s
         until = time.monotonic() + interval
-        urgent = not interval or _has_deadline(first[0])
+        urgent = not interval or has_deadline(first.batch)
         while rows < self.config.output.max_rows_per_commit:
             stop = urgent or self._error is not None
             wait_s = 0.0 if stop else min(until - time.monotonic(), 0.1)
@@ -519,69 +352,28 @@ class Scorer:
                 if wait_s > 0 and time.monotonic() < until:
                     continue
                 break
-            if job is _DONE:
+            if isinstance(job, End):
                 return jobs, True
             jobs.append(job)
-            rows += len(job[0])
-            urgent = urgent or _has_deadline(job[0])
+            rows += len(job.batch)
+            urgent = urgent or has_deadline(job.batch)
         return jobs, False
 
-    def _commit(self, jobs: list[Any]) -> None:
-        parts: dict[str, _LeasePart] = {}
-        for batch, leases, result in jobs:
-            owners = set(leases.values())
-            if len(owners) == 1 and not result.failures:  # the common case, without a step
-                part = parts.setdefault(owners.pop(), _LeasePart())  # per item
-                outputs = result.outputs
-                if (
-                    isinstance(batch.items, models.ItemBlock)
-                    and isinstance(outputs, models.OutputRows)
-                    and outputs.ids == batch.items.ids
-                ):
-                    part.blocks.append(batch.items)
-                    part.matrices.append(outputs.matrix)
-                    continue
-                built = tuple(batch.items)  # a block's items built once
-                part.ok.extend(built)
-                part.outputs.update(outputs)
-                part.items.extend(built)
-                continue
-            for item in batch.items:
-                part = parts.setdefault(leases[item.id], _LeasePart())
-                if item.id in result.outputs:
-                    part.ok.append(item)
-                    part.outputs[item.id] = result.outputs[item.id]
-                elif item.id in result.undecodable:
-                    part.undecodable[item.id] = result.failures[item.id]
-                else:
-                    part.failures[item.id] = result.failures[item.id]
-                part.items.append(item)
+    def _commit(self, jobs: list[Scored]) -> None:
         now = self.clock()
-        for lease_id, part in parts.items():
+        for lease_id, part in by_lease(jobs).items():
             self.stats.commits += self._commit_lease_part(lease_id, part, now)
-        for batch, _, result in jobs:
-            self.stats.batch_sizes.append(len(batch))
-            self.stats.reasons[batch.reason] += 1
-            self.stats.service_s.append(result.service_s)
-            self.stats.real_tokens += result.real_tokens
-            self.stats.padded_tokens += result.padded_tokens
+        for job in jobs:
+            self.stats.batch_sizes.append(len(job.batch))
+            self.stats.reasons[job.batch.reason] += 1
+            self.stats.service_s.append(job.result.service_s)
+            self.stats.real_tokens += job.result.real_tokens
+            self.stats.padded_tokens += job.result.padded_tokens
 
-    def _commit_lease_part(self, lease_id: str, part: _LeasePart, now: float) -> int:
+    def _commit_lease_part(self, lease_id: str, part: LeasePart, now: float) -> int:
         """Commit one lease's scored items and fail its failed ones; returns sink commits made."""
         made = 0
-        ok: Sequence[models.WorkItem] = part.ok
-        outputs: Mapping[int, Any] = part.outputs
-        held: Sequence[models.WorkItem] = part.items
-        if part.blocks and not part.items:  # one lease's blocks: one claim's shared fields
-            block = models.ItemBlock.join(part.blocks)
-            ok, held = block, block
-            outputs = models.OutputRows(block.ids, _stacked(part.matrices))
-        elif part.blocks:  # beside items: all as items
-            for block, matrix in zip(part.blocks, part.matrices, strict=True):
-                built = list(block)  # each item built once
-                part.ok.extend(built)
-                part.outputs.update(zip(block.ids, matrix, strict=True))
-                part.items.extend(built)
+        ok, outputs, held = part.scored()
         if ok:
             try:
                 committed = self.outputs.commit(ok, lease_id, outputs, now)
@@ -671,17 +463,16 @@ class Scorer:
         for q in (self._to_forward, self._to_commit):
             while True:
                 try:
-                    jobs.append(q.get_nowait())
+                    job = q.get_nowait()
                 except stdqueue.Empty:
                     break
+                if not isinstance(job, End):
+                    jobs.append(job)
         for job in jobs:
-            if job is _DONE:
-                continue
-            batch, leases = job[0], job[1]
-            by_lease: dict[str, list[int]] = {}
-            for item_id, lease_id in leases.items():
-                by_lease.setdefault(lease_id, []).append(item_id)
-            for lease_id, ids in by_lease.items():
+            ids_by_lease: dict[str, list[int]] = {}
+            for item_id, lease_id in job.leases.items():
+                ids_by_lease.setdefault(lease_id, []).append(item_id)
+            for lease_id, ids in ids_by_lease.items():
                 try:
                     self.stats.released += self.queue.release(lease_id, ids)
                 except errors.QueueError:
@@ -691,7 +482,7 @@ class Scorer:
                         exc_info=True,
                     )
                 mine = set(ids)
-                self._forget(lease_id, [i for i in batch.items if i.id in mine])
+                self._forget(lease_id, [i for i in job.batch.items if i.id in mine])
 
     def _guard(self, target: Callable[[], None]) -> None:
         try:

@@ -4,8 +4,9 @@ One scorer process is bounded by the GIL: its claim, decode, forward and commit 
 threads, and only one of them runs Python at a time. Processes do not share a GIL, so N
 workers use N cores for that Python work (W1 on the 2-core benchmark host: 1.1-1.2x the
 rows/s of one; README, Benchmarks). Each worker is a whole, independent scoring run
-(``app.run_score``): its own run id, run-ledger row, lineage events, leases and recovery;
-``app.run_score_workers`` makes them child runs of one parent lineage run. Claims never overlap (one
+(the run function it is given: ``app.run_score``): its own run id, run-ledger row, lineage
+events, leases and recovery; ``app.run_score_workers`` makes them child runs of one parent
+lineage run. Claims never overlap (one
 lease per claim), so nothing here coordinates the work; the parent only starts the workers,
 forwards SIGTERM/SIGINT, adds up their progress and reports what each did.
 
@@ -29,17 +30,85 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from pathlib import Path
+from types import FrameType
+from typing import Literal, Protocol
 
 from batching import errors
 from batching.config import LineageConfig, PipelineConfig
 from batching.logs import OneLine
-from batching.pipeline import RunLimits, RunStats, Scorer
+from batching.run_stats import RunLimits, RunStats
 
 logger = logging.getLogger(__name__)
 
 # (committed, failed, claimed) summed over the workers, after any worker's group commit.
 WorkersProgress = Callable[[int, int, int], None]
+Counts = tuple[int, int, int]
+Message = (
+    tuple[Literal["log"], int, logging.LogRecord]
+    | tuple[Literal["progress"], int, Counts]
+    | tuple[Literal["report"], int, "WorkerReport"]
+)
+"""What a worker sends its parent: a log record, its progress, or its final report."""
+Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
+
+
+class Watched(Protocol):
+    """A worker process, as the parent watches it for its end (``multiprocessing``'s)."""
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+class Process(Watched, Protocol):
+    """A worker process, as the parent stops it."""
+
+    def is_alive(self) -> bool: ...
+    def kill(self) -> None: ...
+
+
+class Stoppable(Protocol):
+    """A scorer, as a worker stops it on SIGTERM."""
+
+    def stop(self) -> None: ...
+
+
+class RunReport(Protocol):
+    """What one scoring run reports (``app.ScoreOutcome``)."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def stats(self) -> RunStats | None: ...
+    @property
+    def output(self) -> str: ...
+    @property
+    def events_path(self) -> Path | None: ...
+    @property
+    def lineage_failures(self) -> int: ...
+
+
+class RunOne(Protocol):
+    """One whole scoring run, as each worker runs it (``app.run_score``: a module-level
+    function, so the spawned process finds it by name)."""
+
+    def __call__(
+        self,
+        config: PipelineConfig,
+        *,
+        db_url: str | None,
+        output: str | None,
+        limits: RunLimits | None,
+        on_progress: Callable[[RunStats], None] | None,
+        on_scorer: Callable[[Stoppable], None] | None,
+        parent: tuple[str, str] | None,
+        job_name: str | None,
+        lineage_config: LineageConfig | None,
+        run_id: str | None,
+    ) -> RunReport: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +183,7 @@ class WorkersOutcome:
 
 @dataclass(frozen=True, slots=True)
 class _Job:
+    run: RunOne
     config: PipelineConfig
     db_url: str | None
     output: str | None
@@ -160,6 +230,7 @@ def share_limits(limits: RunLimits, n: int) -> list[RunLimits]:
 
 
 def run_workers(
+    run: RunOne,
     config: PipelineConfig,
     n: int,
     *,
@@ -178,7 +249,8 @@ def run_workers(
     """Run ``n`` scoring runs in ``n`` spawned processes and wait for all of them.
 
     Args:
-        config, db_url, output: as for ``app.run_score``; every worker gets the same.
+        run: one whole scoring run (``app.run_score``), which each worker calls.
+        config, db_url, output: as for ``run``; every worker gets the same.
         limits: see :func:`share_limits`.
         threads: torch CPU threads per worker; default: available cores // n, at least 1.
         on_progress: summed counts, called from this thread.
@@ -217,6 +289,7 @@ def run_workers(
             args=(
                 i,
                 _Job(
+                    run,
                     config,
                     db_url,
                     output,
@@ -234,7 +307,7 @@ def run_workers(
         for i, share in enumerate(shares)
     ]
     watch = _Watch(procs, [reader for reader, _ in pipes], on_progress)
-    started: list[Any] = []
+    started: list[Process] = []
     if stop is not None and stop.is_set():  # asked before any worker started: start none
         watch.close()
         for _, writer in pipes:
@@ -283,14 +356,14 @@ class _Watch:
 
     def __init__(
         self,
-        procs: Sequence[Any],
+        procs: Sequence[Watched],
         inboxes: Sequence[Connection],
         on_progress: WorkersProgress | None,
     ) -> None:
         self._procs = procs
         self._open = dict(enumerate(inboxes))
         self._on_progress = on_progress
-        self._counts: dict[int, tuple[int, int, int]] = {}
+        self._counts: dict[int, Counts] = {}
         self.reports: dict[int, WorkerReport] = {}
 
     def done(self) -> bool:
@@ -318,9 +391,9 @@ class _Watch:
         self._open.clear()
 
     def _read(self, timeout_s: float, *, logs_only: bool) -> None:
-        by_conn: dict[Any, int] = {conn: i for i, conn in self._open.items()}
-        for conn in wait(list(by_conn), timeout_s):
-            index = by_conn[conn]
+        by_conn: dict[Connection, int] = {conn: i for i, conn in self._open.items()}
+        for ready in wait(list(by_conn), timeout_s):
+            index = by_conn[ready]  # type: ignore[index]  # wait() returns what it was given
             for _ in range(_READS_PER_LOOK):  # then the other workers' turn
                 try:
                     message = self._open[index].recv()
@@ -333,15 +406,14 @@ class _Watch:
                 if not self._open[index].poll(0):
                     break
 
-    def _take(self, message: tuple[str, int, Any]) -> None:
-        kind, index, body = message
-        if kind == "log":
-            _relay(body)
+    def _take(self, message: Message) -> None:
+        if message[0] == "log":
+            _relay(message[2])
             return
-        if kind != "progress":
-            self.reports[index] = body
+        if message[0] == "report":
+            self.reports[message[1]] = message[2]
             return
-        self._counts[index] = body
+        self._counts[message[1]] = message[2]
         if self._on_progress is not None:
             self._on_progress(*(sum(c[k] for c in self._counts.values()) for k in range(3)))
 
@@ -391,7 +463,7 @@ def _died(index: int, exitcode: int | None, committed: int) -> WorkerReport:
 
 
 def _wind_down(
-    started: Sequence[Any],
+    started: Sequence[Process],
     watch: _Watch,
     *,
     hurry: Callable[[], bool] = lambda: False,
@@ -445,7 +517,7 @@ class _StopRequests:
         self.signals = 0  # stop signals received so far
         self.received: int | None = None  # the first of them
         self._asked = threading.Event()
-        self._old: dict[signal.Signals, Any] = {}
+        self._old: dict[signal.Signals, Handler] = {}
         self._main = threading.current_thread() is threading.main_thread()
 
     @contextlib.contextmanager
@@ -460,24 +532,24 @@ class _StopRequests:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
-    def _on_signal(self, signum: int, _frame: Any) -> None:
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.signals += 1
         if self.received is None:
             self.received = signum
         self._asked.set()  # passed on by the watch loop, outside the handler
 
-    def forward(self, workers: Sequence[Any], *, asked: bool = False) -> None:
+    def forward(self, workers: Sequence[Process], *, asked: bool = False) -> None:
         """Pass a stop request (a signal, or ``asked``) on to the workers, once."""
         if (asked or self._asked.is_set()) and not self.sent:
             self.stop(workers)
 
-    def stop(self, workers: Sequence[Any]) -> None:
+    def stop(self, workers: Sequence[Process]) -> None:
         """SIGTERM every worker still running (a starting one holds it until its handler is
         installed). One that exited but is not reaped yet keeps its pid: no other process
         can be signalled by mistake."""
         self.sent = True
         for p in workers:
-            if p.exitcode is None:
+            if p.exitcode is None and p.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGTERM)
 
@@ -504,11 +576,12 @@ class _Outbox:
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._pending: stdqueue.SimpleQueue[Any] = stdqueue.SimpleQueue()
+        self._pending: stdqueue.SimpleQueue[Message | object] = stdqueue.SimpleQueue()
         self._sender = threading.Thread(target=self._send, name="to-parent", daemon=True)
         self._sender.start()
 
-    def put(self, message: tuple[str, int, Any]) -> None:
+    def put(self, message: object) -> None:
+        """Send ``message`` (a :data:`Message`; one that cannot be pickled is dropped)."""
         self._pending.put(message)
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -565,12 +638,10 @@ def _work(index: int, job: _Job, conn: Connection) -> None:
 def _score(index: int, job: _Job, outbox: _Outbox) -> None:
     import torch
 
-    from batching import app
-
     stop = threading.Event()
-    scorers: list[Scorer] = []
+    scorers: list[Stoppable] = []
 
-    def request_stop(*_: Any) -> None:
+    def request_stop(*_: object) -> None:
         stop.set()
         for s in list(scorers):
             s.stop()
@@ -594,7 +665,7 @@ def _score(index: int, job: _Job, outbox: _Outbox) -> None:
     _log_to_parent(index, outbox, job.log_level)
     torch.set_num_threads(job.threads)
 
-    def on_scorer(scorer: Scorer) -> None:
+    def on_scorer(scorer: Stoppable) -> None:
         scorers.append(scorer)
         if stop.is_set():  # stopped while the model was loading
             scorer.stop()
@@ -603,7 +674,7 @@ def _score(index: int, job: _Job, outbox: _Outbox) -> None:
         outbox.put(("progress", index, (stats.committed, stats.failed, stats.claimed)))
 
     try:
-        outcome = app.run_score(
+        outcome = job.run(
             job.config,
             db_url=job.db_url,
             output=job.output,

@@ -36,7 +36,7 @@ import sqlalchemy as sa
 import torch
 from workload_bench import config, enqueue, w1_limit
 
-from batching import app, ingest, sqlite, workloads, zoo
+from batching import build, ingest, sqlite, workloads, zoo
 
 DIM = 64
 
@@ -91,7 +91,7 @@ def committer(q: Any, folder: Path, inbox: queue.Queue[Any], done: list[int]) ->
 def probe(tmp: Path, tag: str, records: list[Any], model: torch.nn.Module) -> float:
     cfg = config("tabular.yaml", tmp, tag)
     enqueue(cfg, records)
-    q = app.open_queue(cfg, cfg.database.url)
+    q = build.open_queue(cfg, cfg.database.url)
     folder = tmp / f"out-{tag}"
     folder.mkdir()
     to_forward: queue.Queue[Any] = queue.Queue(4)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batching import app, ingest, models, pipeline, workloads, zoo
+from batching import app, build, ingest, models, run_stats, workloads, zoo
 from batching.config import load_config
 from batching.database import normalize_url
 from batching.workers import run_workers
@@ -56,7 +56,7 @@ def config(name: str, tmp: Path, tag: str, **batching: Any) -> Any:
 
 
 def enqueue(cfg: Any, records: list[models.EnqueueRecord]) -> None:
-    q = app.open_queue(cfg, cfg.database.url, create=True)
+    q = build.open_queue(cfg, cfg.database.url, create=True)
     q.migrate()
     q.enqueue(records)
     q.engine.dispose()
@@ -65,10 +65,10 @@ def enqueue(cfg: Any, records: list[models.EnqueueRecord]) -> None:
 def pipeline_rate(cfg: Any, records: list[models.EnqueueRecord]) -> dict[str, Any]:
     """Enqueue, then score until empty; rows/s measured by the scorer from first claim to end."""
     enqueue(cfg, records)
-    outcome = app.run_score(cfg, limits=pipeline.RunLimits(until_empty=True))
+    outcome = app.run_score(cfg, limits=run_stats.RunLimits(until_empty=True))
     s = outcome.summary
     assert s["items_committed"] == len(records), s
-    return s
+    return dict(s)
 
 
 def per_row_us(summary: dict[str, Any]) -> dict[str, float]:
@@ -116,7 +116,7 @@ def queue_floor(cfg: Any, records: list[models.EnqueueRecord]) -> float:
     start are frozen out of the cyclic GC, as ``app.run_score`` does for a run (without it the
     floor reads ~25% low)."""
     enqueue(cfg, records)
-    q = app.open_queue(cfg, cfg.database.url)
+    q = build.open_queue(cfg, cfg.database.url)
     size, done = cfg.batching.effective_claim_size, 0
     gc.freeze()
     try:
@@ -184,7 +184,7 @@ def scorer_processes(cfg: Any, n: int, k: int) -> float:
     """Rows/s of ``k`` scorer processes (``batching score --workers k``, torch threads = cores
     / k) draining ``cfg``'s queue, from the first scorer's start to the last one's end (model
     loading excluded)."""
-    outcome = run_workers(cfg, k, limits=pipeline.RunLimits(until_empty=True))
+    outcome = run_workers(app.run_score, cfg, k, limits=run_stats.RunLimits(until_empty=True))
     if outcome.exit_code:
         raise RuntimeError("; ".join(outcome.errors()))
     stats = outcome.stats()
@@ -298,12 +298,12 @@ def open_loop(
     tag = f"w2on{int(load * 100)}"
     cfg = config("online.yaml", tmp, tag)
     enqueue(cfg, [])
-    producer_q = app.open_queue(cfg, cfg.database.url)
+    producer_q = build.open_queue(cfg, cfg.database.url)
     result: dict[str, Any] = {}
     scorer = threading.Thread(
         target=lambda: result.update(
             app.run_score(
-                cfg, limits=pipeline.RunLimits(until_empty=False, max_seconds=seconds + 3)
+                cfg, limits=run_stats.RunLimits(until_empty=False, max_seconds=seconds + 3)
             ).summary
         )
     )
@@ -318,7 +318,7 @@ def open_loop(
         time.sleep(rng.expovariate(rate))
     scorer.join()
     producer_q.engine.dispose()
-    prof = app.load_profile(cfg)
+    prof = build.load_profile(cfg)
     full = prof.predict(cfg.batching.max_batch_size, 128) if prof else float("nan")
     bound = 2 * (cfg.batching.max_wait_s + full)
     return {

@@ -17,8 +17,8 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
-from batching import pipeline
 from batching import reconcile as rc
+from batching import run_stats
 from flows.settings import artifact_key
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def _id(created: UUID | Coroutine[Any, Any, UUID]) -> UUID:
 
 def summary_rows(summary: Mapping[str, Any]) -> list[dict[str, str]]:
     """The run summary as ``metric`` / ``value`` rows (the CLI's closing table)."""
-    return [{"metric": m, "value": v} for m, v in pipeline.summary_rows(summary)]
+    return [{"metric": m, "value": v} for m, v in run_stats.summary_rows(summary)]
 
 
 def publish_summary(name: str, run_id: str, summary: Mapping[str, Any], output: str) -> UUID:
@@ -99,7 +99,7 @@ class Progress:
         if self._sender.is_alive():
             logger.warning("progress artifact not updated at the end (the API is slow)")
 
-    def __call__(self, stats: pipeline.RunStats) -> None:
+    def __call__(self, stats: run_stats.RunStats) -> None:
         """``on_progress`` hook: called after every batch."""
         self.counts(stats.committed, stats.failed, stats.claimed)
 

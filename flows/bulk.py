@@ -10,7 +10,7 @@ from typing import Any
 
 from prefect import flow
 
-from batching import app, config, ingest, pipeline
+from batching import build, config, ingest, run_stats
 from flows import logs, settings
 from flows.score import (
     before_scoring,
@@ -33,7 +33,7 @@ def enqueue_input(cfg: config.PipelineConfig, db_url: str | None, path: str) -> 
         QueueError: the database failed (nothing is enqueued).
     """
     records = ingest.read_records(path)
-    queue = app.open_queue(cfg, settings.db_url(db_url) or cfg.database.url)
+    queue = build.open_queue(cfg, settings.db_url(db_url) or cfg.database.url)
     try:
         result = queue.enqueue(records)
     finally:
@@ -68,7 +68,7 @@ def bulk(
             require_workers(workers)
             found = validate_preconditions(cfg, db_url, output)
             enqueued = enqueue_input(cfg, db_url, input_path)
-        limits = pipeline.RunLimits(max_seconds=max_seconds)
+        limits = run_stats.RunLimits(max_seconds=max_seconds)
         expected = found["ready"] + enqueued["inserted"]
         outcome = score_queue(cfg, db_url, output, limits, expected, workers)
         return {

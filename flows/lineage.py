@@ -17,26 +17,26 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from batching import app, config, errors, lineage
+from batching import app, build, config, errors, lineage
 from flows import settings
 
 logger = logging.getLogger(__name__)
 
 
-def emitter(cfg: config.PipelineConfig, res: app.Resolved) -> lineage.LineageEmitter:
+def emitter(cfg: config.PipelineConfig, res: build.Resolved) -> lineage.LineageEmitter:
     """A lineage emitter for ``cfg``, with the environment's transport, like ``run_score``'s.
 
     Raises:
         ConfigError: the lineage settings are invalid (e.g. a malformed ``OPENLINEAGE_URL``).
     """
-    return app.make_emitter(cfg, res, settings.lineage_config(cfg))
+    return build.make_emitter(cfg, res, settings.lineage_config(cfg))
 
 
 def reconcile_context(
-    cfg: config.PipelineConfig, res: app.Resolved, run_id: str, *, repair: bool
+    cfg: config.PipelineConfig, res: build.Resolved, run_id: str, *, repair: bool
 ) -> lineage.RunContext:
     """The run context of a reconcile run: it reads the queue and the outputs (writes on repair)."""
-    queue, out = app.datasets(cfg, res)
+    queue, out = build.datasets(cfg, res)
     return lineage.RunContext(
         run_id=run_id,
         job_name=f"{cfg.name}-reconcile",
@@ -57,7 +57,7 @@ def record_failure(
     """Emit START then FAIL for a scoring run that failed before it started scoring."""
     try:
         res = settings.locations(cfg, db_url, output)
-        ctx = app.scoring_context(cfg, res, run_id)
+        ctx = build.scoring_context(cfg, res, run_id)
         emit = emitter(cfg, res)
     except (errors.ConfigError, ValueError):
         logger.warning("lineage for the failed run skipped", exc_info=True)
@@ -67,7 +67,7 @@ def record_failure(
 
 @contextmanager
 def reconcile_run(
-    cfg: config.PipelineConfig, res: app.Resolved, run_id: str, *, repair: bool
+    cfg: config.PipelineConfig, res: build.Resolved, run_id: str, *, repair: bool
 ) -> Iterator[lineage.RunContext]:
     """START on entry; COMPLETE on a clean exit, FAIL with the error when the block raises."""
     ctx = reconcile_context(cfg, res, run_id, repair=repair)

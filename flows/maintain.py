@@ -12,7 +12,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from batching import app, config
+from batching import build, config
 from flows import logs, settings
 from flows.score import flow_run_id, retrying_task
 
@@ -31,10 +31,10 @@ def maintain_outputs(
         SinkError: the output could not be maintained.
     """
     res = settings.locations(cfg, db_url, output)
-    queue = app.open_queue(cfg, res.db_url)
+    queue = build.open_queue(cfg, res.db_url)
     try:
         queue.check_schema()
-        return app.open_sink(queue, res).maintain(vacuum_retention_h=vacuum_retention_h)
+        return build.open_sink(queue, res).maintain(vacuum_retention_h=vacuum_retention_h)
     finally:
         queue.engine.dispose()
 

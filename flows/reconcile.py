@@ -21,7 +21,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from batching import app, config
+from batching import build, config
 from batching import reconcile as rc
 from flows import artifacts, events, logs, settings
 from flows import lineage as flow_lineage
@@ -49,12 +49,12 @@ def reconcile_outputs(
         SinkError: a file could not be listed or moved.
     """
     res = settings.locations(cfg, db_url, output)
-    queue = app.open_queue(cfg, res.db_url)
+    queue = build.open_queue(cfg, res.db_url)
     try:
         queue.check_schema()
         return rc.reconcile(
             queue,
-            app.open_sink(queue, res, read_only=True),
+            build.open_sink(queue, res, read_only=True),
             since=since,
             run_id=run_id,
             now=time.time(),

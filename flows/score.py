@@ -28,7 +28,7 @@ from prefect.client.schemas.objects import FlowRun, State, TaskRun
 from prefect.context import TaskRunContext
 from prefect.tasks import Task, exponential_backoff
 
-from batching import app, config, errors, pipeline
+from batching import app, build, config, errors, run_stats
 from batching.runner import TorchRunner
 from flows import artifacts, events, logs, settings
 from flows import lineage as flow_lineage
@@ -82,15 +82,15 @@ def validate_preconditions(
         ``batching check``.
     """
     res = settings.locations(cfg, db_url, output)
-    queue = app.open_queue(cfg, res.db_url)
+    queue = build.open_queue(cfg, res.db_url)
     try:
         queue.check_schema()
         ready = queue.stats().by_state.get("ready", 0)
         runner = TorchRunner.load(cfg.model, base_dir=cfg.base_dir)
-        app.open_sink(queue, res).preflight()
+        build.open_sink(queue, res).preflight()
     finally:
         queue.engine.dispose()
-    report = app.check_config(cfg)
+    report = build.check_config(cfg)
     report.raise_for_errors()
     return {
         "ready": ready,
@@ -104,7 +104,7 @@ def score_queue(
     cfg: config.PipelineConfig,
     db_url: str | None,
     output: str | None,
-    limits: pipeline.RunLimits,
+    limits: run_stats.RunLimits,
     expected: int,
     workers: int = 1,
 ) -> app.ScoreOutcome | app.WorkersScoreOutcome:
@@ -174,7 +174,7 @@ def check_backlog(cfg: config.PipelineConfig, db_url: str | None) -> dict[str, A
     if cfg.backlog_alert_depth is None and cfg.backlog_alert_age_s is None:
         return None
     try:
-        queue = app.open_queue(cfg, settings.db_url(db_url) or cfg.database.url)
+        queue = build.open_queue(cfg, settings.db_url(db_url) or cfg.database.url)
         try:
             payload = events.backlog(cfg, queue.stats())
         finally:
@@ -255,7 +255,7 @@ def score(
             require_workers(workers)
             found = validate_preconditions(cfg, db_url, output)
         expected = min(found["ready"], max_items or found["ready"])
-        limits = pipeline.RunLimits(max_seconds=max_seconds, max_items=max_items)
+        limits = run_stats.RunLimits(max_seconds=max_seconds, max_items=max_items)
         outcome = score_queue(cfg, db_url, output, limits, expected, workers)
         backlog = check_backlog(cfg, db_url)
         return outcome.summary | {BACKLOG_KEY: backlog}

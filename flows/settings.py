@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from batching import app, config, lineage
+from batching import build, config, lineage
 
 REPO = Path(__file__).resolve().parents[1]
 ONLINE = "deployments/online.yaml"
@@ -51,9 +51,9 @@ def db_url(override: str | None, env: Mapping[str, str] = os.environ) -> str | N
     return override or env.get(DB_ENV) or None
 
 
-def locations(cfg: config.PipelineConfig, db: str | None, output: str | None) -> app.Resolved:
+def locations(cfg: config.PipelineConfig, db: str | None, output: str | None) -> build.Resolved:
     """Where a run reads and writes, after the parameter and environment overrides."""
-    return app.resolve(cfg, db_url(db), output)
+    return build.resolve(cfg, db_url(db), output)
 
 
 def lineage_config(

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
-from batching import app, ingest, lineage_log, workloads
+from batching import build, ingest, lineage_log, workloads
 from batching.config import load_config
 from tests.conftest import REPO, wait_for
 
@@ -152,7 +152,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
 
 def enqueue_text(stack: Stack, n_items: int) -> None:
     cfg = load_config(REPO / "deployments" / "online.yaml")
-    queue = app.open_queue(cfg, stack.db_url, create=True)
+    queue = build.open_queue(cfg, stack.db_url, create=True)
     try:
         queue.migrate()
         file = workloads.write_lines(stack.root / "w2.jsonl", workloads.w2_json_lines(n_items))

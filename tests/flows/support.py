@@ -21,7 +21,7 @@ from prefect.client.schemas.objects import State, TaskRun
 from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter
 from prefect.logging.handlers import APILogHandler
 
-from batching import app, ingest, lineage_log, workloads
+from batching import build, ingest, lineage_log, workloads
 from batching import queue as q
 from batching.config import load_config
 
@@ -61,7 +61,7 @@ class Pipeline:
     def queue(self, clock: Callable[[], float] = time.time) -> q.SqlQueue:
         """The pipeline's queue (dispose its engine when done)."""
         config = load_config(self.config, self.overrides)
-        return app.open_queue(config, self.db_url, clock=clock, create=True)
+        return build.open_queue(config, self.db_url, clock=clock, create=True)
 
     def by_state(self) -> dict[str, int]:
         queue = self.queue()

@@ -9,7 +9,7 @@ import pytest
 from prefect import flow
 from prefect.client.orchestration import SyncPrefectClient
 
-from batching import app
+from batching import build
 from flows import artifacts
 
 
@@ -54,7 +54,7 @@ def test_a_backlog_check_that_cannot_read_the_queue_does_not_fail_the_run(
     def down(*_args: Any) -> Any:
         raise errors.QueueError("database postgresql://u:***@db/x failed: connection refused")
 
-    monkeypatch.setattr(app, "open_queue", down)
+    monkeypatch.setattr(build, "open_queue", down)
 
     @flow
     def after_scoring() -> Any:

@@ -25,8 +25,8 @@ import torch
 import yaml
 
 from batching import app as wiring
-from batching import config as cfg
 from batching import (
+    build,
     database,
     errors,
     ingest,
@@ -39,6 +39,7 @@ from batching import (
     sinks,
     workloads,
 )
+from batching import config as cfg
 from batching import queue as q
 from batching import reconcile as rc
 from batching.runner import TorchRunner
@@ -72,7 +73,7 @@ def write_config(name: str, tmp_path: Path, **overrides: Any) -> Path:
 
 
 def open_queue(url: str, config: cfg.PipelineConfig) -> q.SqlQueue:
-    return wiring.open_queue(config, url, create=True)
+    return build.open_queue(config, url, create=True)
 
 
 def enqueue(url: str, config: cfg.PipelineConfig, records: list[models.EnqueueRecord]) -> None:
@@ -143,9 +144,9 @@ def reconcile(
     config: cfg.PipelineConfig, url: str, target: Path | str, run_id: str | None = None
 ) -> rc.Report:
     queue = open_queue(url, config)
-    res = wiring.resolve(config, url, str(target))
+    res = build.resolve(config, url, str(target))
     report = rc.reconcile(
-        queue, wiring.open_sink(queue, res, read_only=True), now=time.time(), run_id=run_id
+        queue, build.open_sink(queue, res, read_only=True), now=time.time(), run_id=run_id
     )
     queue.engine.dispose()
     return report
@@ -284,7 +285,7 @@ def test_a_batch_whose_lease_was_lost_is_not_committed_and_its_items_score_once_
     root = tmp_path / "outputs"
     wrapped: list[ReaperBeforeCommit] = []
 
-    def wrap(scorer: pipeline.Scorer) -> None:
+    def wrap(scorer: pipeline.Scorer[Any]) -> None:
         assert isinstance(scorer.outputs, sinks.Outputs)
         wrapped.append(ReaperBeforeCommit(scorer.outputs.sink, sqlite_url, config))
         scorer.outputs.sink = wrapped[0]
@@ -344,8 +345,8 @@ class DecodeSpy:
         return getattr(self.runner, name)
 
 
-def spy_on_decode(spies: list[DecodeSpy]) -> Callable[[pipeline.Scorer], None]:
-    def wrap(scorer: pipeline.Scorer) -> None:
+def spy_on_decode(spies: list[DecodeSpy]) -> Callable[[pipeline.Scorer[Any]], None]:
+    def wrap(scorer: pipeline.Scorer[Any]) -> None:
         spies.append(DecodeSpy(scorer.runner))
         scorer.runner = spies[-1]
 
@@ -478,7 +479,7 @@ def test_a_run_that_fails_as_scoring_starts_is_failed_in_lineage_and_the_run_led
     config = load("tabular.yaml", tmp_path)
     enqueue(sqlite_url, config, w1_records(4, tmp_path))
 
-    def broken_hook(_scorer: pipeline.Scorer) -> None:
+    def broken_hook(_scorer: pipeline.Scorer[Any]) -> None:
         raise RuntimeError("hook failed")
 
     with pytest.raises(RuntimeError, match="hook failed"):

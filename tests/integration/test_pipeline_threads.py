@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from batching import models, pipeline
+from batching import models, run_stats
 from tests.conftest import FakeClock
 from tests.unit.test_pipeline import Rig, keys, rig
 
@@ -26,7 +26,7 @@ def test_items_reaped_and_claimed_again_while_in_flight_commit_once_under_the_ne
             time.sleep(0.001)  # until the feeder claimed k0..k3 again
 
     r.runner.on_forward = reaped_and_reclaimed
-    stats = r.scorer.run(pipeline.RunLimits(until_empty=False, max_items=12))
+    stats = r.scorer.run(run_stats.RunLimits(until_empty=False, max_items=12))
     assert stats.lease_lost == 4
     assert r.sink.keys() == Counter(keys(8))
     assert "lease-1" not in {b.lease_id for b in r.sink.batches}
@@ -102,7 +102,7 @@ def test_an_idle_commit_stage_flushes_the_sink_while_the_run_goes_on() -> None:
         r.scorer.stop()
 
     r = rig(keys(4), on_wait=on_wait, max_batch_size=4)
-    r.scorer.run(pipeline.RunLimits(until_empty=False))
+    r.scorer.run(run_stats.RunLimits(until_empty=False))
     assert seen[0] >= 1
     assert r.sink.keys() == Counter(keys(4))
 
@@ -146,7 +146,7 @@ def test_a_decode_that_raises_fails_the_run_and_gives_every_item_back() -> None:
 
     def run() -> None:
         try:
-            r.scorer.run(pipeline.RunLimits(until_empty=False))
+            r.scorer.run(run_stats.RunLimits(until_empty=False))
         except BaseException as exc:
             raised.append(exc)
 

@@ -22,7 +22,7 @@ from referencing import Registry
 from batching import app as wiring
 from batching import config as cfg
 from batching import database, lineage, lineage_log, models, schema
-from batching.pipeline import RunLimits
+from batching.run_stats import RunLimits
 from batching.workers import WorkersOutcome, _Watch, _wind_down, run_workers
 from tests import olspec
 from tests.conftest import KeptRecords, wait_for
@@ -62,7 +62,12 @@ def test_two_workers_commit_every_item_exactly_once(db_url: str, tmp_path: Path)
     seen: list[int] = []
 
     outcome = run_workers(
-        config, 2, db_url=db_url, output=str(root), on_progress=lambda c, f, n: seen.append(c)
+        wiring.run_score,
+        config,
+        2,
+        db_url=db_url,
+        output=str(root),
+        on_progress=lambda c, f, n: seen.append(c),
     )
 
     assert outcome.exit_code == 0, outcome.errors()
@@ -242,6 +247,7 @@ def test_when_the_parent_fails_its_workers_stop_and_nothing_stays_leased(
 
     with pytest.raises(RuntimeError, match="progress display broke"):
         run_workers(
+            wiring.run_score,
             config,
             2,
             db_url=sqlite_url,
@@ -264,6 +270,7 @@ def test_workers_run_from_another_thread_stop_when_asked(sqlite_url: str, tmp_pa
     runner = threading.Thread(
         target=lambda: outcome.append(
             run_workers(
+                wiring.run_score,
                 config,
                 2,
                 db_url=sqlite_url,
@@ -301,6 +308,7 @@ def test_stopping_workers_after_they_exited_does_not_hang(sqlite_url: str, tmp_p
     def run() -> None:
         try:
             run_workers(
+                wiring.run_score,
                 config, 2, db_url=sqlite_url, output=str(tmp_path / "outputs"),
                 on_progress=fail_once_exited,
             )  # fmt: skip
@@ -322,7 +330,9 @@ def test_workers_started_off_the_main_thread_survive_sigterm_while_starting(
     outcome: list[WorkersOutcome] = []
     runner = threading.Thread(
         target=lambda: outcome.append(
-            run_workers(config, 2, db_url=sqlite_url, output=str(tmp_path / "outputs"))
+            run_workers(
+                wiring.run_score, config, 2, db_url=sqlite_url, output=str(tmp_path / "outputs")
+            )
         )
     )
     runner.start()
@@ -367,6 +377,7 @@ def test_a_stop_signal_is_passed_on_to_the_handler_before_once_the_workers_stopp
         sender.start()
         with pytest.raises(Cancelled):
             run_workers(
+                wiring.run_score,
                 config,
                 2,
                 db_url=sqlite_url,
@@ -398,7 +409,9 @@ def test_a_worker_that_cannot_start_fails_the_run_with_its_own_error_and_stops_t
 
     monkeypatch.setattr(spawn, "start", start)
     with pytest.raises(BlockingIOError, match="fork"):
-        run_workers(config, 2, db_url=sqlite_url, output=str(tmp_path / "outputs"))
+        run_workers(
+            wiring.run_score, config, 2, db_url=sqlite_url, output=str(tmp_path / "outputs")
+        )
     (first,) = started
     assert not first.is_alive(), "the worker that started was left running"
     assert first.exitcode == 0, "it was killed, not stopped"
@@ -411,7 +424,7 @@ def test_workers_asked_to_stop_before_they_start_are_not_started(
     asked = threading.Event()
     asked.set()
     started = time.monotonic()
-    outcome = run_workers(config, 2, db_url=sqlite_url, stop=asked)
+    outcome = run_workers(wiring.run_score, config, 2, db_url=sqlite_url, stop=asked)
     assert outcome.reports == []
     assert time.monotonic() - started < 2.0, "workers were started (a model load each)"
     assert {r.state for r in items(sqlite_url).values()} == {models.State.READY}

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from batching import app, errors, models
-from batching.pipeline import RunLimits
+from batching.run_stats import RunLimits
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batching import errors
-from batching.cli import parse_duration
+from batching.cli.common import parse_duration
 
 
 @pytest.mark.parametrize(

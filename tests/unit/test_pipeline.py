@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batching import config, errors, models, outcomes, pipeline
+from batching import config, errors, models, outcomes, pipeline, run_stats
 from tests.conftest import FakeClock
 
 # ----------------------------------------------------------------------------- fakes
@@ -239,7 +239,7 @@ class Rig:
     queue: InMemoryQueue
     runner: FakeRunner
     sink: ListSink
-    scorer: pipeline.Scorer
+    scorer: pipeline.Scorer[Any]
     progress: list[int]
     waits: list[float]
 
@@ -289,7 +289,7 @@ def keys(n: int, prefix: str = "k") -> list[str]:
 
 def test_until_empty_commits_every_item_exactly_once() -> None:
     r = rig(keys(10), max_batch_size=4, claim_size=8)
-    stats = r.scorer.run(pipeline.RunLimits(until_empty=True))
+    stats = r.scorer.run(run_stats.RunLimits(until_empty=True))
     assert r.sink.keys() == Counter(keys(10))
     assert r.queue.keys(models.State.DONE) == set(keys(10))
     assert (stats.claimed, stats.committed, stats.failed, stats.released) == (10, 10, 0, 0)
@@ -328,11 +328,11 @@ def interval_rig(interval_s: float, *, deadlines: bool = False) -> Rig:
     return r
 
 
-def run_within(r: Rig) -> pipeline.RunStats:
+def run_within(r: Rig) -> run_stats.RunStats:
     """Run until empty; raise what the run raised, but only if it did not wait the interval out."""
     started = time.monotonic()
     try:
-        return r.scorer.run(pipeline.RunLimits(until_empty=True))
+        return r.scorer.run(run_stats.RunLimits(until_empty=True))
     finally:
         assert time.monotonic() - started < HANG_S, "the run waited the commit interval out"
 
@@ -379,7 +379,7 @@ def test_a_failed_stage_ends_a_commit_interval_wait_at_once() -> None:
 )
 def test_max_items_caps_what_is_claimed(max_items: int, claim_size: int, expected: int) -> None:
     r = rig(keys(10), max_batch_size=4, claim_size=claim_size)
-    stats = r.scorer.run(pipeline.RunLimits(until_empty=False, max_items=max_items))
+    stats = r.scorer.run(run_stats.RunLimits(until_empty=False, max_items=max_items))
     assert (stats.claimed, stats.committed) == (expected, expected)
     assert len(r.queue.keys(models.State.DONE)) == expected
     assert len(r.queue.keys(models.State.READY)) == 10 - expected
@@ -387,7 +387,7 @@ def test_max_items_caps_what_is_claimed(max_items: int, claim_size: int, expecte
 
 def test_until_empty_stops_before_max_items_on_a_short_queue() -> None:
     r = rig(keys(10), max_batch_size=4, claim_size=4)
-    stats = r.scorer.run(pipeline.RunLimits(until_empty=True, max_items=25))
+    stats = r.scorer.run(run_stats.RunLimits(until_empty=True, max_items=25))
     assert (stats.claimed, stats.committed) == (10, 10)
     assert r.waits == []
 
@@ -400,7 +400,7 @@ def test_max_seconds_on_the_fake_clock_waits_for_work_then_stops() -> None:
 
     r = rig(on_wait=on_wait, max_batch_size=4, claim_size=8)
     started = r.clock()
-    stats = r.scorer.run(pipeline.RunLimits(until_empty=False, max_seconds=5.0))
+    stats = r.scorer.run(run_stats.RunLimits(until_empty=False, max_seconds=5.0))
     assert r.sink.keys() == Counter(["late-1", "late-2", "late-3"])
     assert stats.committed == 3
     assert r.clock() - started == 5.0
@@ -421,7 +421,7 @@ def test_until_empty_on_an_empty_queue_returns_at_once() -> None:
 def test_stop_finishes_batches_in_flight_and_releases_the_rest_without_an_attempt() -> None:
     r = rig(keys(20), max_batch_size=4, claim_size=20)
     r.runner.on_decode = lambda n: r.scorer.stop() if n == 2 else None
-    stats = r.scorer.run(pipeline.RunLimits(until_empty=False))
+    stats = r.scorer.run(run_stats.RunLimits(until_empty=False))
     assert (stats.claimed, stats.committed, stats.released) == (20, 8, 12)
     assert stats.summary()["items_released"] == 12
     assert sum(r.sink.keys().values()) == 8
@@ -453,7 +453,7 @@ def test_heartbeats_go_on_while_a_stop_drains_the_batches_in_flight() -> None:
             assert beat.wait(10), "no heartbeat after stop() while a batch was in flight"
 
     r.runner.on_forward = stop_then_wait_for_a_heartbeat
-    stats = r.scorer.run(pipeline.RunLimits(until_empty=False))
+    stats = r.scorer.run(run_stats.RunLimits(until_empty=False))
     assert stats.committed >= 4
     assert stats.committed + stats.released == 8
     assert r.queue.keys(models.State.LEASED) == set()
@@ -481,7 +481,7 @@ def test_a_lease_is_reported_lost_only_when_two_heartbeats_in_a_row_find_it_empt
     r.queue.heartbeat = heartbeat  # type: ignore[method-assign]
     r.runner.on_forward = slow_forward
     with caplog.at_level("WARNING", logger="batching.pipeline"):
-        stats = r.scorer.run(pipeline.RunLimits(until_empty=True))
+        stats = r.scorer.run(run_stats.RunLimits(until_empty=True))
     assert enough.is_set()
     assert stats.committed == 4
     lost = [rec for rec in caplog.records if rec.getMessage() == "heartbeat found lease lost"]
@@ -497,7 +497,7 @@ def test_a_failed_release_still_ends_every_stage_and_the_heartbeats() -> None:
 
     r.queue.release = release  # type: ignore[method-assign]
     with pytest.raises(errors.QueueError):
-        r.scorer.run(pipeline.RunLimits(until_empty=False))
+        r.scorer.run(run_stats.RunLimits(until_empty=False))
     alive = {t.name for t in threading.enumerate()} & {"forward", "commit", "heartbeat"}
     assert alive == set(), f"{alive} still running after run() raised"
 
@@ -651,7 +651,7 @@ def test_a_failing_sink_flush_is_logged_and_the_run_still_completes() -> None:
     ],
 )
 def test_summary_percentiles(values: list[float], p50: float, p99: float) -> None:
-    stats = pipeline.RunStats(started_at=100.0, finished_at=110.0)
+    stats = run_stats.RunStats(started_at=100.0, finished_at=110.0)
     stats.latencies_s = list(values)
     stats.batch_sizes = [round(v) for v in reversed(values)]  # summary sorts them
     s = stats.summary()
@@ -661,7 +661,7 @@ def test_summary_percentiles(values: list[float], p50: float, p99: float) -> Non
 
 
 def test_summary_numbers() -> None:
-    stats = pipeline.RunStats(started_at=100.0, finished_at=104.0, committed=40, failed=2)
+    stats = run_stats.RunStats(started_at=100.0, finished_at=104.0, committed=40, failed=2)
     stats.batch_sizes = [8, 16, 16]
     stats.service_s = [0.1, 0.2, 0.3]
     stats.real_tokens, stats.padded_tokens = 30, 40
@@ -675,7 +675,7 @@ def test_summary_numbers() -> None:
     assert s["service_s_mean"] == pytest.approx(0.2)
     assert s["release_reasons"] == {"size": 2, "wait": 1}
     assert (s["items_committed"], s["items_failed"]) == (40, 2)
-    empty = pipeline.RunStats(started_at=1.0, finished_at=1.0).summary()
+    empty = run_stats.RunStats(started_at=1.0, finished_at=1.0).summary()
     assert (empty["padding_efficiency"], empty["batch_size_mean"], empty["items_per_s"]) == (
         1.0,
         0.0,
@@ -698,17 +698,17 @@ def test_run_stats_measure_latency_from_enqueue_on_the_injected_clock() -> None:
 
 
 def test_summary_rows_are_one_list_for_the_cli_and_the_artifact() -> None:
-    stats = pipeline.RunStats(started_at=0.0, committed=4, commits=1, batch_sizes=[4])
+    stats = run_stats.RunStats(started_at=0.0, committed=4, commits=1, batch_sizes=[4])
     stats.finished_at = 2.0
-    rows = dict(pipeline.summary_rows({**stats.summary(), "lineage_failures": 0}))
+    rows = dict(run_stats.summary_rows({**stats.summary(), "lineage_failures": 0}))
     assert (rows["items committed"], rows["batches"], rows["commits"]) == ("4", "1", "1")
     assert rows["items/s"] == "2.0"
     assert {"busy s: claim", "busy s: commit", "lineage events not delivered"} <= set(rows)
 
 
 def test_summary_rows_show_milliseconds_of_stage_time_not_zero() -> None:
-    summary = pipeline.RunStats(started_at=0.0, finished_at=1.0).summary()
+    summary = run_stats.RunStats(started_at=0.0, finished_at=1.0).summary()
     summary["stage_busy_s"] = {"forward": 0.00123, "commit": 12.3456}
-    rows = dict(pipeline.summary_rows(summary))
+    rows = dict(run_stats.summary_rows(summary))
     assert rows["busy s: forward"] == "0.00123"
     assert rows["busy s: commit"] == "12.3"

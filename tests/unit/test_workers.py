@@ -15,7 +15,7 @@ from multiprocessing.connection import Connection
 import pytest
 
 from batching import errors
-from batching.pipeline import RunLimits, RunStats
+from batching.run_stats import RunLimits, RunStats
 from batching.workers import WorkerReport, WorkersOutcome, _Outbox, _Watch, share_limits
 from tests.conftest import KeptRecords
 

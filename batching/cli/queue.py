@@ -1,155 +1,41 @@
-"""The ``batching`` command line. Exit codes: 0 ok, 1 failed, 2 bad usage or bad input.
-
-The CLI is an edge: it alone (with ``flows/``) reads environment variables
-(``BATCHING_DB_URL``) and turns them into arguments for the library.
-"""
+"""``batching init | enqueue | status | redrive | purge``: the queue commands of the CLI."""
 
 from __future__ import annotations
 
-import functools
 import json
-import logging
-import math
-import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, ParamSpec, TypeVar
+from typing import Annotated
 
 import typer
-import typer.exceptions as typer_exceptions
 from rich import box
-from rich.console import Console
-from rich.progress import Progress, ProgressColumn
 from rich.table import Table
 
-from batching import database, errors
-from batching.logs import configure_logging
-from batching.redaction import redact_url
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-app = typer.Typer(
-    name="batching",
-    help="Durable dynamic batching for model inference: queue, score, commit exactly once.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
+from batching import errors
+from batching.cli.common import (
+    DEFAULT_DB,
+    DbOption,
+    QueueOption,
+    QuietOption,
+    app,
+    err,
+    handle_errors,
+    open_queue,
+    out,
+    parse_duration,
+    progress_bar,
+    queue_name,
+    warn_unknown_queue,
 )
-
-
-def _version(value: bool) -> None:
-    if value:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            out.print(f"batching {version('batching')}")
-        except PackageNotFoundError:  # run from a source tree that was never installed
-            out.print("batching (not installed: run `pip install -e .`)")
-        raise typer.Exit()
-
-
-@app.callback()
-def _options(
-    show_version: Annotated[
-        bool,
-        typer.Option(
-            "--version", help="Print the version and exit.", callback=_version, is_eager=True
-        ),
-    ] = False,
-) -> None:
-    """Durable dynamic batching for model inference: queue, score, commit exactly once."""
-
-
-# Messages stay on one line (paths in them can be copied); tables still fit the terminal.
-# Without one (a pipe, a CI log) rich lays tables out in 80 columns, which cut paths and
-# lineage dataset names mid-word; 240 keeps them whole ($COLUMNS still wins).
-_PIPE_WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 240
-out = Console(soft_wrap=True, width=_PIPE_WIDTH)
-err = Console(stderr=True, soft_wrap=True)
-
-QuietOption = Annotated[
-    bool,
-    typer.Option("--quiet", help="No progress bar (there is none when stderr is not a terminal)."),
-]
-
-
-def progress_bar(*columns: str | ProgressColumn, quiet: bool) -> Progress:
-    """A progress display on stderr, gone when done; off with --quiet, on a pipe or a log file
-    (rich draws nothing there but a blank line at the end)."""
-    return Progress(*columns, console=err, disable=quiet or not err.is_terminal, transient=True)
-
-
-DEFAULT_DB = "sqlite:///batching.db"
-DbOption = Annotated[
-    str,
-    typer.Option(
-        "--db",
-        envvar="BATCHING_DB_URL",
-        help="Database URL: sqlite:///FILE or postgresql://USER@HOST:PORT/DB.",
-        show_default=True,
-    ),
-]
-
-
-def _queue_name(value: str | None) -> str | None:
-    # The same bounds as a config's queue.name: a queue no config can name is a typo.
-    if value is not None and not 1 <= len(value) <= 200:
-        raise typer.BadParameter(f"must be 1 to 200 characters, got {len(value)}")
-    return value
-
-
-QueueOption = Annotated[
-    str, typer.Option("--queue", "-q", help="Queue name.", callback=_queue_name)
-]
-
-
-def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
-    """Print a ``BatchingError`` as one line and exit 2 (bad input) or 1 (failure)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return fn(*args, **kwargs)
-        except errors.USAGE_ERRORS as exc:
-            err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
-        except errors.BatchingError as exc:
-            err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
-        except (typer.Exit, typer.Abort, typer_exceptions.TyperException):
-            raise  # typer's own ways out (exit codes, usage errors)
-        except Exception as exc:  # a bug: still one line; the traceback when asked for
-            if os.environ.get("BATCHING_DEBUG"):
-                raise
-            err.print(
-                f"[red]error:[/red] unexpected {type(exc).__name__}: {redact_url(str(exc))} "
-                "(a bug: run again with BATCHING_DEBUG=1 for the traceback, and report it)",
-                markup=True,
-                highlight=False,
-                soft_wrap=True,
-            )
-            raise typer.Exit(1) from None
-
-    return wrapper
-
-
-def open_queue(db: str, queue: str = "default", *, create: bool = False, **kwargs: Any) -> Any:
-    """An ``SqlQueue`` for ``db`` (imports SQLAlchemy only when a command needs it); the
-    SQLite file must exist unless ``create`` (``batching init``)."""
-    from batching import queue as q
-
-    if not create:
-        database.require_database(db)
-    return q.SqlQueue(database.create_engine(db), queue, **kwargs)
 
 
 @app.command()
 @handle_errors
 def init(db: DbOption = DEFAULT_DB) -> None:
     """Create or upgrade the queue schema (a second run changes nothing)."""
+
+    from batching import database
 
     result = open_queue(db, create=True).migrate()
     where = database.redact(db)
@@ -225,7 +111,7 @@ def status(
     db: DbOption = DEFAULT_DB,
     queue: Annotated[
         str | None,
-        typer.Option("--queue", "-q", help="Queue name [default: default].", callback=_queue_name),
+        typer.Option("--queue", "-q", help="Queue name [default: default].", callback=queue_name),
     ] = None,
     all_queues: Annotated[bool, typer.Option("--all", help="Every queue in the table.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
@@ -315,46 +201,3 @@ def purge(
         warn_unknown_queue(q)
     verb = "archived" if archive else "deleted"
     out.print(f"{verb} {n} done item(s) older than {older_than} from queue {queue!r}")
-
-
-def warn_unknown_queue(q: Any) -> None:
-    """Warn that ``q``'s queue has no items, naming those that do: a mistyped ``-q`` would
-    otherwise look like an idle queue (zeros, exit 0)."""
-    names = sorted({g.queue for g in q.stats(all_queues=True).groups})
-    if q.queue not in names:
-        err.print(
-            f"warning: queue {q.queue!r} has no items; queues in this database: "
-            f"{', '.join(names) or 'none'}",
-            highlight=False,
-        )
-
-
-def parse_duration(text: str, name: str) -> float:
-    """``90s``/``30m``/``12h``/``7d`` (or plain seconds) to seconds; ``ConfigError`` otherwise."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    body, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
-    try:
-        value = float(body)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):  # nan and inf parse as floats; nan compared as "older"
-        raise errors.ConfigError(
-            f"{name} must be a duration like 90s, 30m, 12h or 7d, got {text!r}"
-        ) from None
-    if value < 0:
-        raise errors.ConfigError(f"{name} must not be negative, got {text!r}")
-    return value * units[unit]
-
-
-def main() -> None:
-    """Console-script entry point."""
-    from batching import cli, cli_ops, cli_score  # noqa: F401  (register their commands)
-
-    configure_logging(logging.DEBUG if os.environ.get("BATCHING_DEBUG") else logging.WARNING)
-    # ``cli.app``, not ``app``: under ``python -m batching.cli`` this module is ``__main__`` and
-    # the other command modules register on the imported ``batching.cli``.
-    cli.app()
-
-
-if __name__ == "__main__":
-    main()

@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,36 +16,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.table import Table
 
 from batching import errors
-from batching.cli import (
-    DEFAULT_DB,
+from batching.cli.common import (
+    ConfigOption,
+    DbOverride,
+    OutputOverride,
     QuietOption,
     app,
     err,
     handle_errors,
+    load,
     out,
     progress_bar,
     warn_unknown_queue,
 )
-
-ConfigOption = Annotated[
-    Path, typer.Option("--config", "-c", help="Pipeline YAML (see deployments/).")
-]
-DbOverride = Annotated[
-    str | None,
-    typer.Option("--db", envvar="BATCHING_DB_URL", help="Database URL; overrides the config's."),
-]
-OutputOverride = Annotated[
-    str | None,
-    typer.Option(
-        "--output", help="Output folder (parquet) or table (sql); overrides the config's."
-    ),
-]
-
-
-def load(config: Path) -> Any:
-    from batching.config import load_config
-
-    return load_config(config)
 
 
 def lineage_settings(cfg: Any) -> Any:
@@ -55,9 +39,9 @@ def lineage_settings(cfg: Any) -> Any:
     return config_from_env(os.environ, cfg.lineage)
 
 
-def summary_table(summary: dict[str, Any], title: str = "run summary") -> Table:
+def summary_table(summary: Mapping[str, object], title: str = "run summary") -> Table:
     """The closing table of a scoring run."""
-    from batching.pipeline import summary_rows
+    from batching.run_stats import summary_rows
 
     table = Table(title=title, show_header=False)
     table.add_column("metric")
@@ -115,11 +99,11 @@ def score(
     """
     stop = _StopOnSignal()  # first: a signal while the model loads must not kill the run
     from batching import app as wiring
-    from batching import pipeline
+    from batching import run_stats
 
     cfg = load(config)
     lineage_config = lineage_settings(cfg)
-    limits = pipeline.RunLimits(
+    limits = run_stats.RunLimits(
         until_empty=until_empty or max_seconds is None,
         max_items=max_items,
         max_seconds=max_seconds,
@@ -156,7 +140,7 @@ def score(
             )
         return
 
-    def on_progress(stats: pipeline.RunStats) -> None:
+    def on_progress(stats: run_stats.RunStats) -> None:
         show(stats.committed, stats.failed, stats.claimed)
 
     with progress:
@@ -220,14 +204,14 @@ def _ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _explain_what_is_left(cfg: Any, db: str | None, summary: dict[str, Any]) -> None:
+def _explain_what_is_left(cfg: Any, db: str | None, summary: Mapping[str, object]) -> None:
     """A run that stops while the queue still holds items says why, when the queue shows it:
     items waiting out a retry backoff (an until-empty run does not wait for them); and when
     it scored nothing, a queue name without items (a typo), or items leased by other scorers
     (a dead one's come back when their leases expire)."""
-    from batching import app as wiring
+    from batching import build
 
-    queue = wiring.open_queue(cfg, wiring.resolve(cfg, db, None).db_url)
+    queue = build.open_queue(cfg, build.resolve(cfg, db, None).db_url)
     try:
         stats = queue.stats()
         if stats.backoff:
@@ -304,7 +288,7 @@ def check(config: ConfigOption) -> None:
 
     Exit 1 with the numbers when the config would break its objective or not fit the device.
     """
-    from batching import app as wiring
+    from batching import build
 
     cfg = load(config)
     path = cfg.resolve(cfg.service_profile)
@@ -313,13 +297,14 @@ def check(config: ConfigOption) -> None:
             f"{path}: service profile not found (service_profile in {config}); "
             f"run `batching profile -c {config}` to create it"
         )
-    report = wiring.check_config(cfg)
+    report = build.check_config(cfg)
     for w in report.warnings:
         err.print(f"warning: {w}", highlight=False)
-    if report.worst_case_latency_s is not None:
+    worst = report.worst_batch
+    if report.worst_case_latency_s is not None and worst is not None:
         out.print(
             f"{config}: worst case {report.worst_case_latency_s:.3f}s = max_wait_s {cfg.batching.max_wait_s:g}"
-            f" + service {report.predicted_service_s:.3f}s for {report.worst_batch.n_items} x {report.worst_batch.length}"
+            f" + service {report.predicted_service_s:.3f}s for {worst.n_items} x {worst.length}"
             + (
                 f" + commit_interval_s {cfg.output.commit_interval_s:g}"
                 if cfg.output.commit_interval_s
@@ -435,6 +420,3 @@ def demo(
         summary_table=summary_table,
         sink=sink,
     )
-
-
-_ = DEFAULT_DB

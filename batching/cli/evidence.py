@@ -12,8 +12,16 @@ import typer
 from rich.table import Table
 
 from batching import errors
-from batching.cli import app, handle_errors, out, parse_duration
-from batching.cli_score import ConfigOption, DbOverride, OutputOverride, load
+from batching.cli.common import (
+    ConfigOption,
+    DbOverride,
+    OutputOverride,
+    app,
+    handle_errors,
+    load,
+    out,
+    parse_duration,
+)
 
 if TYPE_CHECKING:
     from batching.reconcile import Report
@@ -70,10 +78,10 @@ def lineage(
 def _events_from_config(config: Path | None, output: str | None) -> Path:
     if config is None:
         return Path("outputs/lineage/events.jsonl")
-    from batching import app as wiring
+    from batching import build
     from batching.config import load_config
 
-    res = wiring.resolve(load_config(config), None, output)
+    res = build.resolve(load_config(config), None, output)
     if res.events_path is None:
         raise errors.ConfigError(f"{config}: lineage transport is not file; nothing local to read")
     return res.events_path
@@ -163,12 +171,12 @@ def reconcile(
     cfg = load(config)
     window = parse_duration(since, "--since") if since is not None else None
 
-    from batching import app as wiring
+    from batching import build
     from batching import reconcile as rc
 
     now = time.time()
-    res = wiring.resolve(cfg, db, output)
-    queue = wiring.open_queue(cfg, res.db_url)
+    res = build.resolve(cfg, db, output)
+    queue = build.open_queue(cfg, res.db_url)
     try:
         queue.check_schema()
         if run is not None:
@@ -176,7 +184,7 @@ def reconcile(
         check = functools.partial(
             rc.reconcile,
             queue,
-            wiring.open_sink(queue, res, read_only=True),
+            build.open_sink(queue, res, read_only=True),
             since=now - window if window is not None else None,
             run_id=run,
             dataset_lost=dataset_lost,
@@ -297,13 +305,13 @@ def maintain(
     retention_s = (
         parse_duration(vacuum_retention, "--vacuum-retention") if vacuum_retention else None
     )
-    from batching import app as wiring
+    from batching import build
 
-    res = wiring.resolve(cfg, db, output)
-    queue = wiring.open_queue(cfg, res.db_url)
+    res = build.resolve(cfg, db, output)
+    queue = build.open_queue(cfg, res.db_url)
     try:
         queue.check_schema()
-        done = wiring.open_sink(queue, res).maintain(
+        done = build.open_sink(queue, res).maintain(
             vacuum_retention_h=None if retention_s is None else retention_s / 3600
         )
     finally:

@@ -1,0 +1,24 @@
+"""The ``batching`` command line. Exit codes: 0 ok, 1 failed, 2 bad usage or bad input.
+
+One module per group of commands, each registering on the one Typer app of
+:mod:`batching.cli.common`: :mod:`~batching.cli.queue` (init, enqueue, status, redrive,
+purge), :mod:`~batching.cli.scoring` (score, check, profile, demo),
+:mod:`~batching.cli.evidence` (lineage, reconcile, maintain). The CLI is an edge: it alone
+(with ``flows/``) reads environment variables (``BATCHING_DB_URL``, ``OPENLINEAGE_*``) and
+turns them into arguments for the library.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def main() -> None:
+    """Console-script entry point."""
+    from batching.cli import evidence, queue, scoring  # noqa: F401  (register their commands)
+    from batching.cli.common import app
+    from batching.logs import configure_logging
+
+    configure_logging(logging.DEBUG if os.environ.get("BATCHING_DEBUG") else logging.WARNING)
+    app()

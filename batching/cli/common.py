@@ -1,0 +1,191 @@
+"""What every command of the CLI shares: the Typer app, the consoles, the options, one-line
+errors (``handle_errors``), progress bars, durations.
+
+Light on purpose: ``batching --help`` imports this and the command modules, so anything
+heavier than typer and rich (SQLAlchemy, torch, pyarrow) is imported by the command that
+needs it, when it runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, ParamSpec, TypeVar
+
+import typer
+import typer.exceptions as typer_exceptions
+from rich.console import Console
+from rich.progress import Progress, ProgressColumn
+
+from batching import errors
+from batching.redaction import redact_url
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+app = typer.Typer(
+    name="batching",
+    help="Durable dynamic batching for model inference: queue, score, commit exactly once.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            out.print(f"batching {version('batching')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            out.print("batching (not installed: run `pip install -e .`)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="Print the version and exit.", callback=_version, is_eager=True
+        ),
+    ] = False,
+) -> None:
+    """Durable dynamic batching for model inference: queue, score, commit exactly once."""
+
+
+# Messages stay on one line (paths in them can be copied); tables still fit the terminal.
+# Without one (a pipe, a CI log) rich lays tables out in 80 columns, which cut paths and
+# lineage dataset names mid-word; 240 keeps them whole ($COLUMNS still wins).
+_PIPE_WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 240
+out = Console(soft_wrap=True, width=_PIPE_WIDTH)
+err = Console(stderr=True, soft_wrap=True)
+
+QuietOption = Annotated[
+    bool,
+    typer.Option("--quiet", help="No progress bar (there is none when stderr is not a terminal)."),
+]
+
+
+def progress_bar(*columns: str | ProgressColumn, quiet: bool) -> Progress:
+    """A progress display on stderr, gone when done; off with --quiet, on a pipe or a log file
+    (rich draws nothing there but a blank line at the end)."""
+    return Progress(*columns, console=err, disable=quiet or not err.is_terminal, transient=True)
+
+
+DEFAULT_DB = "sqlite:///batching.db"
+DbOption = Annotated[
+    str,
+    typer.Option(
+        "--db",
+        envvar="BATCHING_DB_URL",
+        help="Database URL: sqlite:///FILE or postgresql://USER@HOST:PORT/DB.",
+        show_default=True,
+    ),
+]
+
+
+def queue_name(value: str | None) -> str | None:
+    # The same bounds as a config's queue.name: a queue no config can name is a typo.
+    if value is not None and not 1 <= len(value) <= 200:
+        raise typer.BadParameter(f"must be 1 to 200 characters, got {len(value)}")
+    return value
+
+
+QueueOption = Annotated[str, typer.Option("--queue", "-q", help="Queue name.", callback=queue_name)]
+
+
+ConfigOption = Annotated[
+    Path, typer.Option("--config", "-c", help="Pipeline YAML (see deployments/).")
+]
+DbOverride = Annotated[
+    str | None,
+    typer.Option("--db", envvar="BATCHING_DB_URL", help="Database URL; overrides the config's."),
+]
+OutputOverride = Annotated[
+    str | None,
+    typer.Option(
+        "--output", help="Output folder (parquet) or table (sql); overrides the config's."
+    ),
+]
+
+
+def load(config: Path) -> Any:
+    from batching.config import load_config
+
+    return load_config(config)
+
+
+def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Print a ``BatchingError`` as one line and exit 2 (bad input) or 1 (failure)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except errors.USAGE_ERRORS as exc:
+            err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except errors.BatchingError as exc:
+            err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        except (typer.Exit, typer.Abort, typer_exceptions.TyperException):
+            raise  # typer's own ways out (exit codes, usage errors)
+        except Exception as exc:  # a bug: still one line; the traceback when asked for
+            if os.environ.get("BATCHING_DEBUG"):
+                raise
+            err.print(
+                f"[red]error:[/red] unexpected {type(exc).__name__}: {redact_url(str(exc))} "
+                "(a bug: run again with BATCHING_DEBUG=1 for the traceback, and report it)",
+                markup=True,
+                highlight=False,
+                soft_wrap=True,
+            )
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def open_queue(db: str, queue: str = "default", *, create: bool = False, **kwargs: Any) -> Any:
+    """An ``SqlQueue`` for ``db`` (imports SQLAlchemy only when a command needs it); the
+    SQLite file must exist unless ``create`` (``batching init``)."""
+    from batching import database
+    from batching import queue as q
+
+    if not create:
+        database.require_database(db)
+    return q.SqlQueue(database.create_engine(db), queue, **kwargs)
+
+
+def warn_unknown_queue(q: Any) -> None:
+    """Warn that ``q``'s queue has no items, naming those that do: a mistyped ``-q`` would
+    otherwise look like an idle queue (zeros, exit 0)."""
+    names = sorted({g.queue for g in q.stats(all_queues=True).groups})
+    if q.queue not in names:
+        err.print(
+            f"warning: queue {q.queue!r} has no items; queues in this database: "
+            f"{', '.join(names) or 'none'}",
+            highlight=False,
+        )
+
+
+def parse_duration(text: str, name: str) -> float:
+    """``90s``/``30m``/``12h``/``7d`` (or plain seconds) to seconds; ``ConfigError`` otherwise."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    body, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        value = float(body)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):  # nan and inf parse as floats; nan compared as "older"
+        raise errors.ConfigError(
+            f"{name} must be a duration like 90s, 30m, 12h or 7d, got {text!r}"
+        ) from None
+    if value < 0:
+        raise errors.ConfigError(f"{name} must not be negative, got {text!r}")
+    return value * units[unit]

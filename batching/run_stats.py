@@ -1,0 +1,187 @@
+"""A scoring run's limits and stats: when it stops (:class:`RunLimits`), what it counted
+(:class:`RunStats`), and its summary as a closing table (:func:`summary_rows`)."""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NotRequired, TypedDict
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    """When a run stops: queue empty, after ``max_items`` claimed, or after ``max_seconds``."""
+
+    until_empty: bool = True
+    max_items: int | None = None
+    max_seconds: float | None = None
+
+
+class RunSummary(TypedDict):
+    """A run's summary (``RunStats.summary``): what the CLI's closing table, the Prefect
+    summary artifact and the run ledger show. The last three keys are added by the run's
+    owner: lineage events not delivered, and for a retried run its attempt and the items every
+    attempt committed."""
+
+    items_committed: int
+    items_failed: int
+    items_released: int
+    lease_lost_items: int
+    batches: int
+    commits: int
+    batch_size_mean: float
+    batch_size_p50: float
+    batch_size_p99: float
+    padding_efficiency: float
+    items_per_s: float
+    latency_p50_s: float
+    latency_p99_s: float
+    latency_max_s: float
+    service_s_mean: float
+    release_reasons: dict[str, int]
+    elapsed_s: float
+    stage_busy_s: dict[str, float]
+    lineage_failures: NotRequired[int]
+    attempt: NotRequired[int]
+    run_items_committed: NotRequired[int]
+
+
+# RunStats fields that add up across scorers (RunStats.merged).
+_ADDITIVE = (
+    "committed",
+    "failed",
+    "released",
+    "lease_lost",
+    "claimed",
+    "commits",
+    "batch_sizes",
+    "latencies_s",
+    "service_s",
+    "real_tokens",
+    "padded_tokens",
+    "bytes_written",
+)
+
+
+@dataclass
+class RunStats:
+    """Counters and samples of one run; ``summary()`` turns them into the closing table."""
+
+    started_at: float
+    committed: int = 0
+    failed: int = 0
+    released: int = 0
+    lease_lost: int = 0
+    claimed: int = 0
+    commits: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+    latencies_s: list[float] = field(default_factory=list)
+    service_s: list[float] = field(default_factory=list)
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    bytes_written: int = 0
+    reasons: collections.Counter[str] = field(default_factory=collections.Counter)
+    stage_s: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("claim", "decode", "forward", "commit"), 0.0)
+    )
+    finished_at: float | None = None
+
+    @classmethod
+    def merged(cls, parts: Sequence[RunStats]) -> RunStats:
+        """One run's worth of counters from several scorers' (``score --workers``): counts and
+        samples add up, and the run spans the first start to the last finish."""
+        if not parts:
+            raise ValueError("nothing to merge")
+        total = cls(started_at=min(p.started_at for p in parts))
+        for p in parts:
+            for name in _ADDITIVE:
+                setattr(total, name, getattr(total, name) + getattr(p, name))
+            total.reasons.update(p.reasons)
+            for stage, seconds in p.stage_s.items():
+                total.stage_s[stage] = total.stage_s.get(stage, 0.0) + seconds
+        ends = [p.finished_at for p in parts]
+        total.finished_at = None if None in ends else max(e for e in ends if e is not None)
+        return total
+
+    def summary(self) -> RunSummary:
+        """The run summary: items, batches, batch sizes, padding efficiency, latency, items/s."""
+        elapsed = max((self.finished_at or time.time()) - self.started_at, 1e-9)
+        sizes = sorted(self.batch_sizes)
+        lat = sorted(self.latencies_s)
+        return {
+            "items_committed": self.committed,
+            "items_failed": self.failed,
+            "items_released": self.released,
+            "lease_lost_items": self.lease_lost,
+            "batches": len(sizes),
+            "commits": self.commits,
+            "batch_size_mean": sum(sizes) / len(sizes) if sizes else 0.0,
+            "batch_size_p50": _pct(sizes, 50),
+            "batch_size_p99": _pct(sizes, 99),
+            "padding_efficiency": self.real_tokens / self.padded_tokens
+            if self.padded_tokens
+            else 1.0,
+            "items_per_s": self.committed / elapsed,
+            "latency_p50_s": _pct(lat, 50),
+            "latency_p99_s": _pct(lat, 99),
+            "latency_max_s": lat[-1] if lat else 0.0,
+            "service_s_mean": sum(self.service_s) / len(self.service_s) if self.service_s else 0.0,
+            "release_reasons": dict(self.reasons),
+            "elapsed_s": elapsed,
+            # Where the time went: seconds each stage was busy (stages overlap, so these can
+            # add up to more than elapsed_s; the largest is the bottleneck).
+            "stage_busy_s": dict(self.stage_s),
+        }
+
+
+def summary_rows(summary: Mapping[str, object]) -> list[tuple[str, str]]:
+    """A run summary (:class:`RunSummary`, or one read back as JSON) as ``(metric, value)``
+    rows: the CLI's closing table and the Prefect summary artifact both show these."""
+    reasons = summary.get("release_reasons")
+    reasons = reasons if isinstance(reasons, Mapping) else {}
+    rows = [
+        ("items committed", f"{summary['items_committed']}"),
+        ("items failed", f"{summary['items_failed']}"),
+        ("items released", f"{summary['items_released']}"),
+        ("batches", f"{summary['batches']}"),
+        ("commits", f"{summary.get('commits', 0)}"),
+        ("batch size mean", f"{summary['batch_size_mean']:.1f}"),
+        (
+            "batch size p50 / p99",
+            f"{summary['batch_size_p50']:.0f} / {summary['batch_size_p99']:.0f}",
+        ),
+        ("padding efficiency", f"{summary['padding_efficiency']:.3f}"),
+        ("items/s", f"{summary['items_per_s']:.1f}"),
+        (
+            "latency p50 / p99 (s, enqueue to commit)",
+            f"{summary['latency_p50_s']:.3f} / {summary['latency_p99_s']:.3f}",
+        ),
+        ("elapsed (s)", f"{summary['elapsed_s']:.1f}"),
+        ("release reasons", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "-"),
+    ]
+    # Three significant digits: a short run's stages are busy for milliseconds, which a fixed
+    # two decimals showed as 0.00.
+    busy = summary.get("stage_busy_s")
+    rows += (
+        [(f"busy s: {k}", f"{v:.3g}") for k, v in (busy or {}).items()]
+        if isinstance(busy, Mapping)
+        else []
+    )
+    if "lineage_failures" in summary:
+        rows.append(("lineage events not delivered", f"{summary['lineage_failures']}"))
+    if "attempt" in summary:  # a retry: the rows above are this attempt's
+        rows.append(("attempt", f"{summary['attempt']}"))
+        rows.append(("items committed, all attempts", f"{summary['run_items_committed']}"))
+    return rows
+
+
+def _pct(sorted_values: list[float] | list[int], p: float) -> float:
+    if not sorted_values:
+        return 0.0
+    k = min(len(sorted_values) - 1, max(0, round(p / 100 * (len(sorted_values) - 1))))
+    return float(sorted_values[k])
+
+
+Progress = Callable[[RunStats], None]

@@ -1,0 +1,126 @@
+"""What the scoring loop's stages hand each other: named types, not tuples.
+
+    dispatch --Dispatched[D]--> forward --Scored--> commit
+
+``Dispatched`` carries a released batch, the lease each of its items was claimed under, and
+the runner's decoded input (of the runner's own type ``D``); ``Scored`` the batch, the leases
+and what the forward pass made of it. :func:`by_lease` groups what one group commit takes
+into one :class:`LeasePart` per lease: a lease's items commit (or fail) together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from batching import models, outcomes
+
+D = TypeVar("D")
+FloatArray = npt.NDArray[np.float32]
+Leases = dict[int, str]
+"""Item id -> the lease it was claimed under, as the batch was dispatched."""
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatched(Generic[D]):
+    """A batch on its way to the forward stage."""
+
+    batch: models.Batch
+    leases: Leases
+    decoded: D
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """A batch on its way to the commit stage."""
+
+    batch: models.Batch
+    leases: Leases
+    result: outcomes.ScoreResult
+
+
+class End:
+    """The end of a stage's input: no job follows."""
+
+
+END = End()
+
+
+@dataclass
+class LeasePart:
+    """The items of one lease in a group commit: all of them, those scored, those failed (to
+    retry), and those whose payload the model cannot read (dead at once: a retry cannot help).
+    Uniform batches scored whole (ItemBlocks and their output matrices) stay columns, without
+    an object per item, unless the part also holds items of the above."""
+
+    items: list[models.WorkItem] = field(default_factory=list)
+    ok: list[models.WorkItem] = field(default_factory=list)
+    outputs: dict[int, FloatArray] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)
+    undecodable: dict[int, str] = field(default_factory=dict)
+    blocks: list[models.ItemBlock] = field(default_factory=list)
+    matrices: list[FloatArray] = field(default_factory=list)
+
+    def scored(
+        self,
+    ) -> tuple[Sequence[models.WorkItem], Mapping[int, FloatArray], Sequence[models.WorkItem]]:
+        """``(items to commit, their outputs, every item the part held)``: one lease's blocks
+        joined into one (one claim's shared fields), or everything as items when the part
+        also holds items."""
+        if self.blocks and not self.items:
+            block = models.ItemBlock.join(self.blocks)
+            matrix = self.matrices[0] if len(self.matrices) == 1 else np.concatenate(self.matrices)
+            return block, models.OutputRows(block.ids, matrix), block
+        for block, matrix in zip(self.blocks, self.matrices, strict=True):
+            built = list(block)  # each item built once
+            self.ok.extend(built)
+            self.outputs.update(zip(block.ids, matrix, strict=True))
+            self.items.extend(built)
+        self.blocks, self.matrices = [], []
+        return self.ok, self.outputs, self.items
+
+
+def by_lease(jobs: Sequence[Scored]) -> dict[str, LeasePart]:
+    """The scored batches of one group commit, as one part per lease."""
+    parts: dict[str, LeasePart] = {}
+    for job in jobs:
+        batch, result = job.batch, job.result
+        owners = set(job.leases.values())
+        if len(owners) == 1 and not result.failures:  # the common case, without a step per item
+            part = parts.setdefault(owners.pop(), LeasePart())
+            outputs = result.outputs
+            if (
+                isinstance(batch.items, models.ItemBlock)
+                and isinstance(outputs, models.OutputRows)
+                and outputs.ids == batch.items.ids
+            ):
+                part.blocks.append(batch.items)
+                part.matrices.append(outputs.matrix)
+                continue
+            built = tuple(batch.items)  # a block's items built once
+            part.ok.extend(built)
+            part.outputs.update(outputs)
+            part.items.extend(built)
+            continue
+        for item in batch.items:
+            part = parts.setdefault(job.leases[item.id], LeasePart())
+            if item.id in result.outputs:
+                part.ok.append(item)
+                part.outputs[item.id] = result.outputs[item.id]
+            elif item.id in result.undecodable:
+                part.undecodable[item.id] = result.failures[item.id]
+            else:
+                part.failures[item.id] = result.failures[item.id]
+            part.items.append(item)
+    return parts
+
+
+def has_deadline(batch: models.Batch) -> bool:
+    """Whether any item of ``batch`` has a deadline (it then commits without waiting)."""
+    if isinstance(batch.items, models.ItemBlock):  # one for all
+        return batch.items.template.deadline_at is not None
+    return any(item.deadline_at is not None for item in batch.items)
