@@ -2,7 +2,7 @@
 ledger, the lineage run, and the loop in between.
 
 The CLI and ``flows/`` call :func:`run_score` (one scorer) or :func:`run_score_workers` (N
-scorer processes as one run); both put the run on record the same way (:class:`_Record`: its
+scorer processes as one run); both put the run on record the same way (:class:`run_record.Record`: its
 run-ledger row, a heartbeat from start to end, and its lineage run, START then COMPLETE or
 FAIL). The adapters come from :mod:`batching.build`; the loop (:mod:`batching.pipeline`) is
 given them.
@@ -19,76 +19,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from batching import build, errors, lineage, models, pipeline, run_ledger, run_stats, sinks
+from batching import build, lineage, models, pipeline, run_record, run_stats, sinks
 from batching import config as cfg
 from batching import queue as q
+from batching.worker_pipes import WorkersProgress
 from batching.workers import (
-    WorkerReport,
     WorkersOutcome,
-    WorkersProgress,
-    is_worker_job,
     run_workers,
     share_limits,
-    worker_job_name,
 )
 
 logger = logging.getLogger(__name__)
-
-
-def _never(_exc: BaseException) -> bool:
-    return False
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """Which try of a run this is, when the caller retries a failed run under the same run id
-    (the score flow's task retries: the run id is the flow run's).
-
-    The first attempt records lineage START; a later one resumes the run (RUNNING), its run
-    ledger row and what is left of its limits. A failure that ``retried`` says will be retried
-    ends the attempt, not the run: lineage RUNNING with the error, not FAIL (OpenLineage: one
-    START and one terminal event per run), and the COMPLETE or FAIL at the end counts every
-    attempt's rows.
-    """
-
-    number: int = 1
-    retried: Callable[[BaseException], bool] = _never
-
-    def open(self, emitter: lineage.LineageEmitter, ctx: lineage.RunContext) -> None:
-        """START the run, or mark it running again on a retry."""
-        if self.number == 1:
-            emitter.start(ctx)
-        else:
-            emitter.running(ctx)
-
-    def fail(
-        self,
-        emitter: lineage.LineageEmitter,
-        ctx: lineage.RunContext,
-        error: BaseException,
-        outputs: list[lineage.DatasetRef],
-    ) -> None:
-        """FAIL the run, or only this attempt when ``error`` is to be retried."""
-        if self.retried(error):
-            emitter.running(ctx, error)
-        else:
-            emitter.fail(ctx, error, outputs=outputs)
-
-
-FIRST = Attempt()
-
-
-def record_failed_start(
-    emitter: lineage.LineageEmitter,
-    ctx: lineage.RunContext,
-    error: BaseException,
-    attempt: Attempt = FIRST,
-) -> None:
-    """START then FAIL (with the error) for a run that failed before scoring began."""
-    attempt.open(emitter, ctx)
-    out = ctx.outputs[0]  # a retry's earlier attempts committed rows this one cannot count
-    attempt.fail(emitter, ctx, error, [out.with_stats(0) if attempt.number == 1 else out])
-    emitter.close()
 
 
 def _left(
@@ -141,50 +82,6 @@ class WorkersScoreOutcome:
         return summary
 
 
-class _Record:
-    """A run on record, from its ledger row to its end: the row, with a heartbeat on a thread
-    of its own (lineage calls included, up to their deadline: a live run must never look
-    abandoned to another run starting meanwhile), and its lineage run. Lineage first at the
-    end: a ledger that cannot be updated now still gets it, and the row is closed as
-    abandoned by a later run."""
-
-    def __init__(
-        self,
-        runs: run_ledger.RunLedger,
-        emitter: lineage.LineageEmitter,
-        ctx: lineage.RunContext,
-        attempt: Attempt,
-        heartbeat_s: float,
-    ) -> None:
-        self.runs, self.emitter, self.ctx, self.attempt = runs, emitter, ctx, attempt
-        self._beating = _Beating(_beat(runs, ctx.run_id), heartbeat_s)
-
-    def open(self) -> None:
-        """START the lineage run (RUNNING again on a retry)."""
-        self.attempt.open(self.emitter, self.ctx)
-
-    def complete(self, outputs: list[lineage.DatasetRef], summary: Mapping[str, Any]) -> None:
-        self.emitter.complete(self.ctx, outputs=outputs)
-        self._end("completed", summary)
-
-    def fail(
-        self, error: BaseException, outputs: list[lineage.DatasetRef], summary: Mapping[str, Any]
-    ) -> None:
-        """FAIL (or, when the error will be retried, RUNNING with it) and close the row."""
-        self.attempt.fail(self.emitter, self.ctx, error, outputs)
-        state = "running" if self.attempt.retried(error) else "failed"
-        self._end(state, summary, str(error) or type(error).__name__)
-
-    def stop(self) -> None:
-        """Stop the heartbeat (idempotent)."""
-        self._beating.stop()
-
-    def _end(self, state: str, summary: Mapping[str, Any], error: str | None = None) -> None:
-        self.emitter.close()
-        self.stop()
-        _finish(self.runs, self.ctx.run_id, state, summary, error)
-
-
 def run_score(
     config: cfg.PipelineConfig,
     *,
@@ -197,7 +94,7 @@ def run_score(
     on_scorer: Callable[[pipeline.Scorer[Any]], None] | None = None,
     lineage_config: cfg.LineageConfig | None = None,
     job_name: str | None = None,
-    attempt: Attempt = FIRST,
+    attempt: run_record.Attempt = run_record.FIRST,
 ) -> ScoreOutcome:
     """Run one scoring run end to end: checks, recovery, scoring, run ledger and lineage.
 
@@ -232,17 +129,17 @@ def run_score(
         recovered = sink.recover()
         profile = build.load_profile(config)
         ctx = context(sink=sink, checksum=runner.checksum)
-        runs, so_far = _ledger_start(
+        runs, so_far = run_record.ledger_start(
             queue, config, ctx, runner.checksum, parent[0] if parent else None, attempt
         )
-        abandoned = runs.close_abandoned(_silent_for_s(config), but=run_id)
+        abandoned = runs.close_abandoned(run_record.silent_for_s(config), but=run_id)
     except Exception as exc:  # a precondition failed: the run is still on record as failed
-        record_failed_start(emitter, context(), exc, attempt)
+        run_record.record_failed_start(emitter, context(), exc, attempt)
         raise
     before = so_far.items_committed if so_far else 0  # by the run's earlier attempts
-    record = _Record(runs, emitter, ctx, attempt, config.queue.effective_heartbeat_s)
+    record = run_record.Record(runs, emitter, ctx, attempt, config.queue.effective_heartbeat_s)
     try:
-        _fail_abandoned(emitter, ctx, config, abandoned)
+        run_record.fail_abandoned(emitter, ctx, config, abandoned)
         record.open()
         scorer: pipeline.Scorer[Any] | None = None
         # Objects alive now (the model, torch, SQLAlchemy, Prefect) are frozen out of the cyclic
@@ -307,7 +204,7 @@ def run_score_workers(
     on_progress: WorkersProgress | None = None,
     stop: threading.Event | None = None,
     resend_signals: bool = False,
-    attempt: Attempt = FIRST,
+    attempt: run_record.Attempt = run_record.FIRST,
 ) -> WorkersScoreOutcome:
     """Score with ``n`` worker processes as ONE run of the config's job.
 
@@ -335,13 +232,15 @@ def run_score_workers(
         queue.check_schema()
         sink = build.open_sink(queue, res, read_only=True)  # its dataset, for lineage
         ctx = build.scoring_context(config, res, run_id, sink=sink)
-        runs, so_far = _ledger_start(queue, config, ctx, config.model.sha256, attempt=attempt)
+        runs, so_far = run_record.ledger_start(
+            queue, config, ctx, config.model.sha256, attempt=attempt
+        )
     except Exception as exc:
-        record_failed_start(emitter, ctx, exc, attempt)
+        run_record.record_failed_start(emitter, ctx, exc, attempt)
         raise
     before = so_far.items_committed if so_far else 0  # by the run's earlier attempts
     # The parent runs no scorer: its record beats for its ledger row itself, to its end.
-    record = _Record(runs, emitter, ctx, attempt, config.queue.effective_heartbeat_s)
+    record = run_record.Record(runs, emitter, ctx, attempt, config.queue.effective_heartbeat_s)
     counts = [0, 0, 0]  # the workers' summed progress: committed, failed, claimed
 
     def progress(committed: int, failed: int, claimed: int) -> None:
@@ -380,7 +279,7 @@ def run_score_workers(
         size = stats.bytes_written if stats and so_far is None else None  # a retry: rows alone
         out_ds = ctx.outputs[0].with_stats(before + summary["items_committed"], size)
         for report in (r for r in outcome.reports if r.died):
-            _close_dead_worker(emitter, runs, ctx, report)
+            run_record.close_dead_worker(emitter, runs, ctx, report)
         error = outcome.error()
         if error is None:
             record.complete([out_ds], summary)
@@ -392,115 +291,6 @@ def run_score_workers(
         return result
     finally:
         record.stop()
-
-
-def _finish(
-    runs: run_ledger.RunLedger,
-    run_id: str,
-    state: str,
-    summary: Mapping[str, Any],
-    error: str | None = None,
-) -> None:
-    """Close the run's ledger row; a database that fails now is logged, not raised: the run
-    is over (raising would retry a finished run), and its row, left running, is closed as
-    abandoned by a later run."""
-    try:
-        runs.finish(run_id, state, summary, error=error)
-    except errors.BatchingError:
-        logger.warning("run ledger not updated", exc_info=True)
-
-
-def _silent_for_s(config: cfg.PipelineConfig) -> float:
-    """How long a running run may go without a heartbeat before it counts as abandoned: two
-    leases (its items' leases have expired by then too, so it can commit nothing more)."""
-    return 2 * config.queue.lease_s
-
-
-def _beat(runs: run_ledger.RunLedger, run_id: str) -> Callable[[], None]:
-    """The run ledger's heartbeat for ``run_id``; a database hiccup is logged, not raised."""
-
-    def beat() -> None:
-        try:
-            runs.beat(run_id)
-        except errors.BatchingError:
-            logger.warning("run heartbeat not recorded", exc_info=True)
-
-    return beat
-
-
-class _Beating:
-    """Calls ``beat`` every ``interval_s`` on a thread of its own until ``stop()``: the parent
-    of ``--workers`` runs no scorer, whose heartbeat would keep its ledger row alive."""
-
-    def __init__(self, beat: Callable[[], None], interval_s: float) -> None:
-        self._done = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(beat, interval_s), name="run-heartbeat", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, beat: Callable[[], None], interval_s: float) -> None:
-        while not self._done.wait(interval_s):
-            beat()
-
-    def stop(self) -> None:
-        self._done.set()
-        self._thread.join()
-
-
-def _fail_abandoned(
-    emitter: lineage.LineageEmitter,
-    ctx: lineage.RunContext,
-    config: cfg.PipelineConfig,
-    abandoned: list[models.AbandonedRun],
-) -> None:
-    """FAIL in lineage the runs of the config's job that died without an end (closed in the
-    ledger by ``close_abandoned``): the job and its queue input from ``ctx``, none of this
-    run's facets (its model or config may differ). A worker's run is its parent's to close,
-    unless the parent is not running either (the whole ``--workers`` run was killed)."""
-    for run in abandoned:
-        if run.flow == config.name and run.parent_run_id is None:
-            dead = lineage.RunContext(
-                run_id=run.run_id,
-                job_name=config.name,
-                job_namespace=ctx.job_namespace,
-                inputs=ctx.inputs,
-            )
-        elif run.orphan and is_worker_job(run.flow, config.name):
-            dead = lineage.RunContext(
-                run_id=run.run_id,
-                job_name=run.flow,
-                job_namespace=ctx.job_namespace,
-                inputs=ctx.inputs,
-                parent_run_id=run.parent_run_id,
-                parent_job_name=config.name,
-            )
-        else:
-            continue
-        emitter.fail(dead, errors.BatchingError(run.error), outputs=[])
-
-
-def _ledger_start(
-    queue: q.SqlQueue,
-    config: cfg.PipelineConfig,
-    ctx: lineage.RunContext,
-    checksum: str | None,
-    parent_run_id: str | None = None,
-    attempt: Attempt = FIRST,
-) -> tuple[run_ledger.RunLedger, models.RunSoFar | None]:
-    """Record the run as started in the run ledger; returns the ledger to finish it, and
-    what the run's earlier attempts did when this is a retry."""
-    runs = run_ledger.RunLedger(queue)
-    so_far = runs.start(
-        ctx.run_id,
-        config.name,
-        config_hash=ctx.config_hash,
-        model_version=config.model.version,
-        model_sha256=checksum,
-        parent_run_id=parent_run_id,
-        resume=attempt.number > 1,
-    )
-    return runs, so_far
 
 
 class _ScoreOne:
@@ -534,32 +324,6 @@ class _ScoreOne:
             lineage_config=lineage_config,
             run_id=run_id,
         )
-
-
-def _close_dead_worker(
-    emitter: lineage.LineageEmitter,
-    runs: run_ledger.RunLedger,
-    parent: lineage.RunContext,
-    report: WorkerReport,
-) -> None:
-    """A worker that died (killed) never closed its run: FAIL it in lineage and the run
-    ledger, with the rows its last progress report had committed (its items still leased
-    return when their lease expires)."""
-    assert report.run_id is not None  # run_score_workers gives every worker its run id
-    error = errors.BatchingError(f"worker {report.index}: {report.error}")
-    child = replace(
-        parent,
-        run_id=report.run_id,
-        job_name=worker_job_name(parent.job_name, report.index),
-        parent_run_id=parent.run_id,
-        parent_job_name=parent.job_name,
-    )
-    emitter.fail(child, error, outputs=[child.outputs[0].with_stats(report.committed)])
-    try:
-        committed = {"items_committed": report.committed}
-        runs.finish(report.run_id, "failed", committed, error=str(error))
-    except errors.BatchingError:
-        logger.warning("run ledger not updated for a dead worker", exc_info=True)
 
 
 def _as_dict(value: Any) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from sqlalchemy import exc
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
-from batching import database, errors, models, schema, sqlite
+from batching import database, errors, models, schema, sqlite, sqlite_claim
 from batching.protocols import Clock
 
 logger = logging.getLogger(__name__)
@@ -267,7 +267,7 @@ class SqlQueue:
         oversized item is not starved). First, in the same transaction, items past their
         deadline are moved to ``expired`` and this queue's expired leases are reaped.
         Returns a claim with zero items when nothing is ready. With ``columns``, a SQLite
-        claim of uniform items (see ``sqlite.unpack_claim``) holds them as one
+        claim of uniform items (see ``sqlite_claim.unpack_claim``) holds them as one
         :class:`~batching.models.ItemBlock`.
         """
         if n < 1:
@@ -385,13 +385,13 @@ class SqlQueue:
         self, conn: Connection, params: dict[str, Any], columns: bool
     ) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock:
         try:
-            row = conn.execute(sqlite.CLAIMED, params).one()
+            row = conn.execute(sqlite_claim.CLAIMED, params).one()
         except exc.DataError:  # "string or blob too big": bodies over 1 GB in all
-            row = conn.execute(sqlite.CLAIMED_NO_BODIES, params).one()
-            rows, _ = sqlite.unpack_claim(self.queue, row, _claimed_times(conn, row, params))
+            row = conn.execute(sqlite_claim.CLAIMED_NO_BODIES, params).one()
+            rows, _ = sqlite_claim.unpack_claim(self.queue, row, _claimed_times(conn, row, params))
             return rows, self._bodies(conn, [r[0] for r in rows])
         times = _claimed_times(conn, row, params)
-        return sqlite.unpack_claim(self.queue, row, times, columns=columns)
+        return sqlite_claim.unpack_claim(self.queue, row, times, columns=columns)
 
     def _release_quietly(self, lease_id: str) -> None:
         try:
@@ -805,9 +805,9 @@ class SqlQueue:
 def _claimed_times(conn: Connection, row: Sequence[Any], params: dict[str, Any]) -> Any:
     """A SQLite claim's ``CLAIMED_TIMES`` row, read only when its items need it (most share
     one enqueue time and have no deadline: no second read)."""
-    if not sqlite.needs_times(row):
+    if not sqlite_claim.needs_times(row):
         return None
-    return conn.execute(sqlite.CLAIMED_TIMES, params).one()
+    return conn.execute(sqlite_claim.CLAIMED_TIMES, params).one()
 
 
 _FORMATS = {f.value: f for f in models.PayloadFormat}

@@ -36,7 +36,7 @@ import sqlalchemy as sa
 import torch
 from workload_bench import config, enqueue, w1_limit
 
-from batching import build, ingest, sqlite, workloads, zoo
+from batching import build, ingest, sqlite_claim, workloads, zoo
 
 DIM = 64
 
@@ -54,9 +54,9 @@ def claimer(q: Any, size: int, batch: int, out: queue.Queue[Any]) -> None:
             out.put(None)
             return
         with q.read() as conn:
-            row = conn.execute(sqlite.CLAIMED, params).one()
+            row = conn.execute(sqlite_claim.CLAIMED, params).one()
         ids, keys = orjson.loads(row[0]), orjson.loads(row[1])
-        matrix = np.frombuffer(row[sqlite.BODIES], dtype="<f4").reshape(len(ids), DIM).copy()
+        matrix = np.frombuffer(row[sqlite_claim.BODIES], dtype="<f4").reshape(len(ids), DIM).copy()
         for s in range(0, len(ids), batch):
             out.put((lease, ids[s : s + batch], keys[s : s + batch], matrix[s : s + batch]))
 

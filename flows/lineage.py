@@ -17,7 +17,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from batching import app, build, config, errors, lineage
+from batching import build, config, errors, lineage, run_record
 from flows import settings
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def record_failure(
     except (errors.ConfigError, ValueError):
         logger.warning("lineage for the failed run skipped", exc_info=True)
         return
-    app.record_failed_start(emit, ctx, error)
+    run_record.record_failed_start(emit, ctx, error)
 
 
 @contextmanager

@@ -28,7 +28,7 @@ from prefect.client.schemas.objects import FlowRun, State, TaskRun
 from prefect.context import TaskRunContext
 from prefect.tasks import Task, exponential_backoff
 
-from batching import app, build, config, errors, run_stats
+from batching import app, build, config, errors, run_record, run_stats
 from batching.runner import TorchRunner
 from flows import artifacts, events, logs, settings
 from flows import lineage as flow_lineage
@@ -113,7 +113,7 @@ def score_queue(
     ``expected``: the items the run expects to score, the progress artifact's 100 %.
     ``workers`` > 1: that many scorer processes, each a child lineage run of the flow run's.
     A retry resumes the run: one lineage run and run-ledger row whose counts add up every
-    attempt's, and only what is left of ``limits`` (see :class:`batching.app.Attempt`).
+    attempt's, and only what is left of ``limits`` (see :class:`batching.run_record.Attempt`).
     """
     outcome: app.ScoreOutcome | app.WorkersScoreOutcome
     attempt = this_attempt()
@@ -148,7 +148,7 @@ def score_queue(
     return outcome
 
 
-def this_attempt() -> app.Attempt:
+def this_attempt() -> run_record.Attempt:
     """This try of the running task, and whether Prefect will retry a failure of it: while
     retries are left, a :data:`TRANSIENT` one (as ``retry_transient`` decides)."""
     number = max(1, runtime.task_run.run_count)  # 0 outside a task run
@@ -158,7 +158,7 @@ def this_attempt() -> app.Attempt:
     def retried(exc: BaseException) -> bool:
         return number <= retries and is_transient(exc)
 
-    return app.Attempt(number, retried)
+    return run_record.Attempt(number, retried)
 
 
 def require_workers(workers: int) -> None:

@@ -21,9 +21,11 @@ from referencing import Registry
 
 from batching import app as wiring
 from batching import config as cfg
-from batching import database, lineage, lineage_log, models, schema
+from batching import database, lineage, lineage_log, models, run_record, schema
 from batching.run_stats import RunLimits
-from batching.workers import WorkersOutcome, _Watch, _wind_down, run_workers
+from batching.worker_pipes import Watch as _Watch
+from batching.worker_pipes import wind_down as _wind_down
+from batching.workers import WorkersOutcome, run_workers
 from tests import olspec
 from tests.conftest import KeptRecords, wait_for
 from tests.integration.conftest import ScoreProcess
@@ -637,7 +639,7 @@ def test_a_retry_with_no_items_left_completes_without_starting_workers(
 
     retry = wiring.run_score_workers(
         config, 2, db_url=sqlite_url, output=out, limits=limits, run_id=run_id,
-        attempt=wiring.Attempt(2),
+        attempt=run_record.Attempt(2),
     )  # fmt: skip
 
     assert retry.workers.reports == []

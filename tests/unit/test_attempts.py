@@ -1,4 +1,4 @@
-"""A retried run (``app.Attempt``): what is left of its limits, and what lineage it records."""
+"""A retried run (``run_record.Attempt``): what is left of its limits, and what lineage it records."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from batching import app, errors, models
+from batching import app, errors, models, run_record
 from batching.run_stats import RunLimits
 
 
@@ -66,7 +66,7 @@ def transient(exc: BaseException) -> bool:
 def test_an_attempt_opens_and_fails_the_run_once_in_lineage(
     number: int, error: BaseException, expected: list[str]
 ) -> None:
-    attempt = app.Attempt(number, transient)
+    attempt = run_record.Attempt(number, transient)
     emitter: Any = Emitted()
     ctx: Any = None  # the fake ignores it
     attempt.open(emitter, ctx)

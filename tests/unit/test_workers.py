@@ -16,7 +16,10 @@ import pytest
 
 from batching import errors
 from batching.run_stats import RunLimits, RunStats
-from batching.workers import WorkerReport, WorkersOutcome, _Outbox, _Watch, share_limits
+from batching.worker_pipes import Outbox as _Outbox
+from batching.worker_pipes import Watch as _Watch
+from batching.worker_pipes import WorkerReport
+from batching.workers import WorkersOutcome, share_limits
 from tests.conftest import KeptRecords
 
 
@@ -322,7 +325,7 @@ def test_the_workers_error_has_one_type_whatever_the_worker_order(
 
 def test_the_parent_run_beats_until_stopped() -> None:
     """The parent of --workers runs no scorer: its ledger row needs beats of its own."""
-    from batching.app import _Beating
+    from batching.run_record import _Beating
 
     two = threading.Semaphore(0)
     beats: list[int] = []
