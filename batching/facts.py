@@ -1,5 +1,5 @@
 """What reconcile is told about the outputs: value types a sink fills in and the pure
-classification in :mod:`batching.findings` reads; standard library only.
+classification in :mod:`batching.evidence.findings` reads; standard library only.
 
 Reconcile reads the queue and the batch ledger itself; each sink answers for its own output
 (:class:`OutputFacts`), in three steps around the one database snapshot reconcile reads:

@@ -60,10 +60,12 @@ import sqlalchemy as sa
 import yaml
 from deltalake import DeltaTable
 
-from batching import database as db
-from batching import models, schema, workloads
+from batching import models
 from batching.config import load_config
-from batching.delta import DeltaSink
+from batching.model import workloads
+from batching.outputs.delta import DeltaSink
+from batching.store import database as db
+from batching.store import schema
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deployments"
 BATCHING = Path(sys.executable).with_name("batching")

@@ -36,7 +36,9 @@ import sqlalchemy as sa
 import torch
 from workload_bench import config, enqueue, w1_limit
 
-from batching import build, ingest, sqlite_claim, workloads, zoo
+from batching.compose import build
+from batching.ingress import ingest, sqlite_claim
+from batching.model import workloads, zoo
 
 DIM = 64
 

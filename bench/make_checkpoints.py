@@ -22,7 +22,7 @@ from safetensors.torch import save
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from batching import zoo
+from batching.model import zoo
 
 STORAGE_DTYPES = {"w1-mlp": torch.float32, "w2-text": torch.float16}
 

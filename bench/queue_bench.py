@@ -17,8 +17,9 @@ from pathlib import Path
 
 import psycopg
 
-from batching import database, models
-from batching import queue as q
+from batching import models
+from batching.ingress import queue as q
+from batching.store import database
 
 
 def _records(n: int) -> list[models.EnqueueRecord]:

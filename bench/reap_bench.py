@@ -13,8 +13,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from batching import database, models
-from batching import queue as q
+from batching import models
+from batching.ingress import queue as q
+from batching.store import database
 
 NEW = (
     "CREATE INDEX ix_batching_items_leased ON batching_items (queue, lease_expires_at)"

@@ -34,10 +34,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from batching import app, build, ingest, models, run_stats, workloads, zoo
+from batching import models
+from batching.compose import build
+from batching.compose import run as app
 from batching.config import load_config
-from batching.database import normalize_url
-from batching.workers import run_workers
+from batching.ingress import ingest
+from batching.loop import stats as run_stats
+from batching.loop.workers import run_workers
+from batching.model import workloads, zoo
+from batching.store.database import normalize_url
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deployments"
 RESULTS: dict[str, Any] = {}
@@ -99,7 +104,7 @@ def w1_limit(x: np.ndarray) -> float:
 def decode_rate(records: list[models.EnqueueRecord]) -> float:
     """Rows/s of the runner's decode + collate alone (where JSON payloads spend their time)."""
     from batching.config import ModelSpec
-    from batching.runner import TorchRunner
+    from batching.model.runner import TorchRunner
 
     spec = ModelSpec(name="w1-mlp", version="bench", sha256=zoo.BUILTINS["w1-mlp"].sha256)
     runner = TorchRunner.load(spec)

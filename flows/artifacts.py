@@ -17,8 +17,8 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
-from batching import reconcile as rc
-from batching import run_stats
+from batching.evidence import reconcile as rc
+from batching.loop import stats as run_stats
 from flows.settings import artifact_key
 
 logger = logging.getLogger(__name__)

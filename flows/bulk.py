@@ -10,7 +10,10 @@ from typing import Any
 
 from prefect import flow
 
-from batching import build, config, ingest, run_stats
+from batching import config
+from batching.compose import build
+from batching.ingress import ingest
+from batching.loop import stats as run_stats
 from flows import logs, settings
 from flows.score import (
     before_scoring,

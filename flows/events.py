@@ -55,7 +55,7 @@ def backlog(cfg: config.PipelineConfig, stats: models.QueueStats) -> dict[str, A
 
 
 def emit_backlog(payload: dict[str, Any]) -> None:
-    """Emit ``batching.queue.backlog`` for the queue and config a :func:`backlog` payload names."""
+    """Emit ``batching.ingress.queue.backlog`` for the queue and config a :func:`backlog` payload names."""
     resource = {
         "prefect.resource.id": queue_resource(payload["queue"]),
         "prefect.resource.name": payload["queue"],

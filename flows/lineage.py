@@ -1,4 +1,4 @@
-"""OpenLineage runs the flows record themselves; ``batching.app.run_score`` records scoring.
+"""OpenLineage runs the flows record themselves; ``batching.compose.run.run_score`` records scoring.
 
 The OpenLineage run id is always the Prefect flow-run id, so a run in Marquez and a run in the
 Prefect UI cross-reference one to one. Two cases need the flow's help:
@@ -17,7 +17,10 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from batching import build, config, errors, lineage, run_record
+from batching import config, errors
+from batching.compose import build
+from batching.compose import record as run_record
+from batching.evidence import lineage
 from flows import settings
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from batching import build, config
+from batching import config
+from batching.compose import build
 from flows import logs, settings
 from flows.score import flow_run_id, retrying_task
 

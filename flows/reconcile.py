@@ -3,7 +3,7 @@
 Scope: one upstream scoring run (``upstream_flow_run_id``: the score deployment's trigger
 passes it), else the last ``window_s`` seconds (the hourly schedule), else everything.
 
-1. ``reconcile-outputs`` runs every check of :func:`batching.reconcile.reconcile` and publishes
+1. ``reconcile-outputs`` runs every check of :func:`batching.evidence.reconcile.reconcile` and publishes
    the findings table. With ``repair=True`` it repairs what it found, then checks again (a clean
    second pass is the proof) and publishes that table too.
 2. A critical finding (left after the repair, when repairing) emits
@@ -21,8 +21,9 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from batching import build, config
-from batching import reconcile as rc
+from batching import config
+from batching.compose import build
+from batching.evidence import reconcile as rc
 from flows import artifacts, events, logs, settings
 from flows import lineage as flow_lineage
 from flows.score import flow_run_id, retrying_task

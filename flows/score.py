@@ -5,7 +5,7 @@
    pinned sha256, the output location is writable, the config passes ``batching check``. When
    one fails nothing is claimed, the lineage run records START and FAIL with the reason, and
    the flow run fails with it.
-2. ``score-queue``: one :func:`batching.app.run_score` call, the retryable unit (a retry resumes
+2. ``score-queue``: one :func:`batching.compose.run.run_score` call, the retryable unit (a retry resumes
    from the queue; committed items are never scored twice). Its hard time limit is
    ``max_seconds``, enforced between micro-batches: a Prefect task timeout cannot interrupt a
    forward pass. It keeps a progress artifact current and publishes the run summary table.
@@ -28,8 +28,12 @@ from prefect.client.schemas.objects import FlowRun, State, TaskRun
 from prefect.context import TaskRunContext
 from prefect.tasks import Task, exponential_backoff
 
-from batching import app, build, config, errors, run_record, run_stats
-from batching.runner import TorchRunner
+from batching import config, errors
+from batching.compose import build
+from batching.compose import record as run_record
+from batching.compose import run as app
+from batching.loop import stats as run_stats
+from batching.model.runner import TorchRunner
 from flows import artifacts, events, logs, settings
 from flows import lineage as flow_lineage
 
@@ -113,7 +117,7 @@ def score_queue(
     ``expected``: the items the run expects to score, the progress artifact's 100 %.
     ``workers`` > 1: that many scorer processes, each a child lineage run of the flow run's.
     A retry resumes the run: one lineage run and run-ledger row whose counts add up every
-    attempt's, and only what is left of ``limits`` (see :class:`batching.run_record.Attempt`).
+    attempt's, and only what is left of ``limits`` (see :class:`batching.compose.record.Attempt`).
     """
     outcome: app.ScoreOutcome | app.WorkersScoreOutcome
     attempt = this_attempt()

@@ -4,7 +4,7 @@ The library never reads environment variables; the flows do, here and only here:
 
 * ``BATCHING_DB_URL``: database URL when a flow run names none (as the CLI's ``--db``).
 * ``OPENLINEAGE_URL``, ``OPENLINEAGE__TRANSPORT__*``, ``OPENLINEAGE_DISABLED``, ...: where
-  lineage goes (see :func:`batching.lineage.config_from_env`).
+  lineage goes (see :func:`batching.evidence.lineage.config_from_env`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from batching import build, config, lineage
+from batching import config
+from batching.compose import build
+from batching.evidence import lineage
 
 REPO = Path(__file__).resolve().parents[1]
 ONLINE = "deployments/online.yaml"

@@ -91,8 +91,8 @@ def pg_template() -> Iterator[str]:
         pytest.skip(reason)
     import psycopg
 
-    from batching import database
-    from batching import queue as q
+    from batching.ingress import queue as q
+    from batching.store import database
 
     name = f"batching_tpl_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
@@ -121,8 +121,8 @@ def pg_url(pg_template: str) -> Iterator[str]:
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     """URL of a fresh, migrated SQLite file for one test."""
-    from batching import database
-    from batching import queue as q
+    from batching.ingress import queue as q
+    from batching.store import database
 
     url = f"sqlite:///{tmp_path / 'queue.db'}"
     engine = database.create_engine(url)

@@ -4,7 +4,7 @@ Approach (see ``/work/shared/openlineage-spec/README.md``):
 
 1. Every ``*.json`` under the spec folder is registered with ``referencing`` under its ``$id``,
    plus any extra schema documents the caller passes (this project's custom facet schemas from
-   ``batching.lineage.custom_facet_schemas()``).
+   ``batching.evidence.lineage.custom_facet_schemas()``).
 2. The event is validated against ``.../2-0-2/OpenLineage.json#/$defs/RunEvent`` (or the
    ``DatasetEvent`` / ``JobEvent`` its ``schemaURL`` names): the root ``oneOf`` only says "not
    valid under any of the given schemas". The core schema checks every facet's ``_producer`` and

@@ -154,8 +154,8 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
 def open_queue(db: str, queue: str = "default", *, create: bool = False, **kwargs: Any) -> Any:
     """An ``SqlQueue`` for ``db`` (imports SQLAlchemy only when a command needs it); the
     SQLite file must exist unless ``create`` (``batching init``)."""
-    from batching import database
-    from batching import queue as q
+    from batching.ingress import queue as q
+    from batching.store import database
 
     if not create:
         database.require_database(db)

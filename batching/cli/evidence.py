@@ -24,7 +24,7 @@ from batching.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from batching.reconcile import Report
+    from batching.evidence.reconcile import Report
 
 
 @app.command()
@@ -45,7 +45,7 @@ def lineage(
     With --config, the log the config's runs write; add the --output a run was scored with to
     find its log beside that output.
     """
-    from batching import lineage_log
+    from batching.evidence import lineage_log
 
     if output is not None and config is None:
         raise errors.InputError("--output needs --config (the config the run was scored with)")
@@ -78,7 +78,7 @@ def lineage(
 def _events_from_config(config: Path | None, output: str | None) -> Path:
     if config is None:
         return Path("outputs/lineage/events.jsonl")
-    from batching import build
+    from batching.compose import build
     from batching.config import load_config
 
     res = build.resolve(load_config(config), None, output)
@@ -171,8 +171,8 @@ def reconcile(
     cfg = load(config)
     window = parse_duration(since, "--since") if since is not None else None
 
-    from batching import build
-    from batching import reconcile as rc
+    from batching.compose import build
+    from batching.evidence import reconcile as rc
 
     now = time.time()
     res = build.resolve(cfg, db, output)
@@ -210,8 +210,8 @@ def _check_run(queue: Any, run: str, db_url: str) -> None:
     """Raise ``InputError`` when ``run`` is not in the run ledger (else reconcile finds nothing)."""
     import sqlalchemy as sa
 
-    from batching import schema
-    from batching.database import redact
+    from batching.store import schema
+    from batching.store.database import redact
 
     runs = schema.runs
     with queue.read() as conn:
@@ -305,7 +305,7 @@ def maintain(
     retention_s = (
         parse_duration(vacuum_retention, "--vacuum-retention") if vacuum_retention else None
     )
-    from batching import build
+    from batching.compose import build
 
     res = build.resolve(cfg, db, output)
     queue = build.open_queue(cfg, res.db_url)

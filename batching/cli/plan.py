@@ -20,7 +20,7 @@ def check(config: ConfigOption) -> None:
 
     Exit 1 with the numbers when the config would break its objective or not fit the device.
     """
-    from batching import build
+    from batching.compose import build
 
     cfg = load(config)
     path = cfg.resolve(cfg.service_profile)
@@ -67,7 +67,7 @@ def profile(
     ] = None,
 ) -> None:
     """Measure forward time per batch size and length on this device; save it for `batching check`."""
-    from batching.runner import TorchRunner, measure_profile
+    from batching.model.runner import TorchRunner, measure_profile
 
     cfg = load(config)
     sizes = _ints(batch_sizes, "--batch-sizes", MAX_PROFILE_BATCH)

@@ -35,7 +35,7 @@ from batching.cli.common import (
 def init(db: DbOption = DEFAULT_DB) -> None:
     """Create or upgrade the queue schema (a second run changes nothing)."""
 
-    from batching import database
+    from batching.store import database
 
     result = open_queue(db, create=True).migrate()
     where = database.redact(db)
@@ -64,7 +64,7 @@ def enqueue(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    from batching import ingest
+    from batching.ingress import ingest
 
     q = open_queue(db, queue, max_attempts=max_attempts)
     q.check_schema()  # before reading: a large file takes a while

@@ -33,14 +33,14 @@ from batching.cli.common import (
 def lineage_settings(cfg: Any) -> Any:
     """The config's lineage settings overridden by the ``OPENLINEAGE*`` environment, as the
     flows do (``OPENLINEAGE_URL`` sends the events to Marquez)."""
-    from batching.lineage import config_from_env
+    from batching.evidence.lineage import config_from_env
 
     return config_from_env(os.environ, cfg.lineage)
 
 
 def summary_table(summary: Mapping[str, object], title: str = "run summary") -> Table:
     """The closing table of a scoring run."""
-    from batching.run_stats import summary_rows
+    from batching.loop.stats import summary_rows
 
     table = Table(title=title, show_header=False)
     table.add_column("metric")
@@ -97,8 +97,8 @@ def score(
     Lineage goes where the config says, or where $OPENLINEAGE_URL (OPENLINEAGE_*) points.
     """
     stop = _StopOnSignal()  # first: a signal while the model loads must not kill the run
-    from batching import app as wiring
-    from batching import run_stats
+    from batching.compose import run as wiring
+    from batching.loop import stats as run_stats
 
     cfg = load(config)
     lineage_config = lineage_settings(cfg)
@@ -208,7 +208,7 @@ def _explain_what_is_left(cfg: Any, db: str | None, summary: Mapping[str, object
     items waiting out a retry backoff (an until-empty run does not wait for them); and when
     it scored nothing, a queue name without items (a typo), or items leased by other scorers
     (a dead one's come back when their leases expire)."""
-    from batching import build
+    from batching.compose import build
 
     queue = build.open_queue(cfg, build.resolve(cfg, db, None).db_url)
     try:
@@ -238,7 +238,7 @@ def _explain_what_is_left(cfg: Any, db: str | None, summary: Mapping[str, object
 def _where(cfg: Any, outcome: Any) -> None:
     """The closing lines: which queue was read (``--db`` or $BATCHING_DB_URL override the
     config's database: say which one), where outputs and lineage went, lineage not delivered."""
-    from batching.database import redact
+    from batching.store.database import redact
 
     out.print(f"queue: {cfg.queue.name} in {redact(outcome.db_url)}", highlight=False)
     out.print(f"outputs: {outcome.output}")
@@ -252,7 +252,7 @@ def _where(cfg: Any, outcome: Any) -> None:
 
 
 def _score_workers(cfg: Any, n: int, *, stop: threading.Event, **kwargs: Any) -> None:
-    from batching import app as wiring
+    from batching.compose import run as wiring
 
     result = wiring.run_score_workers(cfg, n, stop=stop, **kwargs)
     outcome = result.workers
@@ -297,7 +297,7 @@ def demo(
     ] = "parquet",
 ) -> None:
     """One command on SQLite: init, enqueue W2 and W1 samples, score both, show outputs."""
-    from batching import demo as d
+    from batching.compose import demo as d
 
     d.run_demo(
         workdir,

@@ -21,7 +21,8 @@ from typing import Any, ClassVar
 import pytest
 import yaml
 
-from batching import database, workloads
+from batching.model import workloads
+from batching.store import database
 from tests.conftest import REPO
 
 BATCHING = str(Path(sys.executable).with_name("batching"))
@@ -567,7 +568,7 @@ def test_score_max_items_stops_after_n_then_a_full_run_drains_the_queue(
 
 
 def test_a_run_that_scores_nothing_says_why(tmp_path: Path) -> None:
-    from batching import queue as q
+    from batching.ingress import queue as q
 
     assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
     jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(3))

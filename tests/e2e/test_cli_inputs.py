@@ -216,9 +216,9 @@ def test_an_unexpected_error_is_one_line_without_credentials(
     """A bug still ends in one line (the traceback only with BATCHING_DEBUG=1)."""
     from typer.testing import CliRunner
 
-    from batching import lineage_log
     from batching.cli import common as cli
     from batching.cli import evidence  # noqa: F401  (the lineage command)
+    from batching.evidence import lineage_log
 
     def boom(_path: object) -> list[dict[str, object]]:
         raise RuntimeError("boom at postgresql://u:sekret@h/db")

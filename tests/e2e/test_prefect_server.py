@@ -32,8 +32,11 @@ from typing import Any
 import httpx
 import pytest
 
-from batching import build, ingest, lineage_log, workloads
+from batching.compose import build
 from batching.config import load_config
+from batching.evidence import lineage_log
+from batching.ingress import ingest
+from batching.model import workloads
 from tests.conftest import REPO, wait_for
 
 pytestmark = pytest.mark.slow

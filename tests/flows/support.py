@@ -21,9 +21,12 @@ from prefect.client.schemas.objects import State, TaskRun
 from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter
 from prefect.logging.handlers import APILogHandler
 
-from batching import build, ingest, lineage_log, workloads
-from batching import queue as q
+from batching.compose import build
 from batching.config import load_config
+from batching.evidence import lineage_log
+from batching.ingress import ingest
+from batching.ingress import queue as q
+from batching.model import workloads
 
 REPO = Path(__file__).resolve().parents[2]
 TABULAR = str(REPO / "deployments" / "tabular.yaml")

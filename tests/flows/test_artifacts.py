@@ -9,7 +9,7 @@ import pytest
 from prefect import flow
 from prefect.client.orchestration import SyncPrefectClient
 
-from batching import build
+from batching.compose import build
 from flows import artifacts
 
 

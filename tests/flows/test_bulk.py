@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batching import workloads
+from batching.model import workloads
 from flows.bulk import bulk
 from tests.flows.support import BULK, make_pipeline, run_id_of
 

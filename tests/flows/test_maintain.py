@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from batching.delta import DeltaSink
+from batching.outputs.delta import DeltaSink
 from flows.maintain import maintain
 from flows.score import score
 from tests.flows.support import make_pipeline

@@ -15,7 +15,10 @@ from typing import Any
 import pytest
 from referencing import Registry
 
-from batching import ingest, lineage, parquet_layout, workloads
+from batching.evidence import lineage
+from batching.ingress import ingest
+from batching.model import workloads
+from batching.outputs import parquet_layout
 from flows import events
 from flows.reconcile import reconcile
 from flows.score import score

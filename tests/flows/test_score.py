@@ -12,8 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 from referencing import Registry
 
-from batching import errors, lineage
-from batching import queue as q
+from batching import errors
+from batching.evidence import lineage
+from batching.ingress import queue as q
 from flows.score import score
 from tests import olspec
 from tests.conftest import wait_for
@@ -266,7 +267,8 @@ def test_a_retried_score_task_resumes_one_run_and_counts_every_attempt(
     its counts), emitted a second START, and got the whole max_items again."""
     import sqlalchemy as sa
 
-    from batching import app, schema
+    from batching.compose import run as app
+    from batching.store import schema
     from flows import score as score_module
 
     pipeline = make_pipeline(tmp_path, 300, batching={"max_batch_size": 25})

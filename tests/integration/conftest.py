@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from batching import database, parquet
-from batching import queue as q
+from batching.ingress import queue as q
+from batching.outputs import parquet
+from batching.store import database
 from tests.conftest import FakeClock
 
 

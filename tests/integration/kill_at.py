@@ -20,7 +20,7 @@ def main() -> None:
     sep = sys.argv.index("--")
     point, *rest = sys.argv[1:sep]
     nth = int(rest[0]) if rest else 1
-    from batching import ledger, outbox
+    from batching.outputs import ledger, outbox
 
     seen = [0]
 

@@ -40,7 +40,7 @@ def duckdb_delta_rows(uri: str) -> list[tuple[str, str]]:
 
 def sql_rows(url: str, table: str = "batching_results") -> list[dict[str, Any]]:
     """Every row of a results table, its output decoded."""
-    from batching import database
+    from batching.store import database
 
     engine = database.create_engine(url)
     try:

@@ -10,8 +10,8 @@ import json
 import sys
 import time
 
-from batching import database
-from batching import queue as q
+from batching.ingress import queue as q
+from batching.store import database
 
 
 def drain(url: str, name: str, n: int, out: str) -> None:

@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batching import errors, ingest, models
+from batching import errors, models
+from batching.ingress import ingest
 
 
 def write_jsonl(path: Path, rows: Sequence[object]) -> Path:

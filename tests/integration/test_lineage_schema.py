@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 import pytest
 from referencing import Registry
 
-from batching import config, lineage, lineage_log, naming
+from batching import config, naming
+from batching.evidence import lineage, lineage_log
 from tests import olspec
 
 PRODUCER = "https://github.com/acme/batching/tree/0.1.0"

@@ -21,10 +21,14 @@ import pytest
 import sqlalchemy as sa
 from deltalake import DeltaTable, write_deltalake
 
-from batching import delta, errors, ledger, models, outbox, schema, sinks, sql_sink
-from batching import queue as q
-from batching import reconcile as rc
-from batching.reconcile import Kind, Severity
+from batching import errors, models
+from batching.evidence import reconcile as rc
+from batching.evidence.reconcile import Kind, Severity
+from batching.ingress import queue as q
+from batching.outputs import contract as sinks
+from batching.outputs import delta, ledger, outbox
+from batching.outputs import sql as sql_sink
+from batching.store import schema
 from tests.conftest import FakeClock, wait_for
 from tests.integration.outputs_read import delta_rows, duckdb_delta_rows, sql_rows
 from tests.integration.test_sinks import Crash, claim, items, scored

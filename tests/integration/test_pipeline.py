@@ -24,26 +24,20 @@ import sqlalchemy as sa
 import torch
 import yaml
 
-from batching import app as wiring
-from batching import (
-    build,
-    database,
-    errors,
-    ingest,
-    lineage,
-    lineage_log,
-    models,
-    pipeline,
-    run_ledger,
-    schema,
-    sinks,
-    workloads,
-)
 from batching import config as cfg
-from batching import queue as q
-from batching import reconcile as rc
-from batching.runner import TorchRunner
-from batching.workers import worker_job_name
+from batching import errors, models
+from batching.compose import build
+from batching.compose import run as wiring
+from batching.evidence import lineage, lineage_log
+from batching.evidence import reconcile as rc
+from batching.ingress import ingest, run_ledger
+from batching.ingress import queue as q
+from batching.loop import scorer as pipeline
+from batching.loop.workers import worker_job_name
+from batching.model import workloads
+from batching.model.runner import TorchRunner
+from batching.outputs import contract as sinks
+from batching.store import database, schema
 from tests import olspec
 from tests.conftest import REPO, wait_for
 

@@ -8,7 +8,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from batching import models, run_stats
+from batching import models
+from batching.loop import stats as run_stats
 from tests.conftest import FakeClock
 from tests.unit.test_pipeline import Rig, keys, rig
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from batching import database, models, sqlite
-from batching import queue as q
+from batching import models
+from batching.ingress import queue as q
+from batching.store import database, sqlite
 from tests.conftest import REPO, wait_for
 
 WORKER = str(Path(__file__).with_name("queue_worker.py"))
@@ -108,7 +109,7 @@ def test_sigkilled_claimer_items_are_reaped_and_finished(
     with engine.connect() as conn:
         import sqlalchemy as sa
 
-        from batching import schema
+        from batching.store import schema
 
         rows = conn.execute(
             sa.select(schema.items.c.attempts, schema.items.c.crash_count).where(

@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from batching import database, errors, models, run_ledger, schema
-from batching import queue as q
+from batching import errors, models
+from batching.ingress import queue as q
+from batching.ingress import run_ledger
+from batching.store import database, schema
 from tests.conftest import FakeClock
 
 

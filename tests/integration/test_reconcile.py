@@ -14,10 +14,14 @@ import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 
-from batching import errors, models, parquet, parquet_layout, schema, sinks, sql_sink
-from batching import queue as q
-from batching import reconcile as rc
-from batching.reconcile import Kind, Severity
+from batching import errors, models
+from batching.evidence import reconcile as rc
+from batching.evidence.reconcile import Kind, Severity
+from batching.ingress import queue as q
+from batching.outputs import contract as sinks
+from batching.outputs import parquet, parquet_layout
+from batching.outputs import sql as sql_sink
+from batching.store import schema
 from tests.conftest import FakeClock
 from tests.integration.test_sinks import Crash, _after, claim, items, ledger, results, scored
 

@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from batching import errors, models, runner, zoo
+from batching import errors, models
 from batching.config import ModelSpec
-from batching.service_profile import ServiceProfile
+from batching.model import runner, zoo
+from batching.plan.profile import ServiceProfile
 
 POISON = 999.0
 NAN_MARK = -777.0
@@ -425,7 +426,7 @@ def test_oom_splits_the_batch_and_remembers_the_safe_size(probe_ckpt: tuple[Path
 
 
 def test_autocast_is_ignored_on_cpu(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="batching.runner"):
+    with caplog.at_level(logging.WARNING, logger="batching.model.runner"):
         r = runner.TorchRunner.load(builtin_spec("w1-mlp", autocast="bf16"))
     assert any(getattr(rec, "action", "") == "autocast_ignored" for rec in caplog.records)
     assert r.score(dense_items(np.zeros((2, 64), dtype=np.float32))).outputs[0].dtype == np.float32

@@ -16,19 +16,13 @@ import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 
-from batching import (
-    database,
-    errors,
-    models,
-    outcomes,
-    parquet,
-    parquet_layout,
-    schema,
-    sinks,
-    sql_sink,
-)
-from batching import ledger as batch_ledger
-from batching import queue as q
+from batching import errors, models, outcomes
+from batching.ingress import queue as q
+from batching.outputs import contract as sinks
+from batching.outputs import ledger as batch_ledger
+from batching.outputs import parquet, parquet_layout
+from batching.outputs import sql as sql_sink
+from batching.store import database, schema
 from tests.conftest import FakeClock
 
 DIM = 3

@@ -19,13 +19,16 @@ import pytest
 import sqlalchemy as sa
 from referencing import Registry
 
-from batching import app as wiring
 from batching import config as cfg
-from batching import database, lineage, lineage_log, models, run_record, schema
-from batching.run_stats import RunLimits
-from batching.worker_pipes import Watch as _Watch
-from batching.worker_pipes import wind_down as _wind_down
-from batching.workers import WorkersOutcome, run_workers
+from batching import models
+from batching.compose import record as run_record
+from batching.compose import run as wiring
+from batching.evidence import lineage, lineage_log
+from batching.loop.pipes import Watch as _Watch
+from batching.loop.pipes import wind_down as _wind_down
+from batching.loop.stats import RunLimits
+from batching.loop.workers import WorkersOutcome, run_workers
+from batching.store import database, schema
 from tests import olspec
 from tests.conftest import KeptRecords, wait_for
 from tests.integration.conftest import ScoreProcess

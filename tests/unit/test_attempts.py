@@ -6,8 +6,10 @@ from typing import Any
 
 import pytest
 
-from batching import app, errors, models, run_record
-from batching.run_stats import RunLimits
+from batching import errors, models
+from batching.compose import record as run_record
+from batching.compose import run as app
+from batching.loop.stats import RunLimits
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from batching import batcher, config, models
+from batching import config, models
+from batching.policy import batcher
 
 
 class FakeClock:

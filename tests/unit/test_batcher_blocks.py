@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from batching import batcher, config, models
+from batching import config, models
+from batching.policy import batcher
 
 _PAYLOAD = models.Payload(b"", models.PayloadFormat.TENSOR, "float32", (2,))
 

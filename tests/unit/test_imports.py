@@ -14,13 +14,13 @@ HEAVY = ("torch", "sqlalchemy", "pyarrow", "openlineage", "prefect", "numpy", "p
 
 
 def test_payload_decoding_needs_numpy_but_not_torch() -> None:
-    assert "torch" not in _loaded_after("import batching.payloads")
+    assert "torch" not in _loaded_after("import batching.model.payloads")
 
 
 def test_reconcile_and_the_wiring_load_no_torch() -> None:
     """`batching reconcile` loads no model: with torch loaded it took 1.9 s instead of 0.8,
     and a crash-fuzz run saw it abort at interpreter exit (SIGABRT after a clean report)."""
-    assert "torch" not in _loaded_after("import batching.app, batching.reconcile")
+    assert "torch" not in _loaded_after("import batching.compose.run, batching.evidence.reconcile")
 
 
 def _loaded_after(statement: str) -> set[str]:
@@ -35,9 +35,9 @@ def _loaded_after(statement: str) -> set[str]:
     "statement",
     [
         "import batching",
-        "import batching.errors, batching.models, batching.protocols, batching.batcher",
-        "import batching.service_profile",
-        "import batching.lineage_log",  # `batching lineage` reads events without openlineage
+        "import batching.errors, batching.models, batching.ports, batching.policy.batcher",
+        "import batching.plan.profile",
+        "import batching.evidence.lineage_log",  # `batching lineage` reads events without openlineage
     ],
 )
 def test_light_modules_load_no_heavy_library(statement: str) -> None:

@@ -1,4 +1,4 @@
-"""Unit tests for the pure parts of ``batching.lineage``: naming, redaction, env overrides, event
+"""Unit tests for the pure parts of ``batching.evidence.lineage``: naming, redaction, env overrides, event
 building, the never-raise emitter (with an in-memory transport and a fake clock), summaries."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 from openlineage.client.serde import Serde
 from openlineage.client.transport import Transport
 
-from batching import config, errors, lineage, lineage_log, naming
+from batching import config, errors, naming
+from batching.evidence import lineage, lineage_log
 from tests.conftest import FakeClock
 
 RUN_ID = "0190f6a1-0000-7000-8000-000000000001"
@@ -474,7 +475,7 @@ def test_emitter_never_raises_logs_a_constant_warning_and_counts(
     clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     em = emitter(ListTransport(fail_next=1), clock)
-    with caplog.at_level(logging.WARNING, logger="batching.lineage"):
+    with caplog.at_level(logging.WARNING, logger="batching.evidence.lineage"):
         assert em.start(run_context()) is False
     assert em.failures == 1
     (record,) = caplog.records
@@ -660,11 +661,13 @@ def test_the_command_line_shows_why_an_event_was_not_delivered(
     from batching.logs import OneLine
 
     em = emitter(ListTransport(fail_next=1), clock)
-    with caplog.at_level(logging.WARNING, logger="batching.lineage"):
+    with caplog.at_level(logging.WARNING, logger="batching.evidence.lineage"):
         em.start(run_context())
     (record,) = caplog.records
     line = OneLine("%(levelname)s %(name)s: %(message)s").format(record)
-    assert line.startswith("WARNING batching.lineage: lineage emit failed (ConnectionError: ")
+    assert line.startswith(
+        "WARNING batching.evidence.lineage: lineage emit failed (ConnectionError: "
+    )
     assert "secret" not in line
     assert "\n" not in line
 

@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batching import config, errors, models, outcomes, pipeline, run_stats
+from batching import config, errors, models, outcomes
+from batching.loop import scorer as pipeline
+from batching.loop import stats as run_stats
 from tests.conftest import FakeClock
 
 # ----------------------------------------------------------------------------- fakes
@@ -480,7 +482,7 @@ def test_a_lease_is_reported_lost_only_when_two_heartbeats_in_a_row_find_it_empt
 
     r.queue.heartbeat = heartbeat  # type: ignore[method-assign]
     r.runner.on_forward = slow_forward
-    with caplog.at_level("WARNING", logger="batching.pipeline"):
+    with caplog.at_level("WARNING", logger="batching.loop.scorer"):
         stats = r.scorer.run(run_stats.RunLimits(until_empty=True))
     assert enough.is_set()
     assert stats.committed == 4

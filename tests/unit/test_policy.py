@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
-from batching import config, errors, policy
-from batching.service_profile import ProfilePoint, ServiceProfile
+from batching import config, errors
+from batching.plan import check as policy
+from batching.plan.profile import ProfilePoint, ServiceProfile
 
 SHA = "a" * 64
 

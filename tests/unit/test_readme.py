@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from batching import schema
+from batching.store import schema
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
 

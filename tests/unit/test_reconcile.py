@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from batching import reconcile as rc
-from batching.reconcile import Kind, Severity
+from batching.evidence import reconcile as rc
+from batching.evidence.reconcile import Kind, Severity
 
 
 def batch(batch_id: str, keys: set[str] | None = None, /, **kw: Any) -> rc.BatchFacts:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from batching import errors
-from batching.service_profile import ProfilePoint, ServiceProfile
+from batching.plan.profile import ProfilePoint, ServiceProfile
 
 
 def profile(

@@ -1,4 +1,4 @@
-"""Unit tests for ``batching.sqlite_claim.unpack_claim``: a claim read back as one row, and its items'
+"""Unit tests for ``batching.ingress.sqlite_claim.unpack_claim``: a claim read back as one row, and its items'
 times read back only when they differ (the rows are built here as SQLite returns them)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from batching import models, sqlite_claim
+from batching import models
+from batching.ingress import sqlite_claim
 
 
 def claimed_row(

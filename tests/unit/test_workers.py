@@ -15,11 +15,11 @@ from multiprocessing.connection import Connection
 import pytest
 
 from batching import errors
-from batching.run_stats import RunLimits, RunStats
-from batching.worker_pipes import Outbox as _Outbox
-from batching.worker_pipes import Watch as _Watch
-from batching.worker_pipes import WorkerReport
-from batching.workers import WorkersOutcome, share_limits
+from batching.loop.pipes import Outbox as _Outbox
+from batching.loop.pipes import Watch as _Watch
+from batching.loop.pipes import WorkerReport
+from batching.loop.stats import RunLimits, RunStats
+from batching.loop.workers import WorkersOutcome, share_limits
 from tests.conftest import KeptRecords
 
 
@@ -194,7 +194,7 @@ class Broken(logging.Handler):
 
 def test_worker_records_reach_the_parents_handlers_and_a_broken_one_costs_only_the_record() -> None:
     record = logging.LogRecord(
-        "batching.parquet", logging.INFO, "f", 1, "batch committed", None, None
+        "batching.outputs.parquet", logging.INFO, "f", 1, "batch committed", None, None
     )
     record.worker = 1
     report = WorkerReport(0, run_id="r0")
@@ -210,7 +210,7 @@ def test_worker_records_reach_the_parents_handlers_and_a_broken_one_costs_only_t
         library.removeHandler(broken)
     assert watch.reports == {0: report}, "a failing log handler stopped the watch"
     assert [(r.name, r.getMessage(), r.__dict__["worker"]) for r in kept.records] == [
-        ("batching.parquet", "batch committed", 1)
+        ("batching.outputs.parquet", "batch committed", 1)
     ] * 2
 
 
@@ -325,7 +325,7 @@ def test_the_workers_error_has_one_type_whatever_the_worker_order(
 
 def test_the_parent_run_beats_until_stopped() -> None:
     """The parent of --workers runs no scorer: its ledger row needs beats of its own."""
-    from batching.run_record import _Beating
+    from batching.compose.record import _Beating
 
     two = threading.Semaphore(0)
     beats: list[int] = []

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from batching import workloads
+from batching.model import workloads
 
 
 def test_w1_is_the_documented_reference_set() -> None:

@@ -1,0 +1,248 @@
+"""The composition root's builders: from a config (and the CLI's or a flow's overrides) to
+the adapters it names: where a run reads and writes (:func:`resolve`), its queue, its sink,
+its service profile, its lineage emitter and lineage run, and the plan-time check.
+
+The one place that knows every concrete class; the loop, the outputs and reconcile are given
+what is built here. A scoring run's life (checks, recovery, ledger, lineage) is
+:mod:`batching.compose.run`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from batching import config as cfg
+from batching import errors, naming
+from batching.evidence import lineage
+from batching.ingress import queue as q
+from batching.outputs import contract as sinks
+from batching.outputs import registry
+from batching.plan import check as policy
+from batching.plan.profile import ServiceProfile
+from batching.store import database
+
+logger = logging.getLogger(__name__)
+
+PRODUCER = "https://github.com/batching/batching"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Where a run reads and writes, after CLI/flow overrides: the queue's database, the
+    outputs (``target``; ``output`` is its location) and the local lineage log."""
+
+    db_url: str
+    target: registry.Target
+    events_path: Path | None
+
+    @property
+    def output(self) -> str:
+        """The dataset root, the results table or the Delta table URI."""
+        return self.target.where
+
+
+def resolve(config: cfg.PipelineConfig, db_url: str | None, output: str | None) -> Resolved:
+    """Apply ``--db`` / ``--output`` overrides to the config's database and output location.
+
+    The local lineage log sits beside a local output folder: ``<its parent>/lineage/events.jsonl``
+    (``outputs/lineage/events.jsonl`` beside the config file for a table or an object-store
+    URI; before, under the current folder, where ``batching lineage`` run elsewhere did not
+    find it), unless the config names a path.
+
+    Raises:
+        ConfigError: an override is empty, or names no SQL table for a SQL sink.
+    """
+    for flag, value in (("--db", db_url), ("--output", output)):
+        if value is not None and not value.strip():
+            raise errors.ConfigError(f"{flag} is empty; give a value or leave the option out")
+    target = output_target(config, output)
+    folder = registry.kind_of(target).local_folder(target)
+    events_dir = folder.parent if folder is not None else _sql_events_dir(config)
+    events = lineage.events_path(
+        config.lineage, base_dir=Path(config.base_dir), output_dir=events_dir
+    )
+    return Resolved(
+        db_url or config.database.url,
+        target,
+        events if config.lineage.transport == "file" else None,
+    )
+
+
+def output_target(config: cfg.PipelineConfig, output: str | None) -> registry.Target:
+    """The config's outputs, ``output`` (``--output``) overriding its location."""
+    out = config.output
+    if out.kind == "sql":
+        table = output or out.table
+        cfg.check_identifier(table, "--output (SQL table)")
+        return registry.Target("sql", table, url=out.url)
+    where = output or out.path
+    if "://" not in where:  # a local folder: relative to the config's (--output: the cwd's)
+        local = Path(where) if output else config.resolve(where) or Path(where)
+        where = str(local.expanduser().resolve())
+    return registry.Target(out.kind, where, storage_options=dict(out.storage_options))
+
+
+def _sql_events_dir(config: cfg.PipelineConfig) -> Path:
+    """Where the local lineage log of outputs without a local folder goes (a table, an
+    object-store URI): beside the config file."""
+    return (Path(config.base_dir) / "outputs").resolve()
+
+
+def require_writable_folder(path: Path, what: str) -> None:
+    """Create ``path`` (and its parents) if missing, and refuse it if that fails or it is not a
+    folder: a bad ``--output`` is bad input, told before a run is on record.
+
+    Raises:
+        ConfigError: naming ``what``, the path and why.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise errors.ConfigError(
+            f"{what} {path} cannot be created ({reason}); name a folder you can write to"
+        ) from None
+
+
+def checked(config: cfg.PipelineConfig, db_url: str | None, output: str | None) -> Resolved:
+    """Where a run reads and writes (:func:`resolve`), refused as bad input before anything is
+    on record: a SQLite file that does not exist, an output folder that cannot be created.
+
+    Raises:
+        ConfigError: naming the input and the fix.
+    """
+    res = resolve(config, db_url, output)
+    database.require_database(res.db_url)
+    folder = registry.kind_of(res.target).local_folder(res.target)
+    if folder is not None:
+        require_writable_folder(folder, "the output folder (output.path / --output)")
+    return res
+
+
+def open_queue(
+    config: cfg.PipelineConfig,
+    db_url: str,
+    *,
+    clock: Callable[[], float] = time.time,
+    create: bool = False,
+) -> q.SqlQueue:
+    """The config's queue on ``db_url``, with its retry settings. A SQLite file must exist
+    unless ``create`` (``queue.migrate()`` comes next): opening one would leave an empty file.
+
+    Raises:
+        ConfigError: the URL is malformed, or names a SQLite file that does not exist.
+    """
+    if not create:
+        database.require_database(db_url)
+    return q.SqlQueue(
+        database.create_engine(db_url),
+        config.queue.name,
+        clock=clock,
+        max_attempts=config.queue.max_attempts,
+        backoff_base_s=config.queue.backoff_base_s,
+        backoff_max_s=config.queue.backoff_max_s,
+    )
+
+
+def open_sink(
+    queue: q.SqlQueue, res: Resolved, *, scorer: bool = False, read_only: bool = False
+) -> sinks.Sink:
+    """The run's sink (``registry``), committing through ``queue``; ``scorer``: a scoring
+    run's (the Parquet sink defers its ledger marks to the next commit); ``read_only``:
+    reconcile's (it creates no folder or table until a repair writes)."""
+    return registry.open_sink(queue, replace(res.target, scorer=scorer, read_only=read_only))
+
+
+def load_profile(config: cfg.PipelineConfig) -> ServiceProfile | None:
+    """The measured service profile named by the config, or None when it has none yet."""
+    path = config.resolve(config.service_profile)
+    if path is None or not path.is_file():
+        return None
+    return ServiceProfile.load(path)
+
+
+def datasets(
+    config: cfg.PipelineConfig, res: Resolved, sink: sinks.Sink | None = None
+) -> tuple[lineage.DatasetRef, lineage.DatasetRef]:
+    """Lineage datasets: the queue table (input) and the run's outputs, named by their sink
+    (with its schema when the ``sink`` is open)."""
+    ns, name = naming.sql_dataset_id(res.db_url, "batching_items")
+    queue_ds = lineage.DatasetRef(
+        ns, name, (("item_key", "string"), ("payload_format", "string"), ("cost", "integer"))
+    )
+    if sink is None:
+        ns, name = registry.dataset_id(res.target, res.db_url)
+        return queue_ds, lineage.DatasetRef(ns, name, ())
+    described = sink.describe()
+    fields = tuple((str(n), str(t)) for n, t in described["fields"])
+    return queue_ds, lineage.DatasetRef(described["namespace"], described["name"], fields)
+
+
+def scoring_context(
+    config: cfg.PipelineConfig,
+    res: Resolved,
+    run_id: str,
+    *,
+    sink: sinks.Sink | None = None,
+    checksum: str | None = None,
+    parent: tuple[str, str] | None = None,
+    job_name: str | None = None,
+) -> lineage.RunContext:
+    """The lineage run of a scoring run: queue in, outputs out, model, config and its hash.
+
+    ``checksum`` is the loaded checkpoint's sha256; before it is loaded, the pinned one.
+    ``job_name`` defaults to the config's name.
+    """
+    queue_ds, out_ds = datasets(config, res, sink)
+    return lineage.RunContext(
+        run_id=run_id,
+        job_name=job_name or config.name,
+        parent_run_id=parent[0] if parent else None,
+        parent_job_name=parent[1] if parent else None,
+        inputs=(queue_ds,),
+        outputs=(out_ds,),
+        model=lineage.ModelRef(
+            config.model.name, config.model.version, checksum or config.model.sha256
+        ),
+        config=config.model_dump(mode="json"),
+        config_hash=config.config_hash(),
+    )
+
+
+def make_emitter(
+    config: cfg.PipelineConfig, res: Resolved, lineage_config: cfg.LineageConfig | None = None
+) -> lineage.LineageEmitter:
+    """The run's lineage emitter (``lineage_config`` overrides the config's).
+
+    Raises:
+        ConfigError: the lineage settings are invalid.
+    """
+    return lineage.LineageEmitter(
+        lineage_config or config.lineage,
+        base_dir=Path(config.base_dir),
+        producer=PRODUCER,
+        output_dir=res.events_path.parent.parent if res.events_path else _sql_events_dir(config),
+    )
+
+
+def check_config(config: cfg.PipelineConfig) -> policy.PolicyReport:
+    """Plan-time policy check against the config's measured service profile, after the pinned
+    checkpoint (its file and sha256: a wrong digest fails here, before merge, not at the first
+    score; nothing is deserialized).
+
+    Raises:
+        ConfigError: ``model.name`` is neither built in nor a factory (before, the check
+            blamed the service profile and advised ``batching profile``, which failed too).
+        CheckpointError: no checkpoint for a factory, a missing file, or another sha256.
+    """
+    from batching.model import zoo
+
+    spec = config.model
+    zoo.read_pinned(
+        zoo.checkpoint_path(spec.name, spec.checkpoint, Path(config.base_dir)), spec.sha256
+    )
+    return policy.check_policy(config, load_profile(config))

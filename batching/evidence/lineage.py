@@ -1,0 +1,673 @@
+"""OpenLineage events for scoring runs, and the transports that carry them.
+
+The only module that imports ``openlineage``. Events are built in-process with the client's v2
+API (``event_v2`` / ``facet_v2``) and handed straight to a transport built from
+:class:`~batching.config.LineageConfig`; ``OpenLineageClient`` is not used, because it reads
+environment variables, ``openlineage.yml`` and git metadata on its own. Edges turn the environment
+into config with :func:`config_from_env`.
+
+Lineage trouble never fails a run: every emit is guarded, logged as a warning and counted in
+``LineageEmitter.failures``; after a failure, events are dropped for ``cooldown_s``, so a down or
+silent backend costs one attempt (at most ``timeout_s * (retries + 1)``) per cooldown. No
+credential reaches an event or a log: URLs, settings and error texts pass through
+:func:`redact_url`, and http credentials travel as session auth, never in the transport's URL.
+
+Datasets are named by :mod:`batching.datasets` (the OpenLineage naming spec).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+import attr
+import requests
+from openlineage.client import constants as ol_constants
+from openlineage.client.event_v2 import InputDataset, Job, OutputDataset, Run, RunEvent, RunState
+from openlineage.client.facet_v2 import (
+    DatasetFacet,
+    InputDatasetFacet,
+    JobFacet,
+    OutputDatasetFacet,
+    RunFacet,
+    error_message_run,
+    input_statistics_input_dataset,
+    job_type_job,
+    output_statistics_output_dataset,
+    parent_run,
+    processing_engine_run,
+    schema_dataset,
+)
+from openlineage.client.transport import Transport
+from openlineage.client.transport.console import ConsoleConfig, ConsoleTransport
+from openlineage.client.transport.file import FileConfig, FileTransport
+from openlineage.client.transport.http import (
+    ApiKeyTokenProvider,
+    HttpConfig,
+    HttpTransport,
+    TokenProvider,
+)
+from openlineage.client.transport.http_common import DEFAULT_RETRY_CONFIG
+from openlineage.client.transport.noop import NoopConfig, NoopTransport
+from openlineage.client.uuid import generate_new_uuid
+
+import batching
+from batching import config, errors
+from batching import ports as protocols
+from batching.redaction import redact_mapping, redact_url
+
+logger = logging.getLogger(__name__)
+
+FACET_SCHEMA_BASE = "https://github.com/batching/batching/blob/main/spec/facets/1-0-0/"
+"""Where this project's custom facet schemas are published (see :func:`custom_facet_schemas`)."""
+
+_OL_CORE = "https://openlineage.io/spec/2-0-2/OpenLineage.json"
+_MAX_TRACE_CHARS = 8000
+
+
+def events_path(
+    cfg: config.LineageConfig, *, base_dir: Path, output_dir: str | Path = "outputs"
+) -> Path:
+    """Return the JSONL file of the file transport.
+
+    ``cfg.path``, else ``<output_dir>/lineage/events.jsonl``; a relative path is resolved against
+    ``base_dir`` (the config file's folder).
+    """
+    path = Path(cfg.path) if cfg.path else Path(output_dir) / "lineage" / "events.jsonl"
+    path = path.expanduser()
+    return path if path.is_absolute() else Path(base_dir) / path
+
+
+# ----------------------------------------------------------------------------- value types
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetRef:
+    """A dataset a run reads or writes; ``fields``: ``(column, type)`` pairs for the schema facet.
+
+    ``row_count`` / ``size_bytes`` (bytes) become ``inputStatistics`` or ``outputStatistics``.
+    """
+
+    namespace: str
+    name: str
+    fields: tuple[tuple[str, str], ...] = ()
+    row_count: int | None = None
+    size_bytes: int | None = None
+
+    def with_stats(self, row_count: int | None, size_bytes: int | None = None) -> DatasetRef:
+        """Return a copy carrying statistics (rows, bytes) for the COMPLETE event."""
+        return replace(self, row_count=row_count, size_bytes=size_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRef:
+    """The pinned model a run scores with."""
+
+    name: str
+    version: str
+    sha256: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunContext:
+    """What every event of one run says about it.
+
+    ``run_id`` is a UUID string: the Prefect flow-run (or task-run) id when there is one, else
+    :func:`new_run_id`. ``job_name`` is the flow name, or ``flow.task`` for a task, which also sets
+    ``parent_run_id`` / ``parent_job_name`` (namespace defaults to the job's). ``job_namespace``
+    ``None`` means the emitter's ``LineageConfig.namespace``. ``config`` (the batching settings) is
+    redacted before it is emitted; ``config_hash`` is its sha256.
+    """
+
+    run_id: str
+    job_name: str
+    job_namespace: str | None = None
+    job_type: str = "JOB"
+    parent_run_id: str | None = None
+    parent_job_name: str | None = None
+    parent_job_namespace: str | None = None
+    inputs: tuple[DatasetRef, ...] = ()
+    outputs: tuple[DatasetRef, ...] = ()
+    model: ModelRef | None = None
+    config: Mapping[str, Any] | None = None
+    config_hash: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_uuid("run_id", self.run_id)
+        if (self.parent_run_id is None) != (self.parent_job_name is None):
+            raise ValueError("parent_run_id and parent_job_name must be given together")
+        if self.parent_run_id is not None:
+            _check_uuid("parent_run_id", self.parent_run_id)
+
+
+def _check_uuid(what: str, value: str) -> None:
+    try:
+        uuid.UUID(value)
+    except (ValueError, TypeError, AttributeError):
+        raise ValueError(
+            f"{what} must be a UUID string (a Prefect run id), got {value!r}"
+        ) from None
+
+
+def new_run_id() -> str:
+    """Return a fresh time-ordered run id (UUIDv7), for runs outside Prefect."""
+    return str(generate_new_uuid())
+
+
+# ----------------------------------------------------------------------------- custom facets
+
+
+@attr.define
+class BatchingModelRunFacet(RunFacet):
+    """Custom run facet ``batching_model``: the model name, version and checkpoint sha256."""
+
+    name: str
+    version: str
+    sha256: str | None = attr.field(default=None)
+
+    @staticmethod
+    def _get_schema() -> str:
+        return f"{FACET_SCHEMA_BASE}BatchingModelRunFacet.json#/$defs/BatchingModelRunFacet"
+
+
+@attr.define
+class BatchingConfigRunFacet(RunFacet):
+    """Custom run facet ``batching_config``: the redacted settings and their sha256."""
+
+    configHash: str | None = attr.field(
+        default=None
+    )  # OpenLineage spells facet fields in camelCase
+    config: dict[str, Any] | None = attr.field(default=None)
+
+    @staticmethod
+    def _get_schema() -> str:
+        return f"{FACET_SCHEMA_BASE}BatchingConfigRunFacet.json#/$defs/BatchingConfigRunFacet"
+
+
+def _facet_schema(
+    name: str, key: str, props: dict[str, Any], required: list[str]
+) -> dict[str, Any]:
+    body = {"type": "object", "properties": props, "required": required}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"{FACET_SCHEMA_BASE}{name}.json",
+        "$defs": {
+            name: {"allOf": [{"$ref": f"{_OL_CORE}#/$defs/RunFacet"}, body], "type": "object"}
+        },
+        "type": "object",
+        "properties": {key: {"$ref": f"#/$defs/{name}"}},
+    }
+
+
+def custom_facet_schemas() -> list[dict[str, Any]]:
+    """JSON Schemas (draft 2020-12) of the custom facets, ``$id`` matching their ``_schemaURL``."""
+    text = {"type": "string", "minLength": 1}
+    sha = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
+    return [
+        _facet_schema(
+            "BatchingModelRunFacet",
+            "batching_model",
+            {"name": text, "version": text, "sha256": sha},
+            ["name", "version"],
+        ),
+        _facet_schema(
+            "BatchingConfigRunFacet",
+            "batching_config",
+            {"configHash": sha, "config": {"type": "object"}},
+            [],
+        ),
+    ]
+
+
+# ----------------------------------------------------------------------------- events
+
+
+def build_event(
+    state: RunState,
+    run: RunContext,
+    *,
+    producer: str,
+    namespace: str,
+    event_time: str,
+    outputs: Sequence[DatasetRef] | None = None,
+    error: BaseException | None = None,
+) -> RunEvent:
+    """Build one v2 ``RunEvent`` (pure; no I/O). ``outputs`` replaces ``run.outputs`` if given."""
+    job_namespace = run.job_namespace or namespace
+    return RunEvent(
+        eventType=state,
+        eventTime=event_time,
+        producer=producer,
+        run=Run(runId=run.run_id, facets=_run_facets(run, producer, job_namespace, error)),
+        job=Job(namespace=job_namespace, name=run.job_name, facets=_job_facets(run, producer)),
+        inputs=[_input(ref, producer) for ref in run.inputs],
+        outputs=[_output(ref, producer) for ref in (run.outputs if outputs is None else outputs)],
+    )
+
+
+def _run_facets(
+    run: RunContext, producer: str, job_namespace: str, error: BaseException | None
+) -> dict[str, RunFacet]:
+    facets: dict[str, RunFacet] = {
+        "processing_engine": processing_engine_run.ProcessingEngineRunFacet(
+            version=batching.__version__,
+            name="batching",
+            openlineageAdapterVersion=ol_constants.__version__,
+            producer=producer,
+        )
+    }
+    if run.parent_run_id is not None and run.parent_job_name is not None:
+        facets["parent"] = parent_run.ParentRunFacet(
+            run=parent_run.Run(runId=run.parent_run_id),
+            job=parent_run.Job(
+                namespace=run.parent_job_namespace or job_namespace, name=run.parent_job_name
+            ),
+            producer=producer,
+        )
+    if run.model is not None:
+        m = run.model
+        facets["batching_model"] = BatchingModelRunFacet(
+            name=m.name, version=m.version, sha256=m.sha256, producer=producer
+        )
+    if run.config is not None or run.config_hash is not None:
+        cfg = redact_mapping(run.config) if run.config is not None else None
+        facets["batching_config"] = BatchingConfigRunFacet(
+            configHash=run.config_hash, config=cfg, producer=producer
+        )
+    if error is not None:
+        facets["errorMessage"] = _error_facet(error, producer)
+    return facets
+
+
+def _error_facet(error: BaseException, producer: str) -> error_message_run.ErrorMessageRunFacet:
+    trace = "".join(traceback.format_exception(error))[-_MAX_TRACE_CHARS:]
+    return error_message_run.ErrorMessageRunFacet(
+        message=redact_url(f"{type(error).__name__}: {error}"),
+        programmingLanguage="python",
+        stackTrace=redact_url(trace),
+        producer=producer,
+    )
+
+
+def _job_facets(run: RunContext, producer: str) -> dict[str, JobFacet]:
+    job_type = job_type_job.JobTypeJobFacet(
+        processingType="BATCH", integration="BATCHING", jobType=run.job_type, producer=producer
+    )
+    return {"jobType": job_type}
+
+
+def _dataset_facets(ref: DatasetRef, producer: str) -> dict[str, DatasetFacet]:
+    if not ref.fields:
+        return {}
+    fields = [schema_dataset.SchemaDatasetFacetFields(name=n, type=t) for n, t in ref.fields]
+    return {"schema": schema_dataset.SchemaDatasetFacet(fields=fields, producer=producer)}
+
+
+def _has_stats(ref: DatasetRef) -> bool:
+    return ref.row_count is not None or ref.size_bytes is not None
+
+
+def _input(ref: DatasetRef, producer: str) -> InputDataset:
+    facets: dict[str, InputDatasetFacet] = {}
+    if _has_stats(ref):
+        facets["inputStatistics"] = input_statistics_input_dataset.InputStatisticsInputDatasetFacet(
+            rowCount=ref.row_count, size=ref.size_bytes, producer=producer
+        )
+    return InputDataset(
+        namespace=ref.namespace,
+        name=ref.name,
+        facets=_dataset_facets(ref, producer),
+        inputFacets=facets,
+    )
+
+
+def _output(ref: DatasetRef, producer: str) -> OutputDataset:
+    facets: dict[str, OutputDatasetFacet] = {}
+    if _has_stats(ref):
+        facets["outputStatistics"] = (
+            output_statistics_output_dataset.OutputStatisticsOutputDatasetFacet(
+                rowCount=ref.row_count, size=ref.size_bytes, producer=producer
+            )
+        )
+    return OutputDataset(
+        namespace=ref.namespace,
+        name=ref.name,
+        facets=_dataset_facets(ref, producer),
+        outputFacets=facets,
+    )
+
+
+# ----------------------------------------------------------------------------- transports
+
+
+def make_transport(cfg: config.LineageConfig, path: Path) -> Transport:
+    """Build the transport ``cfg`` names; ``path`` is the file transport's JSONL file.
+
+    Raises:
+        ConfigError: the http url is not a valid URL.
+    """
+    if cfg.transport == "file":
+        return FileTransport(FileConfig(log_file_path=str(path), append=True))
+    if cfg.transport == "http":
+        return _http_transport(cfg)
+    if cfg.transport == "console":
+        return ConsoleTransport(ConsoleConfig())
+    return NoopTransport(NoopConfig())
+
+
+def _http_transport(cfg: config.LineageConfig) -> HttpTransport:
+    url, credentials = _split_credentials(cfg.url or "")
+    session = requests.Session()
+    session.trust_env = False  # no proxy / netrc from the environment: the library reads none
+    session.auth = credentials  # kept out of the URL, which the client logs at DEBUG
+    n = cfg.retries
+    retry = {"total": n, "connect": n, "read": n, "status": n, "backoff_factor": 0.1}
+    # A backend's Retry-After (urllib3 honours up to 6 h) must not hold a run.
+    retry["respect_retry_after_header"] = False
+    key = cfg.api_key.get_secret_value() if cfg.api_key else None
+    http_cfg = HttpConfig(
+        url=url.rstrip("/") + "/",  # keep a base path: urljoin drops a last segment
+        endpoint=cfg.endpoint.lstrip("/"),
+        timeout=cfg.timeout_s,
+        auth=ApiKeyTokenProvider({"apiKey": key}) if key else TokenProvider({}),
+        session=session,
+        retry={**DEFAULT_RETRY_CONFIG, **retry},
+    )
+    try:
+        return HttpTransport(http_cfg)
+    except ValueError:
+        raise errors.ConfigError(
+            f"lineage url {redact_url(cfg.url or '')!r} is not a URL like http://marquez:5000"
+        ) from None
+
+
+def _split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
+    parts = urlsplit(url)
+    if parts.username is None:
+        return url, None
+    host = parts.netloc.rpartition("@")[2]
+    plain = urlunsplit(parts._replace(netloc=host))
+    return plain, (unquote(parts.username), unquote(parts.password or ""))
+
+
+class LineageEmitter:
+    """Emits START / COMPLETE / FAIL events for runs; never raises into the caller.
+
+    Args:
+        cfg: transport, file path, http url/endpoint, timeout_s, retries, job namespace.
+        base_dir: folder that relative paths in ``cfg`` are resolved against.
+        producer: URI of the producing code, e.g. ``https://github.com/acme/batching/tree/0.1.0``.
+        output_dir: the outputs folder; default file path is ``<output_dir>/lineage/events.jsonl``.
+        transport: an OpenLineage transport to use instead of the one ``cfg`` names (tests).
+        clock: epoch seconds, for event times and the cooldown.
+        cooldown_s: after a failed emit, further events are dropped (and counted) this long.
+
+    Attributes:
+        failures: events not delivered (failed or dropped during a cooldown).
+        emitted: events delivered to the transport.
+        events_path: the JSONL file when the transport is ``file``, else ``None``.
+
+    Raises:
+        ConfigError: at construction, when the http url is invalid.
+    """
+
+    def __init__(
+        self,
+        cfg: config.LineageConfig,
+        *,
+        base_dir: Path,
+        producer: str,
+        output_dir: str | Path = "outputs",
+        transport: Transport | None = None,
+        clock: protocols.Clock = time.time,
+        cooldown_s: float = 30.0,
+    ) -> None:
+        self.config = cfg
+        self.producer = producer
+        self.failures = 0
+        self.emitted = 0
+        file_path = events_path(cfg, base_dir=base_dir, output_dir=output_dir)
+        self.events_path = file_path if cfg.transport == "file" and transport is None else None
+        self._transport = transport if transport is not None else make_transport(cfg, file_path)
+        self._clock = clock
+        self._cooldown_s = cooldown_s
+        self._resume_at = float("-inf")
+        self._lock = threading.Lock()
+        # HTTP: a whole send (retries included) gets this long; the socket timeout alone
+        # does not bound a server that answers a byte at a time.
+        self._deadline_s = (
+            (cfg.timeout_s + 0.5) * (cfg.retries + 1)
+            if cfg.transport == "http" and transport is None
+            else None
+        )
+        self._in_flight: threading.Thread | None = None  # a send past its deadline
+
+    def start(self, run: RunContext) -> bool:
+        """Emit START; returns whether the event was delivered."""
+        return self._emit(RunState.START, run, None, None)
+
+    def running(self, run: RunContext, error: BaseException | None = None) -> bool:
+        """Emit RUNNING: a retry resumes the run, or (with ``error``, as an ``errorMessage``
+        facet) an attempt failed and the run will be retried."""
+        return self._emit(RunState.RUNNING, run, None, error)
+
+    def complete(self, run: RunContext, outputs: Sequence[DatasetRef] | None = None) -> bool:
+        """Emit COMPLETE; ``outputs`` (with statistics) replace ``run.outputs`` if given."""
+        return self._emit(RunState.COMPLETE, run, outputs, None)
+
+    def fail(
+        self, run: RunContext, error: BaseException, outputs: Sequence[DatasetRef] | None = None
+    ) -> bool:
+        """Emit FAIL with an ``errorMessage`` facet (redacted message and stack trace)."""
+        return self._emit(RunState.FAIL, run, outputs, error)
+
+    def close(self) -> None:
+        """Release the transport (the http session); never raises."""
+        try:
+            self._transport.close(0)
+        except Exception:  # lineage never fails a run
+            logger.warning("lineage close failed", extra={"action": "lineage_close_failed"})
+
+    def _emit(
+        self,
+        state: RunState,
+        run: RunContext,
+        outputs: Sequence[DatasetRef] | None,
+        error: BaseException | None,
+    ) -> bool:
+        if isinstance(self._transport, NoopTransport):
+            return False
+        with self._lock:
+            now = self._clock()
+            if now < self._resume_at:
+                self._count_failure("lineage event dropped", "lineage_emit_skipped", state, run)
+                return False
+            try:
+                self._send(state, run, outputs, error, now)
+            except Exception as exc:  # lineage never fails a run
+                self._resume_at = self._clock() + self._cooldown_s
+                self._count_failure("lineage emit failed", "lineage_emit_failed", state, run, exc)
+                return False
+            self.emitted += 1
+            return True
+
+    def _send(
+        self,
+        state: RunState,
+        run: RunContext,
+        outputs: Sequence[DatasetRef] | None,
+        error: BaseException | None,
+        now: float,
+    ) -> None:
+        event = build_event(
+            state,
+            run,
+            producer=self.producer,
+            namespace=self.config.namespace,
+            event_time=datetime.fromtimestamp(now, tz=UTC).isoformat(),
+            outputs=outputs,
+            error=error,
+        )
+        if self.events_path is not None:
+            self.events_path.parent.mkdir(parents=True, exist_ok=True)
+        self._deliver(event)
+
+    def _deliver(self, event: RunEvent) -> None:
+        """Hand ``event`` to the transport; over HTTP, given up after the deadline (the send
+        goes on in the background, and until it ends every further event is dropped rather
+        than sent beside it)."""
+        if self._deadline_s is None:
+            self._transport.emit(event)
+            return
+        if self._in_flight is not None and self._in_flight.is_alive():
+            raise TimeoutError("an earlier lineage event is still being sent")
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                self._transport.emit(event)
+            except BaseException as exc:
+                failed.append(exc)
+
+        sender = threading.Thread(target=send, name="lineage-send", daemon=True)
+        sender.start()
+        sender.join(self._deadline_s)
+        if sender.is_alive():
+            self._in_flight = sender
+            raise TimeoutError(f"no answer within {self._deadline_s:g}s")
+        if failed:
+            raise failed[0]
+
+    def _count_failure(
+        self,
+        message: str,
+        action: str,
+        state: RunState,
+        run: RunContext,
+        exc: Exception | None = None,
+    ) -> None:
+        self.failures += 1
+        extra: dict[str, Any] = {
+            "action": action,
+            "event_type": state.value,
+            "run_id": run.run_id,
+            "lineage_transport": self.config.transport,
+            "failures": self.failures,
+        }
+        if exc is not None:
+            extra |= {"error_type": type(exc).__name__, "error": redact_url(str(exc))[:500]}
+        logger.warning(message, extra=extra)
+
+
+# ----------------------------------------------------------------------------- environment
+
+_ENV_TRANSPORT = "OPENLINEAGE__TRANSPORT__"
+_ENV_FIELDS = {"TYPE": "transport", "URL": "url", "ENDPOINT": "endpoint", "TIMEOUT": "timeout_s"}
+
+
+def config_from_env(env: Mapping[str, str], base: config.LineageConfig) -> config.LineageConfig:
+    """Return ``base`` overridden by OpenLineage's environment variables, for edges (CLI, flows).
+
+    Honoured: ``OPENLINEAGE_DISABLED=true`` (transport none), ``OPENLINEAGE_URL`` (http) and
+    ``OPENLINEAGE_ENDPOINT``, ``OPENLINEAGE_NAMESPACE``, ``OPENLINEAGE_API_KEY`` (a bearer
+    token for the http transport), and ``OPENLINEAGE__TRANSPORT__TYPE``
+    (file|http|console|noop|none), ``__URL``, ``__ENDPOINT``, ``__TIMEOUT``, ``__LOG_FILE_PATH``,
+    ``__RETRY`` (``{"total": n}`` or ``n``), ``__AUTH__APIKEY`` (or ``__AUTH__API_KEY``).
+    ``__TRANSPORT__`` values win over the others.
+
+    Raises:
+        ConfigError: a value is invalid (message names the setting; URLs are redacted).
+    """
+    upper = {k.upper(): v for k, v in env.items() if k.upper().startswith("OPENLINEAGE")}
+    updates: dict[str, Any] = {}
+    if upper.get("OPENLINEAGE_URL"):
+        updates |= {"transport": "http", "url": upper["OPENLINEAGE_URL"]}
+    if upper.get("OPENLINEAGE_ENDPOINT"):
+        updates["endpoint"] = upper["OPENLINEAGE_ENDPOINT"]
+    if upper.get("OPENLINEAGE_NAMESPACE"):
+        updates["namespace"] = upper["OPENLINEAGE_NAMESPACE"]
+    if upper.get("OPENLINEAGE_API_KEY"):
+        updates["api_key"] = upper["OPENLINEAGE_API_KEY"]
+    updates |= _transport_env(upper)
+    disabled = upper.get("OPENLINEAGE_DISABLED", "").strip().lower()
+    if disabled not in ("", "true", "false"):
+        raise errors.ConfigError(
+            f"OPENLINEAGE_DISABLED={upper['OPENLINEAGE_DISABLED']!r}: use true or false"
+        )
+    if disabled == "true":
+        updates["transport"] = "none"
+    kept = {"api_key": base.api_key}  # not in a dump
+    try:
+        return config.LineageConfig.model_validate({**base.model_dump(), **kept, **updates})
+    except ValueError as exc:
+        raise errors.ConfigError(f"OPENLINEAGE_* environment: {_describe(exc)}") from None
+
+
+def _transport_env(upper: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        field: upper[_ENV_TRANSPORT + suffix]
+        for suffix, field in _ENV_FIELDS.items()
+        if _ENV_TRANSPORT + suffix in upper
+    }
+    if "transport" in out:
+        kind = str(out["transport"]).strip().lower()
+        out["transport"] = "none" if kind == "noop" else kind
+    if _ENV_TRANSPORT + "LOG_FILE_PATH" in upper:
+        out["path"] = upper[_ENV_TRANSPORT + "LOG_FILE_PATH"]
+    if _ENV_TRANSPORT + "RETRY" in upper:
+        out["retries"] = _retries(upper[_ENV_TRANSPORT + "RETRY"])
+    for name in ("AUTH__APIKEY", "AUTH__API_KEY"):  # the client's own spelling, and ours
+        if upper.get(_ENV_TRANSPORT + name):
+            out["api_key"] = upper[_ENV_TRANSPORT + name]
+    return out
+
+
+def _retries(raw: str) -> Any:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        raise errors.ConfigError(
+            f'{_ENV_TRANSPORT}RETRY must be JSON like {{"total": 1}} or a number, got {raw!r}'
+        ) from None
+    return value.get("total", 0) if isinstance(value, dict) else value
+
+
+def _describe(exc: ValueError) -> str:
+    details = getattr(exc, "errors", None)
+    if not callable(details):
+        return redact_url(str(exc))
+    parts = []
+    for e in details():
+        loc, msg = ".".join(map(str, e["loc"])), e["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return redact_url("; ".join(parts))
+
+
+__all__ = [
+    "FACET_SCHEMA_BASE",
+    "BatchingConfigRunFacet",
+    "BatchingModelRunFacet",
+    "DatasetRef",
+    "LineageEmitter",
+    "ModelRef",
+    "RunContext",
+    "RunState",
+    "build_event",
+    "config_from_env",
+    "custom_facet_schemas",
+    "events_path",
+    "make_transport",
+    "new_run_id",
+    "redact_mapping",
+    "redact_url",
+]

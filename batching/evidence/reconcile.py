@@ -1,0 +1,390 @@
+"""Reconcile: prove every acked item has exactly one committed output; classify and repair.
+
+The finding classes and their severities are listed in :mod:`batching.evidence.findings`.
+
+Reconcile reads the queue and the batch ledger itself, and asks the sink for the rest (its
+facts, see :mod:`batching.facts`; its repairs): it never knows which kind of output it judges.
+``repair=True`` reaps stale leases, rolls unpublished batches forward, sets orphan and corrupt
+outputs aside (files to ``<root>.quarantine/``; never deletes data), marks retired ledger rows
+``quarantined`` / ``superseded``, keeps the first-committed copy of a duplicate, and requeues
+items without an output. A second reconcile after a repair finds nothing above info.
+
+Safe beside a live scorer: the sink surveys what readers see *before* the ledger is read (an
+output becomes visible only after its ledger row commits), and a staging file whose lease
+still holds items is left alone (its commit may be in flight). Gathering (I/O) is separate
+from :func:`classify`, which is pure and unit-tested on hand-made :class:`Facts`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from batching import models
+from batching import ports as protocols
+from batching.evidence.findings import (
+    SAMPLE_KEYS,
+    Facts,
+    Finding,
+    ItemTally,
+    Kind,
+    Repair,
+    Report,
+    Severity,
+    classify,
+)
+from batching.facts import BatchFacts, DoneItem, StagingFile
+from batching.outputs import contract as sinks
+from batching.outputs import ledger
+from batching.store import schema
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 500
+_I = schema.items
+_B = schema.batches
+_R = schema.runs
+
+
+# ----------------------------------------------------------------------------- gathering
+
+
+@dataclass(frozen=True)
+class _Scope:
+    queue: str
+    ours: sa.ColumnElement[bool]  # the ledger rows of the sink judged
+    since: float | None
+    run_id: str | None
+    now: float
+    run_ids: tuple[str, ...] = ()  # run_id and its workers' runs (``with_workers``)
+
+    def with_workers(self, conn: Connection) -> _Scope:
+        """The scope with the run's workers (``batching score --workers``) looked up once: a
+        subquery under an OR made PostgreSQL scan the whole ledger and items tables."""
+        if self.run_id is None:
+            return self
+        workers = conn.execute(
+            sa.select(_R.c.run_id).where(_R.c.parent_run_id == self.run_id)
+        ).scalars()
+        return replace(self, run_ids=(self.run_id, *workers))
+
+    def done(self) -> list[sa.ColumnElement[bool]]:
+        conds = [_I.c.queue == self.queue, _I.c.state == int(models.State.DONE)]
+        if self.since is not None:
+            conds.append(_I.c.finished_at >= self.since)
+        if self.run_id is not None:
+            run = sa.select(_B.c.batch_id).where(self.of_run())
+            conds.append(_I.c.batch_id.in_(run.scalar_subquery()))
+        return conds
+
+    def of_run(self) -> sa.ColumnElement[bool]:
+        """Batches of the run, or of its workers."""
+        return _B.c.run_id.in_(self.run_ids or (self.run_id,))
+
+
+def gather(
+    queue: protocols.Fence,
+    sink: sinks.Sink,
+    *,
+    since: float | None = None,
+    run_id: str | None = None,
+    now: float,
+    dataset_lost: bool = False,
+) -> Facts:
+    """Read the queue and the ledger, and the sink's facts of its output, into :class:`Facts`
+    (the sink surveys its output first; see :mod:`batching.facts`).
+
+    Raises:
+        ConfigError: the sink refuses to judge (a Parquet root without any file while the
+            ledger has live batches, unless ``dataset_lost``).
+    """
+    scope = _Scope(queue.queue, sink.owns(), since, run_id, now)
+    survey = sink.survey()
+    # One snapshot for every read: a batch committed meanwhile is wholly in it or wholly out.
+    with queue.read() as conn:
+        scope = scope.with_workers(conn)
+        rows = _ledger_rows(conn, scope)
+        done = _done_items(conn, scope)
+        foreign = _foreign_batches(conn, scope)
+        health = _health(conn, scope)
+        observed = sink.observe(conn, survey, rows)
+    out = sink.inspect(rows, done, observed, dataset_lost=dataset_lost)
+    # Batches of this kind of output written elsewhere (another table, another URI): said, not
+    # judged here (a mistyped location would otherwise read as clean, its batches unseen).
+    others = Counter(out.other_datasets)
+    others.update(path for kind, path in foreign.values() if kind == sink.kind)
+    return Facts(
+        sink.kind,
+        out.batches,
+        out.done,
+        frozenset(foreign) | out.foreign_batches,
+        out.visible,
+        out.staging,
+        **health,
+        other_datasets=dict(others),
+        orphan_batches=out.orphan_batches,
+    )
+
+
+def _ledger_rows(conn: Connection, scope: _Scope) -> list[Any]:
+    window: list[sa.ColumnElement[bool]] = [sa.true()]
+    if scope.since is not None:
+        window.append(_B.c.committed_at >= scope.since)
+    if scope.run_id is not None:
+        window.append(scope.of_run())
+    referenced = sa.select(_I.c.batch_id).where(*scope.done()).scalar_subquery()
+    q = _B.select().where(
+        _B.c.queue == scope.queue,
+        scope.ours,
+        sa.or_(sa.and_(*window), _B.c.batch_id.in_(referenced)),
+    )
+    return list(conn.execute(q.order_by(_B.c.committed_at, _B.c.batch_id)))
+
+
+def _foreign_batches(conn: Connection, scope: _Scope) -> dict[str, tuple[str, str]]:
+    """Batches done items point at that the sink judged does not own: ``(sink, path)`` each."""
+    referenced = sa.select(_I.c.batch_id).where(*scope.done()).scalar_subquery()
+    q = sa.select(_B.c.batch_id, _B.c.sink, _B.c.path).where(
+        _B.c.batch_id.in_(referenced), sa.not_(scope.ours)
+    )
+    return {str(r.batch_id): (str(r.sink), str(r.path)) for r in conn.execute(q)}
+
+
+def _done_items(conn: Connection, scope: _Scope) -> tuple[DoneItem, ...]:
+    q = sa.select(_I.c.item_key, _I.c.batch_id).where(*scope.done())
+    return tuple(DoneItem(r.item_key, r.batch_id) for r in conn.execute(q))
+
+
+def _health(conn: Connection, scope: _Scope) -> dict[str, Any]:
+    """Stale leases, dead and expired tallies, late items (queue-wide; ``since`` applies)."""
+    stale = sa.select(_I.c.item_key).where(
+        _I.c.queue == scope.queue,
+        _I.c.state == int(models.State.LEASED),
+        _I.c.lease_expires_at < scope.now,
+    )
+    late = [_I.c.deadline_at.is_not(None), _I.c.finished_at > _I.c.deadline_at]
+    return {
+        "stale_leases": tuple(r[0] for r in conn.execute(stale)),
+        "dead": _tally(conn, scope, models.State.DEAD, []),
+        "expired": _tally(conn, scope, models.State.EXPIRED, []),
+        "late": _tally(conn, scope, models.State.DONE, late),
+    }
+
+
+def _tally(
+    conn: Connection, scope: _Scope, state: models.State, extra: list[sa.ColumnElement[bool]]
+) -> ItemTally:
+    conds = [_I.c.queue == scope.queue, _I.c.state == int(state), *extra]
+    if scope.since is not None:
+        conds.append(_I.c.finished_at >= scope.since)
+    reason = sa.func.coalesce(_I.c.last_error, "")
+    q = sa.select(reason, sa.func.count()).where(*conds).group_by(reason)
+    reasons = {str(r[0]): int(r[1]) for r in conn.execute(q)}
+    sample = sa.select(_I.c.item_key).where(*conds).order_by(_I.c.id).limit(SAMPLE_KEYS)
+    keys = tuple(r[0] for r in conn.execute(sample))
+    return ItemTally(sum(reasons.values()), reasons if state != models.State.DONE else {}, keys)
+
+
+def _chunks(values: Sequence[str]) -> Iterable[list[str]]:
+    for start in range(0, len(values), _CHUNK):
+        yield list(values[start : start + _CHUNK])
+
+
+# ----------------------------------------------------------------------------- repair
+
+
+@dataclass
+class _Repairer:
+    queue: protocols.ReconcilePort
+    sink: sinks.Sink
+    now: float
+    # Batches this pass rewrote without their duplicates: old id -> the batch now holding the
+    # rest of its rows. A winner found at gather time may be one of them.
+    rewritten: dict[str, str] = field(default_factory=dict)
+
+    def run(self, findings: Sequence[Finding]) -> list[Repair]:
+        out: list[Repair] = []
+        for kind in _REPAIR_ORDER:
+            handler: Callable[[_Repairer, Finding], list[Repair]] = _HANDLERS[kind]
+            for f in findings:
+                if f.kind is kind:
+                    out += handler(self, f)
+        return out
+
+    def stale(self, _f: Finding) -> list[Repair]:
+        reaped = self.queue.release_expired()
+        return [Repair("release_expired", self.queue.queue, reaped.released + reaped.dead)]
+
+    def unpublished(self, f: Finding) -> list[Repair]:
+        done = [b for b in f.batch_ids if self.sink.publish(b)]
+        return [Repair("roll_forward", b, len(f.item_keys)) for b in done]
+
+    def orphan(self, f: Finding) -> list[Repair]:
+        return [Repair("quarantine", t) for t in self.sink.set_aside(f.files, f.batch_ids)]
+
+    def retire(self, f: Finding) -> list[Repair]:
+        """Missing or corrupt output: set aside what is there, requeue its items, retire the row."""
+        (batch_id,) = f.batch_ids
+        out = []
+        if f.kind is Kind.TRUNCATED_OR_CORRUPT:
+            out += [Repair("quarantine", t) for t in self.sink.set_aside(f.files, f.batch_ids)]
+        with self.queue.begin() as conn:
+            n = _requeue(conn, self.queue.queue, None, batch_id, str(f.kind), self.now)
+            ledger.retire(conn, batch_id)
+        return [*out, Repair("requeue", batch_id, n)]
+
+    def duplicate(self, f: Finding) -> list[Repair]:
+        loser = f.batch_ids[0]
+        with self.queue.begin() as conn:
+            for key, winner in f.details["winner_by_key"].items():
+                while winner in self.rewritten:
+                    winner = self.rewritten[winner]
+                conn.execute(
+                    _I.update()
+                    .where(_I.c.batch_id == loser, _I.c.item_key == key)
+                    .values(batch_id=winner)
+                )
+        new = self.sink.drop_rows(loser, f.item_keys)
+        if new is not None and new != loser:
+            self.rewritten[loser] = new
+        target = loser if new in (None, loser) else f"{loser} -> {new}"
+        return [Repair("drop_duplicates", target, f.count)]
+
+    def lost(self, f: Finding) -> list[Repair]:
+        batch_id = f.batch_ids[0] if f.batch_ids else None
+        with self.queue.begin() as conn:
+            n = _requeue(conn, self.queue.queue, f.item_keys, batch_id, str(f.kind), self.now)
+        return [Repair("requeue", batch_id or "(no batch)", n)]
+
+
+_HANDLERS: dict[Kind, Callable[[_Repairer, Finding], list[Repair]]] = {
+    Kind.STALE_LEASE: _Repairer.stale,
+    Kind.UNPUBLISHED: _Repairer.unpublished,
+    Kind.ORPHAN_FILE: _Repairer.orphan,
+    Kind.MISSING_FILE: _Repairer.retire,
+    Kind.TRUNCATED_OR_CORRUPT: _Repairer.retire,
+    Kind.DUPLICATE: _Repairer.duplicate,
+    Kind.LOST_WRITE: _Repairer.lost,
+}
+_REPAIR_ORDER = tuple(_HANDLERS)
+
+
+def _requeue(
+    conn: Connection,
+    queue: str,
+    keys: Sequence[str] | None,
+    batch_id: str | None,
+    reason: str,
+    now: float,
+) -> int:
+    """Done items of ``batch_id`` (only ``keys`` when given) back to ready with fresh attempts."""
+    conds = [_I.c.queue == queue, _I.c.state == int(models.State.DONE)]
+    conds.append(_I.c.batch_id == batch_id if batch_id is not None else _I.c.batch_id.is_(None))
+    values = {
+        "state": int(models.State.READY),
+        "attempts": 0,
+        "crash_count": 0,
+        "batch_id": None,
+        "finished_at": None,
+        "run_after": now,
+        "lease_id": None,
+        "lease_expires_at": None,
+        "leased_by": None,
+        "last_error": f"requeued by reconcile: {reason}",
+    }
+    if keys is None:
+        return int(conn.execute(_I.update().where(*conds).values(**values)).rowcount)
+    n = 0
+    for chunk in _chunks(keys):
+        stmt = _I.update().where(*conds, _I.c.item_key.in_(chunk)).values(**values)
+        n += int(conn.execute(stmt).rowcount)
+    return n
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def reconcile(
+    queue: protocols.ReconcilePort,
+    sink: sinks.Sink,
+    *,
+    since: float | None = None,
+    run_id: str | None = None,
+    now: float,
+    repair: bool = False,
+    dataset_lost: bool = False,
+) -> Report:
+    """Check that every done item of ``queue`` has exactly one committed output in ``sink``.
+
+    Args:
+        queue: the queue (its database holds the ledger).
+        sink: the output the items were committed to; it answers for its own facts and repairs.
+        since: only items finished and batches committed at or after this time (epoch s);
+            batches that window's items point at are always included.
+        run_id: only batches of this run (or of its workers) and the items they committed.
+        now: the time stale leases are judged against (epoch s).
+        repair: fix what can be fixed (see the module docstring); never deletes data.
+        dataset_lost: judge the ledger's batches even when the output holds nothing at all
+            (a Parquet sink refuses otherwise: a wrong root would read as every file lost).
+
+    Returns:
+        The findings as gathered before any repair, and the repairs made.
+
+    Raises:
+        QueueError: the database failed. SinkError: the output could not be read or changed.
+        ConfigError: the sink refuses to judge (see ``dataset_lost``).
+    """
+
+    def find() -> tuple[Finding, ...]:
+        found = gather(queue, sink, since=since, run_id=run_id, now=now, dataset_lost=dataset_lost)
+        return tuple(classify(found))
+
+    findings = find()
+    repairs: tuple[Repair, ...] = ()
+    if repair and findings:
+        repairs = tuple(_Repairer(queue, sink, now).run(findings))
+        if any(r.action == "release_expired" and r.n_items for r in repairs):
+            # A dead scorer's staging files were in flight while its leases held; reaped,
+            # they are leftovers: moved now, not by a second --repair.
+            left = [f for f in find() if f.kind is Kind.ORPHAN_FILE]
+            repairs += tuple(_Repairer(queue, sink, now).run(left))
+    location = sink.describe()["location"]
+    report = Report(sink.kind, location, now, since, run_id, findings, repairs)
+    _log(report)
+    return report
+
+
+def _log(report: Report) -> None:
+    extra = {"action": "reconcile", "ok": report.ok, "counts": report.counts}
+    extra["n_repairs"] = len(report.repairs)
+    if report.repairs:  # what is left is the next check's to report (cli, flow)
+        logger.warning("reconcile found faults and repaired them", extra=extra)
+    elif not report.ok:
+        logger.error("reconcile found critical faults", extra=extra)
+    elif not report.clean:
+        logger.warning("reconcile found warnings", extra=extra)
+    else:
+        logger.info("reconcile clean", extra=extra)
+
+
+__all__ = [
+    "BatchFacts",
+    "DoneItem",
+    "Facts",
+    "Finding",
+    "ItemTally",
+    "Kind",
+    "Repair",
+    "Report",
+    "Severity",
+    "StagingFile",
+    "classify",
+    "gather",
+    "reconcile",
+]

@@ -1,0 +1,494 @@
+"""The scoring loop: claim -> micro-batch -> decode -> forward -> commit, as overlapped stages.
+
+Four threads joined by bounded queues, so memory stays bounded and no stage waits on another
+more than it must:
+
+* **claim**: claims items under a lease whenever fewer than half a claim's worth are pending,
+  and adds them to the micro-batcher; a claim is mostly database time, which overlaps the
+  stages below.
+* **dispatch** (the caller's thread): when the forward stage is free, takes the next batch from
+  the batcher and decodes it; the next batch keeps growing while the model is busy, and its
+  decode overlaps the current forward pass.
+* **forward**: runs the model on one decoded batch at a time.
+* **commit**: commits outputs through the sink (outputs and ack in one transaction, only while
+  the lease is held) and fails the items the model could not score; scored batches that wait
+  for it are committed together (group commit).
+
+A heartbeat thread extends every live lease every ``heartbeat_s``. ``stop()`` (wired to SIGTERM
+by the CLI) stops claiming, releases items not yet in flight without using an attempt,
+finishes the batches in flight, and returns.
+
+Adapters (queue, runner, sink) are passed in; this module imports none of them.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import logging
+import operator
+import queue as stdqueue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+from batching import errors, models
+from batching import ports as protocols
+from batching.config import PipelineConfig
+from batching.loop.stages import END, D, Dispatched, End, LeasePart, Scored, by_lease, has_deadline
+from batching.loop.stats import Progress, RunLimits, RunStats
+from batching.policy.batcher import MicroBatcher, ServiceTime
+from batching.ports import Clock
+
+logger = logging.getLogger(__name__)
+J = TypeVar("J", Dispatched, Scored)  # type: ignore[type-arg]
+
+
+class Scorer(Generic[D]):
+    """Drains a queue through the model into a sink, within ``RunLimits``; ``D`` is the
+    runner's decoded batch (``stages``).
+
+    Args:
+        config: the pipeline config (queue lease/heartbeat, batching policy).
+        queue, runner, outputs: the ports (``protocols``): ``SqlQueue``, ``TorchRunner``,
+            ``sinks.Outputs`` (a sink, and the run and model version it records).
+        service_time: predicted forward seconds for (n_items, length), for deadline releases.
+        on_progress: called from the commit thread after every group commit.
+    """
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        queue: protocols.ClaimPort,
+        runner: protocols.RunnerPort[D],
+        outputs: protocols.CommitPort,
+        *,
+        clock: Clock = time.time,
+        service_time: ServiceTime | None = None,
+        on_progress: Progress | None = None,
+        wait_for_work: Callable[[float], object] | None = None,
+    ) -> None:
+        self.config = config
+        self.queue = queue
+        self.runner = runner
+        self.outputs = outputs
+        self.clock = clock
+        self.batcher = MicroBatcher(config.batching, clock, service_time)
+        self.on_progress = on_progress
+        self._wait = wait_for_work or (lambda s: time.sleep(s))
+        self._stop = threading.Event()
+        # Set only once the forward and commit stages are done: a stop() ends claims at once,
+        # but the batches still in flight need their leases until they commit.
+        self._stages_done = threading.Event()
+        self._wake = threading.Event()  # new items, a free forward stage, or claims over
+        self._claim_wanted = threading.Event()  # a batch left the batcher
+        self._claims_over = threading.Event()
+        self._exhausted = False  # the last claim found nothing ready
+        self._batch_lock = threading.Lock()  # the batcher: claim thread adds, dispatcher polls
+        self._leases: dict[str, int] = {}
+        self._item_lease: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._to_forward: stdqueue.Queue[Dispatched[D] | End] = stdqueue.Queue(maxsize=1)
+        self._to_commit: stdqueue.Queue[Scored | End] = stdqueue.Queue(
+            maxsize=config.batching.max_inflight_batches
+        )
+        self._error: BaseException | None = None
+        # Jobs a stage could not hand on after another failed: released at the shutdown.
+        self._stranded: list[Dispatched[D] | Scored] = []
+        self.stats = RunStats(started_at=clock())
+
+    def stop(self) -> None:
+        """Ask the run to finish: no new claims, in-flight batches commit, the rest is released."""
+        self._stop.set()
+
+    def run(self, limits: RunLimits | None = None) -> RunStats:
+        """Score until a limit is reached; returns the run's stats (also on ``stop()``)."""
+        threads = [
+            threading.Thread(
+                target=self._guard, args=(self._forward_loop,), name="forward", daemon=True
+            ),
+            threading.Thread(
+                target=self._guard, args=(self._commit_loop,), name="commit", daemon=True
+            ),
+            threading.Thread(
+                target=self._guard, args=(self._heartbeat_loop,), name="heartbeat", daemon=True
+            ),
+        ]
+        for t in threads:
+            t.start()
+        try:
+            self._feed(limits or RunLimits())
+        finally:
+            try:
+                self._release_pending()
+            finally:  # a failed release still ends the stages and the heartbeats
+                self._put(self._to_forward, END)
+                for t in threads[:2]:
+                    t.join()
+                self._release_stranded()
+                self._stop.set()
+                self._stages_done.set()
+                threads[2].join()
+                self.stats.finished_at = self.clock()
+        if self._error is not None:
+            raise self._error
+        return self.stats
+
+    # -- feeder ------------------------------------------------------------------------------
+
+    def _feed(self, limits: RunLimits) -> None:
+        """Run the claim thread and the dispatch loop (this thread) until claims are over and
+        every claimed item has been dispatched, or the run stops."""
+        claimer = threading.Thread(
+            target=self._guard, args=(functools.partial(self._claim_loop, limits),), name="claim"
+        )
+        claimer.daemon = True
+        claimer.start()
+        try:
+            # Guarded like every stage: a failed decode or Ctrl-C stops the claim thread too,
+            # and run() raises it once everything is released.
+            self._guard(self._dispatch_loop)
+        finally:
+            self._claim_wanted.set()
+            claimer.join()
+
+    def _claim_loop(self, limits: RunLimits) -> None:
+        """Claim whenever fewer than ``_low_water()`` items are pending, so claims (mostly
+        database time, without the GIL) overlap decoding and the forward pass."""
+        deadline = self.clock() + limits.max_seconds if limits.max_seconds is not None else None
+        try:
+            while not self._stop.is_set() and self._error is None:
+                if (limits.max_items is not None and self.stats.claimed >= limits.max_items) or (
+                    deadline is not None and self.clock() >= deadline
+                ):
+                    return
+                if self._pending() >= self._low_water():
+                    self._claim_wanted.wait(self.config.queue.poll_s)
+                    self._claim_wanted.clear()
+                    continue
+                got = self._claim(limits)
+                self._exhausted = not got
+                self._wake.set()
+                if not got:
+                    if limits.until_empty:
+                        return
+                    # Poll again only after poll_s (a NOTIFY wakes it sooner on PostgreSQL):
+                    # each claim is a write transaction that would contend with commits.
+                    self._wait(self.config.queue.poll_s)
+        finally:
+            self._claims_over.set()
+            self._wake.set()
+
+    def _dispatch_loop(self) -> None:
+        while not self._stop.is_set() and self._error is None:
+            self._wake.clear()  # before looking: a wake-up after this line is not lost
+            over = self._claims_over.is_set()
+            flush = over or self._exhausted or self._bulk_ready()
+            if self._to_forward.empty() and self._dispatch(flush=flush):
+                continue
+            if over and self._pending() == 0:
+                return
+            self._idle()
+
+    def _pending(self) -> int:
+        with self._batch_lock:
+            return len(self.batcher)
+
+    def _bulk_ready(self) -> bool:
+        # Bulk profile: throughput only. Once a full batch is pending, cut length-sorted batches
+        # (the batcher's flush cut) instead of waiting for a bucket to fill or a window to pass.
+        size = self.config.batching.max_batch_size
+        return self.config.profile == "bulk" and self._pending() >= size
+
+    def _low_water(self) -> int:
+        # Claim again once fewer than half a claim (and at least two full batches) are
+        # pending: the claim runs while those are decoded and scored, and each claim takes a
+        # full claim_size, so write transactions stay rare (one per item would contend with
+        # every commit for SQLite's write lock).
+        batching = self.config.batching
+        return max(batching.effective_claim_size // 2, 2 * batching.max_batch_size)
+
+    def _claim(self, limits: RunLimits) -> bool:
+        n = self.config.batching.effective_claim_size
+        if limits.max_items is not None:
+            n = min(n, limits.max_items - self.stats.claimed)
+        started = time.perf_counter()
+        claim = self.queue.claim(
+            n, lease_s=self.config.queue.lease_s, lane=self.config.queue.lane, columns=True
+        )
+        self.stats.stage_s["claim"] += time.perf_counter() - started
+        if not claim.items:
+            return False
+        with self._lock:
+            self._leases[claim.lease_id] = len(claim.items)
+            ids = models.item_column(claim.items, "id")
+            self._item_lease.update(zip(ids, itertools.repeat(claim.lease_id)))
+        self.stats.claimed += len(claim.items)
+        with self._batch_lock:
+            self.batcher.add(claim.items)
+        return True
+
+    def _dispatch(self, *, flush: bool) -> bool:
+        with self._batch_lock:
+            batch = self.batcher.poll(flush=flush)
+        if batch is None:
+            return False
+        self._claim_wanted.set()
+        ids = models.item_column(batch.items, "id")
+        with self._lock:  # the leases as claimed now: a reaped item may be claimed again
+            leases = dict(zip(ids, map(self._item_lease.__getitem__, ids), strict=True))
+        started = time.perf_counter()
+        try:
+            decoded = self.runner.decode(batch.items)
+        except BaseException:
+            with self._batch_lock:  # back where the shutdown releases them from
+                self.batcher.add(batch.items)
+            raise
+        self.stats.stage_s["decode"] += time.perf_counter() - started
+        self._put(self._to_forward, Dispatched(batch, leases, decoded))
+        return True
+
+    def _put(self, q: stdqueue.Queue[J | End], job: J | End) -> None:
+        # A stage that died never takes its next job: give up once an error is recorded, and
+        # leave the job with the others stranded between the stages, for the shutdown to release.
+        while self._error is None:
+            try:
+                q.put(job, timeout=0.1)
+                return
+            except stdqueue.Full:
+                continue
+        if not isinstance(job, End):
+            with self._lock:
+                self._stranded.append(job)
+
+    def _get(
+        self, q: stdqueue.Queue[J | End], on_idle: Callable[[], None] | None = None
+    ) -> J | End:
+        while self._error is None:
+            try:
+                return q.get(timeout=0.1)
+            except stdqueue.Empty:
+                if on_idle is not None:
+                    on_idle()
+        return END
+
+    def _idle(self) -> None:
+        # The model is busy: even a due batch waits (no spinning) until the forward stage takes
+        # its next batch. Otherwise sleep until the next batch is due, new items arrive, or
+        # poll_s passes.
+        pause = self.config.queue.poll_s
+        if self._to_forward.empty():
+            with self._batch_lock:
+                wake = self.batcher.next_deadline()
+            if wake is not None:
+                pause = min(pause, max(0.0, wake - self.clock()))
+        if pause > 0:
+            self._wake.wait(pause)
+
+    # -- forward and commit ------------------------------------------------------------------
+
+    def _forward_loop(self) -> None:
+        while True:
+            job = self._get(self._to_forward)
+            self._wake.set()  # the forward stage is free: the dispatcher may decode the next
+            if isinstance(job, End):
+                self._put(self._to_commit, END)
+                return
+            started = time.perf_counter()
+            result = self.runner.forward(job.decoded)
+            self.stats.stage_s["forward"] += time.perf_counter() - started
+            self._put(self._to_commit, Scored(job.batch, job.leases, result))
+
+    def _commit_loop(self) -> None:
+        # Idle for 0.1 s: the sink records what it deferred (the Parquet sink's publish marks),
+        # so a quiet scorer leaves nothing pending for long. Under load, marks ride on commits.
+        finished = False
+        try:
+            while not finished:
+                job = self._get(self._to_commit, on_idle=self._flush_sink)
+                if isinstance(job, End):
+                    break
+                jobs, finished = self._group(job)
+                started = time.perf_counter()
+                self._commit(jobs)
+                self.stats.stage_s["commit"] += time.perf_counter() - started
+                if self.on_progress is not None:
+                    self.on_progress(self.stats)
+        finally:  # also when a commit failed: what was published gets its mark
+            self._flush_sink()
+
+    def _flush_sink(self) -> None:
+        # What a sink defers is recorded later anyway (the next commit, recover()): a database
+        # hiccup here is logged, never a reason to fail the run.
+        try:
+            self.outputs.flush()
+        except errors.QueueError:
+            logger.warning("sink flush failed; retried later", exc_info=True)
+
+    def _group(self, first: Scored) -> tuple[list[Scored], bool]:
+        """Group commit: ``first`` plus the scored batches already waiting, or arriving within
+        ``output.commit_interval_s`` (0: none), up to ``output.max_rows_per_commit`` rows. It
+        turns many small commits (a file, fsyncs and transactions each) into one: under load
+        without waiting; when the model is the bottleneck, only by waiting (W2 bulk at 1 s: 8
+        files for 3,000 rows against 101, and 5-8% more rows/s). The end of the run closes the
+        group at once; so does an item with a deadline (the batcher released it in time for
+        the deadline, not for the deadline plus the wait) and a failed stage.
+        """
+        jobs, rows = [first], len(first.batch)
+        interval = self.config.output.commit_interval_s
+        until = time.monotonic() + interval
+        urgent = not interval or has_deadline(first.batch)
+        while rows < self.config.output.max_rows_per_commit:
+            stop = urgent or self._error is not None
+            wait_s = 0.0 if stop else min(until - time.monotonic(), 0.1)
+            try:
+                job = (
+                    self._to_commit.get(timeout=wait_s)
+                    if wait_s > 0
+                    else self._to_commit.get_nowait()
+                )
+            except stdqueue.Empty:
+                if wait_s > 0 and time.monotonic() < until:
+                    continue
+                break
+            if isinstance(job, End):
+                return jobs, True
+            jobs.append(job)
+            rows += len(job.batch)
+            urgent = urgent or has_deadline(job.batch)
+        return jobs, False
+
+    def _commit(self, jobs: list[Scored]) -> None:
+        now = self.clock()
+        for lease_id, part in by_lease(jobs).items():
+            self.stats.commits += self._commit_lease_part(lease_id, part, now)
+        for job in jobs:
+            self.stats.batch_sizes.append(len(job.batch))
+            self.stats.reasons[job.batch.reason] += 1
+            self.stats.service_s.append(job.result.service_s)
+            self.stats.real_tokens += job.result.real_tokens
+            self.stats.padded_tokens += job.result.padded_tokens
+
+    def _commit_lease_part(self, lease_id: str, part: LeasePart, now: float) -> int:
+        """Commit one lease's scored items and fail its failed ones; returns sink commits made."""
+        made = 0
+        ok, outputs, held = part.scored()
+        if ok:
+            try:
+                committed = self.outputs.commit(ok, lease_id, outputs, now)
+            except errors.LeaseLost as exc:
+                logger.warning(
+                    "lease lost",
+                    extra={"action": "lease_lost", "lease_id": lease_id, "error": str(exc)},
+                )
+                self.stats.lease_lost += len(ok)
+            else:
+                done = self.clock()
+                self.stats.bytes_written += committed.n_bytes or 0
+                self.stats.committed += len(ok)
+                since = functools.partial(operator.sub, done)
+                self.stats.latencies_s.extend(map(since, models.item_column(ok, "enqueued_at")))
+                made = 1
+        for failures, retry in ((part.failures, True), (part.undecodable, False)):
+            if failures:
+                res = self.queue.fail(lease_id, failures, retry=retry)
+                self.stats.failed += res.retried + res.dead
+        self._forget(lease_id, held)
+        return made
+
+    def _forget(self, lease_id: str, items: Sequence[models.WorkItem]) -> None:
+        ids = models.item_column(items, "id")
+        with self._lock:
+            owners = map(self._item_lease.get, ids)
+            mine = itertools.compress(ids, map(operator.eq, owners, itertools.repeat(lease_id)))
+            # not those claimed again since (by another lease)
+            collections.deque(map(self._item_lease.__delitem__, list(mine)), maxlen=0)
+            left = self._leases.get(lease_id, 0) - len(items)
+            if left > 0:
+                self._leases[lease_id] = left
+            else:
+                self._leases.pop(lease_id, None)
+
+    # -- leases ------------------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        """Extend every lease the run holds, each heartbeat interval. A lease that extends no
+        row is reported lost only when it does so twice and the run still holds it: once is
+        mostly a commit that acked its last rows between the copy of the leases and the
+        heartbeat (its batch still in the commit stage); a lease really lost stays held until
+        its commit fails with LeaseLost, which is reported too."""
+        interval = self.config.queue.effective_heartbeat_s
+        missed: set[str] = set()
+        while not self._stages_done.wait(interval):
+            with self._lock:
+                leases = list(self._leases)
+            empty = {
+                lease_id
+                for lease_id in leases
+                if self.queue.heartbeat(lease_id, self.config.queue.lease_s) == 0
+            }
+            with self._lock:
+                held = set(self._leases)
+            for lease_id in sorted(empty & missed & held):
+                logger.warning(
+                    "heartbeat found lease lost",
+                    extra={"action": "lease_lost", "lease_id": lease_id},
+                )
+            missed = empty
+
+    def _release_pending(self) -> None:
+        pending = self.batcher.drain() if self._stop.is_set() or self._error is not None else []
+        for batch in pending:
+            by_lease: dict[str, list[int]] = {}
+            with self._lock:
+                for item in batch.items:
+                    by_lease.setdefault(self._item_lease[item.id], []).append(item.id)
+            for lease_id, ids in by_lease.items():
+                self.stats.released += self.queue.release(lease_id, ids)
+                self._forget(lease_id, [i for i in batch.items if i.id in set(ids)])
+        if self.stats.released:
+            logger.info(
+                "items released", extra={"action": "release", "n_items": self.stats.released}
+            )
+
+    def _release_stranded(self) -> None:
+        """After a failed stage, give back the batches still queued between the stages: they
+        were never run (or ran fine and wait for a commit that will not come). Left leased,
+        the run's retry could not claim them until their lease expired. The batch a stage
+        failed on is not among them: it keeps its attempt and waits for the reaper."""
+        if self._error is None:
+            return
+        jobs = self._stranded
+        for q in (self._to_forward, self._to_commit):
+            while True:
+                try:
+                    job = q.get_nowait()
+                except stdqueue.Empty:
+                    break
+                if not isinstance(job, End):
+                    jobs.append(job)
+        for job in jobs:
+            ids_by_lease: dict[str, list[int]] = {}
+            for item_id, lease_id in job.leases.items():
+                ids_by_lease.setdefault(lease_id, []).append(item_id)
+            for lease_id, ids in ids_by_lease.items():
+                try:
+                    self.stats.released += self.queue.release(lease_id, ids)
+                except errors.QueueError:
+                    logger.warning(
+                        "items not released; they return when the lease expires",
+                        extra={"action": "release_failed", "lease_id": lease_id},
+                        exc_info=True,
+                    )
+                mine = set(ids)
+                self._forget(lease_id, [i for i in job.batch.items if i.id in mine])
+
+    def _guard(self, target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BaseException as exc:
+            logger.exception("scoring stage failed", extra={"action": "stage_failed"})
+            self._error = exc
+            self._stop.set()

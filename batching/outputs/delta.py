@@ -1,0 +1,449 @@
+"""The Delta Lake sink: outputs in a Delta table (delta-rs), the format Spark, DuckDB, Polars and
+Databricks read with no glob convention; a local path or an object-store URI (``s3://...``).
+
+The queue's database decides (:mod:`batching.outputs.outbox`): the ack, the ledger row and the batch's
+rows in the outbox commit together, and the Delta commit is the roll-forward of that ledger
+row. Each commit appends one batch and carries a Delta transaction id (``txn``): the app id is
+the writer (one per sink, so per scorer process) and the version its sequence number, and
+``DeltaTable.transaction_version(writer)`` says the highest sequence already in the table. A
+writer's batches roll forward in sequence order, so a batch is in the table exactly when its
+sequence is at or below that version. Two processes rolling the same batch forward at once
+(a scorer and a reconcile) commit the same app id, which Delta refuses to the second
+(``CommitFailedError``): it looks again and finds the batch there. Why not record the batch id
+in the commit and search the log before committing: that search is not atomic with the
+commit (both could miss the other's and append), and it grows with the table.
+
+A transaction id expires after ``delta.setTransactionRetentionDuration`` (7 days here, so the
+ids of finished writers do not pile up in every checkpoint). A writer the table does not
+know is then looked up in the commit log (each commit names its batch in its commitInfo),
+back to when the batch was recorded; if the log no longer reaches that far, in the table's
+rows.
+
+Rows: the batch's columns (``sinks.batch_table``; ``output`` as a list of float32) plus the
+partition columns ``date`` (UTC day of scoring) and ``model_version``, as the Parquet sink.
+Housekeeping (``maintain``; ``batching maintain``; the maintenance flow): compaction
+(``optimize``), a checkpoint, ``vacuum`` of files no version within the retention needs, and
+log clean-up.
+
+delta-rs aborts the interpreter at exit after ``DeltaTable.to_pyarrow_table()`` (its Arrow
+dataset's threads outlive Arrow; delta-io/delta-rs#2184), so reads here go through
+``QueryBuilder`` (DataFusion), which does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
+from deltalake.exceptions import CommitFailedError, DeltaError
+from sqlalchemy.engine import Row
+
+from batching import errors, facts, models, naming
+from batching import ports as protocols
+from batching.outputs import contract as sinks
+from batching.outputs import ledger, outbox
+from batching.redaction import redact_url
+
+logger = logging.getLogger(__name__)
+
+PARTITIONS = ["date", "model_version"]
+TXN_RETENTION = "interval 7 days"
+"""``delta.setTransactionRetentionDuration`` of the tables this sink creates."""
+_TRIES = 8  # commits lost to another roll-forward of the same writer before giving up
+_HISTORY_SKEW_S = 300.0  # a batch's Delta commit is never older than its ledger row minus this
+_CHUNK = 500
+SCHEMA = pa.schema(
+    [
+        ("item_key", pa.string()),
+        ("output", pa.list_(pa.float32())),
+        ("scored_at", pa.timestamp("us", tz="UTC")),
+        ("run_id", pa.string()),
+        ("batch_id", pa.string()),
+        ("queue", pa.string()),
+        ("tenant", pa.string()),
+        ("date", pa.string()),
+        ("model_version", pa.string()),
+    ]
+)
+
+
+def table_uri(path: str, base_dir: Path | None = None) -> str:
+    """A table URI as delta-rs takes it: an object-store URI as given, a local path absolute
+    (relative to ``base_dir``, default the working directory)."""
+    scheme, sep, _ = path.partition("://")
+    if sep and scheme.lower() != "file":
+        return path
+    local = Path(path.removeprefix("file://")).expanduser()
+    if not local.is_absolute():
+        local = (base_dir if base_dir is not None else Path.cwd()) / local
+    return os.path.normpath(local)
+
+
+def _is_local(uri: str) -> bool:
+    return "://" not in uri
+
+
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """delta-rs, object-store and Arrow failures as ``SinkError`` naming ``what``."""
+    try:
+        yield
+    except (DeltaError, OSError, pa.ArrowException) as exc:
+        raise errors.SinkError(f"{what}: {redact_url(str(exc))}") from exc
+
+
+def sql_literal(value: str) -> str:
+    """``value`` as a SQL string literal for a delta-rs predicate."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+class DeltaSink(outbox.OutboxSink):
+    """Outputs in a Delta table, rolled forward from the outbox (see the module docstring).
+
+    Args:
+        fence: the queue's side of a commit (``SqlQueue``).
+        uri: the table: a local folder or ``s3://bucket/path`` (``gs://``, ``az://``...);
+            created if missing.
+        storage_options: delta-rs's own object-store settings (``AWS_REGION``,
+            ``AWS_ENDPOINT_URL``, ...); credentials come from the environment, as delta-rs
+            reads them, never from a config file.
+
+    Raises:
+        SinkError: the table cannot be reached or created.
+    """
+
+    kind = "delta"
+
+    def __init__(
+        self,
+        fence: protocols.Fence,
+        uri: str,
+        *,
+        storage_options: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(fence)
+        self.uri = table_uri(uri)
+        self.location = self.uri
+        self.storage_options = dict(storage_options or {})
+        self._shown = redact_url(self.uri)
+        self._created = False  # on the first write: reading creates nothing
+
+    def _ensure_table(self) -> None:
+        """Create the table if it does not exist yet (once; two scorers at once: one wins)."""
+        if self._created:
+            return
+        with _translated(f"cannot create the Delta table {self._shown}"):
+            if _is_local(self.uri):
+                Path(self.uri).mkdir(parents=True, exist_ok=True)
+            DeltaTable.create(
+                self.uri,
+                SCHEMA,
+                mode="ignore",
+                partition_by=PARTITIONS,
+                configuration={"delta.setTransactionRetentionDuration": TXN_RETENTION},
+                storage_options=self.storage_options or None,
+            )
+        self._created = True
+
+    def exists(self) -> bool:
+        """Whether the table exists (it is created by the first write)."""
+        with _translated(f"cannot open the Delta table {self._shown}"):
+            return DeltaTable.is_deltatable(self.uri, storage_options=self.storage_options or None)
+
+    def table(self) -> DeltaTable:
+        """The table at its latest version.
+
+        Raises:
+            SinkError: it cannot be opened (or does not exist).
+        """
+        with _translated(f"cannot open the Delta table {self._shown}"):
+            return DeltaTable(self.uri, storage_options=self.storage_options or None)
+
+    # -- rolling forward -------------------------------------------------------------------
+
+    def _write(self, pending: outbox.Pending, table: pa.Table) -> int:
+        """Append the batch as one commit under its writer's transaction id, unless the table
+        has it already."""
+        self._ensure_table()
+        rows = _delta_rows(table, pending.model_version)
+        assert pending.writer is not None
+        assert pending.seq is not None
+        for _ in range(_TRIES):
+            dt = self.table()
+            if self._holds(dt, pending):
+                return 0
+            props = CommitProperties(
+                app_transactions=[
+                    Transaction(pending.writer, pending.seq, int(time.time() * 1000))
+                ],
+                custom_metadata={
+                    "batching.batch_id": pending.batch_id,
+                    "batching.run_id": pending.run_id,
+                },
+            )
+            try:
+                with _translated(f"cannot commit to the Delta table {self._shown}"):
+                    write_deltalake(
+                        dt, rows, mode="append", partition_by=PARTITIONS, commit_properties=props
+                    )
+                return int(rows.num_rows)
+            except errors.SinkError as exc:
+                if not isinstance(exc.__cause__, CommitFailedError):
+                    raise
+                # Another roll-forward of this writer committed first: look again.
+        raise errors.SinkError(
+            f"cannot commit batch {pending.batch_id} to the Delta table {self._shown}: "
+            f"{_TRIES} concurrent commits in a row; retried with the next commit"
+        )
+
+    def _holds(self, dt: DeltaTable, pending: outbox.Pending) -> bool:
+        """Whether the table has the batch already (see the module docstring)."""
+        assert pending.writer is not None
+        assert pending.seq is not None
+        with _translated(f"cannot read the Delta table {self._shown}"):
+            applied = dt.transaction_version(pending.writer)
+            if applied is not None:
+                return applied >= pending.seq
+            found = _in_history(dt, pending.batch_id, pending.committed_at - _HISTORY_SKEW_S)
+            if found is not None:
+                return found
+        return bool(self._count_rows([pending.batch_id]))
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    def preflight(self) -> None:
+        """The table opens, and a local one's folder takes a file.
+
+        Raises:
+            SinkError: it does not.
+        """
+        self._ensure_table()
+        self.table().version()
+        if _is_local(self.uri):
+            try:
+                with tempfile.TemporaryFile(dir=self.uri):
+                    pass
+            except OSError as exc:
+                raise errors.SinkError(
+                    f"output location {self.uri} is not writable ({exc.strerror}); "
+                    "fix its permissions"
+                ) from None
+
+    def describe(self) -> sinks.SinkDescription:
+        namespace, name = naming.file_dataset_id(self.uri)
+        fields = [(f.name, str(f.type)) for f in SCHEMA]
+        return {
+            "kind": self.kind,
+            "location": self._shown,
+            "namespace": namespace,
+            "name": name,
+            "fields": fields,
+        }
+
+    def maintain(self, *, vacuum_retention_h: float | None = None) -> dict[str, object]:
+        """Compact small files, write a checkpoint, vacuum files no version within the
+        retention needs (``vacuum_retention_h``, default the table's: 7 days), clean the log.
+
+        Returns what each step did.
+        """
+        with _translated(f"cannot maintain the Delta table {self._shown}"):
+            compacted = self.table().optimize.compact()
+            dt = self.table()
+            dt.create_checkpoint()
+            hours = None if vacuum_retention_h is None else round(vacuum_retention_h)
+            removed = dt.vacuum(retention_hours=hours, dry_run=False)
+            self.table().cleanup_metadata()
+        return {
+            "files_added": compacted.get("numFilesAdded", 0),
+            "files_removed": compacted.get("numFilesRemoved", 0),
+            "checkpoint_version": dt.version(),
+            "files_vacuumed": len(removed),
+        }
+
+    # -- reconcile ---------------------------------------------------------------------------
+
+    def survey(self) -> facts.Survey:
+        """Nothing to list first: a batch is in the table only after its ledger row commits,
+        so a batch the table shows without a row in reconcile's snapshot is looked up again."""
+        return facts.Survey()
+
+    def inspect(
+        self,
+        rows: Sequence[Row[Any]],
+        done: Sequence[facts.DoneItem],
+        observed: facts.Observed,
+        *,
+        dataset_lost: bool = False,
+    ) -> facts.OutputFacts:
+        """Each published batch's rows read back (count and keys); committed ones wait in the
+        outbox; batches in the table that no live ledger row names are orphans."""
+        if not self.exists():
+            if not dataset_lost:
+                self._refuse_missing_table(rows)
+            found: dict[str, list[str]] = {}
+        else:
+            found = self._keys_by_batch(rows)
+        batches = []
+        for row in rows:
+            if row.state == models.BatchState.COMMITTED and row.batch_id not in found:
+                batches.append(self.pending_facts(row, observed))
+            else:
+                batches.append(self._batch_facts(row, found.get(row.batch_id)))
+        unknown = set(found) - {r.batch_id for r in rows}
+        return facts.OutputFacts(
+            batches=tuple(batches),
+            done=tuple(done),
+            orphan_batches=tuple(sorted(self._orphans(unknown))),
+        )
+
+    def set_aside(self, files: Sequence[str], batch_ids: Sequence[str]) -> list[str]:
+        """Remove the rows of ``batch_ids`` from the table's latest version (earlier versions
+        keep them until ``vacuum``: ``DeltaTable(uri, version=...)`` reads them back)."""
+        if not batch_ids:
+            return []
+        ids = ", ".join(sql_literal(b) for b in batch_ids)
+        with _translated(f"cannot delete from the Delta table {self._shown}"):
+            dt = self.table()
+            dt.delete(f"batch_id IN ({ids})")
+            version = dt.version()
+        return [f"{self._shown} (rows of {b} removed at version {version})" for b in batch_ids]
+
+    def drop_rows(self, batch_id: str, keys: Sequence[str]) -> str | None:
+        """Delete the rows of ``keys`` from batch ``batch_id``; its ledger row counts the rest
+        (superseded when none is left). Returns ``batch_id`` while it holds rows."""
+        with self.fence.begin() as conn:
+            row = ledger.row(conn, batch_id)
+        if row is None or row.state not in models.LIVE_BATCH_STATES:
+            return None
+        with _translated(f"cannot delete from the Delta table {self._shown}"):
+            for start in range(0, len(keys), _CHUNK):
+                chunk = ", ".join(sql_literal(k) for k in keys[start : start + _CHUNK])
+                self.table().delete(f"batch_id = {sql_literal(batch_id)} AND item_key IN ({chunk})")
+        left = self._count_rows([batch_id]).get(batch_id, 0)
+        with self.fence.begin() as conn:
+            ledger.set_rows(conn, batch_id, left)
+        return batch_id if left else None
+
+    def _refuse_missing_table(self, rows: Sequence[Row[Any]]) -> None:
+        """No table, yet the ledger has published batches for it: a wrong ``output.path``
+        would read as every batch lost (and ``--repair`` would rescore them all)."""
+        published = [r for r in rows if r.state == models.BatchState.PUBLISHED]
+        if published:
+            raise errors.ConfigError(
+                f"no Delta table at {self._shown}, but the ledger has {len(published)} "
+                f"published batch(es) of queue {self.fence.queue!r} there: check output.path or "
+                "--output; if the table was deleted, reconcile with --dataset-lost to judge (and "
+                "with --repair requeue) them"
+            )
+
+    # -- reading ---------------------------------------------------------------------------
+
+    @staticmethod
+    def read(uri: str, sql: str, *, storage_options: Mapping[str, str] | None = None) -> pa.Table:
+        """Run ``sql`` on the table at ``uri``, registered as ``t`` (DataFusion; see the
+        module docstring for why not ``to_pyarrow_table``).
+
+        Raises:
+            SinkError: the table cannot be read.
+        """
+        shown = redact_url(uri)
+        with _translated(f"cannot read the Delta table {shown}"):
+            table = DeltaTable(uri, storage_options=dict(storage_options or {}) or None)
+            return pa.table(QueryBuilder().register("t", table).execute(sql).read_all())
+
+    def _query(self, sql: str) -> pa.Table:
+        return self.read(self.uri, sql, storage_options=self.storage_options)
+
+    def _count_rows(self, batch_ids: Sequence[str]) -> dict[str, int]:
+        """Rows in the table per batch, for those of ``batch_ids`` it holds."""
+        counts: dict[str, int] = {}
+        for start in range(0, len(batch_ids), _CHUNK):
+            ids = ", ".join(sql_literal(b) for b in batch_ids[start : start + _CHUNK])
+            got = self._query(
+                f"SELECT batch_id, count(*) AS n FROM t WHERE batch_id IN ({ids}) GROUP BY batch_id"
+            )
+            counts |= dict(zip(got["batch_id"].to_pylist(), got["n"].to_pylist(), strict=True))
+        return counts
+
+    def _keys_by_batch(self, rows: Sequence[Row[Any]]) -> dict[str, list[str]]:
+        """Item keys per batch in the partitions (days) the ledger rows were scored in."""
+        days = sorted({_day(t) for r in rows for t in (r.committed_at - 3600, r.committed_at)})
+        if not days:
+            return {}
+        within = ", ".join(sql_literal(d) for d in days)
+        got = self._query(f"SELECT batch_id, item_key FROM t WHERE date IN ({within})")
+        out: dict[str, list[str]] = {}
+        for batch_id, key in zip(
+            got["batch_id"].to_pylist(), got["item_key"].to_pylist(), strict=True
+        ):
+            out.setdefault(batch_id, []).append(key)
+        return out
+
+    def _batch_facts(self, row: Row[Any], keys: list[str] | None) -> facts.BatchFacts:
+        def found(where: str, problem: str | None = None, got: Any = None) -> facts.BatchFacts:
+            return facts.BatchFacts(
+                row.batch_id,
+                row.model_version,
+                row.state,
+                row.committed_at,
+                where,
+                self._shown,
+                problem,
+                got,
+            )
+
+        if row.state not in models.LIVE_BATCH_STATES:
+            return found("retired")
+        if not keys:
+            return found("missing", "its rows are not in the Delta table")
+        if len(keys) != row.n_rows:
+            return found("dataset", f"{len(keys)} rows in the table, ledger says {row.n_rows}")
+        return found("dataset", None, frozenset(keys))
+
+    def _orphans(self, batch_ids: set[str]) -> list[str]:
+        """Those of ``batch_ids`` with no live ledger row now (a batch committed after the
+        snapshot has one by the time its rows are in the table)."""
+        with self.fence.read() as conn:
+            states = ledger.states(conn, batch_ids)
+        return [b for b in batch_ids if states.get(b) not in models.LIVE_BATCH_STATES]
+
+
+def _delta_rows(table: pa.Table, model_version: str) -> pa.Table:
+    """A batch's rows as the table stores them: ``output`` a list, the partition columns added."""
+    output = table.column("output").cast(pa.list_(pa.float32()))
+    days = pc.strftime(table.column("scored_at"), format="%Y-%m-%d")
+    n = table.num_rows
+    columns = {name: table.column(name) for name in SCHEMA.names if name in table.column_names}
+    columns |= {"output": output, "date": days, "model_version": pa.array([model_version] * n)}
+    return pa.table({name: columns[name] for name in SCHEMA.names}, schema=SCHEMA)
+
+
+def _day(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%d")
+
+
+def _in_history(dt: DeltaTable, batch_id: str, since: float) -> bool | None:
+    """Whether a commit since ``since`` (epoch s) names ``batch_id``; None when the log no
+    longer reaches back that far (cleaned up), so it cannot say."""
+    limit = 32
+    while True:
+        commits = dt.history(limit)
+        for commit in commits:
+            if commit.get("batching.batch_id") == batch_id:
+                return True
+        oldest = commits[-1] if commits else None
+        if oldest is None or oldest.get("version") == 0 or oldest["timestamp"] < since * 1000:
+            return False
+        if len(commits) < limit:  # the log starts later than ``since``: cleaned up
+            return None
+        limit *= 8

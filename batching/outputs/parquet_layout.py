@@ -1,0 +1,183 @@
+"""Where a Parquet dataset keeps its files, and how a file is checked against its ledger row.
+
+Layout::
+
+    <root>/date=YYYY-MM-DD/model_version=<v>/part-<batch_id>.parquet   committed, published
+    <root>.staging/<batch_id>.<lease_id>.parquet.tmp                   written, not yet published
+    <root>.quarantine/<relative path>                                  moved aside by reconcile
+
+Staging and quarantine are siblings of the root: outside it, so no reader's
+``root/**/*.parquet`` glob sees them (DuckDB's does not skip ``_`` or ``.`` folders), and on the
+same filesystem, so a rename into the dataset is atomic. ``date`` and ``model_version`` are
+Hive partition columns: they live in the path, not in the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import BinaryIO
+from urllib.parse import quote
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batching import errors
+from batching.outputs import contract as sinks
+
+logger = logging.getLogger(__name__)
+
+STAGING_SUFFIX = ".parquet.tmp"
+REWRITE = "rewrite"
+"""The lease part of a staging file that reconcile's duplicate repair writes (``drop_rows``):
+no claim holds it, so without a rule of its own a scorer starting meanwhile would sweep it."""
+REWRITE_GRACE_S = 600.0
+"""A rewrite's staging file younger than this is in flight; older, its repair died."""
+_HASH_CHUNK = 1 << 20
+
+
+# ----------------------------------------------------------------------------- file layout
+
+
+@dataclass(frozen=True, slots=True)
+class ParquetLayout:
+    """Where a Parquet dataset keeps committed, staged and quarantined files (absolute paths).
+
+    Staging and quarantine are siblings of the root by default: outside it, so a reader's
+    ``root/**/*.parquet`` glob never matches them, and on the same filesystem, so a rename is
+    atomic.
+    """
+
+    root: Path
+    staging: Path
+    quarantine: Path
+
+    @classmethod
+    def for_root(cls, root: str | Path, staging: str | Path | None = None) -> ParquetLayout:
+        """The layout of dataset ``root``; raises ``ConfigError`` if staging is inside it."""
+        base = Path(root).expanduser().absolute()
+        stage = Path(staging).expanduser().absolute() if staging else _sibling(base, "staging")
+        if stage == base or base in stage.parents:
+            raise errors.ConfigError(
+                f"staging folder {stage} is inside the dataset root {base}; readers would see "
+                "uncommitted files. Put it beside the root (the default)"
+            )
+        return cls(base, stage, _sibling(base, "quarantine"))
+
+    def relative_path(self, batch_id: str, model_version: str, scored_at: float) -> str:
+        """``date=YYYY-MM-DD/model_version=<v>/part-<batch_id>.parquet`` (UTC day of scoring)."""
+        day = datetime.fromtimestamp(scored_at, UTC).strftime("%Y-%m-%d")
+        version = quote(model_version, safe="")
+        return f"date={day}/model_version={version}/part-{batch_id}.parquet"
+
+    def staging_file(self, batch_id: str, lease_id: str) -> Path:
+        """The staging file of a batch; its name carries the lease that may commit it."""
+        return self.staging / f"{batch_id}.{lease_id}{STAGING_SUFFIX}"
+
+    def visible_files(self) -> list[str]:
+        """Every ``*.parquet`` file a reader's glob sees, as POSIX paths relative to the root."""
+        if not self.root.is_dir():
+            return []
+        found = (p for p in self.root.rglob("*.parquet") if p.is_file())
+        return sorted(p.relative_to(self.root).as_posix() for p in found)
+
+    def staging_files(self) -> list[Path]:
+        """Every file in the staging folder."""
+        if not self.staging.is_dir():
+            return []
+        return sorted(p for p in self.staging.iterdir() if p.is_file())
+
+    def quarantine_file(self, path: Path) -> Path:
+        """Move ``path`` into the quarantine folder (never deleted); returns where it went."""
+        if self.staging in path.parents:
+            rel = Path("staging") / path.name
+        else:
+            rel = path.relative_to(self.root)
+        dest = self.quarantine / rel
+        n = 0
+        while dest.exists():
+            n += 1
+            dest = self.quarantine / f"{rel}.{n}"
+        with sinks.translate_errors(f"cannot quarantine {path}"):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(path, dest)
+        logger.warning("file quarantined", extra={"action": "quarantine", "path": str(dest)})
+        return dest
+
+
+def parse_staging_name(name: str) -> tuple[str, str] | None:
+    """``(batch_id, lease_id)`` from a staging file name, or None when it is not one of ours."""
+    if not name.endswith(STAGING_SUFFIX):
+        return None
+    parts = name[: -len(STAGING_SUFFIX)].split(".")
+    if len(parts) != 2 or not all(sinks.SAFE_ID.match(p) for p in parts):
+        return None
+    return parts[0], parts[1]
+
+
+def _sibling(root: Path, what: str) -> Path:
+    return root.parent / f"{root.name}.{what}"
+
+
+def rewrite_in_flight(path: Path, lease_id: str) -> bool:
+    """A duplicate repair's staging file, written moments ago: its commit may follow."""
+    if lease_id != REWRITE:
+        return False
+    try:
+        return time.time() - path.stat().st_mtime < REWRITE_GRACE_S
+    except FileNotFoundError:
+        return False
+
+
+def check_file(
+    path: Path, *, n_rows: int, n_bytes: int | None, sha256: str | None
+) -> tuple[str | None, frozenset[str]]:
+    """Read a committed file back against its ledger row, through one open file: a rename
+    under way (staging to dataset) cannot make a good file look unreadable half-way.
+
+    Returns ``(problem, item_keys)``: ``problem`` is None when the size (bytes), sha256 and row
+    count match and the file is readable; otherwise a reason, and ``item_keys`` is empty.
+
+    Raises:
+        FileNotFoundError, IsADirectoryError, NotADirectoryError: no file at ``path`` (look
+            for it elsewhere; it is not corrupt).
+        PermissionError: this process may not read it (not corrupt either).
+    """
+    try:
+        with path.open("rb") as f:
+            size, digest = _digest(f)
+            if n_bytes is not None and size != n_bytes:
+                return f"{size} bytes, ledger says {n_bytes}", frozenset()
+            if sha256 is not None and digest != sha256:
+                return "sha256 differs from the ledger", frozenset()
+            f.seek(0)
+            keys = pq.ParquetFile(f).read(columns=["item_key"]).column(0).to_pylist()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError):
+        raise  # not here, or not ours to read: neither says the file is corrupt
+    except (OSError, pa.ArrowException) as exc:
+        return f"unreadable: {exc}", frozenset()
+    if len(keys) != n_rows:
+        return f"{len(keys)} rows, ledger says {n_rows}", frozenset()
+    return None, frozenset(keys)
+
+
+def _digest(f: BinaryIO) -> tuple[int, str]:
+    h, size = hashlib.sha256(), 0
+    while chunk := f.read(_HASH_CHUNK):
+        h.update(chunk)
+        size += len(chunk)
+    return size, h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,3 @@
+"""Plan-time: measured service profiles (:mod:`.profile`) and the latency and memory check
+a config must pass before merge (:mod:`.check`).
+"""

@@ -1,0 +1,269 @@
+"""Plan-time policy check: does a config meet its latency objective and fit its device? (pure)
+
+Worst-case batches. The batcher never mixes length buckets and counts an item's ``cost`` (its
+token count; 1 for dense inputs) against ``max_batch_cost``. For each bucket the worst batch is
+the most items the caps allow when every item has the bucket's smallest cost, all padded to the
+bucket's largest length: ``n = min(max_batch_size, max_batch_cost // smallest_cost)`` (at least
+1) at ``length = bucket edge``. The overflow bucket above the last edge, or the single bucket
+when there are no edges, reaches ``max_length`` (default: the profile's longest measured length
+when it is above the last edge, since the overflow bucket holds such items, else the last
+edge; with no edges, the profile's longest measured length). Dense models have one length, 1.
+
+Latency. ``worst_case_latency_s = max_wait_s + predicted service time of the slowest worst-case
+batch + output.commit_interval_s`` must not exceed ``latency_slo_s``. A warning is added when, under sustained full load, an
+item could also wait for the batch ahead of it (``max(max_wait_s, s) + s`` over the objective).
+
+Memory (kept simple on purpose). A batch's peak device memory is estimated linearly in padded
+units (items x length; items for dense models): from the peak memory recorded in the service
+profile when there is one (``ServiceProfile.predict_memory``), else ``bytes_per_item`` bytes per
+padded unit. It must fit in ``memory_fraction`` of the device memory (``device_memory_bytes``,
+else the profile's). Without a device size (CPU) memory is not checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batching import errors
+from batching.config import PipelineConfig
+from batching.plan.profile import ServiceProfile
+
+DEFAULT_MEMORY_FRACTION = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class WorstBatch:
+    """A worst-case batch shape: ``n_items`` items padded to ``length`` (1 for dense)."""
+
+    n_items: int
+    length: int
+
+    @property
+    def units(self) -> int:
+        """Padded units: items x length."""
+        return self.n_items * self.length
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyReport:
+    """Outcome of :func:`check_policy`: ``ok`` is False when there is any error (one line each)."""
+
+    errors: tuple[str, ...]
+    warnings: tuple[str, ...] = ()
+    worst_batch: WorstBatch | None = None
+    predicted_service_s: float | None = None
+    worst_case_latency_s: float | None = None
+    estimated_memory_bytes: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the config passes every check that could be made."""
+        return not self.errors
+
+    def raise_for_errors(self) -> None:
+        """Raise ``PolicyError`` with every error message when the report is not ok."""
+        if self.errors:
+            raise errors.PolicyError("; ".join(self.errors))
+
+
+def check_policy(
+    config: PipelineConfig,
+    profile: ServiceProfile | None,
+    *,
+    device_memory_bytes: int | None = None,
+    bytes_per_item: int | None = None,
+    max_length: int | None = None,
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+) -> PolicyReport:
+    """Check ``config`` against its latency objective and its device memory (see module doc).
+
+    Args:
+        config: the pipeline config (batching policy, ``latency_slo_s``, model).
+        profile: the model's measured service profile, or None (then the report is not ok).
+        device_memory_bytes: device memory in bytes; default: the profile's, else unchecked.
+        bytes_per_item: peak bytes per padded unit, used when the profile has no memory data.
+        max_length: longest item (tokens) expected; default: last bucket edge, else profile's.
+        memory_fraction: share of device memory a batch may use, in (0, 1].
+
+    Returns:
+        A report; ``report.ok`` is False with one-line messages naming the numbers.
+    """
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+    dense = profile is not None and profile.is_dense
+    found: list[str] = []
+    warned: list[str] = []
+    claim, size = config.batching.effective_claim_size, config.batching.max_batch_size
+    if claim < size:
+        warned.append(
+            f"claim_size {claim} is below max_batch_size {size}: a full batch takes "
+            f"{-(-size // claim)} claim transactions, each a write that waits for the others; "
+            "leave claim_size unset for 4 batches' worth"
+        )
+    longest = _longest(config, profile, max_length, dense, warned)
+    shapes = worst_batches(config, longest, dense=dense)
+    latency = _check_latency(config, profile, shapes, found, warned)
+    memory = _estimate_memory(profile, shapes, bytes_per_item)
+    device_bytes = device_memory_bytes or (profile.device_memory_bytes if profile else None)
+    _check_memory(memory, device_bytes, memory_fraction, found, warned)
+    return PolicyReport(
+        errors=tuple(found),
+        warnings=tuple(warned),
+        worst_batch=latency[0] if latency else None,
+        predicted_service_s=latency[1] if latency else None,
+        worst_case_latency_s=_waits(config) + latency[1] if latency else None,
+        estimated_memory_bytes=memory,
+    )
+
+
+def worst_batches(config: PipelineConfig, longest: int, *, dense: bool) -> tuple[WorstBatch, ...]:
+    """The worst-case batch of each length bucket (one shape for dense models)."""
+    policy = config.batching
+    if dense:
+        return (WorstBatch(_cap(policy.max_batch_size, policy.max_batch_cost, 1), 1),)
+    edges = [e for e in policy.length_buckets if e < longest]
+    lows = [1, *(e + 1 for e in edges)]
+    highs = [*edges, longest]
+    return tuple(
+        WorstBatch(_cap(policy.max_batch_size, policy.max_batch_cost, low), high)
+        for low, high in zip(lows, highs, strict=True)
+    )
+
+
+def _cap(max_batch_size: int, max_batch_cost: int | None, item_cost: int) -> int:
+    if max_batch_cost is None:
+        return max_batch_size
+    return max(1, min(max_batch_size, max_batch_cost // item_cost))
+
+
+def _longest(
+    config: PipelineConfig,
+    profile: ServiceProfile | None,
+    max_length: int | None,
+    dense: bool,
+    warned: list[str],
+) -> int:
+    if dense:
+        return 1
+    if max_length is not None:
+        return max_length
+    edges = config.batching.length_buckets
+    if edges and profile is not None and profile.lengths[-1] > edges[-1]:
+        # Items above the last edge fill the overflow bucket: take the longest length the
+        # profile measured, not the edge, so that bucket's batches are not under-counted.
+        longest = profile.lengths[-1]
+        warned.append(
+            f"items above the last length bucket edge ({edges[-1]}) are assumed no longer than "
+            f"{longest} tokens (the profile's longest measured length); for longer ones re-run "
+            "`batching profile --lengths` up to the longest length expected"
+        )
+        return longest
+    if edges:
+        return edges[-1]
+    if profile is not None:
+        longest = profile.lengths[-1]
+        warned.append(
+            f"no length_buckets and no max_length: assuming items no longer than {longest} "
+            "tokens (the profile's longest measured length)"
+        )
+        return longest
+    return 1
+
+
+def _check_latency(
+    config: PipelineConfig,
+    profile: ServiceProfile | None,
+    shapes: tuple[WorstBatch, ...],
+    found: list[str],
+    warned: list[str],
+) -> tuple[WorstBatch, float] | None:
+    if profile is None:
+        found.append(
+            "latency not checked: no service profile; run `batching profile` on the target "
+            "device and set service_profile in the config"
+        )
+        return None
+    model = config.model
+    if (profile.model_name, profile.model_version) != (model.name, model.version):
+        found.append(
+            f"service profile is for {profile.model_name} {profile.model_version}, config runs "
+            f"{model.name} {model.version}; re-run `batching profile`"
+        )
+        return None
+    worst, service_s = max(
+        ((s, profile.predict(s.n_items, s.length)) for s in shapes), key=lambda pair: pair[1]
+    )
+    _judge_latency(config, profile, worst, service_s, found, warned)
+    return worst, service_s
+
+
+def _waits(config: PipelineConfig) -> float:
+    """Seconds an item may wait on purpose: for its batch to fill, then for its group commit."""
+    return config.batching.max_wait_s + config.output.commit_interval_s
+
+
+def _judge_latency(
+    config: PipelineConfig,
+    profile: ServiceProfile,
+    worst: WorstBatch,
+    service_s: float,
+    found: list[str],
+    warned: list[str],
+) -> None:
+    wait_s, slo_s = config.batching.max_wait_s, config.latency_slo_s
+    commit_s = config.output.commit_interval_s
+    shape = f"{worst.n_items} items x {worst.length} length"
+    if _waits(config) + service_s > slo_s:
+        linger = f" + commit_interval_s {commit_s:g}" if commit_s else ""
+        found.append(
+            f"worst-case latency {_waits(config) + service_s:.4g}s (max_wait_s {wait_s:g} + "
+            f"service {service_s:.4g}s for a full batch of {shape} on {profile.device}{linger}) "
+            f"exceeds latency_slo_s {slo_s:g}; lower max_batch_size / max_batch_cost / "
+            f"max_wait_s{' / commit_interval_s' if commit_s else ''}"
+        )
+    elif max(wait_s, service_s) + service_s + commit_s > slo_s:
+        warned.append(
+            f"under sustained full load an item can wait for the batch ahead: "
+            f"{max(wait_s, service_s) + service_s + commit_s:.4g}s > latency_slo_s {slo_s:g}"
+        )
+    if not profile.covers(worst.n_items, worst.length):
+        warned.append(
+            f"service time of {shape} is extrapolated beyond the profile (batch sizes up to "
+            f"{profile.batch_sizes[-1]}, lengths up to {profile.lengths[-1]}); profile larger sizes"
+        )
+
+
+def _estimate_memory(
+    profile: ServiceProfile | None, shapes: tuple[WorstBatch, ...], bytes_per_item: int | None
+) -> int | None:
+    if profile is not None:
+        measured = [profile.predict_memory(s.n_items, s.length) for s in shapes]
+        known = [m for m in measured if m is not None]
+        if known:
+            return max(known)
+    if bytes_per_item is not None:
+        return bytes_per_item * max(s.units for s in shapes)
+    return None
+
+
+def _check_memory(
+    memory: int | None,
+    device_bytes: int | None,
+    fraction: float,
+    found: list[str],
+    warned: list[str],
+) -> None:
+    if device_bytes is None:
+        return
+    if memory is None:
+        warned.append(
+            "memory not checked: the profile has no peak memory and no bytes_per_item was given"
+        )
+        return
+    budget = int(device_bytes * fraction)
+    if memory > budget:
+        found.append(
+            f"a full batch needs about {memory / 2**20:.1f} MiB but {fraction:.0%} of the "
+            f"device's {device_bytes / 2**20:.1f} MiB is {budget / 2**20:.1f} MiB; lower "
+            "max_batch_size or max_batch_cost"
+        )

@@ -1,0 +1,1 @@
+"""The batching policy: the pure micro-batcher (:mod:`.batcher`), clock injected, no I/O."""

@@ -1,0 +1,566 @@
+"""Pure micro-batcher: pending claimed items in, released ``Batch`` values out.
+
+No I/O, no wall clock, no sleeps: time comes from the injected ``Clock`` (epoch seconds), so the
+policy is tested with a fake clock. The scoring loop calls :meth:`MicroBatcher.poll` only when
+the executor is free, so the next batch keeps growing while the model is busy (Triton, TF
+Serving, BentoML), and sleeps until :meth:`MicroBatcher.next_deadline` or new items.
+
+Policy:
+
+- **Buckets.** Each item goes to the length bucket of its ``cost``: the first edge of
+  ``policy.length_buckets`` that is >= cost; items above the last edge go to an overflow bucket,
+  so ``k`` edges make ``k + 1`` buckets (no edges: one bucket). A batch never mixes buckets.
+- **When.** A bucket is *full* when it holds ``max_batch_size`` items or its total cost reaches
+  ``max_batch_cost``. Otherwise it is *due* when its oldest item's age, measured from that item's
+  ``enqueued_at`` (not from when the batcher saw it), reaches ``max_wait_s``, or at
+  ``earliest deadline_at - service_time(n, max cost)``, where ``n`` and the max cost are those
+  of the bucket's next batch (capped at ``max_batch_size``; the cost is the bucket's largest, a
+  conservative estimate). A bucket is ready when full or due.
+- **Which bucket.** Among ready buckets the one with the earliest due time releases first, so an
+  overdue bucket goes before a full bucket that is not yet due, and under overload buckets are
+  served oldest-first (nothing starves across buckets). ``flush=True`` releases the most urgent
+  bucket even when none is ready.
+- **Who (online).** Within a bucket items are cut in order of priority (higher first), then
+  deadline (earliest first, none last), then ``enqueued_at``. The cut stops at the first item
+  that would break the size or cost cap; the first item always fits, so an item costlier than
+  the whole budget is released alone rather than stuck. Priority is strict inside a bucket: a
+  wait or deadline trigger decides *when*, priority decides *who*.
+- **Who (bulk, ``flush=True`` and ``drain``).** The batch is built around the bucket's most
+  urgent item (the anchor) and filled with the items nearest to it in cost, then sorted by cost.
+  Many pending items therefore give full, length-sorted batches with little padding, while the
+  anchor keeps long items from starving behind a stream of short ones.
+- **Reason.** ``"size"``/``"cost"`` when the bucket was full (size if the batch has
+  ``max_batch_size`` rows, else cost), else ``"deadline"`` or ``"wait"`` for the time trigger
+  that fired first, else ``"flush"``.
+
+Uniform claims (``models.ItemBlock``: one tensor shape, cost and priority, no deadline) skip
+the per-item structures while no bucket holds an item: blocks wait in order and full batches
+are cut from the first as slices, which is what the bucket would cut (the same items, reason,
+stats and times; tested against the item path on random workloads). A first block that holds
+no full batch, a block that would come before those waiting, or items of another kind send
+every pending block into the buckets, where the rules above decide.
+
+The batcher never drops items (expired deadlines are released, not discarded). Buckets keep
+their items in sorted lists, lazily deleted: a claim arrives already in bucket order, so an
+``add`` of k items is O(k) (one merge when it interleaves with what is pending) and a release
+of b items O(b) plus the stale entries it skips, plus O(number of buckets) per decision.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import functools
+import itertools
+import math
+import operator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+
+from batching import models
+from batching import ports as protocols
+
+if TYPE_CHECKING:
+    from batching.config import BatchingPolicy
+
+ServiceTime = Callable[[int, int], float]
+"""Predicted seconds of one forward pass: (n_items, largest item cost) -> seconds."""
+
+Reason = Literal["size", "cost", "wait", "deadline", "flush"]
+
+_Entry = TypeVar("_Entry", bound=tuple[Any, ...])
+_COMPACT_SLACK = 64  # stale entries tolerated before a rebuild, beyond 2x live items
+# The per-item work below runs as map/zip over items with models' field getters (C calls),
+# not as a Python step per item (the batcher held ~22% of a W1 run's GIL time that way).
+_ID, _COST, _ENQUEUED = models.ITEM_ID, models.ITEM_COST, models.ITEM_ENQUEUED_AT
+_SEQ = operator.itemgetter(-1)  # of an ordered entry
+
+
+def _grouped(
+    keys: list[int], seqs: list[int], items: list[models.WorkItem]
+) -> list[tuple[int, list[int], list[models.WorkItem]]]:
+    """``(key, seqs, items)`` per distinct key (a bucket, a cost), in first-seen order; one
+    group without a step per item when every key is the same (fixed-size inputs)."""
+    if keys and keys.count(keys[0]) == len(keys):
+        return [(keys[0], seqs, items)]
+    groups: dict[int, tuple[list[int], list[models.WorkItem]]] = {}
+    for key, seq, item in zip(keys, seqs, items, strict=True):
+        group_seqs, group_items = groups.setdefault(key, ([], []))
+        group_seqs.append(seq)
+        group_items.append(item)
+    return [(key, group_seqs, group_items) for key, (group_seqs, group_items) in groups.items()]
+
+
+def bucket_index(cost: int, edges: Sequence[int]) -> int:
+    """Return the length bucket of ``cost``: the first edge >= cost, ``len(edges)`` above all."""
+    return bisect.bisect_left(edges, cost)
+
+
+def batch_stats(
+    items: Sequence[models.WorkItem], formed_at: float, max_batch_size: int
+) -> models.BatchStats:
+    """Describe a batch: size, total cost, fill, padding efficiency and waits (seconds).
+
+    Args:
+        items: the batch, at least one item.
+        formed_at: when the batch was released (epoch seconds).
+        max_batch_size: the policy's row cap (``fill`` = size / max_batch_size).
+
+    Waits run from each item's ``enqueued_at`` to ``formed_at``, clamped at 0 for clock skew.
+    ``padding_efficiency`` is sum(cost) / (size * max(cost)), 1.0 when all costs are equal.
+    """
+    size = len(items)
+    costs = models.item_column(items, "cost")
+    total, widest = sum(costs), max(costs)
+    enqueued = models.item_column(items, "enqueued_at")
+    waits = list(map(operator.sub, itertools.repeat(formed_at, size), enqueued))
+    if min(waits) < 0.0:  # clock skew: clamp each wait (rare; otherwise all of it runs in C)
+        waits = [max(0.0, w) for w in waits]
+    return models.BatchStats(
+        size=size,
+        cost=total,
+        fill=size / max_batch_size,
+        padding_efficiency=total / (size * widest) if widest > 0 else 1.0,
+        oldest_wait_s=max(waits),
+        mean_wait_s=sum(waits) / size,
+    )
+
+
+def _no_service_time(n_items: int, max_cost: int) -> float:
+    return 0.0
+
+
+class _Ordered(Generic[_Entry]):
+    """Entries (tuples ending with an item's seq) in ascending order, lazily deleted: entries
+    of released items are skipped at the front and dropped once they outnumber live items.
+
+    Claims arrive sorted the way buckets order them, so adding is an append (or one sort that
+    merges two sorted runs, linear time), and a cut walks from the front: no per-item heap
+    pushes and pops.
+    """
+
+    __slots__ = ("_entries", "_head")
+
+    def __init__(self) -> None:
+        self._entries: list[_Entry] = []
+        self._head = 0  # entries before it are all stale
+
+    def add(self, entries: list[_Entry]) -> None:
+        if not entries:
+            return
+        entries.sort()
+        mine = self._entries
+        if mine and entries[0] < mine[-1]:
+            del mine[: self._head]
+            self._head = 0
+            mine.extend(entries)
+            mine.sort()
+        else:
+            mine.extend(entries)
+
+    def top(self, live: dict[int, models.WorkItem]) -> _Entry | None:
+        """The first live entry, or None."""
+        mine, head = self._entries, self._head
+        while head < len(mine) and mine[head][-1] not in live:
+            head += 1
+        self._head = head
+        return mine[head] if head < len(mine) else None
+
+    def live_seqs(self, live: dict[int, models.WorkItem]) -> Iterator[int]:
+        """The seqs of live entries in order, filtered in C (do not release while iterating)."""
+        return filter(
+            live.__contains__, map(_SEQ, itertools.islice(self._entries, self._head, None))
+        )
+
+    def compact(self, live: dict[int, models.WorkItem]) -> None:
+        mine, head = self._entries, self._head
+        if len(mine) - head > 2 * len(live) + _COMPACT_SLACK:
+            self._entries = [entry for entry in mine[head:] if entry[-1] in live]
+            self._head = 0
+        elif head > _COMPACT_SLACK and 2 * head > len(mine):
+            del mine[:head]
+            self._head = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Budget:
+    """The per-batch caps: rows and, optionally, total cost."""
+
+    max_size: int
+    max_cost: int | None
+
+    def fits(self, n_taken: int, cost_taken: int, cost: int) -> bool:
+        """Whether one more item of ``cost`` fits; the first item always does."""
+        if n_taken == 0:
+            return True
+        if n_taken >= self.max_size:
+            return False
+        return self.max_cost is None or cost_taken + cost <= self.max_cost
+
+    def rows_of(self, cost: int) -> int:
+        """Rows of one ``cost`` that a batch takes (what ``fits`` lets in, one by one)."""
+        if self.max_cost is None or cost <= 0:
+            return self.max_size
+        return max(1, min(self.max_size, self.max_cost // cost))
+
+    def full(self, n_items: int, cost: int) -> bool:
+        """Whether pending items of this count and total cost make at least one capped batch."""
+        return n_items >= self.max_size or (self.max_cost is not None and cost >= self.max_cost)
+
+
+class _Bucket:
+    """Pending items of one length bucket, indexed for O(log n) decisions (lazy-deleted heaps)."""
+
+    def __init__(self) -> None:
+        self.items: dict[int, models.WorkItem] = {}  # seq -> item, the live set
+        self.cost = 0
+        self._order: _Ordered[tuple[int, float, float, int]] = _Ordered()  # -prio, dl, enq, seq
+        self._ages: _Ordered[tuple[float, int]] = _Ordered()  # (enqueued_at, seq)
+        self._deadlines: _Ordered[tuple[float, int]] = _Ordered()  # (deadline_at, seq)
+        self._groups: dict[int, dict[int, models.WorkItem]] = {}  # cost -> seq -> item
+        self._costs: list[int] = []  # sorted distinct costs present
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def push(self, seqs: list[int], items: list[models.WorkItem]) -> None:
+        """Add items, each under its unique sequence number (``seqs[i]`` for ``items[i]``)."""
+        self.items.update(zip(seqs, items, strict=True))
+        costs = list(map(_COST, items))
+        self.cost += sum(costs)
+        enqueued = list(map(_ENQUEUED, items))
+        deadlines = list(map(models.ITEM_DEADLINE_AT, items))
+        sort_deadlines: Iterable[float]
+        if deadlines.count(None) == len(deadlines):  # the common case: no deadline at all
+            sort_deadlines = itertools.repeat(math.inf, len(items))
+        else:
+            sort_deadlines = [math.inf if d is None else d for d in deadlines]
+            self._deadlines.add(
+                [(d, q) for d, q in zip(deadlines, seqs, strict=True) if d is not None]
+            )
+        prios = map(operator.neg, map(models.ITEM_PRIORITY, items))
+        self._order.add(list(zip(prios, sort_deadlines, enqueued, seqs, strict=True)))
+        self._ages.add(list(zip(enqueued, seqs, strict=True)))
+        for cost, group_seqs, group_items in _grouped(costs, seqs, items):
+            group = self._groups.get(cost)
+            if group is None:
+                group = self._groups[cost] = {}
+                bisect.insort(self._costs, cost)
+            group.update(zip(group_seqs, group_items, strict=True))
+
+    def oldest_enqueued_at(self) -> float:
+        """``enqueued_at`` of the oldest pending item (bucket must be non-empty)."""
+        top = self._ages.top(self.items)
+        assert top is not None
+        return top[0]
+
+    def earliest_deadline(self) -> float | None:
+        """Earliest ``deadline_at`` pending, or None when no item has one."""
+        top = self._deadlines.top(self.items)
+        return None if top is None else top[0]
+
+    def max_cost(self) -> int:
+        """Largest pending item cost (bucket must be non-empty)."""
+        return self._costs[-1]
+
+    def cut_in_order(self, budget: _Budget) -> list[int]:
+        """Take items by (priority, deadline, enqueue) until the next would break the budget."""
+        live = self._order.live_seqs(self.items)
+        if budget.max_cost is None:  # rows are the only cap: the first max_size live items
+            return list(itertools.islice(live, budget.max_size))
+        seqs: list[int] = []
+        total = 0
+        for seq in live:
+            cost = self.items[seq].cost
+            if not budget.fits(len(seqs), total, cost):
+                break
+            seqs.append(seq)
+            total += cost
+        return seqs
+
+    def cut_by_length(self, budget: _Budget) -> list[int]:
+        """Take the most urgent item, then the items nearest to it in cost, within the budget."""
+        top = self._order.top(self.items)
+        assert top is not None
+        anchor = top[-1]
+        seqs, total = [anchor], self.items[anchor].cost
+        for seq, item in self._nearest(self.items[anchor].cost):
+            if seq == anchor:
+                continue
+            if not budget.fits(len(seqs), total, item.cost):
+                break
+            seqs.append(seq)
+            total += item.cost
+        return seqs
+
+    def _nearest(self, cost: int) -> Iterator[tuple[int, models.WorkItem]]:
+        """Pending items by distance of their cost from ``cost`` (ties: cheaper first)."""
+        costs = self._costs
+        hi = bisect.bisect_left(costs, cost)
+        lo = hi - 1
+        while lo >= 0 or hi < len(costs):
+            if hi >= len(costs) or (lo >= 0 and cost - costs[lo] <= costs[hi] - cost):
+                group, lo = costs[lo], lo - 1
+            else:
+                group, hi = costs[hi], hi + 1
+            yield from self._groups[group].items()
+
+    def remove(self, seqs: Iterable[int]) -> list[models.WorkItem]:
+        """Remove the given items and return them in the same order."""
+        seqs = list(seqs)
+        taken = list(map(self.items.pop, seqs))
+        costs = list(map(_COST, taken))
+        self.cost -= sum(costs)
+        for cost, group_seqs, _ in _grouped(costs, seqs, taken):
+            group = self._groups[cost]
+            collections.deque(map(group.__delitem__, group_seqs), maxlen=0)
+            if not group:
+                del self._groups[cost]
+                del self._costs[bisect.bisect_left(self._costs, cost)]
+        for ordered in (self._order, self._ages, self._deadlines):
+            ordered.compact(self.items)
+        return taken
+
+
+@dataclass(frozen=True, slots=True)
+class _Readiness:
+    """One non-empty bucket's release state at a given time."""
+
+    index: int
+    full: bool
+    due_at: float  # epoch seconds when the wait or deadline trigger fires
+    trigger: Reason  # "wait" or "deadline": which trigger gives due_at
+
+    def ready(self, now: float) -> bool:
+        return self.full or self.due_at <= now
+
+    def ready_at(self, now: float) -> float:
+        """When this bucket can release: now if full (or its due time if earlier)."""
+        return min(self.due_at, now) if self.full else self.due_at
+
+
+class MicroBatcher:
+    """Forms micro-batches from claimed items under a ``BatchingPolicy`` (see module docstring).
+
+    Args:
+        policy: caps (``max_batch_size``, ``max_batch_cost``), ``max_wait_s`` (seconds) and
+            ``length_buckets`` (strictly increasing cost edges).
+        clock: returns the current time in epoch seconds.
+        service_time: predicted seconds of one forward pass for (n_items, max item cost);
+            used to release early enough to meet ``deadline_at``. None means 0 seconds.
+    """
+
+    def __init__(
+        self,
+        policy: BatchingPolicy,
+        clock: protocols.Clock,
+        service_time: ServiceTime | None = None,
+    ) -> None:
+        self._policy = policy
+        self._clock = clock
+        self._service_time = service_time or _no_service_time
+        self._edges = tuple(policy.length_buckets)
+        self._budget = _Budget(policy.max_batch_size, policy.max_batch_cost)
+        self._buckets = [_Bucket() for _ in range(len(self._edges) + 1)]
+        # Uniform claims (ItemBlocks) wait here, in order, while no bucket holds an item: full
+        # batches are cut from the first as slices, without an entry per item. Whatever is
+        # not a full batch goes to the buckets (see _settle), so the policy is unchanged.
+        self._blocks: collections.deque[models.ItemBlock] = collections.deque()
+        self._ids: set[int] = set()
+        self._seq = itertools.count()
+        self._bucket_of = functools.partial(bisect.bisect_left, self._edges)  # bucket_index
+
+    def __len__(self) -> int:
+        """Number of pending items."""
+        return len(self._ids)
+
+    @property
+    def n_buckets(self) -> int:
+        """Number of length buckets (``len(length_buckets) + 1``)."""
+        return len(self._buckets)
+
+    def add(self, items: Iterable[models.WorkItem]) -> None:
+        """Add claimed items; they wait here until released in a batch.
+
+        Raises:
+            ValueError: an item id is already pending (or repeated), or an item's cost is < 0.
+                Nothing is added in that case.
+        """
+        if isinstance(items, models.ItemBlock) and self._take_block(items):
+            return
+        if self._blocks:  # items of another kind: every pending item goes to the buckets
+            self._spill()
+        self._add_items(list(items))
+
+    def _take_block(self, block: models.ItemBlock) -> bool:
+        """Keep ``block`` whole if it can be cut as it stands: no bucket holds an item, it falls
+        in the bucket of the blocks waiting and comes after them in its order (lower priority,
+        or the same and enqueued no earlier: a claim after a retry's backoff may hold older
+        items), and its ids are new."""
+        if not block or any(self._buckets) or block.template.cost < 0:
+            return False
+        if self._blocks:  # the buckets' order: priority, then enqueued_at, then arrival
+            last = self._blocks[-1]
+            prio, last_prio = block.template.priority, last.template.priority
+            if (
+                self._bucket_of(block.template.cost) != self._bucket_of(last.template.cost)
+                or prio > last_prio
+                or (prio == last_prio and block.enqueued_at[0] < last.enqueued_at[-1])
+            ):
+                return False
+        ids = set(block.ids)
+        if len(ids) != len(block) or not self._ids.isdisjoint(ids):
+            return False  # the item path names the repeated item
+        self._blocks.append(block)
+        self._ids.update(ids)
+        return True
+
+    def _spill(self) -> None:
+        """Move the waiting blocks into the buckets, item by item (the general path)."""
+        while self._blocks:  # one at a time: a failed add leaves the rest where they were
+            block = self._blocks[0]
+            self._ids.difference_update(block.ids)
+            try:
+                self._add_items(list(block))
+            except BaseException:
+                self._ids.update(block.ids)
+                raise
+            self._blocks.popleft()
+
+    def _settle(self) -> None:
+        """A first block that holds no full batch goes to the buckets with those after it:
+        there the wait, deadline and flush rules decide."""
+        if self._blocks:
+            head = self._blocks[0]
+            if not self._budget.full(len(head), len(head) * head.template.cost):
+                self._spill()
+
+    def _add_items(self, batch: list[models.WorkItem]) -> None:
+        self._check_new(batch)
+        seqs = list(itertools.islice(self._seq, len(batch)))
+        indexes = list(map(self._bucket_of, map(_COST, batch)))
+        for index, group_seqs, group_items in _grouped(indexes, seqs, batch):
+            self._buckets[index].push(group_seqs, group_items)
+        self._ids.update(map(_ID, batch))
+
+    def poll(self, *, flush: bool = False) -> models.Batch | None:
+        """Release one batch if one must go now; call it when the executor is free.
+
+        Args:
+            flush: release the most urgent bucket even if no cap or trigger is reached (end of
+                run, bulk drain); the batch is then cut by length (see module docstring).
+
+        Returns:
+            A non-empty batch, or None when nothing is pending or nothing is ready yet.
+        """
+        if not self._ids:
+            return None
+        self._settle()
+        now = self._clock()
+        if self._blocks:
+            return self._cut_block(now)
+        states = self._readiness()
+        best = min(states, key=lambda s: (not s.ready(now), s.due_at, s.index))
+        if not (flush or best.ready(now)):
+            return None
+        return self._release(best, now, by_length=flush)
+
+    def next_deadline(self) -> float | None:
+        """Clock time (epoch seconds) at which :meth:`poll` will next release a batch.
+
+        It may be in the past (a batch is overdue); it moves only when items are added or
+        released. None when nothing is pending.
+        """
+        if not self._ids:
+            return None
+        self._settle()
+        now = self._clock()
+        if self._blocks:  # the first holds a full batch: due now, or since the oldest's wait
+            oldest = min(block.enqueued_at[0] for block in self._blocks)
+            return min(oldest + self._policy.max_wait_s, now)
+        return min(state.ready_at(now) for state in self._readiness())
+
+    def drain(self) -> list[models.Batch]:
+        """Release every pending item as batches (shutdown); the batcher is empty afterwards."""
+        batches: list[models.Batch] = []
+        while (batch := self.poll(flush=True)) is not None:
+            batches.append(batch)
+        return batches
+
+    def _check_new(self, items: Sequence[models.WorkItem]) -> None:
+        ids = set(map(_ID, items))
+        if (
+            len(ids) == len(items)
+            and self._ids.isdisjoint(ids)
+            and min(map(_COST, items), default=0) >= 0
+        ):
+            return
+        seen: set[int] = set()
+        for item in items:
+            if item.id in self._ids or item.id in seen:
+                raise ValueError(
+                    f"item {item.id} ({item.item_key!r}) is already pending in the batcher; "
+                    "add each claimed item once"
+                )
+            if item.cost < 0:
+                raise ValueError(f"item {item.id} ({item.item_key!r}) has cost {item.cost} < 0")
+            seen.add(item.id)
+
+    def _readiness(self) -> list[_Readiness]:
+        return [self._state(i, bucket) for i, bucket in enumerate(self._buckets) if bucket]
+
+    def _state(self, index: int, bucket: _Bucket) -> _Readiness:
+        full = self._budget.full(len(bucket), bucket.cost)
+        wait_at = bucket.oldest_enqueued_at() + self._policy.max_wait_s
+        deadline = bucket.earliest_deadline()
+        if deadline is not None:
+            n = min(len(bucket), self._policy.max_batch_size)
+            deadline_at = deadline - max(0.0, self._service_time(n, bucket.max_cost()))
+            if deadline_at < wait_at:
+                return _Readiness(index, full, deadline_at, "deadline")
+        return _Readiness(index, full, wait_at, "wait")
+
+    def _release(self, state: _Readiness, now: float, *, by_length: bool) -> models.Batch:
+        bucket = self._buckets[state.index]
+        cut = bucket.cut_by_length if by_length else bucket.cut_in_order
+        seqs = cut(self._budget)
+        items = bucket.remove(seqs)
+        if by_length:
+            items.sort(key=lambda item: item.cost)
+        self._ids.difference_update(map(_ID, items))
+        return models.Batch(
+            items=tuple(items),
+            reason=self._reason(state, len(items), now),
+            formed_at=now,
+            stats=batch_stats(items, now, self._policy.max_batch_size),
+            bucket=state.index,
+        )
+
+    def _full_reason(self, n_items: int) -> Reason:
+        return "size" if n_items >= self._policy.max_batch_size else "cost"
+
+    def _cut_block(self, now: float) -> models.Batch:
+        """The next full batch from the first block: its first rows (claim order is the
+        bucket's order for items of one priority and no deadline), as the buckets would cut."""
+        head = self._blocks[0]
+        cost = head.template.cost
+        n = self._budget.rows_of(cost)
+        items = head[:n]
+        if n < len(head):
+            self._blocks[0] = head[n:]
+        else:
+            self._blocks.popleft()
+        self._ids.difference_update(items.ids)
+        return models.Batch(
+            items=items,
+            reason=self._full_reason(len(items)),
+            formed_at=now,
+            stats=batch_stats(items, now, self._policy.max_batch_size),
+            bucket=self._bucket_of(cost),
+        )
+
+    def _reason(self, state: _Readiness, n_items: int, now: float) -> Reason:
+        if state.full:
+            return self._full_reason(n_items)
+        return state.trigger if state.due_at <= now else "flush"

@@ -1,0 +1,213 @@
+"""Database URLs and engines: normalize, redact, create, require, and translate errors.
+
+The one place a database URL is parsed and its errors become ``QueueError`` (with the URL's
+password masked). SQLite engines get their set-up (WAL, ``BEGIN IMMEDIATE``, the writer lock)
+from :mod:`batching.sqlite`; PostgreSQL runs on psycopg 3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy import exc
+from sqlalchemy import util as sa_util
+from sqlalchemy.engine import Engine
+
+from batching import errors
+from batching.redaction import redact_url
+from batching.store import sqlite
+
+_DRIVERS = {"sqlite": ("pysqlite",), "postgresql": ("psycopg",)}  # synchronous DBAPIs we test
+
+
+def normalize_url(url: str) -> str:
+    """Map ``postgres://``/``postgresql://`` to the psycopg 3 driver; other URLs pass through."""
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced by ``***`` (safe to log or print), also when it
+    does not parse (a missing ``:``, a port that is not a number); ``postgresql://`` as the
+    user wrote it, not the driver form :func:`normalize_url` made of it."""
+    try:  # SQLAlchemy masks the user-info password; redact_url also a password= in the query
+        shown = redact_url(sa.make_url(url).render_as_string(hide_password=True))
+    except (exc.ArgumentError, ValueError):
+        shown = redact_url(url)
+    driver_form = normalize_url("postgresql://")
+    if shown.startswith(driver_form):  # the driver normalize_url adds, not the user's URL
+        return "postgresql://" + shown.removeprefix(driver_form)
+    return shown
+
+
+def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
+    """An engine tuned for the queue (SQLite: WAL + BEGIN IMMEDIATE; PostgreSQL: psycopg 3).
+
+    Raises:
+        ConfigError: the URL is malformed or names an unsupported database.
+    """
+    parsed = _parse_url(url)
+    backend = parsed.get_backend_name()
+    file = _sqlite_file(parsed) if backend == "sqlite" else None
+    if backend == "sqlite" and file is None:
+        raise errors.ConfigError(
+            f"database URL {redact_url(url)!r} names no file; the queue must outlive the process "
+            "and be shared by its connections: use sqlite:///FILE"
+        )
+    if file is not None and not file.parent.is_dir():
+        raise errors.ConfigError(
+            f"no folder {file.parent.absolute()} for the database file {file.name}; create the "
+            "folder first, or fix the path (relative paths start from the current folder)"
+        )
+    if backend == "postgresql" and not parsed.database:
+        raise errors.ConfigError(
+            f"database URL {redact(url)!r} names no database (it would use the server's "
+            "default); use postgresql://USER@HOST:PORT/DB"
+        )
+    if backend not in ("sqlite", "postgresql"):
+        raise errors.ConfigError(
+            f"database {redact(url)} is not supported; use sqlite:///FILE or postgresql://HOST/DB"
+        )
+    if parsed.get_driver_name() not in _DRIVERS[backend]:
+        raise errors.ConfigError(
+            f"database driver {parsed.get_driver_name()!r} in {redact(url)} is not supported "
+            f"(the queue runs on {' or '.join(_DRIVERS[backend])}); write the URL as "
+            f"{'postgresql://' if backend == 'postgresql' else 'sqlite:///'}..."
+        )
+    ignored = _ignored_sqlite_options(parsed) if backend == "sqlite" else []
+    if ignored:
+        raise errors.ConfigError(
+            f"database URL {redact(url)!r}: {', '.join(ignored)} would be ignored without "
+            "uri=true; add &uri=true to pass them to SQLite (e.g. "
+            "sqlite:///file:queue.db?mode=ro&uri=true), or remove them"
+        )
+    try:
+        if backend == "sqlite":
+            engine = sa.create_engine(parsed, pool_size=4, max_overflow=8)
+            sqlite.configure(engine, sqlite_busy_timeout_ms)
+            return engine
+        return sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
+    except (ImportError, exc.ArgumentError, TypeError, ValueError) as e:  # no driver, bad options
+        raise errors.ConfigError(
+            f"database URL {redact(url)!r} cannot be used ({type(e).__name__}: "
+            f"{redact_url(str(e))}); use sqlite:///FILE or postgresql://USER@HOST:PORT/DB"
+        ) from None
+
+
+def _parse_url(url: str) -> sa.URL:
+    """``url`` parsed (``postgres://`` mapped to psycopg 3), or ``ConfigError`` naming it redacted."""
+    _, sep, rest = url.partition("://")
+    if sep and rest.split("/", 1)[0].count("@") > 1:
+        # The driver would take what follows the first "@" for the host, and name it (part of
+        # the password) in its error.
+        raise errors.ConfigError(
+            f"database URL {redact(url)!r} has an '@' in its user name or password; "
+            "percent-encode it as %40"
+        )
+    try:
+        parsed = sa.make_url(normalize_url(url))
+        if parsed.port is not None and not 0 < parsed.port < 65536:
+            raise ValueError("port out of range")
+        return parsed
+    except (exc.ArgumentError, ValueError):  # ValueError: a port that is not a number
+        raise errors.ConfigError(
+            f"database URL {redact(url)!r} is malformed; use sqlite:///FILE or "
+            "postgresql://USER@HOST:PORT/DB"
+        ) from None
+
+
+# Query options the pysqlite driver takes itself; without uri=true it drops any other (with a
+# warning), so "?mode=ro" alone would quietly open the file read-write.
+_PYSQLITE_OPTIONS = frozenset(
+    ("uri", "timeout", "isolation_level", "detect_types", "check_same_thread", "cached_statements")
+)
+
+
+def _ignored_sqlite_options(parsed: sa.URL) -> list[str]:
+    """The query options of a SQLite URL that the driver would ignore (SQLite URI options
+    given without ``uri=true``)."""
+    return [] if _uri_on(parsed) else sorted(set(parsed.query) - _PYSQLITE_OPTIONS)
+
+
+def _uri_on(parsed: sa.URL) -> bool:
+    """Whether a SQLite URL sets ``uri=true`` (as the driver reads it; unreadable: off)."""
+    try:
+        return bool(sa_util.asbool(parsed.query.get("uri", False)))
+    except ValueError:
+        return False
+
+
+def _sqlite_file(parsed: sa.URL) -> Path | None:
+    """The file a SQLite URL names (``file:`` URIs included), or None for a memory database."""
+    database = parsed.database or ""
+    mode = parsed.query.get("mode")
+    modes = {mode} if isinstance(mode, str) else set(mode or ())
+    if _uri_on(parsed) and database.startswith("file:"):
+        location = urllib.parse.urlsplit(database)  # file:x.db, file:///abs, file://localhost/abs
+        database = urllib.parse.unquote(location.path)
+        modes |= set(urllib.parse.parse_qs(location.query).get("mode", ()))
+    if database in ("", ":memory:") or "memory" in modes:
+        return None
+    return Path(database)
+
+
+def require_database(url: str) -> None:
+    """Refuse a SQLite URL whose file is not there: opening it would create an empty database
+    (and leave it behind) only to fail its schema check. ``batching init`` creates it.
+
+    Raises:
+        ConfigError: the URL is malformed, or its SQLite file does not exist.
+    """
+    parsed = _parse_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return
+    path = _sqlite_file(parsed)
+    if path is None or path.exists():
+        return
+    raise errors.ConfigError(
+        f"no database at {path.resolve()}: create it with `batching init "
+        f"--db {redact(url)}`, or fix the path (relative paths start from the current folder)"
+    )
+
+
+@contextlib.contextmanager
+def translate_errors(url: str) -> Iterator[None]:
+    """Turn SQLAlchemy errors into ``QueueError`` with the URL redacted (the one place it happens)."""
+    try:
+        yield
+    except exc.DBAPIError as e:
+        reason = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
+        for texts, fix in _NOT_A_DATABASE:  # bad input (exit 2), not a database failure
+            if all(t in reason for t in texts):
+                raise errors.ConfigError(f"database {redact(url)}: {reason}; {fix}") from e
+        if isinstance(e, exc.OperationalError):
+            raise errors.QueueError(
+                f"database {redact(url)} failed: {reason}{_hint(reason)}"
+            ) from e
+        raise errors.QueueError(f"database {redact(url)}: {reason}") from e
+
+
+_NOT_A_DATABASE = (  # a URL that names something else: what to give instead
+    (("file is not a database",), "the path names a file that is not SQLite; check it"),
+    (
+        ("unable to open database file",),
+        "the path must name a file (not a folder) in a folder this user can write",
+    ),
+    (("invalid sslmode value",), "use sslmode=disable, prefer, require, verify-ca or verify-full"),
+)
+_HINTS = (  # what to do about the connection failures users meet first
+    (('database "', "does not exist"), "create it (createdb), then `batching init --db URL`"),
+    (('role "', "does not exist"), "check the user name in the URL (or create that role)"),
+    (("Connection refused",), "is the server running? check the host and port"),
+    (("password authentication failed",), "check the user and password in the URL"),
+)
+
+
+def _hint(reason: str) -> str:
+    return next((f"; {fix}" for texts, fix in _HINTS if all(t in reason for t in texts)), "")
