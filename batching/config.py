@@ -2,6 +2,10 @@
 
 Validation errors name the field and the fix. The library never reads environment variables:
 the CLI and ``flows/`` turn env and flags into overrides passed to :func:`load_config`.
+
+Why it stays one module: the sections are one pydantic model composed of the others, and the
+loader's messages (an unknown setting's nearest known name, a key given twice, an empty
+section) walk that composition; split by section, each would import the loader back.
 """
 
 from __future__ import annotations

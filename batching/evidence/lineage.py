@@ -13,6 +13,10 @@ credential reaches an event or a log: URLs, settings and error texts pass throug
 :func:`redact_url`, and http credentials travel as session auth, never in the transport's URL.
 
 Datasets are named by :mod:`batching.datasets` (the OpenLineage naming spec).
+
+Why it stays one module: it is the only one that imports ``openlineage``; the facets, the
+events built from them and the emitter that delivers them follow one spec version (2-0-2)
+and change together.
 """
 
 from __future__ import annotations
@@ -62,8 +66,7 @@ from openlineage.client.transport.noop import NoopConfig, NoopTransport
 from openlineage.client.uuid import generate_new_uuid
 
 import batching
-from batching import config, errors
-from batching import ports as protocols
+from batching import config, errors, ports
 from batching.redaction import redact_mapping, redact_url
 
 logger = logging.getLogger(__name__)
@@ -429,7 +432,7 @@ class LineageEmitter:
         producer: str,
         output_dir: str | Path = "outputs",
         transport: Transport | None = None,
-        clock: protocols.Clock = time.time,
+        clock: ports.Clock = time.time,
         cooldown_s: float = 30.0,
     ) -> None:
         self.config = cfg

@@ -26,8 +26,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from batching import models
-from batching import ports as protocols
+from batching import models, ports
 from batching.evidence.findings import (
     SAMPLE_KEYS,
     Facts,
@@ -89,7 +88,7 @@ class _Scope:
 
 
 def gather(
-    queue: protocols.Fence,
+    queue: ports.Fence,
     sink: sinks.Sink,
     *,
     since: float | None = None,
@@ -201,7 +200,7 @@ def _chunks(values: Sequence[str]) -> Iterable[list[str]]:
 
 @dataclass
 class _Repairer:
-    queue: protocols.ReconcilePort
+    queue: ports.ReconcilePort
     sink: sinks.Sink
     now: float
     # Batches this pass rewrote without their duplicates: old id -> the batch now holding the
@@ -311,7 +310,7 @@ def _requeue(
 
 
 def reconcile(
-    queue: protocols.ReconcilePort,
+    queue: ports.ReconcilePort,
     sink: sinks.Sink,
     *,
     since: float | None = None,

@@ -10,6 +10,10 @@ SQLite: WAL, ``synchronous=NORMAL``, ``busy_timeout``; write transactions start 
 read-back live in :mod:`batching.store.sqlite`, URLs and engines in :mod:`batching.store.database`. PostgreSQL: claims lock candidates in a
 ``MATERIALIZED`` CTE with ``FOR NO KEY UPDATE SKIP LOCKED``; enqueue sends one ``NOTIFY`` per
 batch and :class:`Waiter` listens, polling as a backstop.
+
+Why it stays one module: every verb is a compare-and-set on the same row under one fencing
+rule, and each dialect branch (SQLite / PostgreSQL) sits next to its twin. Split by verb,
+the invariant would be spread over files; split by dialect, every verb would exist twice.
 """
 
 from __future__ import annotations

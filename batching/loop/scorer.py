@@ -19,6 +19,11 @@ by the CLI) stops claiming, releases items not yet in flight without using an at
 finishes the batches in flight, and returns.
 
 Adapters (queue, runner, sink) are passed in; this module imports none of them.
+
+Why it stays one module: the threads share one state (the leases held, the items pending in
+the batcher, the first error) under two locks. What they hand each other (``stages``) and
+what they count (``stats``) live apart; the code that takes the locks stays together, so
+the locking reads in one place.
 """
 
 from __future__ import annotations
@@ -34,8 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
-from batching import errors, models
-from batching import ports as protocols
+from batching import errors, models, ports
 from batching.config import PipelineConfig
 from batching.loop.stages import END, D, Dispatched, End, LeasePart, Scored, by_lease, has_deadline
 from batching.loop.stats import Progress, RunLimits, RunStats
@@ -61,9 +65,9 @@ class Scorer(Generic[D]):
     def __init__(
         self,
         config: PipelineConfig,
-        queue: protocols.ClaimPort,
-        runner: protocols.RunnerPort[D],
-        outputs: protocols.CommitPort,
+        queue: ports.ClaimPort,
+        runner: ports.RunnerPort[D],
+        outputs: ports.CommitPort,
         *,
         clock: Clock = time.time,
         service_time: ServiceTime | None = None,

@@ -13,6 +13,10 @@ Failure handling inside ``forward``, per (sub-)batch:
 - any other exception: bisect, so a poison item fails alone with the error and its batch-mates
   still get outputs.
 - non-finite outputs fail just those items.
+
+Why it stays one module: it is the only one that imports torch; loading, decoding,
+collating, the forward pass with its OOM split and poison bisection, and measuring a profile
+share the device, the dtype and the model's contract checks.
 """
 
 from __future__ import annotations

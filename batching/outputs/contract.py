@@ -43,8 +43,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from batching import errors, facts, models, outcomes
-from batching import ports as protocols
+from batching import errors, facts, models, outcomes, ports
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -189,7 +188,7 @@ class Sink(Protocol):
     """
 
     kind: str
-    fence: protocols.Fence
+    fence: ports.Fence
 
     # -- a commit, composed by :func:`commit` -----------------------------------------------
 
@@ -280,7 +279,7 @@ class Sink(Protocol):
         ...
 
 
-def commit(fence: protocols.Fence, sink: Sink, batch: ScoredBatch) -> outcomes.CommitResult:
+def commit(fence: ports.Fence, sink: Sink, batch: ScoredBatch) -> outcomes.CommitResult:
     """Commit ``batch`` to ``sink`` exactly once in effect (see the module docstring).
 
     Raises:
@@ -325,7 +324,7 @@ def commit(fence: protocols.Fence, sink: Sink, batch: ScoredBatch) -> outcomes.C
 class FencedSink:
     """The part of a sink that is the same for all: ``commit`` through its fence."""
 
-    fence: protocols.Fence
+    fence: ports.Fence
 
     def commit(self: Sink, batch: ScoredBatch) -> outcomes.CommitResult:
         """Stage, record with the ack, publish (:func:`commit`)."""

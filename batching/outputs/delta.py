@@ -28,6 +28,10 @@ log clean-up.
 delta-rs aborts the interpreter at exit after ``DeltaTable.to_pyarrow_table()`` (its Arrow
 dataset's threads outlive Arrow; delta-io/delta-rs#2184), so reads here go through
 ``QueryBuilder`` (DataFusion), which does not.
+
+Why it stays one module: it is the only one that imports ``deltalake``; the commits, the
+idempotency check, reconcile's reads and the housekeeping open one table with one set of
+storage options and translate one family of errors.
 """
 
 from __future__ import annotations
@@ -48,8 +52,7 @@ from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, w
 from deltalake.exceptions import CommitFailedError, DeltaError
 from sqlalchemy.engine import Row
 
-from batching import errors, facts, models, naming
-from batching import ports as protocols
+from batching import errors, facts, models, naming, ports
 from batching.outputs import contract as sinks
 from batching.outputs import ledger, outbox
 from batching.redaction import redact_url
@@ -126,7 +129,7 @@ class DeltaSink(outbox.OutboxSink):
 
     def __init__(
         self,
-        fence: protocols.Fence,
+        fence: ports.Fence,
         uri: str,
         *,
         storage_options: Mapping[str, str] | None = None,

@@ -15,8 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Row
 
-from batching import models
-from batching import ports as protocols
+from batching import models, ports
 from batching.outputs import contract as sinks
 from batching.store import schema
 
@@ -24,7 +23,7 @@ _B = schema.batches
 
 
 def row_values(
-    fence: protocols.Fence, kind: str, staged: sinks.Staged, **values: Any
+    fence: ports.Fence, kind: str, staged: sinks.Staged, **values: Any
 ) -> dict[str, Any]:
     """The ledger row of a staged batch of sink ``kind``, state ``committed`` unless
     ``values`` say otherwise (with any other column they set)."""
@@ -86,7 +85,7 @@ def states(conn: Connection, batch_ids: Collection[str]) -> dict[str, str]:
 
 def supersede(
     conn: Connection,
-    fence: protocols.Fence,
+    fence: ports.Fence,
     old_id: str,
     new_id: str | None,
     keys: Sequence[str],

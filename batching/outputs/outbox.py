@@ -33,8 +33,7 @@ import pyarrow as pa
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Row
 
-from batching import errors, facts, models, outcomes
-from batching import ports as protocols
+from batching import errors, facts, models, outcomes, ports
 from batching.outputs import contract as sinks
 from batching.outputs import ledger
 from batching.store import schema
@@ -85,7 +84,7 @@ class OutboxSink(sinks.FencedSink, abc.ABC):
     kind: str
     location: str
 
-    def __init__(self, fence: protocols.Fence) -> None:
+    def __init__(self, fence: ports.Fence) -> None:
         self.fence = fence
         self.writer = uuid.uuid4().hex
         self._seqs = itertools.count(1)

@@ -13,6 +13,10 @@ For reconcile it lists the files readers see and the staging folder before the l
 read, checks each ledger row's file (size, sha256, rows, keys) after, and finds batches whose
 file lives in another dataset root (another config's ``output.path``): those are judged
 there, not here.
+
+Why it stays one module: the commit's three steps, start-up recovery and reconcile's checks
+reason about the same three folders and the same ledger row per file (the layout itself is
+``parquet_layout``).
 """
 
 from __future__ import annotations
@@ -34,8 +38,7 @@ import pyarrow.parquet as pq
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Row
 
-from batching import errors, facts, models, naming, outcomes
-from batching import ports as protocols
+from batching import errors, facts, models, naming, outcomes, ports
 from batching.outputs import contract as sinks
 from batching.outputs import ledger
 from batching.outputs.parquet_layout import (
@@ -80,7 +83,7 @@ class ParquetSink(sinks.FencedSink):
 
     def __init__(
         self,
-        fence: protocols.Fence,
+        fence: ports.Fence,
         root: str | Path,
         *,
         staging: str | Path | None = None,

@@ -11,8 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from batching import errors, naming
-from batching import ports as protocols
+from batching import errors, naming, ports
 from batching.outputs import contract as sinks
 
 
@@ -39,12 +38,12 @@ class SinkKind:
     """One ``output.kind``: how to open its sink, name its dataset without opening it, and
     whether ``where`` is a local folder the run creates (``None``: it is not)."""
 
-    open: Callable[[protocols.Fence, Target], sinks.Sink]
+    open: Callable[[ports.Fence, Target], sinks.Sink]
     dataset: Callable[[Target, str], tuple[str, str]]
     local_folder: Callable[[Target], Path | None]
 
 
-def _parquet(fence: protocols.Fence, target: Target) -> sinks.Sink:
+def _parquet(fence: ports.Fence, target: Target) -> sinks.Sink:
     from batching.outputs.parquet import ParquetSink
 
     return ParquetSink(
@@ -52,7 +51,7 @@ def _parquet(fence: protocols.Fence, target: Target) -> sinks.Sink:
     )
 
 
-def _sql(fence: protocols.Fence, target: Target) -> sinks.Sink:
+def _sql(fence: ports.Fence, target: Target) -> sinks.Sink:
     from batching.outputs import sql as sql_sink
 
     if target.url is None:
@@ -60,7 +59,7 @@ def _sql(fence: protocols.Fence, target: Target) -> sinks.Sink:
     return sql_sink.WarehouseSqlSink(fence, target.url, target.where)
 
 
-def _delta(fence: protocols.Fence, target: Target) -> sinks.Sink:
+def _delta(fence: ports.Fence, target: Target) -> sinks.Sink:
     try:
         from batching.outputs.delta import DeltaSink
     except ImportError as exc:
@@ -104,7 +103,7 @@ def kind_of(target: Target) -> SinkKind:
     return found
 
 
-def open_sink(fence: protocols.Fence, target: Target) -> sinks.Sink:
+def open_sink(fence: ports.Fence, target: Target) -> sinks.Sink:
     """The sink ``target`` names, committing through ``fence``.
 
     Raises:

@@ -24,8 +24,7 @@ import pyarrow as pa
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Row
 
-from batching import config, errors, facts, models, naming, outcomes
-from batching import ports as protocols
+from batching import config, errors, facts, models, naming, outcomes, ports
 from batching.outputs import contract as sinks
 from batching.outputs import ledger, outbox
 from batching.store import database, schema
@@ -50,7 +49,7 @@ class SqlSink(sinks.FencedSink):
 
     kind = "sql"
 
-    def __init__(self, fence: protocols.Fence, table: str = schema.results.name) -> None:
+    def __init__(self, fence: ports.Fence, table: str = schema.results.name) -> None:
         self.fence = fence
         self.table_name = config.check_identifier(table, "output.table")
         self._table = _results_table(table)
@@ -167,7 +166,7 @@ class WarehouseSqlSink(outbox.OutboxSink):
 
     kind = "sql"
 
-    def __init__(self, fence: protocols.Fence, url: str, table: str = schema.results.name) -> None:
+    def __init__(self, fence: ports.Fence, url: str, table: str = schema.results.name) -> None:
         super().__init__(fence)
         self.table_name = config.check_identifier(table, "output.table")
         self.url = url

@@ -44,6 +44,10 @@ The batcher never drops items (expired deadlines are released, not discarded). B
 their items in sorted lists, lazily deleted: a claim arrives already in bucket order, so an
 ``add`` of k items is O(k) (one merge when it interleaves with what is pending) and a release
 of b items O(b) plus the stale entries it skips, plus O(number of buckets) per decision.
+
+Why it stays one module: one decision (which items leave, and when) made from one data
+structure (the buckets and the queue of blocks); the block path is tested against the item
+path on random workloads, which keeps both in one place.
 """
 
 from __future__ import annotations
@@ -58,8 +62,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-from batching import models
-from batching import ports as protocols
+from batching import models, ports
 
 if TYPE_CHECKING:
     from batching.config import BatchingPolicy
@@ -354,7 +357,7 @@ class MicroBatcher:
     def __init__(
         self,
         policy: BatchingPolicy,
-        clock: protocols.Clock,
+        clock: ports.Clock,
         service_time: ServiceTime | None = None,
     ) -> None:
         self._policy = policy

@@ -6,6 +6,9 @@ no-op. ``require_current`` refuses to work on a database that is missing, older 
 
 Times are epoch seconds (double precision) taken from the application's clock, so the same
 statements run on SQLite and PostgreSQL and tests can drive time with a fake clock.
+
+Why it stays one module: the tables and their numbered migrations must agree; each migration
+is written against the tables as declared here, and ``migrate`` applies them in one order.
 """
 
 from __future__ import annotations
