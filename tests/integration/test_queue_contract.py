@@ -1,4 +1,6 @@
-"""Queue contract: every test runs on a real SQLite file and a real PostgreSQL database."""
+"""Queue contract, SQL side: migrations, transactions, plans and claim read-backs, on a real
+SQLite file and a real PostgreSQL database (the verbs every queue keeps, the in-memory twin
+included, are test_queue_verbs.py)."""
 
 from __future__ import annotations
 
@@ -538,16 +540,6 @@ def test_a_run_whose_heartbeat_stopped_is_closed_as_abandoned(
     assert runs.close_abandoned(120, but="alive") == []
 
 
-def test_enqueue_is_idempotent_on_key(queue: q.SqlQueue) -> None:
-    first = queue.enqueue([rec("a"), rec("b"), rec("a")])
-    assert first.inserted == 2
-    assert first.duplicates == ("a",)
-    again = queue.enqueue([rec("b"), rec("c")])
-    assert again.inserted == 1
-    assert again.duplicates == ("b",)
-    assert queue.stats().by_state["ready"] == 3
-
-
 def test_enqueue_reports_progress_after_each_chunk(
     queue: q.SqlQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -560,78 +552,6 @@ def test_enqueue_reports_progress_after_each_chunk(
     assert seen == [2, 4, 5]
 
 
-def test_same_key_in_other_queue_is_distinct(queue: q.SqlQueue) -> None:
-    other = q.SqlQueue(queue.engine, "other", clock=queue.clock)
-    assert queue.enqueue([rec("k")]).inserted == 1
-    assert other.enqueue([rec("k")]).inserted == 1
-
-
-def test_tensor_payload_round_trips(queue: q.SqlQueue) -> None:
-    payload = models.Payload(b"\x00\x00\x80?" * 4, models.PayloadFormat.TENSOR, "float32", (4,))
-    queue.enqueue([models.EnqueueRecord("t", payload)])
-    (item,) = queue.claim(1, lease_s=30).items
-    assert item.payload == payload
-
-
-def test_claim_orders_by_priority_then_deadline_then_age(
-    queue: q.SqlQueue, clock: FakeClock
-) -> None:
-    now = clock()
-    queue.enqueue([rec("old-low")])
-    clock.advance(1)
-    queue.enqueue([rec("new-high", priority=5)])
-    clock.advance(1)
-    queue.enqueue(
-        [rec("late-deadline", deadline_at=now + 500), rec("soon-deadline", deadline_at=now + 100)]
-    )
-    claim = queue.claim(10, lease_s=30)
-    assert [i.item_key for i in claim.items] == [
-        "new-high",
-        "soon-deadline",
-        "late-deadline",
-        "old-low",
-    ]
-    assert all(i.attempts == 1 for i in claim.items)
-
-
-def test_claim_limit_and_empty_queue(queue: q.SqlQueue) -> None:
-    queue.enqueue([rec(f"k{i}") for i in range(5)])
-    assert len(queue.claim(3, lease_s=30)) == 3
-    assert len(queue.claim(3, lease_s=30)) == 2
-    assert len(queue.claim(3, lease_s=30)) == 0
-
-
-def test_cost_budget_claim(queue: q.SqlQueue) -> None:
-    queue.enqueue([rec(f"k{i}", cost=c) for i, c in enumerate([40, 30, 20, 50, 10])])
-    claim = queue.claim(10, lease_s=30, max_cost=100)
-    assert [i.cost for i in claim.items] == [40, 30, 20]
-    big = q.SqlQueue(queue.engine, "big", clock=queue.clock)
-    big.enqueue([rec("huge", cost=500), rec("small", cost=1)])
-    assert [i.item_key for i in big.claim(10, lease_s=30, max_cost=100).items] == ["huge"]
-
-
-def test_lane_filter(queue: q.SqlQueue) -> None:
-    queue.enqueue([rec("a", lane="short"), rec("b", lane="long"), rec("c", lane="short")])
-    assert {i.item_key for i in queue.claim(10, lease_s=30, lane="short").items} == {"a", "c"}
-
-
-def test_stale_lease_can_never_ack(queue: q.SqlQueue, clock: FakeClock) -> None:
-    queue.enqueue([rec("a"), rec("b")])
-    first = queue.claim(2, lease_s=10)
-    ids = [i.id for i in first.items]
-    assert queue.ack("not-the-lease", ids) == 0
-    clock.advance(11)
-    assert queue.release_expired().released == 2
-    second = queue.claim(2, lease_s=10)
-    assert queue.ack(first.lease_id, ids) == 0
-    assert queue.heartbeat(first.lease_id, 10) == 0
-    assert queue.fail(first.lease_id, dict.fromkeys(ids, "x")) == models.FailResult(0, 0)
-    assert queue.release(first.lease_id) == 0
-    assert queue.ack(second.lease_id, ids) == 2
-    assert queue.ack(second.lease_id, ids) == 0
-    assert row(queue, "a").state == models.State.DONE
-
-
 def test_ack_all_or_raise_rolls_back_with_caller(queue: q.SqlQueue) -> None:
     queue.enqueue([rec("a"), rec("b")])
     claim = queue.claim(2, lease_s=30)
@@ -642,122 +562,6 @@ def test_ack_all_or_raise_rolls_back_with_caller(queue: q.SqlQueue) -> None:
     with queue.begin() as conn:
         queue.ack_all_or_raise(conn, claim.lease_id, ids, "batch-2")
     assert row(queue, "b").batch_id == "batch-2"
-
-
-def test_heartbeat_keeps_lease_from_reaper(queue: q.SqlQueue, clock: FakeClock) -> None:
-    queue.enqueue([rec("a")])
-    claim = queue.claim(1, lease_s=10)
-    clock.advance(8)
-    assert queue.heartbeat(claim.lease_id, 10) == 1
-    clock.advance(8)
-    assert queue.release_expired() == models.ReapResult(0, 0)
-    clock.advance(3)
-    assert queue.release_expired() == models.ReapResult(1, 0)
-    r = row(queue, "a")
-    assert (r.state, r.crash_count, r.lease_id) == (models.State.READY, 1, None)
-    assert r.last_error == "lease expired (worker lost)"
-
-
-def test_a_claim_reaps_its_queues_expired_leases_first(queue: q.SqlQueue, clock: FakeClock) -> None:
-    """A killed scorer's items come back to the next claim, with no reaper run."""
-    other = q.SqlQueue(queue.engine, "other", clock=queue.clock)
-    queue.enqueue([rec("a"), rec("b"), rec("p", max_attempts=1)])
-    other.enqueue([rec("x")])
-    lost = queue.claim(3, lease_s=10)
-    other_lost = other.claim(1, lease_s=10)
-    clock.advance(9)
-    assert len(queue.claim(3, lease_s=10)) == 0  # not expired yet
-    clock.advance(2)
-    again = queue.claim(3, lease_s=10)
-    assert sorted(i.item_key for i in again.items) == ["a", "b"]
-    assert all(i.attempts == 2 for i in again.items)
-    r = row(queue, "p")
-    assert (r.state, r.last_error) == (models.State.DEAD, "lease expired (worker lost)")
-    assert queue.ack(lost.lease_id, [i.id for i in lost.items]) == 0
-    # Another queue's leases are its own scorers' (or the reaper's) to return.
-    assert row(other, "x").lease_id == other_lost.lease_id
-
-
-def test_reaper_dead_letters_after_max_attempts(queue: q.SqlQueue, clock: FakeClock) -> None:
-    queue.enqueue([models.EnqueueRecord("p", models.Payload(b"{}"), max_attempts=2)])
-    for _ in range(2):
-        assert len(queue.claim(1, lease_s=5)) == 1
-        clock.advance(6)
-        queue.release_expired()
-    r = row(queue, "p")
-    assert (r.state, r.attempts) == (models.State.DEAD, 2)
-    assert len(queue.claim(1, lease_s=5)) == 0
-
-
-def test_fail_backs_off_with_jitter_then_dead_letters(queue: q.SqlQueue, clock: FakeClock) -> None:
-    queue.backoff_base_s, queue.max_attempts = 4.0, 3
-    queue.enqueue([rec("f")])
-    delays = []
-    for attempt in (1, 2):
-        claim = queue.claim(1, lease_s=30)
-        assert claim.items[0].attempts == attempt
-        assert queue.fail(claim.lease_id, {claim.items[0].id: f"boom {attempt}"}).retried == 1
-        delay = row(queue, "f").run_after - clock()
-        delays.append(delay)
-        assert 0.5 * 4.0 * 2 ** (attempt - 1) <= delay <= 4.0 * 2 ** (attempt - 1)
-        assert len(queue.claim(1, lease_s=30)) == 0, "not claimable before its backoff"
-        clock.advance(delay + 0.001)
-    claim = queue.claim(1, lease_s=30)
-    assert queue.fail(claim.lease_id, {claim.items[0].id: "boom 3"}) == models.FailResult(0, 1)
-    r = row(queue, "f")
-    assert (r.state, r.last_error) == (models.State.DEAD, "boom 3")
-
-
-def test_fail_without_retry_dead_letters_at_once(queue: q.SqlQueue) -> None:
-    queue.enqueue([rec("x")])
-    claim = queue.claim(1, lease_s=30)
-    assert queue.fail(claim.lease_id, {claim.items[0].id: "bad payload"}, retry=False).dead == 1
-
-
-def test_items_past_deadline_expire_not_score(queue: q.SqlQueue, clock: FakeClock) -> None:
-    queue.enqueue([rec("late", deadline_at=clock() + 5), rec("fine", deadline_at=clock() + 60)])
-    clock.advance(10)
-    assert [i.item_key for i in queue.claim(10, lease_s=30).items] == ["fine"]
-    r = row(queue, "late")
-    assert (r.state, r.last_error) == (models.State.EXPIRED, "deadline passed before scoring")
-
-
-def test_release_gives_items_back_without_using_an_attempt(queue: q.SqlQueue) -> None:
-    queue.enqueue([rec("a")])
-    claim = queue.claim(1, lease_s=30)
-    assert queue.release(claim.lease_id) == 1
-    assert queue.claim(1, lease_s=30).items[0].attempts == 1
-
-
-def test_stats_counts_states_ages_and_expired_leases(queue: q.SqlQueue, clock: FakeClock) -> None:
-    queue.enqueue([rec("a", tenant="t1"), rec("b", tenant="t2"), rec("c", tenant="t2")])
-    clock.advance(30)
-    claim = queue.claim(1, lease_s=5)
-    clock.advance(10)
-    stats = queue.stats()
-    assert stats.by_state == {"ready": 2, "leased": 1, "done": 0, "dead": 0, "expired": 0}
-    assert stats.expired_leases == 1
-    assert stats.oldest_ready_age_s == pytest.approx(40)
-    assert {g.tenant for g in stats.groups} == {"t1", "t2"}
-    assert claim.lease_id
-
-
-def test_redrive_and_purge(queue: q.SqlQueue, clock: FakeClock) -> None:
-    queue.enqueue([rec("d", priority=1), rec("e", deadline_at=clock() + 1), rec("ok")])
-    claim = queue.claim(1, lease_s=30)
-    queue.fail(claim.lease_id, {claim.items[0].id: "x"}, retry=False)
-    clock.advance(2)
-    done = queue.claim(5, lease_s=30)
-    queue.ack(done.lease_id, [i.id for i in done.items])
-    assert queue.stats().by_state["expired"] == 1
-    assert queue.redrive() == 2
-    assert queue.stats().by_state["ready"] == 2
-    clock.advance(3600)
-    assert queue.purge(60, archive=True) == 1
-    with queue.engine.connect() as conn:
-        assert (
-            conn.execute(sa.select(sa.func.count()).select_from(schema.items_archive)).scalar() == 1
-        )
 
 
 def test_schema_check_refuses_uninitialised_db(tmp_path: object) -> None:

@@ -1,0 +1,256 @@
+"""The queue's contract, verb by verb, on every queue: a real SQLite file, a real PostgreSQL
+database, and ``batching.testing.InMemoryQueue`` (the twin users' tests run against).
+
+What only a SQL queue has (migrations, transactions, plans, claim read-backs) is tested in
+``test_queue_contract.py``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from batching import models
+from batching.ingress import queue as q
+from batching.store import database, schema
+from batching.testing import InMemoryQueue
+from tests.conftest import FakeClock
+
+Queue = q.SqlQueue | InMemoryQueue
+
+
+def rec(key: str, **kw: object) -> models.EnqueueRecord:
+    return models.EnqueueRecord(item_key=key, payload=models.Payload(b'{"x":[1]}'), **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def queue(request: pytest.FixtureRequest, clock: FakeClock) -> Iterator[Queue]:
+    if request.param == "memory":
+        yield InMemoryQueue("contract", clock=clock, rng=random.Random(7))
+        return
+    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+    engine = database.create_engine(url)
+    yield q.SqlQueue(engine, "contract", clock=clock, rng=random.Random(7))
+    engine.dispose()
+
+
+def sibling(queue: Queue, name: str) -> Queue:
+    """Another queue of the same table."""
+    if isinstance(queue, InMemoryQueue):
+        return queue.sibling(name)
+    return q.SqlQueue(queue.engine, name, clock=queue.clock)
+
+
+def row(queue: Queue, key: str) -> Any:
+    """The item's row: state, attempts, lease, last error, ..."""
+    if isinstance(queue, InMemoryQueue):
+        return queue.item(key)
+    t = schema.items
+    with queue.engine.connect() as conn:
+        return conn.execute(sa.select(t).where(t.c.item_key == key, t.c.queue == queue.queue)).one()
+
+
+def archived(queue: Queue) -> int:
+    if isinstance(queue, InMemoryQueue):
+        return len(queue.archived)
+    with queue.engine.connect() as conn:
+        return int(
+            conn.execute(sa.select(sa.func.count()).select_from(schema.items_archive)).scalar_one()
+        )
+
+
+def test_enqueue_is_idempotent_on_key(queue: Queue) -> None:
+    first = queue.enqueue([rec("a"), rec("b"), rec("a")])
+    assert first.inserted == 2
+    assert first.duplicates == ("a",)
+    again = queue.enqueue([rec("b"), rec("c")])
+    assert again.inserted == 1
+    assert again.duplicates == ("b",)
+    assert queue.stats().by_state["ready"] == 3
+
+
+def test_same_key_in_other_queue_is_distinct(queue: Queue) -> None:
+    other = sibling(queue, "other")
+    assert queue.enqueue([rec("k")]).inserted == 1
+    assert other.enqueue([rec("k")]).inserted == 1
+
+
+def test_tensor_payload_round_trips(queue: Queue) -> None:
+    payload = models.Payload(b"\x00\x00\x80?" * 4, models.PayloadFormat.TENSOR, "float32", (4,))
+    queue.enqueue([models.EnqueueRecord("t", payload)])
+    (item,) = queue.claim(1, lease_s=30).items
+    assert item.payload == payload
+
+
+def test_claim_orders_by_priority_then_deadline_then_age(queue: Queue, clock: FakeClock) -> None:
+    now = clock()
+    queue.enqueue([rec("old-low")])
+    clock.advance(1)
+    queue.enqueue([rec("new-high", priority=5)])
+    clock.advance(1)
+    queue.enqueue(
+        [rec("late-deadline", deadline_at=now + 500), rec("soon-deadline", deadline_at=now + 100)]
+    )
+    claim = queue.claim(10, lease_s=30)
+    assert [i.item_key for i in claim.items] == [
+        "new-high",
+        "soon-deadline",
+        "late-deadline",
+        "old-low",
+    ]
+    assert all(i.attempts == 1 for i in claim.items)
+
+
+def test_claim_limit_and_empty_queue(queue: Queue) -> None:
+    queue.enqueue([rec(f"k{i}") for i in range(5)])
+    assert len(queue.claim(3, lease_s=30)) == 3
+    assert len(queue.claim(3, lease_s=30)) == 2
+    assert len(queue.claim(3, lease_s=30)) == 0
+
+
+def test_cost_budget_claim(queue: Queue) -> None:
+    queue.enqueue([rec(f"k{i}", cost=c) for i, c in enumerate([40, 30, 20, 50, 10])])
+    claim = queue.claim(10, lease_s=30, max_cost=100)
+    assert [i.cost for i in claim.items] == [40, 30, 20]
+    big = sibling(queue, "big")
+    big.enqueue([rec("huge", cost=500), rec("small", cost=1)])
+    assert [i.item_key for i in big.claim(10, lease_s=30, max_cost=100).items] == ["huge"]
+
+
+def test_lane_filter(queue: Queue) -> None:
+    queue.enqueue([rec("a", lane="short"), rec("b", lane="long"), rec("c", lane="short")])
+    assert {i.item_key for i in queue.claim(10, lease_s=30, lane="short").items} == {"a", "c"}
+
+
+def test_stale_lease_can_never_ack(queue: Queue, clock: FakeClock) -> None:
+    queue.enqueue([rec("a"), rec("b")])
+    first = queue.claim(2, lease_s=10)
+    ids = [i.id for i in first.items]
+    assert queue.ack("not-the-lease", ids) == 0
+    clock.advance(11)
+    assert queue.release_expired().released == 2
+    second = queue.claim(2, lease_s=10)
+    assert queue.ack(first.lease_id, ids) == 0
+    assert queue.heartbeat(first.lease_id, 10) == 0
+    assert queue.fail(first.lease_id, dict.fromkeys(ids, "x")) == models.FailResult(0, 0)
+    assert queue.release(first.lease_id) == 0
+    assert queue.ack(second.lease_id, ids) == 2
+    assert queue.ack(second.lease_id, ids) == 0
+    assert row(queue, "a").state == models.State.DONE
+
+
+def test_heartbeat_keeps_lease_from_reaper(queue: Queue, clock: FakeClock) -> None:
+    queue.enqueue([rec("a")])
+    claim = queue.claim(1, lease_s=10)
+    clock.advance(8)
+    assert queue.heartbeat(claim.lease_id, 10) == 1
+    clock.advance(8)
+    assert queue.release_expired() == models.ReapResult(0, 0)
+    clock.advance(3)
+    assert queue.release_expired() == models.ReapResult(1, 0)
+    r = row(queue, "a")
+    assert (r.state, r.crash_count, r.lease_id) == (models.State.READY, 1, None)
+    assert r.last_error == "lease expired (worker lost)"
+
+
+def test_a_claim_reaps_its_queues_expired_leases_first(queue: Queue, clock: FakeClock) -> None:
+    """A killed scorer's items come back to the next claim, with no reaper run."""
+    other = sibling(queue, "other")
+    queue.enqueue([rec("a"), rec("b"), rec("p", max_attempts=1)])
+    other.enqueue([rec("x")])
+    lost = queue.claim(3, lease_s=10)
+    other_lost = other.claim(1, lease_s=10)
+    clock.advance(9)
+    assert len(queue.claim(3, lease_s=10)) == 0  # not expired yet
+    clock.advance(2)
+    again = queue.claim(3, lease_s=10)
+    assert sorted(i.item_key for i in again.items) == ["a", "b"]
+    assert all(i.attempts == 2 for i in again.items)
+    r = row(queue, "p")
+    assert (r.state, r.last_error) == (models.State.DEAD, "lease expired (worker lost)")
+    assert queue.ack(lost.lease_id, [i.id for i in lost.items]) == 0
+    # Another queue's leases are its own scorers' (or the reaper's) to return.
+    assert row(other, "x").lease_id == other_lost.lease_id
+
+
+def test_reaper_dead_letters_after_max_attempts(queue: Queue, clock: FakeClock) -> None:
+    queue.enqueue([models.EnqueueRecord("p", models.Payload(b"{}"), max_attempts=2)])
+    for _ in range(2):
+        assert len(queue.claim(1, lease_s=5)) == 1
+        clock.advance(6)
+        queue.release_expired()
+    r = row(queue, "p")
+    assert (r.state, r.attempts) == (models.State.DEAD, 2)
+    assert len(queue.claim(1, lease_s=5)) == 0
+
+
+def test_fail_backs_off_with_jitter_then_dead_letters(queue: Queue, clock: FakeClock) -> None:
+    queue.backoff_base_s, queue.max_attempts = 4.0, 3
+    queue.enqueue([rec("f")])
+    delays = []
+    for attempt in (1, 2):
+        claim = queue.claim(1, lease_s=30)
+        assert claim.items[0].attempts == attempt
+        assert queue.fail(claim.lease_id, {claim.items[0].id: f"boom {attempt}"}).retried == 1
+        delay = row(queue, "f").run_after - clock()
+        delays.append(delay)
+        assert 0.5 * 4.0 * 2 ** (attempt - 1) <= delay <= 4.0 * 2 ** (attempt - 1)
+        assert len(queue.claim(1, lease_s=30)) == 0, "not claimable before its backoff"
+        clock.advance(delay + 0.001)
+    claim = queue.claim(1, lease_s=30)
+    assert queue.fail(claim.lease_id, {claim.items[0].id: "boom 3"}) == models.FailResult(0, 1)
+    r = row(queue, "f")
+    assert (r.state, r.last_error) == (models.State.DEAD, "boom 3")
+
+
+def test_fail_without_retry_dead_letters_at_once(queue: Queue) -> None:
+    queue.enqueue([rec("x")])
+    claim = queue.claim(1, lease_s=30)
+    assert queue.fail(claim.lease_id, {claim.items[0].id: "bad payload"}, retry=False).dead == 1
+
+
+def test_items_past_deadline_expire_not_score(queue: Queue, clock: FakeClock) -> None:
+    queue.enqueue([rec("late", deadline_at=clock() + 5), rec("fine", deadline_at=clock() + 60)])
+    clock.advance(10)
+    assert [i.item_key for i in queue.claim(10, lease_s=30).items] == ["fine"]
+    r = row(queue, "late")
+    assert (r.state, r.last_error) == (models.State.EXPIRED, "deadline passed before scoring")
+
+
+def test_release_gives_items_back_without_using_an_attempt(queue: Queue) -> None:
+    queue.enqueue([rec("a")])
+    claim = queue.claim(1, lease_s=30)
+    assert queue.release(claim.lease_id) == 1
+    assert queue.claim(1, lease_s=30).items[0].attempts == 1
+
+
+def test_stats_counts_states_ages_and_expired_leases(queue: Queue, clock: FakeClock) -> None:
+    queue.enqueue([rec("a", tenant="t1"), rec("b", tenant="t2"), rec("c", tenant="t2")])
+    clock.advance(30)
+    claim = queue.claim(1, lease_s=5)
+    clock.advance(10)
+    stats = queue.stats()
+    assert stats.by_state == {"ready": 2, "leased": 1, "done": 0, "dead": 0, "expired": 0}
+    assert stats.expired_leases == 1
+    assert stats.oldest_ready_age_s == pytest.approx(40)
+    assert {g.tenant for g in stats.groups} == {"t1", "t2"}
+    assert claim.lease_id
+
+
+def test_redrive_and_purge(queue: Queue, clock: FakeClock) -> None:
+    queue.enqueue([rec("d", priority=1), rec("e", deadline_at=clock() + 1), rec("ok")])
+    claim = queue.claim(1, lease_s=30)
+    queue.fail(claim.lease_id, {claim.items[0].id: "x"}, retry=False)
+    clock.advance(2)
+    done = queue.claim(5, lease_s=30)
+    queue.ack(done.lease_id, [i.id for i in done.items])
+    assert queue.stats().by_state["expired"] == 1
+    assert queue.redrive() == 2
+    assert queue.stats().by_state["ready"] == 2
+    clock.advance(3600)
+    assert queue.purge(60, archive=True) == 1
+    assert archived(queue) == 1
