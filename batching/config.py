@@ -76,7 +76,10 @@ class _Model(BaseModel):
 class DatabaseConfig(_Model):
     """Where the queue table lives."""
 
-    url: str = DEFAULT_DB_URL
+    url: str = Field(
+        DEFAULT_DB_URL,
+        description="the queue's database: `sqlite:///FILE` or `postgresql://USER@HOST:PORT/DB` (`--db` and `$BATCHING_DB_URL` override it); a password is never printed",
+    )
 
     @field_validator("url")
     @classmethod
@@ -91,14 +94,47 @@ class DatabaseConfig(_Model):
 class QueueConfig(_Model):
     """Which items a scorer claims and how long it holds them."""
 
-    name: str = Field("default", min_length=1, max_length=200)
-    lane: str | None = None
-    lease_s: float = Field(60.0, gt=0)
-    heartbeat_s: float | None = Field(None, gt=0)
-    max_attempts: int = Field(5, ge=1, le=1000)
-    backoff_base_s: float = Field(1.0, ge=0)
-    backoff_max_s: float = Field(600.0, ge=0)
-    poll_s: float = Field(0.05, gt=0)
+    name: str = Field(
+        "default",
+        min_length=1,
+        max_length=200,
+        description="the queue to claim from (one table holds many queues)",
+    )
+    lane: str | None = Field(
+        None,
+        description="claim only items of this lane (model routing); none: every lane",
+    )
+    lease_s: float = Field(
+        60.0,
+        gt=0,
+        description="how long a claim holds its items; heartbeats extend it while the scorer lives",
+    )
+    heartbeat_s: float | None = Field(
+        None,
+        gt=0,
+        description="how often leases are extended; at most `lease_s / 3` (none: `lease_s / 3`)",
+    )
+    max_attempts: int = Field(
+        5,
+        ge=1,
+        le=1000,
+        description="attempts before an item is dead; set on each item when it is enqueued (`batching enqueue --max-attempts`)",
+    )
+    backoff_base_s: float = Field(
+        1.0,
+        ge=0,
+        description="retry delay after a failure: `min(backoff_max_s, backoff_base_s * 2^(n-1))`, times a jitter in [0.5, 1]",
+    )
+    backoff_max_s: float = Field(
+        600.0,
+        ge=0,
+        description="the cap on every retry delay",
+    )
+    poll_s: float = Field(
+        0.05,
+        gt=0,
+        description="how often an idle scorer looks for work when no NOTIFY wakes it (PostgreSQL)",
+    )
 
     @model_validator(mode="after")
     def _heartbeat_below_lease(self) -> QueueConfig:
@@ -123,13 +159,37 @@ class QueueConfig(_Model):
 class ModelSpec(_Model):
     """A pinned model: built-in name or factory, checkpoint file and its mandatory sha256."""
 
-    name: str = Field(..., min_length=1)
-    version: str = Field(..., min_length=1, max_length=100)
-    checkpoint: str | None = Field(None, min_length=1)
-    sha256: str
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    autocast: Literal["none", "bf16", "fp16"] = "none"
+    name: str = Field(
+        ...,
+        min_length=1,
+        description="`w1-mlp`, `w2-text` (built in) or `package.module:factory` returning a `torch.nn.Module`",
+    )
+    version: str = Field(
+        ...,
+        min_length=1,
+        max_length=100,
+        description="recorded with every output (its key, its partition, its lineage)",
+    )
+    checkpoint: str | None = Field(
+        None,
+        min_length=1,
+        description="`.safetensors` or a state dict read with `weights_only=True` (none: the built-in model's own)",
+    )
+    sha256: str = Field(
+        description="the checkpoint's digest (`sha256sum FILE`, quoted in YAML); another file is refused",
+    )
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32",
+        description="the model's parameter dtype",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="`auto`: cuda when there is one, else cpu",
+    )
+    autocast: Literal["none", "bf16", "fp16"] = Field(
+        "none",
+        description="mixed precision on CUDA (ignored on cpu)",
+    )
 
     @field_validator("sha256", mode="before")
     @classmethod
@@ -157,12 +217,37 @@ class ModelSpec(_Model):
 class BatchingPolicy(_Model):
     """When a micro-batch is released, and how items are grouped."""
 
-    max_batch_size: int = Field(64, ge=1, le=65536)
-    max_batch_cost: int | None = Field(None, ge=1)
-    max_wait_s: float = Field(0.01, ge=0)
-    length_buckets: tuple[int, ...] = ()
-    claim_size: int | None = Field(None, ge=1)
-    max_inflight_batches: int = Field(2, ge=1, le=64)
+    max_batch_size: int = Field(
+        64,
+        ge=1,
+        le=65536,
+        description="release a micro-batch at this many items",
+    )
+    max_batch_cost: int | None = Field(
+        None,
+        ge=1,
+        description="release at this total cost (e.g. tokens; an item's `cost`); none: no cost cap",
+    )
+    max_wait_s: float = Field(
+        0.01,
+        ge=0,
+        description="release when the oldest item has waited this long since it was enqueued; must be below `latency_slo_s`",
+    )
+    length_buckets: tuple[int, ...] = Field(
+        (),
+        description="strictly increasing cost edges; a batch never mixes buckets (less padding)",
+    )
+    claim_size: int | None = Field(
+        None,
+        ge=1,
+        description="items per claim statement (none: `4 * max_batch_size`); a multiple of `max_batch_size` lets uniform tensor claims go whole batches at a time",
+    )
+    max_inflight_batches: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="scored batches that may wait for the commit stage (what one group commit can take)",
+    )
 
     @field_validator("length_buckets")
     @classmethod
@@ -183,23 +268,48 @@ _CREDENTIAL = re.compile(r"(?i)(secret|password|token|credential|sas|access_key|
 class OutputConfig(_Model):
     """Where committed outputs go: a Parquet dataset, a SQL results table or a Delta table."""
 
-    kind: Literal["parquet", "sql", "delta"] = "parquet"
+    kind: Literal["parquet", "sql", "delta"] = Field(
+        "parquet",
+        description="`parquet`: a dataset of files; `sql`: a results table; `delta`: a Delta Lake table (`pip install 'batching[delta]'`)",
+    )
     # The Parquet dataset root, or the Delta table: a folder or an object-store URI
     # (s3://bucket/path); relative paths start from the config file's folder.
-    path: str = Field("outputs", min_length=1)
-    table: str = "batching_results"
+    path: str = Field(
+        "outputs",
+        min_length=1,
+        description="the Parquet dataset root or the Delta table: a folder, or an object-store URI (`s3://bucket/path`) for Delta",
+    )
+    table: str = Field(
+        "batching_results",
+        description="kind sql: the results table (created if missing), keyed by queue, model version and item key",
+    )
     # kind sql: the database of the results table when it is not the queue's (a warehouse);
     # outputs then roll forward from the queue's outbox. Credentials: PGPASSWORD / ~/.pgpass.
-    url: str | None = None
+    url: str | None = Field(
+        None,
+        description="kind sql: the table's database when it is not the queue's (a warehouse); outputs then roll forward from the queue's outbox",
+    )
     # kind delta: delta-rs's object-store settings (AWS_REGION, AWS_ENDPOINT_URL, ...).
     # Credentials stay in the scorer's environment, where delta-rs reads them.
-    storage_options: dict[str, str] = Field(default_factory=dict)
-    max_rows_per_commit: int = Field(8192, ge=1)
+    storage_options: dict[str, str] = Field(
+        default_factory=dict,
+        description="kind delta: delta-rs's object-store settings (`AWS_REGION`, `AWS_ENDPOINT_URL`, ...); credentials stay in the environment",
+    )
+    max_rows_per_commit: int = Field(
+        8192,
+        ge=1,
+        description="group commit: scored batches waiting for the commit stage commit together, up to this many rows",
+    )
     # How long the commit stage may gather scored batches into one commit (one file): 0 =
     # commit whatever is waiting as soon as the stage is free. A bulk run whose model is the
     # bottleneck otherwise writes one small file per batch. Adds up to this to latency (the
     # policy check counts it).
-    commit_interval_s: float = Field(0.0, ge=0, le=60)
+    commit_interval_s: float = Field(
+        0.0,
+        ge=0,
+        le=60,
+        description="how long the commit stage may gather scored batches into one commit (0-60); adds to latency (`batching check` counts it); an item with a deadline commits at once",
+    )
 
     @field_validator("table")
     @classmethod
@@ -244,13 +354,39 @@ class OutputConfig(_Model):
 class LineageConfig(_Model):
     """Where OpenLineage events go; a lineage outage never fails a run."""
 
-    transport: Literal["file", "http", "console", "none"] = "file"
-    path: str | None = Field(None, min_length=1)
-    url: str | None = None
-    endpoint: str = "api/v1/lineage"
-    namespace: str = "batching"
-    timeout_s: float = Field(2.0, gt=0, le=60)
-    retries: int = Field(1, ge=0, le=5)
+    transport: Literal["file", "http", "console", "none"] = Field(
+        "file",
+        description="where OpenLineage events go (`$OPENLINEAGE_URL` switches to http)",
+    )
+    path: str | None = Field(
+        None,
+        min_length=1,
+        description="the file transport's JSONL (none: `lineage/events.jsonl` beside the output folder, or `outputs/` beside the config)",
+    )
+    url: str | None = Field(
+        None,
+        description="the http transport's backend (Marquez: `http://host:5000`)",
+    )
+    endpoint: str = Field(
+        "api/v1/lineage",
+        description="the http transport's path",
+    )
+    namespace: str = Field(
+        "batching",
+        description="the OpenLineage job namespace (letters, digits, `:;=/_-.@+`)",
+    )
+    timeout_s: float = Field(
+        2.0,
+        gt=0,
+        le=60,
+        description="one delivery attempt's timeout; a lineage outage never fails a run",
+    )
+    retries: int = Field(
+        1,
+        ge=0,
+        le=5,
+        description="delivery retries before an event is counted as not delivered",
+    )
     # Sent as ``Authorization: Bearer <key>`` by the http transport. Set only from the
     # environment (OPENLINEAGE_API_KEY, see lineage.config_from_env), never from a file:
     # left out of every dump, so of the config hash, the lineage config facet and the logs.
@@ -298,18 +434,40 @@ def _is_http_url(url: str) -> bool:
 class PipelineConfig(_Model):
     """One environment's whole pipeline, as in ``deployments/*.yaml``."""
 
-    name: str = Field("score", min_length=1)
-    profile: Literal["online", "bulk"] = "online"
+    name: str = Field(
+        "score",
+        min_length=1,
+        description="the job's name: lineage, the run ledger, Prefect artifacts",
+    )
+    profile: Literal["online", "bulk"] = Field(
+        "online",
+        description="`online` (latency: batches by the window) or `bulk` (throughput: full, length-sorted batches)",
+    )
     database: DatabaseConfig = DatabaseConfig()
     queue: QueueConfig = QueueConfig()
     model: ModelSpec
     batching: BatchingPolicy = BatchingPolicy()
     output: OutputConfig = OutputConfig()
     lineage: LineageConfig = LineageConfig()
-    latency_slo_s: float = Field(1.0, gt=0)
-    service_profile: str | None = None
-    backlog_alert_depth: int | None = Field(None, ge=1)
-    backlog_alert_age_s: float | None = Field(None, gt=0)
+    latency_slo_s: float = Field(
+        1.0,
+        gt=0,
+        description="the objective `batching check` holds the worst case to: `max_wait_s` + a full batch's service time + `commit_interval_s`",
+    )
+    service_profile: str | None = Field(
+        None,
+        description="forward times per batch size and length measured by `batching profile` (for `batching check` and deadline releases)",
+    )
+    backlog_alert_depth: int | None = Field(
+        None,
+        ge=1,
+        description="a score run emits `batching.queue.backlog` when this many items are ready after it",
+    )
+    backlog_alert_age_s: float | None = Field(
+        None,
+        gt=0,
+        description="... or when the oldest ready item is this old",
+    )
     base_dir: str = Field(".", exclude=True)
 
     @model_validator(mode="after")
