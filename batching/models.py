@@ -349,6 +349,19 @@ class QueueStats:
     groups: tuple[LaneStats, ...] = field(default_factory=tuple)
     backoff: int = 0  # ready items not due yet: waiting out a retry's backoff
 
+    @classmethod
+    def of(cls, groups: tuple[LaneStats, ...]) -> QueueStats:
+        """The totals of these (queue, lane, tenant) rows."""
+        by_state = {s.name.lower(): sum(getattr(g, s.name.lower()) for g in groups) for s in State}
+        ages = [g.oldest_ready_age_s for g in groups if g.oldest_ready_age_s is not None]
+        return cls(
+            by_state=by_state,
+            oldest_ready_age_s=max(ages) if ages else None,
+            expired_leases=sum(g.expired_leases for g in groups),
+            groups=groups,
+            backoff=sum(g.backoff for g in groups),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class BatchStats:

@@ -335,17 +335,8 @@ class InMemoryQueue:
         for row in rows:
             key = (row.item.queue, row.item.lane, row.item.tenant)
             groups.setdefault(key, []).append(row)
-        lanes = tuple(_lane_stats(k, v, now) for k, v in sorted(groups.items()))
-        by_state = {
-            s.name.lower(): sum(getattr(g, s.name.lower()) for g in lanes) for s in models.State
-        }
-        ages = [g.oldest_ready_age_s for g in lanes if g.oldest_ready_age_s is not None]
-        return models.QueueStats(
-            by_state=by_state,
-            oldest_ready_age_s=max(ages) if ages else None,
-            expired_leases=sum(g.expired_leases for g in lanes),
-            groups=lanes,
-            backoff=sum(g.backoff for g in lanes),
+        return models.QueueStats.of(
+            tuple(_lane_stats(k, v, now) for k, v in sorted(groups.items()))
         )
 
     def redrive(

@@ -13,6 +13,8 @@ from typing import TypeVar
 
 import pytest
 
+from batching.testing import FakeClock
+
 REPO = Path(__file__).resolve().parents[1]
 PG_ADMIN_URL = os.environ.get(
     "BATCHING_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -46,19 +48,6 @@ def wait_for(probe: Callable[[], T | None], timeout_s: float = 30.0, what: str =
             return found
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-
-
-class FakeClock:
-    """A settable epoch-seconds clock."""
-
-    def __init__(self, now: float = 1_800_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture

@@ -737,18 +737,7 @@ class SqlQueue:
             q = q.where(_T.c.queue == self.queue)
         with self.read() as conn:
             rows = conn.execute(q.order_by(_T.c.queue, _T.c.lane, _T.c.tenant)).all()
-        groups = tuple(_lane_stats(r, now) for r in rows)
-        by_state = {
-            s.name.lower(): sum(getattr(g, s.name.lower()) for g in groups) for s in models.State
-        }
-        ages = [g.oldest_ready_age_s for g in groups if g.oldest_ready_age_s is not None]
-        return models.QueueStats(
-            by_state=by_state,
-            oldest_ready_age_s=max(ages) if ages else None,
-            expired_leases=sum(g.expired_leases for g in groups),
-            groups=groups,
-            backoff=sum(g.backoff for g in groups),
-        )
+        return models.QueueStats.of(tuple(_lane_stats(r, now) for r in rows))
 
     def redrive(
         self, states: Sequence[models.State] = (models.State.DEAD, models.State.EXPIRED)

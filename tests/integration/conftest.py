@@ -15,7 +15,7 @@ import pytest
 from batching.ingress import queue as q
 from batching.outputs import parquet
 from batching.store import database
-from tests.conftest import FakeClock
+from batching.testing import FakeClock
 
 
 @pytest.fixture

@@ -29,7 +29,8 @@ from batching.outputs import contract as sinks
 from batching.outputs import delta, ledger, outbox
 from batching.outputs import sql as sql_sink
 from batching.store import schema
-from tests.conftest import FakeClock, wait_for
+from batching.testing import FakeClock
+from tests.conftest import wait_for
 from tests.integration.outputs_read import delta_rows, duckdb_delta_rows, sql_rows
 from tests.integration.test_sinks import Crash, claim, items, scored
 from tests.integration.test_sinks import ledger as ledger_rows

@@ -648,7 +648,7 @@ def test_the_workers_of_a_killed_workers_run_are_failed_in_lineage_with_their_pa
 
 
 def test_the_reaper_returns_every_expired_lease_not_just_one_chunk(sqlite_url: str) -> None:
-    from tests.conftest import FakeClock
+    from batching.testing import FakeClock
 
     clock = FakeClock()
     queue = q.SqlQueue(database.create_engine(sqlite_url), "tabular", clock=clock)

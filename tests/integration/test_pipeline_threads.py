@@ -10,7 +10,7 @@ from typing import Any
 
 from batching import models
 from batching.loop import stats as run_stats
-from tests.conftest import FakeClock
+from batching.testing import FakeClock
 from tests.unit.test_pipeline import Rig, keys, rig
 
 

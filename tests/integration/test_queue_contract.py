@@ -21,7 +21,7 @@ from batching import errors, models
 from batching.ingress import queue as q
 from batching.ingress import run_ledger
 from batching.store import database, schema
-from tests.conftest import FakeClock
+from batching.testing import FakeClock
 
 
 def rec(key: str, **kw: object) -> models.EnqueueRecord:

@@ -17,8 +17,7 @@ import sqlalchemy as sa
 from batching import models
 from batching.ingress import queue as q
 from batching.store import database, schema
-from batching.testing import InMemoryQueue
-from tests.conftest import FakeClock
+from batching.testing import FakeClock, InMemoryQueue
 
 Queue = q.SqlQueue | InMemoryQueue
 

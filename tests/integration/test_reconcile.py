@@ -22,7 +22,7 @@ from batching.outputs import contract as sinks
 from batching.outputs import parquet, parquet_layout
 from batching.outputs import sql as sql_sink
 from batching.store import schema
-from tests.conftest import FakeClock
+from batching.testing import FakeClock
 from tests.integration.test_sinks import Crash, _after, claim, items, ledger, results, scored
 
 

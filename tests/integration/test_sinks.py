@@ -23,7 +23,7 @@ from batching.outputs import ledger as batch_ledger
 from batching.outputs import parquet, parquet_layout
 from batching.outputs import sql as sql_sink
 from batching.store import database, schema
-from tests.conftest import FakeClock
+from batching.testing import FakeClock
 
 DIM = 3
 

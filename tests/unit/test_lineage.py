@@ -14,7 +14,7 @@ from openlineage.client.transport import Transport
 
 from batching import config, errors, naming
 from batching.evidence import lineage, lineage_log
-from tests.conftest import FakeClock
+from batching.testing import FakeClock
 
 RUN_ID = "0190f6a1-0000-7000-8000-000000000001"
 PARENT_ID = "0190f6a1-0000-7000-8000-000000000002"

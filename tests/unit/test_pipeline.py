@@ -15,7 +15,7 @@ import pytest
 from batching import config, errors, models, outcomes
 from batching.loop import scorer as pipeline
 from batching.loop import stats as run_stats
-from tests.conftest import FakeClock
+from batching.testing import FakeClock
 
 # ----------------------------------------------------------------------------- fakes
 
