@@ -366,8 +366,15 @@ class Scorer(Generic[D]):
 
     def _commit(self, jobs: list[Scored]) -> None:
         now = self.clock()
-        for lease_id, part in by_lease(jobs).items():
-            self.stats.commits += self._commit_lease_part(lease_id, part, now)
+        parts = list(by_lease(jobs).items())
+        for n, (lease_id, part) in enumerate(parts):
+            try:
+                self.stats.commits += self._commit_lease_part(lease_id, part, now)
+            except (errors.SinkError, errors.QueueError):
+                # The output or the database failed, not these items: give them back without
+                # using an attempt (left to the reaper, items on their last one would go dead).
+                self._give_back(parts[n:])
+                raise
         for job in jobs:
             self.stats.batch_sizes.append(len(job.batch))
             self.stats.reasons[job.batch.reason] += 1
@@ -401,6 +408,21 @@ class Scorer(Generic[D]):
                 self.stats.failed += res.retried + res.dead
         self._forget(lease_id, held)
         return made
+
+    def _give_back(self, parts: Sequence[tuple[str, LeasePart]]) -> None:
+        """Release what these parts hold that is still leased (a committed item is ``done``:
+        the fenced release leaves it alone)."""
+        for lease_id, part in parts:
+            held = part.scored()[2]
+            try:
+                self.stats.released += self.queue.release(lease_id, models.item_column(held, "id"))
+            except errors.QueueError:
+                logger.warning(
+                    "items not released; they return when the lease expires",
+                    extra={"action": "release_failed", "lease_id": lease_id},
+                    exc_info=True,
+                )
+            self._forget(lease_id, held)
 
     def _forget(self, lease_id: str, items: Sequence[models.WorkItem]) -> None:
         ids = models.item_column(items, "id")
@@ -461,7 +483,8 @@ class Scorer(Generic[D]):
         """After a failed stage, give back the batches still queued between the stages: they
         were never run (or ran fine and wait for a commit that will not come). Left leased,
         the run's retry could not claim them until their lease expired. The batch a stage
-        failed on is not among them: it keeps its attempt and waits for the reaper."""
+        failed on is not among them: it keeps its attempt and waits for the reaper, unless
+        the output or the database refused its commit (``_give_back``: not its fault)."""
         if self._error is None:
             return
         jobs = self._stranded

@@ -7,6 +7,7 @@ SIGTERM or SIGKILL in the middle.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -447,6 +448,38 @@ def test_the_sql_sink_commits_each_item_exactly_once(db_url: str, tmp_path: Path
     got = np.stack([by_key[f"w1-{i}"] for i in range(n)])
     np.testing.assert_allclose(got, w1_direct(workloads.w1_inputs(n)), rtol=0, atol=1e-6)
     assert reconcile(config, db_url, "batching_results").clean
+
+
+def test_a_commit_the_database_refuses_gives_its_items_back_without_an_attempt(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    # The results table refuses every insert (a trigger: a real database error at step 2 of
+    # the commit). The run fails, and its items are ready again with their attempt unused: on
+    # their only attempt, left to the reaper, they would have gone dead for the database's
+    # fault. Once the table takes rows again, they commit once.
+    n = 40
+    config = load("tabular.yaml", tmp_path, output={"kind": "sql"}, batching={"max_batch_size": 8})
+    queue = open_queue(sqlite_url, config)
+    queue.migrate()
+    records = [dataclasses.replace(r, max_attempts=1) for r in w1_records(n, tmp_path)]
+    assert queue.enqueue(records).inserted == n
+    queue.engine.dispose()
+    engine = database.create_engine(sqlite_url)
+    with engine.begin() as conn:
+        schema.ensure_results_table(conn, schema.results)
+        conn.exec_driver_sql(
+            "CREATE TRIGGER refuse BEFORE INSERT ON batching_results "
+            "BEGIN SELECT RAISE(ABORT, 'disk full'); END"
+        )
+    with pytest.raises(errors.QueueError, match="disk full"):
+        score(config, sqlite_url, None)
+    assert {(r.state, r.attempts) for r in items(sqlite_url).values()} == {(models.State.READY, 0)}
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP TRIGGER refuse")
+    engine.dispose()
+    assert score(config, sqlite_url, None).summary["items_committed"] == n
+    assert {r.state for r in items(sqlite_url).values()} == {models.State.DONE}
+    assert reconcile(config, sqlite_url, "batching_results").clean
 
 
 def test_a_run_that_fails_its_checks_is_on_record_in_lineage(
