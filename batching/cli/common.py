@@ -19,6 +19,7 @@ from typing import Annotated, Any, ParamSpec, TypeVar
 import typer
 import typer.exceptions as typer_exceptions
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, ProgressColumn
 
 from batching import errors
@@ -63,8 +64,16 @@ def _options(
 # Without one (a pipe, a CI log) rich lays tables out in 80 columns, which cut paths and
 # lineage dataset names mid-word; 240 keeps them whole ($COLUMNS still wins).
 _PIPE_WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 240
-out = Console(soft_wrap=True, width=_PIPE_WIDTH)
-err = Console(stderr=True, soft_wrap=True)
+# Markup off: what is printed is data (paths, messages, `.[delta]`), which Rich would read as
+# tags and drop; ``flag`` styles the one word that should be red.
+out = Console(soft_wrap=True, width=_PIPE_WIDTH, markup=False)
+err = Console(stderr=True, soft_wrap=True, markup=False)
+
+
+def flag(console: Console, label: str, message: str) -> None:
+    """``label: message`` with the label in red and the message printed as it is."""
+    console.print(f"[red]{label}:[/red] {escape(message)}", markup=True, highlight=False)
+
 
 QuietOption = Annotated[
     bool,
@@ -129,22 +138,21 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
         try:
             return fn(*args, **kwargs)
         except errors.USAGE_ERRORS as exc:
-            err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
+            flag(err, "error", str(exc))
             raise typer.Exit(2) from None
         except errors.BatchingError as exc:
-            err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
+            flag(err, "error", str(exc))
             raise typer.Exit(1) from None
         except (typer.Exit, typer.Abort, typer_exceptions.TyperException):
             raise  # typer's own ways out (exit codes, usage errors)
         except Exception as exc:  # a bug: still one line; the traceback when asked for
             if os.environ.get("BATCHING_DEBUG"):
                 raise
-            err.print(
-                f"[red]error:[/red] unexpected {type(exc).__name__}: {redact_url(str(exc))} "
+            flag(
+                err,
+                "error",
+                f"unexpected {type(exc).__name__}: {redact_url(str(exc))} "
                 "(a bug: run again with BATCHING_DEBUG=1 for the traceback, and report it)",
-                markup=True,
-                highlight=False,
-                soft_wrap=True,
             )
             raise typer.Exit(1) from None
 

@@ -17,6 +17,7 @@ from batching.cli.common import (
     DbOverride,
     OutputOverride,
     app,
+    flag,
     handle_errors,
     load,
     out,
@@ -103,7 +104,7 @@ def _print_summary(s: dict[str, Any]) -> None:
     if s.get("model"):
         out.print(f"model: {s['model']}", highlight=False)
     if s.get("error"):
-        out.print(f"[red]error:[/red] {s['error']}", highlight=False)
+        flag(out, "error", str(s["error"]))
     table = Table("direction", "namespace", "name", "rows", "bytes", "facets")
     for direction in ("inputs", "outputs"):
         for d in s[direction]:
@@ -164,7 +165,7 @@ def reconcile(
 
     Exit 0: clean (info findings only). Exit 1: critical or warning findings.
     Exit 2: bad input. With --repair it checks again after repairing, shows both, and the
-    exit code says what is left (as the reconcile flow does).
+    exit code says what is left (the reconcile flow fails only on critical findings left).
     """
     import time
 

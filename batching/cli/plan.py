@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from batching import errors
-from batching.cli.common import ConfigOption, app, err, handle_errors, load, out
+from batching.cli.common import ConfigOption, app, err, flag, handle_errors, load, out
 
 
 @app.command()
@@ -47,7 +47,7 @@ def check(config: ConfigOption) -> None:
         )
     if not report.ok:
         for e in report.errors:
-            err.print(f"[red]fail:[/red] {e}", highlight=False)
+            flag(err, "fail", str(e))
         raise typer.Exit(1)
     out.print(f"{config}: ok")
 

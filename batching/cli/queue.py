@@ -111,7 +111,7 @@ def status(
     db: DbOption = DEFAULT_DB,
     queue: Annotated[
         str | None,
-        typer.Option("--queue", "-q", help="Queue name [default: default].", callback=queue_name),
+        typer.Option("--queue", "-q", help="Queue name (default: default).", callback=queue_name),
     ] = None,
     all_queues: Annotated[bool, typer.Option("--all", help="Every queue in the table.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,

@@ -22,6 +22,7 @@ from batching.cli.common import (
     QuietOption,
     app,
     err,
+    flag,
     handle_errors,
     load,
     out,
@@ -275,7 +276,7 @@ def _score_workers(cfg: Any, n: int, *, stop: threading.Event, **kwargs: Any) ->
     if not outcome.exit_code:
         _explain_what_is_left(cfg, kwargs.get("db_url"), result.summary)
     for message in outcome.errors():
-        err.print(f"[red]error:[/red] {message}", markup=True, highlight=False, soft_wrap=True)
+        flag(err, "error", message)
     if outcome.exit_code:
         raise typer.Exit(outcome.exit_code)
 
@@ -292,7 +293,7 @@ def demo(
         str,
         typer.Option(
             help="Where outputs go: parquet (a dataset per queue), delta (a Delta table per "
-            "queue; needs `pip install 'batching[delta]'`) or sql (a table in the database)."
+            "queue; needs the delta extra, `pip install -e '.\\[delta]'`) or sql (a table in the database)."
         ),
     ] = "parquet",
 ) -> None:

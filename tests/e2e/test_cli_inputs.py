@@ -120,6 +120,13 @@ def test_demo_refuses_a_dir_that_is_a_file_or_cannot_be_made(tmp_path: Path) -> 
 # ----------------------------------------------------------------------------- check
 
 
+def test_an_error_prints_brackets_in_names_as_they_are(tmp_path: Path) -> None:
+    # Rich reads `[prod]` as a style tag and drops it unless the message is escaped.
+    r = batching("check", "-c", "conf[prod].yaml", cwd=tmp_path)
+    assert r.rc == 2
+    assert one_error_line(r).startswith("error: conf[prod].yaml: cannot read config")
+
+
 def test_check_recommends_an_option_that_exists(tmp_path: Path) -> None:
     r = batching("check", "-c", str(DEPLOYMENTS / "online.yaml"), cwd=tmp_path)
     assert r.rc == 0, r.err
