@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from batching import errors
+from batching import errors, naming
 from batching.redaction import redact_url
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -348,6 +348,9 @@ class OutputConfig(_Model):
             )
         if self.storage_options and self.kind != "delta":
             raise ValueError(f"storage_options is a setting of kind delta, not {self.kind}")
+        problem = naming.uri_problem(self.path)
+        if problem:
+            raise ValueError(f"path {problem}")
         return self
 
 

@@ -79,17 +79,33 @@ def _postgres_db(match: re.Match[str]) -> str:
     return database
 
 
+def uri_problem(uri: str) -> str | None:
+    """What is wrong with an object-store URI as a setting, or None: credentials before the
+    bucket (``user:secret@``) or a query string (a SAS token, a signature) would be logged,
+    recorded in the ledger and sent to lineage with it."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme.lower() == "file":
+        return None
+    if "@" in rest.partition("/")[0] or "?" in rest:
+        shown = redact_url(uri.partition("?")[0]) + ("?..." if "?" in uri else "")
+        return (
+            f"{shown!r} carries credentials or a query string; give "
+            f"{scheme}://bucket/path and set credentials in the scorer's environment"
+        )
+    return None
+
+
 def file_dataset_id(path: str | Path, *, base_dir: Path | None = None) -> tuple[str, str]:
     """Return ``(namespace, name)`` of a file or a Parquet dataset directory.
 
     Local paths give ``("file", "/absolute/path")``; ``s3://bucket/key`` and ``gs://bucket/key``
-    give ``("s3://bucket", "key")``.
+    give ``("s3://bucket", "key")``, without credentials or a query string.
     """
     text = str(path)
     scheme, sep, rest = text.partition("://")
     if sep and scheme.lower() != "file":
-        bucket, _, key = rest.partition("/")
-        return f"{scheme.lower()}://{bucket}", key.lstrip("/")
+        bucket, _, key = rest.partition("?")[0].partition("/")
+        return f"{scheme.lower()}://{bucket.rpartition('@')[2]}", key.lstrip("/")
     local = Path(rest if sep else text).expanduser()
     if not local.is_absolute():
         local = (base_dir if base_dir is not None else Path.cwd()) / local

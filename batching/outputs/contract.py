@@ -269,7 +269,7 @@ class Sink(Protocol):
 
     def set_aside(self, files: Sequence[str], batch_ids: Sequence[str]) -> list[str]:
         """Move an orphan or corrupt output out of readers' sight, never deleting data (files
-        to quarantine; a table's rows of ``batch_ids`` removed from its latest version);
+        to a quarantine folder; a table's rows of ``batch_ids`` to a quarantine table);
         returns where each went."""
         ...
 
@@ -286,8 +286,9 @@ def commit(fence: ports.Fence, sink: Sink, batch: ScoredBatch) -> outcomes.Commi
         LeaseLost: the lease no longer holds every item; nothing was committed and what was
             staged is gone.
         SinkError: step 1 failed (nothing committed).
-        QueueError: the database failed at step 2 (nothing committed; a staging file is left
-            for ``recover()``).
+        QueueError: the database failed at step 2: nothing committed, or (a COMMIT whose
+            answer was lost) committed without this process knowing. The ledger decides:
+            a staging file is left for ``recover()``, which rolls a committed batch forward.
     """
     started = time.perf_counter()
     staged = sink.stage(batch)
@@ -353,6 +354,25 @@ class Outputs:
 
     def flush(self) -> None:
         self.sink.flush()
+
+
+def refuse_missing_output(
+    rows: Sequence[Row[tuple[object, ...]]], missing: str, queue: str, check: str
+) -> None:
+    """Reconcile found no output (``missing`` says what), yet the ledger has published
+    batches there: a wrong setting would read as every batch lost, and ``--repair`` would
+    rescore them all. ``check`` names the settings to look at.
+
+    Raises:
+        ConfigError: there are such batches.
+    """
+    published = [r for r in rows if r.state == models.BatchState.PUBLISHED]
+    if published:
+        raise errors.ConfigError(
+            f"{missing}, but the ledger has {len(published)} published batch(es) of queue "
+            f"{queue!r} there: check {check}; if it was deleted, reconcile with "
+            "--dataset-lost to judge (and with --repair requeue) them"
+        )
 
 
 @contextlib.contextmanager

@@ -5,9 +5,11 @@ The queue's database decides (:mod:`batching.outputs.outbox`): the ack, the ledg
 rows in the outbox commit together, and the Delta commit is the roll-forward of that ledger
 row. Each commit appends one batch and carries a Delta transaction id (``txn``): the app id is
 the writer (one per sink, so per scorer process) and the version its sequence number, and
-``DeltaTable.transaction_version(writer)`` says the highest sequence already in the table. A
-writer's batches roll forward in sequence order, so a batch is in the table exactly when its
-sequence is at or below that version. Two processes rolling the same batch forward at once
+``DeltaTable.transaction_version(writer)`` says the highest sequence already in the table
+(the version never goes back). A writer's batches roll forward in sequence order, so a batch
+is in the table when that version is its sequence, and not when it is lower; past it (two
+commits of one writer overlapped, and the later one reached the table first), the commit log
+decides, as below. Two processes rolling the same batch forward at once
 (a scorer and a reconcile) commit the same app id, which Delta refuses to the second
 (``CommitFailedError``): it looks again and finds the batch there. Why not record the batch id
 in the commit and search the log before committing: that search is not atomic with the
@@ -82,9 +84,16 @@ SCHEMA = pa.schema(
 
 def table_uri(path: str, base_dir: Path | None = None) -> str:
     """A table URI as delta-rs takes it: an object-store URI as given, a local path absolute
-    (relative to ``base_dir``, default the working directory)."""
+    (relative to ``base_dir``, default the working directory).
+
+    Raises:
+        ConfigError: the URI carries credentials or a query string.
+    """
     scheme, sep, _ = path.partition("://")
     if sep and scheme.lower() != "file":
+        problem = naming.uri_problem(path)
+        if problem:
+            raise errors.ConfigError(f"Delta table {problem}")
         return path
     local = Path(path.removeprefix("file://")).expanduser()
     if not local.is_absolute():
@@ -185,10 +194,12 @@ class DeltaSink(outbox.OutboxSink):
             dt = self.table()
             if self._holds(dt, pending):
                 return 0
+            # The writer's mark never goes back: a batch that reaches the table after a later
+            # one of its writer (commits that overlapped) keeps the later one's version.
+            applied = self._applied(dt, pending.writer)
+            version = max(pending.seq, applied if applied is not None else 0)
             props = CommitProperties(
-                app_transactions=[
-                    Transaction(pending.writer, pending.seq, int(time.time() * 1000))
-                ],
+                app_transactions=[Transaction(pending.writer, version, int(time.time() * 1000))],
                 custom_metadata={
                     "batching.batch_id": pending.batch_id,
                     "batching.run_id": pending.run_id,
@@ -209,17 +220,24 @@ class DeltaSink(outbox.OutboxSink):
             f"{_TRIES} concurrent commits in a row; retried with the next commit"
         )
 
+    def _applied(self, dt: DeltaTable, writer: str) -> int | None:
+        with _translated(f"cannot read the Delta table {self._shown}"):
+            return dt.transaction_version(writer)
+
     def _holds(self, dt: DeltaTable, pending: outbox.Pending) -> bool:
-        """Whether the table has the batch already (see the module docstring)."""
+        """Whether the table has the batch already (see the module docstring): its writer's
+        mark says so when it is this batch's sequence number (or says not when it is below);
+        past it (a later batch of the writer got there first) or unknown (expired), the
+        commit log, then the rows, decide."""
         assert pending.writer is not None
         assert pending.seq is not None
+        applied = self._applied(dt, pending.writer)
+        if applied is not None and applied <= pending.seq:
+            return applied == pending.seq
         with _translated(f"cannot read the Delta table {self._shown}"):
-            applied = dt.transaction_version(pending.writer)
-            if applied is not None:
-                return applied >= pending.seq
             found = _in_history(dt, pending.batch_id, pending.committed_at - _HISTORY_SKEW_S)
-            if found is not None:
-                return found
+        if found is not None:
+            return found
         return bool(self._count_rows([pending.batch_id]))
 
     # -- life cycle ------------------------------------------------------------------------
@@ -292,7 +310,12 @@ class DeltaSink(outbox.OutboxSink):
         outbox; batches in the table that no live ledger row names are orphans."""
         if not self.exists():
             if not dataset_lost:
-                self._refuse_missing_table(rows)
+                sinks.refuse_missing_output(
+                    rows,
+                    f"no Delta table at {self._shown}",
+                    self.fence.queue,
+                    "output.path or --output",
+                )
             found: dict[str, list[str]] = {}
         else:
             found = self._keys_by_batch(rows)
@@ -309,17 +332,43 @@ class DeltaSink(outbox.OutboxSink):
             orphan_batches=tuple(sorted(self._orphans(unknown))),
         )
 
+    @property
+    def quarantine_uri(self) -> str:
+        """The Delta table beside this one that keeps the rows a repair removes."""
+        return self.uri.rstrip("/") + ".quarantine"
+
+    def _remove(self, predicate: str) -> int:
+        """Copy the rows ``predicate`` selects into the quarantine table, then delete them
+        from this one (a repair never deletes data); returns the table's new version. A
+        crash between the two leaves the rows in both: the repair, run again, copies them
+        again and deletes them."""
+        rows = self._query(f"SELECT * FROM t WHERE {predicate}")
+        with _translated(f"cannot write the quarantine table {redact_url(self.quarantine_uri)}"):
+            if rows.num_rows:
+                if _is_local(self.quarantine_uri):
+                    Path(self.quarantine_uri).mkdir(parents=True, exist_ok=True)
+                write_deltalake(
+                    self.quarantine_uri,
+                    rows,
+                    mode="append",
+                    storage_options=self.storage_options or None,
+                )
+        with _translated(f"cannot delete from the Delta table {self._shown}"):
+            dt = self.table()
+            dt.delete(predicate)
+            return int(dt.version())
+
     def set_aside(self, files: Sequence[str], batch_ids: Sequence[str]) -> list[str]:
-        """Remove the rows of ``batch_ids`` from the table's latest version (earlier versions
-        keep them until ``vacuum``: ``DeltaTable(uri, version=...)`` reads them back)."""
+        """Move the rows of ``batch_ids`` into the quarantine table (``<table>.quarantine``)
+        and out of this table's latest version."""
         if not batch_ids:
             return []
         ids = ", ".join(sql_literal(b) for b in batch_ids)
-        with _translated(f"cannot delete from the Delta table {self._shown}"):
-            dt = self.table()
-            dt.delete(f"batch_id IN ({ids})")
-            version = dt.version()
-        return [f"{self._shown} (rows of {b} removed at version {version})" for b in batch_ids]
+        version = self._remove(f"batch_id IN ({ids})")
+        shown = redact_url(self.quarantine_uri)
+        return [
+            f"{shown} (rows of {b}; removed from the table at version {version})" for b in batch_ids
+        ]
 
     def drop_rows(self, batch_id: str, keys: Sequence[str]) -> str | None:
         """Delete the rows of ``keys`` from batch ``batch_id``; its ledger row counts the rest
@@ -328,26 +377,13 @@ class DeltaSink(outbox.OutboxSink):
             row = ledger.row(conn, batch_id)
         if row is None or row.state not in models.LIVE_BATCH_STATES:
             return None
-        with _translated(f"cannot delete from the Delta table {self._shown}"):
-            for start in range(0, len(keys), _CHUNK):
-                chunk = ", ".join(sql_literal(k) for k in keys[start : start + _CHUNK])
-                self.table().delete(f"batch_id = {sql_literal(batch_id)} AND item_key IN ({chunk})")
+        for start in range(0, len(keys), _CHUNK):
+            chunk = ", ".join(sql_literal(k) for k in keys[start : start + _CHUNK])
+            self._remove(f"batch_id = {sql_literal(batch_id)} AND item_key IN ({chunk})")
         left = self._count_rows([batch_id]).get(batch_id, 0)
         with self.fence.begin() as conn:
             ledger.set_rows(conn, batch_id, left)
         return batch_id if left else None
-
-    def _refuse_missing_table(self, rows: Sequence[Row[Any]]) -> None:
-        """No table, yet the ledger has published batches for it: a wrong ``output.path``
-        would read as every batch lost (and ``--repair`` would rescore them all)."""
-        published = [r for r in rows if r.state == models.BatchState.PUBLISHED]
-        if published:
-            raise errors.ConfigError(
-                f"no Delta table at {self._shown}, but the ledger has {len(published)} "
-                f"published batch(es) of queue {self.fence.queue!r} there: check output.path or "
-                "--output; if the table was deleted, reconcile with --dataset-lost to judge (and "
-                "with --repair requeue) them"
-            )
 
     # -- reading ---------------------------------------------------------------------------
 

@@ -96,6 +96,8 @@ def supersede(
     won = conn.execute(
         _B.update().where(_B.c.batch_id == old_id, live).values(state=models.BatchState.SUPERSEDED)
     ).rowcount
+    if won:
+        _drop_outbox(conn, old_id)
     if won and new_id is not None:
         fence.rebatch(conn, old_id, new_id, keys)
     return bool(won)
@@ -106,6 +108,13 @@ def retire(conn: Connection, batch_id: str) -> None:
     conn.execute(
         _B.update().where(_B.c.batch_id == batch_id).values(state=models.BatchState.QUARANTINED)
     )
+    _drop_outbox(conn, batch_id)
+
+
+def _drop_outbox(conn: Connection, batch_id: str) -> None:
+    # A batch no longer live is never rolled forward: rows it left in the outbox (a repair
+    # of a batch still committed) would stay there for good.
+    conn.execute(schema.outbox.delete().where(schema.outbox.c.batch_id == batch_id))
 
 
 def set_rows(conn: Connection, batch_id: str, n_rows: int) -> None:

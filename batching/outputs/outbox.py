@@ -15,7 +15,10 @@ twice (two processes at once, or a crash after the write but before the mark) wr
 A writer's batches roll forward in sequence order, so an output that remembers the highest
 sequence it applied per writer (a Delta transaction id) can tell what it already has. If the
 output cannot be written (down, full), the batch stays ``committed`` and later commits of the
-same writer queue behind it; ``flush()`` and the next commit try again, in order.
+same writer queue behind it; ``flush()`` and the next commit try again, in order. Once
+:data:`MAX_QUEUED` wait, a commit fails the run (``SinkError``): what is committed stays in the
+outbox, where the next start-up's ``recover()`` finds it, and the queue, not the scorer's
+memory, holds what is not scored yet.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from batching.store import schema
 logger = logging.getLogger(__name__)
 _B = schema.batches
 _O = schema.outbox
+MAX_QUEUED = 16  # batches committed but refused by the output, held in memory at most
 
 
 def encode(table: pa.Table) -> bytes:
@@ -90,6 +94,7 @@ class OutboxSink(sinks.FencedSink, abc.ABC):
         self._seqs = itertools.count(1)
         self._recorded: dict[str, tuple[Pending, pa.Table]] = {}
         self._queued: list[tuple[Pending, pa.Table]] = []  # committed, not yet written
+        self._refused: str = ""  # why the output refused the head of the queue last
         self._lock = threading.Lock()  # the commit stage and a flush when the run ends
         self._publishing = threading.Lock()  # one roll-forward at a time, in order
 
@@ -157,7 +162,10 @@ class OutboxSink(sinks.FencedSink, abc.ABC):
             self.writer,
             seq,
         )
-        with self._lock:  # decoded once more only if this transaction fails (then dropped)
+        # Kept until publish_staged (or discard, when the lease was lost). A transaction that
+        # fails otherwise fails the run, and this sink with it; the ledger decides what
+        # recover() rolls forward at the next start.
+        with self._lock:
             self._recorded[batch.batch_id] = (pending, decode(staged.body))
         return outcomes.CommitResult(
             batch.batch_id, len(batch.items), self.location, published=False
@@ -171,7 +179,15 @@ class OutboxSink(sinks.FencedSink, abc.ABC):
                 self._queued.append(recorded)
         self._drain()
         with self._lock:
-            return all(p.batch_id != staged.batch.batch_id for p, _ in self._queued)
+            waiting = len(self._queued)
+            published = all(p.batch_id != staged.batch.batch_id for p, _ in self._queued)
+        if waiting >= MAX_QUEUED:
+            raise errors.SinkError(
+                f"the output {self.location} refused the last {waiting} batches "
+                f"({self._refused}); they are committed and wait in the queue's outbox, and "
+                "the next start rolls them forward: fix the output, then score again"
+            )
+        return published
 
     def discard(self, staged: sinks.Staged) -> None:
         """Nothing was staged outside the transaction."""
@@ -256,7 +272,8 @@ class OutboxSink(sinks.FencedSink, abc.ABC):
                     pending, table = self._queued[0]
                 try:
                     self._roll(pending, table)
-                except (errors.SinkError, errors.QueueError):
+                except (errors.SinkError, errors.QueueError) as exc:
+                    self._refused = str(exc)
                     logger.exception(
                         "batch committed but not published; retried with the next commit",
                         extra={"action": "publish_failed", "batch_id": pending.batch_id},

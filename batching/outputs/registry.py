@@ -54,9 +54,10 @@ def _parquet(fence: ports.Fence, target: Target) -> sinks.Sink:
 def _sql(fence: ports.Fence, target: Target) -> sinks.Sink:
     from batching.outputs import sql as sql_sink
 
+    create = not target.read_only
     if target.url is None:
-        return sql_sink.SqlSink(fence, target.where)
-    return sql_sink.WarehouseSqlSink(fence, target.url, target.where)
+        return sql_sink.SqlSink(fence, target.where, create=create)
+    return sql_sink.WarehouseSqlSink(fence, target.url, target.where, create=create)
 
 
 def _delta(fence: ports.Fence, target: Target) -> sinks.Sink:

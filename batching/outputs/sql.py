@@ -11,6 +11,9 @@ Two sinks, one table shape:
 
 A replayed key is not inserted twice (``ON CONFLICT DO NOTHING``): the first committed output
 of a key stays.
+
+Why it stays one module: both sinks write and read the same table shape through the same
+helpers (the rows of a batch, the keyed insert, the key lookups reconcile makes).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from sqlalchemy.engine import Connection, Row
 from batching import config, errors, facts, models, naming, outcomes, ports
 from batching.outputs import contract as sinks
 from batching.outputs import ledger, outbox
+from batching.redaction import redact_url
 from batching.store import database, schema
 
 logger = logging.getLogger(__name__)
@@ -42,6 +46,7 @@ class SqlSink(sinks.FencedSink):
         fence: the queue's side of a commit (``SqlQueue``); its database holds the table.
         table: results table name; a name other than ``batching_results`` is created if
             missing, and keyed by queue too if it was created before that key (migration 9).
+        create: False for a sink opened to be read (reconcile): it changes no table.
 
     Raises:
         ConfigError: ``table`` is not a SQL identifier.
@@ -49,11 +54,13 @@ class SqlSink(sinks.FencedSink):
 
     kind = "sql"
 
-    def __init__(self, fence: ports.Fence, table: str = schema.results.name) -> None:
+    def __init__(
+        self, fence: ports.Fence, table: str = schema.results.name, *, create: bool = True
+    ) -> None:
         self.fence = fence
         self.table_name = config.check_identifier(table, "output.table")
         self._table = _results_table(table)
-        if table != schema.results.name:
+        if create and table != schema.results.name:
             with fence.begin() as conn:
                 _ensure(conn, self._table)
 
@@ -132,7 +139,12 @@ class SqlSink(sinks.FencedSink):
     ) -> facts.OutputFacts:
         """Each done item of a live batch looked up in the table by its key."""
         with self.fence.read() as conn:
-            found = _found_keys(conn, self._table, self.fence.queue, rows, done)
+            if _has_table(conn, self._table):
+                found = _found_keys(conn, self._table, self.fence.queue, rows, done)
+            else:
+                if not dataset_lost:
+                    _refuse_missing(rows, self.table_name, "the queue's database", self.fence.queue)
+                found = set()
         return facts.OutputFacts(
             batches=tuple(_table_facts(r, self.table_name) for r in rows),
             done=_with_outputs(done, rows, found),
@@ -157,7 +169,9 @@ class WarehouseSqlSink(outbox.OutboxSink):
     Args:
         fence: the queue's side of a commit (``SqlQueue``).
         url: the other database (``postgresql://...`` or ``sqlite:///FILE``).
-        table: the results table there; created if missing.
+        table: the results table there; created if missing (when it is written: opened to
+            be read, for reconcile, the sink changes nothing).
+        create: False for a sink opened to be read.
 
     Raises:
         ConfigError: ``table`` is not a SQL identifier, or ``url`` is malformed.
@@ -166,7 +180,14 @@ class WarehouseSqlSink(outbox.OutboxSink):
 
     kind = "sql"
 
-    def __init__(self, fence: ports.Fence, url: str, table: str = schema.results.name) -> None:
+    def __init__(
+        self,
+        fence: ports.Fence,
+        url: str,
+        table: str = schema.results.name,
+        *,
+        create: bool = True,
+    ) -> None:
         super().__init__(fence)
         self.table_name = config.check_identifier(table, "output.table")
         self.url = url
@@ -174,10 +195,18 @@ class WarehouseSqlSink(outbox.OutboxSink):
         self.location = f"{namespace}/{name}"
         self._table = _results_table(table)
         self._engine = database.create_engine(url)
-        with self._begin() as conn:
-            _ensure(conn, self._table)
+        self._ensured = False
+        if create:
+            self._ensure()
+
+    def _ensure(self) -> None:
+        if not self._ensured:
+            with self._begin() as conn:
+                _ensure(conn, self._table)
+            self._ensured = True
 
     def _write(self, pending: outbox.Pending, table: pa.Table) -> int:
+        self._ensure()  # a repair's roll-forward through a sink opened to be read
         rows = result_rows(table, pending.model_version)
         with self._begin() as conn:
             return insert_new(conn, self._table, rows)
@@ -216,7 +245,12 @@ class WarehouseSqlSink(outbox.OutboxSink):
         published ones are looked up in the other database by key."""
         published = [r for r in rows if r.state == models.BatchState.PUBLISHED]
         with _translated(self.url, self._engine.connect) as conn:
-            found = _found_keys(conn, self._table, self.fence.queue, published, done)
+            if _has_table(conn, self._table):
+                found = _found_keys(conn, self._table, self.fence.queue, published, done)
+            else:
+                if not dataset_lost:
+                    _refuse_missing(rows, self.table_name, redact_url(self.url), self.fence.queue)
+                found = set()
         batches = tuple(
             self.pending_facts(r, observed)
             if r.state == models.BatchState.COMMITTED
@@ -280,6 +314,16 @@ def insert_new(conn: Connection, table: sa.Table, rows: list[dict[str, Any]]) ->
         )
         inserted += len(conn.execute(stmt).all())
     return inserted
+
+
+def _has_table(conn: Connection, table: sa.Table) -> bool:
+    return sa.inspect(conn).has_table(table.name)
+
+
+def _refuse_missing(rows: Sequence[Row[Any]], table: str, where: str, queue: str) -> None:
+    sinks.refuse_missing_output(
+        rows, f"no results table {table!r} in {where}", queue, "output.table and output.url"
+    )
 
 
 def _results_table(name: str) -> sa.Table:

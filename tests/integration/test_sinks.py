@@ -462,3 +462,45 @@ def test_sql_custom_table_is_created_and_checked(queue: q.SqlQueue, clock: FakeC
     assert ("output_dim", "integer") in sink.describe()["fields"]
     with pytest.raises(errors.ConfigError, match="SQL identifier"):
         sql_sink.SqlSink(queue, "bad-name; drop")
+
+
+def tables(url: str) -> set[str]:
+    engine = database.create_engine(url)
+    try:
+        return set(sa.inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("where", ["queue's database", "warehouse"])
+def test_reconcile_opens_a_sql_output_without_creating_a_table(
+    queue: q.SqlQueue, clock: FakeClock, tmp_path: Path, where: str
+) -> None:
+    from batching.evidence import reconcile as rc
+    from batching.outputs import registry
+
+    url = f"sqlite:///{tmp_path / 'warehouse.db'}" if where == "warehouse" else None
+    read_url = url or queue.engine.url.render_as_string(hide_password=False)
+    name = f"scores_{uuid.uuid4().hex[:6]}"
+    registry.open_sink(queue, registry.Target("sql", name, url=url)).commit(
+        scored(claim(queue, ["a"]), clock)
+    )
+    before = tables(read_url)
+
+    def read_only(table: str) -> sinks.Sink:
+        return registry.open_sink(queue, registry.Target("sql", table, url=url, read_only=True))
+
+    typo = rc.reconcile(queue, read_only(name + "x"), now=clock())
+    assert tables(read_url) == before  # a typo of the table name created nothing
+    assert not typo.clean
+    assert rc.reconcile(queue, read_only(name), now=clock()).clean
+
+    engine = database.create_engine(read_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"DROP TABLE {name}"))
+    engine.dispose()
+    with pytest.raises(errors.ConfigError, match=f"no results table '{name}'"):
+        rc.reconcile(queue, read_only(name), now=clock())
+    assert name not in tables(read_url)
+    lost = rc.reconcile(queue, read_only(name), now=clock(), dataset_lost=True)
+    assert not lost.ok

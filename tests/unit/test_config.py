@@ -136,13 +136,20 @@ def test_identifier_check() -> None:
         ({"kind": "parquet", "url": "sqlite:///w.db"}, "url is a setting of kind sql"),
         ({"kind": "sql", "url": "mysql://h/db"}, "url must be sqlite:///FILE or postgresql://"),
         ({"kind": "iceberg"}, "output.kind"),
+        (
+            {"kind": "delta", "path": "s3://AKIA:s3cr3t@bucket/t"},
+            "output: path 's3://AKIA:\\*\\*\\*@bucket/t' carries credentials or a query string; "
+            "give s3://bucket/path",
+        ),
+        ({"kind": "delta", "path": "az://box/t?sig=s3cr3t"}, r"'az://box/t\?\.\.\.' carries"),
     ],
 )
 def test_output_settings_of_another_kind_or_secrets_are_refused(
     output: dict[str, object], message: str
 ) -> None:
-    with pytest.raises(errors.ConfigError, match=message):
+    with pytest.raises(errors.ConfigError, match=message) as info:
         config.parse_config({"model": MODEL, "output": output})
+    assert "s3cr3t" not in str(info.value)
 
 
 def test_a_delta_output_keeps_its_storage_options() -> None:

@@ -143,6 +143,8 @@ def test_sql_dataset_id_rejects_bad_urls_without_showing_the_password(url: str, 
         ("/data/results/", ("file", "/data/results")),
         ("file:///data/results", ("file", "/data/results")),
         ("s3://bucket/prefix/results", ("s3://bucket", "prefix/results")),
+        ("s3://AKIA:s3cr3t@bucket/t", ("s3://bucket", "t")),  # never the credentials
+        ("az://box/t?sig=s3cr3t", ("az://box", "t")),
     ],
 )
 def test_file_dataset_id(path: str, expected: tuple[str, str]) -> None:
