@@ -5,6 +5,7 @@ BatchingError
 ├── InputError             bad input record or file (enqueue)
 ├── SchemaError            database schema missing, too old or too new
 ├── QueueError             the queue database failed (connection, statement)
+│   └── Disconnected       its connection was lost; a new one may succeed
 ├── LeaseLost              a write needed a lease that is no longer held
 ├── CheckpointError        a checkpoint is missing, has the wrong checksum or is unsafe
 ├── ModelError             the model broke its contract (output count, shape)
@@ -36,6 +37,16 @@ class SchemaError(BatchingError):
 
 class QueueError(BatchingError):
     """The queue database failed."""
+
+    disconnect: bool = False
+    """The connection was lost (a server restart, ``pg_terminate_backend``, a failover): a
+    new connection may succeed where this one failed."""
+
+
+class Disconnected(QueueError):
+    """The connection to the queue database was lost."""
+
+    disconnect = True
 
 
 class LeaseLost(BatchingError):

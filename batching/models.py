@@ -280,6 +280,10 @@ class Claim:
     lease_id: str
     items: tuple[WorkItem, ...] | ItemBlock
     lease_expires_at: float
+    isolated: bool = False
+    """An isolation round: suspects only, to be scored with nothing else in flight."""
+    suspects: bool = False
+    """Suspects (items of a lost worker) wait for an isolation round in this queue."""
 
     def __len__(self) -> int:
         return len(self.items)

@@ -41,6 +41,7 @@ class ClaimPort(Protocol):
         lane: str | None = None,
         max_cost: int | None = None,
         columns: bool = False,
+        isolate: bool = False,
     ) -> models.Claim: ...
 
     def heartbeat(self, lease_id: str, lease_s: float) -> int: ...
@@ -76,6 +77,11 @@ class CommitPort(Protocol):
         ...
 
     def flush(self) -> None: ...
+
+    def recover(self) -> object:
+        """Settle what a commit left undecided (its database connection lost mid-commit):
+        roll a batch the ledger holds forward, drop one it does not."""
+        ...
 
 
 class Fence(Protocol):

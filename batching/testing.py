@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from batching import errors, models, outcomes, ports
+from batching import crashes, errors, models, outcomes, ports
 
 if TYPE_CHECKING:
     import numpy as np
@@ -64,6 +64,7 @@ class ItemRow:
     state: models.State = models.State.READY
     attempts: int = 0
     crash_count: int = 0
+    isolate_n: int = 0
     run_after: float = 0.0
     lease_id: str | None = None
     lease_expires_at: float | None = None
@@ -191,11 +192,13 @@ class InMemoryQueue:
         lane: str | None = None,
         max_cost: int | None = None,
         columns: bool = False,
+        isolate: bool = False,
     ) -> models.Claim:
         """Lease up to ``n`` ready items under one new lease id, in claim order (priority,
         deadline, age); first, items past their deadline expire and this queue's expired
         leases are reaped. ``max_cost`` caps the sum of costs (the first item always fits).
-        ``columns`` is accepted and ignored: items come back as work items."""
+        ``columns`` is accepted and ignored: items come back as work items. Suspects (items
+        of a lost worker) only with ``isolate``, at most the first one's ``isolate_n``."""
         if n < 1:
             raise ValueError("n must be >= 1")
         now = self.clock()
@@ -203,27 +206,37 @@ class InMemoryQueue:
         with self._store.lock:
             self._expire_overdue(now)
             self._reap(now, this_queue=True)
-            ready = sorted(
-                (
-                    r
-                    for r in self._mine()
-                    if r.state is models.State.READY
-                    and r.run_after <= now
-                    and (lane is None or r.item.lane == lane)
-                ),
-                key=ItemRow.order,
-            )[:n]
+            ready = [
+                r
+                for r in self._mine()
+                if r.state is models.State.READY
+                and r.run_after <= now
+                and (lane is None or r.item.lane == lane)
+            ]
+            suspects = sorted((r for r in ready if r.isolate_n), key=lambda r: r.isolate_n)
+            if isolate:
+                n = min(n, suspects[0].isolate_n if suspects else 0)
+                ready = sorted(suspects, key=lambda r: (r.isolate_n, *r.order()))[:n]
+            else:
+                ready = sorted((r for r in ready if not r.isolate_n), key=ItemRow.order)[:n]
             taken: list[models.WorkItem] = []
             spent = 0
             for row in ready:
-                if max_cost is not None and taken and spent + row.item.cost > max_cost:
+                if (
+                    not isolate
+                    and max_cost is not None
+                    and taken
+                    and spent + row.item.cost > max_cost
+                ):
                     break
                 spent += row.item.cost
                 row.state, row.lease_id = models.State.LEASED, lease_id
                 row.lease_expires_at = now + lease_s
                 row.attempts += 1
                 taken.append(row.item._replace(attempts=row.attempts))
-        return models.Claim(lease_id, tuple(taken), now + lease_s)
+        return models.Claim(
+            lease_id, tuple(taken), now + lease_s, isolated=isolate, suspects=bool(suspects)
+        )
 
     def _mine(self) -> Iterable[ItemRow]:
         return (r for r in self._store.rows.values() if r.item.queue == self.queue)
@@ -307,19 +320,29 @@ class InMemoryQueue:
             return self._reap(self.clock(), this_queue=this_queue)
 
     def _reap(self, now: float, *, this_queue: bool) -> models.ReapResult:
+        """Expired leases back to ready; who is charged the attempt: ``batching.crashes``."""
         released = dead = 0
         rows = self._mine() if this_queue else self._store.rows.values()
-        for row in rows:
-            expires = row.lease_expires_at
-            if row.state is not models.State.LEASED or expires is None or expires >= now:
-                continue
-            row.lease_id = row.lease_expires_at = None
-            row.crash_count += 1
-            row.last_error = "lease expired (worker lost)"
-            if row.attempts >= row.item.max_attempts:
-                row.state, row.finished_at = models.State.DEAD, now
-                dead += 1
-            else:
+        expired = {
+            row.item.id: row
+            for row in rows
+            if row.state is models.State.LEASED
+            and row.lease_expires_at is not None
+            and row.lease_expires_at < now
+        }
+        lost = (crashes.Expired(i, r.lease_id or "", r.isolate_n) for i, r in expired.items())
+        for verdict in crashes.judge(lost):
+            for row in map(expired.__getitem__, verdict.ids):
+                row.lease_id = row.lease_expires_at = None
+                row.crash_count += 1
+                row.isolate_n, row.last_error = verdict.isolate_n, verdict.reason
+                if not verdict.charged:
+                    row.attempts -= 1
+                elif row.attempts >= row.item.max_attempts:
+                    row.state, row.finished_at = models.State.DEAD, now
+                    row.last_error = crashes.KILLER
+                    dead += 1
+                    continue
                 row.state, row.run_after = models.State.READY, now
                 released += 1
         return models.ReapResult(released, dead)
@@ -450,3 +473,6 @@ class MemoryOutputs:
     def flush(self) -> None:
         """Nothing is deferred."""
         self.flushes += 1
+
+    def recover(self) -> None:
+        """Nothing is ever left undecided: a commit here is all or nothing."""

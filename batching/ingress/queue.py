@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import orjson
 import sqlalchemy as sa
@@ -36,12 +36,14 @@ from sqlalchemy import exc
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
-from batching import errors, models
+from batching import crashes, errors, models
 from batching.ingress import sqlite_claim
 from batching.ports import Clock
 from batching.store import database, schema, sqlite
 
 logger = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 NOTIFY_CHANNEL = "batching_items"
 _ENQUEUE_CHUNK = 1000
@@ -74,6 +76,39 @@ _BY_DEADLINE_AGE_ID = operator.itemgetter(
     _CLAIM_COLUMNS.index("id"),
 )
 _BY_PRIORITY = operator.itemgetter(_CLAIM_COLUMNS.index("priority"))
+
+
+_RECONNECT_TRIES = 6  # 0.1 + 0.2 + ... + 3.2 s: a server restart or a failover, not an outage
+
+
+def reconnecting(verb: Callable[P, R]) -> Callable[P, R]:
+    """Run a queue verb again, on a new connection, when its connection was lost.
+
+    Only verbs whose second run is safe: each is a compare-and-set under its lease (a
+    heartbeat, a release or a fail that did commit finds nothing left to change), and a claim
+    whose commit answer was lost leaves its items under a lease nobody holds, which expires
+    and charges nobody (``batching.crashes``). A commit is not retried here: its outcome is
+    the ledger's to decide (``Scorer._commit``).
+    """
+
+    @functools.wraps(verb)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        for attempt in range(_RECONNECT_TRIES):
+            try:
+                return verb(*args, **kwargs)
+            except errors.Disconnected as exc:
+                if attempt == _RECONNECT_TRIES - 1:
+                    raise
+                delay = 0.1 * 2**attempt
+                logger.warning(
+                    "database connection lost; reconnecting in %.1f s",
+                    delay,
+                    extra={"action": "reconnect", "verb": verb.__name__, "error": str(exc)},
+                )
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    return run
 
 
 def backoff_s(attempts: int, base_s: float, max_s: float, rng: random.Random) -> float:
@@ -256,6 +291,7 @@ class SqlQueue:
 
     # -- claim -------------------------------------------------------------------------------
 
+    @reconnecting
     def claim(
         self,
         n: int,
@@ -264,17 +300,24 @@ class SqlQueue:
         lane: str | None = None,
         max_cost: int | None = None,
         columns: bool = False,
+        isolate: bool = False,
     ) -> models.Claim:
         """Lease up to ``n`` ready items in one statement, under one new lease id.
 
         Order: priority (high first), then deadline (earliest first, none last), then age.
-        ``attempts`` is counted here, so an item that kills its worker still runs out of
-        attempts. ``max_cost`` caps the sum of cost hints (the first item is always taken, so an
+        ``attempts`` is counted here; the reaper gives it back to the items of a lost worker
+        unless one was alone in an isolation round (:mod:`batching.crashes`).
+        ``max_cost`` caps the sum of cost hints (the first item is always taken, so an
         oversized item is not starved). First, in the same transaction, items past their
         deadline are moved to ``expired`` and this queue's expired leases are reaped.
         Returns a claim with zero items when nothing is ready. With ``columns``, a SQLite
         claim of uniform items (see ``sqlite_claim.unpack_claim``) holds them as one
         :class:`~batching.models.ItemBlock`.
+
+        A plain claim never takes a suspect (an item whose worker was lost); its
+        ``suspects`` says whether any wait. With ``isolate``, the claim takes suspects only,
+        at most as many as the first one's ``isolate_n``: score them with nothing else in
+        flight, so a death while they run is charged to them alone.
         """
         if n < 1:
             raise ValueError("n must be >= 1")
@@ -289,25 +332,34 @@ class SqlQueue:
             "worker": self.worker,
             "expires": now + lease_s,
             "budget": max_cost,
+            "isolate": isolate,
         }
-        sql = self._claim_sql(lane, max_cost)
+        sql = self._claim_sql(lane, None if isolate else max_cost, isolate=isolate)
         if self.dialect == "sqlite":
-            claimed = self._claim_sqlite(sql, params, now, columns)
+            claimed = self._claim_sqlite(sql, params, now, columns and not isolate)
             if isinstance(claimed, models.ItemBlock):
-                return models.Claim(lease_id, claimed, now + lease_s)
+                return models.Claim(
+                    lease_id, claimed, now + lease_s, suspects=bool(params["suspects"])
+                )
             rows, bodies = claimed
         else:
             rows, bodies = self._claim_returning(sql, params, now)
         rows.sort(key=_BY_DEADLINE_AGE_ID)
         rows.sort(key=_BY_PRIORITY, reverse=True)  # stable: ties keep the order above
         return models.Claim(
-            lease_id=lease_id, items=_items(rows, bodies), lease_expires_at=now + lease_s
+            lease_id=lease_id,
+            items=_items(rows, bodies),
+            lease_expires_at=now + lease_s,
+            isolated=isolate,
+            suspects=bool(params["suspects"]),
         )
 
-    def _claim_sql(self, lane: str | None, max_cost: int | None) -> str:
+    def _claim_sql(self, lane: str | None, max_cost: int | None, *, isolate: bool = False) -> str:
         where = "queue = :queue AND state = 0 AND run_after <= :now"
         where += " AND lane = :lane" if lane is not None else ""
+        where += " AND isolate_n > 0" if isolate else " AND isolate_n = 0"
         order = "priority DESC, sort_deadline, enqueued_at, id"
+        order = f"isolate_n, {order}" if isolate else order
         pg = self.dialect == "postgresql"
         lock = " FOR NO KEY UPDATE SKIP LOCKED" if pg else ""
         cand = (
@@ -346,7 +398,7 @@ class SqlQueue:
     ) -> tuple[list[Any], dict[int, bytes]]:
         """PostgreSQL: UPDATE ... RETURNING and the bodies, in one transaction."""
         with self.begin() as conn:
-            self._before_claim(conn, now)
+            self._before_claim(conn, now, params)
             rows = list(conn.execute(sa.text(sql), params).fetchall())
             bodies = self._bodies(conn, [r[0] for r in rows]) if rows else {}
             if len(bodies) != len(rows):
@@ -367,7 +419,7 @@ class SqlQueue:
         reading them back fails, the claim is released, not left leased.
         """
         with self.begin() as conn:
-            self._before_claim(conn, now)
+            self._before_claim(conn, now, params)
             n_claimed = conn.execute(sa.text(sql), params).rowcount
         if not n_claimed:
             return [], {}
@@ -442,12 +494,26 @@ class SqlQueue:
         stmt = sa.select(_P.c.id, _P.c.payload).where(self._id_in(ids, _P.c.id))
         return dict(conn.execute(stmt).fetchall())
 
-    def _before_claim(self, conn: Connection, now: float) -> None:
+    def _before_claim(self, conn: Connection, now: float, params: dict[str, Any]) -> None:
         """In the claim's transaction: items past their deadline expire, and this queue's
         expired leases (a worker killed, or stopped without releasing) go back to ready, so
-        a scorer picks up what a dead one left without anyone running the reaper."""
+        a scorer picks up what a dead one left without anyone running the reaper. Then the
+        suspects: whether any wait (``params["suspects"]``), and for an isolation claim how
+        many it may take together (``params["n"]``; the first suspect's ``isolate_n``)."""
         self._expire_overdue(conn, now)
         self._release_expired(conn, now, _REAP_LIMIT, this_queue=True)
+        # The literal ``state = 0 AND isolate_n > 0`` matches the partial index's predicate.
+        where = "queue = :queue AND state = 0 AND isolate_n > 0 AND run_after <= :now"
+        where += " AND lane = :lane" if params["lane"] is not None else ""
+        first = conn.execute(
+            sa.text(
+                f"SELECT isolate_n FROM batching_items WHERE {where} ORDER BY isolate_n LIMIT 1"
+            ),
+            params,
+        ).scalar()
+        params["suspects"] = first is not None
+        if params["isolate"]:
+            params["n"] = min(params["n"], int(first or 0))
 
     def _expire_overdue(self, conn: Connection, now: float) -> int:
         stmt = (
@@ -499,6 +565,7 @@ class SqlQueue:
         each = sa.func.json_each(sa.literal(orjson.dumps(values).decode())).table_valued("value")
         return column.in_(sa.select(each.c.value))
 
+    @reconnecting
     def heartbeat(self, lease_id: str, lease_s: float) -> int:
         """Extend the lease; returns rows extended (0: the lease was lost, stop and write nothing)."""
         with self.begin() as conn:
@@ -573,6 +640,7 @@ class SqlQueue:
         )
         return int(conn.execute(stmt).rowcount)
 
+    @reconnecting
     def fail(
         self, lease_id: str, failures: Mapping[int, str], *, retry: bool = True
     ) -> models.FailResult:
@@ -617,6 +685,7 @@ class SqlQueue:
         )
         return models.FailResult(retried=retried, dead=dead)
 
+    @reconnecting
     def release(self, lease_id: str, ids: Sequence[int] | None = None) -> int:
         """Give items back to ``ready`` without using up an attempt (clean shutdown)."""
         with self.begin() as conn:
@@ -634,6 +703,7 @@ class SqlQueue:
             )
             return conn.execute(stmt).rowcount
 
+    @reconnecting
     def release_expired(self, limit: int = 5000, *, this_queue: bool = False) -> models.ReapResult:
         """The reaper: return items whose lease expired to ``ready`` (or ``dead`` past max
         attempts), every one of them, ``limit`` per transaction.
@@ -654,29 +724,41 @@ class SqlQueue:
     def _release_expired(
         self, conn: Connection, now: float, limit: int, *, this_queue: bool
     ) -> models.ReapResult:
-        expired = self._expired_ids(conn, now, limit, this_queue=this_queue)
-        if not expired:
-            return models.ReapResult(0, 0)
-        base = sa.and_(
-            _T.c.id.in_(expired),
-            _T.c.state == sa.literal_column("1"),
-            _T.c.lease_expires_at < now,
-        )
-        common = {
-            "lease_id": None,
-            "lease_expires_at": None,
-            "leased_by": None,
-            "crash_count": _T.c.crash_count + 1,
-            "last_error": "lease expired (worker lost)",
-        }
-        dead = conn.execute(
-            sa.update(_T)
-            .where(base, _T.c.attempts >= _T.c.max_attempts)
-            .values(state=int(models.State.DEAD), finished_at=now, **common)
-        ).rowcount
-        released = conn.execute(
-            sa.update(_T).where(base).values(state=int(models.State.READY), run_after=now, **common)
-        ).rowcount
+        expired = self._expired(conn, now, limit, this_queue=this_queue)
+        released = dead = suspects = 0
+        for verdict in crashes.judge(expired):
+            base = sa.and_(
+                self._id_in(verdict.ids),
+                _T.c.state == sa.literal_column("1"),
+                _T.c.lease_expires_at < now,
+            )
+            common = {
+                "lease_id": None,
+                "lease_expires_at": None,
+                "leased_by": None,
+                "crash_count": _T.c.crash_count + 1,
+                "isolate_n": verdict.isolate_n,
+                "last_error": verdict.reason,
+            }
+            if verdict.charged:
+                dead += conn.execute(
+                    sa.update(_T)
+                    .where(base, _T.c.attempts >= _T.c.max_attempts)
+                    .values(
+                        state=int(models.State.DEAD),
+                        finished_at=now,
+                        **(common | {"last_error": crashes.KILLER}),
+                    )
+                ).rowcount
+            else:  # not charged: the claim's attempt is given back
+                common["attempts"] = _T.c.attempts - 1
+            n = conn.execute(
+                sa.update(_T)
+                .where(base)
+                .values(state=int(models.State.READY), run_after=now, **common)
+            ).rowcount
+            released += n
+            suspects += 0 if verdict.charged else n
         if released or dead:
             logger.warning(
                 "expired leases released",
@@ -684,16 +766,17 @@ class SqlQueue:
                     "action": "release_expired",
                     "queue": self.queue if this_queue else None,
                     "n_released": released,
+                    "n_suspects": suspects,
                     "n_dead": dead,
                 },
             )
         return models.ReapResult(released=released, dead=dead)
 
-    def _expired_ids(
+    def _expired(
         self, conn: Connection, now: float, limit: int, *, this_queue: bool
-    ) -> list[int]:
+    ) -> list[crashes.Expired]:
         q = (
-            sa.select(_T.c.id)
+            sa.select(_T.c.id, _T.c.lease_id, _T.c.isolate_n)
             .where(_T.c.state == sa.literal_column("1"), _T.c.lease_expires_at < now)
             .order_by(_T.c.lease_expires_at)
             .limit(limit)
@@ -702,7 +785,7 @@ class SqlQueue:
             q = q.where(_T.c.queue == self.queue)
         if self.dialect == "postgresql":
             q = q.with_for_update(skip_locked=True, key_share=True)
-        return [r[0] for r in conn.execute(q)]
+        return [crashes.Expired(r[0], str(r[1]), int(r[2])) for r in conn.execute(q)]
 
     def lease_held(self, conn: Connection, lease_id: str, ids: Sequence[int]) -> bool:
         """True when this lease still holds every one of ``ids`` (checked in ``conn``'s txn)."""
@@ -713,6 +796,7 @@ class SqlQueue:
 
     # -- operations --------------------------------------------------------------------------
 
+    @reconnecting
     def stats(self, *, all_queues: bool = False) -> models.QueueStats:
         """Counts by state, oldest ready age and expired leases, per (queue, lane, tenant)."""
         now = self.clock()
@@ -875,9 +959,19 @@ class Waiter:
         if self._engine.dialect.name != "postgresql":
             self._stopped.wait(timeout_s)
             return False
-        conn = self._listen()
-        for note in conn.notifies(timeout=timeout_s, stop_after=1):
-            return bool(note.payload == self._queue)
+        import psycopg
+
+        try:
+            conn = self._listen()
+            for note in conn.notifies(timeout=timeout_s, stop_after=1):
+                return bool(note.payload == self._queue)
+        except psycopg.Error as exc:  # the listening connection died: poll, listen again later
+            logger.warning(
+                "database connection lost while listening; polling, reconnecting next time",
+                extra={"action": "reconnect", "error": str(exc).strip()[:200]},
+            )
+            self.close(stopping=False)
+            self._stopped.wait(timeout_s)
         return False
 
     def _listen(self) -> Any:
@@ -891,8 +985,9 @@ class Waiter:
                 self._conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
             return self._conn
 
-    def close(self) -> None:
-        self._stopped.set()
+    def close(self, *, stopping: bool = True) -> None:
+        if stopping:
+            self._stopped.set()
         with self._lock:
             if self._conn is not None:
                 self._conn.close()

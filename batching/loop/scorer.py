@@ -90,6 +90,8 @@ class Scorer(Generic[D]):
         self._claim_wanted = threading.Event()  # a batch left the batcher
         self._claims_over = threading.Event()
         self._exhausted = False  # the last claim found nothing ready
+        # Suspects (items of a lost worker) wait: claim them alone once nothing is in flight.
+        self._isolating = False
         self._batch_lock = threading.Lock()  # the batcher: claim thread adds, dispatcher polls
         self._leases: dict[str, int] = {}
         self._item_lease: dict[int, str] = {}
@@ -168,7 +170,9 @@ class Scorer(Generic[D]):
                     deadline is not None and self.clock() >= deadline
                 ):
                     return
-                if self._pending() >= self._low_water():
+                if self._pending() >= self._low_water() or (
+                    self._isolating and not self._drained()
+                ):
                     self._claim_wanted.wait(self.config.queue.poll_s)
                     self._claim_wanted.clear()
                     continue
@@ -189,7 +193,7 @@ class Scorer(Generic[D]):
         while not self._stop.is_set() and self._error is None:
             self._wake.clear()  # before looking: a wake-up after this line is not lost
             over = self._claims_over.is_set()
-            flush = over or self._exhausted or self._bulk_ready()
+            flush = over or self._exhausted or self._isolating or self._bulk_ready()
             if self._to_forward.empty() and self._dispatch(flush=flush):
                 continue
             if over and self._pending() == 0:
@@ -214,17 +218,34 @@ class Scorer(Generic[D]):
         batching = self.config.batching
         return max(batching.effective_claim_size // 2, 2 * batching.max_batch_size)
 
+    def _drained(self) -> bool:
+        with self._lock:
+            return not self._leases
+
     def _claim(self, limits: RunLimits) -> bool:
+        """One claim; False when nothing was ready. Suspects (the items of a worker that died)
+        are claimed in isolation rounds: once the claims before have all committed, the
+        suspects' own claim, flushed at once, and no other claim until it is done. A death
+        then is charged to them alone (``batching.crashes``)."""
         n = self.config.batching.effective_claim_size
         if limits.max_items is not None:
             n = min(n, limits.max_items - self.stats.claimed)
         started = time.perf_counter()
         claim = self.queue.claim(
-            n, lease_s=self.config.queue.lease_s, lane=self.config.queue.lane, columns=True
+            n,
+            lease_s=self.config.queue.lease_s,
+            lane=self.config.queue.lane,
+            columns=True,
+            isolate=self._isolating,
         )
         self.stats.stage_s["claim"] += time.perf_counter() - started
+        if claim.isolated:
+            self.stats.isolated += len(claim.items)
+            self._isolating = bool(claim.items)
+        else:
+            self._isolating = claim.suspects
         if not claim.items:
-            return False
+            return self._isolating or claim.isolated
         with self._lock:
             self._leases[claim.lease_id] = len(claim.items)
             ids = models.item_column(claim.items, "id")
@@ -370,6 +391,17 @@ class Scorer(Generic[D]):
         for n, (lease_id, part) in enumerate(parts):
             try:
                 self.stats.commits += self._commit_lease_part(lease_id, part, now)
+            except errors.Disconnected:
+                # The connection died mid-commit, so the batch may or may not have committed:
+                # what is still leased goes back, and the ledger settles the batch as at
+                # start-up (rolled forward if it committed). The pool reconnects; go on.
+                self._give_back(parts[n:])
+                logger.warning(
+                    "database connection lost during a commit; items given back, run goes on",
+                    extra={"action": "reconnect", "lease_id": lease_id},
+                )
+                self.outputs.recover()
+                return
             except (errors.SinkError, errors.QueueError):
                 # The output or the database failed, not these items: give them back without
                 # using an attempt (left to the reaper, items on their last one would go dead).
@@ -436,6 +468,8 @@ class Scorer(Generic[D]):
                 self._leases[lease_id] = left
             else:
                 self._leases.pop(lease_id, None)
+                if not self._leases:  # an isolation round may start
+                    self._claim_wanted.set()
 
     # -- leases ------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ class RunSummary(TypedDict):
     items_failed: int
     items_released: int
     lease_lost_items: int
+    items_isolated: int
     batches: int
     commits: int
     batch_size_mean: float
@@ -54,6 +55,7 @@ _ADDITIVE = (
     "failed",
     "released",
     "lease_lost",
+    "isolated",
     "claimed",
     "commits",
     "batch_sizes",
@@ -74,6 +76,7 @@ class RunStats:
     failed: int = 0
     released: int = 0
     lease_lost: int = 0
+    isolated: int = 0  # suspects claimed in isolation rounds (``batching.crashes``)
     claimed: int = 0
     commits: int = 0
     batch_sizes: list[int] = field(default_factory=list)
@@ -115,6 +118,7 @@ class RunStats:
             "items_failed": self.failed,
             "items_released": self.released,
             "lease_lost_items": self.lease_lost,
+            "items_isolated": self.isolated,
             "batches": len(sizes),
             "commits": self.commits,
             "batch_size_mean": sum(sizes) / len(sizes) if sizes else 0.0,
@@ -161,6 +165,8 @@ def summary_rows(summary: Mapping[str, object]) -> list[tuple[str, str]]:
         ("elapsed (s)", f"{summary['elapsed_s']:.1f}"),
         ("release reasons", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "-"),
     ]
+    if summary.get("items_isolated"):  # suspects of a lost worker, scored alone
+        rows.insert(3, ("items scored in isolation", f"{summary['items_isolated']}"))
     # Three significant digits: a short run's stages are busy for milliseconds, which a fixed
     # two decimals showed as 0.00.
     busy = summary.get("stage_busy_s")

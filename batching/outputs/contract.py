@@ -355,6 +355,10 @@ class Outputs:
     def flush(self) -> None:
         self.sink.flush()
 
+    def recover(self) -> outcomes.RecoverResult:
+        """The sink's ``recover()``, as at start-up: the ledger decides each staged batch."""
+        return self.sink.recover()
+
 
 def refuse_missing_output(
     rows: Sequence[Row[tuple[object, ...]]], missing: str, queue: str, check: str

@@ -186,6 +186,8 @@ def translate_errors(url: str) -> Iterator[None]:
         for texts, fix in _NOT_A_DATABASE:  # bad input (exit 2), not a database failure
             if all(t in reason for t in texts):
                 raise errors.ConfigError(f"database {redact(url)}: {reason}; {fix}") from e
+        if e.connection_invalidated:  # the pool drops the connection; a new one may work
+            raise errors.Disconnected(f"database {redact(url)} connection lost: {reason}") from e
         if isinstance(e, exc.OperationalError):
             raise errors.QueueError(
                 f"database {redact(url)} failed: {reason}{_hint(reason)}"

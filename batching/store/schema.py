@@ -69,6 +69,9 @@ def _item_columns(*, archive: bool) -> list[sa.Column[Any]]:
         sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
         sa.Column("max_attempts", sa.Integer, nullable=False, server_default="5"),
         sa.Column("crash_count", sa.Integer, nullable=False, server_default="0"),
+        # A suspect (migration 11): its lease expired with its worker, so it is claimed only in
+        # an isolation round of at most this many items (0: not a suspect; ``batching.crashes``).
+        sa.Column("isolate_n", sa.Integer, nullable=False, server_default="0"),
         sa.Column("enqueued_at", sa.Float, nullable=False),
         sa.Column("run_after", sa.Float, nullable=False),
         sa.Column("deadline_at", sa.Float),
@@ -129,6 +132,16 @@ sa.Index(
     items.c.lease_expires_at,
     postgresql_where=_LEASED,
     sqlite_where=_LEASED,
+)
+# Suspects waiting for an isolation round (migration 11): every claim asks whether there are
+# any, and the partial index is empty unless a worker died.
+_SUSPECT = sa.text("state = 0 AND isolate_n > 0")
+sa.Index(
+    "ix_batching_items_suspect",
+    items.c.queue,
+    items.c.isolate_n,
+    postgresql_where=_SUSPECT,
+    sqlite_where=_SUSPECT,
 )
 # No index on lease_id (dropped by migration 5): heartbeat, release and fail find a lease's
 # rows by scanning the leased set above (a few claims' worth), and ack goes by id. Keeping it
@@ -388,6 +401,18 @@ def _v10(conn: Connection) -> None:
         conn.execute(sa.text(f"ALTER TABLE {batches.name} ADD COLUMN seq BIGINT"))
 
 
+def _v11(conn: Connection) -> None:
+    for table in (items, items_archive):
+        columns = {c["name"] for c in sa.inspect(conn).get_columns(table.name)}
+        if "isolate_n" not in columns:
+            conn.execute(
+                sa.text(f"ALTER TABLE {table.name} ADD COLUMN isolate_n INTEGER NOT NULL DEFAULT 0")
+            )
+    for index in items.indexes:
+        if index.name == "ix_batching_items_suspect":
+            index.create(conn, checkfirst=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "queue items, archive, batch ledger, runs, results", _v1),
     Migration(2, "expiry index leads with queue", _v2),
@@ -399,6 +424,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(8, "runs record their last heartbeat", _v8),
     Migration(9, "SQL results keyed by queue, model version and item key", _v9),
     Migration(10, "an outbox for outputs outside the queue's database", _v10),
+    Migration(11, "suspects of a lost worker wait for an isolation round", _v11),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

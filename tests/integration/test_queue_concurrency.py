@@ -117,7 +117,8 @@ def test_sigkilled_claimer_items_are_reaped_and_finished(
             )
         ).all()
     engine.dispose()
-    assert {(r.attempts, r.crash_count) for r in rows} == {(2, 1)}
+    # The dead claimer's attempt was given back (it held 120 items: none is to blame alone).
+    assert {(r.attempts, r.crash_count) for r in rows} == {(1, 1)}
 
 
 LOCK_HOLDER = """

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from batching import models
+from batching import crashes, models
 from batching.ingress import queue as q
 from batching.store import database, schema
 from batching.testing import FakeClock, InMemoryQueue
@@ -132,12 +132,13 @@ def test_stale_lease_can_never_ack(queue: Queue, clock: FakeClock) -> None:
     assert queue.ack("not-the-lease", ids) == 0
     clock.advance(11)
     assert queue.release_expired().released == 2
-    second = queue.claim(2, lease_s=10)
+    second = queue.claim(2, lease_s=10, isolate=True)  # the lost lease's items are suspects
+    assert [i.item_key for i in second.items] == ["a"]
     assert queue.ack(first.lease_id, ids) == 0
     assert queue.heartbeat(first.lease_id, 10) == 0
     assert queue.fail(first.lease_id, dict.fromkeys(ids, "x")) == models.FailResult(0, 0)
     assert queue.release(first.lease_id) == 0
-    assert queue.ack(second.lease_id, ids) == 2
+    assert queue.ack(second.lease_id, ids) == 1
     assert queue.ack(second.lease_id, ids) == 0
     assert row(queue, "a").state == models.State.DONE
 
@@ -153,11 +154,14 @@ def test_heartbeat_keeps_lease_from_reaper(queue: Queue, clock: FakeClock) -> No
     assert queue.release_expired() == models.ReapResult(1, 0)
     r = row(queue, "a")
     assert (r.state, r.crash_count, r.lease_id) == (models.State.READY, 1, None)
-    assert r.last_error == "lease expired (worker lost)"
+    # Claimed by a plain claim, it was not alone in its process: no attempt is charged.
+    assert (r.attempts, r.isolate_n) == (0, 1)
+    assert r.last_error == crashes.REFUNDED.format(n=1)
 
 
 def test_a_claim_reaps_its_queues_expired_leases_first(queue: Queue, clock: FakeClock) -> None:
-    """A killed scorer's items come back to the next claim, with no reaper run."""
+    """A killed scorer's items come back to the next claim, with no reaper run, as suspects
+    for an isolation round: a plain claim leaves them, and charges nobody."""
     other = sibling(queue, "other")
     queue.enqueue([rec("a"), rec("b"), rec("p", max_attempts=1)])
     other.enqueue([rec("x")])
@@ -166,25 +170,64 @@ def test_a_claim_reaps_its_queues_expired_leases_first(queue: Queue, clock: Fake
     clock.advance(9)
     assert len(queue.claim(3, lease_s=10)) == 0  # not expired yet
     clock.advance(2)
-    again = queue.claim(3, lease_s=10)
-    assert sorted(i.item_key for i in again.items) == ["a", "b"]
-    assert all(i.attempts == 2 for i in again.items)
+    plain = queue.claim(3, lease_s=10)
+    assert (len(plain), plain.suspects, plain.isolated) == (0, True, False)
+    # A lease of 3 lost: each suspect goes again with at most one other (half of 3, rounded up).
+    again = queue.claim(3, lease_s=10, isolate=True)
+    assert again.isolated
+    assert len(again) == 2
+    assert [i.item_key for i in again.items] == ["a", "b"]
+    assert all(i.attempts == 1 for i in again.items), "the lost worker's attempt was given back"
     r = row(queue, "p")
-    assert (r.state, r.last_error) == (models.State.DEAD, "lease expired (worker lost)")
+    assert (r.state, r.attempts, r.isolate_n) == (models.State.READY, 0, 2)
     assert queue.ack(lost.lease_id, [i.id for i in lost.items]) == 0
     # Another queue's leases are its own scorers' (or the reaper's) to return.
     assert row(other, "x").lease_id == other_lost.lease_id
 
 
-def test_reaper_dead_letters_after_max_attempts(queue: Queue, clock: FakeClock) -> None:
-    queue.enqueue([models.EnqueueRecord("p", models.Payload(b"{}"), max_attempts=2)])
-    for _ in range(2):
-        assert len(queue.claim(1, lease_s=5)) == 1
+def test_an_item_alone_in_isolation_is_charged_until_dead(queue: Queue, clock: FakeClock) -> None:
+    """Only a death while the item was the only one of its isolation round costs an attempt."""
+    queue.enqueue([rec("p", max_attempts=2)])
+    assert len(queue.claim(1, lease_s=5)) == 1
+    clock.advance(6)
+    queue.release_expired()
+    assert row(queue, "p").attempts == 0
+    for attempt in (1, 2):
+        assert len(queue.claim(1, lease_s=5)) == 0, "a suspect waits for an isolation round"
+        claim = queue.claim(5, lease_s=5, isolate=True)
+        assert [i.attempts for i in claim.items] == [attempt]
         clock.advance(6)
         queue.release_expired()
     r = row(queue, "p")
-    assert (r.state, r.attempts) == (models.State.DEAD, 2)
-    assert len(queue.claim(1, lease_s=5)) == 0
+    assert (r.state, r.attempts, r.crash_count) == (models.State.DEAD, 2, 3)
+    assert r.last_error == crashes.KILLER
+    assert len(queue.claim(1, lease_s=5, isolate=True)) == 0
+
+
+def test_isolation_rounds_bisect_and_never_charge_the_good(queue: Queue, clock: FakeClock) -> None:
+    """One killer among 8: each round that dies halves its suspects' company; the good ones
+    commit with no attempt charged, and the killer alone ends dead."""
+    queue.enqueue([rec(f"k{i}", max_attempts=2) for i in range(8)])
+    killer = "k5"
+    claim = queue.claim(8, lease_s=5)
+    deaths = 0
+    while True:
+        ids = [i.id for i in claim.items]
+        if killer in {i.item_key for i in claim.items}:  # the worker dies with this claim
+            deaths += 1
+            clock.advance(6)
+            queue.release_expired()
+        else:
+            assert queue.ack(claim.lease_id, ids) == len(ids)
+            assert all(i.attempts == 1 for i in claim.items), "a good item was charged"
+        claim = queue.claim(8, lease_s=5, isolate=True)
+        if not claim.items:
+            break
+        assert len(claim) <= 4
+    stats = queue.stats().by_state
+    assert (stats["done"], stats["dead"], stats["ready"]) == (7, 1, 0)
+    assert row(queue, killer).last_error == crashes.KILLER
+    assert deaths == 3 + 2  # the claim of 8, its rounds of 4 and 2; then 2 attempts alone
 
 
 def test_fail_backs_off_with_jitter_then_dead_letters(queue: Queue, clock: FakeClock) -> None:

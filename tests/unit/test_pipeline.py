@@ -61,7 +61,10 @@ class InMemoryQueue:
         lane: str | None = None,
         max_cost: int | None = None,
         columns: bool = False,  # items as work items either way (ItemBlocks: integration tests)
+        isolate: bool = False,  # no suspects here: an isolation claim finds none
     ) -> models.Claim:
+        if isolate:
+            return models.Claim("none", (), self.clock() + lease_s, isolated=True)
         with self._lock:
             self._leases += 1
             lease_id = f"lease-{self._leases}"
@@ -148,6 +151,7 @@ class ListSink:
         self.queue = queue
         self.batches: list[Scored] = []
         self.flushes = 0
+        self.recovers = 0
         self.before_commit: Callable[[Scored], None] | None = None
         self.committed = threading.Semaphore(0)  # released once per commit
 
@@ -169,6 +173,9 @@ class ListSink:
 
     def flush(self) -> None:
         self.flushes += 1
+
+    def recover(self) -> None:
+        self.recovers += 1
 
     def keys(self) -> Counter[str]:
         return Counter(i.item_key for b in self.batches for i in b.items)

@@ -1,0 +1,50 @@
+"""`batching ARGS` whose process dies whenever the model is handed one chosen item:
+
+    python die_on.py KEY HOW -- ARGS
+
+HOW ``exit``: ``os._exit(3)`` in the model, as a native library that gives up would; ``segv``:
+a real segmentation fault (a read of address 0), the kernel's doing; ``kill``: SIGKILL, as an
+OOM kill takes a process. None of them runs a ``finally``: the lease is simply left to expire.
+The death comes in ``decode``, when the batch holding KEY is on its way to the forward pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def die(how: str) -> None:
+    if how == "exit":
+        os._exit(3)
+    if how == "segv":
+        ctypes.string_at(0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    sep = sys.argv.index("--")
+    key, how = sys.argv[1:sep]
+    from batching import models
+    from batching.model import runner
+
+    decode = runner.TorchRunner.decode
+
+    def dying_decode(self: runner.TorchRunner, items: Sequence[Any]) -> Any:
+        if key in models.item_column(items, "item_key"):
+            die(how)
+        return decode(self, items)
+
+    runner.TorchRunner.decode = dying_decode  # type: ignore[method-assign]
+    from batching.cli import main as batching
+
+    sys.argv = ["batching", *sys.argv[sep + 1 :]]
+    batching()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""A scorer whose PostgreSQL connections are terminated under it (``pg_terminate_backend``,
+as a failover or an administrator does) reconnects with backoff and finishes the run; its
+leases stay fenced, so nothing is committed twice."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from batching import config as cfg
+from batching import models
+from tests.integration.conftest import BATCHING
+from tests.integration.test_pipeline import (
+    SLOW,
+    dataset,
+    enqueue,
+    items,
+    w1_records,
+    wait_for_done,
+    write_config,
+)
+
+N = 3000
+TERMINATE = (
+    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_a_scorer_reconnects_after_its_backends_are_terminated(pg_url: str, tmp_path: Path) -> None:
+    path = write_config("tabular.yaml", tmp_path, batching=SLOW, queue={"lease_s": 10})
+    enqueue(pg_url, cfg.load_config(path), w1_records(N, tmp_path))
+    proc = subprocess.Popen(
+        [BATCHING, "score", "-c", str(path), "--db", pg_url, "--quiet", "--until-empty"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    terminated = 0
+    with psycopg.connect(pg_url.replace("+psycopg", ""), autocommit=True) as admin:
+        for at_least in (300, 900, 1500, 2100):
+            wait_for_done(pg_url, at_least, proc)
+            terminated += admin.execute(TERMINATE).fetchone()[0]  # type: ignore[index]
+            time.sleep(0.05)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert terminated >= 4, "no connection was terminated: nothing tested"
+    assert "reconnect" in err
+    assert Counter(models.State(r.state).name for r in items(pg_url).values()) == Counter(DONE=N)
+    assert len(dataset(tmp_path / "outputs")) == N
+    reconciled = subprocess.run(
+        [BATCHING, "reconcile", "-c", str(path), "--db", pg_url],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert reconciled.returncode == 0, reconciled.stdout
