@@ -15,8 +15,11 @@ orphan_file            critical  a visible ``*.parquet`` that no live ledger row
                                  of a batch in a table without one
                        warning   a staging leftover: never committed and its lease is gone
 duplicate              critical  one ``(model_version, item_key)`` in two live batches
-unpublished            warning   ledger ``committed`` but the output not published yet (a file
-                                 in staging, rows waiting in the outbox for the roll-forward)
+unpublished            critical  ledger ``committed`` (its items acked) but the output not
+                                 published for over ``PUBLISH_GRACE_S``: readers miss acked
+                                 items (a file in staging, rows waiting in the outbox)
+                       warning   the same, committed less than ``PUBLISH_GRACE_S`` ago (a live
+                                 scorer between its commit and its rename or roll-forward)
                        info      the file is published; the ledger's mark is not (a live
                                  scorer records it with its next commit; recovery or
                                  ``--repair`` does after a crash): readers see the file
@@ -107,6 +110,7 @@ class Facts:
     late: ItemTally = ItemTally()
     other_datasets: Mapping[str, int] = field(default_factory=dict)
     orphan_batches: tuple[str, ...] = ()
+    now: float | None = None  # when the facts were read (None: every age is past the grace)
 
 
 # ----------------------------------------------------------------------------- report (output)
@@ -205,13 +209,17 @@ class Report:
 
 # ----------------------------------------------------------------------------- classification
 
+PUBLISH_GRACE_S = 60.0
+"""How long a committed batch may stay unpublished before reconcile calls it critical: a live
+scorer publishes within milliseconds of its commit, so past this its publish failed."""
+
 
 def classify(facts: Facts) -> list[Finding]:
     """Turn facts into findings (pure: no I/O), in a stable order."""
     keys_by_batch: dict[str | None, list[str]] = defaultdict(list)
     for item in facts.done:
         keys_by_batch[item.batch_id].append(item.item_key)
-    findings = [f for b in facts.batches for f in _batch_findings(b, keys_by_batch)]
+    findings = [f for b in facts.batches for f in _batch_findings(b, keys_by_batch, facts.now)]
     findings += _duplicates(facts.batches)
     findings += _lost_writes(facts)
     findings += _orphans(facts)
@@ -222,7 +230,9 @@ def classify(facts: Facts) -> list[Finding]:
     return findings
 
 
-def _batch_findings(b: BatchFacts, keys_by_batch: Mapping[str | None, list[str]]) -> list[Finding]:
+def _batch_findings(
+    b: BatchFacts, keys_by_batch: Mapping[str | None, list[str]], now: float | None
+) -> list[Finding]:
     if not b.live or b.where == "table":
         return []
     if b.where == "missing":
@@ -233,11 +243,16 @@ def _batch_findings(b: BatchFacts, keys_by_batch: Mapping[str | None, list[str]]
         )
     elif b.problem is not None:
         kind, severity, msg = Kind.TRUNCATED_OR_CORRUPT, Severity.CRITICAL, b.problem
-    elif b.where == "staging":
-        kind, severity, msg = Kind.UNPUBLISHED, Severity.WARNING, "not published (staging)"
-    elif b.where == "pending":
-        kind, severity = Kind.UNPUBLISHED, Severity.WARNING
-        msg = "not published (its rows wait in the outbox for the roll-forward)"
+    elif b.where in ("staging", "pending"):
+        # Its items are acked, yet readers do not see them: critical, unless the commit is so
+        # recent that a live scorer may be publishing it right now.
+        recent = now is not None and now - b.committed_at < PUBLISH_GRACE_S
+        kind, severity = Kind.UNPUBLISHED, Severity.WARNING if recent else Severity.CRITICAL
+        msg = (
+            "acked but not published (its file is in staging)"
+            if b.where == "staging"
+            else "acked but not published (its rows wait in the outbox for the roll-forward)"
+        )
     elif (
         b.state == models.BatchState.COMMITTED
     ):  # in the dataset: only the ledger's mark is pending

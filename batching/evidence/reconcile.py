@@ -128,6 +128,7 @@ def gather(
         **health,
         other_datasets=dict(others),
         orphan_batches=out.orphan_batches,
+        now=now,
     )
 
 

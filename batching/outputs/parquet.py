@@ -145,19 +145,36 @@ class ParquetSink(sinks.FencedSink):
         )
 
     def publish_staged(self, staged: sinks.Staged) -> bool:
-        """Step 3: rename into the dataset; a failure leaves the batch for ``recover()``."""
+        """Step 3: rename into the dataset; False when only the ledger's mark failed (the
+        file is visible; ``recover()`` records the mark).
+
+        Raises:
+            SinkError: the rename failed. The batch is committed (its items acked) but readers
+                do not see it, so the run must stop rather than ack more into an output that
+                refuses them; the next start, or ``reconcile --repair``, publishes it.
+        """
         with self._marks_lock:
             taken = self._taken.pop(staged.batch.batch_id, [])
         self._marked(taken)
         assert staged.path is not None
+        batch_id = staged.batch.batch_id
         try:
-            self._publish(
-                staged.batch.batch_id, staged.location, staged.path, defer=self._defer_marks
-            )
-        except (errors.SinkError, errors.QueueError):
-            logger.exception(
+            self._publish(batch_id, staged.location, staged.path, defer=self._defer_marks)
+        except errors.SinkError as exc:
+            logger.error(
                 "batch committed but not published",
-                extra={"action": "publish_failed", "batch_id": staged.batch.batch_id},
+                extra={"action": "publish_failed", "batch_id": batch_id, "error": str(exc)},
+            )
+            raise errors.SinkError(
+                f"batch {batch_id} is committed but not published ({exc}); scoring stops. "
+                "Fix the output folder; the next run's start or `batching reconcile --repair` "
+                "publishes it"
+            ) from exc
+        except errors.QueueError:
+            logger.warning(
+                "batch published; its ledger mark is left for recovery",
+                extra={"action": "publish_mark_failed", "batch_id": batch_id},
+                exc_info=True,
             )
             return False
         return True

@@ -281,7 +281,7 @@ def test_crash_after_commit_is_rolled_forward_by_recover(
     assert parquet.ParquetSink(queue, root).recover() == outcomes.RecoverResult()
 
 
-def test_failed_rename_returns_unpublished_and_recover_publishes(
+def test_failed_rename_raises_after_the_commit_and_recover_publishes(
     queue: q.SqlQueue,
     sink: parquet.ParquetSink,
     root: Path,
@@ -292,12 +292,15 @@ def test_failed_rename_returns_unpublished_and_recover_publishes(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(sink, "_move_into_place", broken)
-    result = sink.commit(scored(claim(queue, ["a"]), clock))
-    assert result.published is False
+    with pytest.raises(errors.SinkError, match=r"committed but not published.*No space left"):
+        sink.commit(scored(claim(queue, ["a"]), clock))
+    (row,) = ledger(queue)
+    assert row.state == "committed"
+    assert items(queue)["a"].state == models.State.DONE
     assert visible(root) == set()
     monkeypatch.undo()
-    assert sink.recover().rolled_forward == (result.batch_id,)
-    assert visible(root) == {result.location}
+    assert sink.recover().rolled_forward == (row.batch_id,)
+    assert visible(root) == {row.path}
 
 
 def test_scored_batch_checks_one_finite_output_per_item(

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from batching.evidence import reconcile as rc
+from batching.evidence.findings import PUBLISH_GRACE_S as GRACE_S
 from batching.evidence.reconcile import Kind, Severity
 
 
@@ -49,10 +50,12 @@ def test_consistent_facts_have_no_findings() -> None:
             {"problem": "3 rows, ledger says 2", "keys": None},
             (Kind.TRUNCATED_OR_CORRUPT, Severity.CRITICAL),
         ),
-        ({"state": "committed", "where": "staging"}, (Kind.UNPUBLISHED, Severity.WARNING)),
+        # Acked, and readers do not see it: critical (see the grace below).
+        ({"state": "committed", "where": "staging"}, (Kind.UNPUBLISHED, Severity.CRITICAL)),
+        ({"state": "committed", "where": "pending"}, (Kind.UNPUBLISHED, Severity.CRITICAL)),
         # A scorer's deferred publish mark: readers see the file; no page for it.
         ({"state": "committed", "where": "dataset"}, (Kind.UNPUBLISHED, Severity.INFO)),
-        ({"state": "published", "where": "staging"}, (Kind.UNPUBLISHED, Severity.WARNING)),
+        ({"state": "published", "where": "staging"}, (Kind.UNPUBLISHED, Severity.CRITICAL)),
     ],
 )
 def test_batch_file_faults(overrides: dict[str, Any], expected: tuple[Kind, Severity]) -> None:
@@ -61,6 +64,20 @@ def test_batch_file_faults(overrides: dict[str, Any], expected: tuple[Kind, Seve
     assert (finding.kind, finding.severity) == expected
     assert finding.batch_ids == ("b1",)
     assert finding.item_keys == ("a",), "the items that depend on the file are named"
+
+
+@pytest.mark.parametrize(
+    ("age_s", "expected"),
+    [(GRACE_S - 1, Severity.WARNING), (GRACE_S + 1, Severity.CRITICAL)],
+)
+def test_an_unpublished_batch_is_critical_once_past_the_grace(
+    age_s: float, expected: Severity
+) -> None:
+    """A live scorer publishes right after its commit: only then is "not visible" a fault."""
+    b = batch("b1", {"a"}, state="committed", where="staging")
+    f = facts(batches=(b,), done=(rc.DoneItem("a", "b1"),), now=b.committed_at + age_s)
+    (finding,) = rc.classify(f)
+    assert (finding.kind, finding.severity) == (Kind.UNPUBLISHED, expected)
 
 
 @pytest.mark.parametrize("state", ["quarantined", "superseded"])
