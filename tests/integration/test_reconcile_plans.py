@@ -94,7 +94,7 @@ def plans(queue: q.SqlQueue, sent: list[tuple[str, Any]]) -> Iterator[tuple[str,
     with queue.engine.connect() as conn:
         for statement, params in sent:
             raw = conn.exec_driver_sql("EXPLAIN (FORMAT JSON) " + statement, params).scalar()
-            doc = json.loads(raw) if isinstance(raw, str) else raw
+            doc: Any = json.loads(raw) if isinstance(raw, str) else raw
             yield statement, doc[0]["Plan"]
 
 
