@@ -13,6 +13,9 @@ Safe beside a live scorer: the sink surveys what readers see *before* the ledger
 output becomes visible only after its ledger row commits), and a staging file whose lease
 still holds items is left alone (its commit may be in flight). Gathering (I/O) is separate
 from :func:`classify`, which is pure and unit-tested on hand-made :class:`Facts`.
+
+Why it stays one module: the gathering (with the statistics its PostgreSQL plans need) and
+the repairs read and change the same scope of the queue and the ledger, in one order.
 """
 
 from __future__ import annotations
