@@ -422,7 +422,7 @@ def _keyed_lookup(
     Why not ``item_key IN (...)``: on a table never analyzed PostgreSQL took the results
     table for a few rows and read the whole ``(queue, model_version)`` range of its key for
     every chunk, the list a filter on each row (not hashed once the plan was cached): each
-    chunk read every row (9.7 s for 20k items, 4 minutes for 50k; 22 minutes for 100k in the
+    chunk read every row (9.7 s for 20k items, 2.8 minutes for 50k; 22 minutes for 100k in the
     field, 2.5 s after ``ANALYZE``). Here each key
     is a ``LATERAL`` subquery on the full primary key; its ``LIMIT`` keeps the planner from
     flattening it into a join it might hash over the whole table, and a unique key's
