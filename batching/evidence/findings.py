@@ -29,6 +29,9 @@ dead                   info      dead-lettered items, counted by ``last_error``
 expired                info      items expired before scoring, counted by ``last_error``
 other_dataset          warning   a batch missing here but whole in the other dataset root it
                                  was written to (not judged or repaired here: reconcile there)
+unsafe_path            critical  a live ledger row names a path outside the dataset root or
+                                 its staging folder (``..``, absolute, a symlink out): never
+                                 read, moved or repaired; a person looks at the row
 =====================  ========  =============================================================
 
 :func:`classify` is pure: gathering (I/O) and repair live in :mod:`batching.evidence.reconcile`, so the
@@ -74,6 +77,7 @@ class Kind(enum.StrEnum):
     DEAD = "dead"
     EXPIRED = "expired"
     OTHER_DATASET = "other_dataset"
+    UNSAFE_PATH = "unsafe_path"
 
 
 # ----------------------------------------------------------------------------- facts (input)
@@ -235,7 +239,10 @@ def _batch_findings(
 ) -> list[Finding]:
     if not b.live or b.where == "table":
         return []
-    if b.where == "missing":
+    if b.where == "unsafe":
+        kind, severity = Kind.UNSAFE_PATH, Severity.CRITICAL
+        msg = b.problem or "its ledger row names a path outside the dataset"
+    elif b.where == "missing":
         kind, severity, msg = (
             Kind.MISSING_FILE,
             Severity.CRITICAL,
@@ -261,7 +268,7 @@ def _batch_findings(
     else:
         return []
     keys = tuple(sorted(keys_by_batch.get(b.batch_id, ())))
-    message = f"batch {b.batch_id} ({b.state}): {msg}"
+    message = msg if kind is Kind.UNSAFE_PATH else f"batch {b.batch_id} ({b.state}): {msg}"
     return [Finding(kind, severity, message, keys, (b.file,), (b.batch_id,), count=1)]
 
 
@@ -329,8 +336,8 @@ def _lost_reason(item: DoneItem, batch: BatchFacts | None, foreign: frozenset[st
         return "its batch has no ledger row"
     if not batch.live:
         return f"its batch is {batch.state}"
-    if batch.where in ("missing", "pending") or batch.problem is not None:
-        return None  # reported as missing_file / truncated_or_corrupt / unpublished
+    if batch.where in ("missing", "pending", "unsafe") or batch.problem is not None:
+        return None  # reported as missing_file / truncated_or_corrupt / unpublished / unsafe_path
     if item.has_output is False:
         return "no result row for its key"
     if batch.keys is not None and item.item_key not in batch.keys:

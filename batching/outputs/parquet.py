@@ -48,6 +48,7 @@ from batching.outputs.parquet_layout import (
     fsync_dir,
     parse_staging_name,
     rewrite_in_flight,
+    unsafe_row,
 )
 from batching.store import schema
 
@@ -263,7 +264,7 @@ class ParquetSink(sinks.FencedSink):
         """
         with self.fence.begin() as conn:
             row = ledger.row(conn, batch_id)
-        if row is None or row.state != models.BatchState.COMMITTED:
+        if row is None or row.state != models.BatchState.COMMITTED or self._unsafe(row):
             return False
         staged = self.layout.staging / PurePath(row.staging_path or "").name
         final = self.layout.root / row.path
@@ -350,7 +351,7 @@ class ParquetSink(sinks.FencedSink):
         """
         with self.fence.begin() as conn:
             row = ledger.row(conn, batch_id)
-        if row is None or row.state not in models.LIVE_BATCH_STATES:
+        if row is None or row.state not in models.LIVE_BATCH_STATES or self._unsafe(row):
             return None
         old = self.layout.root / row.path
         with sinks.translate_errors(f"cannot read {old}"):
@@ -526,6 +527,9 @@ class ParquetSink(sinks.FencedSink):
 
         if row.state not in models.LIVE_BATCH_STATES:
             return found("retired", row.path)
+        unsafe = unsafe_row(self.layout, row)
+        if unsafe is not None:  # never read, moved or set aside: reported (unsafe_path)
+            return found("unsafe", repr(row.path), unsafe)
         staging = self.layout.staging
         staged = staging / PurePath(row.staging_path).name if row.staging_path else None
         for where, path in (("staging", staged), ("dataset", self.layout.root / row.path)):
@@ -539,6 +543,17 @@ class ParquetSink(sinks.FencedSink):
                 continue
             return found(where, str(path), problem, None if problem else keys)
         return found("missing", row.path)
+
+    def _unsafe(self, row: Any) -> bool:
+        """Whether the row names a path outside the dataset (logged: it is not acted on)."""
+        unsafe = unsafe_row(self.layout, row)
+        if unsafe is not None:
+            logger.error(
+                "%s; not acted on (reconcile reports it)",
+                unsafe,
+                extra={"action": "unsafe_path", "batch_id": row.batch_id},
+            )
+        return unsafe is not None
 
     def _kept_elsewhere(self, row: Any) -> bool:
         """Whether a batch's file is in the dataset root it was written for, another one."""

@@ -21,8 +21,8 @@ import shutil
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import BinaryIO
+from pathlib import Path, PurePath, PurePosixPath
+from typing import Any, BinaryIO
 from urllib.parse import quote
 
 import pyarrow as pa
@@ -109,6 +109,52 @@ class ParquetLayout:
             shutil.move(path, dest)
         logger.warning("file quarantined", extra={"action": "quarantine", "path": str(dest)})
         return dest
+
+
+def unsafe_row(layout: ParquetLayout, row: Any) -> str | None:
+    """Why a ledger row's paths may not be acted on, or None when they are safe.
+
+    A path read back from the database is never trusted: a row naming ``../../x.parquet`` or
+    an absolute path made start-up recovery move a staging file out of the dataset, and
+    ``reconcile --repair`` fail on it. ``path`` must name a file inside the root, and the
+    file name of ``staging_path`` (the folder part says which root wrote it) one inside the
+    staging folder: no ``..``, absolute path, backslash or NUL byte, and no symlink leading
+    out (paths are resolved).
+    """
+    path, staging_path = row.path, row.staging_path
+    if not _inside(layout.root, path):
+        return (
+            f"ledger row for batch {row.batch_id} names a path outside the dataset root "
+            f"{layout.root}: {path!r}"
+        )
+    name = PurePath(staging_path).name if isinstance(staging_path, str) else None
+    if staging_path is not None and (
+        not isinstance(staging_path, str) or _odd(staging_path) or not _inside(layout.staging, name)
+    ):
+        return (
+            f"ledger row for batch {row.batch_id} names a staging file outside the staging "
+            f"folder {layout.staging}: {staging_path!r}"
+        )
+    return None
+
+
+def _odd(text: str) -> bool:
+    return "\x00" in text or "\\" in text
+
+
+def _inside(folder: Path, rel: object) -> bool:
+    """Whether ``rel`` is a relative path naming something inside ``folder`` (resolved)."""
+    if not isinstance(rel, str) or not rel or _odd(rel):
+        return False
+    pure = PurePosixPath(rel)
+    if pure.is_absolute() or ".." in pure.parts:
+        return False
+    try:
+        base = folder.resolve()
+        resolved = (folder / pure).resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a name the OS refuses
+        return False
+    return base in resolved.parents
 
 
 def parse_staging_name(name: str) -> tuple[str, str] | None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Row
 
 from batching import config, errors, facts, models, naming, outcomes, ports
@@ -393,15 +394,56 @@ def _found_keys(
         if item.batch_id in version:
             wanted.setdefault(version[item.batch_id], []).append(item.item_key)
     found: set[tuple[str, str]] = set()
+    lookup = _keyed_lookup if conn.dialect.name == "postgresql" else _listed_lookup
     for model_version, keys in wanted.items():
         for start in range(0, len(keys), _CHUNK):
-            q = sa.select(table.c.item_key).where(
-                table.c.queue == queue,
-                table.c.model_version == model_version,
-                table.c.item_key.in_(keys[start : start + _CHUNK]),
-            )
+            q = lookup(table, queue, model_version, keys[start : start + _CHUNK])
             found.update((model_version, str(k)) for k in conn.execute(q).scalars())
     return found
+
+
+def _listed_lookup(
+    table: sa.Table, queue: str, model_version: str, keys: list[str]
+) -> sa.Select[Any]:
+    """The keys of ``keys`` the table holds: ``item_key IN (...)`` (SQLite searches the key
+    index once per listed key)."""
+    return sa.select(table.c.item_key).where(
+        table.c.queue == queue,
+        table.c.model_version == model_version,
+        table.c.item_key.in_(keys),
+    )
+
+
+def _keyed_lookup(
+    table: sa.Table, queue: str, model_version: str, keys: list[str]
+) -> sa.Select[Any]:
+    """The keys of ``keys`` the table holds, one primary-key lookup each (PostgreSQL).
+
+    Why not ``item_key IN (...)``: on a table never analyzed PostgreSQL took the results
+    table for a few rows and read the whole ``(queue, model_version)`` range of its key for
+    every chunk, the list a filter on each row (not hashed once the plan was cached): each
+    chunk read every row (9.7 s for 20k items, 2.8 minutes for 50k; 22 minutes for 100k in the
+    field, 2.5 s after ``ANALYZE``). Here each key
+    is a ``LATERAL`` subquery on the full primary key; its ``LIMIT`` keeps the planner from
+    flattening it into a join it might hash over the whole table, and a unique key's
+    equality is one index probe whatever the statistics say.
+    """
+    wanted = (
+        sa.func.unnest(sa.bindparam("keys", keys, type_=postgresql.ARRAY(sa.Text)))
+        .table_valued("key")
+        .render_derived(name="wanted")
+    )
+    hit = (
+        sa.select(table.c.item_key)
+        .where(
+            table.c.queue == queue,
+            table.c.model_version == model_version,
+            table.c.item_key == wanted.c.key,
+        )
+        .limit(1)
+        .lateral("hit")
+    )
+    return sa.select(hit.c.item_key).select_from(wanted).join(hit, sa.true())
 
 
 def _with_outputs(
