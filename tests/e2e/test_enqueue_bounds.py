@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from batching.model import workloads
-from tests.e2e.test_cli import BATCHING, DB, batching, one_error_line, status, write_config
+from tests.e2e.test_cli import (
+    BATCHING,
+    DB,
+    DEPLOYMENTS,
+    batching,
+    one_error_line,
+    status,
+    write_config,
+)
 
 RSS_PROBE = """
 import resource, subprocess, sys
@@ -77,3 +85,9 @@ def test_an_item_past_the_models_token_limit_refuses_the_file(tmp_path: Path) ->
     ok = batching("enqueue", str(path), "--db", DB, "-q", "tabular", cwd=tmp_path)
     assert ok.rc == 0, ok.err
     assert status(tmp_path)["ready"] == 4
+
+
+def test_check_prints_the_largest_item(tmp_path: Path) -> None:
+    r = batching("check", "-c", str(DEPLOYMENTS / "online.yaml"), cwd=tmp_path)
+    assert r.rc == 0, r.err
+    assert "online.yaml: largest item: up to model.max_item_tokens 16384 tokens" in r.out

@@ -68,3 +68,39 @@ def test_json_values_that_are_not_numbers_are_dead_at_once_and_batch_mates_commi
         assert rows[key].last_error.startswith('"x"[7] '), rows[key].last_error
     assert "null, not a number" in rows["bad-null"].last_error
     assert "1e+39 is beyond float32" in rows["bad-huge"].last_error
+
+
+def test_an_item_too_big_for_the_memory_budget_is_dead_at_once_and_batch_mates_commit(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    # One batch (no length buckets) of 20 short items and one of 1,000 tokens; 1 MiB of
+    # "device" memory: the long item alone is over it, the short ones are run in chunks.
+    config = load(
+        "online.yaml",
+        tmp_path,
+        model={"memory_budget_bytes": 2**20},
+        batching={"length_buckets": [], "max_batch_cost": 100_000},
+        queue={"backoff_base_s": 0},
+    )
+    short = {f"short-{i}": {"tokens": list(range(1, 41))} for i in range(20)}
+    docs = {**short, "long": {"tokens": [7] * 1000}}
+    rows, committed = enqueue_and_score(sqlite_url, config, docs, tmp_path / "out")
+    assert committed == set(short)
+    assert {rows[k].batch_id for k in short} != {None}
+    assert (rows["long"].state, rows["long"].attempts) == (models.State.DEAD, 1)
+    reason = rows["long"].last_error
+    assert reason.startswith("1000 tokens need about "), reason
+    assert "MiB of device memory alone (estimated), over the memory budget of 1.0 MiB" in reason
+    assert "model.memory_budget_bytes" in reason
+
+
+def test_an_item_past_max_item_tokens_enqueued_anyway_is_dead_at_scoring(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    # Enqueued under other limits (or by another tool): the scorer holds it to its own.
+    config = load("online.yaml", tmp_path, model={"max_item_tokens": 50})
+    docs = {"ok": {"tokens": [5] * 50}, "long": {"tokens": [5] * 51}}
+    rows, committed = enqueue_and_score(sqlite_url, config, docs, tmp_path / "out")
+    assert committed == {"ok"}
+    assert (rows["long"].state, rows["long"].attempts) == (models.State.DEAD, 1)
+    assert rows["long"].last_error == "51 tokens, over model.max_item_tokens 50"
