@@ -304,9 +304,9 @@ class TorchRunner:
             props = torch.cuda.get_device_properties(self._device)
             free = props.total_memory - torch.cuda.memory_allocated(self._device)
             budget, source = int(0.9 * free), "90% of the GPU memory left after the weights"
-        if budget is None:
-            return None
-        lengths = (1,) if self._info.input_kind == "dense" else (32, 64, 128)
+        if budget is None or self._info.input_kind == "dense":
+            return None  # a dense item is one fixed-size row: the OOM split is enough
+        lengths = (32, 64, 128)
         peaks = [self._probe_peak(length) for length in lengths]
         return ItemMemory.fit(lengths, peaks, budget, source, self.spec.max_item_tokens)
 
@@ -618,9 +618,10 @@ def _collate(seqs: list[IntArray]) -> tuple[torch.Tensor, torch.Tensor, IntArray
 
 @dataclass(frozen=True, slots=True)
 class ItemMemory:
-    """Device bytes per item as ``a + b * length + c * length**2`` (attention is quadratic),
-    fitted through single-item probes and never below them; a batch takes ``rows`` times its
-    widest item's. ``budget``: the bytes one forward pass may use, ``source`` says whence."""
+    """Device bytes of a forward pass as ``a + rows * (b * length + c * length**2)``
+    (attention is quadratic in length; ``a`` is what does not grow with the batch), fitted
+    through single-item probes and never below them. ``budget``: the bytes one forward pass
+    may use, ``source`` says whence."""
 
     coefficients: tuple[float, float, float]
     budget: int
@@ -648,7 +649,7 @@ class ItemMemory:
     def batch(self, rows: int, length: int) -> int:
         """Estimated bytes of a forward pass over ``rows`` items padded to ``length``."""
         a, b, c = self.coefficients
-        return math.ceil(rows * (a + b * length + c * length * length))
+        return math.ceil(a + rows * (b * length + c * length * length))
 
     def longest(self) -> int:
         """The most tokens one item may have within the budget (``max_length`` at most)."""

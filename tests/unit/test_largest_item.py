@@ -42,3 +42,17 @@ def test_without_measured_memory_the_limit_is_all_it_can_say() -> None:
     report = policy.check_policy(pipeline(), tokens_profile(), device_memory_bytes=2**30)
     assert report.largest_item is not None
     assert report.largest_item.startswith("up to model.max_item_tokens 16384 tokens accepted")
+
+
+def test_the_runners_memory_curve_is_quadratic_in_length_and_never_below_its_probes() -> None:
+    from batching.model.runner import ItemMemory
+
+    # 16 bytes per length^2 (4 heads x float32 scores) + 1,000 per token + 5,000 fixed.
+    lengths = (32, 64, 128)
+    peaks = [5000 + 1000 * n + 16 * n * n for n in lengths]
+    memory = ItemMemory.fit(lengths, peaks, budget=6_400_000_000, source="test", max_length=60000)
+    for n, peak in zip(lengths, peaks, strict=True):
+        assert memory.batch(1, n) >= peak
+    assert memory.batch(1, 20000) >= 6_400_000_000  # the 20k-token item of the issue
+    assert memory.batch(2, 128) > memory.batch(1, 128)
+    assert 19000 < memory.longest() < 20000
