@@ -40,6 +40,8 @@ _DB_URL = re.compile(r"^(sqlite|postgres|postgresql)(\+\w+)?://")
 _NAMESPACE = re.compile(r"^[a-zA-Z:;=/0-9_\-.@+]{1,1024}$")  # Marquez's NamespaceName
 
 DEFAULT_DB_URL = "sqlite:///batching.db"
+MAX_ITEM_BYTES = 64 * 2**20
+"""The ceiling of ``model.max_item_bytes``: no item's payload is larger, whatever the config."""
 
 
 def check_identifier(value: str, what: str) -> str:
@@ -189,6 +191,33 @@ class ModelSpec(_Model):
     autocast: Literal["none", "bf16", "fp16"] = Field(
         "none",
         description="mixed precision on CUDA (ignored on cpu)",
+    )
+    # Bounds on one request. Without them a 60k-token item asked the GPU for 57.6 GB and a
+    # 50 MB line held 9 GB of host memory, each retried max_attempts times. Enqueue refuses a
+    # file holding an item past them (`batching enqueue --config`; without it, these
+    # defaults); the runner fails such an item dead at decode, whatever enqueued it.
+    max_item_tokens: int = Field(
+        16384,
+        ge=1,
+        le=2**24,
+        description="the most token ids in one item (a `tokens` list, an integer tensor); `batching enqueue` refuses a file with a longer item and the scorer fails one dead at once; `batching check` says how long an item the device can take",
+    )
+    max_item_elements: int = Field(
+        1_048_576,
+        ge=1,
+        le=2**28,
+        description="the most numbers in one item's payload (`x`, `tokens`, a tensor's elements); checked like `max_item_tokens`",
+    )
+    max_item_bytes: int = Field(
+        16 * 2**20,
+        ge=1,
+        le=MAX_ITEM_BYTES,
+        description=f"the most bytes of one item's stored payload (compact JSON or tensor bytes), at most {MAX_ITEM_BYTES // 2**20} MiB; checked like `max_item_tokens`",
+    )
+    memory_budget_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="device memory one forward pass may use: a batch over it is split, an item over it alone is dead at once with its estimate (none: 90% of the GPU's memory left after the weights; unchecked on cpu)",
     )
 
     @field_validator("sha256", mode="before")

@@ -45,6 +45,8 @@ def check(config: ConfigOption) -> None:
             + f"; objective {cfg.latency_slo_s:g}s",
             highlight=False,
         )
+    if report.largest_item is not None:
+        out.print(f"{config}: largest item: {report.largest_item}", highlight=False)
     if not report.ok:
         for e in report.errors:
             flag(err, "fail", str(e))

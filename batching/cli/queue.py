@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
 from rich.table import Table
 
 from batching import errors
+
+if TYPE_CHECKING:
+    from batching import models
 from batching.cli.common import (
     DEFAULT_DB,
     DbOption,
@@ -21,6 +25,7 @@ from batching.cli.common import (
     app,
     err,
     handle_errors,
+    load,
     open_queue,
     out,
     parse_duration,
@@ -56,32 +61,44 @@ def enqueue(
     max_attempts: Annotated[
         int, typer.Option(min=1, max=1000, help="Attempts before an item is dead (1-1000).")
     ] = 5,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help="Pipeline YAML whose model section bounds each item (max_item_tokens, "
+            "max_item_elements, max_item_bytes); default: those settings' defaults.",
+        ),
+    ] = None,
     quiet: QuietOption = False,
 ) -> None:
     """Enqueue every record of FILE in one transaction (all or nothing), idempotent on item_key.
 
-    Each record: item_key, payload, and optionally tenant, priority, deadline, cost, lane.
+    Each record: item_key, payload, and optionally tenant, priority, deadline, cost, lane. The
+    file is streamed into the transaction; a record that fails its checks (or is past the
+    model's item limits) rolls it back, naming FILE:LINE.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import TextColumn, TimeElapsedColumn
 
     from batching.ingress import ingest
 
+    limits = ingest.ItemLimits.of(load(config).model) if config is not None else None
     q = open_queue(db, queue, max_attempts=max_attempts)
     q.check_schema()  # before reading: a large file takes a while
     progress = progress_bar(
         TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
+        TextColumn("{task.completed} record(s)"),
         TimeElapsedColumn(),
         quiet=quiet,
     )
+    seen = _Seen(time.time())
     try:
         with progress:
-            reading = progress.add_task(f"reading {file.name}", total=None)
-            records = ingest.read_records(file, lambda n: progress.update(reading, completed=n))
-            progress.update(reading, total=len(records), visible=False)
-            writing = progress.add_task("enqueueing (one transaction)", total=len(records))
-            result = q.enqueue(records, lambda n: progress.update(writing, completed=n))
+            task = progress.add_task(
+                f"reading {file.name}, enqueueing (one transaction)", total=None
+            )
+            records = seen.count(ingest.iter_records(file, limits))
+            result = q.enqueue(records, lambda n: progress.update(task, completed=n))
     except KeyboardInterrupt:
         err.print(f"interrupted: nothing of {file} was enqueued (one transaction)")
         raise typer.Exit(130) from None
@@ -89,20 +106,35 @@ def enqueue(
         f"{file}: committed {result.inserted} new item(s) to queue {queue!r}; "
         f"{len(result.duplicates)} already present (not enqueued again)"
     )
-    if not records:
-        err.print(f"warning: {file} holds no records; nothing to enqueue", highlight=False)
-    now = time.time()
-    late = sum(1 for r in records if r.deadline_at is not None and r.deadline_at <= now)
-    if late:
-        err.print(
-            f"warning: {late} record(s) of {file} are already past their deadline; they expire "
-            "at the next claim, unscored (an SLA miss)",
-            highlight=False,
-        )
+    _warn(file, seen)
     if result.duplicates:
         shown = ", ".join(result.duplicates[:5])
         more = f" and {len(result.duplicates) - 5} more" if len(result.duplicates) > 5 else ""
         out.print(f"duplicates: {shown}{more}")
+
+
+class _Seen:
+    """What enqueue reports of the records streamed past it: how many, how many late."""
+
+    def __init__(self, now: float) -> None:
+        self.now, self.n, self.late = now, 0, 0
+
+    def count(self, records: Iterator[models.EnqueueRecord]) -> Iterator[models.EnqueueRecord]:
+        for record in records:
+            self.n += 1
+            self.late += record.deadline_at is not None and record.deadline_at <= self.now
+            yield record
+
+
+def _warn(file: Path, seen: _Seen) -> None:
+    if not seen.n:
+        err.print(f"warning: {file} holds no records; nothing to enqueue", highlight=False)
+    if seen.late:
+        err.print(
+            f"warning: {seen.late} record(s) of {file} are already past their deadline; they "
+            "expire at the next claim, unscored (an SLA miss)",
+            highlight=False,
+        )
 
 
 @app.command()

@@ -7,6 +7,14 @@ count of a ``tokens`` payload, the length of a list payload, else 1) and ``lane`
 Parquet ``payload`` columns may be JSON strings, structs, or numeric list / fixed-size-list
 columns; the latter become binary tensor payloads (dtype, shape, raw bytes) without a
 per-value Python loop.
+
+Files are streamed: :func:`iter_records` holds one line (JSON lines) or one record batch
+(Parquet) at a time, so enqueue's memory does not grow with the file (it held ~2.75x a 200 MB
+file); the all-or-nothing is the queue's one transaction, which a bad record rolls back.
+Every item is held to :class:`ItemLimits` (the model section's ``max_item_*``).
+
+Why it stays one module: JSON lines and Parquet rows become the same record through the
+same field checks and limits, and the messages of both name the file and the line or row.
 """
 
 from __future__ import annotations
@@ -14,7 +22,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batching import errors, models
+from batching import config, errors, models
 
 _FIELDS = {"item_key", "payload", "tenant", "priority", "deadline", "cost", "lane"}
 _MAX_KEY = 500
@@ -30,38 +39,44 @@ PROGRESS_EVERY = 10_000
 """``read_records`` reports its progress after this many records (and at the end)."""
 
 
+PARQUET_BATCH_ROWS = 8192
+"""Parquet rows read at a time (one record batch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ItemLimits:
+    """The most one item may hold: token ids, numbers, stored payload bytes (see
+    ``config.ModelSpec.max_item_*``); an item past one refuses the whole file."""
+
+    tokens: int = config.ModelSpec.model_fields["max_item_tokens"].default
+    elements: int = config.ModelSpec.model_fields["max_item_elements"].default
+    bytes: int = config.ModelSpec.model_fields["max_item_bytes"].default
+
+    @classmethod
+    def of(cls, spec: config.ModelSpec) -> ItemLimits:
+        """The limits of a config's model section."""
+        return cls(spec.max_item_tokens, spec.max_item_elements, spec.max_item_bytes)
+
+    @property
+    def line_bytes(self) -> int:
+        """The longest JSON line read whole: room for the payload twice (spaces, escapes)."""
+        return 2 * self.bytes + 65536
+
+
 def read_records(
-    path: str | Path, on_progress: Callable[[int], None] | None = None
+    path: str | Path,
+    on_progress: Callable[[int], None] | None = None,
+    limits: ItemLimits | None = None,
 ) -> list[models.EnqueueRecord]:
-    """Parse a ``.jsonl``/``.json`` or ``.parquet`` file; raises ``InputError`` naming file and line.
+    """Every record of a ``.jsonl``/``.json`` or ``.parquet`` file, as a list (small files and
+    tests; :func:`iter_records` streams). Raises ``InputError`` naming file and line.
 
     ``on_progress`` is called with the number of records read so far, every
     :data:`PROGRESS_EVERY` records and once at the end.
     """
-    p = Path(path)
-    if p.is_dir():
-        raise errors.InputError(f"{p}: is a folder; give a .jsonl or .parquet file")
-    if not p.is_file():
-        raise errors.InputError(f"{p}: no such file; give a .jsonl or .parquet file")
-    suffix = p.suffix.lower()
-    if suffix in (".jsonl", ".json", ".ndjson"):
-        placed = _counted(((n, record) for n, record in _read_jsonl(p)), on_progress)
-        unit, prefix = "line", f"{p}:"
-    elif suffix == ".parquet":
-        placed = _counted(enumerate(_read_parquet(p), start=1), on_progress)
-        unit, prefix = "row", f"{p}:row "
-    else:
-        raise errors.InputError(f"{p}: unknown file type {suffix!r}; use .jsonl or .parquet")
-    _check_unique_keys(placed, prefix, unit)
-    return [record for _, record in placed]
-
-
-def _counted(
-    placed: Iterable[tuple[int, models.EnqueueRecord]], on_progress: Callable[[int], None] | None
-) -> list[tuple[int, models.EnqueueRecord]]:
-    out: list[tuple[int, models.EnqueueRecord]] = []
-    for pair in placed:
-        out.append(pair)
+    out: list[models.EnqueueRecord] = []
+    for record in iter_records(path, limits):
+        out.append(record)
         if on_progress is not None and len(out) % PROGRESS_EVERY == 0:
             on_progress(len(out))
     if on_progress is not None:
@@ -69,28 +84,98 @@ def _counted(
     return out
 
 
-def _check_unique_keys(
-    placed: list[tuple[int, models.EnqueueRecord]], prefix: str, unit: str
+def iter_records(
+    path: str | Path, limits: ItemLimits | None = None
+) -> Iterator[models.EnqueueRecord]:
+    """Stream the records of a file, checked one by one (fields, a key repeated within the
+    file, :class:`ItemLimits`, default ones when None); raises ``InputError`` naming file and
+    line at the first bad one, so a consumer inside one transaction enqueues all or nothing."""
+    p = Path(path)
+    if p.is_dir():
+        raise errors.InputError(f"{p}: is a folder; give a .jsonl or .parquet file")
+    if not p.is_file():
+        raise errors.InputError(f"{p}: no such file; give a .jsonl or .parquet file")
+    limits = limits or ItemLimits()
+    suffix = p.suffix.lower()
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        placed, unit, prefix = _read_jsonl(p, limits), "line", f"{p}:"
+    elif suffix == ".parquet":
+        placed, unit, prefix = _read_parquet(p), "row", f"{p}:row "
+    else:
+        raise errors.InputError(f"{p}: unknown file type {suffix!r}; use .jsonl or .parquet")
+    first: dict[str, int] = {}
+    for place, record in placed:
+        _check_limits(record, limits, f"{prefix}{place}")
+        _check_unique_key(record, place, first, prefix, unit)
+        yield record
+
+
+def _check_unique_key(
+    record: models.EnqueueRecord, place: int, first: dict[str, int], prefix: str, unit: str
 ) -> None:
     """A key twice in one file is two requests under one idempotency key: the second would be
     dropped as "already present" with its payload. Refuse the file instead, naming both."""
-    first: dict[str, int] = {}
-    for place, record in placed:
-        seen = first.setdefault(record.item_key, place)
-        if seen != place:
+    seen = first.setdefault(record.item_key, place)
+    if seen != place:
+        raise errors.InputError(
+            f"{prefix}{place}: item_key {record.item_key!r} repeats {unit} {seen}; give "
+            "each request its own key (a key already in the queue is skipped, not within a "
+            "file)"
+        )
+
+
+def _check_limits(record: models.EnqueueRecord, limits: ItemLimits, where: str) -> None:
+    payload = record.payload
+    if len(payload.data) > limits.bytes:
+        tokens = elements = 0  # the bytes' message below
+    elif payload.format == models.PayloadFormat.JSON and len(payload.data) < 2 * min(
+        limits.tokens, limits.elements
+    ):
+        return  # compact JSON spends 2 bytes a number at least: not past either count
+    else:
+        tokens, elements = _counts(payload)
+    for name, n, most in (
+        ("bytes", len(payload.data), limits.bytes),
+        ("token ids", tokens, limits.tokens),
+        ("numbers", elements, limits.elements),
+    ):
+        if n > most:
+            setting = {"bytes": "bytes", "token ids": "tokens", "numbers": "elements"}[name]
             raise errors.InputError(
-                f"{prefix}{place}: item_key {record.item_key!r} repeats {unit} {seen}; give "
-                "each request its own key (a key already in the queue is skipped, not within a "
-                "file)"
+                f"{where}: item {record.item_key!r} holds {n} {name}, over the limit of {most} "
+                f"(model.max_item_{setting}); split the item, or raise the limit in the "
+                "config's model section and pass it: `batching enqueue --config FILE`"
             )
 
 
-def _read_jsonl(p: Path) -> Iterator[tuple[int, models.EnqueueRecord]]:
+def _counts(payload: models.Payload) -> tuple[int, int]:
+    """(token ids, numbers) of a payload: a tensor's elements (token ids if integers), or a
+    JSON payload's list lengths (``tokens`` counted as token ids)."""
+    if payload.format == models.PayloadFormat.TENSOR:
+        n = math.prod(payload.shape or (0,))
+        integer = payload.dtype is not None and payload.dtype.lstrip("<>=|")[:1] in ("i", "u")
+        return (n if integer else 0), n
+    doc = json.loads(payload.data)
+    if isinstance(doc, list):
+        return 0, len(doc)
+    tokens = doc.get("tokens")
+    n_tokens = len(tokens) if isinstance(tokens, list) else 0
+    return n_tokens, sum(len(v) for v in doc.values() if isinstance(v, list))
+
+
+def _read_jsonl(p: Path, limits: ItemLimits) -> Iterator[tuple[int, models.EnqueueRecord]]:
+    longest = limits.line_bytes
     with p.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
+        for lineno, raw in enumerate(iter(lambda: fh.readline(longest + 1), b""), start=1):
+            where = f"{p}:{lineno}"
+            if len(raw) > longest:  # refused before it is read whole
+                raise errors.InputError(
+                    f"{where}: the line is over {longest} bytes, more than an item of "
+                    f"model.max_item_bytes {limits.bytes} can take; split the item, or raise "
+                    "the limit in the config's model section and pass `--config FILE`"
+                )
             if not raw.strip():
                 continue
-            where = f"{p}:{lineno}"
             try:
                 obj = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -212,49 +297,72 @@ def _deadline(value: Any, where: str) -> float | None:
 # -- Parquet ------------------------------------------------------------------------------
 
 
-def _read_parquet(p: Path) -> Iterator[models.EnqueueRecord]:
+def _read_parquet(p: Path) -> Iterator[tuple[int, models.EnqueueRecord]]:
+    """Rows by record batch (:data:`PARQUET_BATCH_ROWS`), each with its row number."""
     try:
-        table = pq.read_table(p)
+        file = pq.ParquetFile(p)
+        names = file.schema_arrow.names
     except (pa.ArrowInvalid, OSError) as exc:
         raise errors.InputError(f"{p}: not a readable Parquet file ({exc})") from None
-    missing = {"item_key", "payload"} - set(table.column_names)
+    missing = {"item_key", "payload"} - set(names)
     if missing:
         raise errors.InputError(
             f"{p}: missing column(s) {', '.join(sorted(missing))}; every file needs item_key "
             "(text) and payload (JSON text, a struct, or a list of numbers)"
         )
-    unknown = set(table.column_names) - _FIELDS
+    unknown = set(names) - _FIELDS
     if unknown:
         raise errors.InputError(
             f"{p}: unknown column(s) {', '.join(sorted(unknown))}; "
             f"allowed: {', '.join(sorted(_FIELDS))}"
         )
-    col = table.column("payload").combine_chunks()
+    done = 0
+    with file:
+        batches = file.iter_batches(batch_size=PARQUET_BATCH_ROWS)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise errors.InputError(f"{p}: not a readable Parquet file ({exc})") from None
+            yield from _parquet_rows(p, batch, done)
+            done += batch.num_rows
+
+
+def _parquet_rows(
+    p: Path, batch: pa.RecordBatch, done: int
+) -> Iterator[tuple[int, models.EnqueueRecord]]:
+    """The records of one record batch; ``done`` rows came before it."""
+    col = batch.column("payload")
     tensor = (
         pa.types.is_list(col.type)
         or pa.types.is_fixed_size_list(col.type)
         or pa.types.is_large_list(col.type)
     )
     if tensor:
-        payloads, lengths = _tensor_payloads(p, col)
+        payloads, lengths = _tensor_payloads(p, col, done)
     else:
-        payloads, lengths = _json_payloads(p, col), None
-    rest = {c: table.column(c).to_pylist() for c in table.column_names if c != "payload"}
+        payloads, lengths = _json_payloads(p, col, done), None
+    rest = {c: batch.column(c).to_pylist() for c in batch.schema.names if c != "payload"}
     for i, payload in enumerate(payloads):
-        where = f"{p}:row {i + 1}"
+        where = f"{p}:row {done + i + 1}"
         obj = {k: v[i] for k, v in rest.items() if v[i] is not None}
         cost = obj.pop("cost", None)
         key = _key(obj.get("item_key"), where)
-        yield models.EnqueueRecord(
-            item_key=key,
-            payload=payload,
-            tenant=_str(obj.get("tenant", "default"), "tenant", where),
-            priority=_int(obj.get("priority", 0), "priority", where),
-            deadline_at=_deadline(_deadline_value(obj.get("deadline")), where),
-            cost=_given_cost(cost, where)
-            if cost is not None
-            else (max(1, int(lengths[i])) if lengths is not None else 1),
-            lane=_str(obj.get("lane", ""), "lane", where),
+        yield (
+            done + i + 1,
+            models.EnqueueRecord(
+                item_key=key,
+                payload=payload,
+                tenant=_str(obj.get("tenant", "default"), "tenant", where),
+                priority=_int(obj.get("priority", 0), "priority", where),
+                deadline_at=_deadline(_deadline_value(obj.get("deadline")), where),
+                cost=_given_cost(cost, where)
+                if cost is not None
+                else (max(1, int(lengths[i])) if lengths is not None else 1),
+                lane=_str(obj.get("lane", ""), "lane", where),
+            ),
         )
 
 
@@ -264,16 +372,16 @@ def _deadline_value(value: Any) -> Any:
     return value
 
 
-def _tensor_payloads(p: Path, col: pa.Array) -> tuple[list[models.Payload], np.ndarray]:
+def _tensor_payloads(p: Path, col: pa.Array, done: int) -> tuple[list[models.Payload], np.ndarray]:
     if col.null_count:
-        first = col.is_null().to_pylist().index(True) + 1
+        first = done + col.is_null().to_pylist().index(True) + 1
         raise errors.InputError(
             f"{p}:row {first}: payload is null ({col.null_count} null row(s) in all); "
             "every row needs a payload"
         )
     values = col.flatten()
     if values.null_count:
-        first = next(i for i, v in enumerate(col.to_pylist()) if None in v) + 1
+        first = done + next(i for i, v in enumerate(col.to_pylist()) if None in v) + 1
         raise errors.InputError(
             f"{p}:row {first}: payload has a null element ({values.null_count} in all); "
             "every element of a tensor payload must be a number"
@@ -297,9 +405,9 @@ def _tensor_payloads(p: Path, col: pa.Array) -> tuple[list[models.Payload], np.n
     return payloads, lengths
 
 
-def _json_payloads(p: Path, col: pa.Array) -> list[models.Payload]:
+def _json_payloads(p: Path, col: pa.Array, done: int) -> list[models.Payload]:
     out = []
-    for i, value in enumerate(col.to_pylist()):
+    for i, value in enumerate(col.to_pylist(), start=done):
         if isinstance(value, str):
             try:
                 value = json.loads(value)

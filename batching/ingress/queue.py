@@ -219,31 +219,29 @@ class SqlQueue:
         are reported in ``duplicates``. PostgreSQL: one ``NOTIFY`` for the whole call.
         ``on_progress`` is called with the number of distinct records written so far (new or
         found present) after each chunk of the transaction; nothing is visible before its
-        commit.
+        commit. ``records`` is read a chunk at a time inside the transaction (a file streamed
+        by ``ingest.iter_records`` is never held whole); an error it raises rolls back all.
         """
         now = self.clock()
+        dupes: list[str] = []
+        seen: set[str] = set()  # keys only: a chunk's payloads go once it is written
+        written = [0, 0]  # distinct records written, of them inserted
         rows: list[dict[str, Any]] = []
         bodies: dict[str, bytes] = {}
-        dupes: list[str] = []
-        for rec in records:
-            if rec.item_key in bodies:
-                dupes.append(rec.item_key)
-                continue
-            bodies[rec.item_key] = rec.payload.data
-            rows.append(self._row(rec, now))
-        inserted = 0
         with self.begin() as conn:
-            for start in range(0, len(rows), _ENQUEUE_CHUNK):
-                chunk = rows[start : start + _ENQUEUE_CHUNK]
-                ids = self._insert_new(conn, chunk)
-                if ids:
-                    conn.execute(
-                        _P.insert(), [{"id": i, "payload": bodies[k]} for k, i in ids.items()]
-                    )
-                inserted += len(ids)
-                dupes.extend(r["item_key"] for r in chunk if r["item_key"] not in ids)
-                if on_progress is not None:
-                    on_progress(start + len(chunk))
+            for rec in records:
+                if rec.item_key in seen:
+                    dupes.append(rec.item_key)
+                    continue
+                seen.add(rec.item_key)
+                bodies[rec.item_key] = rec.payload.data
+                rows.append(self._row(rec, now))
+                if len(rows) == _ENQUEUE_CHUNK:
+                    self._write_chunk(conn, rows, bodies, written, dupes, on_progress)
+                    rows, bodies = [], {}
+            if rows:
+                self._write_chunk(conn, rows, bodies, written, dupes, on_progress)
+            inserted = written[1]
             if inserted and self.dialect == "postgresql":
                 conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, self.queue)))
         logger.info(
@@ -251,6 +249,25 @@ class SqlQueue:
             extra={"action": "enqueue", "queue": self.queue, "n_items": inserted},
         )
         return models.EnqueueResult(inserted=inserted, duplicates=tuple(dupes))
+
+    def _write_chunk(
+        self,
+        conn: Connection,
+        rows: list[dict[str, Any]],
+        bodies: dict[str, bytes],
+        written: list[int],
+        dupes: list[str],
+        on_progress: Callable[[int], None] | None,
+    ) -> None:
+        """Insert one chunk of distinct records; counts into ``written`` and ``dupes``."""
+        ids = self._insert_new(conn, rows)
+        if ids:
+            conn.execute(_P.insert(), [{"id": i, "payload": bodies[k]} for k, i in ids.items()])
+        written[0] += len(rows)
+        written[1] += len(ids)
+        dupes.extend(r["item_key"] for r in rows if r["item_key"] not in ids)
+        if on_progress is not None:
+            on_progress(written[0])
 
     def _row(self, rec: models.EnqueueRecord, now: float) -> dict[str, Any]:
         p = rec.payload

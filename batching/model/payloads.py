@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,8 @@ def dense_rows(
             value, reason = _json_field(payload.data, "x")
             if reason is None and not (isinstance(value, list) and len(value) == dim):
                 reason = f'"x" must be a list of {dim} numbers, got {_describe(value)}'
+            if reason is None:
+                reason = number_list_error(typing.cast(list[object], value), "x")
             if reason is None:
                 json_rows.append((pos, value))
         else:
@@ -138,9 +141,12 @@ def token_seq(payload: models.Payload) -> tuple[IntArray | None, str | None]:
         value, reason = _json_field(payload.data, "tokens")
         if reason is not None:
             return None, reason
-        arr = _int_array(value)
-        if arr is None or arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.size == 0:
+        if not isinstance(value, list) or not value:
             return None, f'"tokens" must be a non-empty list of integers, got {_describe(value)}'
+        reason = int_list_error(value, "tokens")
+        arr = _int_array(value) if reason is None else None
+        if arr is None or arr.ndim != 1 or arr.dtype.kind not in "iu":
+            return None, reason or f'"tokens" must be a list of integers, got {_describe(value)}'
         return arr.astype(np.int64), None
     dtype, reason = _tensor_dtype(payload, "iu", None)
     if dtype is None:
@@ -229,6 +235,58 @@ def _size_reason(payload: models.Payload, n_bytes: int) -> str:
         f"tensor has {len(payload.data)} bytes, expected {n_bytes}"
         f" ({payload.dtype}, shape {payload.shape})"
     )
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def number_list_error(values: list[object], field: str) -> str | None:
+    """Why ``values`` is not a list of float32 numbers, naming the first bad one, or None.
+
+    orjson already refuses NaN and Infinity literals (not JSON) and numbers past float64; what
+    it reads and numpy would still take is refused here, since numpy reads ``null`` as NaN,
+    ``true`` as 1, ``"1.5"`` as 1.5 and turns 1e39 into an infinite float32, and a retry cannot
+    make any of them a number. One pass of ``type`` over the values, a scan only on failure.
+    """
+    if not set(map(type, values)) <= {int, float}:
+        pos, bad = next((i, v) for i, v in enumerate(values) if type(v) not in (int, float))
+        return f'"{field}"[{pos}] is {_value(bad)}, not a number'
+    try:
+        over = np.abs(np.array(values, dtype=np.float64)) > FLOAT32_MAX
+    except OverflowError:  # an integer past float64 (Python's json reads one; orjson does not)
+        over = np.array([abs(v) > FLOAT32_MAX for v in values])  # type: ignore[arg-type]
+    if over.any():
+        pos = int(np.argmax(over))
+        return (
+            f'"{field}"[{pos}] = {values[pos]!r} is beyond float32 '
+            f"(|v| <= {FLOAT32_MAX:.8g}); give a finite float32 number"
+        )
+    return None
+
+
+def int_list_error(values: list[object], field: str) -> str | None:
+    """Why ``values`` is not a list of int64 integers (``true`` and ``1.0`` are not), or None."""
+    if set(map(type, values)) != {int}:
+        pos, bad = next((i, v) for i, v in enumerate(values) if type(v) is not int)
+        return f'"{field}"[{pos}] is {_value(bad)}, not an integer'
+    ints = typing.cast(list[int], values)
+    if min(ints) < _INT64[0] or max(ints) > _INT64[1]:
+        pos = next(i for i, v in enumerate(ints) if not _INT64[0] <= v <= _INT64[1])
+        return f'"{field}"[{pos}] = {ints[pos]} is out of range for a token id'
+    return None
+
+
+def _value(value: object) -> str:
+    """A JSON value as a reason shows it: ``null``, ``true``, a string, a list, ..."""
+    if value is None or isinstance(value, bool):
+        return orjson.dumps(value).decode()
+    if isinstance(value, str):
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        return f"the string {orjson.dumps(shown).decode()}"
+    if isinstance(value, list | dict):
+        return f"a {'list' if isinstance(value, list) else 'JSON object'}"
+    return repr(value)
 
 
 def _describe(value: object) -> str:

@@ -22,8 +22,10 @@ share the device, the dtype and the model's contract checks.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -35,6 +37,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from batching import errors, models, outcomes
 from batching.config import ModelSpec
@@ -100,6 +104,7 @@ class TorchRunner:
         self._pin = device.type == "cuda"
         self._autocast_dtype = AUTOCAST.get(spec.autocast) if device.type == "cuda" else None
         self._ceiling: int | None = None
+        self._memory: ItemMemory | None = None  # set by load() when a budget applies
 
     @classmethod
     def load(cls, spec: ModelSpec, base_dir: Path | str = ".") -> TorchRunner:
@@ -120,6 +125,7 @@ class TorchRunner:
         runner = cls(spec, model, info, device)
         if info.output_dim is None:
             runner._info = replace(info, output_dim=runner._probe_output_dim())
+        runner._memory = runner._measure_memory()
         if spec.autocast != "none" and device.type != "cuda":
             logger.warning("autocast ignored on cpu", extra={"action": "autocast_ignored"})
         logger.info(
@@ -212,6 +218,11 @@ class TorchRunner:
         tensor payloads are little-endian bytes with a numpy ``dtype`` and a ``shape`` of
         ``(n,)`` or ``(1, n)``. On CUDA the tensors are in pinned memory.
         """
+        big = self._oversized(items)
+        if big:  # not parsed at all: a 50 MB payload held 9 GB once decoded
+            kept = [item for item in items if item.id not in big]
+            decoded = self.decode(kept)
+            return replace(decoded, failures={**decoded.failures, **big})
         if self._info.input_kind == "dense":
             decoded = self._decode_dense(items)
         else:
@@ -250,6 +261,8 @@ class TorchRunner:
             seq, reason = payloads.token_seq(item.payload)
             if reason is None and seq is not None:
                 reason = payloads.token_range_error(seq, self._info.vocab_size)
+            if reason is None and seq is not None:
+                reason = self._too_long(len(seq))
             if reason is not None or seq is None:
                 failures[item.id] = reason or "payload has no tokens"
                 continue
@@ -257,6 +270,60 @@ class TorchRunner:
             ids.append(item.id)
         tokens, mask, lengths = _collate(seqs)
         return Decoded(tuple(ids), tokens, mask, lengths, failures)
+
+    def _oversized(self, items: Sequence[models.WorkItem]) -> dict[int, str]:
+        """Items whose stored payload is over ``model.max_item_bytes``, with the reason."""
+        most = self.spec.max_item_bytes
+        return {
+            item.id: f"payload is {len(item.payload.data)} bytes, over model.max_item_bytes {most}"
+            for item in items
+            if len(item.payload.data) > most
+        }
+
+    def _too_long(self, length: int) -> str | None:
+        """Why an item of ``length`` tokens cannot be scored here (limit or memory), or None."""
+        if length > self.spec.max_item_tokens:
+            return f"{length} tokens, over model.max_item_tokens {self.spec.max_item_tokens}"
+        memory = self._memory
+        if memory is not None and memory.batch(1, length) > memory.budget:
+            return (
+                f"{length} tokens need about {memory.batch(1, length) / 2**20:.1f} MiB of "
+                f"device memory alone (estimated), over the memory budget of "
+                f"{memory.budget / 2**20:.1f} MiB ({memory.source}); the device can take "
+                f"{memory.longest()} tokens at most: split the item or lower "
+                "model.max_item_tokens"
+            )
+        return None
+
+    def _measure_memory(self) -> ItemMemory | None:
+        """The per-item memory curve, measured on single-item probes, and the budget a batch
+        must fit: ``model.memory_budget_bytes``, else 90% of the GPU's memory left after the
+        weights; None on cpu without a budget (host memory is not the device's)."""
+        budget, source = self.spec.memory_budget_bytes, "model.memory_budget_bytes"
+        if budget is None and self._device.type == "cuda":
+            props = torch.cuda.get_device_properties(self._device)
+            free = props.total_memory - torch.cuda.memory_allocated(self._device)
+            budget, source = int(0.9 * free), "90% of the GPU memory left after the weights"
+        if budget is None or self._info.input_kind == "dense":
+            return None  # a dense item is one fixed-size row: the OOM split is enough
+        lengths = (32, 64, 128)
+        peaks = [self._probe_peak(length) for length in lengths]
+        return ItemMemory.fit(lengths, peaks, budget, source, self.spec.max_item_tokens)
+
+    def _probe_peak(self, length: int) -> int:
+        """Peak bytes one item of ``length`` allocates in a forward pass (on cpu: the live
+        tensors the ops return, a lower bound that misses fused kernels' scratch)."""
+        decoded = self.decode(self.synthetic_items(1, length))
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+            base = torch.cuda.memory_allocated(self._device)
+            torch.cuda.reset_peak_memory_stats(self._device)
+            self._forward_rows(decoded, 0, 1)
+            return max(1, int(torch.cuda.max_memory_allocated(self._device)) - base)
+        counter = _PeakBytes()
+        with counter:
+            self._forward_rows(decoded, 0, 1)
+        return max(1, counter.peak)
 
     # ---- forward (model thread) ------------------------------------------------------------
 
@@ -296,11 +363,17 @@ class TorchRunner:
         n = len(decoded.ids)
         if n == 0:
             return []
-        if self._ceiling is None:
+        memory = self._memory
+        if self._ceiling is None and (
+            memory is None or memory.batch(n, int(decoded.lengths.max())) <= memory.budget
+        ):
             return [(0, n)]
+        ceiling = self._ceiling if self._ceiling is not None else 2**62
         ranges, start, widest = [], 0, 0
         for i, length in enumerate(decoded.lengths.tolist()):
-            if i > start and (i + 1 - start) * max(widest, length) > self._ceiling:
+            rows, width = i + 1 - start, max(widest, length)
+            over = memory is not None and memory.batch(rows, width) > memory.budget
+            if i > start and (rows * width > ceiling or over):
                 ranges.append((start, i))
                 start, widest = i, 0
             widest = max(widest, length)
@@ -541,3 +614,72 @@ def _collate(seqs: list[IntArray]) -> tuple[torch.Tensor, torch.Tensor, IntArray
     if seqs:
         tokens[real] = np.concatenate(seqs)
     return torch.from_numpy(tokens), torch.from_numpy(~real), lengths
+
+
+@dataclass(frozen=True, slots=True)
+class ItemMemory:
+    """Device bytes of a forward pass as ``a + rows * (b * length + c * length**2)``
+    (attention is quadratic in length; ``a`` is what does not grow with the batch), fitted
+    through single-item probes and never below them. ``budget``: the bytes one forward pass
+    may use, ``source`` says whence."""
+
+    coefficients: tuple[float, float, float]
+    budget: int
+    source: str
+    max_length: int
+
+    @classmethod
+    def fit(
+        cls,
+        lengths: Sequence[int],
+        peaks: Sequence[int],
+        budget: int,
+        source: str,
+        max_length: int,
+    ) -> ItemMemory:
+        """Fit the curve through ``(length, peak bytes)`` probes (one probe: proportional)."""
+        if len(lengths) < 3:
+            return cls((0.0, peaks[0] / lengths[0], 0.0), budget, source, max_length)
+        c2, c1, c0 = np.polyfit(np.array(lengths, float), np.array(peaks, float), 2).tolist()
+        slope = max(p / n for n, p in zip(lengths, peaks, strict=True))
+        # Negative terms would shrink the estimate past the probes: clip them, and keep at
+        # least the steepest proportional slope measured.
+        return cls((max(c0, 0.0), max(c1, 0.0, slope), max(c2, 0.0)), budget, source, max_length)
+
+    def batch(self, rows: int, length: int) -> int:
+        """Estimated bytes of a forward pass over ``rows`` items padded to ``length``."""
+        a, b, c = self.coefficients
+        return math.ceil(a + rows * (b * length + c * length * length))
+
+    def longest(self) -> int:
+        """The most tokens one item may have within the budget (``max_length`` at most)."""
+        low, high = 0, self.max_length
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.batch(1, mid) <= self.budget else (low, mid - 1)
+        return low
+
+
+class _PeakBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The peak bytes of the tensors the ops return that are alive at once (cpu probes)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+                if size and key not in self.live:
+                    self.live[key] = size
+                    self.now += size
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(t, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)

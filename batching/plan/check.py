@@ -54,6 +54,8 @@ class PolicyReport:
     predicted_service_s: float | None = None
     worst_case_latency_s: float | None = None
     estimated_memory_bytes: int | None = None
+    largest_item: str | None = None
+    """The largest item the device can take, in words (``batching check`` prints it)."""
 
     @property
     def ok(self) -> bool:
@@ -106,6 +108,10 @@ def check_policy(
     memory = _estimate_memory(profile, shapes, bytes_per_item)
     device_bytes = device_memory_bytes or (profile.device_memory_bytes if profile else None)
     _check_memory(memory, device_bytes, memory_fraction, found, warned)
+    budget = config.model.memory_budget_bytes or (
+        int(device_bytes * memory_fraction) if device_bytes else None
+    )
+    largest = largest_item(config, profile, budget, dense, warned)
     return PolicyReport(
         errors=tuple(found),
         warnings=tuple(warned),
@@ -113,7 +119,40 @@ def check_policy(
         predicted_service_s=latency[1] if latency else None,
         worst_case_latency_s=_waits(config) + latency[1] if latency else None,
         estimated_memory_bytes=memory,
+        largest_item=largest,
     )
+
+
+def largest_item(
+    config: PipelineConfig,
+    profile: ServiceProfile | None,
+    budget: int | None,
+    dense: bool,
+    warned: list[str],
+) -> str:
+    """The longest item one forward pass can take within ``budget`` bytes, by the profile's
+    memory estimate (``predict_memory`` of one item), capped by ``model.max_item_tokens``; a
+    warning when that limit lets in items the device cannot take (they go dead at scoring)."""
+    limit = config.model.max_item_tokens
+    if dense:
+        return "dense items are one fixed-size row each"
+    if budget is None or profile is None or profile.predict_memory(1, 1) is None:
+        return (
+            f"up to model.max_item_tokens {limit} tokens accepted; memory not measured (profile "
+            "on the GPU, or set model.memory_budget_bytes; the scorer measures it at start)"
+        )
+    low, high = 0, limit
+    while low < high:
+        mid = (low + high + 1) // 2
+        fits = (profile.predict_memory(1, mid) or 0) <= budget
+        low, high = (mid, high) if fits else (low, mid - 1)
+    if low < limit:
+        warned.append(
+            f"model.max_item_tokens {limit} lets in items the device cannot take: about {low} "
+            f"tokens fit in {budget / 2**20:.1f} MiB; lower max_item_tokens to {low} so enqueue "
+            "refuses them (the scorer fails them dead)"
+        )
+    return f"{low} tokens (memory budget {budget / 2**20:.1f} MiB; model.max_item_tokens {limit})"
 
 
 def worst_batches(config: PipelineConfig, longest: int, *, dense: bool) -> tuple[WorstBatch, ...]:

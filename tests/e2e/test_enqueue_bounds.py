@@ -1,0 +1,93 @@
+"""``batching enqueue`` streams its file (memory bounded, all or nothing) and refuses an item
+past the model's limits, naming FILE:LINE and the limit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from batching.model import workloads
+from tests.e2e.test_cli import (
+    BATCHING,
+    DB,
+    DEPLOYMENTS,
+    batching,
+    one_error_line,
+    status,
+    write_config,
+)
+
+RSS_PROBE = """
+import resource, subprocess, sys
+subprocess.run(sys.argv[1:], check=True, capture_output=True)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+"""
+
+
+def peak_rss(*args: str, cwd: Path) -> int:
+    """Peak resident bytes of ``batching ARGS``, run as the only child of a fresh process."""
+    proc = subprocess.run(
+        [sys.executable, "-c", RSS_PROBE, BATCHING, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    return int(proc.stdout.strip())
+
+
+@pytest.mark.slow
+def test_enqueue_memory_does_not_grow_with_the_file(tmp_path: Path) -> None:
+    # It held the whole file parsed (~2.75x a 200 MB file); streamed, it holds a chunk.
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    small = workloads.write_lines(tmp_path / "small.jsonl", workloads.w1_json_lines(10))
+    big = workloads.write_lines(tmp_path / "big.jsonl", workloads.w1_json_lines(50_000))
+    size = big.stat().st_size
+    assert size > 60 * 2**20
+    base = peak_rss("enqueue", str(small), "--db", DB, "-q", "base", cwd=tmp_path)
+    peak = peak_rss("enqueue", str(big), "--db", DB, "-q", "tabular", cwd=tmp_path)
+    assert status(tmp_path)["ready"] == 50_000
+    assert peak - base < size // 2, (
+        f"enqueue grew {(peak - base) / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB file"
+    )
+
+
+def test_a_bad_last_line_of_a_many_chunk_file_enqueues_nothing(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    path = tmp_path / "requests.jsonl"
+    lines = [*workloads.w1_json_lines(2500), '{"item_key": "last", "payload": {"x": [1]}']
+    path.write_text("\n".join(lines) + "\n")
+    r = batching("enqueue", str(path), "--db", DB, "-q", "tabular", cwd=tmp_path)
+    assert r.rc == 2
+    assert f"{path}:2501: not valid JSON" in one_error_line(r)
+    assert status(tmp_path)["ready"] == 0, "the chunks before the bad line were enqueued"
+
+
+def test_an_item_past_the_models_token_limit_refuses_the_file(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    config = write_config(tmp_path, model={"max_item_tokens": 8})
+    path = tmp_path / "requests.jsonl"
+    rows = [{"item_key": f"k{i}", "payload": {"tokens": list(range(1, 9))}} for i in range(3)]
+    rows.insert(1, {"item_key": "long", "payload": {"tokens": list(range(1, 10))}})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = batching("enqueue", str(path), "--db", DB, "-q", "tabular", "-c", str(config), cwd=tmp_path)
+    assert r.rc == 2
+    message = one_error_line(r)
+    assert f"{path}:2: item 'long' holds 9 token ids, over the limit of 8" in message
+    assert "model.max_item_tokens" in message
+    assert status(tmp_path)["ready"] == 0
+    # Without --config the defaults apply: the same file is within them.
+    ok = batching("enqueue", str(path), "--db", DB, "-q", "tabular", cwd=tmp_path)
+    assert ok.rc == 0, ok.err
+    assert status(tmp_path)["ready"] == 4
+
+
+def test_check_prints_the_largest_item(tmp_path: Path) -> None:
+    r = batching("check", "-c", str(DEPLOYMENTS / "online.yaml"), cwd=tmp_path)
+    assert r.rc == 0, r.err
+    assert "online.yaml: largest item: up to model.max_item_tokens 16384 tokens" in r.out
