@@ -12,6 +12,7 @@ import functools
 import math
 import os
 import sys
+import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
@@ -21,6 +22,7 @@ import typer.exceptions as typer_exceptions
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress, ProgressColumn
+from rich.text import Text
 
 from batching import errors
 from batching.redaction import redact_url
@@ -64,10 +66,50 @@ def _options(
 # Without one (a pipe, a CI log) rich lays tables out in 80 columns, which cut paths and
 # lineage dataset names mid-word; 240 keeps them whole ($COLUMNS still wins).
 _PIPE_WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 240
-# Markup off: what is printed is data (paths, messages, `.[delta]`), which Rich would read as
-# tags and drop; ``flag`` styles the one word that should be red.
-out = Console(soft_wrap=True, width=_PIPE_WIDTH, markup=False)
-err = Console(stderr=True, soft_wrap=True, markup=False)
+
+
+def shown(value: object, *, keep_newlines: bool = False) -> str:
+    """``value`` as text a terminal prints and does nothing else with: each control character
+    (an escape sequence's ESC, a NUL, a line break in a tenant) as its escape, ``\\x1b``,
+    ``\\n``; everything else (brackets, backslashes, ``:emoji:`` codes, any script) as is."""
+    text = str(value)
+    if text.isprintable() or not any(_control(c, keep_newlines) for c in text):
+        return text
+    return "".join(
+        c.encode("unicode_escape").decode("ascii") if _control(c, keep_newlines) else c
+        for c in text
+    )
+
+
+def _control(char: str, keep_newlines: bool) -> bool:
+    if keep_newlines and char == "\n":
+        return False
+    return unicodedata.category(char) in ("Cc", "Zl", "Zp")
+
+
+def plain(value: object) -> Text:
+    """``value`` as a Rich ``Text`` shown as it is on any console: a table cell, a title, a
+    progress or spinner text never parsed as markup or emoji codes, one line (see ``shown``)."""
+    return Text(shown(value))
+
+
+class DataConsole(Console):
+    """A console for data: what it prints is names, keys, paths and messages made of them
+    (a tenant ``[/]``, a key ``:smile:``, a path ``.[delta]``), never markup or emoji codes,
+    which Rich would read, drop or fail on after the work was done; control characters in them
+    are printed as escapes, not acted on by the terminal. ``flag`` styles the one word that
+    should be red (its message escaped)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(markup=False, emoji=False, **kwargs)
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        """Every string Rich prints passes here (``print``, table cells, titles)."""
+        return super().render_str(shown(text, keep_newlines=True), **kwargs)
+
+
+out = DataConsole(soft_wrap=True, width=_PIPE_WIDTH)
+err = DataConsole(stderr=True, soft_wrap=True)
 
 
 def flag(console: Console, label: str, message: str) -> None:

@@ -22,6 +22,7 @@ from batching.cli.common import (
     load,
     out,
     parse_duration,
+    plain,
 )
 
 if TYPE_CHECKING:
@@ -110,11 +111,11 @@ def _print_summary(s: dict[str, Any]) -> None:
         for d in s[direction]:
             table.add_row(
                 direction[:-1],
-                d["namespace"],
-                d["name"],
-                str(d.get("row_count", "-")),
-                str(d.get("size_bytes", "-")),
-                ", ".join(d["facets"]),
+                plain(d["namespace"]),
+                plain(d["name"]),
+                plain(d.get("row_count", "-")),
+                plain(d.get("size_bytes", "-")),
+                plain(", ".join(d["facets"])),
             )
     out.print(table)
     out.print(
@@ -237,15 +238,15 @@ def _print_report(report: Report) -> None:
                 str(f.kind),
                 str(f.severity),
                 str(f.count),
-                _shorten(tuple(_relative(p, report.location) for p in f.files), _SHOW_FILES),
-                _shorten(f.item_keys, _SHOW_KEYS, total=max(f.count, len(f.item_keys))),
-                f.message,
+                plain(_shorten(tuple(_relative(p, report.location) for p in f.files), _SHOW_FILES)),
+                plain(_shorten(f.item_keys, _SHOW_KEYS, total=max(f.count, len(f.item_keys)))),
+                plain(f.message),
             )
         out.print(table)
     if report.repairs:
         done = Table("repair", "target", "items")
         for r in report.repairs:
-            done.add_row(r.action, r.target, str(r.n_items))
+            done.add_row(r.action, plain(r.target), str(r.n_items))
         out.print(done)
     critical = sum(1 for f in report.findings if str(f.severity) == "critical")
     warning = sum(1 for f in report.findings if str(f.severity) == "warning")

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from batching import errors
-from batching.cli.common import ConfigOption, app, err, flag, handle_errors, load, out
+from batching.cli.common import ConfigOption, app, err, flag, handle_errors, load, out, plain
 
 
 @app.command()
@@ -79,11 +79,15 @@ def profile(
         raise errors.ConfigError(f"{config}: no service_profile path; set it or pass --out")
     _check_writable(target)
     runner = TorchRunner.load(cfg.model, base_dir=cfg.base_dir)
-    with err.status(f"profiling {cfg.model.name} on {runner.device_name}"):
+    with err.status(plain(f"profiling {cfg.model.name} on {runner.device_name}")):
         prof = measure_profile(runner, sizes, lens, repeats)
     prof.save(target)
     table = Table(
-        "batch size", "length", "seconds", "items/s", title=f"{cfg.model.name} on {prof.device}"
+        "batch size",
+        "length",
+        "seconds",
+        "items/s",
+        title=plain(f"{cfg.model.name} on {prof.device}"),
     )
     for p in prof.points:
         table.add_row(

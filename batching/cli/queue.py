@@ -29,10 +29,15 @@ from batching.cli.common import (
     open_queue,
     out,
     parse_duration,
+    plain,
     progress_bar,
     queue_name,
+    shown,
     warn_unknown_queue,
 )
+
+if TYPE_CHECKING:
+    from batching.models import QueueStats
 
 
 @app.command()
@@ -86,7 +91,7 @@ def enqueue(
     q = open_queue(db, queue, max_attempts=max_attempts)
     q.check_schema()  # before reading: a large file takes a while
     progress = progress_bar(
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         TextColumn("{task.completed} record(s)"),
         TimeElapsedColumn(),
         quiet=quiet,
@@ -95,7 +100,7 @@ def enqueue(
     try:
         with progress:
             task = progress.add_task(
-                f"reading {file.name}, enqueueing (one transaction)", total=None
+                f"reading {shown(file.name)}, enqueueing (one transaction)", total=None
             )
             records = seen.count(ingest.iter_records(file, limits))
             result = q.enqueue(records, lambda n: progress.update(task, completed=n))
@@ -108,9 +113,9 @@ def enqueue(
     )
     _warn(file, seen)
     if result.duplicates:
-        shown = ", ".join(result.duplicates[:5])
+        listed = ", ".join(result.duplicates[:5])
         more = f" and {len(result.duplicates) - 5} more" if len(result.duplicates) > 5 else ""
-        out.print(f"duplicates: {shown}{more}")
+        out.print(f"duplicates: {listed}{more}")
 
 
 class _Seen:
@@ -162,15 +167,24 @@ def status(
     if as_json:
         sys.stdout.write(json.dumps(asdict(stats), indent=2) + "\n")
         return
+    out.print(status_table(stats, None if all_queues else queue))
+    totals = ", ".join(f"{k} {v}" for k, v in stats.by_state.items())
+    backoff = f"; {stats.backoff} ready waiting out a retry backoff" if stats.backoff else ""
+    out.print(f"total: {totals}; expired leases {stats.expired_leases}{backoff}")
+
+
+def status_table(stats: QueueStats, queue: str | None) -> Table:
+    """``batching status``'s table: one row per (lane, tenant) of ``queue``, or per (queue,
+    lane, tenant) of every queue when ``queue`` is None (``--all``); names shown as they are."""
     # No vertical rules: with --all, ten columns still fit 80 characters without folding names.
     table = Table(
-        title=f"queue {'(all)' if all_queues else repr(queue)}",
+        title=f"queue {'(all)' if queue is None else repr(queue)}",
         box=box.SIMPLE_HEAD,
         show_edge=False,
         pad_edge=False,
         collapse_padding=True,
     )
-    keys = ("queue", "lane", "tenant") if all_queues else ("lane", "tenant")
+    keys = ("lane", "tenant") if queue is not None else ("queue", "lane", "tenant")
     for col in keys:
         table.add_column(col, no_wrap=True, overflow="ellipsis")
     # "stale": leases past their expiry that the reaper has not released yet.
@@ -180,11 +194,8 @@ def status(
         age = f"{g.oldest_ready_age_s:.1f}s" if g.oldest_ready_age_s is not None else "-"
         names = {"queue": g.queue, "lane": g.lane or "-", "tenant": g.tenant}
         counts = (g.ready, g.leased, g.done, g.dead, g.expired, g.expired_leases)
-        table.add_row(*(names[k] for k in keys), *(str(v) for v in counts), age)
-    out.print(table)
-    totals = ", ".join(f"{k} {v}" for k, v in stats.by_state.items())
-    backoff = f"; {stats.backoff} ready waiting out a retry backoff" if stats.backoff else ""
-    out.print(f"total: {totals}; expired leases {stats.expired_leases}{backoff}")
+        table.add_row(*(plain(names[k]) for k in keys), *(str(v) for v in counts), age)
+    return table
 
 
 @app.command()

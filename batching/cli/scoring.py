@@ -26,6 +26,7 @@ from batching.cli.common import (
     handle_errors,
     load,
     out,
+    plain,
     progress_bar,
     warn_unknown_queue,
 )
@@ -43,11 +44,11 @@ def summary_table(summary: Mapping[str, object], title: str = "run summary") -> 
     """The closing table of a scoring run."""
     from batching.loop.stats import summary_rows
 
-    table = Table(title=title, show_header=False)
+    table = Table(title=plain(title), show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name, value in summary_rows(summary):
-        table.add_row(name, value)
+        table.add_row(plain(name), plain(value))
     return table
 
 

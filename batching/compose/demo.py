@@ -8,6 +8,7 @@ from typing import Any
 
 import pyarrow.dataset as ds
 from rich.console import Console
+from rich.text import Text
 
 from batching import errors
 from batching.compose import build
@@ -70,7 +71,8 @@ def run_demo(
         queue.engine.dispose()
         target = workdir / "outputs" / cfg.queue.name
         where = "batching_results" if sink == "sql" else str(target)
-        with out.status(f"scoring queue {cfg.queue.name!r} with {cfg.model.name}"):
+        # Text: a spinner reads a str as markup whatever the console says
+        with out.status(Text(f"scoring queue {cfg.queue.name!r} with {cfg.model.name}")):
             outcome = wiring.run_score(cfg, db_url=db, output=where)
         out.print(summary_table(outcome.summary, f"{cfg.name}: run {outcome.run_id}"))
         _show(out, sink, where, db, cfg.queue.name)
