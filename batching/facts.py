@@ -29,8 +29,8 @@ class BatchFacts:
 
     ``where``: ``dataset`` or ``staging`` (its output found there), ``missing``, ``table`` (a
     table keyed by item: judged per item, not per batch), ``pending`` (committed, its output
-    waits in the outbox for the roll-forward) or ``retired`` (row quarantined or superseded;
-    not checked). ``file``: what was checked (an absolute path, a table), the ledger path when
+    waits in the outbox for the roll-forward), ``retired`` (row quarantined or superseded;
+    not checked) or ``unsafe`` (its path leads outside the output root: never read or acted on). ``file``: what was checked (an absolute path, a table), the ledger path when
     missing. ``keys``: item keys found in the output, None when not read (a table, retired,
     pending) or unreadable (then ``problem`` says why).
     """

@@ -126,7 +126,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 _SHOW_FILES = 3
 # Findings --repair leaves as they are: a deadline missed, a batch whole in another dataset.
-_NOT_REPAIRED = frozenset({"sla_miss", "other_dataset"})
+_NOT_REPAIRED = frozenset({"sla_miss", "other_dataset", "unsafe_path"})
 _SHOW_KEYS = 5
 
 
@@ -258,7 +258,9 @@ def _print_report(report: Report) -> None:
         if kinds - _NOT_REPAIRED and not report.repairs:
             hint = "; `--repair` fixes what can be fixed"
         elif kinds & _NOT_REPAIRED:
-            hint = f"; {', '.join(sorted(kinds & _NOT_REPAIRED))} not repaired: see README, Operations (runbook)"
+            hint = (
+                f"; {', '.join(sorted(kinds & _NOT_REPAIRED))} not repaired: see docs/operations.md"
+            )
         out.print(f"{critical} critical, {warning} warning finding(s){hint}", highlight=False)
     requeued = sum(r.n_items for r in report.repairs if r.action == "requeue")
     if requeued:
