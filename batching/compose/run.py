@@ -10,6 +10,7 @@ given them.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import threading
@@ -34,6 +35,7 @@ from batching.loop.workers import (
     share_limits,
 )
 from batching.outputs import contract as sinks
+from batching.store import sqlite
 
 logger = logging.getLogger(__name__)
 
@@ -271,6 +273,7 @@ def run_score_workers(
                 lineage_config=lineage_config,
                 resend_signals=resend_signals,
                 run_ids=[lineage.new_run_id() for _ in range(n)],
+                lock_holder=functools.partial(sqlite.lock_holder, queue.engine),
             )
         except BaseException as exc:
             counted = {"items_committed": counts[0], "items_failed": counts[1]}

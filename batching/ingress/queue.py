@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import orjson
 import sqlalchemy as sa
@@ -42,8 +42,6 @@ from batching.ports import Clock
 from batching.store import database, schema, sqlite
 
 logger = logging.getLogger(__name__)
-P = ParamSpec("P")
-R = TypeVar("R")
 
 NOTIFY_CHANNEL = "batching_items"
 _ENQUEUE_CHUNK = 1000
@@ -76,39 +74,6 @@ _BY_DEADLINE_AGE_ID = operator.itemgetter(
     _CLAIM_COLUMNS.index("id"),
 )
 _BY_PRIORITY = operator.itemgetter(_CLAIM_COLUMNS.index("priority"))
-
-
-_RECONNECT_TRIES = 6  # 0.1 + 0.2 + ... + 3.2 s: a server restart or a failover, not an outage
-
-
-def reconnecting(verb: Callable[P, R]) -> Callable[P, R]:
-    """Run a queue verb again, on a new connection, when its connection was lost.
-
-    Only verbs whose second run is safe: each is a compare-and-set under its lease (a
-    heartbeat, a release or a fail that did commit finds nothing left to change), and a claim
-    whose commit answer was lost leaves its items under a lease nobody holds, which expires
-    and charges nobody (``batching.crashes``). A commit is not retried here: its outcome is
-    the ledger's to decide (``Scorer._commit``).
-    """
-
-    @functools.wraps(verb)
-    def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        for attempt in range(_RECONNECT_TRIES):
-            try:
-                return verb(*args, **kwargs)
-            except errors.Disconnected as exc:
-                if attempt == _RECONNECT_TRIES - 1:
-                    raise
-                delay = 0.1 * 2**attempt
-                logger.warning(
-                    "database connection lost; reconnecting in %.1f s",
-                    delay,
-                    extra={"action": "reconnect", "verb": verb.__name__, "error": str(exc)},
-                )
-                time.sleep(delay)
-        raise AssertionError("unreachable")
-
-    return run
 
 
 def backoff_s(attempts: int, base_s: float, max_s: float, rng: random.Random) -> float:
@@ -308,7 +273,7 @@ class SqlQueue:
 
     # -- claim -------------------------------------------------------------------------------
 
-    @reconnecting
+    @database.reconnecting
     def claim(
         self,
         n: int,
@@ -582,7 +547,7 @@ class SqlQueue:
         each = sa.func.json_each(sa.literal(orjson.dumps(values).decode())).table_valued("value")
         return column.in_(sa.select(each.c.value))
 
-    @reconnecting
+    @database.reconnecting
     def heartbeat(self, lease_id: str, lease_s: float) -> int:
         """Extend the lease; returns rows extended (0: the lease was lost, stop and write nothing)."""
         with self.begin() as conn:
@@ -657,7 +622,7 @@ class SqlQueue:
         )
         return int(conn.execute(stmt).rowcount)
 
-    @reconnecting
+    @database.reconnecting
     def fail(
         self, lease_id: str, failures: Mapping[int, str], *, retry: bool = True
     ) -> models.FailResult:
@@ -702,7 +667,7 @@ class SqlQueue:
         )
         return models.FailResult(retried=retried, dead=dead)
 
-    @reconnecting
+    @database.reconnecting
     def release(self, lease_id: str, ids: Sequence[int] | None = None) -> int:
         """Give items back to ``ready`` without using up an attempt (clean shutdown)."""
         with self.begin() as conn:
@@ -720,7 +685,7 @@ class SqlQueue:
             )
             return conn.execute(stmt).rowcount
 
-    @reconnecting
+    @database.reconnecting
     def release_expired(self, limit: int = 5000, *, this_queue: bool = False) -> models.ReapResult:
         """The reaper: return items whose lease expired to ``ready`` (or ``dead`` past max
         attempts), every one of them, ``limit`` per transaction.
@@ -813,7 +778,7 @@ class SqlQueue:
 
     # -- operations --------------------------------------------------------------------------
 
-    @reconnecting
+    @database.reconnecting
     def stats(self, *, all_queues: bool = False) -> models.QueueStats:
         """Counts by state, oldest ready age and expired leases, per (queue, lane, tenant)."""
         now = self.clock()

@@ -358,3 +358,25 @@ def log_to_parent(index: int, outbox: Outbox, level: int) -> None:
     library.addHandler(ToParent(index, outbox))
     library.setLevel(level)
     library.propagate = False
+
+
+def end_lock_hog(
+    workers: Sequence[Process], holder: tuple[int, float] | None, lease_s: float
+) -> None:
+    """Kill the worker that has held the writer lock longer than a lease: a paused or hung
+    process would stop every other writer until the database's busy timeout, and its
+    leases, unrenewed meanwhile, are lost anyway."""
+    if holder is None or time.time() - holder[1] <= lease_s:
+        return
+    for index, worker in enumerate(workers):
+        if worker.pid == holder[0] and worker.is_alive():
+            logger.error(
+                "worker %d (pid %d) has held the database's writer lock for %.0f s, past its "
+                "lease (%g s): ended",
+                index,
+                holder[0],
+                time.time() - holder[1],
+                lease_s,
+                extra={"action": "worker_ended", "worker": index, "pid": holder[0]},
+            )
+            worker.kill()

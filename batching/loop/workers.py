@@ -191,6 +191,7 @@ def run_workers(
     lineage_config: LineageConfig | None = None,
     resend_signals: bool = False,
     run_ids: Sequence[str] | None = None,
+    lock_holder: Callable[[], tuple[int, float] | None] | None = None,
 ) -> WorkersOutcome:
     """Run ``n`` scoring runs in ``n`` spawned processes and wait for all of them.
 
@@ -211,6 +212,9 @@ def run_workers(
         resend_signals: once the workers have stopped, pass a stop signal received here on
             to the handler this process had before (a Prefect flow run's, which ends the run
             as cancelled), instead of returning as if the run had finished.
+        lock_holder: the process holding the database's writer lock and since when (SQLite:
+            ``store.sqlite.lock_holder``); a worker holding it past its lease (paused, hung)
+            blocks every other writer, so it is ended (its leases expire; nobody is charged).
 
     SIGTERM and SIGINT received here stop every worker (see ``worker_pipes.StopRequests``): each
     stops claiming, finishes its batches in flight and releases the rest. A
@@ -273,6 +277,8 @@ def run_workers(
         while not watch.done():
             watch.poll(poll_s)
             stops.forward(started, asked=stop is not None and stop.is_set())
+            if lock_holder is not None:
+                worker_pipes.end_lock_hog(started, lock_holder(), config.queue.lease_s)
     except BaseException:
         # This process failed (a progress callback raised, a worker could not start): stop
         # the workers, and keep reading their messages, or one blocked writing to its pipe

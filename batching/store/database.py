@@ -8,9 +8,13 @@ from :mod:`batching.sqlite`; PostgreSQL runs on psycopg 3.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import exc
@@ -20,6 +24,10 @@ from sqlalchemy.engine import Engine
 from batching import errors
 from batching.redaction import redact_url
 from batching.store import sqlite
+
+logger = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _DRIVERS = {"sqlite": ("pysqlite",), "postgresql": ("psycopg",)}  # synchronous DBAPIs we test
 
@@ -213,3 +221,36 @@ _HINTS = (  # what to do about the connection failures users meet first
 
 def _hint(reason: str) -> str:
     return next((f"; {fix}" for texts, fix in _HINTS if all(t in reason for t in texts)), "")
+
+
+_RECONNECT_TRIES = 6  # 0.1 + 0.2 + ... + 3.2 s: a server restart or a failover, not an outage
+
+
+def reconnecting(verb: Callable[P, R]) -> Callable[P, R]:
+    """Run a queue verb again, on a new connection, when its connection was lost.
+
+    Only verbs whose second run is safe: each is a compare-and-set under its lease (a
+    heartbeat, a release or a fail that did commit finds nothing left to change), and a claim
+    whose commit answer was lost leaves its items under a lease nobody holds, which expires
+    and charges nobody (``batching.crashes``). A commit is not retried here: its outcome is
+    the ledger's to decide (``loop.scorer.Scorer._commit``).
+    """
+
+    @functools.wraps(verb)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        for attempt in range(_RECONNECT_TRIES):
+            try:
+                return verb(*args, **kwargs)
+            except errors.Disconnected as exc:
+                if attempt == _RECONNECT_TRIES - 1:
+                    raise
+                delay = 0.1 * 2**attempt
+                logger.warning(
+                    "database connection lost; reconnecting in %.1f s",
+                    delay,
+                    extra={"action": "reconnect", "verb": verb.__name__, "error": str(exc)},
+                )
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    return run

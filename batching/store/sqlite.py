@@ -34,6 +34,8 @@ except ImportError:  # pragma: no cover - not on Windows: writers queue in SQLit
 logger = logging.getLogger(__name__)
 
 READ_ONLY = "batching_read_only"  # execution option set by SqlQueue.read()
+_HOLDER = 64  # bytes at the start of the lock file: "<pid> <epoch s taken>", space-padded
+_SAY_EVERY_S = 5.0  # a writer waiting this long says who holds the lock, and again after as long
 _WRITER_LOCKS: dict[str, _WriterLock] = {}  # by engine URL
 _LOCKS_GUARD = threading.Lock()
 
@@ -63,6 +65,9 @@ class _WriterLock:
         try:
             fd = self._file()
             self._held = fd is not None and self._flock(fd)
+            if self._held and fd is not None:  # who holds it, for a writer left waiting
+                with contextlib.suppress(OSError):
+                    os.pwrite(fd, f"{os.getpid()} {time.time():.3f}".ljust(_HOLDER).encode(), 0)
         except BaseException:
             self._thread.release()
             raise
@@ -85,19 +90,30 @@ class _WriterLock:
         self._fd, self._held = None, False
 
     def _flock(self, fd: int) -> bool:
-        deadline, pause = time.monotonic() + self._wait_s, 0.0001
+        started = time.monotonic()
+        deadline, pause, say_at = started + self._wait_s, 0.0001, started + _SAY_EVERY_S
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return True
             except BlockingIOError:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     logger.warning(
-                        "waited the busy timeout for the SQLite writer lock file; going on to "
-                        "SQLite's own lock",
+                        "waited the busy timeout for the SQLite writer lock file%s; going on "
+                        "to SQLite's own lock",
+                        _holder_text(fd),
                         extra={"action": "writer_lock_timeout", "path": self._path},
                     )
                     return False
+                if now >= say_at:
+                    say_at = now + _SAY_EVERY_S
+                    logger.warning(
+                        "waiting %.0f s for the SQLite writer lock%s",
+                        now - started,
+                        _holder_text(fd),
+                        extra={"action": "writer_lock_wait", "path": self._path},
+                    )
                 time.sleep(pause)
                 pause = min(2 * pause, 0.002)
             except OSError as exc:  # e.g. no flock on this (network) filesystem
@@ -109,7 +125,7 @@ class _WriterLock:
             return None
         if self._fd is None:
             try:
-                self._fd = os.open(self._path, os.O_RDONLY | os.O_CREAT, 0o644)
+                self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as exc:
                 self._give_up(exc)
         return self._fd
@@ -124,6 +140,46 @@ class _WriterLock:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
         self._path, self._fd = None, None
+
+
+def _read_holder(fd: int) -> tuple[int, float] | None:
+    """The ``(pid, since)`` the lock's last holder wrote, or None (none yet, or unreadable)."""
+    try:
+        pid, since = os.pread(fd, _HOLDER, 0).decode().split()
+        return int(pid), float(since)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+
+
+def _holder_text(fd: int) -> str:
+    holder = _read_holder(fd)
+    if holder is None:
+        return " (held by a process that did not say who it is: another program?)"
+    pid, since = holder
+    return f": process {pid} has held it for {time.time() - since:.0f} s"
+
+
+def lock_holder(engine: Engine) -> tuple[int, float] | None:
+    """The process holding the SQLite file's writer lock now and since when (epoch s), or
+    None when nobody holds it (or it is not a SQLite file with a lock file)."""
+    if engine.dialect.name != "sqlite" or fcntl is None:
+        return None
+    path = _lock_for(engine, 30.0)._path
+    if path is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:  # free if this takes it at once: let go, nobody holds it
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        except BlockingIOError:
+            return _read_holder(fd)
+    finally:
+        os.close(fd)
 
 
 def _after_fork_in_child() -> None:

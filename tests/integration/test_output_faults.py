@@ -118,6 +118,7 @@ def test_a_full_disk_fails_the_run_with_its_errno_and_charges_no_item(
         "tabular.yaml",
         tmp_path,
         batching=BATCHES,
+        output={"max_rows_per_commit": 16},  # a file per batch of 16: 25 files, 4 KiB or more each
         lineage={"transport": "file", "path": str(events)},
     )
     config_text = path.read_text().replace(str(tmp_path / "outputs"), str(small_disk / "out"))
