@@ -21,6 +21,16 @@ PostgreSQL database ``chaos_*``, dropped after the round):
      drain, no batch left committed or in the outbox. The same check runs after each blow and
      after the drain, once nothing runs (after a blow a done item may still await its publish).
 
+Some rounds add a fault of their own (drawn with the round): a **killer item**, one request
+that kills its scorer's process whenever it is scored (``os._exit``, a segfault or SIGKILL,
+through ``tests/integration/die_on.py``), which must end dead alone while every other item
+commits with no attempt charged for it; a **full disk** (the output on a small tmpfs,
+enlarged before the drain) and an **immutable partition folder** (``chattr +i``, lifted before
+the drain), where a scorer must exit 1 and charge nobody; on PostgreSQL, a **backend
+terminate** blow (``pg_terminate_backend`` of every connection of the round's database),
+after which the scorer must reconnect and exit 0. The mounts and ``chattr`` need root; without
+them those faults are not drawn.
+
 A violation breaks the guarantee (or a reconcile after the drain finds a critical problem); an
 anomaly is documented behaviour not met with nothing lost (a SIGTERM that does not exit 0, a
 hang, a traceback, a reconcile warning after the drain).
@@ -60,7 +70,7 @@ import sqlalchemy as sa
 import yaml
 from deltalake import DeltaTable
 
-from batching import models
+from batching import crashes, models
 from batching.config import load_config
 from batching.model import workloads
 from batching.outputs.delta import DeltaSink
@@ -70,6 +80,10 @@ from batching.store import schema
 DEPLOY = Path(__file__).resolve().parents[1] / "deployments"
 BATCHING = Path(sys.executable).with_name("batching")
 QUEUE = "tabular"
+DIE_ON = Path(__file__).resolve().parents[1] / "tests" / "integration" / "die_on.py"
+ITEM_DEATHS = {"exit": 3, "segv": -signal.SIGSEGV, "kill": -signal.SIGKILL}
+OUTPUT_FAULTS = {"disk-full": "No space left on device", "immutable": "committed but not published"}
+PARTITION = "model_version=w1-mlp-v1"
 BLOWS = (
     "sigkill-parent",
     "sigkill-worker",
@@ -108,10 +122,15 @@ class Phase:
     reconcile_at_s: float
 
 
-def draw_phase(rng: random.Random) -> Phase:
-    """A random phase: workers, blow, when, and an optional reconcile beside the scorer."""
-    blow = rng.choice(BLOWS)
+def draw_phase(rng: random.Random, *, pg: bool = False, one_process: bool = False) -> Phase:
+    """A random phase: workers, blow, when, and an optional reconcile beside the scorer.
+    ``pg``: a backend terminate may be the blow; ``one_process``: no ``--workers`` (a killer
+    item's scorer dies by a hook that spawned workers would not load)."""
+    blow = rng.choice(BLOWS + (("pg-terminate",) if pg else ()))
+    if one_process and blow == "sigkill-worker":
+        blow = "sigkill-parent"
     workers = 2 if blow == "sigkill-worker" else rng.choice((1, 1, 2))
+    workers = 1 if one_process else workers
     return Phase(
         workers=workers,
         blow=blow,
@@ -253,6 +272,10 @@ class Round:
     violations: list[str] = field(default_factory=list)
     anomalies: list[str] = field(default_factory=list)
     running: list[Job] = field(default_factory=list)
+    fault: str | None = None  # "killer", "disk-full", "immutable" or None
+    killer: tuple[str, str] | None = None  # (item key, how it kills: exit, segv, kill)
+    volume: Path | None = None  # the tmpfs of a full-disk round
+    frozen: Path | None = None  # the immutable partition folder
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -267,9 +290,12 @@ class Round:
         data = yaml.safe_load((DEPLOY / "tabular.yaml").read_text())
         self.lease_s = float(self.rng.choice((3, 4, 5)))
         self.sink = self.rng.choices(SINKS, weights=(45, 15, 15, 25))[0]
+        self.fault = self.draw_fault()
         data["database"]["url"] = self.db_url
         data["queue"]["lease_s"] = self.lease_s
         data["batching"].update(self.rng.choice(BATCHING_SETTINGS))
+        if self.fault == "killer":  # claims of 32: its rounds find it in ~5 deaths, not ~13
+            data["batching"].update(BATCHING_SETTINGS[2])
         data["output"].update(kind=self.sink, path=str(self.work / "outputs"))
         if self.sink == "warehouse":  # a results table in another database than the queue's
             data["output"].update(kind="sql", table="results", url=self.warehouse_url)
@@ -281,11 +307,68 @@ class Round:
         self.config.write_text(yaml.safe_dump(data))
         load_config(self.config)  # fails here, not in every scorer, on a bad setting
         size = data["batching"]["max_batch_size"]
-        self.actions.append(f"{self.sink} sink, lease_s {self.lease_s:g}, batch {size}")
+        self.actions.append(
+            f"{self.sink} sink, lease_s {self.lease_s:g}, batch {size}, fault {self.fault}"
+        )
+
+    def draw_fault(self) -> str | None:
+        """This round's own fault, if any; an output fault makes it a Parquet round."""
+        roll = self.rng.random()
+        fault = (
+            "killer" if roll < 0.25 else "disk-full" if roll < 0.35 else
+            "immutable" if roll < 0.45 else None
+        )  # fmt: skip
+        if fault in OUTPUT_FAULTS and not shutil.which(
+            "chattr" if fault == "immutable" else "mount"
+        ):
+            return None
+        if fault in OUTPUT_FAULTS:
+            self.sink = "parquet"
+        if fault == "disk-full" and not self.mount_small_disk():
+            return None
+        return fault
+
+    def mount_small_disk(self) -> bool:
+        """The output and its staging folder on a tmpfs of 64-256 KiB (through symlinks, so
+        the round's paths stay the same); False when this machine cannot mount one."""
+        volume = self.work / "volume"
+        volume.mkdir()
+        size = self.rng.choice(("64k", "128k", "256k"))
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(volume)],
+            capture_output=True, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            return False
+        self.volume = volume
+        for name in ("outputs", "outputs.staging"):
+            (volume / name).mkdir()
+            (self.work / name).symlink_to(volume / name)
+        self.actions.append(f"output on a {size} tmpfs")
+        return True
+
+    def freeze_partition(self) -> None:
+        """Today's partition folder, immutable: every publish into it fails."""
+        day = time.strftime("%Y-%m-%d", time.gmtime())
+        folder = self.work / "outputs" / f"date={day}" / PARTITION
+        folder.mkdir(parents=True, exist_ok=True)
+        if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0:
+            self.frozen = folder
+            self.actions.append(f"{folder.relative_to(self.work)} made immutable")
+
+    def lift_fault(self) -> None:
+        """Before the drain: the disk grows, the folder thaws (the killer stays)."""
+        if self.volume is not None:
+            subprocess.run(["mount", "-o", "remount,size=64m", str(self.volume)], check=True)
+        if self.frozen is not None:
+            subprocess.run(["chattr", "-i", str(self.frozen)], check=True)
+            self.frozen = None
 
     def enqueue(self) -> None:
         self.n_items = self.rng.randint(500, 12_000)
-        attempts = self.rng.choice((5, 5, 2, 1))  # 1: whatever a killed scorer held is dead
+        # 1 or 2: an item alone in an isolation round when a blow lands may run out; 5 in a
+        # killer round, where a good item dead of a worker's death is a violation.
+        attempts = 5 if self.fault == "killer" else self.rng.choice((5, 5, 2, 1))
         # One to three enqueues, so claims hold items of one enqueue time (read back as one
         # value) or of several (each item's time read back).
         parts = self.rng.choice((1, 2, 3))
@@ -301,6 +384,10 @@ class Round:
                 "--max-attempts", str(attempts),
             )  # fmt: skip
         self.actions.append(f"{self.n_items} items in {parts} enqueue(s), max attempts {attempts}")
+        if self.fault == "killer":
+            key = self.rng.choice(sorted(self.keys))
+            self.killer = (key, self.rng.choice(sorted(ITEM_DEATHS)))
+            self.actions.append(f"killer item {key} ({self.killer[1]})")
 
     # -- commands -------------------------------------------------------------------------
 
@@ -312,9 +399,12 @@ class Round:
     def start(self, name: str, *args: str) -> Job:
         """`batching ARGS` in a process group of its own; output to log/NN-name.{out,err}."""
         out, err = self.logs(name)
+        command = [str(BATCHING), *args]
+        if self.killer is not None and args[0] == "score":  # a scorer that dies on the killer
+            command = [sys.executable, str(DIE_ON), *self.killer, "--", *args]
         with out.open("wb") as o, err.open("wb") as e:
             proc = subprocess.Popen(
-                [str(BATCHING), *args], stdout=o, stderr=e, cwd=self.work,
+                command, stdout=o, stderr=e, cwd=self.work,
                 env=clean_env(), start_new_session=True,
             )  # fmt: skip
         job = Job(name, proc, out, err)
@@ -355,6 +445,14 @@ class Round:
 
     def reconcile_args(self, *extra: str) -> list[str]:
         return ["reconcile", "-c", str(self.config), "--db", self.db_url, "--json", *extra]
+
+    def fault_exit(self, rc: int, job: Job) -> bool:
+        """``rc`` is what this round's fault makes a scorer exit with: the killer item's death,
+        or exit 1 naming the output's failure."""
+        if self.killer is not None and rc == ITEM_DEATHS[self.killer[1]]:
+            return True
+        said = OUTPUT_FAULTS.get(self.fault or "")
+        return rc == 1 and said is not None and said in job.err.read_text(errors="replace")
 
     def violation(self, text: str) -> None:
         self.violations.append(text)
@@ -400,7 +498,9 @@ class Round:
 
     def phase(self, n: int) -> None:
         """Start a scorer, maybe a reconcile beside it, deliver the blow, wait, check."""
-        plan = draw_phase(self.rng)
+        plan = draw_phase(
+            self.rng, pg=self.db_url.startswith("postgresql"), one_process=bool(self.killer)
+        )
         before, held = self.counts(), self.leases()
         workers = ("--workers", "2") if plan.workers == 2 else ()
         job = self.start(f"score{n}", *self.score_args(*workers))
@@ -417,9 +517,9 @@ class Round:
     def judge_exit(self, n: int, what: str, rc: int, job: Job, held: set[str]) -> None:
         """A run left alone or sent SIGTERM exits 0, releasing what it leased (also when the
         SIGTERM lands as the interpreter exits, after the summary)."""
-        if what.split()[0] not in ("none", "sigterm"):
+        if what.split()[0] not in ("none", "sigterm", "pg-terminate"):
             return
-        if rc != 0:
+        if rc != 0 and not self.fault_exit(rc, job):
             self.anomaly(f"phase {n}: score after {what} exited {rc}, expected 0; see {job.err}")
         if rc == 0 and self.leases() - held:
             self.anomaly(f"phase {n}: score exited 0 after {what} with items of its own leased")
@@ -460,6 +560,16 @@ class Round:
         if plan.blow == "sigkill-worker":
             return self.kill_worker(plan, job)
         done = self.counts()[models.State.DONE]
+        if plan.blow == "pg-terminate":  # every connection of the round's database but this one
+            import psycopg
+
+            with psycopg.connect(self.db_url, autocommit=True, connect_timeout=5) as conn:
+                n = conn.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                ).fetchone()
+            self.totals.blows[plan.blow] += 1
+            return f"pg-terminate at done {done} ({n[0] if n else 0} connections)"
         if plan.blow == "sigkill-parent":
             os.kill(job.pid, signal.SIGKILL)
         elif plan.blow == "sigkill-group":
@@ -503,16 +613,18 @@ class Round:
     # -- drain ----------------------------------------------------------------------------
 
     def drain(self) -> bool:
-        """Score until nothing is ready or leased (waiting out leases first); False if not."""
-        for n in range(DRAIN_RUNS):
+        """Score until nothing is ready or leased (waiting out leases first); False if not.
+        A killer item kills a run in every isolation round it is in: more runs for it."""
+        runs = DRAIN_RUNS + (20 if self.killer else 0)
+        for n in range(runs):
             self.wait_out_leases()
             rc, job = self.run(f"drain{n}", *self.score_args("--until-empty"))
-            if rc != 0:
+            if rc != 0 and not self.fault_exit(rc, job):
                 self.anomaly(f"drain run {n} exited {rc}; see {job.err}")
             counts = self.counts()
             if not counts[models.State.READY] and not counts[models.State.LEASED]:
                 return True
-        self.violation(f"queue not drained after {DRAIN_RUNS} runs: {dict(counts)}")
+        self.violation(f"queue not drained after {runs} runs: {dict(counts)}")
         return False
 
     def repair(self, n: int) -> bool:
@@ -538,6 +650,7 @@ class Round:
 
     def settle(self) -> None:
         """Drain, repair (drain again if it requeued), then a last reconcile must be clean."""
+        self.lift_fault()
         for n in range(3):
             if not self.drain():
                 return
@@ -661,6 +774,23 @@ class Round:
                 problems.append(f"{key}: {state.name} without a reason")
             elif final and state in (models.State.READY, models.State.LEASED):
                 problems.append(f"{key}: still {state.name}")
+        return problems + (self.check_killer(items) if final and self.killer else [])
+
+    def check_killer(self, items: dict[str, Any]) -> list[str]:
+        """The killer ends dead, charged alone; no other item is dead of a worker's death."""
+        assert self.killer is not None
+        key = self.killer[0]
+        killer = items[key]
+        problems = []
+        if killer.state != models.State.DEAD or killer.last_error != crashes.KILLER:
+            state = models.State(killer.state).name
+            problems.append(f"killer {key}: {state} ({killer.last_error!r}), not dead alone")
+        lost = (crashes.KILLER, crashes.CHARGED)
+        charged = sorted(
+            k for k, r in items.items()
+            if k != key and r.state == models.State.DEAD and r.last_error in lost
+        )  # fmt: skip
+        problems += [f"{k}: a good item dead of its worker's death" for k in charged[:20]]
         return problems
 
     # -- the round ------------------------------------------------------------------------
@@ -668,6 +798,8 @@ class Round:
     def play(self) -> None:
         self.write_config()
         self.enqueue()
+        if self.fault == "immutable":
+            self.freeze_partition()
         for n in range(1, self.rng.randint(1, 4) + 1):
             counts = self.counts()
             if not counts[models.State.READY] and not counts[models.State.LEASED]:
@@ -682,6 +814,10 @@ class Round:
             kill_group(job.pid)
             job.proc.wait()
         self.engine.dispose()
+        if self.frozen is not None:
+            subprocess.run(["chattr", "-i", str(self.frozen)], check=False)
+        if self.volume is not None:  # its files go with it; the round is over
+            subprocess.run(["umount", "-l", str(self.volume)], check=False)
 
 
 # ----------------------------------------------------------------------------- main
@@ -770,7 +906,8 @@ def report_round(rnd: Round, wall_s: float) -> None:
     end = ", ".join(f"{s.name.lower()} {n}" for s, n in sorted(rnd.end.items()))
     verdict = f"{len(rnd.violations)} VIOLATION(S)" if rnd.violations else "ok"
     print(
-        f"round {rnd.index} seed {rnd.seed}: {rnd.n_items} items, {rnd.sink}, "
+        f"round {rnd.index} seed {rnd.seed}: {rnd.n_items} items, {rnd.sink}"
+        f"{' + ' + rnd.fault if rnd.fault else ''}, "
         f"lease {rnd.lease_s:g}s, blows [{', '.join(rnd.blows)}] -> {end or '?'}: {verdict}, "
         f"{len(rnd.anomalies)} anomalies ({wall_s:.1f}s)",
         flush=True,
