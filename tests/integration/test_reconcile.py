@@ -350,8 +350,11 @@ def test_requeued_items_are_rescored_and_stay_clean(
     make_every_fault(queue, sink, root, clock, monkeypatch)
     run(queue, root, clock, repair=True)
     again = queue.claim(100, lease_s=30)
-    assert {i.item_key for i in again.items} == {"m1", "m2", "t1", "l1", "l2", "s1"}
+    alone = queue.claim(100, lease_s=30, isolate=True)  # s1's lease was lost: a suspect
+    assert {i.item_key for i in again.items} == {"m1", "m2", "t1", "l1", "l2"}
+    assert [i.item_key for i in alone.items] == ["s1"]
     sink.commit(scored(again, clock))
+    sink.commit(scored(alone, clock))
     assert run(queue, root, clock).findings == ()
     assert len(pq.read_table(root)) == 11
 
