@@ -31,9 +31,11 @@ bench: setup-dev
 	$(VENV)/python bench/queue_bench.py
 
 # A few crash-fuzz rounds (bench/chaos.py) on SQLite and PostgreSQL; CI runs it after `check`
-# with the commit count as SEED: another plan per commit, each replayable with its seed.
+# with the commit count as SEED: another plan per commit, each replayable with its seed;
+# --faults cycle puts every fault (a killer item, a full disk, an immutable folder, a backend
+# terminate) in these few rounds rather than leaving them to chance.
 SEED ?= 1
 PG_URL ?= postgresql://postgres@127.0.0.1:5432/postgres
 chaos-smoke: setup-dev
-	$(VENV)/python bench/chaos.py --rounds 4 --seed $(SEED)
-	$(VENV)/python bench/chaos.py --rounds 2 --seed $(SEED) --pg $(PG_URL)
+	$(VENV)/python bench/chaos.py --rounds 4 --seed $(SEED) --faults cycle
+	$(VENV)/python bench/chaos.py --rounds 2 --seed $(SEED) --pg $(PG_URL) --faults cycle

@@ -48,6 +48,7 @@ violations; 2: bad arguments.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -84,6 +85,8 @@ DIE_ON = Path(__file__).resolve().parents[1] / "tests" / "integration" / "die_on
 ITEM_DEATHS = {"exit": 3, "segv": -signal.SIGSEGV, "kill": -signal.SIGKILL}
 OUTPUT_FAULTS = {"disk-full": "No space left on device", "immutable": "committed but not published"}
 PARTITION = "model_version=w1-mlp-v1"
+FAULT_CYCLE = ("killer", "disk-full", "immutable", None)
+"""``--faults cycle`` (CI's smoke): every fault in a few rounds, not by chance."""
 BLOWS = (
     "sigkill-parent",
     "sigkill-worker",
@@ -259,6 +262,7 @@ class Round:
     work: Path
     db_url: str
     totals: Totals
+    cycle: bool = False  # --faults cycle: round i has FAULT_CYCLE[i % 4], phase 1 a terminate
     rng: random.Random = field(init=False)
     config: Path = field(init=False)
     sink: str = "parquet"
@@ -318,6 +322,8 @@ class Round:
             "killer" if roll < 0.25 else "disk-full" if roll < 0.35 else
             "immutable" if roll < 0.45 else None
         )  # fmt: skip
+        if self.cycle:
+            fault = FAULT_CYCLE[self.index % len(FAULT_CYCLE)]
         if fault in OUTPUT_FAULTS and not shutil.which(
             "chattr" if fault == "immutable" else "mount"
         ):
@@ -498,9 +504,10 @@ class Round:
 
     def phase(self, n: int) -> None:
         """Start a scorer, maybe a reconcile beside it, deliver the blow, wait, check."""
-        plan = draw_phase(
-            self.rng, pg=self.db_url.startswith("postgresql"), one_process=bool(self.killer)
-        )
+        pg = self.db_url.startswith("postgresql")
+        plan = draw_phase(self.rng, pg=pg, one_process=bool(self.killer))
+        if self.cycle and pg and n == 1:  # a terminate on every PostgreSQL round
+            plan = dataclasses.replace(plan, blow="pg-terminate")
         before, held = self.counts(), self.leases()
         workers = ("--workers", "2") if plan.workers == 2 else ()
         job = self.start(f"score{n}", *self.score_args(*workers))
@@ -842,6 +849,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--keep", action="store_true", help="keep every round's folder and db")
     parser.add_argument(
+        "--faults",
+        choices=("drawn", "cycle"),
+        default="drawn",
+        help="a round's own fault: drawn by its seed (default), or cycle: round i has "
+        "killer, disk-full, immutable, none (i mod 4) and, on PostgreSQL, a terminate first",
+    )
+    parser.add_argument(
         "-v",
         "--verbose",
         action="store_true",
@@ -880,7 +894,7 @@ def play_round(index: int, seed: int, args: argparse.Namespace, totals: Totals) 
     work = Path(tempfile.mkdtemp(prefix=f"chaos-{seed}-"))
     keep = [bool(args.keep)]
     with database(args.pg, work, seed, keep) as url:
-        rnd = Round(index, seed, work, url, totals)
+        rnd = Round(index, seed, work, url, totals, cycle=args.faults == "cycle")
         try:
             rnd.play()
         except Exception as exc:  # a round that could not be played is a failure to look at
