@@ -641,10 +641,12 @@ class ItemMemory:
         if len(lengths) < 3:
             return cls((0.0, peaks[0] / lengths[0], 0.0), budget, source, max_length)
         c2, c1, c0 = np.polyfit(np.array(lengths, float), np.array(peaks, float), 2).tolist()
-        slope = max(p / n for n, p in zip(lengths, peaks, strict=True))
-        # Negative terms would shrink the estimate past the probes: clip them, and keep at
-        # least the steepest proportional slope measured.
-        return cls((max(c0, 0.0), max(c1, 0.0, slope), max(c2, 0.0)), budget, source, max_length)
+        b, c = max(c1, 0.0), max(c2, 0.0)
+        # Negative terms would shrink the estimate past the probes: clip them, then raise the
+        # fixed part (not the per-row terms: a GPU's workspace, counted in every probe, must
+        # not count once per row) until no probe is above the curve.
+        a = max(0.0, c0, *(p - b * n - c * n * n for n, p in zip(lengths, peaks, strict=True)))
+        return cls((a, b, c), budget, source, max_length)
 
     def batch(self, rows: int, length: int) -> int:
         """Estimated bytes of a forward pass over ``rows`` items padded to ``length``."""

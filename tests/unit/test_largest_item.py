@@ -56,3 +56,15 @@ def test_the_runners_memory_curve_is_quadratic_in_length_and_never_below_its_pro
     assert memory.batch(1, 20000) >= 6_400_000_000  # the 20k-token item of the issue
     assert memory.batch(2, 128) > memory.batch(1, 128)
     assert 19000 < memory.longest() < 20000
+
+
+def test_a_fixed_part_counts_once_per_batch_not_once_per_row() -> None:
+    """A GPU's workspace (here 50 MB) is in every single-item probe; spread over the rows of
+    a batch it would split every large batch for nothing."""
+    from batching.model.runner import ItemMemory
+
+    lengths = (32, 64, 128)
+    peaks = [50_000_000 + 1000 * n + 16 * n * n for n in lengths]
+    memory = ItemMemory.fit(lengths, peaks, budget=10**12, source="test", max_length=60000)
+    true = 50_000_000 + 2048 * (1000 * 128 + 16 * 128 * 128)
+    assert true <= memory.batch(2048, 128) < 1.01 * true
