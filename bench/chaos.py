@@ -83,7 +83,11 @@ BATCHING = Path(sys.executable).with_name("batching")
 QUEUE = "tabular"
 DIE_ON = Path(__file__).resolve().parents[1] / "tests" / "integration" / "die_on.py"
 ITEM_DEATHS = {"exit": 3, "segv": -signal.SIGSEGV, "kill": -signal.SIGKILL}
-OUTPUT_FAULTS = {"disk-full": "No space left on device", "immutable": "committed but not published"}
+OUTPUT_FAULTS = {
+    "disk-full": ("No space left on device",),
+    # at a commit, or at the start-up's roll-forward of what an earlier run left in staging
+    "immutable": ("committed but not published", "cannot publish"),
+}
 PARTITION = "model_version=w1-mlp-v1"
 FAULT_CYCLE = ("killer", "disk-full", "immutable", None)
 """``--faults cycle`` (CI's smoke): every fault in a few rounds, not by chance."""
@@ -457,8 +461,8 @@ class Round:
         or exit 1 naming the output's failure."""
         if self.killer is not None and rc == ITEM_DEATHS[self.killer[1]]:
             return True
-        said = OUTPUT_FAULTS.get(self.fault or "")
-        return rc == 1 and said is not None and said in job.err.read_text(errors="replace")
+        err = job.err.read_text(errors="replace")
+        return rc == 1 and any(said in err for said in OUTPUT_FAULTS.get(self.fault or "", ()))
 
     def violation(self, text: str) -> None:
         self.violations.append(text)
