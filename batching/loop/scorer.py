@@ -92,6 +92,7 @@ class Scorer(Generic[D]):
         self._exhausted = False  # the last claim found nothing ready
         # Suspects (items of a lost worker) wait: claim them alone once nothing is in flight.
         self._isolating = False
+        self._unsettled = False  # a commit was cut off: settle its batch again at the end
         self._batch_lock = threading.Lock()  # the batcher: claim thread adds, dispatcher polls
         self._leases: dict[str, int] = {}
         self._item_lease: dict[int, str] = {}
@@ -134,6 +135,7 @@ class Scorer(Generic[D]):
                 for t in threads[:2]:
                     t.join()
                 self._release_stranded()
+                self._settle()
                 self._stop.set()
                 self._stages_done.set()
                 threads[2].join()
@@ -400,6 +402,7 @@ class Scorer(Generic[D]):
                     "database connection lost during a commit; items given back, run goes on",
                     extra={"action": "reconnect", "lease_id": lease_id},
                 )
+                self._unsettled = True
                 self.outputs.recover()
                 return
             except (errors.SinkError, errors.QueueError):
@@ -545,6 +548,19 @@ class Scorer(Generic[D]):
                     )
                 mine = set(ids)
                 self._forget(lease_id, [i for i in job.batch.items if i.id in mine])
+
+    def _settle(self) -> None:
+        """After a commit cut off midway: once every lease of the run is committed or given
+        back, the ledger settles what that commit staged (the recover() right after it kept
+        the staged file while its lease still held other items)."""
+        if not self._unsettled:
+            return
+        try:
+            self.outputs.recover()
+        except (errors.QueueError, errors.SinkError):
+            logger.warning(
+                "settling a cut-off commit failed; the next start does it", exc_info=True
+            )
 
     def _guard(self, target: Callable[[], None]) -> None:
         try:

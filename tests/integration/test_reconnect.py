@@ -46,13 +46,13 @@ def test_a_scorer_reconnects_after_its_backends_are_terminated(pg_url: str, tmp_
     )
     terminated = 0
     with psycopg.connect(pg_url.replace("+psycopg", ""), autocommit=True) as admin:
-        for at_least in (300, 900, 1500, 2100):
+        for at_least in range(300, 2700, 300):
             wait_for_done(pg_url, at_least, proc)
             terminated += admin.execute(TERMINATE).fetchone()[0]  # type: ignore[index]
             time.sleep(0.05)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    assert terminated >= 4, "no connection was terminated: nothing tested"
+    assert terminated >= 8, "no connection was terminated: nothing tested"
     assert "reconnect" in err
     assert Counter(models.State(r.state).name for r in items(pg_url).values()) == Counter(DONE=N)
     assert len(dataset(tmp_path / "outputs")) == N
