@@ -9,6 +9,7 @@ dtype.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 import typing
@@ -43,9 +44,7 @@ def dense_rows(
             value, reason = _json_field(payload.data, "x")
             if reason is None and not (isinstance(value, list) and len(value) == dim):
                 reason = f'"x" must be a list of {dim} numbers, got {_describe(value)}'
-            if reason is None:
-                reason = number_list_error(typing.cast(list[object], value), "x")
-            if reason is None:
+            if reason is None:  # its values are checked with the batch's (_json_blocks)
                 json_rows.append((pos, value))
         else:
             key = (payload.dtype, payload.shape)
@@ -111,23 +110,30 @@ def _json_blocks(
     dim: int,
     failures: dict[int, str],
 ) -> list[tuple[list[int], FloatArray]]:
-    """Convert JSON rows in one numpy call; on a bad value, row by row to blame the item."""
+    """Convert JSON rows in one numpy call, then refuse the rows a value of which is past
+    float32 in one vectorised pass; on a bad value, row by row to blame the item."""
     if not rows:
         return []
+    values = [value for _, value in rows]
+    # numpy would read null as NaN, true as 1 and "1.5" as 1.5: every value must be a number
+    # (one C pass over the batch), and none past float32 (inf after the cast).
+    numbers = set(map(type, itertools.chain.from_iterable(values))) <= {int, float}  # type: ignore[arg-type]
     try:
-        matrix = np.array([value for _, value in rows], dtype=np.float32)
-        if matrix.shape == (len(rows), dim):
+        with np.errstate(over="ignore"):
+            matrix = np.array(values, dtype=np.float32)
+        if numbers and matrix.shape == (len(rows), dim) and np.isfinite(matrix).all():
             return [([pos for pos, _ in rows], matrix)]
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):
         pass
     good: list[tuple[int, FloatArray]] = []
     for pos, value in rows:
+        reason = number_list_error(typing.cast(list[object], value), "x")
         try:
-            row = np.array(value, dtype=np.float32)
-        except (ValueError, TypeError):
+            row = np.array(value, dtype=np.float32) if reason is None else None
+        except (ValueError, TypeError, OverflowError):
             row = None
-        if row is None or row.shape != (dim,):
-            failures[items[pos].id] = f'"x" must be a list of {dim} numbers'
+        if reason is not None or row is None or row.shape != (dim,):
+            failures[items[pos].id] = reason or f'"x" must be a list of {dim} numbers'
         else:
             good.append((pos, row))
     if not good:
@@ -241,6 +247,15 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INT64 = (-(2**63), 2**63 - 1)
 
 
+def _not_numbers(values: list[object], field: str) -> str | None:
+    """Why ``values`` holds something other than numbers (``null``, ``true``, a string), or
+    None: the per-row part of :func:`number_list_error`, one pass of ``type``."""
+    if set(map(type, values)) <= {int, float}:
+        return None
+    pos, bad = next((i, v) for i, v in enumerate(values) if type(v) not in (int, float))
+    return f'"{field}"[{pos}] is {_value(bad)}, not a number'
+
+
 def number_list_error(values: list[object], field: str) -> str | None:
     """Why ``values`` is not a list of float32 numbers, naming the first bad one, or None.
 
@@ -249,9 +264,9 @@ def number_list_error(values: list[object], field: str) -> str | None:
     ``true`` as 1, ``"1.5"`` as 1.5 and turns 1e39 into an infinite float32, and a retry cannot
     make any of them a number. One pass of ``type`` over the values, a scan only on failure.
     """
-    if not set(map(type, values)) <= {int, float}:
-        pos, bad = next((i, v) for i, v in enumerate(values) if type(v) not in (int, float))
-        return f'"{field}"[{pos}] is {_value(bad)}, not a number'
+    not_numbers = _not_numbers(values, field)
+    if not_numbers is not None:
+        return not_numbers
     try:
         over = np.abs(np.array(values, dtype=np.float64)) > FLOAT32_MAX
     except OverflowError:  # an integer past float64 (Python's json reads one; orjson does not)
