@@ -225,7 +225,44 @@ runs = sa.Table(
     # A scoring run's last sign of life (migration 8): a run still "running" without one for
     # a while died with its process, and the next run on its queue closes it as failed.
     sa.Column("heartbeat_at", sa.Float),
+    # When a reconcile last checked the run's batches (migration 12): a run that committed
+    # items and was never reconciled is one no trigger reached.
+    sa.Column("reconciled_at", sa.Float),
 )
+lineage_spool = sa.Table(
+    "batching_lineage_spool",
+    metadata,
+    sa.Column("seq", _ID, primary_key=True, autoincrement=True),
+    sa.Column("run_id", sa.String(64), nullable=False),
+    sa.Column("event_type", sa.String(16), nullable=False),
+    sa.Column("event_time", sa.String(40), nullable=False),
+    # The event as first serialised: a re-send is byte for byte the same event.
+    sa.Column("body", sa.Text, nullable=False),
+    sa.Column("spooled_at", sa.Float, nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("last_error", sa.Text),
+    # A flusher's claim on the run's events: another flusher skips them until it expires.
+    sa.Column("claimed_by", sa.String(64)),
+    sa.Column("claim_expires_at", sa.Float),
+    sqlite_autoincrement=True,
+)
+"""Lineage events the backend did not take (migration 12), re-sent in order per run by the
+next run or ``batching lineage flush``; deleted once delivered."""
+sa.Index("ix_batching_lineage_spool_run", lineage_spool.c.run_id, lineage_spool.c.seq)
+
+sweeps = sa.Table(
+    "batching_sweeps",
+    metadata,
+    sa.Column("name", sa.String(300), primary_key=True),
+    sa.Column("cursor", sa.Text),
+    sa.Column("started_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Column("finished_at", sa.Float),
+    sa.Column("progress", sa.Text),
+)
+"""Where a full reconcile sweep of one output is (migration 12): a sweep stopped part way
+resumes after its cursor."""
+
 sa.Index(
     "ix_batching_runs_parent",
     runs.c.parent_run_id,
@@ -413,6 +450,14 @@ def _v11(conn: Connection) -> None:
             index.create(conn, checkfirst=True)
 
 
+def _v12(conn: Connection) -> None:
+    for table in (lineage_spool, sweeps):
+        table.create(conn, checkfirst=True)
+    columns = {c["name"] for c in sa.inspect(conn).get_columns(runs.name)}
+    if "reconciled_at" not in columns:
+        conn.execute(sa.text(f"ALTER TABLE {runs.name} ADD COLUMN reconciled_at FLOAT"))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "queue items, archive, batch ledger, runs, results", _v1),
     Migration(2, "expiry index leads with queue", _v2),
@@ -425,6 +470,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(9, "SQL results keyed by queue, model version and item key", _v9),
     Migration(10, "an outbox for outputs outside the queue's database", _v10),
     Migration(11, "suspects of a lost worker wait for an isolation round", _v11),
+    Migration(12, "a spool for undelivered lineage events, sweep cursors, runs reconciled", _v12),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -661,3 +661,21 @@ def add_batch(queue: q.SqlQueue, clock: FakeClock, batch_id: str, run_id: str, n
                 committed_at=clock(),
             )
         )  # fmt: skip
+
+
+def test_migration_12_adds_the_lineage_spool_and_sweep_cursors(queue: q.SqlQueue) -> None:
+    rewind(
+        queue,
+        12,
+        "DROP TABLE batching_lineage_spool",
+        "DROP TABLE batching_sweeps",
+        "ALTER TABLE batching_runs DROP COLUMN reconciled_at",
+    )
+    result = queue.migrate()
+    assert (result.from_version, result.to_version) == (11, schema.SCHEMA_VERSION)
+    with queue.engine.connect() as conn:
+        tables = set(sa.inspect(conn).get_table_names())
+        runs = {c["name"] for c in sa.inspect(conn).get_columns("batching_runs")}
+    assert {"batching_lineage_spool", "batching_sweeps"} <= tables
+    assert "reconciled_at" in runs
+    assert queue.migrate().applied is False
