@@ -1,5 +1,5 @@
 """What every command of the CLI shares: the Typer app, the consoles, the options, one-line
-errors (``handle_errors``), progress bars, durations.
+errors (``handle_errors``), ``--json`` documents (``emit_json``), progress bars, durations.
 
 Light on purpose: ``batching --help`` imports this and the command modules, so anything
 heavier than typer and rich (SQLAlchemy, torch, pyarrow) is imported by the command that
@@ -9,13 +9,14 @@ needs it, when it runs.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import sys
 import unicodedata
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, ParamSpec, TypeVar
+from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 
 import typer
 import typer.exceptions as typer_exceptions
@@ -172,33 +173,66 @@ def load(config: Path) -> Any:
     return load_config(config)
 
 
+JsonOption = Annotated[
+    bool,
+    typer.Option(
+        "--json",
+        help="Machine-readable output: one JSON document on stdout (progress and notes on "
+        'stderr); a failure is {"ok": false, "error": {"kind", "message", '
+        '"exit_code"}}, with the same exit code.',
+    ),
+]
+
+
+def emit_json(doc: object) -> None:
+    """Write ``doc`` to stdout as the one JSON document of a ``--json`` command."""
+    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def error_doc(kind: str, message: str, exit_code: int) -> dict[str, Any]:
+    """The document a ``--json`` command prints on stdout when it fails (``kind``: the
+    ``batching.errors`` class, or ``unexpected`` for a bug)."""
+    return {"ok": False, "error": {"kind": kind, "message": message, "exit_code": exit_code}}
+
+
 def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
-    """Print a ``BatchingError`` as one line and exit 2 (bad input) or 1 (failure)."""
+    """Print a ``BatchingError`` as one line and exit 2 (bad input) or 1 (failure).
+
+    A command called with ``--json`` (its ``as_json`` parameter) also prints the error as its
+    JSON document on stdout (``error_doc``), so a script reading stdout always gets one.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        as_json = bool(kwargs.get("as_json"))
         try:
             return fn(*args, **kwargs)
         except errors.USAGE_ERRORS as exc:
-            flag(err, "error", str(exc))
-            raise typer.Exit(2) from None
+            _fail(type(exc).__name__, str(exc), 2, as_json)
         except errors.BatchingError as exc:
-            flag(err, "error", str(exc))
-            raise typer.Exit(1) from None
+            _fail(type(exc).__name__, str(exc), 1, as_json)
         except (typer.Exit, typer.Abort, typer_exceptions.TyperException):
             raise  # typer's own ways out (exit codes, usage errors)
         except Exception as exc:  # a bug: still one line; the traceback when asked for
             if os.environ.get("BATCHING_DEBUG"):
                 raise
-            flag(
-                err,
-                "error",
+            _fail(
+                "unexpected",
                 f"unexpected {type(exc).__name__}: {redact_url(str(exc))} "
                 "(a bug: run again with BATCHING_DEBUG=1 for the traceback, and report it)",
+                1,
+                as_json,
             )
-            raise typer.Exit(1) from None
 
     return wrapper
+
+
+def _fail(kind: str, message: str, code: int, as_json: bool) -> NoReturn:
+    flag(err, "error", message)
+    if as_json:
+        emit_json(error_doc(kind, message, code))
+    raise typer.Exit(code) from None
 
 
 def open_queue(db: str, queue: str = "default", *, create: bool = False, **kwargs: Any) -> Any:

@@ -4,21 +4,37 @@ its latency objective before merge; the forward times it is checked with)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
 from batching import errors
-from batching.cli.common import ConfigOption, app, err, flag, handle_errors, load, out, plain
+from batching.cli.common import (
+    ConfigOption,
+    JsonOption,
+    app,
+    emit_json,
+    err,
+    flag,
+    handle_errors,
+    load,
+    out,
+    plain,
+)
 
 
 @app.command()
 @handle_errors
-def check(config: ConfigOption) -> None:
+def check(config: ConfigOption, as_json: JsonOption = False) -> None:
     """Plan-time policy check: worst-case wait + full-batch service time vs the latency objective.
 
     Exit 1 with the numbers when the config would break its objective or not fit the device.
+
+    --json prints one document: ok, config, latency_slo_s, max_wait_s, commit_interval_s,
+    worst_case_latency_s, predicted_service_s, worst_batch {n_items, length},
+    estimated_memory_bytes, largest_item (null when not known), errors, warnings (lists of
+    one-line messages). The exit code is the same as without --json.
     """
     from batching.compose import build
 
@@ -30,6 +46,11 @@ def check(config: ConfigOption) -> None:
             f"run `batching profile -c {config}` to create it"
         )
     report = build.check_config(cfg)
+    if as_json:
+        emit_json(check_doc(config, cfg, report))
+        if not report.ok:
+            raise typer.Exit(1)
+        return
     for w in report.warnings:
         err.print(f"warning: {w}", highlight=False)
     worst = report.worst_batch
@@ -52,6 +73,27 @@ def check(config: ConfigOption) -> None:
             flag(err, "fail", str(e))
         raise typer.Exit(1)
     out.print(f"{config}: ok")
+
+
+def check_doc(config: Path, cfg: Any, report: Any) -> dict[str, Any]:
+    """``batching check --json``'s document (its keys are listed in ``check``'s help)."""
+    worst = report.worst_batch
+    return {
+        "ok": report.ok,
+        "config": str(config),
+        "latency_slo_s": cfg.latency_slo_s,
+        "max_wait_s": cfg.batching.max_wait_s,
+        "commit_interval_s": cfg.output.commit_interval_s,
+        "worst_case_latency_s": report.worst_case_latency_s,
+        "predicted_service_s": report.predicted_service_s,
+        "worst_batch": None
+        if worst is None
+        else {"n_items": worst.n_items, "length": worst.length},
+        "estimated_memory_bytes": report.estimated_memory_bytes,
+        "largest_item": report.largest_item,
+        "errors": list(report.errors),
+        "warnings": list(report.warnings),
+    }
 
 
 @app.command()

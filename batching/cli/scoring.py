@@ -7,7 +7,7 @@ import math
 import os
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,9 +18,11 @@ from rich.table import Table
 from batching.cli.common import (
     ConfigOption,
     DbOverride,
+    JsonOption,
     OutputOverride,
     QuietOption,
     app,
+    emit_json,
     err,
     flag,
     handle_errors,
@@ -92,11 +94,18 @@ def score(
             "is shared out between them.",
         ),
     ] = 1,
+    as_json: JsonOption = False,
 ) -> None:
     """Claim, batch, score and commit items from the config's queue.
 
     SIGTERM or Ctrl-C stops claiming, finishes the batches in flight and releases the rest.
     Lineage goes where the config says, or where $OPENLINEAGE_URL (OPENLINEAGE_*) points.
+
+    --json prints one document when the run ends: ok, run_id, queue, database (password
+    masked), output, events_path (null unless lineage goes to a file), lineage_failures,
+    summary (the closing table's numbers: items_committed, items_failed, batches,
+    latency_p99_s, ...), workers (with --workers: index, run_id, failed, error of each) and
+    errors (one-line messages). The exit code is the same as without --json.
     """
     stop = _StopOnSignal()  # first: a signal while the model loads must not kill the run
     from batching.compose import run as wiring
@@ -138,6 +147,7 @@ def score(
                 on_progress=show,
                 lineage_config=lineage_config,
                 stop=stop.asked,
+                as_json=as_json,
             )
         return
 
@@ -154,9 +164,39 @@ def score(
             on_scorer=stop.attach,
             lineage_config=lineage_config,
         )
-    out.print(summary_table(outcome.summary, f"run {outcome.run_id}"))
-    _where(cfg, outcome)
+    if as_json:
+        emit_json(score_doc(cfg, outcome))
+    else:
+        out.print(summary_table(outcome.summary, f"run {outcome.run_id}"))
+        _where(cfg, outcome)
     _explain_what_is_left(cfg, db, outcome.summary)
+
+
+def score_doc(
+    cfg: Any,
+    outcome: Any,
+    reports: Sequence[Any] = (),
+    errors: Sequence[str] = (),
+) -> dict[str, Any]:
+    """``batching score --json``'s document (its keys are listed in ``score``'s help)."""
+    from batching.store.database import redact
+
+    events_path = outcome.events_path
+    return {
+        "ok": not errors,
+        "run_id": outcome.run_id,
+        "queue": cfg.queue.name,
+        "database": redact(outcome.db_url),
+        "output": str(outcome.output),
+        "events_path": None if events_path is None else str(events_path),
+        "lineage_failures": outcome.lineage_failures,
+        "summary": dict(outcome.summary),
+        "workers": [
+            {"index": r.index, "run_id": r.run_id, "failed": r.error is not None, "error": r.error}
+            for r in reports
+        ],
+        "errors": list(errors),
+    }
 
 
 class _StopOnSignal:
@@ -253,7 +293,9 @@ def _where(cfg: Any, outcome: Any) -> None:
         )
 
 
-def _score_workers(cfg: Any, n: int, *, stop: threading.Event, **kwargs: Any) -> None:
+def _score_workers(
+    cfg: Any, n: int, *, stop: threading.Event, as_json: bool, **kwargs: Any
+) -> None:
     from batching.compose import run as wiring
 
     result = wiring.run_score_workers(cfg, n, stop=stop, **kwargs)
@@ -266,6 +308,20 @@ def _score_workers(cfg: Any, n: int, *, stop: threading.Event, **kwargs: Any) ->
             f"of {n} had items to claim, so only they ran",
             highlight=False,
         )
+    if as_json:
+        emit_json(score_doc(cfg, result, outcome.reports, outcome.errors()))
+    else:
+        _show_workers(cfg, result)
+    if not outcome.exit_code:
+        _explain_what_is_left(cfg, kwargs.get("db_url"), result.summary)
+    for message in outcome.errors():
+        flag(err, "error", message)
+    if outcome.exit_code:
+        raise typer.Exit(outcome.exit_code)
+
+
+def _show_workers(cfg: Any, result: Any) -> None:
+    outcome = result.workers
     done = [r for r in outcome.reports if r.error is None]
     if done:
         title = f"run {result.run_id}: {len(done)} of {len(outcome.reports)} workers"
@@ -274,12 +330,6 @@ def _score_workers(cfg: Any, n: int, *, stop: threading.Event, **kwargs: Any) ->
         runs = (f"{r.run_id}{' (failed)' if r.error else ''}" for r in outcome.reports)
         out.print(f"worker runs: {', '.join(runs)}")
     _where(cfg, result)
-    if not outcome.exit_code:
-        _explain_what_is_left(cfg, kwargs.get("db_url"), result.summary)
-    for message in outcome.errors():
-        flag(err, "error", message)
-    if outcome.exit_code:
-        raise typer.Exit(outcome.exit_code)
 
 
 @app.command()
