@@ -5,7 +5,9 @@ logger *before* ``import prefect`` configures logging, and then only at the leve
 allows (the root's WARNING by default). :func:`to_prefect` covers both: it sets ``batching`` to
 INFO and attaches Prefect's API handler when the environment did not. Records from the
 pipeline's own threads (forward, commit, heartbeat) carry no Prefect run context, so they are
-stamped with the active flow run's id; outside a run they are kept out of the API.
+stamped with the active flow run's id; outside a run they are kept out of the API. Their
+numbers (``extra``: ``batch_id``, ``n_items``, ``duration_s``...), which Prefect's handler
+drops, are put on the line the UI shows (``batching.logs.WithFields``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from contextlib import contextmanager
 
 from prefect.exceptions import MissingContextError
 from prefect.logging.handlers import APILogHandler
+
+from batching.logs import WithFields
 
 LIBRARY = "batching"
 EXTRA_LOGGERS_ENV = "PREFECT_LOGGING_EXTRA_LOGGERS"
@@ -53,9 +57,10 @@ def _in_run_context() -> bool:
 
 @contextmanager
 def to_prefect(flow_run_id: str | None, level: int = logging.INFO) -> Iterator[None]:
-    """Within the block, ``batching`` records at ``level`` and above reach the flow run's logs.
+    """Within the block, ``batching`` records at ``level`` and above reach the flow run's logs,
+    each with its numbers on the line.
 
-    Restores the logger's level and handlers on exit.
+    Restores the logger's level, handlers and their formatters on exit.
     """
     logger = logging.getLogger(LIBRARY)
     previous = logger.level
@@ -66,6 +71,11 @@ def to_prefect(flow_run_id: str | None, level: int = logging.INFO) -> Iterator[N
         logger.addHandler(handler)
     for handler in handlers + added:
         handler.addFilter(stamp)
+    wrapped = [
+        (h, h.formatter) for h in handlers + added if not isinstance(h.formatter, WithFields)
+    ]
+    for handler, formatter in wrapped:
+        handler.setFormatter(WithFields(formatter))
     logger.setLevel(level)
     try:
         yield
@@ -73,5 +83,7 @@ def to_prefect(flow_run_id: str | None, level: int = logging.INFO) -> Iterator[N
         logger.setLevel(previous)
         for handler in handlers + added:
             handler.removeFilter(stamp)
+        for handler, formatter in wrapped:
+            handler.setFormatter(formatter)
         for handler in added:
             logger.removeHandler(handler)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,18 +109,40 @@ def _table(data: Any) -> list[dict[str, Any]]:
     return json.loads(data) if isinstance(data, str) else list(data)
 
 
-def test_batching_logs_reach_the_run_at_info_from_every_thread(healthy: Run) -> None:
-    def batching_logs() -> dict[str, Any]:
-        return {
-            log.message: log for log in logs_of(healthy.run_id) if log.name.startswith("batching")
-        }
+def batching_logs(run_id: str) -> dict[str, Any]:
+    """The run's ``batching`` logs by their constant message (the text before the numbers)."""
+    return {
+        _FIELDS_TAIL.split(log.message, maxsplit=1)[0]: log
+        for log in logs_of(run_id)
+        if log.name.startswith("batching")
+    }
 
+
+_FIELDS_TAIL = re.compile(r" (?=[a-z_]+=)")
+
+
+def test_batching_logs_reach_the_run_at_info_from_every_thread(healthy: Run) -> None:
     logs = wait_for(
-        lambda: found if "batch committed" in (found := batching_logs()) else None,
+        lambda: found if "batch committed" in (found := batching_logs(healthy.run_id)) else None,
         what="batching logs in the run",
     )
     assert logs["model loaded"].level == 20  # the task's thread
     assert logs["batch committed"].level == 20  # the pipeline's commit thread
+
+
+def test_the_logs_in_the_run_carry_their_numbers(healthy: Run) -> None:
+    """Before, the UI showed "batch committed" alone: Prefect's handler drops ``extra``."""
+    logs = wait_for(
+        lambda: found if "batch committed" in (found := batching_logs(healthy.run_id)) else None,
+        what="batching logs in the run",
+    )
+    committed = logs["batch committed"].message
+    assert re.fullmatch(
+        r"batch committed batch_id=\S+ sink=parquet n_items=\d+ n_bytes=\d+ n_replayed=0 "
+        r"published=true duration_s=\d+\.\d{3}",
+        committed,
+    ), committed
+    assert re.search(r" duration_s=\d+\.\d{3}$", logs["model loaded"].message)
 
 
 def test_a_precondition_failing_once_is_retried_and_the_run_completes(
@@ -208,7 +231,9 @@ def test_two_workers_score_every_item_once_as_children_of_the_flow_run(
 def test_the_workers_logs_reach_the_flow_run(two_workers: Run) -> None:
     wait_for(
         lambda: any(
-            log.message == "batch committed" and log.name.startswith("batching.")
+            log.message.startswith("batch committed batch_id=")
+            and " worker=" in log.message
+            and log.name.startswith("batching.")
             for log in logs_of(two_workers.run_id)
         ),
         what="a worker's batch committed log in the flow run",
