@@ -136,7 +136,8 @@ DbOption = Annotated[
     typer.Option(
         "--db",
         envvar="BATCHING_DB_URL",
-        help="Database URL: sqlite:///FILE or postgresql://USER@HOST:PORT/DB.",
+        help="Database URL: sqlite:///FILE or postgresql://USER@HOST:PORT/DB (its password "
+        "from PGPASSWORD, ~/.pgpass or a ?service= file, as libpq takes it).",
         show_default=True,
     ),
 ]

@@ -215,7 +215,16 @@ _HINTS = (  # what to do about the connection failures users meet first
     (('database "', "does not exist"), "create it (createdb), then `batching init --db URL`"),
     (('role "', "does not exist"), "check the user name in the URL (or create that role)"),
     (("Connection refused",), "is the server running? check the host and port"),
-    (("password authentication failed",), "check the user and password in the URL"),
+    (
+        ("password authentication failed",),
+        "check the user and the password (the URL's, or libpq's: PGPASSWORD, ~/.pgpass, a "
+        "service file)",
+    ),
+    (
+        ("no password supplied",),
+        "give the password as libpq takes it: PGPASSWORD, ~/.pgpass (PGPASSFILE), a service "
+        "file (PGSERVICEFILE, ?service=NAME) or the URL; see Credentials in docs/operations.md",
+    ),
 )
 
 

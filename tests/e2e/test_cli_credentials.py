@@ -1,0 +1,213 @@
+"""libpq's conventions for the password of a PostgreSQL URL without one: ``PGPASSWORD``, a
+password file (``~/.pgpass``, ``PGPASSFILE``) and a service file (``PGSERVICEFILE``, with
+``?service=`` in the URL or ``PGSERVICE``). ``batching init`` and ``status`` as a user runs
+them, against a private PostgreSQL cluster that asks for a password (scram-sha-256): the
+machine's shared server trusts every local connection, so it cannot tell. Without a password
+the command fails with one line naming where to put it, never the password itself.
+
+The cluster is the test's own: ``initdb`` and ``pg_ctl`` on a spare loopback port, started once
+for this module (a few seconds) and stopped after it. It skips only where the PostgreSQL
+server binaries are not installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_cli import Result, one_error_line
+from tests.e2e.test_cli import batching as run_batching
+
+PG_BIN = Path(os.environ.get("BATCHING_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
+ADMIN_PASSWORD = "admin-Pw-1"
+PASSWORD = "scorer-Pw 2"  # a space: libpq's files must quote nothing for it
+LIBPQ_ENV = ("PGPASSWORD", "PGPASSFILE", "PGSERVICE", "PGSERVICEFILE", "PGUSER", "PGHOST")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    port: int
+    home: Path  # a HOME without a .pgpass: the tests choose where passwords come from
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://scorer@127.0.0.1:{self.port}/scoring"
+
+    def env(self, **values: str) -> dict[str, str]:
+        """What a command's environment sets (``batching`` below drops the caller's libpq
+        variables): a HOME without a password file, then ``values``."""
+        return {"HOME": str(self.home)} | values
+
+
+def batching(*args: str, cwd: Path, env: dict[str, str]) -> Result:
+    """``batching ARGS`` without the libpq variables of the caller (an empty one is not unset:
+    libpq looks for a service file named "")."""
+    saved = {k: os.environ.pop(k) for k in LIBPQ_ENV if k in os.environ}
+    try:
+        return run_batching(*args, cwd=cwd, env=env)
+    finally:
+        os.environ.update(saved)
+
+
+def _spare_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _as_owner(args: list[str], owner: str | None) -> list[str]:
+    """``args`` run as ``owner`` (the server refuses to run as root)."""
+    return ["runuser", "-u", owner, "--", *args] if owner else args
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    if not (PG_BIN / "initdb").is_file():
+        pytest.skip(f"no PostgreSQL server binaries in {PG_BIN} (set BATCHING_TEST_PG_BIN)")
+    owner = "postgres" if os.geteuid() == 0 else None
+    # Not under pytest's temporary folder: the server's user must reach it (pytest's is 0700).
+    root = Path(tempfile.mkdtemp(prefix="batching-pgcluster-"))
+    try:
+        yield from _run_cluster(root, owner)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(args: list[str], owner: str | None) -> None:
+    done = subprocess.run(_as_owner(args, owner), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{args[0]} failed: {done.stdout}{done.stderr}"
+
+
+def _run_cluster(root: Path, owner: str | None) -> Iterator[Cluster]:
+    data, sockets, pwfile = root / "data", root / "sockets", root / "pw"
+    sockets.mkdir()
+    pwfile.write_text(ADMIN_PASSWORD + "\n")
+    if owner:
+        shutil.chown(root, owner)
+        shutil.chown(sockets, owner)
+        shutil.chown(pwfile, owner)
+    initdb = [str(PG_BIN / "initdb"), "-D", str(data), "-U", "postgres", "--no-sync"]
+    initdb += ["--auth=scram-sha-256", f"--pwfile={pwfile}", "--no-instructions"]
+    _run(initdb, owner)
+    port = _spare_port()
+    options = f"-p {port} -k {sockets} -c listen_addresses=127.0.0.1 -c fsync=off"
+    pg_ctl = [str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w"]
+    _run([*pg_ctl, "-o", options, "start"], owner)
+    try:
+        import psycopg
+
+        admin = f"host=127.0.0.1 port={port} user=postgres dbname=postgres"
+        with psycopg.connect(admin, password=ADMIN_PASSWORD, autocommit=True) as conn:
+            conn.execute(f"CREATE ROLE scorer LOGIN PASSWORD '{PASSWORD}'")
+            conn.execute("CREATE DATABASE scoring OWNER scorer")
+        home = root / "home"
+        home.mkdir()
+        yield Cluster(port, home)
+    finally:
+        subprocess.run(
+            _as_owner([*pg_ctl, "-m", "immediate", "stop"], owner),
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+
+
+def init_and_status(url: str, cwd: Path, env: dict[str, str]) -> tuple[Result, Result]:
+    init = batching("init", "--db", url, cwd=cwd, env=env)
+    assert init.rc == 0, init.err
+    assert "schema" in init.out
+    status = batching("status", "--db", url, "--json", cwd=cwd, env=env)
+    assert status.rc == 0, status.err
+    assert "by_state" in status.json()
+    for text in (init.out, init.err, status.out, status.err):
+        assert PASSWORD not in text
+    return init, status
+
+
+def _secret_file(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o600)  # libpq ignores a password file others can read
+    return path
+
+
+def test_a_url_without_password_works_with_pgpassword(cluster: Cluster, tmp_path: Path) -> None:
+    init, _ = init_and_status(cluster.url, tmp_path, cluster.env(PGPASSWORD=PASSWORD))
+    assert f"scorer@127.0.0.1:{cluster.port}/scoring" in init.out  # the URL as given, no ***
+
+
+def test_a_url_without_password_works_with_a_password_file(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    line = f"127.0.0.1:{cluster.port}:scoring:scorer:{PASSWORD}\n"
+    pgpass = _secret_file(tmp_path / "pgpass", line)
+    init_and_status(cluster.url, tmp_path, cluster.env(PGPASSFILE=str(pgpass)))
+
+
+def test_a_url_without_password_works_with_pgpass_in_home(cluster: Cluster, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    _secret_file(home / ".pgpass", f"127.0.0.1:{cluster.port}:*:scorer:{PASSWORD}\n")
+    init_and_status(cluster.url, tmp_path, cluster.env(HOME=str(home)))
+
+
+@pytest.mark.parametrize("how", ["url", "PGSERVICE"])
+def test_a_service_names_the_server_and_the_password(
+    cluster: Cluster, tmp_path: Path, how: str
+) -> None:
+    services = _secret_file(
+        tmp_path / "pg_service.conf",
+        f"[batching]\nhost=127.0.0.1\nport={cluster.port}\nuser=scorer\npassword={PASSWORD}\n",
+    )
+    env = cluster.env(PGSERVICEFILE=str(services))
+    if how == "url":
+        url = "postgresql+psycopg:///scoring?service=batching"
+    else:
+        url, env = "postgresql:///scoring", env | {"PGSERVICE": "batching"}
+    init, _ = init_and_status(url, tmp_path, env)
+    assert url.removeprefix("postgresql+psycopg://") in init.out
+
+
+def test_without_a_password_it_fails_in_one_line_saying_where_to_put_it(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    for command in ("init", "status"):
+        r = batching(command, "--db", cluster.url, cwd=tmp_path, env=cluster.env())
+        assert r.rc == 1, (r.out, r.err)
+        line = one_error_line(r)
+        assert "no password supplied" in line
+        assert "PGPASSWORD" in line
+        assert "docs/operations.md" in line
+
+
+def test_a_wrong_password_fails_in_one_line_without_it(cluster: Cluster, tmp_path: Path) -> None:
+    wrong = "wrong-Pw 3"
+    with contextlib.suppress(FileNotFoundError):
+        (cluster.home / ".pgpass").unlink()
+    for url, env in (
+        (cluster.url, cluster.env(PGPASSWORD=wrong)),
+        (f"{cluster.url}?password={wrong.replace(' ', '%20')}", cluster.env()),
+    ):
+        r = batching("status", "--db", url, cwd=tmp_path, env=env)
+        assert r.rc == 1, (r.out, r.err)
+        line = one_error_line(r)
+        assert "password authentication failed" in line
+        assert "wrong-Pw" not in r.out + r.err
+        assert "%20" not in line
+
+
+def test_a_password_in_the_url_query_works_and_is_never_shown(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    url = f"{cluster.url}?password={PASSWORD.replace(' ', '%20')}"
+    init, _ = init_and_status(url, tmp_path, cluster.env())
+    assert "password=***" in init.out
+    assert "scorer-Pw" not in init.out
