@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 
 def main() -> None:
     """Console-script entry point."""
     from batching.cli import evidence, plan, queue, scoring  # noqa: F401  (register commands)
-    from batching.cli.common import app
+    from batching.cli.common import app, run_json
     from batching.logs import configure_logging
 
     configure_logging(logging.DEBUG if os.environ.get("BATCHING_DEBUG") else logging.WARNING)
+    if "--json" in sys.argv[1:]:
+        run_json(app)
     app()

@@ -229,6 +229,23 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+def run_json(command_line: typer.Typer) -> NoReturn:
+    """Run ``command_line`` for a ``--json`` call: as ``command_line()`` does, but a usage
+    error, which the command line itself raises before any command runs (an unknown option,
+    a value of the wrong type), is also a JSON error document (``kind`` ``UsageError``)."""
+    try:
+        code = command_line(standalone_mode=False)
+    except typer_exceptions.TyperException as exc:
+        show = getattr(exc, "show", None)
+        if show is not None:
+            show()  # the usage message on stderr, as without --json
+        emit_json(error_doc("UsageError", exc.format_message(), exc.exit_code))
+        sys.exit(exc.exit_code)
+    except typer_exceptions.Abort:
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
 def _fail(kind: str, message: str, code: int, as_json: bool) -> NoReturn:
     flag(err, "error", message)
     if as_json:

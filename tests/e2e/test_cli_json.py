@@ -139,3 +139,21 @@ def test_score_json_never_shows_a_password(tmp_path: Path) -> None:
     message = assert_error_doc(r, "QueueError", 1)
     assert "u:***@127.0.0.1:1/x" in message
     assert "sekret" not in r.out + r.err
+
+
+def test_an_option_the_command_line_refuses_is_a_json_error_too(tmp_path: Path) -> None:
+    for args, says in (
+        (("check", "--json", "--nope"), "No such option: --nope"),
+        (("score", "-c", "x.yaml", "--max-seconds", "nan", "--json"), "'--max-seconds'"),
+    ):
+        r = batching(*args, cwd=tmp_path)
+        assert r.rc == 2, (r.out, r.err)
+        doc = document(r)
+        assert (doc["ok"], doc["error"]["kind"], doc["error"]["exit_code"]) == (
+            False,
+            "UsageError",
+            2,
+        )
+        assert says in doc["error"]["message"]
+        assert "Usage: " in r.err  # the usage message, as without --json
+    assert batching("check", "--help", "--json", cwd=tmp_path).rc == 0
