@@ -74,9 +74,14 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
             "folder first, or fix the path (relative paths start from the current folder)"
         )
     if backend == "postgresql" and not parsed.database:
+        fix = (  # a service file may name one, but lineage names the queue's table by the URL
+            "name it in the URL beside the service: postgresql:///DB?service=NAME"
+            if "service" in parsed.query
+            else "use postgresql://USER@HOST:PORT/DB"
+        )
         raise errors.ConfigError(
             f"database URL {redact(url)!r} names no database (it would use the server's "
-            "default); use postgresql://USER@HOST:PORT/DB"
+            f"default); {fix}"
         )
     if backend not in ("sqlite", "postgresql"):
         raise errors.ConfigError(
@@ -219,6 +224,10 @@ _HINTS = (  # what to do about the connection failures users meet first
         ("password authentication failed",),
         "check the user and the password (the URL's, or libpq's: PGPASSWORD, ~/.pgpass, a "
         "service file)",
+    ),
+    (
+        ("definition of service", "not found"),
+        "check the service name and the service file (PGSERVICEFILE, ~/.pg_service.conf)",
     ),
     (
         ("no password supplied",),

@@ -211,3 +211,18 @@ def test_a_password_in_the_url_query_works_and_is_never_shown(
     init, _ = init_and_status(url, tmp_path, cluster.env())
     assert "password=***" in init.out
     assert "scorer-Pw" not in init.out
+
+
+def test_a_service_that_is_not_there_or_names_no_database_is_one_line(tmp_path: Path) -> None:
+    """Neither needs a server: libpq refuses an unknown service before connecting, and a URL
+    without a database is refused before libpq is asked."""
+    services = _secret_file(tmp_path / "pg_service.conf", "[other]\nhost=127.0.0.1\n")
+    env = {"HOME": str(tmp_path), "PGSERVICEFILE": str(services)}
+    r = batching("status", "--db", "postgresql:///scoring?service=batching", cwd=tmp_path, env=env)
+    assert r.rc == 1, (r.out, r.err)
+    line = one_error_line(r)
+    assert 'definition of service "batching" not found' in line
+    assert "check the service name and the service file (PGSERVICEFILE" in line
+    r = batching("init", "--db", "postgresql://?service=batching", cwd=tmp_path, env=env)
+    assert r.rc == 2, (r.out, r.err)
+    assert "postgresql:///DB?service=NAME" in one_error_line(r)
