@@ -148,9 +148,12 @@ def reconcile(
         cfg = settings.load(config or settings.ONLINE, overrides)
         since = time.time() - window_s if window_s and not upstream_flow_run_id else None
         res = settings.locations(cfg, db_url, output)
-        with flow_lineage.reconcile_run(cfg, res, run_id, repair=repair):
+        with flow_lineage.reconcile_run(
+            cfg, res, run_id, repair=repair, upstream=upstream_flow_run_id
+        ) as run:
             found, final = check(
                 cfg, db_url, output, run_id=upstream_flow_run_id, since=since, repair=repair
             )
+            run.checked(final)
             judge(cfg, found, final, upstream_flow_run_id)
         return {"found": found.to_dict()} | ({"after_repair": final.to_dict()} if repair else {})

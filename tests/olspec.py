@@ -3,8 +3,10 @@
 Approach (see ``/work/shared/openlineage-spec/README.md``):
 
 1. Every ``*.json`` under the spec folder is registered with ``referencing`` under its ``$id``,
-   plus any extra schema documents the caller passes (this project's custom facet schemas from
-   ``batching.evidence.lineage.custom_facet_schemas()``).
+   plus any extra schema documents the caller passes, then this project's custom facet schemas
+   as the repository ships them (``spec/facets/<version>/*.json``), each under the address its
+   ``_schemaURL`` names (:func:`shipped_url`: the file's path at the release tag), so a
+   custom facet is validated against the shipped file, resolved locally, never the network.
 2. The event is validated against ``.../2-0-2/OpenLineage.json#/$defs/RunEvent`` (or the
    ``DatasetEvent`` / ``JobEvent`` its ``schemaURL`` names): the root ``oneOf`` only says "not
    valid under any of the given schemas". The core schema checks every facet's ``_producer`` and
@@ -72,16 +74,43 @@ def require_spec_dir() -> Path:
     pytest.skip(reason)
 
 
-def load_registry(spec_dir: Path, extra: Iterable[Mapping[str, Any]] = ()) -> Registry:
-    """Register every JSON schema under ``spec_dir``, plus ``extra`` documents, by ``$id``."""
+SHIPPED_DIR = REPO / "spec" / "facets"
+"""The custom facet schemas the repository ships (``<version>/<Facet>.json``)."""
+
+
+def shipped_url(path: Path) -> str:
+    """The address of a shipped schema file: the project's home, the release tag of this
+    version, the file's path in the repository (where ``_schemaURL`` points)."""
+    from batching.evidence import lineage
+
+    tag = lineage.FACET_SCHEMA_BASE.removeprefix(lineage.PROJECT_URL).split("/")[2]
+    return f"{lineage.PROJECT_URL}/blob/{tag}/{path.relative_to(REPO).as_posix()}"
+
+
+def shipped_schemas() -> dict[str, dict[str, Any]]:
+    """The shipped custom facet schemas, by :func:`shipped_url`."""
+    return {
+        shipped_url(p): json.loads(p.read_text(encoding="utf-8"))
+        for p in sorted(SHIPPED_DIR.rglob("*.json"))
+    }
+
+
+def load_registry(
+    spec_dir: Path, extra: Iterable[Mapping[str, Any]] = (), *, shipped: bool = True
+) -> Registry:
+    """Register every JSON schema under ``spec_dir`` and ``extra`` documents by ``$id``, then
+    (``shipped``) the shipped custom facet schemas by their address (replacing an ``extra`` of
+    the same)."""
     docs = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(spec_dir.rglob("*.json"))]
     docs += [dict(d) for d in extra]
-    resources = [
-        (d["$id"], Resource.from_contents(d, default_specification=DRAFT202012))
+    resources = {
+        d["$id"]: Resource.from_contents(d, default_specification=DRAFT202012)
         for d in docs
         if "$id" in d
-    ]
-    return Registry().with_resources(resources)
+    }
+    for url, doc in shipped_schemas().items() if shipped else ():
+        resources[url] = Resource.from_contents(doc, default_specification=DRAFT202012)
+    return Registry().with_resources(resources.items())
 
 
 def _is_uri(value: object) -> bool:

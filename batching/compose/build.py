@@ -9,25 +9,33 @@ what is built here. A scoring run's life (checks, recovery, ledger, lineage) is
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
 
 from batching import config as cfg
-from batching import errors, naming
+from batching import errors, models, naming
 from batching.evidence import lineage
 from batching.ingress import queue as q
 from batching.outputs import contract as sinks
 from batching.outputs import registry
 from batching.plan import check as policy
 from batching.plan.profile import ServiceProfile
-from batching.store import database
+from batching.store import database, schema
 
 logger = logging.getLogger(__name__)
 
-PRODUCER = "https://github.com/batching/batching"
+PRODUCER = lineage.PROJECT_URL
+"""The producer URI of every event: the project's home, the base of its facet schemas too."""
 
 
 @dataclass(frozen=True)
@@ -165,21 +173,111 @@ def load_profile(config: cfg.PipelineConfig) -> ServiceProfile | None:
     return ServiceProfile.load(path)
 
 
+QUEUE_FIELDS: tuple[tuple[str, str], ...] = (
+    ("item_key", "string"),
+    ("queue", "string"),
+    ("tenant", "string"),
+    ("payload", "binary"),
+    ("payload_format", "string"),
+    ("cost", "integer"),
+    ("state", "integer"),
+)
+"""The queue dataset's columns in lineage: its items, with their payloads (kept beside them,
+in ``batching_payloads``)."""
+
+_SAME = ("item_key", "queue", "tenant")  # output columns copied from the queue's
+
+
 def datasets(
     config: cfg.PipelineConfig, res: Resolved, sink: sinks.Sink | None = None
 ) -> tuple[lineage.DatasetRef, lineage.DatasetRef]:
     """Lineage datasets: the queue table (input) and the run's outputs, named by their sink
-    (with its schema when the ``sink`` is open)."""
+    (with its schema and column lineage when the ``sink`` is open)."""
     ns, name = naming.sql_dataset_id(res.db_url, "batching_items")
-    queue_ds = lineage.DatasetRef(
-        ns, name, (("item_key", "string"), ("payload_format", "string"), ("cost", "integer"))
-    )
+    queue_ds = lineage.DatasetRef(ns, name, QUEUE_FIELDS)
     if sink is None:
         ns, name = registry.dataset_id(res.target, res.db_url)
         return queue_ds, lineage.DatasetRef(ns, name, ())
     described = sink.describe()
     fields = tuple((str(n), str(t)) for n, t in described["fields"])
-    return queue_ds, lineage.DatasetRef(described["namespace"], described["name"], fields)
+    out = lineage.DatasetRef(described["namespace"], described["name"], fields)
+    return queue_ds, column_lineage(queue_ds, out)
+
+
+def column_lineage(queue_ds: lineage.DatasetRef, out: lineage.DatasetRef) -> lineage.DatasetRef:
+    """``out`` with its column lineage from the queue: ``item_key``, ``queue``, ``tenant``
+    copied (IDENTITY), ``output`` the model's forward pass over ``payload``; which items a run
+    scores is decided by their ``state`` (a FILTER). The other columns (``scored_at``,
+    ``run_id``, ``batch_id``, ``model_version``, ...) come from the run, not the queue."""
+
+    def of(column: str, kind: str, subtype: str, text: str | None = None) -> lineage.InputColumn:
+        return lineage.InputColumn(queue_ds.namespace, queue_ds.name, column, kind, subtype, text)
+
+    names = {n for n, _ in out.fields}
+    columns = [lineage.ColumnSource(c, (of(c, "DIRECT", "IDENTITY"),)) for c in _SAME if c in names]
+    if "output" in names:
+        model = of("payload", "DIRECT", "TRANSFORMATION", "the model's forward pass")
+        columns.append(lineage.ColumnSource("output", (model,)))
+    claimed = of("state", "INDIRECT", "FILTER", "items claimed ready, acked when committed")
+    return replace(out, columns=tuple(columns), row_inputs=(claimed,))
+
+
+def effective_config(
+    config: cfg.PipelineConfig,
+    res: Resolved,
+    lineage_config: cfg.LineageConfig | None = None,
+) -> cfg.PipelineConfig:
+    """The settings a run uses, after every override: ``--db`` / ``$BATCHING_DB_URL`` as
+    ``database.url``, ``--output`` as the resolved ``output.path`` (an absolute folder or a
+    URI) or ``output.table``, and the lineage settings after the ``OPENLINEAGE_*``
+    environment (``lineage_config``), with the file transport's resolved ``path``."""
+    out = config.output
+    out = out.model_copy(
+        update={"table": res.output} if out.kind == "sql" else {"path": res.output}
+    )
+    lc = lineage_config or config.lineage
+    if lc.transport == "file":
+        lc = lc.model_copy(update={"path": str(_events_file(config, res, lc))})
+    db_url = _absolute_sqlite(res.db_url)
+    return config.model_copy(
+        update={
+            "database": config.database.model_copy(update={"url": db_url}),
+            "output": out,
+            "lineage": lc,
+        }
+    )
+
+
+_RELATIVE_SQLITE = re.compile(r"^(sqlite(?:\+\w+)?:///)(?!/|file:|:memory:|\?|$)([^?]*)(.*)$", re.S)
+
+
+def _absolute_sqlite(url: str) -> str:
+    """A SQLite URL naming a relative file, made absolute against the working directory (as
+    the run opens it, and as its lineage dataset is named); any other URL as it is."""
+    match = _RELATIVE_SQLITE.match(url)
+    if match is None:
+        return url
+    scheme, path, rest = match.groups()
+    return f"{scheme}{os.path.abspath(path)}{rest}"
+
+
+def _events_file(config: cfg.PipelineConfig, res: Resolved, lc: cfg.LineageConfig) -> Path:
+    """The file transport's JSONL, as :func:`make_emitter`'s emitter resolves it."""
+    out_dir = res.events_path.parent.parent if res.events_path else _sql_events_dir(config)
+    return lineage.events_path(lc, base_dir=Path(config.base_dir), output_dir=out_dir).resolve()
+
+
+def config_facet(
+    config: cfg.PipelineConfig, res: Resolved, lineage_config: cfg.LineageConfig | None
+) -> tuple[dict[str, Any], str]:
+    """The effective settings (:func:`effective_config`) as the ``batching_config`` facet
+    shows them (credentials masked, unset values left out), and the sha256 of exactly that
+    (canonical JSON, keys sorted): anyone can check it against the facet."""
+    shown = lineage.as_emitted(
+        effective_config(config, res, lineage_config).model_dump(mode="json")
+    )
+    canonical = json.dumps(shown, sort_keys=True)
+    return shown, hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def scoring_context(
@@ -191,13 +289,17 @@ def scoring_context(
     checksum: str | None = None,
     parent: tuple[str, str] | None = None,
     job_name: str | None = None,
+    lineage_config: cfg.LineageConfig | None = None,
 ) -> lineage.RunContext:
-    """The lineage run of a scoring run: queue in, outputs out, model, config and its hash.
+    """The lineage run of a scoring run: queue in, outputs out, model, its effective settings
+    (``lineage_config``: the lineage settings after the environment, as for
+    :func:`make_emitter`) and their hashes.
 
     ``checksum`` is the loaded checkpoint's sha256; before it is loaded, the pinned one.
     ``job_name`` defaults to the config's name.
     """
     queue_ds, out_ds = datasets(config, res, sink)
+    shown, shown_hash = config_facet(config, res, lineage_config)
     return lineage.RunContext(
         run_id=run_id,
         job_name=job_name or config.name,
@@ -208,9 +310,39 @@ def scoring_context(
         model=lineage.ModelRef(
             config.model.name, config.model.version, checksum or config.model.sha256
         ),
-        config=config.model_dump(mode="json"),
+        config=shown,
         config_hash=config.config_hash(),
+        effective_config_hash=shown_hash,
     )
+
+
+def output_version(queue: q.SqlQueue, sink: sinks.Sink, run_id: str) -> str | None:
+    """The output dataset's version after the run, for the lineage ``version`` facet.
+
+    A Delta table: its version when the run ended (after the run's last commit; with scorers
+    beside it, perhaps after theirs too). Parquet and SQL have no version of their own: the
+    sha256 of the ids of the batches the run (and its workers) committed, sorted, which names
+    what the run added. None when the run committed nothing, or it cannot be read (logged:
+    lineage never fails a run).
+    """
+    try:
+        if sink.kind == "delta":
+            return str(sink.table().version())  # type: ignore[attr-defined]
+        b, r = schema.batches.c, schema.runs.c
+        with queue.read() as conn:
+            workers = sa.select(r.run_id).where(r.parent_run_id == run_id)
+            ids = [run_id, *conn.execute(workers).scalars()]
+            live = b.state.in_(models.LIVE_BATCH_STATES)
+            found = conn.execute(sa.select(b.batch_id).where(b.run_id.in_(ids), live))
+            batch_ids = sorted(found.scalars())
+    except Exception:  # lineage never fails a run
+        logger.warning(
+            "output version not read", exc_info=True, extra={"action": "lineage_version_failed"}
+        )
+        return None
+    if not batch_ids:
+        return None
+    return hashlib.sha256("\n".join(batch_ids).encode()).hexdigest()
 
 
 def make_emitter(

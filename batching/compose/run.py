@@ -121,7 +121,15 @@ def run_score(
     emitter = build.make_emitter(config, res, lineage_config)
 
     def context(**kw: Any) -> lineage.RunContext:
-        return build.scoring_context(config, res, run_id, parent=parent, job_name=job_name, **kw)
+        return build.scoring_context(
+            config,
+            res,
+            run_id,
+            parent=parent,
+            job_name=job_name,
+            lineage_config=lineage_config,
+            **kw,
+        )
 
     try:
         queue = build.open_queue(config, res.db_url)
@@ -172,14 +180,16 @@ def run_score(
             done = scorer.stats if scorer is not None else None
             committed = before + (done.committed if done else 0)
             summary: Mapping[str, Any] = done.summary() if done else {}
-            record.fail(exc, [ctx.outputs[0].with_stats(committed)], summary)
+            out = ctx.outputs[0].with_stats(committed)
+            record.fail(exc, [out.with_version(build.output_version(queue, sink, run_id))], summary)
             raise
         finally:
             gc.unfreeze()
         result = stats.summary()
         # The bytes are this attempt's only: a retry reports the rows alone.
         size = stats.bytes_written if so_far is None else None
-        record.complete([ctx.outputs[0].with_stats(before + stats.committed, size)], result)
+        out = ctx.outputs[0].with_stats(before + stats.committed, size)
+        record.complete([out.with_version(build.output_version(queue, sink, run_id))], result)
         queue.engine.dispose()
         result["lineage_failures"] = emitter.failures
         if so_far is not None:
@@ -233,13 +243,14 @@ def run_score_workers(
     res = build.checked(config, db_url, output)
     share_limits(limits or run_stats.RunLimits(), n)  # bad input: refused before any record
     run_id = run_id or lineage.new_run_id()
-    ctx = build.scoring_context(config, res, run_id)  # a run id that is not a UUID: refused here
+    # a run id that is not a UUID: refused here
+    ctx = build.scoring_context(config, res, run_id, lineage_config=lineage_config)
     emitter = build.make_emitter(config, res, lineage_config)
     try:
         queue = build.open_queue(config, res.db_url)
         queue.check_schema()
         sink = build.open_sink(queue, res, read_only=True)  # its dataset, for lineage
-        ctx = build.scoring_context(config, res, run_id, sink=sink)
+        ctx = build.scoring_context(config, res, run_id, sink=sink, lineage_config=lineage_config)
         runs, so_far = run_record.ledger_start(
             queue, config, ctx, config.model.sha256, attempt=attempt
         )
@@ -287,6 +298,7 @@ def run_score_workers(
         stats = outcome.stats()
         size = stats.bytes_written if stats and so_far is None else None  # a retry: rows alone
         out_ds = ctx.outputs[0].with_stats(before + summary["items_committed"], size)
+        out_ds = out_ds.with_version(build.output_version(queue, sink, run_id))
         for report in (r for r in outcome.reports if r.died):
             run_record.close_dead_worker(emitter, runs, ctx, report)
         error = outcome.error()

@@ -44,6 +44,9 @@ from openlineage.client.facet_v2 import (
     JobFacet,
     OutputDatasetFacet,
     RunFacet,
+    column_lineage_dataset,
+    data_quality_assertions_dataset,
+    dataset_version_dataset,
     error_message_run,
     input_statistics_input_dataset,
     job_type_job,
@@ -52,6 +55,7 @@ from openlineage.client.facet_v2 import (
     processing_engine_run,
     schema_dataset,
 )
+from openlineage.client.serde import Serde
 from openlineage.client.transport import Transport
 from openlineage.client.transport.console import ConsoleConfig, ConsoleTransport
 from openlineage.client.transport.file import FileConfig, FileTransport
@@ -71,8 +75,16 @@ from batching.redaction import redact_mapping, redact_url
 
 logger = logging.getLogger(__name__)
 
-FACET_SCHEMA_BASE = "https://github.com/batching/batching/blob/main/spec/facets/1-0-0/"
-"""Where this project's custom facet schemas are published (see :func:`custom_facet_schemas`)."""
+PROJECT_URL = "https://github.com/batching/batching"
+"""The project's home: the producer URI of its events, and where its facet schemas live."""
+FACET_SCHEMA_VERSION = "1-0-0"
+"""Version of this project's custom facet schemas (``spec/facets/<version>/`` in the repo)."""
+FACET_SCHEMA_BASE = (
+    f"{PROJECT_URL}/blob/v{batching.__version__}/spec/facets/{FACET_SCHEMA_VERSION}/"
+)
+"""Where the custom facet schemas are published: the files under ``spec/facets/`` at the
+release tag of this version (``v<package version>``); :func:`custom_facet_schemas` are their
+contents."""
 
 _OL_CORE = "https://openlineage.io/spec/2-0-2/OpenLineage.json"
 _MAX_TRACE_CHARS = 8000
@@ -95,10 +107,48 @@ def events_path(
 
 
 @dataclass(frozen=True, slots=True)
+class InputColumn:
+    """A column of an input dataset another column (or the whole output) is derived from, and
+    how: an OpenLineage transformation ``kind`` (``DIRECT`` | ``INDIRECT``) and ``subtype``
+    (``IDENTITY``, ``TRANSFORMATION``, ``FILTER``, ...)."""
+
+    namespace: str
+    name: str
+    field: str
+    kind: str = "DIRECT"
+    subtype: str = "IDENTITY"
+    description: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnSource:
+    """Where the output column ``field`` comes from (the ``columnLineage`` facet)."""
+
+    field: str
+    inputs: tuple[InputColumn, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Assertion:
+    """One data-quality check a run made of a dataset it read (``dataQualityAssertions``):
+    ``success`` False when it found issues; ``actual`` / ``expected`` as strings."""
+
+    assertion: str
+    success: bool
+    severity: str | None = None
+    actual: str | None = None
+    expected: str | None = None
+    description: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class DatasetRef:
     """A dataset a run reads or writes; ``fields``: ``(column, type)`` pairs for the schema facet.
 
-    ``row_count`` / ``size_bytes`` (bytes) become ``inputStatistics`` or ``outputStatistics``.
+    ``row_count`` / ``size_bytes`` (bytes) become ``inputStatistics`` or ``outputStatistics``;
+    ``version`` the ``version`` facet; ``columns`` (each output column's inputs) and
+    ``row_inputs`` (input columns that decide which rows, e.g. a filter) the ``columnLineage``
+    facet; ``assertions`` (what a run checked of a dataset it read) ``dataQualityAssertions``.
     """
 
     namespace: str
@@ -106,10 +156,22 @@ class DatasetRef:
     fields: tuple[tuple[str, str], ...] = ()
     row_count: int | None = None
     size_bytes: int | None = None
+    version: str | None = None
+    columns: tuple[ColumnSource, ...] = ()
+    row_inputs: tuple[InputColumn, ...] = ()
+    assertions: tuple[Assertion, ...] = ()
 
     def with_stats(self, row_count: int | None, size_bytes: int | None = None) -> DatasetRef:
         """Return a copy carrying statistics (rows, bytes) for the COMPLETE event."""
         return replace(self, row_count=row_count, size_bytes=size_bytes)
+
+    def with_version(self, version: str | None) -> DatasetRef:
+        """Return a copy carrying the dataset's version after the run (COMPLETE / FAIL)."""
+        return replace(self, version=version)
+
+    def with_assertions(self, assertions: Sequence[Assertion]) -> DatasetRef:
+        """Return a copy carrying the checks a run made of it (as it read it)."""
+        return replace(self, assertions=tuple(assertions))
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +190,10 @@ class RunContext:
     ``run_id`` is a UUID string: the Prefect flow-run (or task-run) id when there is one, else
     :func:`new_run_id`. ``job_name`` is the flow name, or ``flow.task`` for a task, which also sets
     ``parent_run_id`` / ``parent_job_name`` (namespace defaults to the job's). ``job_namespace``
-    ``None`` means the emitter's ``LineageConfig.namespace``. ``config`` (the batching settings) is
-    redacted before it is emitted; ``config_hash`` is its sha256.
+    ``None`` means the emitter's ``LineageConfig.namespace``. ``config``: the settings the run
+    used, after every override (its database, outputs and lineage as resolved), redacted before
+    it is emitted; ``effective_config_hash`` is their sha256; ``config_hash`` the sha256 of the
+    settings as loaded (the file and a flow's overrides), as the run ledger keeps it.
     """
 
     run_id: str
@@ -144,6 +208,7 @@ class RunContext:
     model: ModelRef | None = None
     config: Mapping[str, Any] | None = None
     config_hash: str | None = None
+    effective_config_hash: str | None = None
 
     def __post_init__(self) -> None:
         _check_uuid("run_id", self.run_id)
@@ -151,6 +216,8 @@ class RunContext:
             raise ValueError("parent_run_id and parent_job_name must be given together")
         if self.parent_run_id is not None:
             _check_uuid("parent_run_id", self.parent_run_id)
+            if self.parent_run_id == self.run_id:  # Marquez would make the two one run
+                raise ValueError(f"run {self.run_id} cannot be its own parent")
 
 
 def _check_uuid(what: str, value: str) -> None:
@@ -185,11 +252,13 @@ class BatchingModelRunFacet(RunFacet):
 
 @attr.define
 class BatchingConfigRunFacet(RunFacet):
-    """Custom run facet ``batching_config``: the redacted settings and their sha256."""
+    """Custom run facet ``batching_config``: the settings the run used (after every override,
+    redacted) and their sha256 (``effectiveConfigHash``), and the sha256 of the settings as
+    loaded (``configHash``, the run ledger's ``config_hash``)."""
 
-    configHash: str | None = attr.field(
-        default=None
-    )  # OpenLineage spells facet fields in camelCase
+    # OpenLineage spells facet fields in camelCase
+    configHash: str | None = attr.field(default=None)
+    effectiveConfigHash: str | None = attr.field(default=None)
     config: dict[str, Any] | None = attr.field(default=None)
 
     @staticmethod
@@ -197,15 +266,31 @@ class BatchingConfigRunFacet(RunFacet):
         return f"{FACET_SCHEMA_BASE}BatchingConfigRunFacet.json#/$defs/BatchingConfigRunFacet"
 
 
+CUSTOM_FACETS: dict[str, type[RunFacet]] = {
+    "batching_model": BatchingModelRunFacet,
+    "batching_config": BatchingConfigRunFacet,
+}
+"""Every custom facet, by the key it is emitted under."""
+
+
 def _facet_schema(
-    name: str, key: str, props: dict[str, Any], required: list[str]
+    name: str, key: str, props: dict[str, Any], required: list[str], description: str
 ) -> dict[str, Any]:
-    body = {"type": "object", "properties": props, "required": required}
+    body = {
+        "type": "object",
+        "properties": props,
+        "required": required,
+        "additionalProperties": True,
+    }
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": f"{FACET_SCHEMA_BASE}{name}.json",
         "$defs": {
-            name: {"allOf": [{"$ref": f"{_OL_CORE}#/$defs/RunFacet"}, body], "type": "object"}
+            name: {
+                "description": description,
+                "allOf": [{"$ref": f"{_OL_CORE}#/$defs/RunFacet"}, body],
+                "type": "object",
+            }
         },
         "type": "object",
         "properties": {key: {"$ref": f"#/$defs/{name}"}},
@@ -213,23 +298,64 @@ def _facet_schema(
 
 
 def custom_facet_schemas() -> list[dict[str, Any]]:
-    """JSON Schemas (draft 2020-12) of the custom facets, ``$id`` matching their ``_schemaURL``."""
+    """JSON Schemas (draft 2020-12) of the custom facets, ``$id`` matching their ``_schemaURL``.
+
+    The repository ships them as ``spec/facets/<FACET_SCHEMA_VERSION>/<Facet>.json``
+    (:func:`write_custom_facet_schemas`); a test holds the files equal to these.
+    """
     text = {"type": "string", "minLength": 1}
     sha = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
     return [
         _facet_schema(
             "BatchingModelRunFacet",
             "batching_model",
-            {"name": text, "version": text, "sha256": sha},
+            {
+                "name": text | {"description": "the model's name (model.name)"},
+                "version": text | {"description": "the model's version (model.version)"},
+                "sha256": sha | {"description": "sha256 of the checkpoint the run loaded"},
+            },
             ["name", "version"],
+            "The model a batching scoring run scored with.",
         ),
         _facet_schema(
             "BatchingConfigRunFacet",
             "batching_config",
-            {"configHash": sha, "config": {"type": "object"}},
+            {
+                "configHash": sha
+                | {"description": "sha256 of the settings as loaded (file and flow overrides)"},
+                "effectiveConfigHash": sha
+                | {"description": "sha256 of `config` as emitted (canonical JSON, keys sorted)"},
+                "config": {
+                    "type": "object",
+                    "description": (
+                        "the settings the run used, after every override: database.url, "
+                        "output and lineage as the run resolved them; credentials masked"
+                    ),
+                },
+            },
             [],
+            "The settings of a batching run, as it used them.",
         ),
     ]
+
+
+def as_emitted(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` as an event carries them: credentials masked (:func:`redact_mapping`),
+    ``None`` values left out (as the client's serializer does)."""
+    shown: dict[str, Any] = Serde.remove_nulls_and_enums(redact_mapping(settings))
+    return shown
+
+
+def write_custom_facet_schemas(folder: Path) -> list[Path]:
+    """Write :func:`custom_facet_schemas` to ``folder`` (``spec/facets/<version>/`` in the
+    repository), one ``<Facet>.json`` each; returns the files written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for schema in custom_facet_schemas():
+        path = folder / schema["$id"].rsplit("/", 1)[-1]
+        path.write_text(json.dumps(schema, indent=2) + "\n", encoding="utf-8")
+        written.append(path)
+    return written
 
 
 # ----------------------------------------------------------------------------- events
@@ -285,7 +411,10 @@ def _run_facets(
     if run.config is not None or run.config_hash is not None:
         cfg = redact_mapping(run.config) if run.config is not None else None
         facets["batching_config"] = BatchingConfigRunFacet(
-            configHash=run.config_hash, config=cfg, producer=producer
+            configHash=run.config_hash,
+            effectiveConfigHash=run.effective_config_hash,
+            config=cfg,
+            producer=producer,
         )
     if error is not None:
         facets["errorMessage"] = _error_facet(error, producer)
@@ -310,10 +439,53 @@ def _job_facets(run: RunContext, producer: str) -> dict[str, JobFacet]:
 
 
 def _dataset_facets(ref: DatasetRef, producer: str) -> dict[str, DatasetFacet]:
-    if not ref.fields:
-        return {}
-    fields = [schema_dataset.SchemaDatasetFacetFields(name=n, type=t) for n, t in ref.fields]
-    return {"schema": schema_dataset.SchemaDatasetFacet(fields=fields, producer=producer)}
+    facets: dict[str, DatasetFacet] = {}
+    if ref.fields:
+        fields = [schema_dataset.SchemaDatasetFacetFields(name=n, type=t) for n, t in ref.fields]
+        facets["schema"] = schema_dataset.SchemaDatasetFacet(fields=fields, producer=producer)
+    if ref.version is not None:
+        facets["version"] = dataset_version_dataset.DatasetVersionDatasetFacet(
+            datasetVersion=ref.version, producer=producer
+        )
+    if ref.columns:
+        cl = column_lineage_dataset
+        facets["columnLineage"] = cl.ColumnLineageDatasetFacet(
+            fields={
+                c.field: cl.Fields(inputFields=[_input_field(i) for i in c.inputs])
+                for c in ref.columns
+            },
+            dataset=[_input_field(i) for i in ref.row_inputs],
+            producer=producer,
+        )
+    return facets
+
+
+def _input_field(column: InputColumn) -> column_lineage_dataset.InputField:
+    how = column_lineage_dataset.Transformation(
+        type=column.kind, subtype=column.subtype, description=column.description
+    )
+    return column_lineage_dataset.InputField(
+        namespace=column.namespace, name=column.name, field=column.field, transformations=[how]
+    )
+
+
+def _assertions_facet(
+    ref: DatasetRef, producer: str
+) -> data_quality_assertions_dataset.DataQualityAssertionsDatasetFacet:
+    dq = data_quality_assertions_dataset
+    found = [
+        dq.Assertion(
+            assertion=a.assertion,
+            success=a.success,
+            severity=a.severity,
+            actual=a.actual,
+            expected=a.expected,
+            description=a.description,
+            params=None,
+        )
+        for a in ref.assertions
+    ]
+    return dq.DataQualityAssertionsDatasetFacet(assertions=found, producer=producer)
 
 
 def _has_stats(ref: DatasetRef) -> bool:
@@ -326,6 +498,8 @@ def _input(ref: DatasetRef, producer: str) -> InputDataset:
         facets["inputStatistics"] = input_statistics_input_dataset.InputStatisticsInputDatasetFacet(
             rowCount=ref.row_count, size=ref.size_bytes, producer=producer
         )
+    if ref.assertions:
+        facets["dataQualityAssertions"] = _assertions_facet(ref, producer)
     return InputDataset(
         namespace=ref.namespace,
         name=ref.name,
@@ -657,14 +831,21 @@ def _describe(exc: ValueError) -> str:
 
 
 __all__ = [
+    "CUSTOM_FACETS",
     "FACET_SCHEMA_BASE",
+    "FACET_SCHEMA_VERSION",
+    "PROJECT_URL",
+    "Assertion",
     "BatchingConfigRunFacet",
     "BatchingModelRunFacet",
+    "ColumnSource",
     "DatasetRef",
+    "InputColumn",
     "LineageEmitter",
     "ModelRef",
     "RunContext",
     "RunState",
+    "as_emitted",
     "build_event",
     "config_from_env",
     "custom_facet_schemas",
@@ -673,4 +854,5 @@ __all__ = [
     "new_run_id",
     "redact_mapping",
     "redact_url",
+    "write_custom_facet_schemas",
 ]

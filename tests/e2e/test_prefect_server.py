@@ -199,16 +199,17 @@ def test_served_deployments_score_reconcile_alert_and_deploy(stack: Stack, tmp_p
 
 
 def check_lineage(stack: Stack, score_id: str, reconcile_id: str) -> None:
-    runs = [
-        (e["run"]["runId"], e["job"]["name"], e["eventType"])
-        for e in lineage_log.read_events(stack.events_path)
-    ]
+    events = lineage_log.read_events(stack.events_path)
+    runs = [(e["run"]["runId"], e["job"]["name"], e["eventType"]) for e in events]
     assert runs == [
         (score_id, "score-online", "START"),
         (score_id, "score-online", "COMPLETE"),
         (reconcile_id, "score-online-reconcile", "START"),
         (reconcile_id, "score-online-reconcile", "COMPLETE"),
     ]
+    # the triggered reconcile is a child of the score run it checked; that run has no parent
+    parents = [(e["run"]["facets"].get("parent") or {}).get("run", {}).get("runId") for e in events]
+    assert parents == [None, None, score_id, score_id]
 
 
 class Webhook:

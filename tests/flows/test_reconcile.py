@@ -15,15 +15,19 @@ from typing import Any
 import pytest
 from referencing import Registry
 
+from batching import config
+from batching.compose import build
 from batching.evidence import lineage
+from batching.evidence.findings import Finding, Kind, Report, Severity
 from batching.ingress import ingest
 from batching.model import workloads
 from batching.outputs import parquet_layout
 from flows import events
+from flows import lineage as flow_lineage
 from flows.reconcile import reconcile
 from flows.score import score
 from tests import olspec
-from tests.conftest import wait_for
+from tests.conftest import REPO, wait_for
 from tests.flows.support import (
     Pipeline,
     artifacts_of,
@@ -89,7 +93,8 @@ def test_reconcile_alerts_on_real_faults_and_repair_makes_the_next_run_clean(
 ) -> None:
     # Claims of 50: several leases, so several files for make_faults to break two of.
     pipeline = make_pipeline(tmp_path, 200, batching={"max_batch_size": 25, "claim_size": 50})
-    assert score(**pipeline.params(), return_state=True).is_completed()
+    scored = score(**pipeline.params(), return_state=True)
+    assert scored.is_completed()
     make_faults(pipeline)
     since = time.time()
 
@@ -112,10 +117,18 @@ def test_reconcile_alerts_on_real_faults_and_repair_makes_the_next_run_clean(
     assert result["found"]["repairs"], "it repaired"
     assert result["after_repair"]["clean"], result["after_repair"]
 
-    clean = reconcile(**pipeline.params(), return_state=True)
+    # the score run's own check (as its deployment trigger runs it): a child of that run
+    upstream = run_id_of(scored)
+    clean = reconcile(**pipeline.params(upstream_flow_run_id=upstream), return_state=True)
     assert clean.is_completed(), clean.message
     assert clean.result()["found"]["findings"] == []
-    check_lineage(pipeline, run_id_of(clean), ["START", "COMPLETE"], registry)
+    found = check_lineage(pipeline, run_id_of(clean), ["START", "COMPLETE"], registry)
+    for event in found:
+        parent = event["run"]["facets"]["parent"]
+        assert parent["run"]["runId"] == upstream != event["run"]["runId"]
+        job = event["job"]["namespace"], "score-tabular"
+        assert (parent["job"]["namespace"], parent["job"]["name"]) == job
+    assert "parent" not in pipeline.lineage(run_id)[0]["run"]["facets"]  # no upstream given
 
 
 def check_alert(run_id: str, since: float) -> None:
@@ -127,8 +140,11 @@ def check_alert(run_id: str, since: float) -> None:
     assert f"prefect.flow-run.{run_id}" in related
 
 
-def check_lineage(pipeline: Pipeline, run_id: str, expected: list[str], registry: Registry) -> None:
-    """The reconcile run is its own lineage job, with valid events."""
+def check_lineage(
+    pipeline: Pipeline, run_id: str, expected: list[str], registry: Registry
+) -> list[dict[str, Any]]:
+    """The reconcile run is its own lineage job, with valid events; its end carries one
+    data-quality assertion per finding class on the outputs it read."""
     found = pipeline.lineage(run_id)
     assert [e["eventType"] for e in found] == expected
     for event in found:
@@ -137,3 +153,60 @@ def check_lineage(pipeline: Pipeline, run_id: str, expected: list[str], registry
     if expected[-1] == "FAIL":
         message = found[-1]["run"]["facets"]["errorMessage"]["message"]
         assert message.startswith("ReconcileFailed: critical findings")
+    assert "dataQualityAssertions" not in found[0]["inputs"][1]["inputFacets"]  # START
+    queue_ds, outputs = found[-1]["inputs"]
+    assert (outputs["namespace"], outputs["name"]) == ("file", str(pipeline.output))
+    assert "dataQualityAssertions" not in queue_ds["inputFacets"]
+    checks = {
+        a["assertion"]: a for a in outputs["inputFacets"]["dataQualityAssertions"]["assertions"]
+    }
+    assert set(checks) == {str(k) for k in Kind}
+    failed = {k for k, a in checks.items() if not a["success"]}
+    if expected[-1] == "FAIL":
+        assert failed == CRITICAL | WARNING
+        assert {checks[k]["severity"] for k in CRITICAL} == {"error"}
+        assert {checks[k]["severity"] for k in WARNING} == {"warn"}
+        assert all(int(checks[k]["actual"]) > 0 for k in failed)
+    else:
+        assert failed == set()
+    return found
+
+
+def _report(*findings: tuple[Kind, Severity, int]) -> Report:
+    made = tuple(
+        Finding(kind, severity, f"{kind} found", count=n) for kind, severity, n in findings
+    )
+    return Report("parquet", "/out", time.time(), None, None, made)
+
+
+@pytest.mark.parametrize(
+    ("finding", "success", "severity"),
+    [
+        ((Kind.UNPUBLISHED, Severity.CRITICAL, 3), False, "error"),
+        ((Kind.UNPUBLISHED, Severity.WARNING, 3), False, "warn"),  # a live scorer's: no failure
+        ((Kind.UNPUBLISHED, Severity.INFO, 3), True, "info"),  # readers see the file
+        ((Kind.DEAD, Severity.INFO, 5), True, "info"),
+    ],
+)
+def test_a_finding_class_is_one_assertion_failed_by_critical_and_warning_findings(
+    finding: tuple[Kind, Severity, int], success: bool, severity: str
+) -> None:
+    found = {a.assertion: a for a in flow_lineage.assertions(_report(finding))}
+    assert set(found) == {str(k) for k in Kind}
+    checked = found[str(finding[0])]
+    assert (checked.success, checked.severity) == (success, severity)
+    assert checked.actual == str(finding[2])
+    others = [a for k, a in found.items() if k != str(finding[0])]
+    assert all(a.success and a.actual == "0" and a.description is None for a in others)
+
+
+def test_an_upstream_that_is_no_run_id_gives_the_reconcile_run_no_parent(tmp_path: Path) -> None:
+    cfg = config.load_config(REPO / "deployments" / "tabular.yaml")
+    res = build.resolve(cfg, f"sqlite:///{tmp_path / 'q.db'}", str(tmp_path / "out"))
+    run_id = lineage.new_run_id()
+    upstream = lineage.new_run_id()
+    ctx = flow_lineage.reconcile_context(cfg, res, run_id, repair=False, upstream=upstream)
+    assert (ctx.parent_run_id, ctx.parent_job_name) == (upstream, "score-tabular")
+    for bad in ("not-a-run-id", run_id, None):
+        ctx = flow_lineage.reconcile_context(cfg, res, run_id, repair=False, upstream=bad)
+        assert (ctx.parent_run_id, ctx.parent_job_name) == (None, None)
