@@ -149,6 +149,20 @@ class Finding:
             "details": dict(self.details),
         }
 
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> Finding:
+        """The finding :meth:`to_dict` wrote (a sweep keeps what its pages found this way)."""
+        return cls(
+            Kind(doc["class"]),
+            Severity(doc["severity"]),
+            str(doc["message"]),
+            tuple(doc["item_keys"]),
+            tuple(doc["files"]),
+            tuple(doc["batch_ids"]),
+            int(doc["count"]),
+            dict(doc["details"]),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Repair:
@@ -164,7 +178,8 @@ class Repair:
 
 @dataclass(frozen=True)
 class Report:
-    """What reconcile found (before any repair) and what it repaired."""
+    """What reconcile found (before any repair) and what it repaired; ``sweep``: where a full
+    sweep is (:mod:`batching.evidence.sweep`), None for a reconcile."""
 
     output_kind: OutputKind
     location: str
@@ -173,6 +188,7 @@ class Report:
     run_id: str | None
     findings: tuple[Finding, ...]
     repairs: tuple[Repair, ...] = ()
+    sweep: Mapping[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -208,7 +224,7 @@ class Report:
             "counts": self.counts,
             "findings": [f.to_dict() for f in self.findings],
             "repairs": [r.to_dict() for r in self.repairs],
-        }
+        } | ({"sweep": dict(self.sweep)} if self.sweep is not None else {})
 
 
 # ----------------------------------------------------------------------------- classification
@@ -224,7 +240,7 @@ def classify(facts: Facts) -> list[Finding]:
     for item in facts.done:
         keys_by_batch[item.batch_id].append(item.item_key)
     findings = [f for b in facts.batches for f in _batch_findings(b, keys_by_batch, facts.now)]
-    findings += _duplicates(facts.batches)
+    findings += duplicates(facts.batches)
     findings += _lost_writes(facts)
     findings += _orphans(facts)
     findings += _queue_findings(facts)
@@ -272,7 +288,7 @@ def _batch_findings(
     return [Finding(kind, severity, message, keys, (b.file,), (b.batch_id,), count=1)]
 
 
-def _duplicates(batches: Sequence[BatchFacts]) -> list[Finding]:
+def duplicates(batches: Sequence[BatchFacts]) -> list[Finding]:
     """Keys in two live batches of one model version: the first committed copy wins."""
     owners: dict[tuple[str, str], list[BatchFacts]] = defaultdict(list)
     for b in batches:
