@@ -67,9 +67,10 @@ from batching.store import schema
 logger = logging.getLogger(__name__)
 
 PAGE_SIZE = 500
-"""Ledger rows (and visible files) a page."""
-ITEM_PAGE_SIZE = 100_000
-"""Item ids a page of the ``items`` phase spans."""
+"""Ledger rows (and visible files) a page at most."""
+ITEM_PAGE_SIZE = 50_000
+"""Items a page at most: a ledger page stops at the row whose items (``n_rows``) pass it (one
+row at least), and a page of the ``items`` phase spans this many item ids."""
 PHASES = ("ledger", "items", "files", "queue", "done")
 _CHUNK = 500
 _I = schema.items
@@ -164,7 +165,9 @@ def sweep(
         restart: start over even if a sweep of this output stopped part way.
         max_pages: stop after this many pages of this call (the cursor is kept).
         max_seconds: stop after the first page that ends past this many seconds.
-        page_size: ledger rows (and visible files) a page; item_page_size: item ids a page.
+        page_size: ledger rows (and visible files) a page at most.
+        item_page_size: items a page at most (a ledger page's done items as the ledger counts
+            them, one batch at least; the ids a page of the ``items`` phase spans).
         repair: repair each page's findings as reconcile's ``repair`` does, page by page
             (nothing is checked again: the next sweep, or a reconcile, sees what is left).
         dataset_lost: as in reconcile.
@@ -349,6 +352,7 @@ class _Walker:
         with self.queue.read() as conn:
             rows = _ledger_page(conn, self.queue.queue, self.sink.owns(), self.state.after,
                                 self.page_size)  # fmt: skip
+            rows = _up_to(rows, self.item_page_size)
             if not rows:
                 self.state.next_phase()
                 return []
@@ -489,6 +493,17 @@ def _ledger_page(
             sa.or_(_B.c.committed_at > at, _B.c.batch_id > batch_id),
         )
     return list(conn.execute(q.order_by(_B.c.committed_at, _B.c.batch_id).limit(n)))
+
+
+def _up_to(rows: list[Any], n_items: int) -> list[Any]:
+    """The first of ``rows`` whose items (the ledger's ``n_rows``) add up to at most
+    ``n_items``; at least one row."""
+    total = 0
+    for n, row in enumerate(rows):
+        total += int(row.n_rows or 0)
+        if n and total > n_items:
+            return rows[:n]
+    return rows
 
 
 def _done_items(conn: Connection, queue: str, batch_ids: list[str]) -> tuple[facts.DoneItem, ...]:
