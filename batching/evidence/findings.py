@@ -234,13 +234,16 @@ PUBLISH_GRACE_S = 60.0
 scorer publishes within milliseconds of its commit, so past this its publish failed."""
 
 
-def classify(facts: Facts) -> list[Finding]:
-    """Turn facts into findings (pure: no I/O), in a stable order."""
+def classify(facts: Facts, *, copies: Sequence[BatchFacts] = ()) -> list[Finding]:
+    """Turn facts into findings (pure: no I/O), in a stable order.
+
+    ``copies``: batches outside the facts that hold keys of theirs (the full sweep reads
+    them), judged for duplicates with ``facts.batches`` and for nothing else."""
     keys_by_batch: dict[str | None, list[str]] = defaultdict(list)
     for item in facts.done:
         keys_by_batch[item.batch_id].append(item.item_key)
     findings = [f for b in facts.batches for f in _batch_findings(b, keys_by_batch, facts.now)]
-    findings += duplicates(facts.batches)
+    findings += duplicates((*facts.batches, *copies))
     findings += _lost_writes(facts)
     findings += _orphans(facts)
     findings += _queue_findings(facts)

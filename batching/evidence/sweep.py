@@ -58,8 +58,8 @@ from batching.evidence.findings import (
     Kind,
     Repair,
     Report,
+    Severity,
     classify,
-    duplicates,
 )
 from batching.outputs import contract as sinks
 from batching.store import schema
@@ -207,7 +207,7 @@ def sweep(
         if on_page is not None:
             on_page(_progress(name, state, pages_now))
     findings = _merged((*carried, *found))
-    if state.phase == "done" and all(f.severity.value == "info" for f in findings):
+    if state.phase == "done" and all(f.severity is Severity.INFO for f in findings):
         with queue.begin() as conn:
             mark_runs_reconciled(conn, queue.queue, upto=state.started_at, now=now)
     progress = _progress(name, state, pages_now)
@@ -369,6 +369,7 @@ class _Walker:
         seen = {
             b for d in self.state.findings if d["class"] == "orphan_file" for b in d["batch_ids"]
         }
+        page = {r.batch_id for r in rows}
         found = classify(
             Facts(
                 self.sink.kind,
@@ -377,11 +378,18 @@ class _Walker:
                 out.foreign_batches,
                 orphan_batches=tuple(b for b in out.orphan_batches if b not in seen),
                 now=self.now,
-            )
+            ),
+            copies=self._copies(out.batches, done, page),
         )
-        copies = self._copies(out.batches, done, {r.batch_id for r in rows})
-        dups = duplicates((*out.batches, *copies))
-        return [f for f in found if f.kind is not Kind.DUPLICATE] + dups
+        # A duplicate is this page's when one of its batches is in the page, and said once
+        # (two batches each pointing at the other's keys are read from both pages).
+        said = {_pair(d["batch_ids"], d["item_keys"]) for d in self.state.findings}
+        return [
+            f
+            for f in found
+            if f.kind is not Kind.DUPLICATE
+            or (page & set(f.batch_ids) and _pair(f.batch_ids, f.item_keys) not in said)
+        ]
 
     def _output_empty(self) -> bool | None:
         """Whether a listed output holds no file at all (probed once a call), else None."""
@@ -437,7 +445,7 @@ class _Walker:
                 self.state.after = 0
             lo = int(self.state.after)
             hi = min(lo + self.item_page_size, self.state.upto)
-            rows = conn.execute(_unbatched(self.queue.queue, lo, hi)).all()
+            rows = _unbatched(conn, self.queue.queue, lo, hi)
         self.state.after = hi
         if hi >= self.state.upto:
             self.state.next_phase()
@@ -495,6 +503,10 @@ def _ledger_page(
     return list(conn.execute(q.order_by(_B.c.committed_at, _B.c.batch_id).limit(n)))
 
 
+def _pair(batch_ids: Sequence[str], keys: Sequence[str]) -> tuple[tuple[str, ...], ...]:
+    return tuple(sorted(batch_ids)), tuple(keys[:SAMPLE_KEYS])
+
+
 def _up_to(rows: list[Any], n_items: int) -> list[Any]:
     """The first of ``rows`` whose items (the ledger's ``n_rows``) add up to at most
     ``n_items``; at least one row."""
@@ -516,20 +528,27 @@ def _done_items(conn: Connection, queue: str, batch_ids: list[str]) -> tuple[fac
     return tuple(out)
 
 
-def _unbatched(queue: str, lo: int, hi: int) -> sa.Select[Any]:
-    """Done items with ids in ``(lo, hi]`` whose batch has no ledger row (or who have none)."""
-    joined = _I.outerjoin(_B, _B.c.batch_id == _I.c.batch_id)
-    return (
-        sa.select(_I.c.item_key, _I.c.batch_id)
-        .select_from(joined)
-        .where(
-            _I.c.id > lo,
-            _I.c.id <= hi,
-            _I.c.queue == queue,
-            _I.c.state == int(models.State.DONE),
-            _B.c.batch_id.is_(None),
+def _unbatched(conn: Connection, queue: str, lo: int, hi: int) -> list[Any]:
+    """Done items with ids in ``(lo, hi]`` whose batch has no ledger row (or who have none).
+
+    The range's batch ids first (a few per thousand items), looked up in the ledger by key;
+    the items only of those missing: joining each item to the ledger cost a probe an item."""
+    span = [_I.c.id > lo, _I.c.id <= hi, _I.c.queue == queue, _I.c.state == int(models.State.DONE)]
+    named = [
+        str(b)
+        for b in conn.execute(sa.select(_I.c.batch_id).where(*span).distinct()).scalars()
+        if b is not None
+    ]
+    known: set[str] = set()
+    for chunk in rc._chunks(named):
+        known.update(
+            conn.execute(sa.select(_B.c.batch_id).where(_B.c.batch_id.in_(chunk))).scalars()
         )
-    )
+    missing = [b for b in named if b not in known]
+    lost: list[sa.ColumnElement[bool]] = [_I.c.batch_id.is_(None)]
+    lost += [_I.c.batch_id.in_(chunk) for chunk in rc._chunks(missing)]
+    q = sa.select(_I.c.item_key, _I.c.batch_id).where(*span, sa.or_(*lost)).order_by(_I.c.id)
+    return list(conn.execute(q))
 
 
 def _other_datasets(conn: Connection, queue: str, sink: sinks.Sink) -> dict[str, int]:

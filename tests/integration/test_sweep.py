@@ -83,6 +83,17 @@ def test_the_sweep_finds_what_a_whole_reconcile_finds_one_row_a_page(
     assert {f.kind for f in whole.findings} >= {Kind.DUPLICATE, Kind.ORPHAN_FILE}
     report = swept(queue, root, clock, page_size=1, item_page_size=2)
     assert shape(report) == shape(whole)
+    seen: list[int] = []  # batches checked after each page of the ledger phase
+
+    def on_page(p: sw.Progress) -> None:
+        if p.phase == "ledger":
+            seen.append(p.batches)
+
+    # Pages of at most one item: one batch a page (each batch here holds one or two items).
+    by_items = swept(queue, root, clock, page_size=100, item_page_size=1, on_page=on_page)
+    assert shape(by_items) == shape(whole)
+    assert seen == list(range(1, len(seen) + 1))
+    assert len(seen) > 5
     assert report.sweep is not None
     assert report.sweep["pages"] > 10
 
