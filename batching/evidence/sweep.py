@@ -524,7 +524,7 @@ def _done_items(conn: Connection, queue: str, batch_ids: list[str]) -> tuple[fac
         q = sa.select(_I.c.item_key, _I.c.batch_id).where(
             _I.c.batch_id.in_(chunk), _I.c.queue == queue, _I.c.state == int(models.State.DONE)
         )
-        out += (facts.DoneItem(r.item_key, r.batch_id) for r in conn.execute(q))
+        out += (facts.DoneItem(k, b) for k, b in conn.execute(q).tuples().all())  # fetchall
     return tuple(out)
 
 
