@@ -20,7 +20,9 @@ and records where it is in ``batching_sweeps`` after every page:
 
 Memory: a page of ledger rows and their done items, a page of item ids, one folder's file
 names at a time (the walk sorts each folder it enters), and the findings (what is wrong, not
-what is right). Findings of earlier pages are kept in the sweep's row (their item keys sampled
+what is right). A SQL table is looked up by key a page at a time; a Delta table is read a
+day partition at a time (the days a page's batches were committed in, as reconcile reads
+them: a page costs a day's rows). Findings of earlier pages are kept in the sweep's row (their item keys sampled
 to ``SAMPLE_KEYS``) so a resumed sweep reports the whole sweep's.
 
 Safe beside a live scorer as reconcile is: every page reads its ledger rows and items in one
@@ -30,7 +32,10 @@ What commits after a phase passed its place is the next sweep's.
 
 A sweep stopped part way (``max_pages``, ``max_seconds``, a crash) resumes after its cursor;
 a finished one starts over; ``restart`` starts over now. Two sweeps of one output at once do
-the work twice; neither is wrong.
+the work twice; neither is wrong. ``repair`` repairs each page's findings as reconcile does
+(one ``_Repairer`` for the call) and checks nothing again. A sweep that ends without a
+finding above info records ``reconciled_at`` on the runs it covered
+(:func:`mark_runs_reconciled`).
 """
 
 from __future__ import annotations
@@ -209,7 +214,8 @@ def sweep(
     findings = _merged((*carried, *found))
     if state.phase == "done" and all(f.severity is Severity.INFO for f in findings):
         with queue.begin() as conn:
-            mark_runs_reconciled(conn, queue.queue, upto=state.started_at, now=now)
+            owns = sink.owns()
+            mark_runs_reconciled(conn, queue.queue, owns, upto=state.started_at, now=now)
     progress = _progress(name, state, pages_now)
     location = sink.describe()["location"]
     report = Report(
@@ -219,12 +225,21 @@ def sweep(
     return report
 
 
-def mark_runs_reconciled(conn: Connection, queue: str, *, upto: float, now: float) -> int:
-    """Record ``reconciled_at = now`` on the runs of ``queue`` that finished by ``upto`` (a
-    clean sweep that started then covered every batch they committed); returns runs marked."""
+def mark_runs_reconciled(
+    conn: Connection, queue: str, owns: sa.ColumnElement[bool], *, upto: float, now: float
+) -> int:
+    """Record ``reconciled_at = now`` on the runs of ``queue`` that finished by ``upto`` and
+    committed batches ``owns`` selects (theirs or their workers'): a clean sweep that started
+    at ``upto`` covered every one of those batches. Returns the runs marked."""
+    worker = _R.alias("worker")
+    of_run = sa.exists().where(_B.c.run_id == _R.c.run_id, owns)
+    of_workers = sa.exists().where(
+        worker.c.parent_run_id == _R.c.run_id, _B.c.run_id == worker.c.run_id, owns
+    )
     stmt = (
         _R.update()
         .where(_R.c.queue == queue, _R.c.finished_at.is_not(None), _R.c.finished_at <= upto)
+        .where(sa.or_(of_run, of_workers))
         .values(reconciled_at=now)
     )
     return int(conn.execute(stmt).rowcount)
@@ -350,8 +365,8 @@ class _Walker:
     def _ledger(self) -> list[Finding]:
         empty = self._output_empty()
         with self.queue.read() as conn:
-            rows = _ledger_page(conn, self.queue.queue, self.sink.owns(), self.state.after,
-                                self.page_size)  # fmt: skip
+            after, owns = self.state.after, self.sink.owns()
+            rows = _ledger_page(conn, self.queue.queue, owns, after, self.page_size)
             rows = _up_to(rows, self.item_page_size)
             if not rows:
                 self.state.next_phase()
@@ -420,10 +435,8 @@ class _Walker:
         with self.queue.read() as conn:
             ids: set[str] = set()
             for chunk in rc._chunks(keys):
-                q = sa.select(_I.c.batch_id).where(
-                    _I.c.queue == self.queue.queue, _I.c.item_key.in_(chunk),
-                    _I.c.batch_id.is_not(None),
-                )  # fmt: skip
+                at = [_I.c.queue == self.queue.queue, _I.c.item_key.in_(chunk)]
+                q = sa.select(_I.c.batch_id).where(*at, _I.c.batch_id.is_not(None))
                 ids.update(str(b) for b in conn.execute(q).scalars())
             wanted = sorted(ids - page)
             rows = [
@@ -524,7 +537,7 @@ def _done_items(conn: Connection, queue: str, batch_ids: list[str]) -> tuple[fac
         q = sa.select(_I.c.item_key, _I.c.batch_id).where(
             _I.c.batch_id.in_(chunk), _I.c.queue == queue, _I.c.state == int(models.State.DONE)
         )
-        out += (facts.DoneItem(k, b) for k, b in conn.execute(q).tuples().all())  # fetchall
+        out += (facts.DoneItem(k, b) for k, b in conn.execute(q).all())  # fetchall
     return tuple(out)
 
 

@@ -201,22 +201,27 @@ def test_sweep_repair_fixes_page_by_page_and_a_clean_sweep_marks_runs_reconciled
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     make_every_fault(queue, sink, root, clock, monkeypatch)
+    runs = schema.runs
     with queue.begin() as conn:
-        conn.execute(
-            schema.runs.insert().values(
-                run_id="r1", flow="score", queue=queue.queue, state="completed",
-                started_at=0.0, finished_at=1.0,
-            )
-        )  # fmt: skip
+        for run_id, finished_at in (("run-1", 1.0), ("no-batches", 1.0), ("later", 1e12)):
+            conn.execute(
+                runs.insert().values(
+                    run_id=run_id, flow="score", queue=queue.queue, state="completed",
+                    started_at=0.0, finished_at=finished_at,
+                )
+            )  # fmt: skip
     repaired = swept(queue, root, clock, page_size=2, repair=True)
     assert not repaired.ok
     assert {r.action for r in repaired.repairs} >= {"requeue", "quarantine", "drop_duplicates"}
+    with queue.engine.connect() as conn:
+        marked = dict(conn.execute(sa.select(runs.c.run_id, runs.c.reconciled_at)).all())
+    assert set(marked.values()) == {None}, "a sweep with findings marks no run"
     after = swept(queue, root, clock, page_size=2)
     assert after.clean, after.to_dict()
     assert run(queue, root, clock).clean
     with queue.engine.connect() as conn:
-        marked = conn.execute(sa.select(schema.runs.c.reconciled_at)).scalar_one()
-    assert marked == clock()
+        marked = dict(conn.execute(sa.select(runs.c.run_id, runs.c.reconciled_at)).all())
+    assert marked == {"run-1": clock(), "no-batches": None, "later": None}
 
 
 def test_names_are_per_queue_and_output(queue: q.SqlQueue, root: Path, tmp_path: Path) -> None:
