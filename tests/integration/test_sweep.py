@@ -15,11 +15,12 @@ from batching.evidence import reconcile as rc
 from batching.evidence import sweep as sw
 from batching.evidence.reconcile import Kind, Severity
 from batching.ingress import queue as q
-from batching.outputs import parquet
+from batching.outputs import parquet, parquet_layout
 from batching.outputs import sql as sql_sink
 from batching.store import schema
 from batching.testing import FakeClock
 from tests.integration.test_reconcile import commit, make_every_fault, path_of, run
+from tests.integration.test_sinks import _after, claim, scored
 
 DAYS_3 = 3 * 24 * 3600.0
 HOURS_2 = 2 * 3600.0
@@ -242,3 +243,55 @@ def test_done_items_without_a_ledger_row_are_found_across_id_pages(
     report = swept(queue, root, clock, item_page_size=1)
     (lost_write,) = report.findings
     assert (lost_write.kind, lost_write.item_keys) == (Kind.LOST_WRITE, ("l1", "l2", "l3"))
+
+
+def test_the_walk_lists_what_a_reader_sees_in_order_and_resumes_after_a_file(
+    tmp_path: Path,
+) -> None:
+    layout = parquet_layout.ParquetLayout.for_root(tmp_path / "out")
+    names = [
+        "date=2026-01-01/model_version=a/part-1.parquet",
+        "date=2026-01-01/model_version=a-b/part-2.parquet",  # "-" sorts before "/"
+        "date=2026-01-01/model_version=a/z/part-3.parquet",
+        "date=2026-01-02/model_version=a/part-4.parquet",
+        "date=2026-01-02/model_version=a/notes.txt",
+        ".hidden/part-5.parquet",
+    ]
+    for name in names:
+        (layout.root / name).parent.mkdir(parents=True, exist_ok=True)
+        (layout.root / name).write_bytes(b"x")
+    walked = ["/".join(parts) for parts in layout.walk_visible()]
+    assert sorted(walked) == sorted(layout.visible_files())
+    assert walked == sorted(walked, key=lambda p: tuple(p.split("/")))
+    for n, name in enumerate(walked):
+        after = tuple(name.split("/"))
+        assert ["/".join(p) for p in layout.walk_visible(after)] == walked[n + 1 :]
+
+
+def test_commits_landing_while_the_sweep_reads_are_not_faults(
+    queue: q.SqlQueue,
+    sink: parquet.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A live scorer commits between a page's ledger read and its file checks, and between
+    the files' listing and their ledger lookup: nothing is missing, lost or orphaned."""
+    for n in range(3):
+        commit(queue, sink, [f"k{n}"], clock)
+        clock.advance(1)
+    pending = [scored(claim(queue, [f"live{n}"]), clock) for n in range(2)]
+
+    def commit_one() -> None:
+        if pending:
+            sink.commit(pending.pop())
+
+    monkeypatch.setattr(sw, "_ledger_page", _after(sw._ledger_page, commit_one))
+    monkeypatch.setattr(
+        parquet.ParquetSink, "observe", _after(parquet.ParquetSink.observe, commit_one)
+    )
+    report = swept(queue, root, clock, page_size=1)
+    assert not pending
+    assert report.findings == (), report.to_dict()
+    monkeypatch.undo()
+    assert swept(queue, root, clock).findings == ()
