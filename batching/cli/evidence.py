@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from batching import errors
+from batching.cli import full_sweep
 from batching.cli.common import (
     ConfigOption,
     DbOverride,
@@ -24,7 +25,6 @@ from batching.cli.common import (
     out,
     parse_duration,
     plain,
-    progress_bar,
 )
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ def reconcile(
     """
     import time
 
-    _check_full(full, since=since, run=run, restart=restart, max_time=max_time)
+    full_sweep.check_options(full, since=since, run=run, restart=restart, max_time=max_time)
     cfg = load(config)
     window = parse_duration(since, "--since") if since is not None else None
     limit_s = parse_duration(max_time, "--max-time") if max_time is not None else None
@@ -208,7 +208,16 @@ def reconcile(
         try:
             queue.check_schema()
             sink = build.open_sink(queue, res, read_only=True)
-            swept = _sweep(queue, sink, now, repair, dataset_lost, restart, limit_s, quiet)
+            swept = full_sweep.run(
+                queue,
+                sink,
+                now,
+                repair=repair,
+                dataset_lost=dataset_lost,
+                restart=restart,
+                limit_s=limit_s,
+                quiet=quiet,
+            )
         finally:
             queue.engine.dispose()
         _show(swept, None, as_json=as_json)
@@ -247,62 +256,6 @@ def _show(report: Report, after: Report | None, *, as_json: bool) -> None:
         raise typer.Exit(1)
 
 
-def _check_full(
-    full: bool, *, since: str | None, run: str | None, restart: bool, max_time: str | None
-) -> None:
-    """Refuse options that do not go together with (or without) ``--full``."""
-    if full:
-        for name, value in (("--since", since), ("--run", run)):
-            if value is not None:
-                raise errors.InputError(
-                    f"--full sweeps everything; it takes no {name} (drop one of the two)"
-                )
-        return
-    for name, given in (("--restart", restart), ("--max-time", max_time is not None)):
-        if given:
-            raise errors.InputError(f"{name} is an option of a sweep: add --full")
-
-
-def _sweep(
-    queue: Any,
-    sink: Any,
-    now: float,
-    repair: bool,
-    dataset_lost: bool,
-    restart: bool,
-    limit_s: float | None,
-    quiet: bool,
-) -> Report:
-    """The full sweep, its progress on stderr (a line a page; none on a pipe or with --quiet)."""
-    from rich.progress import TextColumn, TimeElapsedColumn
-
-    from batching.evidence import sweep as sw
-
-    progress = progress_bar(
-        TextColumn("{task.description}", markup=False), TimeElapsedColumn(), quiet=quiet
-    )
-    with progress:
-        task = progress.add_task("sweep: starting", total=None)
-
-        def on_page(p: sw.Progress) -> None:
-            progress.update(
-                task,
-                description=f"sweep {p.phase}: page {p.pages}, {p.batches} batch(es), "
-                f"{p.items} item(s), {p.files} file(s), {p.findings} finding(s)",
-            )
-
-        return sw.sweep(
-            queue,
-            sink,
-            now=now,
-            restart=restart,
-            max_seconds=limit_s,
-            repair=repair,
-            dataset_lost=dataset_lost,
-            on_page=on_page,
-        )
-
-
 def _check_run(queue: Any, run: str, db_url: str) -> None:
     """Raise ``InputError`` when ``run`` is not in the run ledger (else reconcile finds nothing)."""
     import sqlalchemy as sa
@@ -325,15 +278,7 @@ def _check_run(queue: Any, run: str, db_url: str) -> None:
 def _print_report(report: Report) -> None:
     out.print(f"reconcile {report.output_kind} {report.location}", highlight=False)
     if report.sweep is not None:
-        s = report.sweep
-        state = "finished" if s["finished"] else f"stopped in its {s['phase']} phase"
-        out.print(
-            f"full sweep {state}: {s['pages']} page(s), {s['batches']} batch(es), "
-            f"{s['items']} item(s), {s['files']} file(s) since it started",
-            highlight=False,
-        )
-        if not s["finished"]:
-            out.print("`batching reconcile --full` again resumes it", highlight=False)
+        full_sweep.print_progress(report.sweep)
     if report.findings:
         table = Table("class", "severity", "count")
         for col in ("files", "item keys", "message"):

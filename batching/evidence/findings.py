@@ -149,20 +149,6 @@ class Finding:
             "details": dict(self.details),
         }
 
-    @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> Finding:
-        """The finding :meth:`to_dict` wrote (a sweep keeps what its pages found this way)."""
-        return cls(
-            Kind(doc["class"]),
-            Severity(doc["severity"]),
-            str(doc["message"]),
-            tuple(doc["item_keys"]),
-            tuple(doc["files"]),
-            tuple(doc["batch_ids"]),
-            int(doc["count"]),
-            dict(doc["details"]),
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class Repair:

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from batching import models
 from batching.evidence import reconcile as rc
 from batching.evidence import sweep as sw
+from batching.evidence import sweep_pages
 from batching.evidence.reconcile import Kind, Severity
 from batching.ingress import queue as q
 from batching.outputs import parquet, parquet_layout
@@ -131,13 +132,13 @@ def test_a_sweep_stopped_part_way_resumes_after_its_cursor(
     assert json.loads(row.progress)["batches"] == 4
 
     read_after: list[Any] = []
-    page = sw._ledger_page
+    page = sweep_pages._ledger_page
 
     def spy(conn: Any, queue_name: str, owns: Any, after: Any, n: int) -> list[Any]:
         read_after.append(after)
         return page(conn, queue_name, owns, after, n)
 
-    monkeypatch.setattr(sw, "_ledger_page", spy)
+    monkeypatch.setattr(sweep_pages, "_ledger_page", spy)
     rest = swept(queue, root, clock, page_size=2)
     assert read_after[0] == cursor["after"], "resumed after the cursor, not from the start"
     assert None not in read_after
@@ -286,7 +287,7 @@ def test_commits_landing_while_the_sweep_reads_are_not_faults(
         if pending:
             sink.commit(pending.pop())
 
-    monkeypatch.setattr(sw, "_ledger_page", _after(sw._ledger_page, commit_one))
+    monkeypatch.setattr(sweep_pages, "_ledger_page", _after(sweep_pages._ledger_page, commit_one))
     monkeypatch.setattr(
         parquet.ParquetSink, "observe", _after(parquet.ParquetSink.observe, commit_one)
     )
