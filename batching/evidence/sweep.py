@@ -128,7 +128,8 @@ def sweep(
         now: the time findings are judged against (epoch s), and recorded with the cursor.
         restart: start over even if a sweep of this output stopped part way.
         max_pages: stop after this many pages of this call (the cursor is kept).
-        max_seconds: stop after the first page that ends past this many seconds.
+        max_seconds: stop after the first page that ends past this many seconds (a call
+            sweeps one page at least).
         page_size: ledger rows (and visible files) a page at most.
         item_page_size: items a page at most (a ledger page's done items as the ledger counts
             them, one batch at least; the ids a page of the ``items`` phase spans).
@@ -158,7 +159,7 @@ def sweep(
     pages_now = 0
     while state.phase != "done":
         if (max_pages is not None and pages_now >= max_pages) or (
-            ends is not None and time.monotonic() > ends
+            ends is not None and pages_now and time.monotonic() > ends
         ):
             break
         page = walker.step()

@@ -152,6 +152,10 @@ def test_a_sweep_stopped_part_way_resumes_after_its_cursor(
     assert read_after[0] is None
     assert shape(again) == shape(whole)
 
+    one = swept(queue, root, clock, page_size=2, max_seconds=0, restart=True)
+    assert one.sweep is not None
+    assert (one.sweep["pages_now"], one.sweep["finished"]) == (1, False), "a page at least"
+
 
 def test_a_sweep_stopped_in_the_files_phase_resumes_there(
     queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
