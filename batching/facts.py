@@ -16,9 +16,10 @@ Reconcile reads the queue and the batch ledger itself; each sink answers for its
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from batching import models
 
@@ -86,6 +87,9 @@ class Observed:
     visible: Mapping[str, str | None] = field(default_factory=dict)
     staging: tuple[StagingFile, ...] = ()
     outbox: frozenset[str] = frozenset()
+    output_empty: bool | None = None
+    """Whether the output was seen to hold nothing at all (the full sweep probes it once and
+    passes ledger pages without a listing); None: judged from ``visible``."""
 
 
 @dataclass(frozen=True)
@@ -107,3 +111,22 @@ class OutputFacts:
     staging: tuple[StagingFile, ...] = ()
     other_datasets: Mapping[str, int] = field(default_factory=dict)
     orphan_batches: tuple[str, ...] = ()
+
+
+@runtime_checkable
+class ListedOutput(Protocol):
+    """A sink whose output is files a reader lists (Parquet): the full sweep walks them in
+    order, a page at a time, instead of ``survey()``'s one listing of everything."""
+
+    def visible_after(self, after: str | None) -> Iterator[str]:
+        """Visible files (absolute paths) in walk order, those after ``after`` only (a
+        path this iterator yielded); the walk holds one folder's entries at a time."""
+        ...
+
+    def walk_key(self, path: str) -> tuple[str, ...]:
+        """The order ``visible_after`` yields in (compare two paths by it)."""
+        ...
+
+    def staging_survey(self) -> Survey:
+        """The staging folder listed now (no visible file)."""
+        ...

@@ -12,10 +12,12 @@ import typer
 from rich.table import Table
 
 from batching import errors
+from batching.cli import full_sweep
 from batching.cli.common import (
     ConfigOption,
     DbOverride,
     OutputOverride,
+    QuietOption,
     app,
     flag,
     handle_errors,
@@ -161,17 +163,40 @@ def reconcile(
             "their items) instead of refusing an output folder without files.",
         ),
     ] = False,
+    full: Annotated[
+        bool,
+        typer.Option(
+            "--full",
+            help="Sweep everything ever committed, a page at a time, resuming where the last "
+            "sweep of this output stopped (see docs/operations.md).",
+        ),
+    ] = False,
+    restart: Annotated[
+        bool, typer.Option("--restart", help="With --full: start the sweep over.")
+    ] = False,
+    max_time: Annotated[
+        str | None,
+        typer.Option(
+            "--max-time",
+            help="With --full: stop after DURATION (30m, 2h); the next --full resumes there.",
+        ),
+    ] = None,
+    quiet: QuietOption = False,
 ) -> None:
     """Prove every done item has exactly one committed output; list what is wrong.
 
     Exit 0: clean (info findings only). Exit 1: critical or warning findings.
     Exit 2: bad input. With --repair it checks again after repairing, shows both, and the
     exit code says what is left (the reconcile flow fails only on critical findings left).
+    With --full (a sweep: progress on stderr) --repair repairs page by page and the exit code
+    says what was found; run it again to see what is left.
     """
     import time
 
+    full_sweep.check_options(full, since=since, run=run, restart=restart, max_time=max_time)
     cfg = load(config)
     window = parse_duration(since, "--since") if since is not None else None
+    limit_s = parse_duration(max_time, "--max-time") if max_time is not None else None
 
     from batching.compose import build
     from batching.evidence import reconcile as rc
@@ -179,6 +204,24 @@ def reconcile(
     now = time.time()
     res = build.resolve(cfg, db, output)
     queue = build.open_queue(cfg, res.db_url)
+    if full:
+        try:
+            queue.check_schema()
+            sink = build.open_sink(queue, res, read_only=True)
+            swept = full_sweep.run(
+                queue,
+                sink,
+                now,
+                repair=repair,
+                dataset_lost=dataset_lost,
+                restart=restart,
+                limit_s=limit_s,
+                quiet=quiet,
+            )
+        finally:
+            queue.engine.dispose()
+        _show(swept, None, as_json=as_json)
+        return
     try:
         queue.check_schema()
         if run is not None:
@@ -196,6 +239,11 @@ def reconcile(
         after = check(now=time.time(), repair=False) if repair else None
     finally:
         queue.engine.dispose()
+    _show(report, after, as_json=as_json)
+
+
+def _show(report: Report, after: Report | None, *, as_json: bool) -> None:
+    """Print a report (and what a repair left); exit 1 unless clean."""
     if as_json:
         doc = report.to_dict() | ({"after_repair": after.to_dict()} if after else {})
         sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
@@ -229,6 +277,8 @@ def _check_run(queue: Any, run: str, db_url: str) -> None:
 
 def _print_report(report: Report) -> None:
     out.print(f"reconcile {report.output_kind} {report.location}", highlight=False)
+    if report.sweep is not None:
+        full_sweep.print_progress(report.sweep)
     if report.findings:
         table = Table("class", "severity", "count")
         for col in ("files", "item keys", "message"):
@@ -250,7 +300,9 @@ def _print_report(report: Report) -> None:
         out.print(done)
     critical = sum(1 for f in report.findings if str(f.severity) == "critical")
     warning = sum(1 for f in report.findings if str(f.severity) == "warning")
-    if report.clean:
+    if report.clean and report.sweep is not None and not report.sweep["finished"]:
+        out.print("clean so far: what the sweep has checked is consistent", highlight=False)
+    elif report.clean:
         out.print("clean: every done item has exactly one committed output", highlight=False)
     else:
         kinds = {str(f.kind) for f in report.findings if str(f.severity) != "info"}

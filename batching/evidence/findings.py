@@ -164,7 +164,8 @@ class Repair:
 
 @dataclass(frozen=True)
 class Report:
-    """What reconcile found (before any repair) and what it repaired."""
+    """What reconcile found (before any repair) and what it repaired; ``sweep``: where a full
+    sweep is (:mod:`batching.evidence.sweep`), None for a reconcile."""
 
     output_kind: OutputKind
     location: str
@@ -173,6 +174,7 @@ class Report:
     run_id: str | None
     findings: tuple[Finding, ...]
     repairs: tuple[Repair, ...] = ()
+    sweep: Mapping[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -208,7 +210,7 @@ class Report:
             "counts": self.counts,
             "findings": [f.to_dict() for f in self.findings],
             "repairs": [r.to_dict() for r in self.repairs],
-        }
+        } | ({"sweep": dict(self.sweep)} if self.sweep is not None else {})
 
 
 # ----------------------------------------------------------------------------- classification
@@ -218,13 +220,16 @@ PUBLISH_GRACE_S = 60.0
 scorer publishes within milliseconds of its commit, so past this its publish failed."""
 
 
-def classify(facts: Facts) -> list[Finding]:
-    """Turn facts into findings (pure: no I/O), in a stable order."""
+def classify(facts: Facts, *, copies: Sequence[BatchFacts] = ()) -> list[Finding]:
+    """Turn facts into findings (pure: no I/O), in a stable order.
+
+    ``copies``: batches outside the facts that hold keys of theirs (the full sweep reads
+    them), judged for duplicates with ``facts.batches`` and for nothing else."""
     keys_by_batch: dict[str | None, list[str]] = defaultdict(list)
     for item in facts.done:
         keys_by_batch[item.batch_id].append(item.item_key)
     findings = [f for b in facts.batches for f in _batch_findings(b, keys_by_batch, facts.now)]
-    findings += _duplicates(facts.batches)
+    findings += duplicates((*facts.batches, *copies))
     findings += _lost_writes(facts)
     findings += _orphans(facts)
     findings += _queue_findings(facts)
@@ -272,7 +277,7 @@ def _batch_findings(
     return [Finding(kind, severity, message, keys, (b.file,), (b.batch_id,), count=1)]
 
 
-def _duplicates(batches: Sequence[BatchFacts]) -> list[Finding]:
+def duplicates(batches: Sequence[BatchFacts]) -> list[Finding]:
     """Keys in two live batches of one model version: the first committed copy wins."""
     owners: dict[tuple[str, str], list[BatchFacts]] = defaultdict(list)
     for b in batches:

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -285,6 +285,21 @@ class ParquetSink(sinks.FencedSink):
             visible = tuple(str(self.layout.root / p) for p in self.layout.visible_files())
             return facts.Survey(visible, tuple(self.layout.staging_files()))
 
+    def visible_after(self, after: str | None) -> Iterator[str]:
+        """Visible files in walk order, after ``after`` (the full sweep's listing)."""
+        parts = self.walk_key(after) if after is not None else ()
+        with sinks.translate_errors(f"cannot list {self.layout.root}"):
+            for found in self.layout.walk_visible(parts):
+                yield str(self.layout.root.joinpath(*found))
+
+    def walk_key(self, path: str) -> tuple[str, ...]:
+        return Path(path).relative_to(self.layout.root).parts
+
+    def staging_survey(self) -> facts.Survey:
+        """The staging folder, listed now."""
+        with sinks.translate_errors(f"cannot list {self.layout.staging}"):
+            return facts.Survey((), tuple(self.layout.staging_files()))
+
     def observe(
         self, conn: Connection, survey: facts.Survey, rows: Sequence[Row[Any]]
     ) -> facts.Observed:
@@ -312,7 +327,8 @@ class ParquetSink(sinks.FencedSink):
         with sinks.translate_errors(f"cannot read {self.layout.root}"):
             batches = tuple(self._check_batch(r) for r in rows)
             still = tuple(s for s in observed.staging if Path(s.path).exists())
-        if not observed.visible and not dataset_lost:
+        empty = not observed.visible if observed.output_empty is None else observed.output_empty
+        if empty and not dataset_lost:
             self._refuse_empty_dataset(rows, batches)
         # A batch missing here but whole in the root it was written to (another config's
         # output.path, or --output) is that dataset's: judged here it read as a missing file,
@@ -486,11 +502,26 @@ class ParquetSink(sinks.FencedSink):
     # -- reconcile's parts -----------------------------------------------------------------
 
     def _visible_states(self, conn: Connection, visible: Sequence[str]) -> dict[str, str | None]:
+        """Each visible file's ledger state (a live row's first), None without a row.
+
+        Looked up by the batch id its name carries (``part-<batch_id>.parquet``: the key,
+        one probe each); a file whose row is not found so, or not live, by its path too (a
+        scan of the ledger, which has no index on paths: only for the odd file)."""
         rel = {Path(p).relative_to(self.layout.root).as_posix(): p for p in visible}
         states: dict[str, str | None] = dict.fromkeys(visible)
-        paths = list(rel)
-        for start in range(0, len(paths), _CHUNK):
-            chunk = paths[start : start + _CHUNK]
+        by_id = {_named_batch(r): r for r in rel}
+        ids = [b for b in by_id if b is not None]
+        for start in range(0, len(ids), _CHUNK):
+            chunk = ids[start : start + _CHUNK]
+            q = sa.select(_B.c.path, _B.c.state).where(
+                _B.c.sink == self.kind, _B.c.batch_id.in_(chunk)
+            )
+            for row in conn.execute(q):
+                if row.path in rel:
+                    states[rel[row.path]] = row.state
+        odd = [r for r, p in rel.items() if states[p] not in models.LIVE_BATCH_STATES]
+        for start in range(0, len(odd), _CHUNK):
+            chunk = odd[start : start + _CHUNK]
             q = sa.select(_B.c.path, _B.c.state).where(_B.c.sink == self.kind, _B.c.path.in_(chunk))
             for row in conn.execute(q):
                 if states[rel[row.path]] not in models.LIVE_BATCH_STATES:
@@ -586,6 +617,15 @@ class ParquetSink(sinks.FencedSink):
 
 
 _CHUNK = 500
+
+
+def _named_batch(rel: str) -> str | None:
+    """The batch id a visible file's name carries (``part-<batch_id>.parquet``), or None."""
+    name = PurePath(rel).name
+    if not (name.startswith("part-") and name.endswith(".parquet")):
+        return None
+    batch_id = name.removeprefix("part-").removesuffix(".parquet")
+    return batch_id if sinks.SAFE_ID.match(batch_id) else None
 
 
 def _same_folder(a: Path, b: Path) -> bool:

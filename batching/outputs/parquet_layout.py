@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePath, PurePosixPath
@@ -87,6 +88,13 @@ class ParquetLayout:
         found = (p for p in self.root.rglob("*.parquet") if p.is_file())
         return sorted(p.relative_to(self.root).as_posix() for p in found)
 
+    def walk_visible(self, after: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+        """The files :meth:`visible_files` lists, as path parts relative to the root, in the
+        order of those parts, only those after ``after``: one folder's entries are held at a
+        time, and folders wholly before ``after`` are not read (the full sweep's listing).
+        Symlinked folders are not followed."""
+        yield from _walk(self.root, (), after)
+
     def staging_files(self) -> list[Path]:
         """Every file in the staging folder."""
         if not self.staging.is_dir():
@@ -109,6 +117,23 @@ class ParquetLayout:
             shutil.move(path, dest)
         logger.warning("file quarantined", extra={"action": "quarantine", "path": str(dest)})
         return dest
+
+
+def _walk(
+    folder: Path, parts: tuple[str, ...], after: tuple[str, ...]
+) -> Iterator[tuple[str, ...]]:
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in entries:
+        child = (*parts, entry.name)
+        if entry.is_dir(follow_symlinks=False):
+            if child >= after[: len(child)]:
+                yield from _walk(Path(entry.path), child, after)
+        elif entry.name.endswith(".parquet") and child > after and entry.is_file():
+            yield child
 
 
 def unsafe_row(layout: ParquetLayout, row: Any) -> str | None:
