@@ -437,8 +437,9 @@ class LineageConfig(_Model):
         description="how long an undelivered event is kept for a re-send before it is dropped (warned and counted)",
     )
     # Sent as ``Authorization: Bearer <key>`` by the http transport. Set only from the
-    # environment (OPENLINEAGE_API_KEY, see lineage.config_from_env), never from a file:
-    # left out of every dump, so of the config hash, the lineage config facet and the logs.
+    # OpenLineage sources (OPENLINEAGE_API_KEY, openlineage.yml: see evidence.ol_config), never
+    # from a pipeline config: left out of every dump, so of the config hash, the lineage config
+    # facet and the logs.
     api_key: SecretStr | None = Field(None, exclude=True, repr=False)
 
     @field_validator("namespace")

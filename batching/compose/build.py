@@ -320,7 +320,8 @@ class BackgroundFlush:
                     config, res, lineage_config, deadline_s=deadline_s, stop=self._stop
                 )
             except Exception as exc:  # lineage never fails or holds a run
-                logger.warning(
+                # INFO: nothing is lost (it waits), and a database that fails fails the run too.
+                logger.info(
                     "spooled lineage not flushed",
                     extra={"action": "lineage_flush_failed", "error": redact_url(str(exc))},
                 )

@@ -127,8 +127,8 @@ def run_score(
 
     try:
         queue = build.open_queue(config, res.db_url)
-        emitter.spool = build.make_spool(queue.engine, emitter.config)
         queue.check_schema()
+        emitter.spool = build.make_spool(queue.engine, emitter.config)  # a database that works
         from batching.model.runner import TorchRunner  # torch: only what scores loads it
 
         runner = TorchRunner.load(config.model, base_dir=config.base_dir)
@@ -248,8 +248,8 @@ def run_score_workers(
     flush = build.start_lineage_flush(config, res, lineage_config)  # earlier runs' spooled events
     try:
         queue = build.open_queue(config, res.db_url)
-        emitter.spool = build.make_spool(queue.engine, emitter.config)
         queue.check_schema()
+        emitter.spool = build.make_spool(queue.engine, emitter.config)  # a database that works
         sink = build.open_sink(queue, res, read_only=True)  # its dataset, for lineage
         ctx = build.scoring_context(config, res, run_id, sink=sink)
         runs, so_far = run_record.ledger_start(

@@ -686,8 +686,8 @@ class LineageEmitter:
             return False
         try:
             return self.spool.pending(run.run_id)
-        except Exception as exc:  # the database's trouble: send it, order unknown
-            logger.warning(
+        except Exception as exc:  # the database's trouble (the run's to report): send it
+            logger.info(
                 "lineage spool not readable",
                 extra={"action": "lineage_spool_failed", "error": redact_url(str(exc))[:500]},
             )
