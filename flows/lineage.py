@@ -21,6 +21,7 @@ from batching import config, errors
 from batching.compose import build
 from batching.compose import record as run_record
 from batching.evidence import lineage
+from batching.store import database
 from flows import settings
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ def reconcile_run(
 ) -> Iterator[lineage.RunContext]:
     """START on entry; COMPLETE on a clean exit, FAIL with the error when the block raises."""
     ctx = reconcile_context(cfg, res, run_id, repair=repair)
-    emit = emitter(cfg, res)
+    engine = database.create_engine(res.db_url)  # its spool: events the backend did not take
+    emit = build.make_emitter(cfg, res, settings.lineage_config(cfg), engine=engine)
     emit.start(ctx)
     try:
         yield ctx
@@ -85,3 +87,4 @@ def reconcile_run(
         emit.complete(ctx)
     finally:
         emit.close()
+        engine.dispose()
