@@ -38,7 +38,13 @@ def lineage(
     ] = None,
     events: Annotated[Path | None, typer.Option("--events", help="Event log (JSONL).")] = None,
     config: Annotated[
-        Path | None, typer.Option("--config", "-c", help="Pipeline YAML whose event log to read.")
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help="Pipeline YAML whose event log to read (--flush: whose spool; "
+            "--config-check: whose settings).",
+        ),
     ] = None,
     output: OutputOverride = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
@@ -47,7 +53,7 @@ def lineage(
         typer.Option(
             "--flush",
             help="Re-send the events the backend did not take, spooled in the queue database "
-            "of --config (or --db), to where lineage goes now; exit 1 if some remain.",
+            "of --config (--db overrides it), to where lineage goes now; exit 1 if some remain.",
         ),
     ] = False,
     config_check: Annotated[
