@@ -384,7 +384,13 @@ class OutputConfig(_Model):
 
 
 class LineageConfig(_Model):
-    """Where OpenLineage events go; a lineage outage never fails a run."""
+    """Where OpenLineage events go; an outage never fails a run: its events wait in a spool.
+
+    The spool is in the queue's database (``batching lineage --flush``, or the next run, re-sends).
+
+    OpenLineage's own sources (`OPENLINEAGE_CONFIG`, `openlineage.yml`, `OPENLINEAGE_*`) override
+    these settings: see :mod:`batching.evidence.ol_config`.
+    """
 
     transport: Literal["file", "http", "console", "none"] = Field(
         "file",
@@ -419,9 +425,21 @@ class LineageConfig(_Model):
         le=5,
         description="delivery retries before an event is counted as not delivered",
     )
+    spool_max_events: int = Field(
+        10_000,
+        ge=0,
+        le=10_000_000,
+        description="undelivered events kept in the queue database for a re-send (beyond: the oldest are dropped, warned and counted; 0: no spool)",
+    )
+    spool_max_age_s: float = Field(
+        7 * 86400.0,
+        gt=0,
+        description="how long an undelivered event is kept for a re-send before it is dropped (warned and counted)",
+    )
     # Sent as ``Authorization: Bearer <key>`` by the http transport. Set only from the
-    # environment (OPENLINEAGE_API_KEY, see lineage.config_from_env), never from a file:
-    # left out of every dump, so of the config hash, the lineage config facet and the logs.
+    # OpenLineage sources (OPENLINEAGE_API_KEY, openlineage.yml: see evidence.ol_config), never
+    # from a pipeline config: left out of every dump, so of the config hash, the lineage config
+    # facet and the logs.
     api_key: SecretStr | None = Field(None, exclude=True, repr=False)
 
     @field_validator("namespace")

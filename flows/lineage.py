@@ -27,6 +27,7 @@ from batching.compose import record as run_record
 from batching.evidence import lineage
 from batching.evidence.findings import Kind, Report, Severity
 from batching.redaction import redact_url
+from batching.store import database
 from flows import settings
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,8 @@ def reconcile_run(
     """START on entry; COMPLETE on a clean exit, FAIL with the error when the block raises;
     either with the findings the block handed to :meth:`ReconcileRun.checked`."""
     run = ReconcileRun(reconcile_context(cfg, res, run_id, repair=repair, upstream=upstream))
-    emit = emitter(cfg, res)
+    engine = database.create_engine(res.db_url)  # its spool: events the backend did not take
+    emit = build.make_emitter(cfg, res, settings.lineage_config(cfg), engine=engine)
     emit.start(run.context)
     try:
         yield run
@@ -186,3 +188,4 @@ def reconcile_run(
         emit.complete(run.final())
     finally:
         emit.close()
+        engine.dispose()

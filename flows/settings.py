@@ -3,8 +3,9 @@
 The library never reads environment variables; the flows do, here and only here:
 
 * ``BATCHING_DB_URL``: database URL when a flow run names none (as the CLI's ``--db``).
-* ``OPENLINEAGE_URL``, ``OPENLINEAGE__TRANSPORT__*``, ``OPENLINEAGE_DISABLED``, ...: where
-  lineage goes (see :func:`batching.evidence.lineage.config_from_env`).
+* ``OPENLINEAGE_CONFIG`` / ``openlineage.yml``, ``OPENLINEAGE_URL``, ``OPENLINEAGE__TRANSPORT__*``,
+  ``OPENLINEAGE_DISABLED``, ...: where lineage goes, as the OpenLineage client reads them (see
+  :mod:`batching.evidence.ol_config`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from batching import config
 from batching.compose import build
-from batching.evidence import lineage
+from batching.evidence import ol_config
 
 REPO = Path(__file__).resolve().parents[1]
 ONLINE = "deployments/online.yaml"
@@ -36,8 +37,9 @@ def config_path(path: str) -> Path:
 def load(path: str, overrides: Mapping[str, Any] | None = None) -> config.PipelineConfig:
     """Load a pipeline config; ``overrides`` (nested mappings) win over the file.
 
-    The ``OPENLINEAGE*`` environment is checked too, so that a malformed ``OPENLINEAGE_URL``
-    fails a run here, before any task, and not after its preconditions loaded the model.
+    The OpenLineage sources (``openlineage.yml``, ``OPENLINEAGE*``) are checked too, so that a
+    malformed ``OPENLINEAGE_URL`` fails a run here, before any task, and not after its
+    preconditions loaded the model.
 
     Raises:
         ConfigError: the file is missing, a setting is invalid, or the lineage environment is
@@ -61,8 +63,9 @@ def locations(cfg: config.PipelineConfig, db: str | None, output: str | None) ->
 def lineage_config(
     cfg: config.PipelineConfig, env: Mapping[str, str] = os.environ
 ) -> config.LineageConfig:
-    """The config's lineage settings overridden by the ``OPENLINEAGE*`` environment."""
-    return lineage.config_from_env(env, cfg.lineage)
+    """The config's lineage settings under the OpenLineage client's own sources (its config
+    file, then the ``OPENLINEAGE*`` environment; see :mod:`batching.evidence.ol_config`)."""
+    return ol_config.lineage_config(cfg.lineage, env)
 
 
 def artifact_key(*parts: str) -> str:

@@ -39,18 +39,48 @@ def lineage(
     ] = None,
     events: Annotated[Path | None, typer.Option("--events", help="Event log (JSONL).")] = None,
     config: Annotated[
-        Path | None, typer.Option("--config", "-c", help="Pipeline YAML whose event log to read.")
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help="Pipeline YAML whose event log to read (--flush: whose spool; "
+            "--config-check: whose settings).",
+        ),
     ] = None,
     output: OutputOverride = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    flush: Annotated[
+        bool,
+        typer.Option(
+            "--flush",
+            help="Re-send the events the backend did not take, spooled in the queue database "
+            "of --config (--db overrides it), to where lineage goes now; exit 1 if some remain.",
+        ),
+    ] = False,
+    config_check: Annotated[
+        bool,
+        typer.Option(
+            "--config-check",
+            help="Print the effective lineage settings (--config's, under openlineage.yml and "
+            "OPENLINEAGE_*) and where each comes from; exit 1 on an invalid one.",
+        ),
+    ] = False,
+    db: DbOverride = None,
+    quiet: QuietOption = False,
 ) -> None:
     """Show a run's job, inputs, outputs and facets from the local OpenLineage event log.
 
     With --config, the log the config's runs write; add the --output a run was scored with to
-    find its log beside that output.
+    find its log beside that output. --flush re-sends spooled events; --config-check shows
+    where lineage goes and why.
     """
     from batching.evidence import lineage_log
 
+    if flush or config_check:
+        from batching.cli import lineage_tools
+
+        lineage_tools.run(flush, config_check, run, events, config, db, output, as_json, quiet)
+        return
     if output is not None and config is None:
         raise errors.InputError("--output needs --config (the config the run was scored with)")
     if events is not None and config is not None:

@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
@@ -171,6 +171,21 @@ def status(
     totals = ", ".join(f"{k} {v}" for k, v in stats.by_state.items())
     backoff = f"; {stats.backoff} ready waiting out a retry backoff" if stats.backoff else ""
     out.print(f"total: {totals}; expired leases {stats.expired_leases}{backoff}")
+    out.print(_lineage_backlog(q.engine), highlight=False)
+
+
+def _lineage_backlog(engine: Any) -> str:
+    """The status line of the lineage spool: what waits for a re-send, and for how long."""
+    from batching.evidence import spool
+
+    left = spool.backlog(engine)
+    age = left.oldest_age_s(time.time())
+    if age is None:
+        return "lineage spool: empty"
+    return (
+        f"lineage spool: {left.events} event(s) of {left.runs} run(s) waiting for a re-send, "
+        f"oldest {age:.0f}s (`batching lineage --flush -c CONFIG` sends them)"
+    )
 
 
 def status_table(stats: QueueStats, queue: str | None) -> Table:

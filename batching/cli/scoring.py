@@ -35,11 +35,12 @@ from batching.cli.common import (
 
 
 def lineage_settings(cfg: Any) -> Any:
-    """The config's lineage settings overridden by the ``OPENLINEAGE*`` environment, as the
-    flows do (``OPENLINEAGE_URL`` sends the events to Marquez)."""
-    from batching.evidence.lineage import config_from_env
+    """The config's lineage settings under the OpenLineage client's sources (``openlineage.yml``,
+    the ``OPENLINEAGE*`` environment), as the flows do (``OPENLINEAGE_URL`` sends the events
+    to Marquez)."""
+    from batching.evidence import ol_config
 
-    return config_from_env(os.environ, cfg.lineage)
+    return ol_config.lineage_config(cfg.lineage, os.environ)
 
 
 def summary_table(summary: Mapping[str, object], title: str = "run summary") -> Table:

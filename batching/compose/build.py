@@ -14,23 +14,28 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from batching import config as cfg
 from batching import errors, models, naming
-from batching.evidence import lineage
+from batching.evidence import lineage, spool
 from batching.ingress import queue as q
 from batching.outputs import contract as sinks
 from batching.outputs import registry
 from batching.plan import check as policy
 from batching.plan.profile import ServiceProfile
+from batching.redaction import redact_url
 from batching.store import database, schema
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -346,19 +351,144 @@ def output_version(queue: q.SqlQueue, sink: sinks.Sink, run_id: str) -> str | No
 
 
 def make_emitter(
-    config: cfg.PipelineConfig, res: Resolved, lineage_config: cfg.LineageConfig | None = None
+    config: cfg.PipelineConfig,
+    res: Resolved,
+    lineage_config: cfg.LineageConfig | None = None,
+    *,
+    engine: Engine | None = None,
 ) -> lineage.LineageEmitter:
-    """The run's lineage emitter (``lineage_config`` overrides the config's).
+    """The run's lineage emitter (``lineage_config`` overrides the config's); with the queue's
+    ``engine``, events it cannot deliver wait in that database's spool (:func:`make_spool`),
+    else they are dropped and counted.
 
     Raises:
         ConfigError: the lineage settings are invalid.
     """
+    settings = lineage_config or config.lineage
     return lineage.LineageEmitter(
-        lineage_config or config.lineage,
+        settings,
         base_dir=Path(config.base_dir),
         producer=PRODUCER,
-        output_dir=res.events_path.parent.parent if res.events_path else _sql_events_dir(config),
+        output_dir=_lineage_dir(config, res),
+        spool=make_spool(engine, settings) if engine is not None else None,
     )
+
+
+def _lineage_dir(config: cfg.PipelineConfig, res: Resolved) -> Path:
+    return res.events_path.parent.parent if res.events_path else _sql_events_dir(config)
+
+
+_RESENT_OVER = ("http", "file")  # a re-send to the console or nowhere would lose the event
+
+
+def make_spool(engine: Engine, settings: cfg.LineageConfig) -> spool.Spool | None:
+    """The lineage spool in the queue's database, for an http or file transport (a console
+    or ``none`` has nothing to re-send to); None also with ``spool_max_events: 0``."""
+    if settings.transport not in _RESENT_OVER or settings.spool_max_events == 0:
+        return None
+    return spool.Spool(
+        engine, max_events=settings.spool_max_events, max_age_s=settings.spool_max_age_s
+    )
+
+
+def flush_lineage(
+    config: cfg.PipelineConfig,
+    res: Resolved,
+    lineage_config: cfg.LineageConfig | None = None,
+    *,
+    deadline_s: float | None = None,
+    stop: threading.Event | None = None,
+    on_sent: Callable[[int], None] | None = None,
+) -> spool.Flushed | None:
+    """Re-send the events spooled in ``res.db_url`` to where lineage goes now (its own engine
+    and session: safe beside a run and other flushers); None when that is the console or
+    nowhere (they wait).
+
+    Raises:
+        ConfigError: the lineage settings are invalid.
+        QueueError: the database cannot be read or written.
+    """
+    settings = lineage_config or config.lineage
+    if settings.transport not in _RESENT_OVER:
+        return None
+    sender = lineage.EventSender(
+        settings, base_dir=Path(config.base_dir), output_dir=_lineage_dir(config, res)
+    )
+    engine = database.create_engine(res.db_url)
+    try:
+        kept = spool.Spool(
+            engine, max_events=settings.spool_max_events, max_age_s=settings.spool_max_age_s
+        )
+        return kept.flush(
+            sender.send, send_s=sender.deadline_s, deadline_s=deadline_s, stop=stop, on_sent=on_sent
+        )
+    finally:
+        sender.close()
+        engine.dispose()
+
+
+class BackgroundFlush:
+    """:func:`flush_lineage` in a daemon thread, beside a run: never raises, never holds it.
+
+    ``stop()`` asks it to end after the event being sent and waits for that at most
+    ``wait_s`` (one bounded send); what it did not send waits for the next flush.
+    """
+
+    def __init__(
+        self,
+        config: cfg.PipelineConfig,
+        res: Resolved,
+        lineage_config: cfg.LineageConfig | None,
+        deadline_s: float,
+    ) -> None:
+        settings = lineage_config or config.lineage
+        self.wait_s = (settings.timeout_s + 0.5) * (settings.retries + 1)
+        self._stop = threading.Event()
+
+        def flush() -> None:
+            try:
+                done = flush_lineage(
+                    config, res, lineage_config, deadline_s=deadline_s, stop=self._stop
+                )
+            except Exception as exc:  # lineage never fails or holds a run
+                # INFO: nothing is lost (it waits), and a database that fails fails the run too.
+                logger.info(
+                    "spooled lineage not flushed",
+                    extra={"action": "lineage_flush_failed", "error": redact_url(str(exc))},
+                )
+                return
+            if done is not None and (done.sent or done.failed_runs):
+                level = logging.WARNING if done.failed_runs else logging.INFO
+                logger.log(
+                    level,
+                    "spooled lineage flushed",
+                    extra={
+                        "action": "lineage_flushed",
+                        "sent": done.sent,
+                        "failed_runs": done.failed_runs,
+                        "left": done.left.events,
+                        "error": done.error,
+                    },
+                )
+
+        self._thread = threading.Thread(target=flush, name="lineage-flush", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ask the flush to end; wait for the event in flight (``wait_s`` at most)."""
+        self._stop.set()
+        self._thread.join(self.wait_s)
+
+
+def start_lineage_flush(
+    config: cfg.PipelineConfig,
+    res: Resolved,
+    lineage_config: cfg.LineageConfig | None = None,
+    *,
+    deadline_s: float = 120.0,
+) -> BackgroundFlush:
+    """Re-send what earlier runs spooled, in the background, for ``deadline_s`` at most."""
+    return BackgroundFlush(config, res, lineage_config, deadline_s)
 
 
 def check_config(config: cfg.PipelineConfig) -> policy.PolicyReport:

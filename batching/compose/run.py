@@ -119,6 +119,8 @@ def run_score(
     res = build.checked(config, db_url, output)
     run_id = run_id or lineage.new_run_id()
     emitter = build.make_emitter(config, res, lineage_config)
+    # What earlier runs spooled, re-sent beside this one (a worker leaves it to its parent).
+    flush = build.start_lineage_flush(config, res, lineage_config) if parent is None else None
 
     def context(**kw: Any) -> lineage.RunContext:
         return build.scoring_context(
@@ -134,6 +136,7 @@ def run_score(
     try:
         queue = build.open_queue(config, res.db_url)
         queue.check_schema()
+        emitter.spool = build.make_spool(queue.engine, emitter.config)  # a database that works
         from batching.model.runner import TorchRunner  # torch: only what scores loads it
 
         runner = TorchRunner.load(config.model, base_dir=config.base_dir)
@@ -151,6 +154,7 @@ def run_score(
         abandoned = runs.close_abandoned(run_record.silent_for_s(config), but=run_id)
     except Exception as exc:  # a precondition failed: the run is still on record as failed
         run_record.record_failed_start(emitter, context(), exc, attempt)
+        _stop(flush)
         raise
     before = so_far.items_committed if so_far else 0  # by the run's earlier attempts
     record = run_record.Record(runs, emitter, ctx, attempt, config.queue.effective_heartbeat_s)
@@ -207,6 +211,12 @@ def run_score(
         )
     finally:
         record.stop()
+        _stop(flush)
+
+
+def _stop(flush: build.BackgroundFlush | None) -> None:
+    if flush is not None:
+        flush.stop()
 
 
 def run_score_workers(
@@ -246,9 +256,11 @@ def run_score_workers(
     # a run id that is not a UUID: refused here
     ctx = build.scoring_context(config, res, run_id, lineage_config=lineage_config)
     emitter = build.make_emitter(config, res, lineage_config)
+    flush = build.start_lineage_flush(config, res, lineage_config)  # earlier runs' spooled events
     try:
         queue = build.open_queue(config, res.db_url)
         queue.check_schema()
+        emitter.spool = build.make_spool(queue.engine, emitter.config)  # a database that works
         sink = build.open_sink(queue, res, read_only=True)  # its dataset, for lineage
         ctx = build.scoring_context(config, res, run_id, sink=sink, lineage_config=lineage_config)
         runs, so_far = run_record.ledger_start(
@@ -256,6 +268,7 @@ def run_score_workers(
         )
     except Exception as exc:
         run_record.record_failed_start(emitter, ctx, exc, attempt)
+        _stop(flush)
         raise
     before = so_far.items_committed if so_far else 0  # by the run's earlier attempts
     # The parent runs no scorer: its record beats for its ledger row itself, to its end.
@@ -312,6 +325,7 @@ def run_score_workers(
         return result
     finally:
         record.stop()
+        _stop(flush)
 
 
 class _ScoreOne:

@@ -3,14 +3,18 @@
 The only module that imports ``openlineage``. Events are built in-process with the client's v2
 API (``event_v2`` / ``facet_v2``) and handed straight to a transport built from
 :class:`~batching.config.LineageConfig`; ``OpenLineageClient`` is not used, because it reads
-environment variables, ``openlineage.yml`` and git metadata on its own. Edges turn the environment
-into config with :func:`config_from_env`.
+environment variables, ``openlineage.yml`` and git metadata on its own. Edges apply the client's
+conventions (``OPENLINEAGE_CONFIG``, ``openlineage.yml``, ``OPENLINEAGE_*``) with
+:mod:`batching.evidence.ol_config`.
 
 Lineage trouble never fails a run: every emit is guarded, logged as a warning and counted in
-``LineageEmitter.failures``; after a failure, events are dropped for ``cooldown_s``, so a down or
-silent backend costs one attempt (at most ``timeout_s * (retries + 1)``) per cooldown. No
-credential reaches an event or a log: URLs, settings and error texts pass through
-:func:`redact_url`, and http credentials travel as session auth, never in the transport's URL.
+``LineageEmitter.failures``; after a failure, events are not sent for ``cooldown_s``, so a down
+or silent backend costs one attempt (at most ``timeout_s * (retries + 1)``) per cooldown. An
+event not sent goes to the spool in the queue's database (:mod:`batching.evidence.spool`), its
+JSON serialised once, and is re-sent byte for byte by the next run or ``batching lineage
+--flush`` (:class:`EventSender`); without a spool it is dropped. No credential reaches an event
+or a log: URLs, settings and error texts pass through :func:`redact_url`, and http credentials
+travel as session auth, never in the transport's URL.
 
 Datasets are named by :mod:`batching.datasets` (the OpenLineage naming spec).
 
@@ -21,18 +25,19 @@ and change together.
 
 from __future__ import annotations
 
+import http.client as http_client
 import json
 import logging
 import threading
 import time
 import traceback
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from typing import Any, Protocol
+from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 import attr
 import requests
@@ -530,16 +535,75 @@ def _output(ref: DatasetRef, producer: str) -> OutputDataset:
 def make_transport(cfg: config.LineageConfig, path: Path) -> Transport:
     """Build the transport ``cfg`` names; ``path`` is the file transport's JSONL file.
 
+    The http, file and console transports also send an event already serialised
+    (``emit_json``: a spooled event, byte for byte).
+
     Raises:
         ConfigError: the http url is not a valid URL.
     """
     if cfg.transport == "file":
-        return FileTransport(FileConfig(log_file_path=str(path), append=True))
+        return _RawFileTransport(FileConfig(log_file_path=str(path), append=True))
     if cfg.transport == "http":
         return _http_transport(cfg)
     if cfg.transport == "console":
-        return ConsoleTransport(ConsoleConfig())
+        return _RawConsoleTransport(ConsoleConfig())
     return NoopTransport(NoopConfig())
+
+
+class _RawHttpTransport(HttpTransport):
+    """The client's http transport, sending the event's JSON as given: ``emit`` serialises
+    once (``Serde.to_json``) and hands the text to ``emit_json``, which a re-send calls with
+    the stored text. Same URL, endpoint, headers, auth, timeout and session as ``emit``."""
+
+    def emit(self, event: Any) -> Any:
+        return self.emit_json(Serde.to_json(event))
+
+    def emit_json(self, body: str) -> Any:
+        # As HttpTransport.emit: a debuglevel set elsewhere would print the auth header.
+        before = http_client.HTTPConnection.debuglevel
+        http_client.HTTPConnection.debuglevel = 0
+        try:
+            data, headers = self._prepare_request(body)
+            response = self.session.post(
+                url=urljoin(self.url, self.endpoint),
+                data=data,
+                headers=headers,
+                timeout=self.timeout,
+                verify=self.verify,
+            )
+            response.close()
+            response.raise_for_status()
+            return response
+        finally:
+            http_client.HTTPConnection.debuglevel = before
+
+
+class _RawFileTransport(FileTransport):
+    """The client's file transport (append mode), writing the event's JSON as given."""
+
+    def emit(self, event: Any) -> None:
+        self.emit_json(Serde.to_json(event))
+
+    def emit_json(self, body: str) -> None:
+        path = self.config.log_file_path
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(body + "\n")
+        except OSError as exc:  # a full disk, a folder gone read-only: spooled by the emitter
+            raise RuntimeError(f"Failed to write to log file `{path}`: {exc}") from exc
+
+
+class _RawConsoleTransport(ConsoleTransport):
+    """The client's console transport (its logger, at INFO), writing the JSON as given."""
+
+    def emit(self, event: Any) -> None:
+        self.emit_json(Serde.to_json(event))
+
+    def emit_json(self, body: str) -> None:
+        logging.getLogger(ConsoleTransport.__module__).info(body)
+
+
+_RAW = (_RawHttpTransport, _RawFileTransport, _RawConsoleTransport)
 
 
 def _http_transport(cfg: config.LineageConfig) -> HttpTransport:
@@ -561,7 +625,7 @@ def _http_transport(cfg: config.LineageConfig) -> HttpTransport:
         retry={**DEFAULT_RETRY_CONFIG, **retry},
     )
     try:
-        return HttpTransport(http_cfg)
+        return _RawHttpTransport(http_cfg)
     except ValueError:
         raise errors.ConfigError(
             f"lineage url {redact_url(cfg.url or '')!r} is not a URL like http://marquez:5000"
@@ -577,6 +641,97 @@ def _split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
     return plain, (unquote(parts.username), unquote(parts.password or ""))
 
 
+def _send_deadline_s(cfg: config.LineageConfig) -> float | None:
+    """How long one HTTP send may take, retries included; the socket timeout alone does not
+    bound a server that answers a byte at a time. ``None``: not bounded (file, console)."""
+    return (cfg.timeout_s + 0.5) * (cfg.retries + 1) if cfg.transport == "http" else None
+
+
+class _Bounded:
+    """Runs one send at a time, given up after ``deadline_s``: the send goes on in the
+    background, and until it ends every further send is refused rather than run beside it."""
+
+    def __init__(self, deadline_s: float | None) -> None:
+        self.deadline_s = deadline_s
+        self._in_flight: threading.Thread | None = None
+
+    def run(self, send: Callable[[], object]) -> None:
+        """Run ``send``; raise what it raised, or ``TimeoutError`` past the deadline."""
+        if self.deadline_s is None:
+            send()
+            return
+        if self._in_flight is not None and self._in_flight.is_alive():
+            raise TimeoutError("an earlier lineage event is still being sent")
+        failed: list[BaseException] = []
+
+        def guarded() -> None:
+            try:
+                send()
+            except BaseException as exc:
+                failed.append(exc)
+
+        sender = threading.Thread(target=guarded, name="lineage-send", daemon=True)
+        sender.start()
+        sender.join(self.deadline_s)
+        if sender.is_alive():
+            self._in_flight = sender
+            raise TimeoutError(f"no answer within {self.deadline_s:g}s")
+        if failed:
+            raise failed[0]
+
+
+class EventSender:
+    """Sends spooled events (their stored JSON, byte for byte) where ``cfg`` says lineage goes
+    now, each send bounded like the emitter's (:attr:`deadline_s`).
+
+    Raises:
+        ConfigError: at construction, when the http url is invalid.
+    """
+
+    def __init__(
+        self, cfg: config.LineageConfig, *, base_dir: Path, output_dir: str | Path = "outputs"
+    ) -> None:
+        self.config = cfg
+        self._path = events_path(cfg, base_dir=base_dir, output_dir=output_dir)
+        self._transport = make_transport(cfg, self._path)
+        self._bounded = _Bounded(_send_deadline_s(cfg))
+
+    @property
+    def deadline_s(self) -> float:
+        """The longest one send takes (a file write: a few seconds, say)."""
+        return self._bounded.deadline_s or 5.0
+
+    def send(self, body: str) -> None:
+        """Deliver one stored event, or raise why not."""
+        transport = self._transport
+        if not isinstance(transport, _RAW):
+            raise errors.ConfigError("lineage transport none sends nothing; spooled events wait")
+        if isinstance(transport, _RawFileTransport):
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+        self._bounded.run(lambda: transport.emit_json(body))
+
+    def close(self) -> None:
+        """Release the transport (the http session); never raises."""
+        _close(self._transport)
+
+
+def _close(transport: Transport) -> None:
+    try:
+        transport.close(0)
+    except Exception:  # lineage never fails a run
+        logger.warning("lineage close failed", extra={"action": "lineage_close_failed"})
+
+
+class EventSpool(Protocol):
+    """Where the emitter keeps the events it could not deliver (:class:`batching.evidence.spool.Spool`)."""
+
+    def add(
+        self, run_id: str, event_type: str, event_time: str, body: str, error: str | None = None
+    ) -> None: ...
+
+    def pending(self, run_id: str) -> bool: ...
+
+
 class LineageEmitter:
     """Emits START / COMPLETE / FAIL events for runs; never raises into the caller.
 
@@ -587,10 +742,15 @@ class LineageEmitter:
         output_dir: the outputs folder; default file path is ``<output_dir>/lineage/events.jsonl``.
         transport: an OpenLineage transport to use instead of the one ``cfg`` names (tests).
         clock: epoch seconds, for event times and the cooldown.
-        cooldown_s: after a failed emit, further events are dropped (and counted) this long.
+        cooldown_s: after a failed emit, further events are not sent (spooled, or dropped and
+            counted without a spool) this long.
+        spool: where undelivered events wait for a re-send (settable later: ``emitter.spool``);
+            without one they are dropped and counted. A run's event waits there too while
+            earlier events of the run do, so that each run's events arrive in order.
 
     Attributes:
-        failures: events not delivered (failed or dropped during a cooldown).
+        failures: events not delivered now (failed, in a cooldown, or behind spooled ones).
+        spooled: of those, the events kept in the spool for a re-send.
         emitted: events delivered to the transport.
         events_path: the JSONL file when the transport is ``file``, else ``None``.
 
@@ -608,11 +768,14 @@ class LineageEmitter:
         transport: Transport | None = None,
         clock: ports.Clock = time.time,
         cooldown_s: float = 30.0,
+        spool: EventSpool | None = None,
     ) -> None:
         self.config = cfg
         self.producer = producer
         self.failures = 0
+        self.spooled = 0
         self.emitted = 0
+        self.spool = spool
         file_path = events_path(cfg, base_dir=base_dir, output_dir=output_dir)
         self.events_path = file_path if cfg.transport == "file" and transport is None else None
         self._transport = transport if transport is not None else make_transport(cfg, file_path)
@@ -620,14 +783,12 @@ class LineageEmitter:
         self._cooldown_s = cooldown_s
         self._resume_at = float("-inf")
         self._lock = threading.Lock()
-        # HTTP: a whole send (retries included) gets this long; the socket timeout alone
-        # does not bound a server that answers a byte at a time.
-        self._deadline_s = (
-            (cfg.timeout_s + 0.5) * (cfg.retries + 1)
-            if cfg.transport == "http" and transport is None
-            else None
-        )
-        self._in_flight: threading.Thread | None = None  # a send past its deadline
+        self._bounded = _Bounded(_send_deadline_s(cfg) if transport is None else None)
+
+    @property
+    def lost(self) -> int:
+        """Events neither delivered nor spooled."""
+        return self.failures - self.spooled
 
     def start(self, run: RunContext) -> bool:
         """Emit START; returns whether the event was delivered."""
@@ -650,10 +811,7 @@ class LineageEmitter:
 
     def close(self) -> None:
         """Release the transport (the http session); never raises."""
-        try:
-            self._transport.close(0)
-        except Exception:  # lineage never fails a run
-            logger.warning("lineage close failed", extra={"action": "lineage_close_failed"})
+        _close(self._transport)
 
     def _emit(
         self,
@@ -666,64 +824,81 @@ class LineageEmitter:
             return False
         with self._lock:
             now = self._clock()
+            try:
+                event = build_event(
+                    state,
+                    run,
+                    producer=self.producer,
+                    namespace=self.config.namespace,
+                    event_time=datetime.fromtimestamp(now, tz=UTC).isoformat(),
+                    outputs=outputs,
+                    error=error,
+                )
+                body = Serde.to_json(event)  # once: a re-send from the spool is these bytes
+            except Exception as exc:  # lineage never fails a run
+                self._count_failure("lineage emit failed", "lineage_emit_failed", state, run, exc)
+                return False
+            undelivered = _Undelivered(state, run, event.eventTime, body)
+            if self._behind_spooled(run):
+                self._not_sent(undelivered, "lineage event dropped", "lineage_emit_skipped")
+                return False
             if now < self._resume_at:
-                self._count_failure("lineage event dropped", "lineage_emit_skipped", state, run)
+                self._not_sent(undelivered, "lineage event dropped", "lineage_emit_skipped")
                 return False
             try:
-                self._send(state, run, outputs, error, now)
+                self._deliver(event, body)
             except Exception as exc:  # lineage never fails a run
                 self._resume_at = self._clock() + self._cooldown_s
-                self._count_failure("lineage emit failed", "lineage_emit_failed", state, run, exc)
+                self._not_sent(undelivered, "lineage emit failed", "lineage_emit_failed", exc)
                 return False
             self.emitted += 1
             return True
 
-    def _send(
-        self,
-        state: RunState,
-        run: RunContext,
-        outputs: Sequence[DatasetRef] | None,
-        error: BaseException | None,
-        now: float,
-    ) -> None:
-        event = build_event(
-            state,
-            run,
-            producer=self.producer,
-            namespace=self.config.namespace,
-            event_time=datetime.fromtimestamp(now, tz=UTC).isoformat(),
-            outputs=outputs,
-            error=error,
-        )
+    def _behind_spooled(self, run: RunContext) -> bool:
+        """Whether earlier events of ``run`` wait in the spool (this one must wait behind)."""
+        if self.spool is None:
+            return False
+        try:
+            return self.spool.pending(run.run_id)
+        except Exception as exc:  # the database's trouble (the run's to report): send it
+            logger.info(
+                "lineage spool not readable",
+                extra={"action": "lineage_spool_failed", "error": redact_url(str(exc))[:500]},
+            )
+            return False
+
+    def _deliver(self, event: RunEvent, body: str) -> None:
+        """Hand the event to the transport (its JSON ``body`` where the transport takes it);
+        over HTTP, given up after the deadline (see :class:`_Bounded`)."""
+        transport = self._transport
         if self.events_path is not None:
             self.events_path.parent.mkdir(parents=True, exist_ok=True)
-        self._deliver(event)
+        if isinstance(transport, _RAW):
+            self._bounded.run(lambda: transport.emit_json(body))
+        else:
+            self._bounded.run(lambda: transport.emit(event))
 
-    def _deliver(self, event: RunEvent) -> None:
-        """Hand ``event`` to the transport; over HTTP, given up after the deadline (the send
-        goes on in the background, and until it ends every further event is dropped rather
-        than sent beside it)."""
-        if self._deadline_s is None:
-            self._transport.emit(event)
+    def _not_sent(
+        self, what: _Undelivered, message: str, action: str, exc: Exception | None = None
+    ) -> None:
+        """Spool an event that was not sent; without a spool (or when it fails) count it lost."""
+        if self.spool is None:
+            self._count_failure(message, action, what.state, what.run, exc)
             return
-        if self._in_flight is not None and self._in_flight.is_alive():
-            raise TimeoutError("an earlier lineage event is still being sent")
-        failed: list[BaseException] = []
-
-        def send() -> None:
-            try:
-                self._transport.emit(event)
-            except BaseException as exc:
-                failed.append(exc)
-
-        sender = threading.Thread(target=send, name="lineage-send", daemon=True)
-        sender.start()
-        sender.join(self._deadline_s)
-        if sender.is_alive():
-            self._in_flight = sender
-            raise TimeoutError(f"no answer within {self._deadline_s:g}s")
-        if failed:
-            raise failed[0]
+        error = None if exc is None else f"{type(exc).__name__}: {redact_url(str(exc))}"
+        try:
+            self.spool.add(what.run.run_id, what.state.value, what.event_time, what.body, error)
+        except Exception as spool_exc:  # lineage never fails a run: this one is lost
+            logger.warning(
+                "lineage spool not writable",
+                extra={"action": "lineage_spool_failed", "error": redact_url(str(spool_exc))},
+            )
+            self._count_failure(message, action, what.state, what.run, exc)
+            return
+        self.spooled += 1
+        self._count_failure(
+            "lineage event spooled", "lineage_event_spooled", what.state, what.run, exc
+        )
 
     def _count_failure(
         self,
@@ -746,88 +921,30 @@ class LineageEmitter:
         logger.warning(message, extra=extra)
 
 
-# ----------------------------------------------------------------------------- environment
+@dataclass(frozen=True, slots=True)
+class _Undelivered:
+    """An event the emitter did not send: what the spool keeps of it."""
 
-_ENV_TRANSPORT = "OPENLINEAGE__TRANSPORT__"
-_ENV_FIELDS = {"TYPE": "transport", "URL": "url", "ENDPOINT": "endpoint", "TIMEOUT": "timeout_s"}
+    state: RunState
+    run: RunContext
+    event_time: str
+    body: str
+
+
+# ----------------------------------------------------------------------------- environment
 
 
 def config_from_env(env: Mapping[str, str], base: config.LineageConfig) -> config.LineageConfig:
-    """Return ``base`` overridden by OpenLineage's environment variables, for edges (CLI, flows).
-
-    Honoured: ``OPENLINEAGE_DISABLED=true`` (transport none), ``OPENLINEAGE_URL`` (http) and
-    ``OPENLINEAGE_ENDPOINT``, ``OPENLINEAGE_NAMESPACE``, ``OPENLINEAGE_API_KEY`` (a bearer
-    token for the http transport), and ``OPENLINEAGE__TRANSPORT__TYPE``
-    (file|http|console|noop|none), ``__URL``, ``__ENDPOINT``, ``__TIMEOUT``, ``__LOG_FILE_PATH``,
-    ``__RETRY`` (``{"total": n}`` or ``n``), ``__AUTH__APIKEY`` (or ``__AUTH__API_KEY``).
-    ``__TRANSPORT__`` values win over the others.
+    """Return ``base`` overridden by OpenLineage's environment variables alone (no
+    ``openlineage.yml``); the edges use :func:`batching.evidence.ol_config.lineage_config`,
+    which reads the client's config file too.
 
     Raises:
         ConfigError: a value is invalid (message names the setting; URLs are redacted).
     """
-    upper = {k.upper(): v for k, v in env.items() if k.upper().startswith("OPENLINEAGE")}
-    updates: dict[str, Any] = {}
-    if upper.get("OPENLINEAGE_URL"):
-        updates |= {"transport": "http", "url": upper["OPENLINEAGE_URL"]}
-    if upper.get("OPENLINEAGE_ENDPOINT"):
-        updates["endpoint"] = upper["OPENLINEAGE_ENDPOINT"]
-    if upper.get("OPENLINEAGE_NAMESPACE"):
-        updates["namespace"] = upper["OPENLINEAGE_NAMESPACE"]
-    if upper.get("OPENLINEAGE_API_KEY"):
-        updates["api_key"] = upper["OPENLINEAGE_API_KEY"]
-    updates |= _transport_env(upper)
-    disabled = upper.get("OPENLINEAGE_DISABLED", "").strip().lower()
-    if disabled not in ("", "true", "false"):
-        raise errors.ConfigError(
-            f"OPENLINEAGE_DISABLED={upper['OPENLINEAGE_DISABLED']!r}: use true or false"
-        )
-    if disabled == "true":
-        updates["transport"] = "none"
-    kept = {"api_key": base.api_key}  # not in a dump
-    try:
-        return config.LineageConfig.model_validate({**base.model_dump(), **kept, **updates})
-    except ValueError as exc:
-        raise errors.ConfigError(f"OPENLINEAGE_* environment: {_describe(exc)}") from None
+    from batching.evidence import ol_config
 
-
-def _transport_env(upper: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        field: upper[_ENV_TRANSPORT + suffix]
-        for suffix, field in _ENV_FIELDS.items()
-        if _ENV_TRANSPORT + suffix in upper
-    }
-    if "transport" in out:
-        kind = str(out["transport"]).strip().lower()
-        out["transport"] = "none" if kind == "noop" else kind
-    if _ENV_TRANSPORT + "LOG_FILE_PATH" in upper:
-        out["path"] = upper[_ENV_TRANSPORT + "LOG_FILE_PATH"]
-    if _ENV_TRANSPORT + "RETRY" in upper:
-        out["retries"] = _retries(upper[_ENV_TRANSPORT + "RETRY"])
-    for name in ("AUTH__APIKEY", "AUTH__API_KEY"):  # the client's own spelling, and ours
-        if upper.get(_ENV_TRANSPORT + name):
-            out["api_key"] = upper[_ENV_TRANSPORT + name]
-    return out
-
-
-def _retries(raw: str) -> Any:
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        raise errors.ConfigError(
-            f'{_ENV_TRANSPORT}RETRY must be JSON like {{"total": 1}} or a number, got {raw!r}'
-        ) from None
-    return value.get("total", 0) if isinstance(value, dict) else value
-
-
-def _describe(exc: ValueError) -> str:
-    details = getattr(exc, "errors", None)
-    if not callable(details):
-        return redact_url(str(exc))
-    parts = []
-    for e in details():
-        loc, msg = ".".join(map(str, e["loc"])), e["msg"].removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return redact_url("; ".join(parts))
+    return ol_config.resolve(base, env, files=False).config
 
 
 __all__ = [
@@ -840,6 +957,8 @@ __all__ = [
     "BatchingModelRunFacet",
     "ColumnSource",
     "DatasetRef",
+    "EventSender",
+    "EventSpool",
     "InputColumn",
     "LineageEmitter",
     "ModelRef",
