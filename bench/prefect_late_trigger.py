@@ -44,6 +44,16 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+# The parent starts the server and the children with PREFECT_API_URL set before they import
+# Prefect (its settings are read on import); the parent itself never talks to the API.
+import prefect
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+from prefect.deployments import run_deployment
+from prefect.events import DeploymentEventTrigger, emit_event
+from prefect.schedules import Interval
+
 CUSTOM = "bench.run.ended"
 
 
@@ -66,27 +76,26 @@ def _wait_healthy(url: str, timeout_s: float) -> None:
     raise SystemExit(f"the Prefect server at {url} did not answer within {timeout_s:g}s")
 
 
+def _ended_hook(_flow: Any, flow_run: Any, _state: Any) -> None:
+    emit_event(
+        event=CUSTOM,
+        resource={"prefect.resource.id": f"bench.run.{flow_run.id}"},
+        payload={"flow_run_id": str(flow_run.id)},
+    )
+
+
+@flow(name="bench-noop", on_completion=[_ended_hook])  # type: ignore[list-item]
+def noop() -> None:
+    """The scheduled flow: does nothing."""
+
+
+@flow(name="bench-after")
+def after(upstream: str = "") -> None:
+    """The triggered flow: does nothing."""
+
+
 def serve() -> None:
     """Child process: serve the no-op flow and the two triggered deployments."""
-    from prefect import flow, serve
-    from prefect.events import DeploymentEventTrigger, emit_event
-    from prefect.schedules import Interval
-
-    def ended(_flow: Any, flow_run: Any, _state: Any) -> None:
-        emit_event(
-            event=CUSTOM,
-            resource={"prefect.resource.id": f"bench.run.{flow_run.id}"},
-            payload={"flow_run_id": str(flow_run.id)},
-        )
-
-    @flow(name="bench-noop", on_completion=[ended])  # type: ignore[list-item]
-    def noop() -> None:
-        return None
-
-    @flow(name="bench-after")
-    def after(upstream: str = "") -> None:
-        return None
-
     on_state = DeploymentEventTrigger(
         name="bench-on-completed",
         expect={"prefect.flow-run.Completed"},
@@ -104,7 +113,7 @@ def serve() -> None:
     first_in_30s = Interval(
         timedelta(hours=1), anchor_date=datetime.now(UTC) + timedelta(seconds=30)
     )
-    serve(
+    prefect.serve(
         noop.to_deployment(name="noop", schedules=[first_in_30s]),  # type: ignore[arg-type]
         after.to_deployment(name="on-state", triggers=[on_state]),  # type: ignore[arg-type]
         after.to_deployment(name="on-custom", triggers=[on_custom]),  # type: ignore[arg-type]
@@ -114,9 +123,6 @@ def serve() -> None:
 
 def _report(wait_s: float) -> list[str]:
     """Wait for the first scheduled run, start one by hand, and time the triggers."""
-    from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
-
     with get_client(sync_client=True) as client:
         noop = _poll(lambda: _deployment(client, "bench-noop/noop"), 120, "the noop deployment")
         first = _poll(lambda: _ended(client, noop.id, scheduled=True), 180, "the first run")
@@ -158,8 +164,6 @@ def _deployment(client: Any, name: str) -> Any:
 
 
 def _ended(client: Any, deployment_id: Any, *, scheduled: bool) -> Any:
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
-
     runs = client.read_flow_runs(
         deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
     )
@@ -171,7 +175,6 @@ def _ended(client: Any, deployment_id: Any, *, scheduled: bool) -> Any:
 
 def _trigger_delay(client: Any, deployment: str, upstream: Any) -> float | None:
     target = client.read_deployment_by_name(f"bench-after/{deployment}")
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
     runs = client.read_flow_runs(
         deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[target.id]))
@@ -185,15 +188,16 @@ def _trigger_delay(client: Any, deployment: str, upstream: Any) -> float | None:
 
 def main(argv: list[str] | None = None) -> None:
     """Command line: ``--wait-s``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--wait-s", type=float, default=120.0, help="wait for triggers (120)")
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=["serve", "report"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.serve:
+    if args.role == "serve":
         serve()
         return
-    import prefect
-
+    if args.role == "report":
+        print("\n".join(_report(args.wait_s)), flush=True)
+        return
     home = Path(tempfile.mkdtemp(prefix="prefect-late-trigger-"))
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
@@ -204,24 +208,26 @@ def main(argv: list[str] | None = None) -> None:
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_LOGGING_LEVEL": "WARNING",
     }
-    os.environ.update(env)
-    logs = home / "server.log"
+    me = [sys.executable, __file__]
     server = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
          str(port)],
-        env=env, stdout=logs.open("w"), stderr=subprocess.STDOUT,
+        env=env, stdout=(home / "server.log").open("w"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     runner = None
     try:
         _wait_healthy(api, 120)
+        started = datetime.now(UTC)
         runner = subprocess.Popen(
-            [sys.executable, __file__, "--serve"], env=env, stdout=subprocess.DEVNULL,
+            [*me, "--role", "serve"], env=env, stdout=subprocess.DEVNULL,
             stderr=(home / "serve.log").open("w"),
         )  # fmt: skip
-        started = datetime.now(UTC)
-        lines = _report(args.wait_s)
+        report = subprocess.run(
+            [*me, "--role", "report", "--wait-s", str(args.wait_s)],
+            env=env, capture_output=True, text=True, check=False,
+        )  # fmt: skip
         print(f"Prefect {prefect.__version__}, server on port {port}, started {started:%H:%M:%S}")
-        print("\n".join(lines))
+        print(report.stdout.strip() or report.stderr.strip()[-2000:])
     finally:
         for proc in (runner, server):
             if proc is not None:

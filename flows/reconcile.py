@@ -97,7 +97,7 @@ def findings_text(report: rc.Report) -> str:
         (f for f in report.findings if f.severity in order), key=lambda f: order[f.severity]
     )
     lines = [
-        f"- {f.severity}: {str(f.kind).replace('_', ' ')} ({f.count}): {_one_line(f.message)}"
+        f"- {f.severity}: {str(f.kind).replace('_', ' ')} ({f.count} affected): {_one_line(f.message)}"
         for f in shown[:MAX_FINDING_LINES]
     ]
     if len(shown) > MAX_FINDING_LINES:

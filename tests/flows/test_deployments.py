@@ -18,8 +18,8 @@ import yaml
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 from prefect.client.schemas.objects import FlowRun, State
-from prefect.states import Cancelled, Crashed
 from prefect.deployments.runner import RunnerDeployment
+from prefect.states import Cancelled, Crashed
 
 from flows import deployments, events, settings
 from flows import score as score_module
@@ -155,7 +155,8 @@ def test_a_run_that_fails_after_committing_triggers_a_reconcile_and_one_that_com
     nothing = make_pipeline(tmp_path / "nothing", 10)
     nothing.overrides["model"] = {"sha256": "0" * 64}
     refused = score(**nothing.params(), return_state=True)
-    assert refused.is_failed() and "sha256" in (refused.message or "")
+    assert refused.is_failed()
+    assert "sha256" in (refused.message or "")
 
     def backlog_check_fails(*_args: Any) -> None:
         raise RuntimeError("the backlog check broke after scoring")

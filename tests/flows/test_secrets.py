@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 from uuid import UUID
 
 import pytest
@@ -98,7 +98,7 @@ def test_secret_blocks_keep_the_password_out_of_the_api_and_the_triggered_reconc
         queue.enqueue(ingest.read_records(file))
     finally:
         queue.engine.dispose()
-    reconcile_id = deployments.reconcile_deployment().apply()
+    reconcile_id = cast(UUID, deployments.reconcile_deployment().apply())  # sync here
     try:
         state = score(
             config=TABULAR,
@@ -112,7 +112,8 @@ def test_secret_blocks_keep_the_password_out_of_the_api_and_the_triggered_reconc
         upstream = run_id_of(state)
         params = _parameters(upstream)
         assert params["db_url_secret"] == db_block
-        assert password not in json.dumps(params) and api_key not in json.dumps(params)
+        assert password not in json.dumps(params)
+        assert api_key not in json.dumps(params)
         assert f"Bearer {api_key}" in _Lineage.seen, "the key from the block reached lineage"
 
         def triggered() -> list[Any]:
@@ -134,7 +135,8 @@ def test_secret_blocks_keep_the_password_out_of_the_api_and_the_triggered_reconc
             ],
             what="the run's batching.run.ended event",
         )
-        assert password not in event.model_dump_json() and api_key not in event.model_dump_json()
+        assert password not in event.model_dump_json()
+        assert api_key not in event.model_dump_json()
 
         done = reconcile(**run.parameters, return_state=True)  # what the worker would run
         assert done.is_completed(), done.message
@@ -161,14 +163,16 @@ def test_secret_blocks_keep_the_password_out_of_the_api_and_the_triggered_reconc
 def test_a_password_in_a_parameter_is_refused_before_anything_runs(
     params: dict[str, Any], named: str, flow: str
 ) -> None:
-    run = {"score": score, "bulk": bulk, "reconcile": reconcile}[flow]
+    run: Any = {"score": score, "bulk": bulk, "reconcile": reconcile}[flow]
     extra = {"input_path": "nowhere.parquet"} if flow == "bulk" else {}
     state = run(config=TABULAR, **params, **extra, return_state=True)
     assert state.is_failed()
     message = state.message or ""
     assert f"flow parameter {named} holds a password" in message
-    assert "Secret block" in message and "PGPASSWORD or ~/.pgpass" in message
-    assert "\n" not in message and "s3cret" not in message
+    assert "Secret block" in message
+    assert "PGPASSWORD or ~/.pgpass" in message
+    assert "\n" not in message
+    assert "s3cret" not in message
 
 
 def test_a_missing_secret_block_is_named_in_a_one_line_failure() -> None:
