@@ -27,6 +27,7 @@ from batching.ingress import ingest
 from batching.model import workloads
 from flows import deployments, events, secrets
 from flows.bulk import bulk
+from flows.maintain import maintain
 from flows.reconcile import reconcile
 from flows.score import score
 from tests.conftest import wait_for
@@ -159,11 +160,11 @@ def test_secret_blocks_keep_the_password_out_of_the_api_and_the_triggered_reconc
         ({"db_url": "postgresql://scorer@db/scoring?password=s3cret"}, "db_url"),
     ],
 )
-@pytest.mark.parametrize("flow", ["score", "bulk", "reconcile"])
+@pytest.mark.parametrize("flow", ["score", "bulk", "reconcile", "maintain"])
 def test_a_password_in_a_parameter_is_refused_before_anything_runs(
     params: dict[str, Any], named: str, flow: str
 ) -> None:
-    run: Any = {"score": score, "bulk": bulk, "reconcile": reconcile}[flow]
+    run: Any = {"score": score, "bulk": bulk, "reconcile": reconcile, "maintain": maintain}[flow]
     extra = {"input_path": "nowhere.parquet"} if flow == "bulk" else {}
     state = run(config=TABULAR, **params, **extra, return_state=True)
     assert state.is_failed()
