@@ -27,7 +27,14 @@ after each run ended each trigger created its run (or that it had not after ``--
 
     python bench/prefect_late_trigger.py [--wait-s 120]
 
-``--wait-s 1000`` sees the held trigger fire, about 15 min late.
+``--wait-s 1000`` sees the held trigger fire, about 15 min late. Measured (2 cores, SQLite
+server, ``--wait-s 1000``, 2026-12-01)::
+
+    Prefect 3.9.1, server on port 35531, started 22:16:21
+    first scheduled run: trigger on bench.run.ended created its run after 0.1 s
+    first scheduled run: trigger on prefect.flow-run.Completed created its run after 900.4 s
+    run started by hand: trigger on bench.run.ended created its run after 0.1 s
+    run started by hand: trigger on prefect.flow-run.Completed created its run after 0.0 s
 """
 
 from __future__ import annotations
