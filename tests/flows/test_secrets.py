@@ -23,7 +23,7 @@ from sqlalchemy.engine import make_url
 
 from batching.compose import build
 from batching.config import load_config
-from batching.ingress import ingest
+from batching.ingress import ingest, run_ledger
 from batching.model import workloads
 from flows import deployments, events, secrets
 from flows.bulk import bulk
@@ -73,6 +73,14 @@ def lineage_url() -> Iterator[str]:
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+def _unreconciled(url: str) -> list[str]:
+    queue = build.open_queue(load_config(TABULAR), url)
+    try:
+        return run_ledger.RunLedger(queue).unreconciled("score-tabular", 0.0, limit=10)
+    finally:
+        queue.engine.dispose()
 
 
 def _parameters(run_id: str) -> dict[str, Any]:
@@ -139,8 +147,10 @@ def test_secret_blocks_keep_the_password_out_of_the_api_and_the_triggered_reconc
         assert password not in event.model_dump_json()
         assert api_key not in event.model_dump_json()
 
+        assert _unreconciled(url) == [upstream]  # the run ledger's query, on PostgreSQL
         done = reconcile(**run.parameters, return_state=True)  # what the worker would run
         assert done.is_completed(), done.message
+        assert _unreconciled(url) == []
         assert password not in json.dumps(_parameters(run_id_of(done)))
     finally:
         with get_client(sync_client=True) as client:
