@@ -3,6 +3,10 @@
 Saves a Custom Webhook notification block (``batching-alerts``) that POSTs ``{"title",
 "text"}`` JSON to ``URL``, then (re)creates every automation in ``deployments/automations/``
 with that block as the notification target. Running it again replaces them (same names).
+
+The reconcile-failed notification's text is what a person reads: the findings one per line in
+words (the event's ``findings_text``), the scoring run checked, and the reconcile flow run's
+page in the UI (the event's ``flow_run_url``), not the repr of a payload dict.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The bulk flow: enqueue an input dataset, then drain the queue with the bulk profile.
 
 Enqueueing is idempotent on ``item_key``: a rerun (or a task retry) enqueues only keys the
-queue has never seen, and scoring resumes where the last run stopped.
+queue has never seen, and scoring resumes where the last run stopped. Like a score run, a bulk
+run that committed items emits ``batching.run.ended`` when it ends, which triggers its reconcile.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from batching import config
 from batching.compose import build
 from batching.ingress import ingest
 from batching.loop import stats as run_stats
-from flows import logs, settings
+from flows import logs, secrets, settings
 from flows.score import (
     before_scoring,
     flow_run_id,
+    report_run_end,
     require_workers,
     retrying_task,
     score_queue,
@@ -44,7 +46,13 @@ def enqueue_input(cfg: config.PipelineConfig, db_url: str | None, path: str) -> 
     return {"inserted": result.inserted, "duplicates": len(result.duplicates)}
 
 
-@flow(name="batching-bulk")
+@flow(
+    name="batching-bulk",
+    on_completion=[report_run_end],
+    on_failure=[report_run_end],
+    on_crashed=[report_run_end],
+    on_cancellation=[report_run_end],
+)
 def bulk(
     input_path: str,
     config: str = settings.BULK,
@@ -53,6 +61,8 @@ def bulk(
     output: str | None = None,
     max_seconds: float | None = None,
     workers: int = 1,
+    db_url_secret: str | None = None,
+    lineage_api_key_secret: str | None = None,
 ) -> dict[str, Any]:
     """Enqueue ``input_path`` and score the whole queue with the bulk profile.
 
@@ -61,19 +71,22 @@ def bulk(
         config, overrides, db_url, output: as for the score flow.
         max_seconds: stop claiming after this long (checked between micro-batches).
         workers: scorer processes side by side, as for the score flow.
+        db_url_secret, lineage_api_key_secret: Secret block names, as for the score flow.
 
     Returns:
         ``enqueued`` and ``duplicates`` counts, then the run summary.
     """
     with logs.to_prefect(flow_run_id()):
-        cfg = settings.load(config, overrides)
-        with before_scoring(cfg, db_url, output):
+        secrets.refuse_passwords(db_url=db_url, output=output, overrides=overrides)
+        cfg = secrets.with_lineage_api_key(settings.load(config, overrides), lineage_api_key_secret)
+        db = secrets.db_url(db_url, db_url_secret)
+        with before_scoring(cfg, db, output):
             require_workers(workers)
-            found = validate_preconditions(cfg, db_url, output)
-            enqueued = enqueue_input(cfg, db_url, input_path)
+            found = validate_preconditions(cfg, db, output)
+            enqueued = enqueue_input(cfg, db, input_path)
         limits = run_stats.RunLimits(max_seconds=max_seconds)
         expected = found["ready"] + enqueued["inserted"]
-        outcome = score_queue(cfg, db_url, output, limits, expected, workers)
+        outcome = score_queue(cfg, db, output, limits, expected, workers)
         return {
             "enqueued": enqueued["inserted"],
             "duplicates": enqueued["duplicates"],

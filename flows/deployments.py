@@ -9,8 +9,11 @@ two in step.
 * ``batching-score/score-nightly``: at 02:00 UTC the bulk profile for at most 3 h, one at a
   time. A deployment of its own: on ``score``'s, a backlog of online runs in progress at 02:00
   cancelled the night's bulk drain.
-* ``batching-reconcile/reconcile``: hourly over the last 2 h; and whenever a score or bulk run
-  ends Completed, Failed or Crashed, over that run, with that run's config and locations.
+* ``batching-reconcile/reconcile``: hourly over the last 2 h; whenever a score or bulk run that
+  committed items ends (Completed, Failed, Crashed or Cancelled: ``batching.run.ended``), over
+  that run, with its config, locations and Secret block names; and every 15 min, for the
+  online and the bulk config, each run that committed items and that no trigger reached
+  (``unreconciled=True``: a safety net, e.g. for a run killed before its hooks ran).
 * ``batching-bulk/bulk``: on demand, with ``input_path``.
 * ``batching-maintain/maintain``: at 03:00 UTC the online output's housekeeping (a Delta
   table's compaction, checkpoint and vacuum; nothing for the other outputs).
@@ -32,36 +35,29 @@ from flows.maintain import maintain
 from flows.reconcile import reconcile
 from flows.score import score
 
-SCORE_FLOWS = ["batching-score", "batching-bulk"]
-"""Flows whose end starts a reconcile of the run."""
 ONLINE_MAX_S = 240.0
 BULK_MAX_S = 3 * 3600.0
 INTERVAL_S = 300
 RECONCILE_WINDOW_S = 7200.0
+UNRECONCILED_EVERY_S = 900
+"""The safety net: every 15 min, reconcile the runs no ``batching.run.ended`` trigger reached."""
 TAGS = ["batching"]
 
-UPSTREAM = "{{ event.resource.id.split('.')[-1] }}"
-"""Template: the flow-run id in a ``prefect.flow-run.*`` event's resource id."""
 
-
-def _upstream(parameter: str) -> str:
-    return "{{ flow_run.parameters.get('" + parameter + "') }}"
+def _from_event(parameter: str) -> str:
+    return "{{ event.payload." + parameter + " }}"
 
 
 def reconcile_trigger() -> DeploymentEventTrigger:
-    """Start a reconcile of a score or bulk run when it ends, with that run's settings."""
+    """Start a reconcile of a score or bulk run that committed items when it ends (however it
+    ends), with that run's config, locations and Secret block names."""
     return DeploymentEventTrigger(
         name="reconcile-after-scoring",
-        expect={
-            "prefect.flow-run.Completed",
-            "prefect.flow-run.Failed",
-            "prefect.flow-run.Crashed",
-        },
-        match={"prefect.resource.id": "prefect.flow-run.*"},
-        match_related={"prefect.resource.role": "flow", "prefect.resource.name": SCORE_FLOWS},
+        expect={events.RUN_ENDED},
+        match={"prefect.resource.id": events.run_resource("*")},
         parameters={
-            "upstream_flow_run_id": UPSTREAM,
-            **{p: _upstream(p) for p in ("config", "overrides", "db_url", "output")},
+            "upstream_flow_run_id": _from_event("flow_run_id"),
+            **{p: _from_event(p) for p in events.RUN_PARAMETERS},
         },
     )
 
@@ -111,12 +107,20 @@ def nightly_deployment() -> RunnerDeployment:
 
 
 def reconcile_deployment() -> RunnerDeployment:
-    """``batching-reconcile/reconcile``: hourly over a 2 h window, and after every scoring run."""
+    """``batching-reconcile/reconcile``: hourly over a 2 h window; after every scoring run that
+    committed items; and every 15 min, the online and bulk runs no trigger reached."""
     deployment = reconcile.to_deployment(
         name="reconcile",
         parameters={"config": settings.ONLINE},
         schedules=[
             Interval(timedelta(hours=1), parameters={"window_s": RECONCILE_WINDOW_S}),
+            *(
+                Interval(
+                    timedelta(seconds=UNRECONCILED_EVERY_S),
+                    parameters={"config": config, "unreconciled": True},
+                )
+                for config in (settings.ONLINE, settings.BULK)
+            ),
         ],
         triggers=[reconcile_trigger()],
         tags=TAGS,

@@ -7,6 +7,14 @@
 * ``batching.reconcile.failed`` on resource ``batching.output.<queue>``: reconcile found a
   critical fault (still there after a repair, when repairing). The alert automation notifies.
 * ``batching.reconcile.repaired`` on the same resource: reconcile repaired faults.
+* ``batching.run.ended`` on resource ``batching.run.<flow-run id>`` (labels
+  ``batching.config``, ``batching.queue``): a score or bulk run ended (Completed, Failed,
+  Crashed or Cancelled) having committed items, by the run ledger's count (its workers'
+  included). The reconcile deployment's trigger reconciles that run on it. Its payload names
+  the run's config, overrides, locations and Secret blocks, never a password. A run that
+  committed nothing emits none. (A custom event: Prefect's own ``prefect.flow-run.*`` events
+  of a deployment's first scheduled run reach triggers 15 min late, see
+  ``bench/prefect_late_trigger.py``.)
 
 Inside a flow run (its hooks too) the client adds the flow run, flow and deployment as related
 resources.
@@ -17,12 +25,23 @@ from __future__ import annotations
 from typing import Any
 
 from prefect.events import emit_event
+from prefect.utilities.urls import url_for
 
 from batching import config, models
 
 BACKLOG = "batching.queue.backlog"
 RECONCILE_FAILED = "batching.reconcile.failed"
 RECONCILE_REPAIRED = "batching.reconcile.repaired"
+RUN_ENDED = "batching.run.ended"
+RUN_PARAMETERS = (
+    "config",
+    "overrides",
+    "db_url",
+    "db_url_secret",
+    "output",
+    "lineage_api_key_secret",
+)
+"""The run parameters ``batching.run.ended`` carries, for the reconcile it triggers."""
 
 
 def queue_resource(queue: str) -> str:
@@ -33,6 +52,44 @@ def queue_resource(queue: str) -> str:
 def output_resource(queue: str) -> str:
     """Resource id of a queue's outputs: ``batching.output.<queue>``."""
     return f"batching.output.{queue}"
+
+
+def run_resource(flow_run_id: str) -> str:
+    """Resource id of a scoring run: ``batching.run.<flow-run id>``."""
+    return f"batching.run.{flow_run_id}"
+
+
+def flow_run_url(flow_run_id: str) -> str | None:
+    """The flow run's page in the Prefect UI (``PREFECT_UI_URL``, else the API's), if known."""
+    return url_for("flow-run", obj_id=flow_run_id)
+
+
+def emit_run_ended(
+    cfg: config.PipelineConfig,
+    flow_run_id: str,
+    state: str,
+    committed: int,
+    parameters: dict[str, Any],
+) -> None:
+    """Emit ``batching.run.ended`` for a run that committed ``committed`` (> 0) items.
+
+    ``parameters``: the run's, of which :data:`RUN_PARAMETERS` go into the payload; they were
+    checked for passwords when the run started (a run refused for one committed nothing).
+    """
+    resource = {
+        "prefect.resource.id": run_resource(flow_run_id),
+        "prefect.resource.name": f"{cfg.name} run {flow_run_id}",
+        "batching.config": cfg.name,
+        "batching.queue": cfg.queue.name,
+    }
+    payload = {
+        "flow_run_id": flow_run_id,
+        "flow_run_url": flow_run_url(flow_run_id),
+        "state": state,
+        "items_committed": committed,
+        **{p: parameters.get(p) for p in RUN_PARAMETERS},
+    }
+    emit_event(event=RUN_ENDED, resource=resource, payload=payload)
 
 
 def backlog(cfg: config.PipelineConfig, stats: models.QueueStats) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ from prefect import flow, get_run_logger
 
 from batching import config
 from batching.compose import build
-from flows import logs, settings
+from flows import logs, secrets, settings
 from flows.score import flow_run_id, retrying_task
 
 
@@ -47,12 +47,13 @@ def maintain(
     db_url: str | None = None,
     output: str | None = None,
     vacuum_retention_h: float | None = None,
+    db_url_secret: str | None = None,
 ) -> dict[str, object]:
     """Housekeeping of a pipeline's output: compaction, checkpoint, vacuum (Delta tables).
 
     Args:
         config: pipeline YAML; default ``deployments/online.yaml``.
-        overrides, db_url, output: as for the score flow.
+        overrides, db_url, output, db_url_secret: as for the score flow.
         vacuum_retention_h: keep files a version of the last this many hours needs (default:
             the table's own retention, 7 days).
 
@@ -60,8 +61,10 @@ def maintain(
         What each step did; empty when the output needs no housekeeping.
     """
     with logs.to_prefect(flow_run_id()):
+        secrets.refuse_passwords(db_url=db_url, output=output, overrides=overrides)
         cfg = settings.load(config or settings.ONLINE, overrides)
-        done = maintain_outputs(cfg, db_url, output, vacuum_retention_h)
+        db = secrets.db_url(db_url, db_url_secret)
+        done = maintain_outputs(cfg, db, output, vacuum_retention_h)
         get_run_logger().info(
             "maintained the %s output: %s", cfg.output.kind, done or "nothing to do"
         )

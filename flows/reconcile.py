@@ -1,7 +1,9 @@
 """The reconcile flow: prove every acked item has exactly one committed output.
 
-Scope: one upstream scoring run (``upstream_flow_run_id``: the score deployment's trigger
-passes it), else the last ``window_s`` seconds (the hourly schedule), else everything.
+Scope: one upstream scoring run (``upstream_flow_run_id``: the trigger on ``batching.run.ended``
+passes it), else the last ``window_s`` seconds (the hourly schedule), else everything; or, with
+``unreconciled`` (the safety-net schedule), each run that committed items and that no trigger
+reached. Reconciling a run marks it in the run ledger (``batching_runs.reconciled_at``).
 
 1. ``reconcile-outputs`` runs every check of :func:`batching.evidence.reconcile.reconcile` and publishes
    the findings table. With ``repair=True`` it repairs what it found, then checks again (a clean
@@ -21,10 +23,12 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from batching import config
+from batching import config, errors
 from batching.compose import build
 from batching.evidence import reconcile as rc
-from flows import artifacts, events, logs, settings
+from batching.ingress import run_ledger
+from batching.redaction import redact_url
+from flows import artifacts, events, logs, secrets, settings
 from flows import lineage as flow_lineage
 from flows.score import flow_run_id, retrying_task
 
@@ -67,6 +71,7 @@ def reconcile_outputs(
 
 def _payload(cfg: config.PipelineConfig, report: rc.Report, upstream: str | None) -> dict[str, Any]:
     critical = sorted({str(f.kind) for f in report.findings if f.severity is rc.Severity.CRITICAL})
+    run_id = flow_run_id()
     return {
         "config": cfg.name,
         "queue": cfg.queue.name,
@@ -75,7 +80,34 @@ def _payload(cfg: config.PipelineConfig, report: rc.Report, upstream: str | None
         "critical": critical,
         "repairs": len(report.repairs),
         "upstream_flow_run_id": upstream,
+        "findings_text": findings_text(report),
+        "flow_run_id": run_id,
+        "flow_run_url": events.flow_run_url(run_id),
     }
+
+
+MAX_FINDING_LINES = 20
+
+
+def findings_text(report: rc.Report) -> str:
+    """The critical and warning findings of ``report`` in words, one line each, critical first
+    (at most :data:`MAX_FINDING_LINES`): what an alert's reader sees."""
+    order = {rc.Severity.CRITICAL: 0, rc.Severity.WARNING: 1}
+    shown = sorted(
+        (f for f in report.findings if f.severity in order), key=lambda f: order[f.severity]
+    )
+    lines = [
+        f"- {f.severity}: {str(f.kind).replace('_', ' ')} ({f.count} affected): {_one_line(f.message)}"
+        for f in shown[:MAX_FINDING_LINES]
+    ]
+    if len(shown) > MAX_FINDING_LINES:
+        lines.append(f"- and {len(shown) - MAX_FINDING_LINES} more (see the findings artifact)")
+    return "\n".join(lines) or "- none"
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    flat = " ".join(redact_url(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
 def check(
@@ -121,6 +153,39 @@ def judge(
     )
 
 
+def unreconciled_runs(
+    cfg: config.PipelineConfig, db_url: str | None, settled_s: float, limit: int
+) -> list[str]:
+    """Runs of ``cfg`` that committed items, ended over ``settled_s`` ago and were never
+    reconciled (:meth:`batching.ingress.run_ledger.RunLedger.unreconciled`)."""
+    queue = build.open_queue(cfg, settings.db_url(db_url) or cfg.database.url)
+    try:
+        queue.check_schema()
+        return run_ledger.RunLedger(queue).unreconciled(cfg.name, settled_s, limit=limit)
+    finally:
+        queue.engine.dispose()
+
+
+def mark_reconciled(cfg: config.PipelineConfig, db_url: str | None, run_id: str) -> None:
+    """Record in the run ledger that ``run_id`` was reconciled (a failure is only logged: the
+    run is then checked again by the next ``unreconciled`` pass)."""
+    try:
+        queue = build.open_queue(cfg, settings.db_url(db_url) or cfg.database.url)
+        try:
+            run_ledger.RunLedger(queue).mark_reconciled(run_id)
+        finally:
+            queue.engine.dispose()
+    except errors.QueueError:
+        get_run_logger().warning("run %s not marked reconciled", run_id, exc_info=True)
+
+
+UNRECONCILED_SETTLED_S = 900.0
+"""``unreconciled``: a run is taken once it ended (or last beat) this long ago: its own
+trigger has had its chance (Prefect holds some trigger events up to 15 min)."""
+UNRECONCILED_MAX_RUNS = 20
+"""``unreconciled``: runs reconciled per flow run, oldest first; the next run takes the rest."""
+
+
 @flow(name="batching-reconcile")
 def reconcile(
     config: str | None = None,
@@ -130,30 +195,77 @@ def reconcile(
     upstream_flow_run_id: str | None = None,
     window_s: float | None = None,
     repair: bool = False,
+    db_url_secret: str | None = None,
+    lineage_api_key_secret: str | None = None,
+    unreconciled: bool = False,
+    settled_s: float = UNRECONCILED_SETTLED_S,
 ) -> dict[str, Any]:
     """Reconcile a pipeline's queue and outputs; fail on any critical finding.
 
     Args:
         config: pipeline YAML; default ``deployments/online.yaml``.
-        overrides, db_url, output: as for the score flow.
+        overrides, db_url, output, db_url_secret, lineage_api_key_secret: as for the score flow.
         upstream_flow_run_id: only the batches of this scoring run (its flow-run id).
         window_s: else only items and batches of the last ``window_s`` seconds.
         repair: repair what is found, then check again.
+        unreconciled: instead, each run of the config that committed items, ended more than
+            ``settled_s`` ago and was never reconciled (one its trigger did not reach), up to
+            :data:`UNRECONCILED_MAX_RUNS`, oldest first. A run reconciled (by this or by its
+            trigger) is marked in the run ledger and not taken again.
 
     Returns:
-        The report as found (``found``) and, when repairing, the second pass (``after_repair``).
+        The report as found (``found``) and, when repairing, the second pass (``after_repair``);
+        with ``unreconciled``, those of each run under ``runs``.
     """
     run_id = flow_run_id()
     with logs.to_prefect(run_id):
+        secrets.refuse_passwords(db_url=db_url, output=output, overrides=overrides)
         cfg = settings.load(config or settings.ONLINE, overrides)
+        cfg = secrets.with_lineage_api_key(cfg, lineage_api_key_secret)
+        db = secrets.db_url(db_url, db_url_secret)
+        if unreconciled:
+            return reconcile_unreconciled(cfg, db, output, settled_s=settled_s, repair=repair)
         since = time.time() - window_s if window_s and not upstream_flow_run_id else None
-        res = settings.locations(cfg, db_url, output)
+        res = settings.locations(cfg, db, output)
         with flow_lineage.reconcile_run(
             cfg, res, run_id, repair=repair, upstream=upstream_flow_run_id
         ) as run:
             found, final = check(
-                cfg, db_url, output, run_id=upstream_flow_run_id, since=since, repair=repair
+                cfg, db, output, run_id=upstream_flow_run_id, since=since, repair=repair
             )
             run.checked(final)
+            if upstream_flow_run_id:
+                mark_reconciled(cfg, db, upstream_flow_run_id)
             judge(cfg, found, final, upstream_flow_run_id)
         return {"found": found.to_dict()} | ({"after_repair": final.to_dict()} if repair else {})
+
+
+def reconcile_unreconciled(
+    cfg: config.PipelineConfig,
+    db_url: str | None,
+    output: str | None,
+    *,
+    settled_s: float,
+    repair: bool,
+) -> dict[str, Any]:
+    """The ``unreconciled`` pass: reconcile and mark each run no trigger reached; judge each
+    (alert events per run), then fail if any had critical findings."""
+    runs = unreconciled_runs(cfg, db_url, settled_s, UNRECONCILED_MAX_RUNS)
+    get_run_logger().info("%d unreconciled run(s) to check: %s", len(runs), ", ".join(runs))
+    res = settings.locations(cfg, db_url, output)
+    results: dict[str, Any] = {}
+    failed: list[str] = []
+    with flow_lineage.reconcile_run(cfg, res, flow_run_id(), repair=repair):
+        for upstream in runs:
+            found, final = check(cfg, db_url, output, run_id=upstream, since=None, repair=repair)
+            mark_reconciled(cfg, db_url, upstream)
+            results[upstream] = {"found": found.to_dict()} | (
+                {"after_repair": final.to_dict()} if repair else {}
+            )
+            try:
+                judge(cfg, found, final, upstream)
+            except ReconcileFailed as exc:
+                failed.append(f"run {upstream}: {exc}")
+        if failed:
+            raise ReconcileFailed("; ".join(failed))
+    return {"runs": results}

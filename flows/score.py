@@ -14,10 +14,16 @@
    emits ``batching.queue.backlog``: only once the run is Completed, because the event starts
    another run of the ``score`` deployment (one at a time, ``CANCEL_NEW``), which a run still
    holding the deployment's slot would have cancelled.
+
+However the run ends (Completed, Failed, Crashed, Cancelled), :func:`report_run_end` emits
+``batching.run.ended`` if it committed items, which triggers a reconcile of the run.
+Credentials come from Secret blocks named in parameters (:mod:`flows.secrets`); a parameter
+holding a password is refused before anything runs.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
@@ -26,15 +32,17 @@ from prefect import Flow, flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import FlowRun, State, TaskRun
 from prefect.context import TaskRunContext
+from prefect.logging.loggers import flow_run_logger
 from prefect.tasks import Task, exponential_backoff
 
 from batching import config, errors
 from batching.compose import build
 from batching.compose import record as run_record
 from batching.compose import run as app
+from batching.ingress import run_ledger
 from batching.loop import stats as run_stats
-from batching.model.runner import TorchRunner
-from flows import artifacts, events, logs, settings
+from batching.redaction import redact_url
+from flows import artifacts, events, logs, secrets, settings
 from flows import lineage as flow_lineage
 
 P = ParamSpec("P")
@@ -90,15 +98,14 @@ def validate_preconditions(
     try:
         queue.check_schema()
         ready = queue.stats().by_state.get("ready", 0)
-        runner = TorchRunner.load(cfg.model, base_dir=cfg.base_dir)
         build.open_sink(queue, res).preflight()
     finally:
         queue.engine.dispose()
-    report = build.check_config(cfg)
+    report = build.check_config(cfg)  # reads the checkpoint and checks its sha256: no load
     report.raise_for_errors()
     return {
         "ready": ready,
-        "sha256": runner.checksum,
+        "sha256": cfg.model.sha256,
         "worst_case_latency_s": report.worst_case_latency_s,
     }
 
@@ -227,7 +234,57 @@ BACKLOG_KEY = "backlog"
 """Key of the score flow's result: the backlog event payload, or None."""
 
 
-@flow(name="batching-score", on_completion=[emit_backlog])
+def report_run_end(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
+    """State hook of the score and bulk flows (Completed, Failed, Crashed, Cancelled): emit
+    ``batching.run.ended``, which triggers a reconcile of the run, when the run ledger says
+    the run (its workers and earlier attempts included) committed items; nothing when none.
+
+    A run whose ledger cannot be read (its database is down, its parameters are refused)
+    emits nothing and says so: the reconcile deployment's ``unreconciled`` schedule checks
+    every run that committed items and was not reconciled.
+    """
+    log = flow_run_logger(flow_run, flow)
+    params = run_parameters(flow, flow_run)
+    run_id = str(flow_run.id)
+    try:
+        secrets.refuse_passwords(**{p: params.get(p) for p in ("db_url", "output", "overrides")})
+        cfg = settings.load(params["config"], params.get("overrides"))
+        db = secrets.db_url(params.get("db_url"), params.get("db_url_secret"))
+        queue = build.open_queue(cfg, settings.db_url(db) or cfg.database.url)
+        try:
+            committed = run_ledger.RunLedger(queue).committed(run_id)
+        finally:
+            queue.engine.dispose()
+    except errors.BatchingError as exc:
+        log.warning(
+            "no reconcile asked for this run: its ledger could not be read (%s); the "
+            "unreconciled-runs schedule checks it if it committed items",
+            redact_url(str(exc)),
+        )
+        return
+    if committed == 0:
+        log.info("the run committed nothing: no reconcile asked")
+        return
+    events.emit_run_ended(cfg, run_id, state.name or state.type.value, committed, params)
+
+
+def run_parameters(flow: Flow[..., Any], flow_run: FlowRun) -> dict[str, Any]:
+    """The run's parameters, with the flow's defaults for those it was not given."""
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(flow.fn).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    return defaults | dict(flow_run.parameters)
+
+
+@flow(
+    name="batching-score",
+    on_completion=[emit_backlog, report_run_end],
+    on_failure=[report_run_end],
+    on_crashed=[report_run_end],
+    on_cancellation=[report_run_end],
+)
 def score(
     config: str = settings.ONLINE,
     overrides: dict[str, Any] | None = None,
@@ -236,30 +293,38 @@ def score(
     max_seconds: float | None = None,
     max_items: int | None = None,
     workers: int = 1,
+    db_url_secret: str | None = None,
+    lineage_api_key_secret: str | None = None,
 ) -> dict[str, Any]:
     """Score a pipeline's queue: preconditions, then claim, batch, score, commit; report.
 
     Args:
         config: pipeline YAML (relative to the working directory or the repository).
         overrides: settings that win over the file, e.g. ``{"batching": {"max_wait_s": 0.1}}``.
-        db_url: database URL; default ``$BATCHING_DB_URL``, else the config's.
+        db_url: database URL without a password; default ``$BATCHING_DB_URL``, else the
+            config's. A URL with a password is refused (the API would store it): name a
+            Secret block in ``db_url_secret``, or give the worker ``PGPASSWORD`` / ``~/.pgpass``.
         output: output folder (Parquet) or table (SQL); default the config's.
         max_seconds: stop claiming after this long (checked between micro-batches).
         max_items: stop after claiming this many items (shared out between workers).
         workers: scorer processes side by side (``batching score --workers``); each is a
             child lineage job ``<name>.worker-<i>`` of this flow run's.
+        db_url_secret: name of a Prefect Secret block holding the database URL.
+        lineage_api_key_secret: name of a Prefect Secret block holding the lineage API key.
 
     Returns:
         The run summary (items, batches, batch sizes, padding, latency, items/s), and under
         ``backlog`` the backlog event payload (None when the queue is within its thresholds).
     """
     with logs.to_prefect(flow_run_id()):
-        cfg = settings.load(config, overrides)
-        with before_scoring(cfg, db_url, output):
+        secrets.refuse_passwords(db_url=db_url, output=output, overrides=overrides)
+        cfg = secrets.with_lineage_api_key(settings.load(config, overrides), lineage_api_key_secret)
+        db = secrets.db_url(db_url, db_url_secret)
+        with before_scoring(cfg, db, output):
             require_workers(workers)
-            found = validate_preconditions(cfg, db_url, output)
+            found = validate_preconditions(cfg, db, output)
         expected = min(found["ready"], max_items or found["ready"])
         limits = run_stats.RunLimits(max_seconds=max_seconds, max_items=max_items)
-        outcome = score_queue(cfg, db_url, output, limits, expected, workers)
-        backlog = check_backlog(cfg, db_url)
+        outcome = score_queue(cfg, db, output, limits, expected, workers)
+        backlog = check_backlog(cfg, db)
         return outcome.summary | {BACKLOG_KEY: backlog}

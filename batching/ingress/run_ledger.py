@@ -1,5 +1,6 @@
 """The run ledger, ``batching_runs``: one row per scoring or reconcile run (start, heartbeat,
-finish with its summary), and closing runs whose process died without closing them.
+finish with its summary), closing runs whose process died without closing them, and which
+runs that committed rows no reconcile has checked yet (``reconciled_at``, migration 12).
 """
 
 from __future__ import annotations
@@ -176,4 +177,51 @@ class RunLedger:
         with self._queue.begin() as conn:
             conn.execute(
                 sa.update(schema.runs).where(schema.runs.c.run_id == run_id).values(**values)
+            )
+
+    def committed(self, run_id: str) -> int:
+        """Rows the run and its workers committed, from the batch ledger (0 for a run not on
+        record): what decides whether a run's end asks for a reconcile of it."""
+        with self._queue.begin() as conn:
+            return _committed_rows(conn, run_id)
+
+    def unreconciled(self, flow: str, settled_s: float, *, limit: int) -> list[str]:
+        """Runs of ``flow`` (a config name) on this queue that no reconcile has checked, oldest
+        first, at most ``limit``: top-level runs (a run's reconcile covers its workers) that
+        committed rows and ended more than ``settled_s`` ago, or still read ``running`` with no
+        heartbeat for that long (their process died and no later run closed them)."""
+        r = schema.runs.c
+        cutoff = self._queue.clock() - settled_s
+        ended = sa.or_(
+            sa.and_(r.state != "running", r.finished_at < cutoff, r.n_items > 0),
+            sa.and_(r.state == "running", r.heartbeat_at < cutoff),
+        )
+        candidates = (
+            sa.select(r.run_id)
+            .where(
+                r.queue == self._queue.queue,
+                r.flow == flow,
+                r.parent_run_id.is_(None),
+                r.reconciled_at.is_(None),
+                ended,
+            )
+            .order_by(r.started_at, r.run_id)
+        )
+        found: list[str] = []
+        with self._queue.begin() as conn:
+            for run_id in conn.execute(candidates).scalars():
+                if _committed_rows(conn, run_id) > 0:
+                    found.append(run_id)
+                    if len(found) >= limit:
+                        break
+        return found
+
+    def mark_reconciled(self, run_id: str) -> None:
+        """Record that a reconcile checked the run's batches (and so its workers')."""
+        r = schema.runs.c
+        with self._queue.begin() as conn:
+            conn.execute(
+                sa.update(schema.runs)
+                .where(r.run_id == run_id)
+                .values(reconciled_at=self._queue.clock())
             )

@@ -17,10 +17,13 @@ import pytest
 import yaml
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
-from prefect.client.schemas.objects import FlowRun
+from prefect.client.schemas.objects import FlowRun, State
 from prefect.deployments.runner import RunnerDeployment
+from prefect.states import Cancelled, Crashed
 
 from flows import deployments, events, settings
+from flows import score as score_module
+from flows.bulk import bulk
 from flows.score import score
 from tests.conftest import wait_for
 from tests.flows.support import (
@@ -118,6 +121,11 @@ def _triggered_runs(deployment_id: UUID) -> list[FlowRun]:
     return [r for r in _runs_of(deployment_id) if "auto-scheduled" not in r.tags]
 
 
+def _reconciles_of(reconcile_id: UUID, upstream: str) -> list[FlowRun]:
+    runs = _runs_of(reconcile_id)
+    return [r for r in runs if r.parameters.get("upstream_flow_run_id") == upstream]
+
+
 def test_a_finished_score_run_triggers_a_reconcile_of_that_run(
     tmp_path: Path, applied: list[UUID]
 ) -> None:
@@ -125,18 +133,86 @@ def test_a_finished_score_run_triggers_a_reconcile_of_that_run(
     pipeline = make_pipeline(tmp_path, 50)
     upstream = run_id_of(score(**pipeline.params(), return_state=True))
 
-    def triggered() -> list[FlowRun]:
-        runs = _runs_of(reconcile_id)
-        return [r for r in runs if r.parameters.get("upstream_flow_run_id") == upstream]
-
-    (run,) = wait_for(triggered, what="the reconcile run")
+    (run,) = wait_for(lambda: _reconciles_of(reconcile_id, upstream), what="the reconcile run")
     assert run.parameters == {
         "upstream_flow_run_id": upstream,
         "config": pipeline.config,
         "overrides": pipeline.overrides,
         "db_url": None,
+        "db_url_secret": None,
         "output": None,
+        "lineage_api_key_secret": None,
     }
+
+
+def test_a_run_that_fails_after_committing_triggers_a_reconcile_and_one_that_committed_nothing_does_not(
+    tmp_path: Path, applied: list[UUID], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: a run failing its preconditions (nothing committed) triggered a reconcile that
+    failed the same way; now only a run the ledger says committed items asks for one."""
+    reconcile_id = _apply(deployments.reconcile_deployment(), applied)
+    since = time.time()
+    nothing = make_pipeline(tmp_path / "nothing", 10)
+    nothing.overrides["model"] = {"sha256": "0" * 64}
+    refused = score(**nothing.params(), return_state=True)
+    assert refused.is_failed()
+    assert "sha256" in (refused.message or "")
+
+    def backlog_check_fails(*_args: Any) -> None:
+        raise RuntimeError("the backlog check broke after scoring")
+
+    monkeypatch.setattr(score_module, "check_backlog", backlog_check_fails)
+    committed = make_pipeline(tmp_path / "committed", 30)
+    failed = score(**committed.params(), return_state=True)
+    assert failed.is_failed(), failed.message
+    assert committed.by_state()["done"] == 30
+    upstream = run_id_of(failed)
+
+    (run,) = wait_for(lambda: _reconciles_of(reconcile_id, upstream), what="the reconcile run")
+    assert run.parameters["config"] == committed.config
+    # The refused run's hook ran first (the events of one process are sent in order); the
+    # committed run's event is stored, so the refused run's would be too.
+    ended = wait_for(lambda: events_named(events.RUN_ENDED, since), what="run-ended events")
+    assert {e.resource.id for e in ended} == {events.run_resource(upstream)}
+    (event,) = ended
+    assert event.payload["state"] == "Failed"
+    assert event.payload["items_committed"] == 30
+    assert event.resource["batching.config"] == "score-tabular"
+    assert _reconciles_of(reconcile_id, run_id_of(refused)) == []
+
+
+@pytest.mark.parametrize("state", [Cancelled(), Crashed()])
+def test_a_cancelled_or_crashed_run_that_committed_items_asks_for_a_reconcile(
+    tmp_path: Path, state: State[Any]
+) -> None:
+    """Prefect runs these hooks where the run ends (a cancelled run's in the runner): here the
+    hook is called as Prefect calls it, with the run as the API has it."""
+    for flow in (score, bulk):
+        assert score_module.report_run_end in flow.on_cancellation_hooks, flow.name
+        assert score_module.report_run_end in flow.on_crashed_hooks, flow.name
+        assert score_module.report_run_end in flow.on_failure_hooks, flow.name
+        assert score_module.report_run_end in flow.on_completion_hooks, flow.name
+    pipeline = make_pipeline(tmp_path, 20)
+    run_id = run_id_of(score(**pipeline.params(), return_state=True))
+    since = time.time()
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(UUID(run_id))
+    score_module.report_run_end(score, flow_run, state)
+
+    def mine() -> list[Any]:
+        found = events_named(events.RUN_ENDED, since)
+        return [e for e in found if e.payload["state"] == state.name]
+
+    (event,) = wait_for(mine, what="the run-ended event")
+    assert event.resource.id == events.run_resource(run_id)
+    assert event.payload["items_committed"] == 20
+
+
+def test_the_reconcile_trigger_matches_the_event_the_flows_emit() -> None:
+    trigger = deployments.reconcile_trigger()
+    assert trigger.expect == {events.RUN_ENDED}
+    assert trigger.match.get("prefect.resource.id") == [events.run_resource("*")]
+    assert set(trigger.parameters or {}) == {"upstream_flow_run_id", *events.RUN_PARAMETERS}
 
 
 def test_a_backlog_after_a_score_run_emits_an_event_that_triggers_another_run(

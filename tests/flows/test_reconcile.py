@@ -210,3 +210,67 @@ def test_an_upstream_that_is_no_run_id_gives_the_reconcile_run_no_parent(tmp_pat
     for bad in ("not-a-run-id", run_id, None):
         ctx = flow_lineage.reconcile_context(cfg, res, run_id, repair=False, upstream=bad)
         assert (ctx.parent_run_id, ctx.parent_job_name) == (None, None)
+
+
+def _reconciled_at(pipeline: Pipeline) -> dict[str, float | None]:
+    import sqlalchemy as sa
+
+    from batching.store import schema
+
+    engine = sa.create_engine(pipeline.db_url)
+    try:
+        with engine.connect() as conn:
+            r = schema.runs.c
+            rows = conn.execute(sa.select(r.run_id, r.reconciled_at)).all()
+    finally:
+        engine.dispose()
+    return {row.run_id: row.reconciled_at for row in rows}
+
+
+def test_the_safety_net_reconciles_a_run_no_trigger_reached_and_only_once(tmp_path: Path) -> None:
+    """No reconcile deployment here: the score run's event triggers nothing, as when Prefect
+    held the trigger or the run was killed before its hooks ran."""
+    pipeline = make_pipeline(tmp_path, 60)
+    missed = run_id_of(score(**pipeline.params(), return_state=True))
+    nothing = run_id_of(score(**pipeline.params(), return_state=True))  # the queue was empty
+    assert _reconciled_at(pipeline) == {missed: None, nothing: None}
+
+    young = reconcile(**pipeline.params(unreconciled=True), return_state=True)
+    assert young.is_completed(), young.message
+    assert young.result() == {"runs": {}}, "a run that ended under settled_s ago is left alone"
+
+    net = reconcile(**pipeline.params(unreconciled=True, settled_s=0), return_state=True)
+    assert net.is_completed(), net.message
+    (checked,) = net.result()["runs"]
+    assert checked == missed, "the run that committed nothing needs no reconcile"
+    assert net.result()["runs"][missed]["found"]["findings"] == []
+    marks = _reconciled_at(pipeline)
+    assert marks[missed] is not None
+    assert marks[nothing] is None
+
+    again = reconcile(**pipeline.params(unreconciled=True, settled_s=0), return_state=True)
+    assert again.is_completed(), again.message
+    assert again.result() == {"runs": {}}, "a reconciled run is not reconciled again"
+
+
+def test_a_run_reconciled_by_its_trigger_is_left_to_it_by_the_safety_net(tmp_path: Path) -> None:
+    pipeline = make_pipeline(tmp_path, 30)
+    upstream = run_id_of(score(**pipeline.params(), return_state=True))
+    done = reconcile(**pipeline.params(upstream_flow_run_id=upstream), return_state=True)
+    assert done.is_completed(), done.message
+    assert _reconciled_at(pipeline)[upstream] is not None
+    net = reconcile(**pipeline.params(unreconciled=True, settled_s=0), return_state=True)
+    assert net.result() == {"runs": {}}
+
+
+def test_the_safety_net_alerts_on_a_broken_run_and_fails(tmp_path: Path) -> None:
+    pipeline = make_pipeline(tmp_path, 200, batching={"max_batch_size": 25, "claim_size": 50})
+    upstream = run_id_of(score(**pipeline.params(), return_state=True))
+    sorted(pipeline.output.rglob("*.parquet"))[0].unlink()
+    since = time.time()
+    net = reconcile(**pipeline.params(unreconciled=True, settled_s=0), return_state=True)
+    assert net.is_failed()
+    assert f"run {upstream}: critical findings missing_file" in (net.message or "")
+    (event,) = wait_for(lambda: events_named(events.RECONCILE_FAILED, since), what="the alert")
+    assert event.payload["upstream_flow_run_id"] == upstream
+    assert _reconciled_at(pipeline)[upstream] is not None, "checked (and alerted): not again"

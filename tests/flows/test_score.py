@@ -350,3 +350,22 @@ def test_a_retried_score_task_resumes_one_run_and_counts_every_attempt(
     assert out["outputFacets"]["outputStatistics"]["rowCount"] == done
     for event in events:
         olspec.assert_valid_event(event, registry)
+
+
+def test_a_score_run_loads_the_model_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: validate-preconditions loaded it (to check its sha256), then the scoring task
+    loaded it again."""
+    from batching.model.runner import TorchRunner
+
+    real = TorchRunner.load.__func__  # type: ignore[attr-defined]
+    loads: list[str] = []
+
+    def counted(cls: type[TorchRunner], *args: Any, **kwargs: Any) -> TorchRunner:
+        loads.append(cls.__name__)
+        return real(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(TorchRunner, "load", classmethod(counted))
+    run = run_score(make_pipeline(tmp_path, 20))
+    assert run.state.is_completed(), run.state.message
+    assert run.summary["items_committed"] == 20
+    assert loads == ["TorchRunner"]
