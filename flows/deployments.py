@@ -13,7 +13,10 @@ two in step.
   committed items ends (Completed, Failed, Crashed or Cancelled: ``batching.run.ended``), over
   that run, with its config, locations and Secret block names; and every 15 min, for the
   online and the bulk config, each run that committed items and that no trigger reached
-  (``unreconciled=True``: a safety net, e.g. for a run killed before its hooks ran).
+  (``unreconciled=True``: a safety net, e.g. for a run killed before its hooks ran); and at
+  04:30 UTC a full sweep of the online and the bulk output (``full=True``), which walks
+  everything committed and resumes where the last one stopped: a file lost days after its
+  commit is found by it, not by the 2 h window.
 * ``batching-bulk/bulk``: on demand, with ``input_path``.
 * ``batching-maintain/maintain``: at 03:00 UTC the online output's housekeeping (a Delta
   table's compaction, checkpoint and vacuum; nothing for the other outputs).
@@ -39,6 +42,8 @@ ONLINE_MAX_S = 240.0
 BULK_MAX_S = 3 * 3600.0
 INTERVAL_S = 300
 RECONCILE_WINDOW_S = 7200.0
+FULL_SWEEP_CRON = "30 4 * * *"
+"""The daily full sweep: after the nightly drain (02:00) and the housekeeping (03:00)."""
 UNRECONCILED_EVERY_S = 900
 """The safety net: every 15 min, reconcile the runs no ``batching.run.ended`` trigger reached."""
 TAGS = ["batching"]
@@ -108,7 +113,8 @@ def nightly_deployment() -> RunnerDeployment:
 
 def reconcile_deployment() -> RunnerDeployment:
     """``batching-reconcile/reconcile``: hourly over a 2 h window; after every scoring run that
-    committed items; and every 15 min, the online and bulk runs no trigger reached."""
+    committed items; every 15 min, the online and bulk runs no trigger reached; and daily, a
+    full sweep of the online and the bulk output (resumed where the last one stopped)."""
     deployment = reconcile.to_deployment(
         name="reconcile",
         parameters={"config": settings.ONLINE},
@@ -119,6 +125,10 @@ def reconcile_deployment() -> RunnerDeployment:
                     timedelta(seconds=UNRECONCILED_EVERY_S),
                     parameters={"config": config, "unreconciled": True},
                 )
+                for config in (settings.ONLINE, settings.BULK)
+            ),
+            *(
+                Cron(FULL_SWEEP_CRON, timezone="UTC", parameters={"config": config, "full": True})
                 for config in (settings.ONLINE, settings.BULK)
             ),
         ],

@@ -3,7 +3,7 @@
 Scope: one upstream scoring run (``upstream_flow_run_id``: the trigger on ``batching.run.ended``
 passes it), else the last ``window_s`` seconds (the hourly schedule), else everything; or, with
 ``unreconciled`` (the safety-net schedule), each run that committed items and that no trigger
-reached. Reconciling a run marks it in the run ledger (``batching_runs.reconciled_at``).
+reached; or, with ``full`` (the daily schedule), a resumable sweep of everything committed. Reconciling a run marks it in the run ledger (``batching_runs.reconciled_at``).
 
 1. ``reconcile-outputs`` runs every check of :func:`batching.evidence.reconcile.reconcile` and publishes
    the findings table. With ``repair=True`` it repairs what it found, then checks again (a clean
@@ -26,6 +26,7 @@ from prefect import flow, get_run_logger
 from batching import config, errors
 from batching.compose import build
 from batching.evidence import reconcile as rc
+from batching.evidence import sweep as full_sweep
 from batching.ingress import run_ledger
 from batching.redaction import redact_url
 from flows import artifacts, events, logs, secrets, settings
@@ -64,6 +65,47 @@ def reconcile_outputs(
             run_id=run_id,
             now=time.time(),
             repair=repair,
+        )
+    finally:
+        queue.engine.dispose()
+
+
+@retrying_task("sweep-outputs", retries=2, backoff_s=5.0)
+def sweep_outputs(
+    cfg: config.PipelineConfig,
+    db_url: str | None,
+    output: str | None,
+    *,
+    max_seconds: float | None,
+    repair: bool,
+) -> rc.Report:
+    """A full sweep of the output of ``cfg``: every committed batch, item and file, a page at
+    a time, from where the last sweep stopped (:func:`batching.evidence.sweep.sweep`); a retry
+    resumes after the last page recorded.
+
+    Raises:
+        QueueError, SchemaError: the database failed or its schema is not current.
+        SinkError: a file could not be listed or moved.
+    """
+    res = settings.locations(cfg, db_url, output)
+    queue = build.open_queue(cfg, res.db_url)
+    try:
+        queue.check_schema()
+        sink = build.open_sink(queue, res, read_only=not repair)
+        logger = get_run_logger()
+
+        def on_page(p: full_sweep.Progress) -> None:
+            logger.info(
+                "sweep page %d (%s): %d batches, %d items, %d files checked so far",
+                p.pages,
+                p.phase,
+                p.batches,
+                p.items,
+                p.files,
+            )
+
+        return full_sweep.sweep(
+            queue, sink, now=time.time(), max_seconds=max_seconds, repair=repair, on_page=on_page
         )
     finally:
         queue.engine.dispose()
@@ -182,6 +224,9 @@ def mark_reconciled(cfg: config.PipelineConfig, db_url: str | None, run_id: str)
 UNRECONCILED_SETTLED_S = 900.0
 """``unreconciled``: a run is taken once it ended (or last beat) this long ago: its own
 trigger has had its chance (Prefect holds some trigger events up to 15 min)."""
+SWEEP_MAX_S = 3000.0
+"""``full``: a sweep stops after the first page that ends past this many seconds; the next
+full run resumes it (a sweep of a million items took about 20 s; docs/benchmarks.md)."""
 UNRECONCILED_MAX_RUNS = 20
 """``unreconciled``: runs reconciled per flow run, oldest first; the next run takes the rest."""
 
@@ -199,6 +244,8 @@ def reconcile(
     lineage_api_key_secret: str | None = None,
     unreconciled: bool = False,
     settled_s: float = UNRECONCILED_SETTLED_S,
+    full: bool = False,
+    sweep_max_s: float | None = SWEEP_MAX_S,
 ) -> dict[str, Any]:
     """Reconcile a pipeline's queue and outputs; fail on any critical finding.
 
@@ -212,6 +259,10 @@ def reconcile(
             ``settled_s`` ago and was never reconciled (one its trigger did not reach), up to
             :data:`UNRECONCILED_MAX_RUNS`, oldest first. A run reconciled (by this or by its
             trigger) is marked in the run ledger and not taken again.
+        full: instead, a full sweep of everything committed to the output (the daily
+            schedule): bounded in memory, resumable; a sweep that is still going after
+            ``sweep_max_s`` stops after its page and the next full run resumes it. Findings
+            fail the run as any reconcile's do.
 
     Returns:
         The report as found (``found``) and, when repairing, the second pass (``after_repair``);
@@ -225,6 +276,8 @@ def reconcile(
         db = secrets.db_url(db_url, db_url_secret)
         if unreconciled:
             return reconcile_unreconciled(cfg, db, output, settled_s=settled_s, repair=repair)
+        if full:
+            return reconcile_full(cfg, db, output, max_seconds=sweep_max_s, repair=repair)
         since = time.time() - window_s if window_s and not upstream_flow_run_id else None
         res = settings.locations(cfg, db, output)
         with flow_lineage.reconcile_run(
@@ -269,3 +322,28 @@ def reconcile_unreconciled(
         if failed:
             raise ReconcileFailed("; ".join(failed))
     return {"runs": results}
+
+
+def reconcile_full(
+    cfg: config.PipelineConfig,
+    db_url: str | None,
+    output: str | None,
+    *,
+    max_seconds: float | None,
+    repair: bool,
+) -> dict[str, Any]:
+    """The ``full`` pass: sweep the whole output, publish the findings, judge them."""
+    res = settings.locations(cfg, db_url, output)
+    with flow_lineage.reconcile_run(cfg, res, flow_run_id(), repair=repair) as run:
+        report = sweep_outputs(cfg, db_url, output, max_seconds=max_seconds, repair=repair)
+        artifacts.publish_findings(cfg.name, report, "full sweep")
+        progress = report.sweep
+        get_run_logger().info(
+            "full sweep %s: found %s, repaired %d",
+            "finished" if progress is None or progress.get("finished") else "stopped part way",
+            report.counts,
+            len(report.repairs),
+        )
+        run.checked(report)
+        judge(cfg, report, report, None)
+    return {"found": report.to_dict()}

@@ -274,3 +274,18 @@ def test_the_safety_net_alerts_on_a_broken_run_and_fails(tmp_path: Path) -> None
     (event,) = wait_for(lambda: events_named(events.RECONCILE_FAILED, since), what="the alert")
     assert event.payload["upstream_flow_run_id"] == upstream
     assert _reconciled_at(pipeline)[upstream] is not None, "checked (and alerted): not again"
+
+
+def test_the_full_sweep_finds_a_file_lost_outside_every_window_and_fails(tmp_path: Path) -> None:
+    pipeline = make_pipeline(tmp_path, 200, batching={"max_batch_size": 25, "claim_size": 50})
+    assert score(**pipeline.params(), return_state=True).is_completed()
+    clean = reconcile(**pipeline.params(full=True), return_state=True)
+    assert clean.is_completed(), clean.message
+    assert clean.result()["found"]["sweep"]["finished"] is True
+    sorted(pipeline.output.rglob("*.parquet"))[0].unlink()
+    # The hourly window sees nothing (the batches are older than it, as if days had passed).
+    windowed = reconcile(**pipeline.params(window_s=1e-6), return_state=True)
+    assert windowed.is_completed(), windowed.message
+    swept = reconcile(**pipeline.params(full=True), return_state=True)
+    assert swept.is_failed()
+    assert "critical findings missing_file" in (swept.message or "")
