@@ -19,6 +19,8 @@ FAIL with the reason.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -27,7 +29,9 @@ from batching import config, errors
 from batching.compose import build
 from batching.evidence import reconcile as rc
 from batching.evidence import sweep as full_sweep
+from batching.ingress import queue as q
 from batching.ingress import run_ledger
+from batching.outputs import contract as sinks
 from batching.redaction import redact_url
 from flows import artifacts, events, logs, secrets, settings
 from flows import lineage as flow_lineage
@@ -54,18 +58,21 @@ def reconcile_outputs(
         QueueError, SchemaError: the database failed or its schema is not current.
         SinkError: a file could not be listed or moved.
     """
+    with _opened(cfg, db_url, output) as (queue, sink):
+        return rc.reconcile(queue, sink, since=since, run_id=run_id, now=time.time(), repair=repair)
+
+
+@contextmanager
+def _opened(
+    cfg: config.PipelineConfig, db_url: str | None, output: str | None
+) -> Iterator[tuple[q.SqlQueue, sinks.Sink]]:
+    """The queue (schema checked) and its output, opened to be judged (it creates nothing
+    until a repair writes)."""
     res = settings.locations(cfg, db_url, output)
     queue = build.open_queue(cfg, res.db_url)
     try:
         queue.check_schema()
-        return rc.reconcile(
-            queue,
-            build.open_sink(queue, res, read_only=True),
-            since=since,
-            run_id=run_id,
-            now=time.time(),
-            repair=repair,
-        )
+        yield queue, build.open_sink(queue, res, read_only=True)
     finally:
         queue.engine.dispose()
 
@@ -87,11 +94,7 @@ def sweep_outputs(
         QueueError, SchemaError: the database failed or its schema is not current.
         SinkError: a file could not be listed or moved.
     """
-    res = settings.locations(cfg, db_url, output)
-    queue = build.open_queue(cfg, res.db_url)
-    try:
-        queue.check_schema()
-        sink = build.open_sink(queue, res, read_only=not repair)
+    with _opened(cfg, db_url, output) as (queue, sink):
         logger = get_run_logger()
 
         def on_page(p: full_sweep.Progress) -> None:
@@ -107,8 +110,6 @@ def sweep_outputs(
         return full_sweep.sweep(
             queue, sink, now=time.time(), max_seconds=max_seconds, repair=repair, on_page=on_page
         )
-    finally:
-        queue.engine.dispose()
 
 
 def _payload(cfg: config.PipelineConfig, report: rc.Report, upstream: str | None) -> dict[str, Any]:

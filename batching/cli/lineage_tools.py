@@ -106,6 +106,7 @@ def _flush(config: Path, db: str | None, output: str | None, as_json: bool, quie
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 
     from batching.compose import build
+    from batching.compose import evidence as compose_evidence
     from batching.evidence import ol_config, spool
     from batching.store.database import redact
 
@@ -133,7 +134,7 @@ def _flush(config: Path, db: str | None, output: str | None, as_json: bool, quie
     with progress:
         task = progress.add_task("flush", total=before.events)
         done = (
-            build.flush_lineage(
+            compose_evidence.flush_lineage(
                 cfg, res, settings, on_sent=lambda n: progress.update(task, completed=n)
             )
             if before.events

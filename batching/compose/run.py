@@ -22,7 +22,7 @@ from typing import Any
 
 from batching import config as cfg
 from batching import models
-from batching.compose import build
+from batching.compose import build, evidence
 from batching.compose import record as run_record
 from batching.evidence import lineage
 from batching.ingress import queue as q
@@ -120,7 +120,7 @@ def run_score(
     run_id = run_id or lineage.new_run_id()
     emitter = build.make_emitter(config, res, lineage_config)
     # What earlier runs spooled, re-sent beside this one (a worker leaves it to its parent).
-    flush = build.start_lineage_flush(config, res, lineage_config) if parent is None else None
+    flush = evidence.start_lineage_flush(config, res, lineage_config) if parent is None else None
 
     def context(**kw: Any) -> lineage.RunContext:
         return build.scoring_context(
@@ -185,7 +185,9 @@ def run_score(
             committed = before + (done.committed if done else 0)
             summary: Mapping[str, Any] = done.summary() if done else {}
             out = ctx.outputs[0].with_stats(committed)
-            record.fail(exc, [out.with_version(build.output_version(queue, sink, run_id))], summary)
+            record.fail(
+                exc, [out.with_version(evidence.output_version(queue, sink, run_id))], summary
+            )
             raise
         finally:
             gc.unfreeze()
@@ -193,7 +195,7 @@ def run_score(
         # The bytes are this attempt's only: a retry reports the rows alone.
         size = stats.bytes_written if so_far is None else None
         out = ctx.outputs[0].with_stats(before + stats.committed, size)
-        record.complete([out.with_version(build.output_version(queue, sink, run_id))], result)
+        record.complete([out.with_version(evidence.output_version(queue, sink, run_id))], result)
         queue.engine.dispose()
         result["lineage_failures"] = emitter.failures
         if so_far is not None:
@@ -214,7 +216,7 @@ def run_score(
         _stop(flush)
 
 
-def _stop(flush: build.BackgroundFlush | None) -> None:
+def _stop(flush: evidence.BackgroundFlush | None) -> None:
     if flush is not None:
         flush.stop()
 
@@ -256,7 +258,9 @@ def run_score_workers(
     # a run id that is not a UUID: refused here
     ctx = build.scoring_context(config, res, run_id, lineage_config=lineage_config)
     emitter = build.make_emitter(config, res, lineage_config)
-    flush = build.start_lineage_flush(config, res, lineage_config)  # earlier runs' spooled events
+    flush = evidence.start_lineage_flush(
+        config, res, lineage_config
+    )  # earlier runs' spooled events
     try:
         queue = build.open_queue(config, res.db_url)
         queue.check_schema()
@@ -311,7 +315,7 @@ def run_score_workers(
         stats = outcome.stats()
         size = stats.bytes_written if stats and so_far is None else None  # a retry: rows alone
         out_ds = ctx.outputs[0].with_stats(before + summary["items_committed"], size)
-        out_ds = out_ds.with_version(build.output_version(queue, sink, run_id))
+        out_ds = out_ds.with_version(evidence.output_version(queue, sink, run_id))
         for report in (r for r in outcome.reports if r.died):
             run_record.close_dead_worker(emitter, runs, ctx, report)
         error = outcome.error()

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from batching.cli import common, evidence
+from batching.cli import common, evidence, findings_view
 from batching.cli.queue import status_table
 from batching.evidence.findings import Finding, Kind, Repair, Report, Severity
 from batching.models import LaneStats, QueueStats
@@ -129,8 +129,8 @@ def test_reconcile_report_shows_item_keys_as_they_are(key: str) -> None:
         repairs=(Repair("requeue", key, 1),),
     )
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(evidence, "out", con)
-        evidence._print_report(report)
+        mp.setattr(findings_view, "out", con)
+        findings_view.print_report(report)
     printed = buffer.getvalue()
     assert one_line(key) in printed
     assert one_line(f"dead {key}") in printed
