@@ -386,7 +386,7 @@ class OutputConfig(_Model):
 class LineageConfig(_Model):
     """Where OpenLineage events go; an outage never fails a run: its events wait in a spool.
 
-    The spool is in the queue's database (``batching lineage --flush``, or the next run, re-sends).
+    The spool is in the queue's database (``batching lineage flush``, or the next run, re-sends).
 
     OpenLineage's own sources (`OPENLINEAGE_CONFIG`, `openlineage.yml`, `OPENLINEAGE_*`) override
     these settings: see :mod:`batching.evidence.ol_config`.

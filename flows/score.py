@@ -5,8 +5,10 @@
    pinned sha256, the output location is writable, the config passes ``batching check``. When
    one fails nothing is claimed, the lineage run records START and FAIL with the reason, and
    the flow run fails with it.
-2. ``score-queue``: one :func:`batching.compose.run.run_score` call, the retryable unit (a retry resumes
-   from the queue; committed items are never scored twice). Its hard time limit is
+2. ``score-queue``: one :func:`batching.compose.run.run_score_workers` call, the retryable
+   unit (a retry resumes from the queue; committed items are never scored twice): the flow
+   run is the parent lineage run and its scorer (in this process, or ``workers`` processes)
+   a child run whose parent facet names it. Its hard time limit is
    ``max_seconds``, enforced between micro-batches: a Prefect task timeout cannot interrupt a
    forward pass. It keeps a progress artifact current and publishes the run summary table.
 3. ``check-backlog``: whether the queue is still deeper or older than the config's
@@ -118,43 +120,33 @@ def score_queue(
     limits: run_stats.RunLimits,
     expected: int,
     workers: int = 1,
-) -> app.ScoreOutcome | app.WorkersScoreOutcome:
+) -> app.WorkersScoreOutcome:
     """Score the queue within ``limits`` as the flow run's lineage run; publish the summary.
 
     ``expected``: the items the run expects to score, the progress artifact's 100 %.
-    ``workers`` > 1: that many scorer processes, each a child lineage run of the flow run's.
+    The flow run is the parent lineage run (and run-ledger row) of job ``<config name>``; its
+    scorers are child runs ``<config name>.worker-<i>`` whose parent facet names it: one in
+    this process (``workers`` = 1), else that many scorer processes.
     A retry resumes the run: one lineage run and run-ledger row whose counts add up every
     attempt's, and only what is left of ``limits`` (see :class:`batching.compose.record.Attempt`).
     """
-    outcome: app.ScoreOutcome | app.WorkersScoreOutcome
     attempt = this_attempt()
     with artifacts.Progress(cfg.name, expected) as progress:
-        if workers > 1:
-            outcome = app.run_score_workers(
-                cfg,
-                workers,
-                db_url=settings.db_url(db_url),
-                output=output,
-                limits=limits,
-                run_id=flow_run_id(),
-                on_progress=progress.counts,
-                lineage_config=settings.lineage_config(cfg),
-                resend_signals=True,  # a cancel still ends the flow run as Prefect intends
-                attempt=attempt,
-            )
-            if (error := outcome.workers.error()) is not None:
-                raise error
-        else:
-            outcome = app.run_score(
-                cfg,
-                db_url=settings.db_url(db_url),
-                output=output,
-                limits=limits,
-                run_id=flow_run_id(),
-                on_progress=progress,
-                lineage_config=settings.lineage_config(cfg),
-                attempt=attempt,
-            )
+        outcome = app.run_score_workers(
+            cfg,
+            workers,
+            db_url=settings.db_url(db_url),
+            output=output,
+            limits=limits,
+            run_id=flow_run_id(),
+            on_progress=progress.counts,
+            lineage_config=settings.lineage_config(cfg),
+            resend_signals=True,  # a cancel still ends the flow run as Prefect intends
+            attempt=attempt,
+            in_process=workers == 1,
+        )
+        if (error := outcome.workers.error()) is not None:
+            raise error
     artifacts.publish_summary(cfg.name, outcome.run_id, outcome.summary, outcome.output)
     return outcome
 

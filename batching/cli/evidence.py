@@ -31,9 +31,20 @@ if TYPE_CHECKING:
     pass
 
 
+_LINEAGE_ACTIONS = ("flush", "config-check")
+
+
 @app.command()
 @handle_errors
 def lineage(
+    action: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="[flush|config-check]",
+            help="flush: as --flush; config-check: as --config-check; none: show a run.",
+            show_default=False,
+        ),
+    ] = None,
     run: Annotated[
         str | None, typer.Option("--run", help="Run id; default: the latest run.")
     ] = None,
@@ -76,6 +87,14 @@ def lineage(
     """
     from batching.evidence import lineage_log
 
+    if action is not None:
+        if action not in _LINEAGE_ACTIONS:
+            raise errors.InputError(
+                f"lineage {action!r}: not an action; use `batching lineage flush`, "
+                "`batching lineage config-check`, or no action to show a run"
+            )
+        flush = flush or action == "flush"
+        config_check = config_check or action == "config-check"
     if flush or config_check:
         from batching.cli import lineage_tools
 

@@ -1,4 +1,4 @@
-"""``batching lineage --flush | --config-check``: where lineage goes, from which source, and
+"""``batching lineage flush | --config-check``: where lineage goes, from which source, and
 re-sending what waits in the spool to go there (the ``lineage`` command is in
 :mod:`batching.cli.evidence`)."""
 
@@ -165,6 +165,6 @@ def _flush(config: Path, db: str | None, output: str | None, as_json: bool, quie
             err,
             "error",
             f"{left.events} lineage event(s) still undelivered{why}; check the backend, then "
-            f"run `batching lineage --flush -c {config}` again",
+            f"run `batching lineage flush -c {config}` again",
         )
         raise typer.Exit(1)

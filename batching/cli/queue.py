@@ -184,7 +184,7 @@ def _lineage_backlog(engine: Any) -> str:
         return "lineage spool: empty"
     return (
         f"lineage spool: {left.events} event(s) of {left.runs} run(s) waiting for a re-send, "
-        f"oldest {age:.0f}s (`batching lineage --flush -c CONFIG` sends them)"
+        f"oldest {age:.0f}s (`batching lineage flush -c CONFIG` sends them)"
     )
 
 

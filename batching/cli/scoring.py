@@ -290,7 +290,10 @@ def _where(cfg: Any, outcome: Any) -> None:
         out.print(f"lineage: {events_path}")
     if lineage_failures:
         err.print(
-            f"warning: {lineage_failures} lineage event(s) not delivered (scoring not affected)"
+            f"warning: {lineage_failures} lineage event(s) not delivered (scoring not affected);"
+            " those spooled in the queue's database are re-sent by the next run or"
+            " `batching lineage flush -c CONFIG` (`batching status` shows how many wait)",
+            highlight=False,
         )
 
 

@@ -1,6 +1,6 @@
 """Lineage work beside a scoring run: the output's version for the run's last event, and
 re-sending the events earlier runs spooled (:mod:`batching.evidence.spool`), in the
-background of a run or from ``batching lineage --flush``. Neither ever fails or holds a run.
+background of a run or from ``batching lineage flush``. Neither ever fails or holds a run.
 """
 
 from __future__ import annotations

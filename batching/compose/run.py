@@ -28,11 +28,12 @@ from batching.evidence import lineage
 from batching.ingress import queue as q
 from batching.loop import scorer as pipeline
 from batching.loop import stats as run_stats
-from batching.loop.pipes import WorkersProgress
+from batching.loop.pipes import WorkerReport, WorkersProgress
 from batching.loop.workers import (
     WorkersOutcome,
     run_workers,
     share_limits,
+    worker_job_name,
 )
 from batching.outputs import contract as sinks
 from batching.store import sqlite
@@ -235,8 +236,14 @@ def run_score_workers(
     stop: threading.Event | None = None,
     resend_signals: bool = False,
     attempt: run_record.Attempt = run_record.FIRST,
+    in_process: bool = False,
 ) -> WorkersScoreOutcome:
     """Score with ``n`` worker processes as ONE run of the config's job.
+
+    ``in_process`` (``n`` = 1): the one worker is scored in this process, not a spawned one
+    (a Prefect flow run's single scorer: the flow run is the parent run, its scorer the
+    child ``<job>.worker-0`` with a parent facet naming it, as with ``n`` workers); its
+    failure is raised as it is, not reported.
 
     The parent run (``run_id``: the Prefect flow-run id, or a new one) has its run-ledger row
     and records lineage START, then COMPLETE with the rows the workers committed, or FAIL
@@ -254,13 +261,13 @@ def run_score_workers(
     """
     res = build.checked(config, db_url, output)
     share_limits(limits or run_stats.RunLimits(), n)  # bad input: refused before any record
+    if in_process and n != 1:
+        raise ValueError(f"in_process scores one worker, not {n}")
     run_id = run_id or lineage.new_run_id()
     # a run id that is not a UUID: refused here
     ctx = build.scoring_context(config, res, run_id, lineage_config=lineage_config)
     emitter = build.make_emitter(config, res, lineage_config)
-    flush = evidence.start_lineage_flush(
-        config, res, lineage_config
-    )  # earlier runs' spooled events
+    flush = evidence.start_lineage_flush(config, res, lineage_config)  # earlier runs' events
     try:
         queue = build.open_queue(config, res.db_url)
         queue.check_schema()
@@ -287,21 +294,32 @@ def run_score_workers(
     record.open()
     try:
         try:
-            outcome = run_workers(
-                _ScoreOne(),
-                config,
-                n,
-                db_url=db_url,
-                output=output,
-                limits=_left(limits or run_stats.RunLimits(), so_far, queue.clock()),
-                threads=threads,
-                on_progress=progress,
-                stop=stop,
-                parent=(run_id, ctx.job_name),
-                lineage_config=lineage_config,
-                resend_signals=resend_signals,
-                run_ids=[lineage.new_run_id() for _ in range(n)],
-                lock_holder=functools.partial(sqlite.lock_holder, queue.engine),
+            left = _left(limits or run_stats.RunLimits(), so_far, queue.clock())
+            outcome = (
+                _in_process(
+                    config,
+                    db_url=db_url,
+                    output=output,
+                    limits=left,
+                    on_progress=progress,
+                    parent=(run_id, ctx.job_name),
+                    lineage_config=lineage_config,
+                )
+                if in_process
+                else _spawned(
+                    config,
+                    n,
+                    db_url=db_url,
+                    output=output,
+                    limits=left,
+                    threads=threads,
+                    on_progress=progress,
+                    stop=stop,
+                    parent=(run_id, ctx.job_name),
+                    lineage_config=lineage_config,
+                    resend_signals=resend_signals,
+                    engine=queue.engine,
+                )
             )
         except BaseException as exc:
             counted = {"items_committed": counts[0], "items_failed": counts[1]}
@@ -330,6 +348,58 @@ def run_score_workers(
     finally:
         record.stop()
         _stop(flush)
+
+
+def _spawned(
+    config: cfg.PipelineConfig,
+    n: int,
+    *,
+    engine: Any,
+    parent: tuple[str, str],
+    **kwargs: Any,
+) -> WorkersOutcome:
+    """``n`` workers in spawned processes (``workers.run_workers``), each with a run id."""
+    return run_workers(
+        _ScoreOne(),
+        config,
+        n,
+        parent=parent,
+        run_ids=[lineage.new_run_id() for _ in range(n)],
+        lock_holder=functools.partial(sqlite.lock_holder, engine),
+        **kwargs,
+    )
+
+
+def _in_process(
+    config: cfg.PipelineConfig,
+    *,
+    on_progress: WorkersProgress,
+    parent: tuple[str, str],
+    **kwargs: Any,
+) -> WorkersOutcome:
+    """The one worker of ``run_score_workers(in_process=True)``, scored here; reported as a
+    spawned worker's would be (a failure raises)."""
+
+    def progress(stats: run_stats.RunStats) -> None:
+        on_progress(stats.committed, stats.failed, stats.claimed)
+
+    done = run_score(
+        config,
+        run_id=lineage.new_run_id(),
+        parent=parent,
+        job_name=worker_job_name(parent[1], 0),
+        on_progress=progress,
+        **kwargs,
+    )
+    report = WorkerReport(
+        0,
+        run_id=done.run_id,
+        stats=done.stats,
+        output=done.output,
+        events_path=str(done.events_path) if done.events_path else None,
+        lineage_failures=done.lineage_failures,
+    )
+    return WorkersOutcome([report])
 
 
 class _ScoreOne:

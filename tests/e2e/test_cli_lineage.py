@@ -52,7 +52,7 @@ def test_what_a_run_could_not_send_waits_and_flush_sends_it(
     assert "2 lineage event(s) still undelivered (last error: " in line
     assert "503" in line
     marquez.down = False
-    up = batching("lineage", "--flush", "-c", str(config), cwd=tmp_path, env=env)
+    up = batching("lineage", "flush", "-c", str(config), cwd=tmp_path, env=env)  # the same
     assert up.rc == 0, up.err
     assert "sent 2 event(s) to http; 0 left of 0 run(s)" in up.out
     assert [e["eventType"] for e in marquez.events()] == ["START", "COMPLETE"]
@@ -103,3 +103,9 @@ def test_flush_without_a_config_is_bad_input(tmp_path: Path) -> None:
     r = batching("lineage", "--flush", cwd=tmp_path)
     assert r.rc == 2
     assert "--flush needs --config" in one_error_line(r)
+
+
+def test_an_unknown_lineage_action_is_bad_input(tmp_path: Path) -> None:
+    r = batching("lineage", "flsh", cwd=tmp_path)
+    assert r.rc == 2
+    assert "lineage 'flsh': not an action; use `batching lineage flush`" in one_error_line(r)

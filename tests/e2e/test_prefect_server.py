@@ -200,16 +200,20 @@ def test_served_deployments_score_reconcile_alert_and_deploy(stack: Stack, tmp_p
 
 def check_lineage(stack: Stack, score_id: str, reconcile_id: str) -> None:
     events = lineage_log.read_events(stack.events_path)
+    scorer = next(e["run"]["runId"] for e in events if e["job"]["name"].endswith(".worker-0"))
     runs = [(e["run"]["runId"], e["job"]["name"], e["eventType"]) for e in events]
     assert runs == [
         (score_id, "score-online", "START"),
+        (scorer, "score-online.worker-0", "START"),
+        (scorer, "score-online.worker-0", "COMPLETE"),
         (score_id, "score-online", "COMPLETE"),
         (reconcile_id, "score-online-reconcile", "START"),
         (reconcile_id, "score-online-reconcile", "COMPLETE"),
     ]
-    # the triggered reconcile is a child of the score run it checked; that run has no parent
+    # the scorer is a child of its flow run; the triggered reconcile a child of the score run
+    # it checked; the flow run itself has no parent
     parents = [(e["run"]["facets"].get("parent") or {}).get("run", {}).get("runId") for e in events]
-    assert parents == [None, None, score_id, score_id]
+    assert parents == [None, score_id, score_id, None, score_id, score_id]
 
 
 class Webhook:
@@ -250,12 +254,20 @@ def check_alert(stack: Stack) -> None:
             "occurred": datetime.now(UTC).isoformat(),
             "event": "batching.reconcile.failed",
             "resource": {"prefect.resource.id": "batching.output.text"},
-            "payload": {"config": "score-online", "critical": ["missing_file"]},
+            "payload": {
+                "config": "score-online",
+                "queue": "text",
+                "location": "/srv/outputs/text",
+                "critical": ["missing_file"],
+                "findings_text": "- critical: missing file (1 affected): its file is missing",
+                "flow_run_url": "http://prefect.example/runs/flow-run/1",
+            },
         }
         stack.post("/events", [event])
         (body,) = wait_for(lambda: hook.bodies, 30, "the alert webhook")
-        assert body["title"] == "batching: reconcile failed for score-online"
-        assert "missing_file" in body["text"]
+        assert body["title"] == "batching: reconcile found critical faults in score-online"
+        assert "- critical: missing file (1 affected): its file is missing" in body["text"]
+        assert "Reconcile flow run: http://prefect.example/runs/flow-run/1" in body["text"]
     finally:
         hook.close()
 

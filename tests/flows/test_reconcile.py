@@ -221,7 +221,8 @@ def _reconciled_at(pipeline: Pipeline) -> dict[str, float | None]:
     try:
         with engine.connect() as conn:
             r = schema.runs.c
-            rows = conn.execute(sa.select(r.run_id, r.reconciled_at)).all()
+            top = r.parent_run_id.is_(None)  # flow runs; their scorers are children
+            rows = conn.execute(sa.select(r.run_id, r.reconciled_at).where(top)).all()
     finally:
         engine.dispose()
     return {row.run_id: row.reconciled_at for row in rows}

@@ -75,6 +75,21 @@ def test_a_score_run_scores_every_item_once(healthy: Run) -> None:
     assert sorted(keys) == sorted(f"w1-{i}" for i in range(N_ITEMS))
 
 
+def test_a_single_scorer_is_a_child_run_whose_parent_is_the_flow_run(
+    healthy: Run, registry: Registry
+) -> None:
+    """Before: the scorer was the flow run's lineage run itself, with no parent facet."""
+    children = [e for e in healthy.pipeline.lineage() if e["run"]["runId"] != healthy.run_id]
+    assert [e["eventType"] for e in children] == ["START", "COMPLETE"]
+    assert {e["job"]["name"] for e in children} == {"score-tabular.worker-0"}
+    for event in children:
+        olspec.assert_valid_event(event, registry)
+        parent = event["run"]["facets"]["parent"]
+        assert (parent["run"]["runId"], parent["job"]["name"]) == (healthy.run_id, "score-tabular")
+    (out,) = children[-1]["outputs"]
+    assert out["outputFacets"]["outputStatistics"]["rowCount"] == N_ITEMS
+
+
 def test_lineage_start_and_complete_are_valid_and_carry_datasets_and_rows(
     healthy: Run, registry: Registry
 ) -> None:
@@ -297,10 +312,8 @@ def test_a_retried_score_task_resumes_one_run_and_counts_every_attempt(
     from flows import score as score_module
 
     pipeline = make_pipeline(tmp_path, 300, batching={"max_batch_size": 25})
-    real: dict[str, Callable[..., Any]] = {
-        "run_score": app.run_score,
-        "run_score_workers": app.run_score_workers,
-    }
+    # The flow scores through run_score_workers, in process for one worker.
+    real: dict[str, Callable[..., Any]] = {"run_score_workers": app.run_score_workers}
     calls: list[str] = []
 
     def first_fails(name: str) -> Callable[..., Any]:
@@ -314,8 +327,7 @@ def test_a_retried_score_task_resumes_one_run_and_counts_every_attempt(
 
             def then_fail(*counts: Any) -> None:
                 report(*counts)
-                stats = counts[0]  # run_score: RunStats; run_score_workers: committed, ...
-                if (stats if isinstance(stats, int) else stats.committed) >= 50:
+                if counts[0] >= 50:  # committed, failed, claimed
                     raise errors.SinkError("output disk gone")
 
             return real[name](*args, **{**kwargs, "on_progress": then_fail})
