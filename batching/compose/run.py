@@ -294,31 +294,25 @@ def run_score_workers(
     record.open()
     try:
         try:
-            left = _left(limits or run_stats.RunLimits(), so_far, queue.clock())
+            each: dict[str, Any] = {
+                "db_url": db_url,
+                "output": output,
+                "limits": _left(limits or run_stats.RunLimits(), so_far, queue.clock()),
+                "on_progress": progress,
+                "parent": (run_id, ctx.job_name),
+                "lineage_config": lineage_config,
+            }
             outcome = (
-                _in_process(
-                    config,
-                    db_url=db_url,
-                    output=output,
-                    limits=left,
-                    on_progress=progress,
-                    parent=(run_id, ctx.job_name),
-                    lineage_config=lineage_config,
-                )
+                _in_process(config, **each)
                 if in_process
                 else _spawned(
                     config,
                     n,
-                    db_url=db_url,
-                    output=output,
-                    limits=left,
                     threads=threads,
-                    on_progress=progress,
                     stop=stop,
-                    parent=(run_id, ctx.job_name),
-                    lineage_config=lineage_config,
                     resend_signals=resend_signals,
                     engine=queue.engine,
+                    **each,
                 )
             )
         except BaseException as exc:
