@@ -6,6 +6,11 @@ scorer processes as one run); both put the run on record the same way (:class:`r
 run-ledger row, a heartbeat from start to end, and its lineage run, START then COMPLETE or
 FAIL). The adapters come from :mod:`batching.compose.build`; the loop (:mod:`batching.loop.scorer`) is
 given them.
+
+Why it stays one module: a run of N workers is the same life one level up. Its parent puts
+itself on record as :func:`run_score` does and then calls :func:`run_score` for each worker, in
+its own process or (``in_process``, a Prefect flow's single scorer) in this one. Both scales
+share the attempt and limit rules (``_left``), so a retry resumes either one the same way.
 """
 
 from __future__ import annotations
