@@ -158,6 +158,27 @@ class QueueConfig(_Model):
         return self.heartbeat_s if self.heartbeat_s is not None else self.lease_s / 3
 
 
+class BreakerConfig(_Model):
+    """The retry-storm breaker: when batch after batch fails in the model with no single poison
+    item found, the run stops, gives its items back without using an attempt, pauses the queue
+    and fails with ``RetryStorm`` (resume: `batching queue resume QUEUE --reason ...`)."""
+
+    enabled: bool = Field(
+        True,
+        description="off: every failed batch uses its items' attempts, as before the breaker",
+    )
+    max_failed_batches: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description="consecutive batches of two or more items in which every item failed in the forward pass that stop the run; their failures are held (items still leased) until a batch scores",
+    )
+    pause_queue: bool = Field(
+        True,
+        description="on a trip, pause the queue, so every scorer of it stops claiming",
+    )
+
+
 class ModelSpec(_Model):
     """A pinned model: built-in name or factory, checkpoint file and its mandatory sha256."""
 
@@ -495,6 +516,7 @@ class PipelineConfig(_Model):
     )
     database: DatabaseConfig = DatabaseConfig()
     queue: QueueConfig = QueueConfig()
+    breaker: BreakerConfig = BreakerConfig()
     model: ModelSpec
     batching: BatchingPolicy = BatchingPolicy()
     output: OutputConfig = OutputConfig()

@@ -9,6 +9,7 @@ BatchingError
 ├── LeaseLost              a write needed a lease that is no longer held
 ├── CheckpointError        a checkpoint is missing, has the wrong checksum or is unsafe
 ├── ModelError             the model broke its contract (output count, shape)
+├── RetryStorm             batch after batch failed in the model: the run stopped (breaker)
 ├── SinkError              an output could not be written or committed
 └── PolicyError            a config breaks the latency objective or the device budget
 """
@@ -59,6 +60,11 @@ class CheckpointError(BatchingError):
 
 class ModelError(BatchingError):
     """The model broke its contract."""
+
+
+class RetryStorm(BatchingError):
+    """Batch after batch failed in the model with no single poison item found: the run
+    stopped, released its items without using an attempt and paused the queue."""
 
 
 class SinkError(BatchingError):

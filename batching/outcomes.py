@@ -26,6 +26,11 @@ class ScoreResult:
     in and out included); ``n_forward`` counts model calls (more than 1 after splits).
     ``undecodable``: the failed items whose payload this model cannot read (a wrong shape,
     dtype or field): no retry can help them, unlike a failure in the forward pass.
+    ``whole_batch_error``: set (to the first model error) when the forward pass failed for
+    the batch as a whole: two or more items reached the model and every one of them failed
+    in it with an error (bisection found no item that fails beside batch-mates that score;
+    non-finite outputs do not count). The retry-storm breaker (``batching.loop.breaker``)
+    counts such batches.
     """
 
     outputs: Mapping[int, npt.NDArray[np.float32]]
@@ -36,6 +41,7 @@ class ScoreResult:
     batch_error: str | None = None
     n_forward: int = 0
     undecodable: frozenset[int] = frozenset()
+    whole_batch_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,11 @@ A heartbeat thread extends every live lease every ``heartbeat_s``. ``stop()`` (w
 by the CLI) stops claiming, releases items not yet in flight without using an attempt,
 finishes the batches in flight, and returns.
 
+The forward stage feeds each result to the retry-storm breaker (``breaker``): a batch whose
+every item failed in the model is held (still leased) until a batch scores; enough of them in
+a row pause the queue (``pause_queue``) and fail the run with ``RetryStorm``, everything it
+holds released without using an attempt.
+
 Adapters (queue, runner, sink) are passed in; this module imports none of them.
 
 Why it stays one module: the threads share one state (the leases held, the items pending in
@@ -41,6 +46,7 @@ from typing import Generic, TypeVar
 
 from batching import errors, models, ports
 from batching.config import PipelineConfig
+from batching.loop import breaker
 from batching.loop.stages import END, D, Dispatched, End, LeasePart, Scored, by_lease, has_deadline
 from batching.loop.stats import Progress, RunLimits, RunStats
 from batching.policy.batcher import MicroBatcher, ServiceTime
@@ -60,6 +66,8 @@ class Scorer(Generic[D]):
             ``sinks.Outputs`` (a sink, and the run and model version it records).
         service_time: predicted forward seconds for (n_items, length), for deadline releases.
         on_progress: called from the commit thread after every group commit.
+        pause_queue: called with the reason when the retry-storm breaker trips, before the
+            items are released (``controls.pause`` on the queue); None: nothing is paused.
     """
 
     def __init__(
@@ -73,6 +81,7 @@ class Scorer(Generic[D]):
         service_time: ServiceTime | None = None,
         on_progress: Progress | None = None,
         wait_for_work: Callable[[float], object] | None = None,
+        pause_queue: Callable[[str], object] | None = None,
     ) -> None:
         self.config = config
         self.queue = queue
@@ -105,6 +114,9 @@ class Scorer(Generic[D]):
         # Jobs a stage could not hand on after another failed: released at the shutdown.
         self._stranded: list[Dispatched[D] | Scored] = []
         self.stats = RunStats(started_at=clock())
+        self.breaker: breaker.Breaker[Scored] = breaker.Breaker(config.breaker)
+        self.pause_queue = pause_queue
+        self._paused = False  # a claim found the queue paused (``models.Claim.paused``)
 
     def stop(self) -> None:
         """Ask the run to finish: no new claims, in-flight batches commit, the rest is released."""
@@ -241,6 +253,8 @@ class Scorer(Generic[D]):
             isolate=self._isolating,
         )
         self.stats.stage_s["claim"] += time.perf_counter() - started
+        # models.Claim.paused comes with the queue controls (schema v13)
+        self._paused = bool(getattr(claim, "paused", False))
         if claim.isolated:
             self.stats.isolated += len(claim.items)
             self._isolating = bool(claim.items)
@@ -318,15 +332,75 @@ class Scorer(Generic[D]):
 
     def _forward_loop(self) -> None:
         while True:
-            job = self._get(self._to_forward)
+            job = self._get(self._to_forward, on_idle=self._settle_when_idle)
             self._wake.set()  # the forward stage is free: the dispatcher may decode the next
             if isinstance(job, End):
+                self._settle_held()
                 self._put(self._to_commit, END)
                 return
             started = time.perf_counter()
             result = self.runner.forward(job.decoded)
             self.stats.stage_s["forward"] += time.perf_counter() - started
-            self._put(self._to_commit, Scored(job.batch, job.leases, result))
+            self._hand_on(Scored(job.batch, job.leases, result))
+
+    # -- retry-storm breaker (``breaker``) ------------------------------------------------------
+
+    def _hand_on(self, job: Scored) -> None:
+        """Through the breaker to the commit stage: held while a streak is undecided; on a
+        trip, the streak's batches wait with the stranded ones for the shutdown's release."""
+        result = job.result
+        step = self.breaker.observe(
+            job, breaker.verdict(result), len(job.batch), result.whole_batch_error
+        )
+        for ready in step.forward:
+            self._put(self._to_commit, ready)
+        if step.trip is not None:
+            self._trip(step.trip)
+
+    def _trip(self, trip: breaker.Trip[Scored]) -> None:
+        """Pause the queue, leave the streak's batches to be released, fail the run: raising
+        here stops the claims, and the shutdown releases all the run holds (``run``)."""
+        self.stats.breaker_trips += 1
+        queue_name = self.config.queue.name
+        why: str | None = (
+            "no pause was wired in"
+            if self.config.breaker.pause_queue
+            else "breaker.pause_queue is false"
+        )
+        if self.pause_queue is not None:
+            reason = f"retry storm: {len(trip.sizes)} batches in a row failed: {trip.error}"
+            try:
+                self.pause_queue(reason[:500])
+                why = None
+            except Exception as exc:  # still stop: the release must not wait on the pause
+                why = f"pausing it failed: {errors.one_line(exc, 120)}"
+                logger.warning("queue not paused", extra={"action": "pause_failed"}, exc_info=True)
+        with self._lock:
+            self._stranded.extend(trip.jobs)
+        raise errors.RetryStorm(trip.message(queue_name, why))
+
+    def _settle_when_idle(self) -> None:
+        """The forward stage is idle: once the run holds nothing but the held batches and no
+        claim is coming (the queue ran dry or is paused, claims are over, or an isolation
+        round waits for the run to drain), no batch will decide the streak: settle it."""
+        held = self.breaker.held_items
+        if not held or not (self._exhausted or self._isolating or self._claims_over.is_set()):
+            return
+        with self._lock:
+            leased = sum(self._leases.values())
+        if leased <= held:
+            self._settle_held()
+
+    def _settle_held(self) -> None:
+        """End an undecided streak: its failures are applied (an attempt used each, as for a
+        broken streak), or, when the queue was found paused, its items are released."""
+        jobs = self.breaker.settle()
+        if self._paused:
+            for job in jobs:
+                self._release_job(job)
+            return
+        for job in jobs:
+            self._put(self._to_commit, job)
 
     def _commit_loop(self) -> None:
         # Idle for 0.1 s: the sink records what it deferred (the Parquet sink's publish marks),
@@ -534,20 +608,24 @@ class Scorer(Generic[D]):
                 if not isinstance(job, End):
                     jobs.append(job)
         for job in jobs:
-            ids_by_lease: dict[str, list[int]] = {}
-            for item_id, lease_id in job.leases.items():
-                ids_by_lease.setdefault(lease_id, []).append(item_id)
-            for lease_id, ids in ids_by_lease.items():
-                try:
-                    self.stats.released += self.queue.release(lease_id, ids)
-                except errors.QueueError:
-                    logger.warning(
-                        "items not released; they return when the lease expires",
-                        extra={"action": "release_failed", "lease_id": lease_id},
-                        exc_info=True,
-                    )
-                mine = set(ids)
-                self._forget(lease_id, [i for i in job.batch.items if i.id in mine])
+            self._release_job(job)
+
+    def _release_job(self, job: Dispatched[D] | Scored) -> None:
+        """Give back the items of one batch without using an attempt."""
+        ids_by_lease: dict[str, list[int]] = {}
+        for item_id, lease_id in job.leases.items():
+            ids_by_lease.setdefault(lease_id, []).append(item_id)
+        for lease_id, ids in ids_by_lease.items():
+            try:
+                self.stats.released += self.queue.release(lease_id, ids)
+            except errors.QueueError:
+                logger.warning(
+                    "items not released; they return when the lease expires",
+                    extra={"action": "release_failed", "lease_id": lease_id},
+                    exc_info=True,
+                )
+            mine = set(ids)
+            self._forget(lease_id, [i for i in job.batch.items if i.id in mine])
 
     def _settle(self) -> None:
         """After a commit cut off midway: once every lease of the run is committed or given

@@ -64,6 +64,7 @@ _ADDITIVE = (
     "real_tokens",
     "padded_tokens",
     "bytes_written",
+    "breaker_trips",
 )
 
 
@@ -85,6 +86,7 @@ class RunStats:
     real_tokens: int = 0
     padded_tokens: int = 0
     bytes_written: int = 0
+    breaker_trips: int = 0  # retry storms that stopped the run (``batching.loop.breaker``)
     reasons: collections.Counter[str] = field(default_factory=collections.Counter)
     stage_s: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("claim", "decode", "forward", "commit"), 0.0)

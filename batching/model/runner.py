@@ -11,7 +11,9 @@ Failure handling inside ``forward``, per (sub-)batch:
 - the model broke its contract (not one output per input, wrong width): ``ModelError``; every
   item of that batch fails with the message and ``outcomes.ScoreResult.batch_error`` is set.
 - any other exception: bisect, so a poison item fails alone with the error and its batch-mates
-  still get outputs.
+  still get outputs. When every item of a batch of two or more fails so (no single poison:
+  the model, not an item, is broken), ``ScoreResult.whole_batch_error`` says so, for the
+  scoring loop's retry-storm breaker.
 - non-finite outputs fail just those items.
 
 Why it stays one module: it is the only one that imports torch; loading, decoding,
@@ -87,6 +89,8 @@ class _Tally:
     failures: dict[int, str] = field(default_factory=dict)
     batch_error: str | None = None
     n_forward: int = 0
+    model_failed: int = 0  # items failed by a model error (not a non-finite output)
+    first_error: str | None = None
 
 
 class TorchRunner:
@@ -352,6 +356,9 @@ class TorchRunner:
             batch_error=tally.batch_error,
             n_forward=tally.n_forward,
             undecodable=frozenset(decoded.failures),
+            whole_batch_error=tally.first_error
+            if len(decoded.ids) > 1 and tally.model_failed == len(decoded.ids)
+            else None,
         )
 
     def score(self, items: Sequence[models.WorkItem]) -> outcomes.ScoreResult:
@@ -466,6 +473,8 @@ class TorchRunner:
         tally.batch_error = reason
         for item_id in decoded.ids[start:stop]:
             tally.failures[item_id] = reason
+        tally.model_failed += stop - start
+        tally.first_error = tally.first_error or reason
 
     def _item_failed(self, item_id: int, reason: str, tally: _Tally, oom: bool) -> None:
         if oom:
@@ -475,6 +484,8 @@ class TorchRunner:
             extra={"action": "item_failed", "item_id": item_id, "error": reason},
         )
         tally.failures[item_id] = reason
+        tally.model_failed += 1
+        tally.first_error = tally.first_error or reason
 
     def _lower_ceiling(self, decoded: Decoded, start: int, mid: int, stop: int) -> None:
         half = (mid - start) * int(decoded.lengths[start:mid].max())

@@ -383,6 +383,30 @@ def test_poison_item_fails_alone_and_batch_mates_score(probe_ckpt: tuple[Path, s
         [0, 1, 3, 4, 6, 7], 4.0
     )
     assert result.batch_error is None
+    assert result.whole_batch_error is None  # one poison: no sign of a broken model
+
+
+@pytest.mark.parametrize(
+    ("n_rows", "factory", "whole"),
+    [
+        (8, "build_probe", "ValueError: poison marker seen"),  # bisected to every item alone
+        (1, "build_probe", None),  # one item: poison or model, no telling
+        (4, "build_short", "model returned 3 outputs for 4 inputs"),  # a broken contract
+    ],
+)
+def test_a_batch_failing_as_a_whole_is_reported_for_the_breaker(
+    probe_ckpt: tuple[Path, str], n_rows: int, factory: str, whole: str | None
+) -> None:
+    r = probe_runner(factory, probe_ckpt)
+    rows = np.ones((n_rows, 4), dtype=np.float32)
+    if factory == "build_probe":
+        rows[:, 0] = POISON
+    result = r.score(dense_items(rows))
+    assert set(result.failures) == set(range(n_rows))
+    assert (whole is None) == (result.whole_batch_error is None)
+    assert whole is None or whole in str(result.whole_batch_error)
+    if factory == "build_probe":
+        assert result.n_forward == 2 * n_rows - 1  # what a storm costs per batch
 
 
 def test_nan_output_marks_only_that_item(probe_ckpt: tuple[Path, str]) -> None:
