@@ -173,7 +173,7 @@ def rig(
     **breaker_settings: Any,
 ) -> Rig:
     clock = FakeClock()
-    queue = InMemoryQueue("q1", clock=clock, max_attempts=max_attempts, backoff_base_s=0)
+    queue = InMemoryQueue("q1", clock=clock, max_attempts=max_attempts, backoff_base_s=60)
     queue.enqueue(models.EnqueueRecord(k, models.Payload(p)) for k, p in records)
     cfg = config.PipelineConfig(
         model=config.ModelSpec(name="fake", version="v1", sha256="0" * 64),
@@ -312,3 +312,15 @@ def test_a_streak_left_undecided_by_a_paused_queue_is_released() -> None:
         (models.State.READY, 0)
     }
     assert (stats.failed, stats.released) == (0, 8)
+
+
+def test_held_batches_do_not_stall_an_isolation_round() -> None:
+    # A lost worker's suspect waits for the run to drain; held batches are all the run holds
+    # then, and no batch can come to decide their streak: they are settled, the round runs.
+    r = rig([*items("bad", 8, b"bad"), ("suspect", b"{}")])
+    suspect = r.queue._store.keys[("q1", "suspect")]
+    r.queue._store.rows[suspect].isolate_n = 1  # as the reaper marks a lost worker's item
+    stats = r.scorer.run()
+    assert set(r.outputs.rows) == {"suspect"}
+    assert stats.isolated == 1
+    assert set(attempts(r, [f"bad{i}" for i in range(8)]).values()) == {(models.State.READY, 1)}
