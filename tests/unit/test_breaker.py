@@ -283,7 +283,7 @@ def test_without_a_pause_it_still_stops_and_says_the_queue_is_not_paused(pause: 
 
 
 @dataclass(frozen=True)
-class PausedClaim(models.Claim):
+class PausedClaim(models.Claim):  # TODO(lead): models.Claim(..., paused=True) once merged
     paused: bool = True
 
 
