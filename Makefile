@@ -1,5 +1,5 @@
 # The two set-up commands: `make demo` and `make check`. Both create .venv on first use.
-.PHONY: demo check setup setup-dev lint types test test-fast bench chaos-smoke
+.PHONY: demo check setup setup-dev lint types test test-fast bench chaos-smoke drills
 
 VENV := .venv/bin
 
@@ -26,6 +26,12 @@ test-fast: setup-dev
 	$(VENV)/pytest -q -m "not slow"
 
 check: lint types test
+
+# Every fault drill (tests/drills/: credentials revoked, database restart, slow dependencies,
+# full disk, lost output files) on a private PostgreSQL cluster, marked `drill` or not (CI runs
+# the unmarked few); -s prints each drill's figures (drill=NAME items=... lost=... duplicated=...).
+drills: setup-dev
+	$(VENV)/pytest -q -s tests/drills -m "drill or not drill"
 
 bench: setup-dev
 	$(VENV)/python bench/queue_bench.py

@@ -14,6 +14,7 @@ from typing import TypeVar
 import pytest
 
 from batching.testing import FakeClock
+from tests.pgcluster import pg_cluster  # noqa: F401  (a private cluster, one per session)
 
 REPO = Path(__file__).resolve().parents[1]
 PG_ADMIN_URL = os.environ.get(

@@ -202,12 +202,23 @@ def translate_errors(url: str) -> Iterator[None]:
         if e.connection_invalidated:  # the pool drops the connection; a new one may work
             raise errors.Disconnected(f"database {redact(url)} connection lost: {reason}") from e
         if isinstance(e, exc.OperationalError):
-            raise errors.QueueError(
-                f"database {redact(url)} failed: {reason}{_hint(reason)}"
-            ) from e
+            message = f"database {redact(url)} failed: {reason}{_hint(reason)}"
+            if any(text in reason for text in _RESTARTING):  # a verb's retry may get through
+                raise errors.Disconnected(message) from e
+            raise errors.QueueError(message) from e
         raise errors.QueueError(f"database {redact(url)}: {reason}") from e
 
 
+# A server restarting or failing over refuses new connections for a moment (``pg_ctl restart``:
+# refused, then "starting up"): a reconnecting verb tries again (``reconnecting``) rather than
+# failing the run. A refused login or a missing database is not among them: it fails at once.
+_RESTARTING = (
+    "Connection refused",
+    "the database system is starting up",
+    "the database system is shutting down",
+    "the database system is in recovery mode",
+    "server closed the connection unexpectedly",
+)
 _NOT_A_DATABASE = (  # a URL that names something else: what to give instead
     (("file is not a database",), "the path names a file that is not SQLite; check it"),
     (
@@ -220,6 +231,11 @@ _HINTS = (  # what to do about the connection failures users meet first
     (('database "', "does not exist"), "create it (createdb), then `batching init --db URL`"),
     (('role "', "does not exist"), "check the user name in the URL (or create that role)"),
     (("Connection refused",), "is the server running? check the host and port"),
+    (
+        ("is not permitted to log in",),
+        "the role's login was revoked: an administrator restores it (ALTER ROLE NAME LOGIN), "
+        "or use another role; see Credentials in docs/operations.md",
+    ),
     (
         ("password authentication failed",),
         "check the user and the password (the URL's, or libpq's: PGPASSWORD, ~/.pgpass, a "

@@ -5,47 +5,29 @@ them, against a private PostgreSQL cluster that asks for a password (scram-sha-2
 machine's shared server trusts every local connection, so it cannot tell. Without a password
 the command fails with one line naming where to put it, never the password itself.
 
-The cluster is the test's own: ``initdb`` and ``pg_ctl`` on a spare loopback port, started once
-for this module (a few seconds) and stopped after it. It skips only where the PostgreSQL
-server binaries are not installed.
+The cluster is the tests' own (:mod:`tests.pgcluster`): ``initdb`` and ``pg_ctl`` on a spare
+loopback port, started once for the session. It skips only where the PostgreSQL server
+binaries are not installed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.test_cli import Result, one_error_line
 from tests.e2e.test_cli import batching as run_batching
+from tests.pgcluster import PASSWORD, Cluster
 
-PG_BIN = Path(os.environ.get("BATCHING_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
-ADMIN_PASSWORD = "admin-Pw-1"
-PASSWORD = "scorer-Pw 2"  # a space: libpq's files must quote nothing for it
 LIBPQ_ENV = ("PGPASSWORD", "PGPASSFILE", "PGSERVICE", "PGSERVICEFILE", "PGUSER", "PGHOST")
 
 
-@dataclass(frozen=True)
-class Cluster:
-    port: int
-    home: Path  # a HOME without a .pgpass: the tests choose where passwords come from
-
-    @property
-    def url(self) -> str:
-        return f"postgresql+psycopg://scorer@127.0.0.1:{self.port}/scoring"
-
-    def env(self, **values: str) -> dict[str, str]:
-        """What a command's environment sets (``batching`` below drops the caller's libpq
-        variables): a HOME without a password file, then ``values``."""
-        return {"HOME": str(self.home)} | values
+@pytest.fixture
+def cluster(pg_cluster: Cluster) -> Cluster:
+    return pg_cluster
 
 
 def batching(*args: str, cwd: Path, env: dict[str, str]) -> Result:
@@ -56,69 +38,6 @@ def batching(*args: str, cwd: Path, env: dict[str, str]) -> Result:
         return run_batching(*args, cwd=cwd, env=env)
     finally:
         os.environ.update(saved)
-
-
-def _spare_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _as_owner(args: list[str], owner: str | None) -> list[str]:
-    """``args`` run as ``owner`` (the server refuses to run as root)."""
-    return ["runuser", "-u", owner, "--", *args] if owner else args
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    if not (PG_BIN / "initdb").is_file():
-        pytest.skip(f"no PostgreSQL server binaries in {PG_BIN} (set BATCHING_TEST_PG_BIN)")
-    owner = "postgres" if os.geteuid() == 0 else None
-    # Not under pytest's temporary folder: the server's user must reach it (pytest's is 0700).
-    root = Path(tempfile.mkdtemp(prefix="batching-pgcluster-"))
-    try:
-        yield from _run_cluster(root, owner)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _run(args: list[str], owner: str | None) -> None:
-    done = subprocess.run(_as_owner(args, owner), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"{args[0]} failed: {done.stdout}{done.stderr}"
-
-
-def _run_cluster(root: Path, owner: str | None) -> Iterator[Cluster]:
-    data, sockets, pwfile = root / "data", root / "sockets", root / "pw"
-    sockets.mkdir()
-    pwfile.write_text(ADMIN_PASSWORD + "\n")
-    if owner:
-        shutil.chown(root, owner)
-        shutil.chown(sockets, owner)
-        shutil.chown(pwfile, owner)
-    initdb = [str(PG_BIN / "initdb"), "-D", str(data), "-U", "postgres", "--no-sync"]
-    initdb += ["--auth=scram-sha-256", f"--pwfile={pwfile}", "--no-instructions"]
-    _run(initdb, owner)
-    port = _spare_port()
-    options = f"-p {port} -k {sockets} -c listen_addresses=127.0.0.1 -c fsync=off"
-    pg_ctl = [str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w"]
-    _run([*pg_ctl, "-o", options, "start"], owner)
-    try:
-        import psycopg
-
-        admin = f"host=127.0.0.1 port={port} user=postgres dbname=postgres"
-        with psycopg.connect(admin, password=ADMIN_PASSWORD, autocommit=True) as conn:
-            conn.execute(f"CREATE ROLE scorer LOGIN PASSWORD '{PASSWORD}'")
-            conn.execute("CREATE DATABASE scoring OWNER scorer")
-        home = root / "home"
-        home.mkdir()
-        yield Cluster(port, home)
-    finally:
-        subprocess.run(
-            _as_owner([*pg_ctl, "-m", "immediate", "stop"], owner),
-            capture_output=True,
-            timeout=120,
-            check=False,
-        )
 
 
 def init_and_status(url: str, cwd: Path, env: dict[str, str]) -> tuple[Result, Result]:

@@ -1,6 +1,7 @@
 """A scorer whose PostgreSQL connections are terminated under it (``pg_terminate_backend``,
 as a failover or an administrator does) reconnects with backoff and finishes the run; its
-leases stay fenced, so nothing is committed twice."""
+leases stay fenced, so nothing is committed twice. On the private cluster
+(:mod:`tests.pgcluster`), where terminating every backend of a database disturbs no other test."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import psycopg
 import pytest
 
 from batching import config as cfg
@@ -24,17 +24,18 @@ from tests.integration.test_pipeline import (
     wait_for_done,
     write_config,
 )
+from tests.pgcluster import Cluster
 
 N = 3000
-TERMINATE = (
-    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-)
 
 
 @pytest.mark.slow
 @pytest.mark.postgres
-def test_a_scorer_reconnects_after_its_backends_are_terminated(pg_url: str, tmp_path: Path) -> None:
+def test_a_scorer_reconnects_after_its_backends_are_terminated(
+    pg_cluster: Cluster, tmp_path: Path
+) -> None:
+    database = pg_cluster.database()
+    pg_url = pg_cluster.url_for(database)
     path = write_config("tabular.yaml", tmp_path, batching=SLOW, queue={"lease_s": 10})
     enqueue(pg_url, cfg.load_config(path), w1_records(N, tmp_path))
     proc = subprocess.Popen(
@@ -45,11 +46,10 @@ def test_a_scorer_reconnects_after_its_backends_are_terminated(pg_url: str, tmp_
         text=True,
     )
     terminated = 0
-    with psycopg.connect(pg_url.replace("+psycopg", ""), autocommit=True) as admin:
-        for at_least in range(300, 2700, 300):
-            wait_for_done(pg_url, at_least, proc)
-            terminated += admin.execute(TERMINATE).fetchone()[0]  # type: ignore[index]
-            time.sleep(0.05)
+    for at_least in range(300, 2700, 300):
+        wait_for_done(pg_url, at_least, proc)
+        terminated += pg_cluster.terminate(database=database)
+        time.sleep(0.05)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert terminated >= 8, "no connection was terminated: nothing tested"

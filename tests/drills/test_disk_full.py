@@ -1,0 +1,81 @@
+"""Drill: the output volume fills up mid-run (a small tmpfs, as a full disk on the host).
+
+The run stops with exit 1 and one error line naming the errno (28, "No space left on device");
+the batch it could not write is given back, no item is charged an attempt or left leased; once
+the volume has room again the next run commits everything exactly once. Needs root (``mount``);
+elsewhere it skips and says why.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.drills.conftest import Drill, assert_nothing_lost, report
+from tests.integration.test_pipeline import items
+
+N = 400
+BATCHES = {"max_batch_size": 16, "claim_size": 64, "max_wait_s": 0.01}
+
+
+@pytest.fixture
+def small_volume(tmp_path: Path) -> Iterator[Path]:
+    """A 32 KiB tmpfs: a few Parquet files of 16 rows fill it."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(volume)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield volume
+    subprocess.run(["umount", "-l", str(volume)], check=False)
+
+
+@pytest.mark.drill
+def test_disk_full_fails_the_run_naming_errno_28_and_loses_nothing(
+    drill: Drill, small_volume: Path
+) -> None:
+    out = small_volume / "out"
+    drill.queue(N, batching=BATCHES, output={"max_rows_per_commit": 16})
+    assert drill.config_path is not None
+    text = drill.config_path.read_text().replace(str(drill.outputs), str(out))
+    drill.config_path.write_text(text)
+
+    failed = drill.score("--json")
+    assert failed.rc == 1, failed.out + failed.err
+    error = json.loads(failed.out)["error"]
+    assert error["exit_code"] == 1
+    assert "\n" not in error["message"]
+    assert "No space left on device" in error["message"], error
+    assert "Errno 28" in error["message"] or "errno 28" in error["message"].lower(), error
+    assert failed.err.strip().splitlines()[-1].startswith("error: ")
+    assert "ERROR batching.loop.scorer: scoring stage failed" in failed.err, failed.err
+
+    states = drill.states()
+    assert states["DEAD"] == 0
+    assert states["LEASED"] == 0, "the batch that could not be written stayed leased"
+    assert states["READY"] > 0, "the volume took everything: nothing tested"
+    assert max(r.attempts for r in items(drill.admin_url).values()) <= 1, "an item was charged"
+
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_volume)], check=True)
+    again = drill.score()
+    assert again.rc == 0, again.err
+    verdict = assert_nothing_lost(drill, N, root=out)
+    report(
+        "disk_full",
+        items=verdict.items,
+        lost=verdict.lost,
+        duplicated=verdict.duplicated,
+        done_before=states["DONE"],
+        exit_failed=failed.rc,
+        fail_s=f"{failed.duration_s:.1f}",
+        exit_again=again.rc,
+        rerun_s=f"{again.duration_s:.1f}",
+    )
