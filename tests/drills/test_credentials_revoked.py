@@ -16,9 +16,6 @@ from tests.integration.test_pipeline import wait_for_done
 
 N = 2000
 LEASE_S = 3.0
-# How long a run may take to give up once its role cannot log in: its reconnect backoff
-# (database.reconnecting, 6.3 s in all) and a batch in flight, never the lease or a timeout.
-FAIL_FAST_S = 20.0
 
 
 def test_credentials_revoked_mid_run_fail_fast_and_lose_nothing(drill: Drill) -> None:
@@ -36,7 +33,10 @@ def test_credentials_revoked_mid_run_fail_fast_and_lose_nothing(drill: Drill) ->
     # The signal: a non-zero exit, one error naming the credential problem, the reconnects
     # logged with their verb.
     assert failed.rc == 1, failed.out + failed.err
-    assert took_s < FAIL_FAST_S, f"the run took {took_s:.1f} s to give up"
+    # Fast: a refused login is not a lost connection, so no verb goes on retrying it with
+    # backoff (database.reconnecting): a query cut by the terminate reconnects once at most,
+    # and the run gives up at the first refusal.
+    assert failed.err.count("reconnecting in") <= 1, failed.err
     error = json.loads(failed.out)["error"]
     assert error["exit_code"] == 1
     message = error["message"]
