@@ -19,11 +19,14 @@ lint: setup-dev
 types: setup-dev
 	$(VENV)/mypy
 
+# Two test processes by default (the suite waits on subprocesses and databases more than it
+# computes); PYTEST_WORKERS=0 runs it in one.
+PYTEST_WORKERS ?= 2
 test: setup-dev
-	$(VENV)/pytest -q --timeout=600
+	$(VENV)/pytest -q --timeout=600 -n $(PYTEST_WORKERS) --dist loadfile
 
 test-fast: setup-dev
-	$(VENV)/pytest -q -m "not slow"
+	$(VENV)/pytest -q -m "not slow and not drill"
 
 check: lint types test
 

@@ -27,6 +27,10 @@ T = TypeVar("T")
 # Marquez set-up has) would send their events to Marquez, and the CLI and flows read it.
 for _name in [k for k in os.environ if k.upper().startswith("OPENLINEAGE")]:
     del os.environ[_name]
+# pytest-xdist's workers export COLUMNS=80 and LINES=24: the CLI would lay piped tables out in
+# 80 columns there and in 240 in a plain run. Tests see what a pipe sees.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
 
 
 class KeptRecords(logging.Handler):
