@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -280,6 +281,51 @@ def test_a_cap_of_zero_closes_intake_and_pause_leaves_enqueue_open(queue: q.SqlQ
         t = schema.items
         assert conn.execute(sa.select(t.c.enqueue_run)).scalar_one() == "r"
     assert controls.states(queue.engine)["ctl"].paused
+
+
+@pytest.mark.postgres
+def test_capped_enqueues_on_postgresql_take_turns_and_count_each_other(pg_url: str) -> None:
+    """Two enqueues of 5 on a queue capped at 6: the second waits for the first (an advisory
+    lock), then counts its 5 and is refused. Without the turn both would count 0 and pass."""
+    engine = database.create_engine(pg_url)
+    first, second = q.SqlQueue(engine, "ctl"), q.SqlQueue(engine, "ctl")
+    controls.set_max_depth(engine, "ctl", 6, actor="a", reason=None, now=1.0)
+    holding, go = threading.Event(), threading.Event()
+
+    def slow_records() -> Iterator[models.EnqueueRecord]:
+        yield from (rec(f"a{i}") for i in range(5))
+        holding.set()  # inside the first enqueue's transaction, its turn taken
+        go.wait(30)
+
+    outcome: dict[str, Any] = {}
+
+    def enqueue(name: str, queue: q.SqlQueue, records: Any) -> None:
+        try:
+            outcome[name] = queue.enqueue(records).inserted
+        except errors.QueueFull as exc:
+            outcome[name] = exc
+
+    threads = [threading.Thread(target=enqueue, args=("first", first, slow_records()))]
+    threads[0].start()
+    assert holding.wait(30)
+    threads.append(
+        threading.Thread(target=enqueue, args=("second", second, [rec(f"b{i}") for i in range(5)]))
+    )
+    threads[1].start()
+    waiting = sa.text(  # the cap's turn (7271102, queue) in this database, waited for
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        " AND classid = 7271102 AND database ="
+        " (SELECT oid FROM pg_database WHERE datname = current_database())"
+    )
+    with engine.connect() as conn:
+        wait_for(lambda: conn.execute(waiting).scalar_one(), what="the second enqueue to wait")
+    go.set()
+    for thread in threads:
+        thread.join(30)
+    engine.dispose()
+    assert outcome["first"] == 5
+    assert isinstance(outcome["second"], errors.QueueFull)
+    assert "(5 items ready or leased + at least 5 new > cap 6)" in str(outcome["second"])
 
 
 # ----------------------------------------------------------------------------- migration 13
