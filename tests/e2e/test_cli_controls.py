@@ -8,7 +8,7 @@ import getpass
 from pathlib import Path
 
 from batching.model import workloads
-from tests.e2e.test_cli import DB, batching
+from tests.e2e.test_cli import DB, batching, write_config
 from tests.e2e.test_cli_json import assert_error_doc, document
 
 
@@ -41,6 +41,12 @@ def test_pause_cap_cancel_resume_and_their_audit(tmp_path: Path) -> None:
         "reason": "bad model",
         "max_depth": None,
     }
+
+    config = write_config(tmp_path, queue={"name": "tab"})
+    idle = batching("score", "-c", str(config), "--json", cwd=tmp_path)  # until empty: ends
+    assert idle.rc == 0, idle.err
+    assert document(idle)["summary"]["items_committed"] == 0
+    assert "note: queue 'tab' is paused (by alice: bad model)" in idle.err
 
     capped = queue("cap", "tab", "--max-depth", "6", "--reason", "backlog", cwd=tmp_path)
     assert (capped["depth"], capped["control"]["max_depth"]) == (6, 6)  # type: ignore[index]
