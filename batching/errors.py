@@ -5,7 +5,8 @@ BatchingError
 ├── InputError             bad input record or file (enqueue)
 ├── SchemaError            database schema missing, too old or too new
 ├── QueueError             the queue database failed (connection, statement)
-│   └── Disconnected       its connection was lost; a new one may succeed
+│   ├── Disconnected       its connection was lost; a new one may succeed
+│   └── QueueFull          an enqueue would pass the queue's depth cap (backpressure)
 ├── LeaseLost              a write needed a lease that is no longer held
 ├── CheckpointError        a checkpoint is missing, has the wrong checksum or is unsafe
 ├── ModelError             the model broke its contract (output count, shape)
@@ -50,6 +51,10 @@ class Disconnected(QueueError):
     disconnect = True
 
 
+class QueueFull(QueueError):
+    """The queue is at its depth cap; retry later or raise the cap (`batching queue cap`)."""
+
+
 class LeaseLost(BatchingError):
     """The lease is no longer held; the batch's results are discarded."""
 
@@ -82,6 +87,7 @@ USAGE_ERRORS: tuple[type[BatchingError], ...] = (
     CheckpointError,
     PolicyError,
     SchemaError,  # a database not (yet) at this version: like a missing file, run init
+    QueueFull,  # refused, not failed: nothing was enqueued; retry later or raise the cap
 )
 
 

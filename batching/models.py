@@ -22,6 +22,7 @@ class State(enum.IntEnum):
     DONE = 2
     DEAD = 3
     EXPIRED = 4
+    CANCELLED = 5  # by an operator, unscored (``batching queue cancel``): final, not dead
 
 
 class BatchState(enum.StrEnum):
@@ -284,6 +285,7 @@ class Claim:
     """An isolation round: suspects only, to be scored with nothing else in flight."""
     suspects: bool = False
     """Suspects (items of a lost worker) wait for an isolation round in this queue."""
+    paused: bool = False  # the queue is paused (``batching queue pause``): no items
 
     def __len__(self) -> int:
         return len(self.items)
@@ -338,6 +340,7 @@ class LaneStats:
     done: int = 0
     dead: int = 0
     expired: int = 0
+    cancelled: int = 0
     expired_leases: int = 0
     oldest_ready_age_s: float | None = None
     backoff: int = 0  # ready items not due yet: waiting out a retry's backoff

@@ -87,6 +87,7 @@ class _Store:
     archive: list[ItemRow] = field(default_factory=list)
     lock: threading.RLock = field(default_factory=threading.RLock)
     next_id: int = 1
+    paused: set[str] = field(default_factory=set)  # queues paused (``pause``)
 
 
 def _backoff_s(attempts: int, base_s: float, max_s: float, rng: random.Random) -> float:
@@ -139,15 +140,29 @@ class InMemoryQueue:
         with self._store.lock:
             return replace(self._store.rows[self._store.keys[(self.queue, item_key)]])
 
+    def pause(self) -> None:
+        """Pause this queue (``batching.ingress.controls.pause``, without the audit): claims
+        take nothing and say ``paused`` until :meth:`resume`."""
+        with self._store.lock:
+            self._store.paused.add(self.queue)
+
+    def resume(self) -> None:
+        """Let claims take this queue's items again."""
+        with self._store.lock:
+            self._store.paused.discard(self.queue)
+
     # -- ingress -----------------------------------------------------------------------------
 
     def enqueue(
         self,
         records: Iterable[models.EnqueueRecord],
         on_progress: Callable[[int], None] | None = None,
+        *,
+        enqueue_run: str | None = None,
     ) -> models.EnqueueResult:
         """Add records, idempotent on ``(queue, item_key)``; a key already there (or repeated
-        in ``records``) is reported in ``duplicates`` and not added again."""
+        in ``records``) is reported in ``duplicates`` and not added again. ``enqueue_run`` is
+        taken, as ``SqlQueue.enqueue`` takes it, and not kept."""
         now = self.clock()
         inserted, dupes, seen = 0, [], set()
         with self._store.lock:
@@ -204,6 +219,8 @@ class InMemoryQueue:
         now = self.clock()
         lease_id = str(uuid.uuid4())
         with self._store.lock:
+            if self.queue in self._store.paused:
+                return models.Claim(lease_id, (), now + lease_s, paused=True)
             self._expire_overdue(now)
             self._reap(now, this_queue=True)
             ready = [
@@ -377,13 +394,15 @@ class InMemoryQueue:
         return n
 
     def purge(self, older_than_s: float, *, archive: bool = False) -> int:
-        """Remove (or move to :attr:`archived`) done items finished before now - age."""
+        """Remove (or move to :attr:`archived`) done and cancelled items finished before now
+        - age."""
         cutoff = self.clock() - older_than_s
         with self._store.lock:
             old = [
                 r
                 for r in self._mine()
-                if r.state is models.State.DONE and (r.finished_at or 0.0) < cutoff
+                if r.state in (models.State.DONE, models.State.CANCELLED)
+                and (r.finished_at or 0.0) < cutoff
             ]
             for row in old:
                 del self._store.rows[row.item.id]
@@ -418,6 +437,7 @@ def _lane_stats(key: tuple[str, str, str], rows: list[ItemRow], now: float) -> m
         done=count[models.State.DONE],
         dead=count[models.State.DEAD],
         expired=count[models.State.EXPIRED],
+        cancelled=count[models.State.CANCELLED],
         expired_leases=expired,
         oldest_ready_age_s=None if oldest is None else now - oldest,
         backoff=sum(1 for r in ready if r.run_after > now),

@@ -1,4 +1,5 @@
-"""``batching init | enqueue | status | redrive | purge``: the queue commands of the CLI."""
+"""``batching init | enqueue | status | redrive | purge``: the queue commands of the CLI (the
+controls, ``batching queue ...``, are in :mod:`batching.cli.controls`)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ if TYPE_CHECKING:
 from batching.cli.common import (
     DEFAULT_DB,
     DbOption,
+    JsonOption,
     QueueOption,
     QuietOption,
     app,
+    emit_json,
     err,
     handle_errors,
     load,
@@ -76,12 +79,17 @@ def enqueue(
         ),
     ] = None,
     quiet: QuietOption = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Enqueue every record of FILE in one transaction (all or nothing), idempotent on item_key.
 
     Each record: item_key, payload, and optionally tenant, priority, deadline, cost, lane. The
     file is streamed into the transaction; a record that fails its checks (or is past the
-    model's item limits) rolls it back, naming FILE:LINE.
+    model's item limits) rolls it back, naming FILE:LINE. A queue at its depth cap (`batching
+    queue cap`) refuses the whole file (exit 2). The new items carry this command's enqueue
+    run id, printed at the end (`batching queue cancel --enqueue-run ID` takes them back).
+
+    --json: ok, queue, enqueue_run, inserted, duplicates (the keys already present).
     """
     from rich.progress import TextColumn, TimeElapsedColumn
 
@@ -97,25 +105,42 @@ def enqueue(
         quiet=quiet,
     )
     seen = _Seen(time.time())
+    run = enqueue_run_id(seen.now)
     try:
         with progress:
             task = progress.add_task(
                 f"reading {shown(file.name)}, enqueueing (one transaction)", total=None
             )
             records = seen.count(ingest.iter_records(file, limits))
-            result = q.enqueue(records, lambda n: progress.update(task, completed=n))
+            result = q.enqueue(
+                records, lambda n: progress.update(task, completed=n), enqueue_run=run
+            )
     except KeyboardInterrupt:
         err.print(f"interrupted: nothing of {file} was enqueued (one transaction)")
         raise typer.Exit(130) from None
+    if as_json:
+        _warn(file, seen)
+        doc = {"ok": True, "queue": queue, "enqueue_run": run, "inserted": result.inserted}
+        emit_json(doc | {"duplicates": list(result.duplicates)})
+        return
     out.print(
         f"{file}: committed {result.inserted} new item(s) to queue {queue!r}; "
-        f"{len(result.duplicates)} already present (not enqueued again)"
+        f"{len(result.duplicates)} already present (not enqueued again); enqueue run {run}"
     )
     _warn(file, seen)
     if result.duplicates:
         listed = ", ".join(result.duplicates[:5])
         more = f" and {len(result.duplicates) - 5} more" if len(result.duplicates) > 5 else ""
         out.print(f"duplicates: {listed}{more}")
+
+
+def enqueue_run_id(now: float) -> str:
+    """An id for one enqueue command, stamped on the items it inserts: sortable by time and
+    unique (``enq-20261202T015057Z-3fa2c1d0``)."""
+    import uuid
+
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    return f"enq-{stamp}-{uuid.uuid4().hex[:8]}"
 
 
 class _Seen:
@@ -153,8 +178,15 @@ def status(
     all_queues: Annotated[bool, typer.Option("--all", help="Every queue in the table.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """Queue depth by state, oldest ready age, expired leases, per queue, lane and tenant."""
+    """Queue depth by state, oldest ready age, expired leases, per queue, lane and tenant; a
+    pause (who, since when, why) and a depth cap.
+
+    --json: by_state, oldest_ready_age_s, expired_leases, groups, backoff, and controls (by
+    queue: paused, paused_at, paused_by, reason, max_depth)."""
     from dataclasses import asdict
+
+    from batching.cli.controls import control_lines
+    from batching.ingress import controls
 
     if all_queues and queue is not None:
         raise errors.InputError("--all and --queue together: give one (--all: every queue)")
@@ -164,13 +196,22 @@ def status(
     stats = q.stats(all_queues=all_queues)
     if not all_queues and not stats.groups:
         warn_unknown_queue(q)
+    held = controls.states(q.engine)
+    if not all_queues:
+        held = {queue: held.get(queue, controls.QueueControl(queue))}
     if as_json:
-        sys.stdout.write(json.dumps(asdict(stats), indent=2) + "\n")
+        doc = asdict(stats) | {"controls": {k: asdict(c) for k, c in held.items()}}
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
     out.print(status_table(stats, None if all_queues else queue))
     totals = ", ".join(f"{k} {v}" for k, v in stats.by_state.items())
     backoff = f"; {stats.backoff} ready waiting out a retry backoff" if stats.backoff else ""
     out.print(f"total: {totals}; expired leases {stats.expired_leases}{backoff}")
+    depths: dict[str, int] = {}
+    for g in stats.groups:
+        depths[g.queue] = depths.get(g.queue, 0) + g.ready + g.leased
+    for line in control_lines(held, depths):
+        out.print(line, highlight=False)
     out.print(_lineage_backlog(q.engine), highlight=False)
 
 
@@ -202,14 +243,19 @@ def status_table(stats: QueueStats, queue: str | None) -> Table:
     keys = ("lane", "tenant") if queue is not None else ("queue", "lane", "tenant")
     for col in keys:
         table.add_column(col, no_wrap=True, overflow="ellipsis")
-    # "stale": leases past their expiry that the reaper has not released yet.
-    for col in ("ready", "leased", "done", "dead", "expired", "stale", "oldest"):
-        table.add_column(col, justify="right", min_width=len(col))
+    # "stale": leases past their expiry that the reaper has not released yet. "cancelled"
+    # only when some are (``batching queue cancel``): the table stays within 80 columns.
+    counts = ["ready", "leased", "done", "dead", "expired", "expired_leases"]
+    if any(g.cancelled for g in stats.groups):
+        counts.insert(5, "cancelled")
+    for col in [*counts, "oldest"]:
+        title = "stale" if col == "expired_leases" else col
+        table.add_column(title, justify="right", min_width=len(title))
     for g in stats.groups:
         age = f"{g.oldest_ready_age_s:.1f}s" if g.oldest_ready_age_s is not None else "-"
         names = {"queue": g.queue, "lane": g.lane or "-", "tenant": g.tenant}
-        counts = (g.ready, g.leased, g.done, g.dead, g.expired, g.expired_leases)
-        table.add_row(*(plain(names[k]) for k in keys), *(str(v) for v in counts), age)
+        cells = (str(getattr(g, c)) for c in counts)
+        table.add_row(*(plain(names[k]) for k in keys), *cells, age)
     return table
 
 
@@ -218,18 +264,22 @@ def status_table(stats: QueueStats, queue: str | None) -> Table:
 def redrive(
     db: DbOption = DEFAULT_DB,
     queue: QueueOption = "default",
-    only: Annotated[str, typer.Option(help="Which items: dead, expired or all.")] = "all",
+    only: Annotated[
+        str,
+        typer.Option(help="Which items: dead, expired, all (dead and expired) or cancelled."),
+    ] = "all",
 ) -> None:
-    """Move dead and/or expired items back to ready with fresh attempts."""
+    """Move dead and/or expired (or cancelled) items back to ready with fresh attempts."""
     from batching import models
 
     choices = {
         "dead": (models.State.DEAD,),
         "expired": (models.State.EXPIRED,),
         "all": (models.State.DEAD, models.State.EXPIRED),
+        "cancelled": (models.State.CANCELLED,),
     }
     if only not in choices:
-        raise errors.ConfigError(f"--only must be dead, expired or all, got {only!r}")
+        raise errors.ConfigError(f"--only must be dead, expired, all or cancelled, got {only!r}")
     q = open_queue(db, queue)
     q.check_schema()
     n = q.redrive(choices[only])
@@ -250,7 +300,8 @@ def purge(
         bool, typer.Option(help="Copy to batching_items_archive before deleting.")
     ] = False,
 ) -> None:
-    """Remove done items older than --older-than (keep at least the reconcile window)."""
+    """Remove done and cancelled items older than --older-than (keep at least the reconcile
+    window)."""
     age_s = parse_duration(older_than, "--older-than")
     q = open_queue(db, queue)
     q.check_schema()
@@ -258,4 +309,4 @@ def purge(
     if n == 0:
         warn_unknown_queue(q)
     verb = "archived" if archive else "deleted"
-    out.print(f"{verb} {n} done item(s) older than {older_than} from queue {queue!r}")
+    out.print(f"{verb} {n} done or cancelled item(s) older than {older_than} from queue {queue!r}")

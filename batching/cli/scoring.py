@@ -250,11 +250,19 @@ def _explain_what_is_left(cfg: Any, db: str | None, summary: Mapping[str, object
     """A run that stops while the queue still holds items says why, when the queue shows it:
     items waiting out a retry backoff (an until-empty run does not wait for them); and when
     it scored nothing, a queue name without items (a typo), or items leased by other scorers
-    (a dead one's come back when their leases expire)."""
+    (a dead one's come back when their leases expire); a paused queue."""
     from batching.compose import build
+    from batching.ingress import controls
 
     queue = build.open_queue(cfg, build.resolve(cfg, db, None).db_url)
     try:
+        held = controls.state(queue.engine, queue.queue)
+        if held.paused:
+            err.print(
+                f"note: queue {queue.queue!r} is paused (by {held.paused_by}: {held.reason}); "
+                f"scorers claim nothing from it until `batching queue resume {queue.queue}`",
+                highlight=False,
+            )
         stats = queue.stats()
         if stats.backoff:
             err.print(

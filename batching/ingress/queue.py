@@ -37,7 +37,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
 from batching import crashes, errors, models
-from batching.ingress import sqlite_claim
+from batching.ingress import controls, sqlite_claim
 from batching.ports import Clock
 from batching.store import database, schema, sqlite
 
@@ -177,6 +177,8 @@ class SqlQueue:
         self,
         records: Iterable[models.EnqueueRecord],
         on_progress: Callable[[int], None] | None = None,
+        *,
+        enqueue_run: str | None = None,
     ) -> models.EnqueueResult:
         """Insert records in one transaction, idempotent on ``(queue, item_key)``.
 
@@ -186,6 +188,11 @@ class SqlQueue:
         found present) after each chunk of the transaction; nothing is visible before its
         commit. ``records`` is read a chunk at a time inside the transaction (a file streamed
         by ``ingest.iter_records`` is never held whole); an error it raises rolls back all.
+        ``enqueue_run`` is stamped on every new item (``batching queue cancel --enqueue-run``).
+
+        Raises:
+            QueueFull: the new items would take the queue past its depth cap
+                (:mod:`batching.ingress.controls`); nothing is enqueued.
         """
         now = self.clock()
         dupes: list[str] = []
@@ -194,18 +201,21 @@ class SqlQueue:
         rows: list[dict[str, Any]] = []
         bodies: dict[str, bytes] = {}
         with self.begin() as conn:
+            room = self._room(conn)
             for rec in records:
                 if rec.item_key in seen:
                     dupes.append(rec.item_key)
                     continue
                 seen.add(rec.item_key)
                 bodies[rec.item_key] = rec.payload.data
-                rows.append(self._row(rec, now))
+                rows.append(self._row(rec, now, enqueue_run))
                 if len(rows) == _ENQUEUE_CHUNK:
                     self._write_chunk(conn, rows, bodies, written, dupes, on_progress)
+                    room(written[1])
                     rows, bodies = [], {}
             if rows:
                 self._write_chunk(conn, rows, bodies, written, dupes, on_progress)
+                room(written[1])
             inserted = written[1]
             if inserted and self.dialect == "postgresql":
                 conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, self.queue)))
@@ -234,7 +244,24 @@ class SqlQueue:
         if on_progress is not None:
             on_progress(written[0])
 
-    def _row(self, rec: models.EnqueueRecord, now: float) -> dict[str, Any]:
+    def _room(self, conn: Connection) -> Callable[[int], None]:
+        """In an enqueue's transaction: a check that raises ``QueueFull`` once the items it
+        inserted so far would take the queue past its depth cap (one that never does when the
+        queue has no cap)."""
+        cap = controls.max_depth(conn, self.queue)
+        if cap is None:
+            return lambda _inserted: None
+        before = controls.depth(conn, self.queue)
+
+        def check(inserted: int) -> None:
+            if before + inserted > cap:
+                raise controls.queue_full(self.queue, before, inserted, cap)
+
+        return check
+
+    def _row(
+        self, rec: models.EnqueueRecord, now: float, enqueue_run: str | None
+    ) -> dict[str, Any]:
         p = rec.payload
         return {
             "queue": self.queue,
@@ -254,6 +281,7 @@ class SqlQueue:
             "run_after": now,
             "deadline_at": rec.deadline_at,
             "sort_deadline": rec.deadline_at if rec.deadline_at is not None else schema.NO_DEADLINE,
+            "enqueue_run": enqueue_run,
         }
 
     def _insert_new(self, conn: Connection, chunk: list[dict[str, Any]]) -> dict[str, int]:
@@ -292,7 +320,9 @@ class SqlQueue:
         ``max_cost`` caps the sum of cost hints (the first item is always taken, so an
         oversized item is not starved). First, in the same transaction, items past their
         deadline are moved to ``expired`` and this queue's expired leases are reaped.
-        Returns a claim with zero items when nothing is ready. With ``columns``, a SQLite
+        Returns a claim with zero items when nothing is ready, and with zero items and
+        ``paused`` when the queue is paused (read first, in the claim's transaction; nothing
+        else is done then: no expiry, no reaping). With ``columns``, a SQLite
         claim of uniform items (see ``sqlite_claim.unpack_claim``) holds them as one
         :class:`~batching.models.ItemBlock`.
 
@@ -315,6 +345,8 @@ class SqlQueue:
             "expires": now + lease_s,
             "budget": max_cost,
             "isolate": isolate,
+            "suspects": False,
+            "paused": False,
         }
         sql = self._claim_sql(lane, None if isolate else max_cost, isolate=isolate)
         if self.dialect == "sqlite":
@@ -334,6 +366,7 @@ class SqlQueue:
             lease_expires_at=now + lease_s,
             isolated=isolate,
             suspects=bool(params["suspects"]),
+            paused=bool(params["paused"]),
         )
 
     def _claim_sql(self, lane: str | None, max_cost: int | None, *, isolate: bool = False) -> str:
@@ -380,7 +413,8 @@ class SqlQueue:
     ) -> tuple[list[Any], dict[int, bytes]]:
         """PostgreSQL: UPDATE ... RETURNING and the bodies, in one transaction."""
         with self.begin() as conn:
-            self._before_claim(conn, now, params)
+            if not self._before_claim(conn, now, params):
+                return [], {}
             rows = list(conn.execute(sa.text(sql), params).fetchall())
             bodies = self._bodies(conn, [r[0] for r in rows]) if rows else {}
             if len(bodies) != len(rows):
@@ -401,7 +435,8 @@ class SqlQueue:
         reading them back fails, the claim is released, not left leased.
         """
         with self.begin() as conn:
-            self._before_claim(conn, now, params)
+            if not self._before_claim(conn, now, params):
+                return [], {}
             n_claimed = conn.execute(sa.text(sql), params).rowcount
         if not n_claimed:
             return [], {}
@@ -476,12 +511,17 @@ class SqlQueue:
         stmt = sa.select(_P.c.id, _P.c.payload).where(self._id_in(ids, _P.c.id))
         return dict(conn.execute(stmt).fetchall())
 
-    def _before_claim(self, conn: Connection, now: float, params: dict[str, Any]) -> None:
-        """In the claim's transaction: items past their deadline expire, and this queue's
-        expired leases (a worker killed, or stopped without releasing) go back to ready, so
-        a scorer picks up what a dead one left without anyone running the reaper. Then the
-        suspects: whether any wait (``params["suspects"]``), and for an isolation claim how
-        many it may take together (``params["n"]``; the first suspect's ``isolate_n``)."""
+    def _before_claim(self, conn: Connection, now: float, params: dict[str, Any]) -> bool:
+        """In the claim's transaction, first: whether the queue is paused (one key lookup; if
+        so, ``params["paused"]`` and False, nothing else done). Then items past their deadline
+        expire, and this queue's expired leases (a worker killed, or stopped without
+        releasing) go back to ready, so a scorer picks up what a dead one left without anyone
+        running the reaper. Then the suspects: whether any wait (``params["suspects"]``), and
+        for an isolation claim how many it may take together (``params["n"]``; the first
+        suspect's ``isolate_n``)."""
+        if controls.is_paused(conn, self.queue):
+            params["paused"] = True
+            return False
         self._expire_overdue(conn, now)
         self._release_expired(conn, now, _REAP_LIMIT, this_queue=True)
         # The literal ``state = 0 AND isolate_n > 0`` matches the partial index's predicate.
@@ -496,6 +536,7 @@ class SqlQueue:
         params["suspects"] = first is not None
         if params["isolate"]:
             params["n"] = min(params["n"], int(first or 0))
+        return True
 
     def _expire_overdue(self, conn: Connection, now: float) -> int:
         stmt = (
@@ -808,7 +849,8 @@ class SqlQueue:
     def redrive(
         self, states: Sequence[models.State] = (models.State.DEAD, models.State.EXPIRED)
     ) -> int:
-        """Move dead and/or expired items back to ready with fresh attempts (deadline cleared)."""
+        """Move dead and/or expired (or, when asked, cancelled) items back to ready with fresh
+        attempts (deadline cleared)."""
         codes = [int(s) for s in states]
         with self.begin() as conn:
             stmt = (
@@ -829,26 +871,29 @@ class SqlQueue:
         return n
 
     def purge(self, older_than_s: float, *, archive: bool = False) -> int:
-        """Delete (or move to ``batching_items_archive``) done items finished before now - age."""
+        """Delete (or move to ``batching_items_archive``) done and cancelled items finished
+        before now - age."""
         cutoff = self.clock() - older_than_s
-        cond = sa.and_(
-            _T.c.queue == self.queue,
-            _T.c.state == sa.literal_column("2"),
-            _T.c.finished_at < cutoff,
-        )
-        n, more = 0, True
-        while more:  # a transaction per chunk: no long write lock, no id list of the whole table
-            with self.begin() as conn:
-                # The rows first, locked (PostgreSQL): a reconcile requeueing one of them
-                # between the statements below would leave a ready item without its payload.
-                ids = list(
-                    conn.execute(
-                        sa.select(_T.c.id).where(cond).limit(_PURGE_CHUNK).with_for_update()
-                    ).scalars()
-                )
-                more = len(ids) == _PURGE_CHUNK
-                if ids:
-                    n += self._purge_rows(conn, ids, archive=archive)
+        n = 0
+        for code in ("2", "5"):  # done, cancelled: each literal matches its partial index
+            cond = sa.and_(
+                _T.c.queue == self.queue,
+                _T.c.state == sa.literal_column(code),
+                _T.c.finished_at < cutoff,
+            )
+            more = True
+            while more:  # a transaction per chunk: no long write lock, no list of every id
+                with self.begin() as conn:
+                    # The rows first, locked (PostgreSQL): a reconcile requeueing one of them
+                    # between the statements below would leave a ready item without its payload.
+                    ids = list(
+                        conn.execute(
+                            sa.select(_T.c.id).where(cond).limit(_PURGE_CHUNK).with_for_update()
+                        ).scalars()
+                    )
+                    more = len(ids) == _PURGE_CHUNK
+                    if ids:
+                        n += self._purge_rows(conn, ids, archive=archive)
         logger.info("items purged", extra={"action": "purge", "n_items": n, "archived": archive})
         return n
 
@@ -917,6 +962,7 @@ def _lane_stats(r: Any, now: float) -> models.LaneStats:
         done=int(r.done or 0),
         dead=int(r.dead or 0),
         expired=int(r.expired or 0),
+        cancelled=int(r.cancelled or 0),
         expired_leases=int(r.xl or 0),
         oldest_ready_age_s=(now - float(r.oldest)) if r.oldest is not None else None,
         backoff=int(r.backoff or 0),

@@ -82,6 +82,10 @@ def _item_columns(*, archive: bool) -> list[sa.Column[Any]]:
         sa.Column("last_error", sa.Text),
         sa.Column("finished_at", sa.Float),
         sa.Column("batch_id", sa.String(36)),
+        # The ``batching enqueue`` command that brought the item in (migration 13), so an
+        # operator can cancel what one bad file enqueued. Not indexed: a cancel reads the
+        # queue's ready index, and an index would cost every enqueue a write.
+        sa.Column("enqueue_run", sa.String(64)),
     ]
 
 
@@ -149,6 +153,15 @@ sa.Index(
 # Partial indexes keep claim and ack cheap: a row enters each index once, when it is done.
 _DONE = sa.text("state = 2")
 sa.Index("ix_batching_items_done", items.c.finished_at, postgresql_where=_DONE, sqlite_where=_DONE)
+# Cancelled items by queue and age (migration 13), for purge; empty unless someone cancels.
+_CANCELLED = sa.text("state = 5")
+sa.Index(
+    "ix_batching_items_cancelled",
+    items.c.queue,
+    items.c.finished_at,
+    postgresql_where=_CANCELLED,
+    sqlite_where=_CANCELLED,
+)
 _HAS_BATCH = sa.text("batch_id IS NOT NULL")
 sa.Index(
     "ix_batching_items_batch",
@@ -263,6 +276,36 @@ sweeps = sa.Table(
 """Where a full reconcile sweep of one output is (migration 12): a sweep stopped part way
 resumes after its cursor."""
 
+queue_controls = sa.Table(
+    "batching_queue_controls",
+    metadata,
+    sa.Column("queue", sa.String(200), primary_key=True),
+    sa.Column("paused", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("paused_at", sa.Float),
+    sa.Column("paused_by", sa.String(200)),
+    sa.Column("pause_reason", sa.Text),
+    sa.Column("max_depth", sa.BigInteger),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+"""A queue's controls (migration 13): paused (every claim reads this row by its key), and
+its depth cap (enqueue refuses past it); no row: not paused, no cap."""
+
+queue_audit = sa.Table(
+    "batching_queue_audit",
+    metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("queue", sa.String(200), nullable=False),
+    sa.Column("action", sa.String(32), nullable=False),
+    sa.Column("actor", sa.String(200), nullable=False),
+    sa.Column("at", sa.Float, nullable=False),
+    sa.Column("reason", sa.Text),
+    sa.Column("detail", sa.Text),  # JSON: what the action changed (counts, filters, before)
+    sqlite_autoincrement=True,
+)
+"""Who paused, resumed, capped or cancelled what, when and why (migration 13); written in
+the transaction of the change it records."""
+sa.Index("ix_batching_queue_audit_queue", queue_audit.c.queue, queue_audit.c.id)
+
 sa.Index(
     "ix_batching_runs_parent",
     runs.c.parent_run_id,
@@ -333,7 +376,8 @@ def _v4(conn: Connection) -> None:
     columns = {c["name"] for c in sa.inspect(conn).get_columns(items_archive.name)}
     if "archive_id" in columns:
         return
-    names = [c.name for c in items_archive.columns if c.name != "archive_id"]
+    # Only the columns the old table has: later migrations add theirs (isolate_n, ...).
+    names = [c.name for c in items_archive.columns if c.name in columns]
     _rebuild(conn, items_archive, names, order="finished_at, id")
 
 
@@ -458,6 +502,18 @@ def _v12(conn: Connection) -> None:
         conn.execute(sa.text(f"ALTER TABLE {runs.name} ADD COLUMN reconciled_at FLOAT"))
 
 
+def _v13(conn: Connection) -> None:
+    for table in (queue_controls, queue_audit):
+        table.create(conn, checkfirst=True)
+    for table in (items, items_archive):
+        columns = {c["name"] for c in sa.inspect(conn).get_columns(table.name)}
+        if "enqueue_run" not in columns:
+            conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN enqueue_run VARCHAR(64)"))
+    for index in items.indexes:
+        if index.name == "ix_batching_items_cancelled":
+            index.create(conn, checkfirst=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "queue items, archive, batch ledger, runs, results", _v1),
     Migration(2, "expiry index leads with queue", _v2),
@@ -471,6 +527,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(10, "an outbox for outputs outside the queue's database", _v10),
     Migration(11, "suspects of a lost worker wait for an isolation round", _v11),
     Migration(12, "a spool for undelivered lineage events, sweep cursors, runs reconciled", _v12),
+    Migration(13, "queue controls (pause, depth cap) and their audit, cancelled items", _v13),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -29,6 +29,7 @@ BATCHING = str(Path(sys.executable).with_name("batching"))
 DEPLOYMENTS = REPO / "deployments"
 COMMANDS = (
     "init",
+    "queue",
     "enqueue",
     "status",
     "redrive",
@@ -169,7 +170,14 @@ def test_enqueue_jsonl_and_parquet_reports_duplicates(tmp_path: Path) -> None:
     assert pq.rc == 0, pq.err
     assert "committed 3 new item(s)" in pq.out
     assert "5 already present" in pq.out
-    assert status(tmp_path) == {"ready": 8, "leased": 0, "done": 0, "dead": 0, "expired": 0}
+    assert status(tmp_path) == {
+        "ready": 8,
+        "leased": 0,
+        "done": 0,
+        "dead": 0,
+        "expired": 0,
+        "cancelled": 0,
+    }
 
 
 def test_enqueue_shows_progress_on_a_terminal_only(tmp_path: Path) -> None:
@@ -553,8 +561,22 @@ def ws(scored: Scored, tmp_path: Path) -> Path:
 def test_score_max_items_stops_after_n_then_a_full_run_drains_the_queue(
     scored: Scored, tmp_path: Path
 ) -> None:
-    assert scored.after_first == {"ready": 202, "leased": 0, "done": 100, "dead": 0, "expired": 0}
-    assert status(scored.path) == {"ready": 0, "leased": 0, "done": 300, "dead": 2, "expired": 0}
+    assert scored.after_first == {
+        "ready": 202,
+        "leased": 0,
+        "done": 100,
+        "dead": 0,
+        "expired": 0,
+        "cancelled": 0,
+    }
+    assert status(scored.path) == {
+        "ready": 0,
+        "leased": 0,
+        "done": 300,
+        "dead": 2,
+        "expired": 0,
+        "cancelled": 0,
+    }
     for r in (scored.first, scored.second):
         assert "items committed" in r.out
         assert "outputs: " in r.out
@@ -885,17 +907,24 @@ def test_redrive_moves_dead_items_back_to_ready(ws: Path) -> None:
     assert (state["dead"], state["ready"]) == (0, 2)
     bad = batching("redrive", "--db", DB, "-q", "tabular", "--only", "alive", cwd=ws)
     assert bad.rc == 2
-    assert "--only must be dead, expired or all" in one_error_line(bad)
+    assert "--only must be dead, expired, all or cancelled" in one_error_line(bad)
 
 
 def test_purge_removes_old_done_items_only(ws: Path) -> None:
     kept = batching("purge", "--db", DB, "-q", "tabular", "--older-than", "7d", cwd=ws)
     assert kept.rc == 0, kept.err
-    assert "deleted 0 done item(s)" in kept.out
+    assert "deleted 0 done or cancelled item(s)" in kept.out
     r = batching("purge", "--db", DB, "-q", "tabular", "--older-than", "0s", "--archive", cwd=ws)
     assert r.rc == 0, r.err
-    assert f"archived {N_ROWS} done item(s)" in r.out
-    assert status(ws) == {"ready": 0, "leased": 0, "done": 0, "dead": 2, "expired": 0}
+    assert f"archived {N_ROWS} done or cancelled item(s)" in r.out
+    assert status(ws) == {
+        "ready": 0,
+        "leased": 0,
+        "done": 0,
+        "dead": 2,
+        "expired": 0,
+        "cancelled": 0,
+    }
     bad = batching("purge", "--db", DB, "--older-than=-1d", cwd=ws)
     assert bad.rc == 2
     one_error_line(bad)
@@ -930,7 +959,14 @@ def test_a_queue_name_no_config_could_use_is_refused(tmp_path: Path, name: str) 
     r = batching("enqueue", str(jsonl), "--db", DB, "-q", name, cwd=tmp_path)
     assert r.rc == 2
     assert "must be 1 to 200 characters" in r.err
-    assert status(tmp_path) == {"ready": 0, "leased": 0, "done": 0, "dead": 0, "expired": 0}
+    assert status(tmp_path) == {
+        "ready": 0,
+        "leased": 0,
+        "done": 0,
+        "dead": 0,
+        "expired": 0,
+        "cancelled": 0,
+    }
 
 
 def test_a_queue_without_items_names_the_queues_there(tmp_path: Path) -> None:

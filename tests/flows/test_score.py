@@ -189,7 +189,14 @@ def test_a_wrong_checksum_claims_nothing_and_fails_the_run_with_a_fail_event(
     run = run_score(pipeline)
     assert run.state.is_failed()
     assert "sha256" in run.state.message
-    assert pipeline.by_state() == {"ready": 50, "leased": 0, "done": 0, "dead": 0, "expired": 0}
+    assert pipeline.by_state() == {
+        "ready": 50,
+        "leased": 0,
+        "done": 0,
+        "dead": 0,
+        "expired": 0,
+        "cancelled": 0,
+    }
     names = [t.name for t in task_runs_of(run.run_id)]
     assert not [n for n in names if n.startswith("score-queue")], names
     (check,) = [t for t in task_runs_of(run.run_id) if t.name.startswith("validate-preconditions")]

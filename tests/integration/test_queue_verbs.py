@@ -276,7 +276,14 @@ def test_stats_counts_states_ages_and_expired_leases(queue: Queue, clock: FakeCl
     claim = queue.claim(1, lease_s=5)
     clock.advance(10)
     stats = queue.stats()
-    assert stats.by_state == {"ready": 2, "leased": 1, "done": 0, "dead": 0, "expired": 0}
+    assert stats.by_state == {
+        "ready": 2,
+        "leased": 1,
+        "done": 0,
+        "dead": 0,
+        "expired": 0,
+        "cancelled": 0,
+    }
     assert stats.expired_leases == 1
     assert stats.oldest_ready_age_s == pytest.approx(40)
     assert {g.tenant for g in stats.groups} == {"t1", "t2"}

@@ -1,0 +1,397 @@
+"""Queue controls for incidents: pause and resume a queue, cap its depth, cancel its ready
+items, each change in one transaction with its row in ``batching_queue_audit`` (who, when,
+why, what it changed).
+
+* **pause**: every claim reads the queue's row of ``batching_queue_controls`` in its own
+  transaction (one primary-key lookup) and a paused queue's claim takes nothing
+  (``models.Claim.paused``); batches already claimed finish and commit. A claim already under
+  way when the pause commits still takes its items (they are in flight like the rest).
+* **depth cap**: an enqueue that would leave more than ``max_depth`` items ready or leased in
+  the queue is refused whole (``errors.QueueFull``); keys already present do not count, so
+  re-sending a file that went in is not refused.
+* **cancel**: ready items chosen by key, tenant and/or enqueue run go to
+  ``State.CANCELLED`` (terminal, not dead letters); leased ones are in flight and are left
+  to finish, and counted.
+
+The functions taking a ``Connection`` run inside :class:`~batching.ingress.queue.SqlQueue`'s
+claim and enqueue transactions; the others open their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from batching import errors, models
+from batching.store import database, schema, sqlite
+
+logger = logging.getLogger(__name__)
+
+_C = schema.queue_controls
+_A = schema.queue_audit
+_T = schema.items
+_KEY_CHUNK = 1000  # keys per cancel statement (one transaction for all)
+_AUDIT_KEYS = 20  # keys of a cancel listed in its audit row (the count is always there)
+_MAX_DEPTH = 2**62
+PAUSED_SQL = sa.text("SELECT paused FROM batching_queue_controls WHERE queue = :queue")
+
+
+@dataclass(frozen=True)
+class QueueControl:
+    """A queue's controls; a queue without a row has the defaults (running, no cap)."""
+
+    queue: str
+    paused: bool = False
+    paused_at: float | None = None
+    paused_by: str | None = None
+    reason: str | None = None
+    max_depth: int | None = None
+
+
+@dataclass(frozen=True)
+class AuditRow:
+    """One recorded control action: ``pause``, ``resume``, ``cap`` or ``cancel``."""
+
+    id: int
+    queue: str
+    action: str
+    actor: str
+    at: float
+    reason: str | None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    """What a cancel did: ready items cancelled, and matching leased items left to finish."""
+
+    cancelled: int
+    in_flight: int
+
+
+# -- read -------------------------------------------------------------------------------------
+
+
+def state(engine: Engine, queue: str) -> QueueControl:
+    """The controls of ``queue`` (defaults when it has no row)."""
+    with _connect(engine) as conn:
+        return _read(conn, queue)
+
+
+def states(engine: Engine) -> dict[str, QueueControl]:
+    """The controls of every queue that has a row, by queue name."""
+    with _connect(engine) as conn:
+        return {r.queue: _control(r) for r in conn.execute(sa.select(_C).order_by(_C.c.queue))}
+
+
+def audit(engine: Engine, queue: str | None = None, limit: int = 50) -> list[AuditRow]:
+    """The latest ``limit`` audit rows (of ``queue``, or of every queue), oldest first."""
+    if limit < 1:
+        raise errors.InputError(f"the audit limit must be at least 1, got {limit}")
+    q = sa.select(_A).order_by(_A.c.id.desc()).limit(limit)
+    if queue is not None:
+        q = q.where(_A.c.queue == queue)
+    with _connect(engine) as conn:
+        rows = list(conn.execute(q))
+    return [
+        AuditRow(r.id, r.queue, r.action, r.actor, r.at, r.reason, json.loads(r.detail or "{}"))
+        for r in reversed(rows)
+    ]
+
+
+# -- change -----------------------------------------------------------------------------------
+
+
+def pause(engine: Engine, queue: str, *, actor: str, reason: str, now: float) -> QueueControl:
+    """Pause ``queue``: from their next claim on, scorers claim nothing from it; what they
+    hold finishes. Idempotent: pausing a paused queue keeps who paused it first, and is
+    recorded too (``detail.changed`` false)."""
+    actor, reason = _actor(actor), _reason(reason, "pause")
+    with _begin(engine) as conn:
+        before = _locked(conn, queue, now)
+        if not before.paused:
+            values = {"paused": True, "paused_at": now, "paused_by": actor, "pause_reason": reason}
+            _update(conn, queue, values, now)
+        _record(conn, queue, "pause", actor, now, reason, {"changed": not before.paused})
+        after = _read(conn, queue)
+    logger.info(
+        "queue paused",
+        extra={"action": "queue_pause", "queue": queue, "actor": actor, "reason": reason},
+    )
+    return after
+
+
+def resume(
+    engine: Engine, queue: str, *, actor: str, reason: str | None, now: float
+) -> QueueControl:
+    """Resume ``queue``: scorers claim from it again at their next poll. Idempotent."""
+    actor, reason = _actor(actor), _optional_reason(reason)
+    with _begin(engine) as conn:
+        before = _locked(conn, queue, now)
+        if before.paused:
+            values = {"paused": False, "paused_at": None, "paused_by": None, "pause_reason": None}
+            _update(conn, queue, values, now)
+        detail: dict[str, Any] = {"changed": before.paused}
+        if before.paused:
+            detail |= {"paused_at": before.paused_at, "paused_by": before.paused_by}
+        _record(conn, queue, "resume", actor, now, reason, detail)
+        after = _read(conn, queue)
+    logger.info("queue resumed", extra={"action": "queue_resume", "queue": queue, "actor": actor})
+    return after
+
+
+def set_max_depth(
+    engine: Engine,
+    queue: str,
+    max_depth: int | None,
+    *,
+    actor: str,
+    reason: str | None,
+    now: float,
+) -> QueueControl:
+    """Cap ``queue`` at ``max_depth`` items ready or leased (None: no cap). Items already
+    over the cap stay; enqueues are refused until the depth is back under it."""
+    if max_depth is not None and not 0 <= max_depth <= _MAX_DEPTH:
+        raise errors.InputError(f"the depth cap must be 0 to {_MAX_DEPTH} items, got {max_depth}")
+    actor, reason = _actor(actor), _optional_reason(reason)
+    with _begin(engine) as conn:
+        before = _locked(conn, queue, now)
+        _update(conn, queue, {"max_depth": max_depth}, now)
+        detail = {"max_depth": max_depth, "was": before.max_depth}
+        _record(conn, queue, "cap", actor, now, reason, detail)
+        after = _read(conn, queue)
+    logger.info(
+        "queue depth cap set",
+        extra={"action": "queue_cap", "queue": queue, "actor": actor, "max_depth": max_depth},
+    )
+    return after
+
+
+def cancel(
+    engine: Engine,
+    queue: str,
+    *,
+    keys: Sequence[str] | None = None,
+    tenant: str | None = None,
+    enqueue_run: str | None = None,
+    actor: str,
+    reason: str,
+    now: float,
+) -> int:
+    """Cancel the ready items of ``queue`` that match every filter given; returns how many
+    (:func:`cancel_items` says how many in flight were left to finish)."""
+    who = {"actor": actor, "reason": reason}
+    done = cancel_items(
+        engine, queue, keys=keys, tenant=tenant, enqueue_run=enqueue_run, now=now, **who
+    )
+    return done.cancelled
+
+
+def cancel_items(
+    engine: Engine,
+    queue: str,
+    *,
+    keys: Sequence[str] | None = None,
+    tenant: str | None = None,
+    enqueue_run: str | None = None,
+    actor: str,
+    reason: str,
+    now: float,
+) -> CancelResult:
+    """Cancel the ready items (backoff and suspects included) of ``queue`` that match every
+    filter given (keys, tenant, enqueue run; at least one), in one transaction with its audit
+    row. They become ``cancelled`` with ``last_error`` naming who and why. Matching leased
+    items are in flight: they are left to finish, and counted in ``in_flight``.
+
+    Raises:
+        InputError: no filter, an empty key list, an empty actor or reason.
+    """
+    wheres = _cancel_filters(queue, keys, tenant, enqueue_run)
+    actor, reason = _actor(actor), _reason(reason, "cancel")
+    note = f"cancelled by {actor}: {reason}"[:2000]
+    with _begin(engine) as conn:
+        counts = [_cancel_where(conn, where, now, note) for where in wheres]
+        result = CancelResult(sum(c for c, _ in counts), sum(f for _, f in counts))
+        detail = asdict(result) | {"tenant": tenant, "enqueue_run": enqueue_run}
+        if keys is not None:
+            detail |= {"n_keys": len(keys), "keys": list(keys[:_AUDIT_KEYS])}
+        _record(conn, queue, "cancel", actor, now, reason, detail)
+    logger.info(
+        "items cancelled",
+        extra={"action": "queue_cancel", "queue": queue, "actor": actor, **asdict(result)},
+    )
+    return result
+
+
+def _cancel_filters(
+    queue: str, keys: Sequence[str] | None, tenant: str | None, enqueue_run: str | None
+) -> list[list[sa.ColumnElement[bool]]]:
+    """The WHERE clauses of a cancel: one per chunk of keys (one in all without keys)."""
+    if keys is None and tenant is None and enqueue_run is None:
+        raise errors.InputError("cancel needs a filter: item keys, a tenant and/or an enqueue run")
+    if keys is not None and not keys:
+        raise errors.InputError("cancel by key got an empty key list; give at least one key")
+    where = [_T.c.queue == queue]
+    if tenant is not None:
+        where.append(_T.c.tenant == tenant)
+    if enqueue_run is not None:
+        where.append(_T.c.enqueue_run == enqueue_run)
+    if keys is None:
+        return [where]
+    chunks = (keys[i : i + _KEY_CHUNK] for i in range(0, len(keys), _KEY_CHUNK))
+    return [[*where, _T.c.item_key.in_(list(chunk))] for chunk in chunks]
+
+
+def _cancel_where(
+    conn: Connection, where: list[sa.ColumnElement[bool]], now: float, note: str
+) -> tuple[int, int]:
+    """Cancel the ready items matching ``where``; (cancelled, leased ones left in flight)."""
+    ready, leased = _T.c.state == sa.literal_column("0"), _T.c.state == sa.literal_column("1")
+    cancelled = conn.execute(
+        sa.update(_T)
+        .where(*where, ready)
+        .values(state=int(models.State.CANCELLED), finished_at=now, last_error=note)
+    ).rowcount
+    count = sa.select(sa.func.count()).select_from(_T).where(*where, leased)
+    return int(cancelled), int(conn.execute(count).scalar_one())
+
+
+# -- inside the queue's transactions ----------------------------------------------------------
+
+
+def is_paused(conn: Connection, queue: str) -> bool:
+    """Whether ``queue`` is paused, read in ``conn``'s transaction (a claim's)."""
+    return bool(conn.execute(PAUSED_SQL, {"queue": queue}).scalar())
+
+
+def max_depth(conn: Connection, queue: str) -> int | None:
+    """``queue``'s depth cap, read in ``conn``'s transaction (an enqueue's). PostgreSQL: with
+    a cap, enqueues to the queue then take turns (a transaction-scoped advisory lock, so a
+    pause or a claim does not wait for them), each counting what those before committed;
+    SQLite: the writer lock serializes them anyway."""
+    value = conn.execute(sa.select(_C.c.max_depth).where(_C.c.queue == queue)).scalar()
+    if value is None:
+        return None
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(7271102, hashtext(:q))"), {"q": queue})
+        value = conn.execute(sa.select(_C.c.max_depth).where(_C.c.queue == queue)).scalar()
+    return None if value is None else int(value)
+
+
+def depth(conn: Connection, queue: str) -> int:
+    """Items of ``queue`` ready or leased (each state counted on its partial index)."""
+    total = 0
+    for code in ("0", "1"):
+        q = sa.select(sa.func.count()).select_from(_T)
+        q = q.where(_T.c.queue == queue, _T.c.state == sa.literal_column(code))
+        total += int(conn.execute(q).scalar_one())
+    return total
+
+
+def queue_full(queue: str, depth_now: int, adding: int, cap: int) -> errors.QueueFull:
+    """The refusal of an enqueue of at least ``adding`` new items past ``cap``."""
+    return errors.QueueFull(
+        f"queue {queue!r} is at its depth cap ({depth_now} items ready or leased + at least "
+        f"{adding} new > cap {cap}); nothing was enqueued: retry later or raise the cap with "
+        f"`batching queue cap {queue} --max-depth N`"
+    )
+
+
+# -- internals --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _begin(engine: Engine) -> Iterator[Connection]:
+    """A write transaction, behind the SQLite writer lock as the queue's own writes are."""
+    url = engine.url.render_as_string(hide_password=True)
+    with sqlite.writer_lock(engine), database.translate_errors(url), engine.begin() as conn:
+        yield conn
+
+
+@contextlib.contextmanager
+def _connect(engine: Engine) -> Iterator[Connection]:
+    url = engine.url.render_as_string(hide_password=True)
+    with database.translate_errors(url), engine.connect() as conn:
+        yield conn
+
+
+def _control(row: Any) -> QueueControl:
+    return QueueControl(
+        queue=row.queue,
+        paused=bool(row.paused),
+        paused_at=row.paused_at,
+        paused_by=row.paused_by,
+        reason=row.pause_reason,
+        max_depth=None if row.max_depth is None else int(row.max_depth),
+    )
+
+
+def _read(conn: Connection, queue: str) -> QueueControl:
+    row = conn.execute(sa.select(_C).where(_C.c.queue == queue)).first()
+    return QueueControl(queue) if row is None else _control(row)
+
+
+def _locked(conn: Connection, queue: str, now: float) -> QueueControl:
+    """The queue's row, created if missing and locked (PostgreSQL) until the transaction ends,
+    so two operators changing one queue take turns (SQLite: the writer lock does)."""
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
+    conn.execute(
+        insert(_C)
+        .values(queue=queue, paused=False, updated_at=now)
+        .on_conflict_do_nothing(index_elements=["queue"])
+    )
+    q = sa.select(_C).where(_C.c.queue == queue)
+    if conn.dialect.name == "postgresql":
+        q = q.with_for_update()
+    return _control(conn.execute(q).one())
+
+
+def _update(conn: Connection, queue: str, values: dict[str, Any], now: float) -> None:
+    conn.execute(sa.update(_C).where(_C.c.queue == queue).values(updated_at=now, **values))
+
+
+def _record(
+    conn: Connection,
+    queue: str,
+    action: str,
+    actor: str,
+    now: float,
+    reason: str | None,
+    detail: dict[str, Any],
+) -> None:
+    values = {"queue": queue, "action": action, "actor": actor, "at": now, "reason": reason}
+    conn.execute(_A.insert().values(detail=json.dumps(detail, sort_keys=True), **values))
+
+
+def _actor(actor: str) -> str:
+    actor = actor.strip()
+    if not actor or len(actor) > 200:
+        raise errors.InputError(
+            f"the actor must be 1 to 200 characters (who is acting: a user, breaker:RUN), "
+            f"got {actor!r}"
+        )
+    return actor
+
+
+def _reason(reason: str | None, verb: str) -> str:
+    text = _optional_reason(reason)
+    if text is None:
+        raise errors.InputError(
+            f"{verb} needs a reason (--reason TEXT): it is recorded with who and when"
+        )
+    return text
+
+
+def _optional_reason(reason: str | None) -> str | None:
+    text = (reason or "").strip()
+    return text[:2000] or None

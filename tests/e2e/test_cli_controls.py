@@ -1,0 +1,87 @@
+"""``batching queue pause | resume | cancel | cap | audit`` as an operator runs them: real
+processes on a real SQLite file, plain and ``--json``; ``status`` shows a pause and a cap; an
+enqueue past the cap exits 2 with one line (``--json``: a QueueFull error document)."""
+
+from __future__ import annotations
+
+import getpass
+from pathlib import Path
+
+from batching.model import workloads
+from tests.e2e.test_cli import DB, batching, write_config
+from tests.e2e.test_cli_json import assert_error_doc, document
+
+
+def queue(*args: str, cwd: Path) -> dict[str, object]:
+    """``batching queue ARGS --db DB --json``, which must succeed: its document."""
+    r = batching("queue", *args, "--db", DB, "--json", cwd=cwd)
+    assert r.rc == 0, (r.out, r.err)
+    doc = document(r)
+    assert doc["ok"] is True
+    return dict(doc)
+
+
+def test_pause_cap_cancel_resume_and_their_audit(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(6))
+    first = batching("enqueue", str(jsonl), "--db", DB, "-q", "tab", "--json", cwd=tmp_path)
+    assert first.rc == 0, first.err
+    enqueued = document(first)
+    assert (enqueued["ok"], enqueued["inserted"], enqueued["duplicates"]) == (True, 6, [])
+    run = str(enqueued["enqueue_run"])
+    assert run.startswith("enq-")
+
+    paused = queue("pause", "tab", "--reason", "bad model", "--actor", "alice", cwd=tmp_path)
+    assert (paused["action"], paused["changed"]) == ("pause", True)
+    assert paused["control"] == {
+        "queue": "tab",
+        "paused": True,
+        "paused_at": paused["control"]["paused_at"],  # type: ignore[index]
+        "paused_by": "alice",
+        "reason": "bad model",
+        "max_depth": None,
+    }
+
+    config = write_config(tmp_path, queue={"name": "tab"})
+    idle = batching("score", "-c", str(config), "--json", cwd=tmp_path)  # until empty: ends
+    assert idle.rc == 0, idle.err
+    assert document(idle)["summary"]["items_committed"] == 0
+    assert "note: queue 'tab' is paused (by alice: bad model)" in idle.err
+
+    capped = queue("cap", "tab", "--max-depth", "6", "--reason", "backlog", cwd=tmp_path)
+    assert (capped["depth"], capped["control"]["max_depth"]) == (6, 6)  # type: ignore[index]
+    shown = batching("status", "--db", DB, "-q", "tab", cwd=tmp_path)
+    assert "queue 'tab' PAUSED by alice since " in shown.out
+    assert ": bad model (`batching queue resume tab`)" in shown.out
+    assert "queue 'tab' depth cap 6 items ready or leased (now 6)" in shown.out
+
+    more = workloads.write_lines(tmp_path / "more.jsonl", workloads.w1_json_lines(8))
+    refused = batching("enqueue", str(more), "--db", DB, "-q", "tab", "--json", cwd=tmp_path)
+    message = assert_error_doc(refused, "QueueFull", 2)  # stderr: the same one line
+    assert "queue 'tab' is at its depth cap (6 items ready or leased" in message
+    assert "nothing was enqueued" in message
+    assert "`batching queue cap tab --max-depth N`" in message
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("w1-0\n\nw1-1\n")
+    by_key = queue("cancel", "tab", "--keys-file", str(keys), "--reason", "dup", cwd=tmp_path)
+    assert (by_key["cancelled"], by_key["in_flight"]) == (2, 0)
+    by_run = queue("cancel", "tab", "--enqueue-run", run, "--reason", "bad file", cwd=tmp_path)
+    assert by_run["cancelled"] == 4
+    assert set(by_run) == {"ok", "action", "queue", "cancelled", "in_flight"}
+
+    resumed = queue("resume", "tab", "--actor", "bob", cwd=tmp_path)
+    assert (resumed["changed"], resumed["control"]["paused"]) == (True, False)  # type: ignore[index]
+    state = document(batching("status", "--db", DB, "-q", "tab", "--json", cwd=tmp_path))
+    assert (state["by_state"]["cancelled"], state["by_state"]["ready"]) == (6, 0)
+    assert state["controls"]["tab"]["paused"] is False
+    assert state["controls"]["tab"]["max_depth"] == 6
+
+    rows = queue("audit", "tab", cwd=tmp_path)["rows"]
+    assert [(r["action"], r["actor"], r["reason"]) for r in rows] == [  # type: ignore[attr-defined]
+        ("pause", "alice", "bad model"),
+        ("cap", getpass.getuser(), "backlog"),  # the OS user, without --actor
+        ("cancel", getpass.getuser(), "dup"),
+        ("cancel", getpass.getuser(), "bad file"),
+        ("resume", "bob", None),
+    ]
