@@ -30,6 +30,7 @@ from batching import models
 from batching.compose import build, evidence
 from batching.compose import record as run_record
 from batching.evidence import lineage
+from batching.ingress import controls
 from batching.ingress import queue as q
 from batching.loop import scorer as pipeline
 from batching.loop import stats as run_stats
@@ -230,10 +231,6 @@ def _breaker_pause(
     """What the retry-storm breaker calls to pause the queue (``breaker.pause_queue``), with
     the run as the actor of the audit row; None when the config says not to pause."""
     if not config.breaker.pause_queue:
-        return None
-    try:
-        from batching.ingress import controls  # type: ignore[attr-defined,unused-ignore]
-    except ImportError:  # TODO(lead): the queue controls (schema v13) are not merged yet
         return None
 
     def pause(reason: str) -> object:

@@ -253,8 +253,14 @@ class Scorer(Generic[D]):
             isolate=self._isolating,
         )
         self.stats.stage_s["claim"] += time.perf_counter() - started
-        # models.Claim.paused comes with the queue controls (schema v13)
-        self._paused = bool(getattr(claim, "paused", False))
+        if claim.paused != self._paused:  # once per change, not once per poll
+            logger.warning(
+                "queue paused; waiting for `batching queue resume`"
+                if claim.paused
+                else "queue resumed; claiming",
+                extra={"action": "queue_paused" if claim.paused else "queue_resumed"},
+            )
+        self._paused = claim.paused
         if claim.isolated:
             self.stats.isolated += len(claim.items)
             self._isolating = bool(claim.items)

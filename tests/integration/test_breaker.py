@@ -20,7 +20,7 @@ from batching import config as cfg
 from batching import errors, models
 from batching.compose import build
 from batching.compose import run as wiring
-from batching.ingress import ingest
+from batching.ingress import controls, ingest
 from batching.store import database, schema
 from tests.conftest import REPO
 
@@ -108,18 +108,15 @@ def rows_of(url: str) -> dict[str, Any]:
 
 class Watch:
     """``run_score``'s ``on_scorer`` hook: counts the model's calls from the scorer's start
-    (warm-up excluded) and, until the queue controls are merged, records the pause."""
+    (warm-up excluded)."""
 
     def __init__(self) -> None:
         self.model: Any = None
         self.calls_before = 0
-        self.pauses: list[str] = []
 
     def __call__(self, scorer: Any) -> None:
         self.model = scorer.runner.model
         self.calls_before = self.model.calls
-        if scorer.pause_queue is None:  # TODO(lead): the real controls.pause once merged
-            scorer.pause_queue = self.pauses.append
 
     @property
     def calls(self) -> int:
@@ -145,14 +142,14 @@ def test_a_model_failing_every_batch_trips_the_breaker_without_burning_attempts(
     assert {(rows[k].state, rows[k].attempts) for k in keys} == {(models.State.READY, 0)}
     # three batches bisected (2n - 1 calls each), then nothing more reached the model
     assert 2 * BATCH - 1 <= watch.calls <= 3 * (2 * BATCH - 1), watch.calls
-    try:
-        from batching.ingress import controls  # type: ignore[attr-defined,unused-ignore]
-    except ImportError:
-        assert watch.pauses == [f"retry storm: 3 batches in a row failed: {MODEL_ERROR}"]
-    else:  # pragma: no cover - with the queue controls merged
-        engine = database.create_engine(db_url)
-        assert controls.state(engine, "tabular").paused
-        engine.dispose()
+    engine = database.create_engine(db_url)
+    paused = controls.state(engine, "tabular")
+    (row,) = [a for a in controls.audit(engine, "tabular") if a.action == "pause"]
+    engine.dispose()
+    assert paused.paused
+    assert paused.reason == f"retry storm: 3 batches in a row failed: {MODEL_ERROR}"
+    assert (paused.paused_by or "").startswith("breaker:")
+    assert row.actor == paused.paused_by
 
 
 def test_a_scored_batch_breaks_the_streak_and_the_held_failures_use_one_attempt(
@@ -165,7 +162,9 @@ def test_a_scored_batch_breaks_the_streak_and_the_held_failures_use_one_attempt(
     watch = Watch()
     done = wiring.run_score(conf, db_url=db_url, output=str(tmp_path / "out"), on_scorer=watch)
     assert (done.summary["items_committed"], done.summary["items_failed"]) == (2 * BATCH, 2 * BATCH)
-    assert watch.pauses == []
+    engine = database.create_engine(db_url)
+    assert not controls.state(engine, "tabular").paused
+    engine.dispose()
     rows = rows_of(db_url)
     for key, _ in bad:
         assert (rows[key].state, rows[key].attempts) == (models.State.READY, 1), key

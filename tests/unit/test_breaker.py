@@ -282,11 +282,6 @@ def test_without_a_pause_it_still_stops_and_says_the_queue_is_not_paused(pause: 
     assert set(attempts(r, [f"k{i}" for i in range(20)]).values()) == {(models.State.READY, 0)}
 
 
-@dataclass(frozen=True)
-class PausedClaim(models.Claim):  # TODO(lead): models.Claim(..., paused=True) once merged
-    paused: bool = True
-
-
 class PausesAfter(InMemoryQueue):
     """Claims find the queue paused once ``after`` claims were made (``models.Claim.paused``,
     as the queue controls report it)."""
@@ -297,7 +292,7 @@ class PausesAfter(InMemoryQueue):
     def claim(self, n: int, **kw: Any) -> models.Claim:
         self.claims += 1
         if self.claims > self.after:
-            return PausedClaim("none", (), self.clock())
+            return models.Claim("none", (), self.clock(), paused=True)
         return super().claim(n, **kw)
 
 
