@@ -26,6 +26,8 @@ class ScoreResult:
     in and out included); ``n_forward`` counts model calls (more than 1 after splits).
     ``undecodable``: the failed items whose payload this model cannot read (a wrong shape,
     dtype or field): no retry can help them, unlike a failure in the forward pass.
+    ``n_oom_splits``: sub-batches split in half after a CUDA OOM; ``poisoned``: the failed items
+    a bisection isolated (each failed alone while its batch-mates scored).
     """
 
     outputs: Mapping[int, npt.NDArray[np.float32]]
@@ -36,6 +38,8 @@ class ScoreResult:
     batch_error: str | None = None
     n_forward: int = 0
     undecodable: frozenset[int] = frozenset()
+    n_oom_splits: int = 0
+    poisoned: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

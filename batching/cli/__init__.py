@@ -3,7 +3,8 @@
 One module per group of commands, each registering on the one Typer app of
 :mod:`batching.cli.common`: :mod:`~batching.cli.queue` (init, enqueue, status, redrive,
 purge), :mod:`~batching.cli.scoring` (score, demo), :mod:`~batching.cli.plan` (check,
-profile), :mod:`~batching.cli.evidence` (lineage, reconcile, maintain). The CLI is an edge: it alone
+profile), :mod:`~batching.cli.evidence` (lineage, reconcile, maintain),
+:mod:`~batching.cli.metrics` (metrics serve). The CLI is an edge: it alone
 (with ``flows/``) reads environment variables (``BATCHING_DB_URL``, ``OPENLINEAGE_*``) and
 turns them into arguments for the library.
 """
@@ -17,7 +18,7 @@ import sys
 
 def main() -> None:
     """Console-script entry point."""
-    from batching.cli import evidence, plan, queue, scoring  # noqa: F401  (register commands)
+    from batching.cli import evidence, metrics, plan, queue, scoring  # noqa: F401  (register commands)
     from batching.cli.common import app, run_json
     from batching.logs import configure_logging
 

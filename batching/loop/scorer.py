@@ -60,6 +60,7 @@ class Scorer(Generic[D]):
             ``sinks.Outputs`` (a sink, and the run and model version it records).
         service_time: predicted forward seconds for (n_items, length), for deadline releases.
         on_progress: called from the commit thread after every group commit.
+        observer: told what the run does as it goes (the metrics; ``ports.ScoreObserver``).
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class Scorer(Generic[D]):
         service_time: ServiceTime | None = None,
         on_progress: Progress | None = None,
         wait_for_work: Callable[[float], object] | None = None,
+        observer: ports.ScoreObserver | None = None,
     ) -> None:
         self.config = config
         self.queue = queue
@@ -81,6 +83,7 @@ class Scorer(Generic[D]):
         self.clock = clock
         self.batcher = MicroBatcher(config.batching, clock, service_time)
         self.on_progress = on_progress
+        self.observer: ports.ScoreObserver = observer or ports.NoObserver()
         self._wait = wait_for_work or (lambda s: time.sleep(s))
         self._stop = threading.Event()
         # Set only once the forward and commit stages are done: a stop() ends claims at once,
@@ -123,6 +126,7 @@ class Scorer(Generic[D]):
                 target=self._guard, args=(self._heartbeat_loop,), name="heartbeat", daemon=True
             ),
         ]
+        self.observer.started(self.stats.started_at)
         for t in threads:
             t.start()
         try:
@@ -140,6 +144,7 @@ class Scorer(Generic[D]):
                 self._stages_done.set()
                 threads[2].join()
                 self.stats.finished_at = self.clock()
+                self.observer.finished(self.stats.finished_at)
         if self._error is not None:
             raise self._error
         return self.stats
@@ -388,7 +393,7 @@ class Scorer(Generic[D]):
         return jobs, False
 
     def _commit(self, jobs: list[Scored]) -> None:
-        now = self.clock()
+        started, now = time.perf_counter(), self.clock()
         parts = list(by_lease(jobs).items())
         for n, (lease_id, part) in enumerate(parts):
             try:
@@ -416,6 +421,9 @@ class Scorer(Generic[D]):
             self.stats.service_s.append(job.result.service_s)
             self.stats.real_tokens += job.result.real_tokens
             self.stats.padded_tokens += job.result.padded_tokens
+            self.observer.batch_committed(job.batch, job.result)
+        self.observer.commit_timed(time.perf_counter() - started)
+        self.observer.heartbeat(self.clock())
 
     def _commit_lease_part(self, lease_id: str, part: LeasePart, now: float) -> int:
         """Commit one lease's scored items and fail its failed ones; returns sink commits made."""
@@ -430,17 +438,20 @@ class Scorer(Generic[D]):
                     extra={"action": "lease_lost", "lease_id": lease_id, "error": str(exc)},
                 )
                 self.stats.lease_lost += len(ok)
+                self.observer.lease_lost(len(ok))
             else:
                 done = self.clock()
                 self.stats.bytes_written += committed.n_bytes or 0
                 self.stats.committed += len(ok)
                 since = functools.partial(operator.sub, done)
                 self.stats.latencies_s.extend(map(since, models.item_column(ok, "enqueued_at")))
+                self.observer.committed(ok, done)
                 made = 1
         for failures, retry in ((part.failures, True), (part.undecodable, False)):
             if failures:
                 res = self.queue.fail(lease_id, failures, retry=retry)
                 self.stats.failed += res.retried + res.dead
+                self.observer.failed([i for i in held if i.id in failures], retry=retry)
         self._forget(lease_id, held)
         return made
 
@@ -451,6 +462,7 @@ class Scorer(Generic[D]):
             held = part.scored()[2]
             try:
                 self.stats.released += self.queue.release(lease_id, models.item_column(held, "id"))
+                self.observer.released(held)
             except errors.QueueError:
                 logger.warning(
                     "items not released; they return when the lease expires",
@@ -485,6 +497,7 @@ class Scorer(Generic[D]):
         interval = self.config.queue.effective_heartbeat_s
         missed: set[str] = set()
         while not self._stages_done.wait(interval):
+            self.observer.heartbeat(self.clock())
             with self._lock:
                 leases = list(self._leases)
             empty = {
@@ -510,7 +523,9 @@ class Scorer(Generic[D]):
                     by_lease.setdefault(self._item_lease[item.id], []).append(item.id)
             for lease_id, ids in by_lease.items():
                 self.stats.released += self.queue.release(lease_id, ids)
-                self._forget(lease_id, [i for i in batch.items if i.id in set(ids)])
+                given = [i for i in batch.items if i.id in set(ids)]
+                self.observer.released(given)
+                self._forget(lease_id, given)
         if self.stats.released:
             logger.info(
                 "items released", extra={"action": "release", "n_items": self.stats.released}
@@ -538,15 +553,16 @@ class Scorer(Generic[D]):
             for item_id, lease_id in job.leases.items():
                 ids_by_lease.setdefault(lease_id, []).append(item_id)
             for lease_id, ids in ids_by_lease.items():
+                mine = set(ids)
                 try:
                     self.stats.released += self.queue.release(lease_id, ids)
+                    self.observer.released([i for i in job.batch.items if i.id in mine])
                 except errors.QueueError:
                     logger.warning(
                         "items not released; they return when the lease expires",
                         extra={"action": "release_failed", "lease_id": lease_id},
                         exc_info=True,
                     )
-                mine = set(ids)
                 self._forget(lease_id, [i for i in job.batch.items if i.id in mine])
 
     def _settle(self) -> None:

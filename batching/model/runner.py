@@ -87,6 +87,9 @@ class _Tally:
     failures: dict[int, str] = field(default_factory=dict)
     batch_error: str | None = None
     n_forward: int = 0
+    n_oom_splits: int = 0
+    bisected: bool = False  # a forward failure (not an OOM) split the batch
+    poisoned: set[int] = field(default_factory=set)
 
 
 class TorchRunner:
@@ -352,6 +355,8 @@ class TorchRunner:
             batch_error=tally.batch_error,
             n_forward=tally.n_forward,
             undecodable=frozenset(decoded.failures),
+            n_oom_splits=tally.n_oom_splits,
+            poisoned=frozenset(tally.poisoned),
         )
 
     def score(self, items: Sequence[models.WorkItem]) -> outcomes.ScoreResult:
@@ -397,8 +402,10 @@ class TorchRunner:
             return
         mid = (start + stop) // 2
         if oom:
+            tally.n_oom_splits += 1
             self._lower_ceiling(decoded, start, mid, stop)
         else:
+            tally.bisected = True
             logger.warning(
                 "forward failed; bisecting",
                 extra={"action": "forward_bisect", "n_items": stop - start, "error": reason},
@@ -475,6 +482,8 @@ class TorchRunner:
             extra={"action": "item_failed", "item_id": item_id, "error": reason},
         )
         tally.failures[item_id] = reason
+        if tally.bisected and not oom:
+            tally.poisoned.add(item_id)
 
     def _lower_ceiling(self, decoded: Decoded, start: int, mid: int, stop: int) -> None:
         half = (mid - start) * int(decoded.lengths[start:mid].max())
