@@ -39,11 +39,13 @@ class TenantFolder:
                 self._volume[tenant] = volume
             if tenant in self._labelled:
                 return tenant
-            if len(self._labelled) < self.top_n and tenant != OTHER_TENANT:
+            if tenant == OTHER_TENANT:
+                return OTHER_TENANT
+            if len(self._labelled) < self.top_n:
                 self._labelled.add(tenant)
                 return tenant
             smallest = min(self._labelled, key=lambda t: (self._volume.get(t, 0), t))
-            if tenant != OTHER_TENANT and volume > self._volume.get(smallest, 0):
+            if volume > self._volume.get(smallest, 0):
                 self._labelled.discard(smallest)
                 self._labelled.add(tenant)
                 return tenant
