@@ -43,7 +43,11 @@ def scorer_metrics(cfg: Any, workers: int) -> Iterator[None]:
 
     with publish.worker_metrics(os.environ, workers > 1) as folder:
         reg = publish.registry(folder)
-        server = publish.serve(cfg.metrics.port, reg) if cfg.metrics.port else None
+        server = (
+            publish.serve(cfg.metrics.port, reg, option="metrics.port or --metrics-port")
+            if cfg.metrics.port
+            else None
+        )
         try:
             yield
         finally:
@@ -79,7 +83,7 @@ def serve(
 
     cfg = load(config)
     queue = build.open_queue(cfg, build.resolve(cfg, db, None).db_url)
-    server = publish.serve(port, exporter.exporter_registry(cfg, queue), addr=addr)
+    server = publish.serve(port, exporter.exporter_registry(cfg, queue), addr=addr, option="--port")
     out.print(f"serving metrics on http://{addr}:{port}/metrics", highlight=False)
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

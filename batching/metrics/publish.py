@@ -81,18 +81,21 @@ class Server:
         self._server.server_close()
 
 
-def serve(port: int, reg: CollectorRegistry, addr: str = "0.0.0.0") -> Server:
+def serve(
+    port: int, reg: CollectorRegistry, addr: str = "0.0.0.0", option: str = "--metrics-port"
+) -> Server:
     """Serve ``reg`` on ``http://addr:port/metrics`` from a daemon thread.
 
     Raises:
-        ConfigError: the port cannot be bound (in use, or privileged).
+        ConfigError: the port cannot be bound (in use, or privileged); the message names
+            ``option``, the setting to change.
     """
     try:
         server, thread = start_http_server(port, addr=addr, registry=reg)
     except OSError as exc:
         raise errors.ConfigError(
             f"cannot serve metrics on port {port} ({exc.strerror or exc}); "
-            "choose a free port (metrics.port or --metrics-port)"
+            f"choose a free port ({option})"
         ) from None
     logger.info("serving metrics", extra={"action": "metrics_serve", "port": port})
     return Server(port, server, thread)
