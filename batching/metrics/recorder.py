@@ -113,7 +113,9 @@ class Recorder:
         self._e["batching_run_heartbeat_timestamp_seconds"].set(at)
 
     def heartbeat(self, at: float) -> None:
-        """The run is alive."""
+        """The run is alive (and active: with workers, the gauge shows the latest write, so
+        a worker that finished first does not hide the others for longer than a beat)."""
+        self._e["batching_run_active"].set(1)
         self._e["batching_run_heartbeat_timestamp_seconds"].set(at)
 
     def batch_committed(self, batch: models.Batch, result: outcomes.ScoreResult) -> None:
