@@ -502,6 +502,66 @@ def _is_http_url(url: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
+class MetricsConfig(_Model):
+    """Prometheus metrics: where a scorer serves or sends them (see docs/operations.md#metrics).
+
+    A long-running scorer serves ``/metrics`` on ``port``; a short run (a Prefect flow run)
+    pushes its metrics to ``pushgateway_url`` or writes ``textfile_path`` at its end.
+    """
+
+    environment: str = Field(
+        "default",
+        min_length=1,
+        max_length=100,
+        description="the `environment` label of every series (e.g. prod, staging)",
+    )
+    port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="a scorer serves `/metrics` on this port (`score --metrics-port` overrides it); none: not served",
+    )
+    pushgateway_url: str | None = Field(
+        None,
+        description="a run pushes its metrics here at its end (`http://host:9091`; grouping key job `batching-score`, queue)",
+    )
+    textfile_path: str | None = Field(
+        None,
+        min_length=1,
+        description="a run writes its metrics to this file at its end (node_exporter's textfile collector: a `*.prom` file)",
+    )
+    top_tenants: int = Field(
+        20,
+        ge=1,
+        le=10_000,
+        description='tenants with their own label (the top N by items seen); the rest fold into `tenant="other"`',
+    )
+
+    @field_validator("pushgateway_url")
+    @classmethod
+    def _pushgateway_is_http(cls, value: str | None) -> str | None:
+        if value is not None and not _is_http_url(value):
+            raise ValueError(
+                f"pushgateway_url {redact_url(value)!r} is not a URL like http://pushgateway:9091"
+                " (http or https, a host, a numeric port if any)"
+            )
+        return value
+
+    @field_validator("textfile_path")
+    @classmethod
+    def _prom_file(cls, value: str | None) -> str | None:
+        if value is not None and not value.endswith(".prom"):
+            raise ValueError(
+                f"textfile_path must end in .prom (node_exporter reads only those), got {value!r}"
+            )
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a run records metrics: served, pushed or written somewhere."""
+        return bool(self.port or self.pushgateway_url or self.textfile_path)
+
+
 class PipelineConfig(_Model):
     """One environment's whole pipeline, as in ``deployments/*.yaml``."""
 
@@ -540,6 +600,13 @@ class PipelineConfig(_Model):
         gt=0,
         description="... or when the oldest ready item is this old",
     )
+    latency_objective: float = Field(
+        0.99,
+        gt=0,
+        lt=1,
+        description="the fraction of items to commit within `latency_slo_s` (the SLO the burn-rate alerts hold; 0.99: 1% error budget)",
+    )
+    metrics: MetricsConfig = MetricsConfig()
     base_dir: str = Field(".", exclude=True)
 
     @model_validator(mode="after")

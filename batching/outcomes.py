@@ -31,6 +31,8 @@ class ScoreResult:
     in it with an error (bisection found no item that fails beside batch-mates that score;
     non-finite outputs do not count). The retry-storm breaker (``batching.loop.breaker``)
     counts such batches.
+    ``n_oom_splits``: sub-batches split in half after a CUDA OOM; ``poisoned``: the failed items
+    a bisection isolated (each failed alone while its batch-mates scored).
     """
 
     outputs: Mapping[int, npt.NDArray[np.float32]]
@@ -42,6 +44,8 @@ class ScoreResult:
     n_forward: int = 0
     undecodable: frozenset[int] = frozenset()
     whole_batch_error: str | None = None
+    n_oom_splits: int = 0
+    poisoned: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,8 @@ library only at run time.
 * :class:`ClaimPort`, :class:`RunnerPort`, :class:`CommitPort` - what the scoring loop is given:
   a queue to claim from, a model runner, and the outputs to commit to. The loop imports none
   of their implementations (``SqlQueue``, ``TorchRunner``, ``outputs.contract.Outputs``).
+* :class:`ScoreObserver` - what the scoring loop reports as it goes (the metrics recorder,
+  ``batching.metrics.recorder.Recorder``); :class:`NoObserver` ignores it all.
 * :class:`Fence` - what the outputs are given by the queue: a transaction in the queue's
   database, and in it the ack of a lease's items under its fence. A sink never sees the queue
   itself, so it can commit exactly once without knowing how the queue stores its items.
@@ -126,3 +128,81 @@ class ReconcilePort(Fence, Protocol):
     def release_expired(
         self, limit: int = 5000, *, this_queue: bool = False
     ) -> models.ReapResult: ...
+
+
+class ScoreObserver(Protocol):
+    """What the scoring loop reports as it goes (``batching.metrics.recorder.Recorder``).
+
+    Called from the loop's threads; each call is cheap and never raises. Times are epoch
+    seconds (the loop's clock), durations seconds.
+    """
+
+    def started(self, at: float) -> None:
+        """The run started: it is active from now."""
+
+    def heartbeat(self, at: float) -> None:
+        """The run is alive (each group commit, and each heartbeat interval)."""
+
+    def batch_committed(self, batch: models.Batch, result: outcomes.ScoreResult) -> None:
+        """A scored batch went through the commit stage (its size, cost, fill, forward time)."""
+
+    def committed(self, items: Sequence[models.WorkItem], done_at: float) -> None:
+        """These items committed at ``done_at`` (latency from ``enqueued_at``, SLA misses)."""
+
+    def failed(self, items: Sequence[models.WorkItem], *, retry: bool) -> None:
+        """These items failed: retried unless ``retry`` is False or their attempts ran out."""
+
+    def released(self, items: Sequence[models.WorkItem]) -> None:
+        """These items were given back without using an attempt."""
+
+    def lease_lost(self, n_items: int) -> None:
+        """A commit found its lease lost: ``n_items`` were not committed by this run."""
+
+    def commit_timed(self, seconds: float) -> None:
+        """One group commit took ``seconds``."""
+
+    def lineage_failed(self, n_events: int) -> None:
+        """``n_events`` lineage events were not delivered (spooled or dropped)."""
+
+    def breaker_tripped(self) -> None:
+        """The retry-storm breaker stopped the run."""
+
+    def finished(self, at: float) -> None:
+        """The run ended (done, stopped or failed): no longer active."""
+
+
+class NoObserver:
+    """A :class:`ScoreObserver` that records nothing: the loop's default."""
+
+    def started(self, at: float) -> None:
+        """Nothing recorded."""
+
+    def heartbeat(self, at: float) -> None:
+        """Nothing recorded."""
+
+    def batch_committed(self, batch: models.Batch, result: outcomes.ScoreResult) -> None:
+        """Nothing recorded."""
+
+    def committed(self, items: Sequence[models.WorkItem], done_at: float) -> None:
+        """Nothing recorded."""
+
+    def failed(self, items: Sequence[models.WorkItem], *, retry: bool) -> None:
+        """Nothing recorded."""
+
+    def released(self, items: Sequence[models.WorkItem]) -> None:
+        """Nothing recorded."""
+
+    def lease_lost(self, n_items: int) -> None:
+        """Nothing recorded."""
+
+    def commit_timed(self, seconds: float) -> None:
+        """Nothing recorded."""
+
+    def lineage_failed(self, n_events: int) -> None:
+        """Nothing recorded."""
+
+    def breaker_tripped(self) -> None:
+        """Nothing recorded."""
+
+    def finished(self, at: float) -> None:
+        """Nothing recorded."""

@@ -26,6 +26,7 @@ holding a password is refused before anything runs.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
@@ -131,7 +132,7 @@ def score_queue(
     attempt's, and only what is left of ``limits`` (see :class:`batching.compose.record.Attempt`).
     """
     attempt = this_attempt()
-    with artifacts.Progress(cfg.name, expected) as progress:
+    with artifacts.Progress(cfg.name, expected) as progress, run_metrics(cfg, workers):
         outcome = app.run_score_workers(
             cfg,
             workers,
@@ -149,6 +150,24 @@ def score_queue(
             raise error
     artifacts.publish_summary(cfg.name, outcome.run_id, outcome.summary, outcome.output)
     return outcome
+
+
+@contextmanager
+def run_metrics(cfg: config.PipelineConfig, workers: int) -> Iterator[None]:
+    """The run's metrics (``metrics.pushgateway_url`` / ``metrics.textfile_path``): recorded
+    while it runs (by every worker), pushed or written at its end, failed or not."""
+    m = cfg.metrics
+    if not (m.pushgateway_url or m.textfile_path):
+        yield
+        return
+    from batching.metrics import publish
+
+    with publish.worker_metrics(os.environ, workers > 1) as folder:
+        try:
+            yield
+        finally:
+            for problem in publish.publish_run(cfg, publish.registry(folder)):
+                get_run_logger().warning(problem)
 
 
 def this_attempt() -> run_record.Attempt:

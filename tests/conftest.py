@@ -130,3 +130,24 @@ def db_url(request: pytest.FixtureRequest) -> str:
     """Every queue contract test runs on both databases."""
     fixture = "sqlite_url" if request.param == "sqlite" else "pg_url"
     return str(request.getfixturevalue(fixture))
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[Callable[..., object]]:
+    """Start a real Prometheus: ``prometheus(targets, rule_files=(), interval_s=1.0)`` with
+    ``targets`` a job -> ``host:port`` list; returns a ``tests.prometheus.Prometheus``. Every
+    one started is stopped at the end of the test (see tests/prometheus.py)."""
+    import contextlib
+
+    from tests import prometheus as prom
+
+    with contextlib.ExitStack() as stack:
+        n = iter(range(1000))
+
+        def start(targets: object, rule_files: object = (), interval_s: float = 1.0) -> object:
+            folder = tmp_path / f"prometheus-{next(n)}"
+            return stack.enter_context(
+                prom.running_prometheus(folder, targets, rule_files, interval_s)  # type: ignore[arg-type]
+            )
+
+        yield start

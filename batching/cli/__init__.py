@@ -4,7 +4,8 @@ One module per group of commands, each registering on the one Typer app of
 :mod:`batching.cli.common`: :mod:`~batching.cli.queue` (init, enqueue, status, redrive,
 purge), :mod:`~batching.cli.controls` (queue pause, resume, cancel, cap, audit),
 :mod:`~batching.cli.scoring` (score, demo), :mod:`~batching.cli.plan` (check,
-profile), :mod:`~batching.cli.evidence` (lineage, reconcile, maintain). The CLI is an edge: it alone
+profile), :mod:`~batching.cli.evidence` (lineage, reconcile, maintain),
+:mod:`~batching.cli.metrics` (metrics serve). The CLI is an edge: it alone
 (with ``flows/``) reads environment variables (``BATCHING_DB_URL``, ``OPENLINEAGE_*``) and
 turns them into arguments for the library.
 """
@@ -18,7 +19,14 @@ import sys
 
 def main() -> None:
     """Console-script entry point."""
-    from batching.cli import controls, evidence, plan, queue, scoring  # noqa: F401  (register)
+    from batching.cli import (  # noqa: F401  (register commands)
+        controls,
+        evidence,
+        metrics,
+        plan,
+        queue,
+        scoring,
+    )
     from batching.cli.common import app, run_json
     from batching.logs import configure_logging
 

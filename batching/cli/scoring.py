@@ -95,6 +95,16 @@ def score(
             "is shared out between them.",
         ),
     ] = 1,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            "--metrics-port",
+            min=1,
+            max=65535,
+            help="Serve Prometheus /metrics on this port while scoring (overrides "
+            "metrics.port; with --workers, one endpoint for all of them).",
+        ),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Claim, batch, score and commit items from the config's queue.
@@ -109,10 +119,11 @@ def score(
     errors (one-line messages). The exit code is the same as without --json.
     """
     stop = _StopOnSignal()  # first: a signal while the model loads must not kill the run
+    from batching.cli.metrics import scorer_metrics, with_metrics_port
     from batching.compose import run as wiring
     from batching.loop import stats as run_stats
 
-    cfg = load(config)
+    cfg = with_metrics_port(load(config), metrics_port)
     lineage_config = lineage_settings(cfg)
     limits = run_stats.RunLimits(
         until_empty=until_empty or max_seconds is None,
@@ -138,7 +149,7 @@ def score(
         )
 
     if workers > 1:
-        with progress:
+        with progress, scorer_metrics(cfg, workers):
             _score_workers(
                 cfg,
                 workers,
@@ -155,7 +166,7 @@ def score(
     def on_progress(stats: run_stats.RunStats) -> None:
         show(stats.committed, stats.failed, stats.claimed)
 
-    with progress:
+    with progress, scorer_metrics(cfg, 1):
         outcome = wiring.run_score(
             cfg,
             db_url=db,

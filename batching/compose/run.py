@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from batching import config as cfg
-from batching import models
+from batching import models, ports
 from batching.compose import build, evidence
 from batching.compose import record as run_record
 from batching.evidence import lineage
@@ -165,6 +165,7 @@ def run_score(
         raise
     before = so_far.items_committed if so_far else 0  # by the run's earlier attempts
     record = run_record.Record(runs, emitter, ctx, attempt, config.queue.effective_heartbeat_s)
+    observer = _observer(config)
     try:
         run_record.fail_abandoned(emitter, ctx, config, abandoned)
         record.open()
@@ -183,6 +184,7 @@ def run_score(
                 on_progress=on_progress,
                 wait_for_work=q.Waiter(queue.engine, queue.queue).wait,
                 pause_queue=_breaker_pause(config, queue, run_id),
+                observer=observer,
             )
             if on_scorer is not None:
                 on_scorer(scorer)
@@ -223,6 +225,17 @@ def run_score(
     finally:
         record.stop()
         _stop(flush)
+        observer.lineage_failed(emitter.failures)
+
+
+def _observer(config: cfg.PipelineConfig) -> ports.ScoreObserver:
+    """The metrics recorder when the config serves, pushes or writes metrics; else none
+    (``prometheus_client`` is imported only then)."""
+    if not config.metrics.enabled:
+        return ports.NoObserver()
+    from batching.metrics.recorder import Recorder
+
+    return Recorder(config)
 
 
 def _breaker_pause(

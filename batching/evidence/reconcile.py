@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from batching import errors, models, ports
+from batching.evidence import reconcile_result
 from batching.evidence.findings import (
     SAMPLE_KEYS,
     Facts,
@@ -413,6 +414,7 @@ def reconcile(
     location = sink.describe()["location"]
     report = Report(sink.kind, location, now, since, run_id, findings, repairs)
     _log(report)
+    reconcile_result.remember(queue, report)
     return report
 
 

@@ -68,6 +68,7 @@ class Scorer(Generic[D]):
         on_progress: called from the commit thread after every group commit.
         pause_queue: called with the reason when the retry-storm breaker trips, before the
             items are released (``controls.pause`` on the queue); None: nothing is paused.
+        observer: told what the run does as it goes (the metrics; ``ports.ScoreObserver``).
     """
 
     def __init__(
@@ -82,6 +83,7 @@ class Scorer(Generic[D]):
         on_progress: Progress | None = None,
         wait_for_work: Callable[[float], object] | None = None,
         pause_queue: Callable[[str], object] | None = None,
+        observer: ports.ScoreObserver | None = None,
     ) -> None:
         self.config = config
         self.queue = queue
@@ -90,6 +92,7 @@ class Scorer(Generic[D]):
         self.clock = clock
         self.batcher = MicroBatcher(config.batching, clock, service_time)
         self.on_progress = on_progress
+        self.observer: ports.ScoreObserver = observer or ports.NoObserver()
         self._wait = wait_for_work or (lambda s: time.sleep(s))
         self._stop = threading.Event()
         # Set only once the forward and commit stages are done: a stop() ends claims at once,
@@ -135,6 +138,7 @@ class Scorer(Generic[D]):
                 target=self._guard, args=(self._heartbeat_loop,), name="heartbeat", daemon=True
             ),
         ]
+        self.observer.started(self.stats.started_at)
         for t in threads:
             t.start()
         try:
@@ -152,6 +156,7 @@ class Scorer(Generic[D]):
                 self._stages_done.set()
                 threads[2].join()
                 self.stats.finished_at = self.clock()
+                self.observer.finished(self.stats.finished_at)
         if self._error is not None:
             raise self._error
         return self.stats
@@ -367,6 +372,7 @@ class Scorer(Generic[D]):
         """Pause the queue, leave the streak's batches to be released, fail the run: raising
         here stops the claims, and the shutdown releases all the run holds (``run``)."""
         self.stats.breaker_trips += 1
+        self.observer.breaker_tripped()
         queue_name = self.config.queue.name
         why: str | None = (
             "no pause was wired in"
@@ -468,7 +474,7 @@ class Scorer(Generic[D]):
         return jobs, False
 
     def _commit(self, jobs: list[Scored]) -> None:
-        now = self.clock()
+        started, now = time.perf_counter(), self.clock()
         parts = list(by_lease(jobs).items())
         for n, (lease_id, part) in enumerate(parts):
             try:
@@ -496,6 +502,9 @@ class Scorer(Generic[D]):
             self.stats.service_s.append(job.result.service_s)
             self.stats.real_tokens += job.result.real_tokens
             self.stats.padded_tokens += job.result.padded_tokens
+            self.observer.batch_committed(job.batch, job.result)
+        self.observer.commit_timed(time.perf_counter() - started)
+        self.observer.heartbeat(self.clock())
 
     def _commit_lease_part(self, lease_id: str, part: LeasePart, now: float) -> int:
         """Commit one lease's scored items and fail its failed ones; returns sink commits made."""
@@ -510,17 +519,20 @@ class Scorer(Generic[D]):
                     extra={"action": "lease_lost", "lease_id": lease_id, "error": str(exc)},
                 )
                 self.stats.lease_lost += len(ok)
+                self.observer.lease_lost(len(ok))
             else:
                 done = self.clock()
                 self.stats.bytes_written += committed.n_bytes or 0
                 self.stats.committed += len(ok)
                 since = functools.partial(operator.sub, done)
                 self.stats.latencies_s.extend(map(since, models.item_column(ok, "enqueued_at")))
+                self.observer.committed(ok, done)
                 made = 1
         for failures, retry in ((part.failures, True), (part.undecodable, False)):
             if failures:
                 res = self.queue.fail(lease_id, failures, retry=retry)
                 self.stats.failed += res.retried + res.dead
+                self.observer.failed([i for i in held if i.id in failures], retry=retry)
         self._forget(lease_id, held)
         return made
 
@@ -531,6 +543,7 @@ class Scorer(Generic[D]):
             held = part.scored()[2]
             try:
                 self.stats.released += self.queue.release(lease_id, models.item_column(held, "id"))
+                self.observer.released(held)
             except errors.QueueError:
                 logger.warning(
                     "items not released; they return when the lease expires",
@@ -565,6 +578,7 @@ class Scorer(Generic[D]):
         interval = self.config.queue.effective_heartbeat_s
         missed: set[str] = set()
         while not self._stages_done.wait(interval):
+            self.observer.heartbeat(self.clock())
             with self._lock:
                 leases = list(self._leases)
             empty = {
@@ -590,7 +604,9 @@ class Scorer(Generic[D]):
                     by_lease.setdefault(self._item_lease[item.id], []).append(item.id)
             for lease_id, ids in by_lease.items():
                 self.stats.released += self.queue.release(lease_id, ids)
-                self._forget(lease_id, [i for i in batch.items if i.id in set(ids)])
+                given = [i for i in batch.items if i.id in set(ids)]
+                self.observer.released(given)
+                self._forget(lease_id, given)
         if self.stats.released:
             logger.info(
                 "items released", extra={"action": "release", "n_items": self.stats.released}
@@ -622,15 +638,16 @@ class Scorer(Generic[D]):
         for item_id, lease_id in job.leases.items():
             ids_by_lease.setdefault(lease_id, []).append(item_id)
         for lease_id, ids in ids_by_lease.items():
+            mine = set(ids)
             try:
                 self.stats.released += self.queue.release(lease_id, ids)
+                self.observer.released([i for i in job.batch.items if i.id in mine])
             except errors.QueueError:
                 logger.warning(
                     "items not released; they return when the lease expires",
                     extra={"action": "release_failed", "lease_id": lease_id},
                     exc_info=True,
                 )
-            mine = set(ids)
             self._forget(lease_id, [i for i in job.batch.items if i.id in mine])
 
     def _settle(self) -> None:

@@ -91,6 +91,9 @@ class _Tally:
     n_forward: int = 0
     model_failed: int = 0  # items failed by a model error (not a non-finite output)
     first_error: str | None = None
+    n_oom_splits: int = 0
+    bisected: bool = False  # a forward failure (not an OOM) split the batch
+    poisoned: set[int] = field(default_factory=set)
 
 
 class TorchRunner:
@@ -347,6 +350,11 @@ class TorchRunner:
         else:
             for ids, out in tally.chunks:
                 tally.outputs.update(zip(ids, out, strict=True))
+        whole = (
+            tally.first_error
+            if len(decoded.ids) > 1 and tally.model_failed == len(decoded.ids)
+            else None
+        )
         return outcomes.ScoreResult(
             outputs=outputs,
             failures=tally.failures,
@@ -356,9 +364,10 @@ class TorchRunner:
             batch_error=tally.batch_error,
             n_forward=tally.n_forward,
             undecodable=frozenset(decoded.failures),
-            whole_batch_error=tally.first_error
-            if len(decoded.ids) > 1 and tally.model_failed == len(decoded.ids)
-            else None,
+            whole_batch_error=whole,
+            n_oom_splits=tally.n_oom_splits,
+            # a batch failing as a whole is the model's fault, not its items' (the breaker's)
+            poisoned=frozenset() if whole else frozenset(tally.poisoned),
         )
 
     def score(self, items: Sequence[models.WorkItem]) -> outcomes.ScoreResult:
@@ -404,8 +413,10 @@ class TorchRunner:
             return
         mid = (start + stop) // 2
         if oom:
+            tally.n_oom_splits += 1
             self._lower_ceiling(decoded, start, mid, stop)
         else:
+            tally.bisected = True
             logger.warning(
                 "forward failed; bisecting",
                 extra={"action": "forward_bisect", "n_items": stop - start, "error": reason},
@@ -486,6 +497,8 @@ class TorchRunner:
         tally.failures[item_id] = reason
         tally.model_failed += 1
         tally.first_error = tally.first_error or reason
+        if tally.bisected and not oom:
+            tally.poisoned.add(item_id)
 
     def _lower_ceiling(self, decoded: Decoded, start: int, mid: int, stop: int) -> None:
         half = (mid - start) * int(decoded.lengths[start:mid].max())

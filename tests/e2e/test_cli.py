@@ -41,6 +41,7 @@ COMMANDS = (
     "check",
     "profile",
     "demo",
+    "metrics",
 )
 DB = "sqlite:///queue.db"  # relative: a copied workspace keeps working
 SECRET_DB = "postgresql://u:sekret@127.0.0.1:9/x"

@@ -62,6 +62,7 @@ def healthy(tmp_path_factory: pytest.TempPathFactory) -> Run:
     pipeline = make_pipeline(
         tmp_path_factory.mktemp("healthy"), N_ITEMS, batching={"max_batch_size": 64}
     )
+    pipeline.overrides["metrics"] = {"textfile_path": str(pipeline.root / "run.prom")}
     return run_score(pipeline)
 
 
@@ -73,6 +74,23 @@ def test_a_score_run_scores_every_item_once(healthy: Run) -> None:
     assert healthy.pipeline.by_state()["done"] == N_ITEMS
     keys = pq.read_table(healthy.pipeline.output)["item_key"].to_pylist()
     assert sorted(keys) == sorted(f"w1-{i}" for i in range(N_ITEMS))
+
+
+def test_the_run_writes_its_metrics_for_the_textfile_collector_at_its_end(healthy: Run) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (healthy.pipeline.root / "run.prom").read_text()
+    values = {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name in ("batching_items_committed_total", "batching_batch_size_items_count")
+    }
+    summary = healthy.summary
+    assert values == {
+        "batching_items_committed_total": summary["items_committed"],
+        "batching_batch_size_items_count": summary["batches"],
+    }
 
 
 def test_a_single_scorer_is_a_child_run_whose_parent_is_the_flow_run(

@@ -190,11 +190,12 @@ def test_cancelled_items_count_apart_are_purged_and_redriven_only_when_asked(
 
 def test_cancel_needs_a_filter_and_a_reason(queue: q.SqlQueue, clock: FakeClock) -> None:
     queue.enqueue([rec("a")])
-    for kw, says in (
+    cases: tuple[tuple[dict[str, Any], str], ...] = (
         ({}, "needs a filter"),
         ({"keys": []}, "empty key list"),
         ({"tenant": "default", "reason": ""}, "cancel needs a reason"),
-    ):
+    )
+    for kw, says in cases:
         with pytest.raises(errors.InputError, match=says):
             controls.cancel(queue.engine, "ctl", **{"actor": "a", "reason": "r", "now": 1.0, **kw})
     assert states(queue) == {"a": models.State.READY}

@@ -384,6 +384,8 @@ def test_poison_item_fails_alone_and_batch_mates_score(probe_ckpt: tuple[Path, s
     )
     assert result.batch_error is None
     assert result.whole_batch_error is None  # one poison: no sign of a broken model
+    assert result.poisoned == {5}  # counted as poison isolated (the NaN is not: no bisection)
+    assert result.n_oom_splits == 0
 
 
 @pytest.mark.parametrize(
@@ -442,6 +444,8 @@ def test_oom_splits_the_batch_and_remembers_the_safe_size(probe_ckpt: tuple[Path
     assert len(first.outputs) == 64
     assert not first.failures
     assert r.oom_ceiling == OOM_ABOVE
+    assert first.n_oom_splits == model.n_oom > 0  # each OOM split the sub-batch once
+    assert not first.poisoned
     n_oom, model.calls = model.n_oom, []
     second = r.score(dense_items(np.ones((40, 4), dtype=np.float32)))
     assert len(second.outputs) == 40

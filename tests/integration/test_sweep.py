@@ -12,8 +12,8 @@ import sqlalchemy as sa
 
 from batching import models
 from batching.evidence import reconcile as rc
+from batching.evidence import reconcile_result, sweep_pages
 from batching.evidence import sweep as sw
-from batching.evidence import sweep_pages
 from batching.evidence.reconcile import Kind, Severity
 from batching.ingress import queue as q
 from batching.outputs import parquet, parquet_layout
@@ -48,7 +48,9 @@ def swept(queue: q.SqlQueue, root: Path | str, clock: FakeClock, **kw: Any) -> r
 
 def sweep_row(queue: q.SqlQueue) -> Any:
     with queue.engine.connect() as conn:
-        (row,) = conn.execute(sa.select(schema.sweeps)).all()
+        # (a reconcile's last result is a row there too: reconcile_result)
+        sweeps = schema.sweeps.c.name.not_like(f"{reconcile_result.PREFIX}%")
+        (row,) = conn.execute(sa.select(schema.sweeps).where(sweeps)).all()
     return row
 
 

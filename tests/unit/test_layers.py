@@ -28,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "outputs": {"store"},
     "loop": {"policy"},
     "evidence": {"store", "outputs.contract", "outputs.ledger"},  # never a concrete sink
+    "metrics": {"store", "ingress", "evidence"},  # the exporter reads the tables
     "compose": {
         "store",
         "ingress",
@@ -37,6 +38,7 @@ ALLOWED: dict[str, set[str]] = {
         "outputs",
         "loop",
         "evidence",
+        "metrics",
     },
     "cli": {
         "store",
@@ -48,6 +50,7 @@ ALLOWED: dict[str, set[str]] = {
         "loop",
         "evidence",
         "compose",
+        "metrics",
     },
     "testing": set(),
 }

@@ -1,0 +1,201 @@
+"""``batching metrics serve``: the gauges that come from the tables, read at each scrape, so
+they are right even when no scorer runs.
+
+* the queue table (``SqlQueue.stats(all_queues=True)``, as ``batching status --json``): items by
+  state, oldest ready age and expired leases per queue and tenant (top N tenants by items,
+  the rest as ``other``);
+* the queue controls (``batching queue pause``, ``cap``): paused, depth cap;
+* the config: the queue's age bound (``backlog_alert_age_s``), ``latency_slo_s``,
+  ``latency_objective``;
+* the lineage spool's backlog;
+* the last reconcile (``batching.evidence.reconcile.remember``): findings by class and
+  severity, when it ran and when it was last clean.
+
+A database error at scrape time is logged and shows as ``batching_exporter_up 0``; the
+exporter keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from batching import models
+from batching.config import PipelineConfig
+from batching.evidence import reconcile_result, spool
+from batching.ingress import controls
+from batching.ingress.queue import SqlQueue
+from batching.metrics import catalog
+from batching.metrics.tenants import fold, top_tenants
+from batching.store import schema
+
+logger = logging.getLogger(__name__)
+
+RECONCILE_PREFIX = reconcile_result.PREFIX
+"""``batching_sweeps`` rows named this plus the queue hold the last reconcile's result."""
+
+
+def _family(name: str) -> GaugeMetricFamily:
+    """An empty gauge family with the catalog's help and labels."""
+    m = catalog.by_name()[name]
+    return GaugeMetricFamily(name, m.help, labels=list(m.labels))
+
+
+class TableCollector(Collector):
+    """Reads the tables of ``queue``'s database at each ``collect()`` (see module doc).
+
+    Args:
+        config: the environment label, the config queue's bound, SLO and objective, top N.
+        queue: a queue on the database (any queue name: stats cover them all).
+        clock: epoch seconds.
+    """
+
+    def __init__(
+        self, config: PipelineConfig, queue: SqlQueue, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.config = config
+        self.queue = queue
+        self.clock = clock
+        self.env = config.metrics.environment
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """Every table gauge, then ``batching_exporter_up``."""
+        try:
+            families = list(self._read())
+        except Exception as exc:  # any failure: up 0, the exporter keeps serving
+            logger.warning(
+                "metrics scrape could not read the database",
+                extra={"action": "metrics_scrape_failed", "error": str(exc)},
+            )
+            families, up = [], 0.0
+        else:
+            up = 1.0
+        yield from families
+        g = _family("batching_exporter_up")
+        g.add_metric([self.env], up)
+        yield g
+
+    def _read(self) -> Iterator[GaugeMetricFamily]:
+        now = self.clock()
+        stats = self.queue.stats(all_queues=True)
+        queues = sorted({g.queue for g in stats.groups} | {self.config.queue.name})
+        yield from self._queue_gauges(stats)
+        yield from self._controls(queues)
+        yield from self._objectives()
+        yield from self._spool(now)
+        yield from self._reconcile(queues)
+
+    def _queue_gauges(self, stats: models.QueueStats) -> Iterator[GaugeMetricFamily]:
+        volume: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for g in stats.groups:
+            volume[g.queue][g.tenant] += sum(getattr(g, s, 0) for s in catalog.QUEUE_STATES)
+        keep = {q: top_tenants(v, self.config.metrics.top_tenants) for q, v in volume.items()}
+        items: dict[tuple[str, str], dict[str, int]] = defaultdict(
+            lambda: dict.fromkeys(catalog.QUEUE_STATES, 0)
+        )
+        age: dict[tuple[str, str], float] = defaultdict(float)
+        leases: dict[tuple[str, str], int] = defaultdict(int)
+        for g in stats.groups:
+            key = (g.queue, fold(g.tenant, keep[g.queue]))
+            for s in catalog.QUEUE_STATES:
+                items[key][s] += getattr(g, s, 0)
+            age[key] = max(age[key], g.oldest_ready_age_s or 0.0)
+            leases[key] += g.expired_leases
+        f_items = _family("batching_queue_items")
+        f_age = _family("batching_queue_oldest_ready_age_seconds")
+        f_leases = _family("batching_queue_expired_leases")
+        for (q, tenant), counts in sorted(items.items()):
+            for s, n in counts.items():
+                f_items.add_metric([self.env, q, tenant, s], n)
+            f_age.add_metric([self.env, q, tenant], age[(q, tenant)])
+            f_leases.add_metric([self.env, q, tenant], leases[(q, tenant)])
+        yield from (f_items, f_age, f_leases)
+
+    def _controls(self, queues: list[str]) -> Iterator[GaugeMetricFamily]:
+        rows = controls.states(self.queue.engine)  # queues without a row: not paused, no cap
+        paused, depth = _family("batching_queue_paused"), _family("batching_queue_max_depth")
+        for q in sorted(set(queues) | set(rows)):
+            row = rows.get(q)
+            paused.add_metric([self.env, q], float(row is not None and row.paused))
+            if row is not None and row.max_depth is not None:
+                depth.add_metric([self.env, q], float(row.max_depth))
+        yield from (paused, depth)
+
+    def _objectives(self) -> Iterator[GaugeMetricFamily]:
+        labels = [self.env, self.config.queue.name]
+        bound = self.config.backlog_alert_age_s
+        f_bound = _family("batching_queue_age_bound_seconds")
+        if bound is not None:
+            f_bound.add_metric(labels, bound)
+        f_slo = _family("batching_latency_slo_seconds")
+        f_slo.add_metric(labels, self.config.latency_slo_s)
+        f_obj = _family("batching_latency_objective_ratio")
+        f_obj.add_metric(labels, self.config.latency_objective)
+        yield from (f_bound, f_slo, f_obj)
+
+    def _spool(self, now: float) -> Iterator[GaugeMetricFamily]:
+        backlog = spool.backlog(self.queue.engine)
+        t = schema.lineage_spool
+        with self.queue.read() as conn:
+            failing = conn.execute(
+                sa.select(sa.func.count()).select_from(t).where(t.c.attempts > 0)
+            ).scalar_one()
+        oldest = backlog.oldest_at if backlog.oldest_at is not None else now
+        for name, value in (
+            ("batching_lineage_spool_events", backlog.events),
+            ("batching_lineage_spool_oldest_age_seconds", max(0.0, now - oldest)),
+            ("batching_lineage_spool_failing_events", failing),
+        ):
+            g = _family(name)
+            g.add_metric([self.env], float(value))
+            yield g
+
+    def _reconcile(self, queues: list[str]) -> Iterator[GaugeMetricFamily]:
+        runs, sweeps = schema.runs, schema.sweeps
+        with self.queue.read() as conn:
+            last_runs = dict(
+                conn.execute(
+                    sa.select(runs.c.queue, sa.func.max(runs.c.reconciled_at)).group_by(
+                        runs.c.queue
+                    )
+                ).all()
+            )
+            results = conn.execute(
+                sa.select(sweeps.c.name, sweeps.c.finished_at, sweeps.c.progress).where(
+                    sweeps.c.name.like(f"{RECONCILE_PREFIX}%")
+                )
+            ).all()
+        f_find = _family("batching_reconcile_findings")
+        f_last, f_clean = (
+            _family("batching_reconcile_last_run_timestamp_seconds"),
+            _family("batching_reconcile_last_clean_timestamp_seconds"),
+        )
+        last: dict[str, float] = {q: float(t) for q, t in last_runs.items() if t is not None}
+        for name, finished_at, progress in results:
+            q = name.removeprefix(RECONCILE_PREFIX)
+            result = json.loads(progress or "{}")
+            last[q] = max(last.get(q, 0.0), float(finished_at or 0.0))
+            for f in result.get("findings", []):
+                f_find.add_metric([self.env, q, f["class"], f["severity"]], float(f["count"]))
+            if result.get("last_clean_at") is not None:
+                f_clean.add_metric([self.env, q], float(result["last_clean_at"]))
+        for q, at in sorted(last.items()):
+            f_last.add_metric([self.env, q], at)
+        yield from (f_find, f_last, f_clean)
+
+
+def exporter_registry(
+    config: PipelineConfig, queue: SqlQueue, clock: Callable[[], float] = time.time
+) -> CollectorRegistry:
+    """A registry holding only the :class:`TableCollector` (no process metrics)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(TableCollector(config, queue, clock))
+    return reg

@@ -1,0 +1,130 @@
+"""Where a scorer's metrics go: served on ``/metrics`` (:func:`serve`), pushed to a
+Pushgateway or written for node_exporter's textfile collector at a run's end
+(:func:`publish_run`). With worker processes (``score --workers``), each worker writes its
+values to a shared folder (:func:`worker_metrics`) and the parent's registry sums them
+(``prometheus_client`` multiprocess mode).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    push_to_gateway,
+    start_http_server,
+    write_to_textfile,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from batching import errors
+from batching.config import PipelineConfig
+from batching.metrics.recorder import process_metrics
+
+logger = logging.getLogger(__name__)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+PUSH_JOB = "batching-score"
+"""The Pushgateway grouping key's job; with the queue, a run replaces the last one's series."""
+
+
+@contextmanager
+def worker_metrics(env: MutableMapping[str, str], enabled: bool = True) -> Iterator[Path | None]:
+    """While open, processes started from here record into one fresh folder: sets
+    :data:`MULTIPROC_ENV` in ``env`` (the edge passes its environment; ``prometheus_client``
+    reads it when a spawned worker imports it). Yields the folder, or None when not
+    ``enabled``; at the end ``env`` is put back and the folder removed."""
+    if not enabled:
+        yield None
+        return
+    folder = Path(tempfile.mkdtemp(prefix="batching-metrics-"))
+    before = env.get(MULTIPROC_ENV)
+    env[MULTIPROC_ENV] = str(folder)
+    try:
+        yield folder
+    finally:
+        if before is None:
+            env.pop(MULTIPROC_ENV, None)
+        else:
+            env[MULTIPROC_ENV] = before
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def registry(multiprocess_dir: Path | None = None) -> CollectorRegistry:
+    """The registry to expose: this process's scorer series, or with ``multiprocess_dir``,
+    the sum of what every worker wrote there."""
+    if multiprocess_dir is None:
+        return process_metrics().registry
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=str(multiprocess_dir))  # type: ignore[no-untyped-call]
+    return reg
+
+
+@dataclass
+class Server:
+    """A running ``/metrics`` endpoint; ``close()`` stops it."""
+
+    port: int
+    _server: Any
+    _thread: Any
+
+    def close(self) -> None:
+        """Stop serving."""
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def serve(
+    port: int, reg: CollectorRegistry, addr: str = "0.0.0.0", option: str = "--metrics-port"
+) -> Server:
+    """Serve ``reg`` on ``http://addr:port/metrics`` from a daemon thread.
+
+    Raises:
+        ConfigError: the port cannot be bound (in use, or privileged); the message names
+            ``option``, the setting to change.
+    """
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=reg)
+    except OSError as exc:
+        raise errors.ConfigError(
+            f"cannot serve metrics on port {port} ({exc.strerror or exc}); "
+            f"choose a free port ({option})"
+        ) from None
+    logger.info("serving metrics", extra={"action": "metrics_serve", "port": port})
+    return Server(port, server, thread)
+
+
+def publish_run(config: PipelineConfig, reg: CollectorRegistry | None = None) -> list[str]:
+    """Push the run's series to the Pushgateway and/or write the textfile, as configured
+    (``metrics.pushgateway_url``, ``metrics.textfile_path``); a failure is logged as a warning
+    and returned as a one-line message, never raised: metrics never fail a run."""
+    reg = reg if reg is not None else registry()
+    problems: list[str] = []
+    m = config.metrics
+    if m.pushgateway_url:
+        try:
+            push_to_gateway(
+                m.pushgateway_url,
+                job=PUSH_JOB,
+                grouping_key={"queue": config.queue.name},
+                registry=reg,
+                timeout=10,
+            )
+        except OSError as exc:
+            problems.append(f"metrics not pushed to {m.pushgateway_url}: {exc}")
+    if m.textfile_path:
+        path = config.resolve(m.textfile_path)
+        try:
+            write_to_textfile(str(path), reg)  # a temporary file renamed over it: atomic
+        except OSError as exc:
+            problems.append(f"metrics not written to {path}: {exc}")
+    for problem in problems:
+        logger.warning(problem, extra={"action": "metrics_publish_failed"})
+    return problems

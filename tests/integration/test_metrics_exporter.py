@@ -1,0 +1,167 @@
+"""``batching metrics serve``'s collector against real SQLite and PostgreSQL: the queue gauges
+equal ``SqlQueue.stats(all_queues=True)`` (what ``status --json`` prints), pause and cap come
+from the controls table when it exists (schema 13) and default without it (schema 12), the
+lineage spool and the last reconcile show, and a database that fails at scrape time shows as
+``batching_exporter_up 0`` without an exception."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from batching import config, models
+from batching.evidence import reconcile_result
+from batching.evidence.findings import Finding, Kind, Report, Severity
+from batching.ingress import controls
+from batching.ingress.queue import SqlQueue
+from batching.metrics.exporter import exporter_registry
+from batching.store import database, schema
+from batching.testing import FakeClock
+
+Key = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def cfg(top_tenants: int = 20) -> config.PipelineConfig:
+    return config.PipelineConfig(
+        model=config.ModelSpec(name="fake", version="v1", sha256="0" * 64),
+        queue=config.QueueConfig(name="q1"),
+        backlog_alert_age_s=300.0,
+        latency_slo_s=2.0,
+        latency_objective=0.995,
+        metrics=config.MetricsConfig(environment="it", top_tenants=top_tenants),
+    )
+
+
+def scrape(c: config.PipelineConfig, queue: SqlQueue) -> dict[Key, float]:
+    out = {}
+    for family in exporter_registry(c, queue, queue.clock).collect():
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def pick(found: dict[Key, float], name: str, **labels: str) -> dict[Key, float]:
+    return {
+        k: v
+        for k, v in found.items()
+        if k[0] == name and all(dict(k[1]).get(n) == want for n, want in labels.items())
+    }
+
+
+def records(prefix: str, n: int, tenant: str) -> list[models.EnqueueRecord]:
+    return [
+        models.EnqueueRecord(f"{prefix}{i}", models.Payload(b"{}"), tenant=tenant) for i in range(n)
+    ]
+
+
+def workload(url: str, clock: FakeClock) -> SqlQueue:
+    """Two queues; tenants a (6), b (3), c (1) in q1: some leased, dead, one lease expired."""
+    engine = database.create_engine(url)
+    q1 = SqlQueue(engine, "q1", clock=clock, max_attempts=1)
+    q1.enqueue(records("a", 6, "a") + records("b", 3, "b") + records("c", 1, "c"))
+    SqlQueue(engine, "q2", clock=clock).enqueue(records("x", 2, "a"))
+    dead = q1.claim(2, lease_s=60)
+    q1.fail(dead.lease_id, {i.id: "boom" for i in dead.items}, retry=False)
+    q1.claim(2, lease_s=5)  # its lease expires below
+    q1.claim(1, lease_s=600)
+    clock.advance(30)
+    return q1
+
+
+@pytest.fixture
+def q1(db_url: str, clock: FakeClock) -> Iterator[SqlQueue]:
+    queue = workload(db_url, clock)
+    yield queue
+    queue.engine.dispose()
+
+
+def test_queue_gauges_equal_status_and_tenants_fold(q1: SqlQueue) -> None:
+    found = scrape(cfg(top_tenants=2), q1)
+    stats = q1.stats(all_queues=True)
+    for queue in ("q1", "q2"):
+        want: dict[str, int] = {}
+        for g in stats.groups:
+            if g.queue == queue:
+                for state in ("ready", "leased", "done", "dead", "expired"):
+                    want[state] = want.get(state, 0) + getattr(g, state)
+        for state, n in want.items():
+            got = pick(found, "batching_queue_items", queue=queue, state=state)
+            assert sum(got.values()) == n, (queue, state)
+    tenants = {dict(k[1])["tenant"] for k in pick(found, "batching_queue_items", queue="q1")}
+    assert tenants == {"a", "b", "other"}  # top 2 by items: a (6), b (3); c folds
+    expired = pick(found, "batching_queue_expired_leases", queue="q1")
+    assert sum(expired.values()) == stats.expired_leases == 2
+    ages = pick(found, "batching_queue_oldest_ready_age_seconds", queue="q1")
+    assert max(ages.values()) == stats.oldest_ready_age_s
+    assert pick(found, "batching_exporter_up") == {
+        ("batching_exporter_up", (("environment", "it"),)): 1.0
+    }
+
+
+def test_objectives_come_from_the_config(q1: SqlQueue) -> None:
+    found = scrape(cfg(), q1)
+    e = (("environment", "it"), ("queue", "q1"))
+    assert found[("batching_queue_age_bound_seconds", e)] == 300.0
+    assert found[("batching_latency_slo_seconds", e)] == 2.0
+    assert found[("batching_latency_objective_ratio", e)] == 0.995
+
+
+def test_pause_and_cap_show_once_set_and_default_before(q1: SqlQueue) -> None:
+    before = scrape(cfg(), q1)
+    assert set(pick(before, "batching_queue_paused").values()) == {0.0}
+    assert pick(before, "batching_queue_max_depth") == {}
+    controls.pause(q1.engine, "q1", actor="it", reason="drill", now=1.0)
+    controls.set_max_depth(q1.engine, "q1", 100, actor="it", reason="drill", now=1.0)
+    after = scrape(cfg(), q1)
+    e1, e2 = (("environment", "it"), ("queue", "q1")), (("environment", "it"), ("queue", "q2"))
+    assert after[("batching_queue_paused", e1)] == 1.0
+    assert after[("batching_queue_paused", e2)] == 0.0
+    assert pick(after, "batching_queue_max_depth") == {("batching_queue_max_depth", e1): 100.0}
+
+
+def test_the_lineage_spool_backlog_shows(q1: SqlQueue, clock: FakeClock) -> None:
+    t = schema.lineage_spool
+    row: dict[str, Any] = {"run_id": "r", "event_type": "START", "event_time": "t", "body": "{}"}
+    with q1.begin() as conn:
+        conn.execute(sa.insert(t).values(**row, spooled_at=clock() - 90, attempts=2))
+        conn.execute(sa.insert(t).values(**row, spooled_at=clock() - 10, attempts=0))
+    found = scrape(cfg(), q1)
+    env = (("environment", "it"),)
+    assert found[("batching_lineage_spool_events", env)] == 2
+    assert found[("batching_lineage_spool_failing_events", env)] == 1
+    assert found[("batching_lineage_spool_oldest_age_seconds", env)] == 90
+
+
+def report(now: float, *findings: Finding) -> Report:
+    return Report("parquet", "out", now, None, None, tuple(findings))
+
+
+def test_the_last_reconcile_shows_its_findings_and_the_last_clean_one(
+    q1: SqlQueue, clock: FakeClock
+) -> None:
+    reconcile_result.remember(q1, report(clock() - 100))  # clean
+    lost = Finding(Kind.LOST_WRITE, Severity.CRITICAL, "lost", count=3)
+    info = Finding(Kind.DEAD, Severity.INFO, "dead", count=2)
+    reconcile_result.remember(q1, report(clock() - 10, lost, info))
+    found = scrape(cfg(), q1)
+    e = (("environment", "it"), ("queue", "q1"))
+    assert found[("batching_reconcile_last_run_timestamp_seconds", e)] == clock() - 10
+    assert found[("batching_reconcile_last_clean_timestamp_seconds", e)] == clock() - 100
+    assert {
+        dict(k[1])["class"]: v for k, v in pick(found, "batching_reconcile_findings").items()
+    } == {
+        "lost_write": 3.0,
+        "dead": 2.0,
+    }
+
+
+def test_a_database_failing_at_scrape_time_shows_up_0_and_does_not_raise() -> None:
+    broken = SqlQueue(database.create_engine("postgresql://nobody@127.0.0.1:1/none"), "q1")
+    try:
+        found = scrape(cfg(), broken)
+    finally:
+        broken.engine.dispose()
+    assert found == {("batching_exporter_up", (("environment", "it"),)): 0.0}
