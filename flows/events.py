@@ -23,7 +23,7 @@
   within its objective emits none. The ``batching-sla-missed`` automation notifies.
 * ``batching.breaker.tripped`` on resource ``batching.queue.<queue>``: the retry-storm breaker
   stopped a run (consecutive batches failed with no single poison item); payload ``queue``,
-  ``reason``, ``run`` (the scorer's run id that tripped) and the flow run. The
+  ``reason`` (the run's ``RetryStorm`` message), ``run`` and the flow run. The
   ``batching-breaker-tripped`` automation notifies.
 * ``batching.queue.paused`` on resource ``batching.queue.<queue>``: a queue was paused by a
   run's breaker (``paused_by`` ``breaker:<run id>``, ``reason``, ``paused_at``).

@@ -20,9 +20,9 @@
 However the run ends (Completed, Failed, Crashed, Cancelled), :func:`report_run_end` emits
 ``batching.run.ended`` if it committed items, which triggers a reconcile of the run. A
 Completed run that committed more items past ``latency_slo_s`` than its latency objective
-allows emits ``batching.run.sla_missed`` (:func:`emit_sla_missed`); a Failed run whose breaker
-paused the queue emits ``batching.breaker.tripped`` and ``batching.queue.paused``
-(:func:`report_breaker`).
+allows emits ``batching.run.sla_missed`` (:func:`emit_sla_missed`); a run the retry-storm
+breaker stopped emits ``batching.breaker.tripped``, and ``batching.queue.paused`` when it
+paused the queue (:func:`report_breaker`).
 Credentials come from Secret blocks named in parameters (:mod:`flows.secrets`); a parameter
 holding a password is refused before anything runs.
 """
@@ -215,14 +215,19 @@ def emit_sla_missed(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) 
 
 
 def report_breaker(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
-    """``on_failure`` hook: when a breaker paused the run's queue during the run (actor
-    ``breaker:<run id>``), emit ``batching.breaker.tripped`` and ``batching.queue.paused``.
-    A queue that cannot be read emits nothing: the Prometheus alert still sees the trip."""
-    from batching.ingress import controls  # the queue controls of issue 21
-
+    """``on_failure`` hook: a run the retry-storm breaker stopped (``errors.RetryStorm``)
+    emits ``batching.breaker.tripped``, and ``batching.queue.paused`` when the breaker paused
+    the queue (its control row names a ``breaker:`` actor since the run started)."""
+    storm = state.result(raise_on_failure=False)
+    if not isinstance(storm, errors.RetryStorm):
+        return
     params = run_parameters(flow, flow_run)
+    run_id = str(flow_run.id)
+    cfg = settings.load(params["config"], params.get("overrides"))  # it loaded for the run
+    events.emit_breaker_tripped(cfg, str(storm), run_id, run_id)
+    from batching.ingress import controls  # the queue controls (schema v13)
+
     try:
-        cfg = settings.load(params["config"], params.get("overrides"))
         db = secrets.db_url(params.get("db_url"), params.get("db_url_secret"))
         queue = build.open_queue(cfg, settings.db_url(db) or cfg.database.url)
         try:
@@ -234,8 +239,6 @@ def report_breaker(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -
     started = flow_run.start_time.timestamp() if flow_run.start_time else 0.0
     actor = control.paused_by or ""
     if control.paused and actor.startswith("breaker:") and (control.paused_at or 0.0) >= started:
-        reason = control.reason or state.message or "breaker tripped"
-        events.emit_breaker_tripped(cfg, reason, actor.removeprefix("breaker:"), str(flow_run.id))
         events.emit_queue_paused(cfg, actor, control.reason, control.paused_at)
 
 

@@ -5,6 +5,8 @@ every automation file is one Prefect accepts."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 import uuid
 from pathlib import Path
@@ -23,7 +25,7 @@ from flows import score as score_module
 from flows.reconcile import reconcile
 from flows.score import score
 from tests.conftest import wait_for
-from tests.flows.support import TABULAR, Pipeline, events_named, make_pipeline, run_id_of
+from tests.flows.support import REPO, TABULAR, Pipeline, events_named, make_pipeline, run_id_of
 
 N_ITEMS = 40
 
@@ -146,36 +148,95 @@ def test_the_breaker_events_name_the_queue_the_reason_and_the_run() -> None:
     assert paused.payload["paused_at"] == 12.5
 
 
-def test_a_run_its_breaker_paused_emits_breaker_tripped_and_queue_paused(tmp_path: Path) -> None:
-    """The score flow's ``on_failure`` hook, on a run whose breaker paused the queue."""
-    controls = pytest.importorskip("batching.ingress.controls")
-    pipeline = make_pipeline(tmp_path, 0)
+STORM_MODULE = """
+import torch
+from torch import nn
 
-    @flow(on_failure=[score_module.report_breaker])
-    def stormy(config: str, overrides: dict[str, Any]) -> None:
-        queue = pipeline.queue()
-        try:
-            controls.pause(
-                queue.engine, "tabular", actor="breaker:run-9", reason="storm", now=time.time()
-            )
-        finally:
-            queue.engine.dispose()
-        raise RuntimeError("the breaker stopped the run")
 
+class Broken(nn.Module):
+    batching_input_dim = 64
+    batching_output_dim = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def build() -> nn.Module:
+    return Broken()
+"""
+
+
+def storm_pipeline(root: Path, monkeypatch: pytest.MonkeyPatch) -> Pipeline:
+    """A tabular pipeline whose model fails every batch, 200 items in batches of 32."""
+    from safetensors.torch import save_file
+
+    (root / "stormmod.py").write_text(STORM_MODULE)
+    monkeypatch.syspath_prepend(str(root))
+    save_file({}, root / "empty.safetensors")
+    sha = hashlib.sha256((root / "empty.safetensors").read_bytes()).hexdigest()
+    profile = json.loads((REPO / "deployments" / "profiles" / "w1-mlp-cpu.json").read_text())
+    profile["model"] = {"name": "stormmod:build", "version": "v1"}
+    (root / "storm-profile.json").write_text(json.dumps(profile))
+    pipeline = make_pipeline(root, 200, batching={"max_batch_size": 32, "claim_size": 64})
+    pipeline.overrides["service_profile"] = str(root / "storm-profile.json")
+    pipeline.overrides["model"] = {
+        "name": "stormmod:build",
+        "version": "v1",
+        "checkpoint": str(root / "empty.safetensors"),
+        "sha256": sha,
+        "device": "cpu",
+    }
+    return pipeline
+
+
+def test_a_run_the_breaker_stopped_emits_breaker_tripped_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pipeline = storm_pipeline(tmp_path, monkeypatch)
     since = time.time()
-    state = stormy(**pipeline.params(), return_state=True)
+    state = score(**pipeline.params(), return_state=True)
     assert state.is_failed()
+    run_id = run_id_of(state)
+
     (tripped,) = wait_for(
-        lambda: [
-            e
-            for e in events_named(events.BREAKER_TRIPPED, since)
-            if e.payload["flow_run_id"] == run_id_of(state)
-        ],
-        what="breaker_tripped",
+        lambda: of_run(events.BREAKER_TRIPPED, since, run_id), what="breaker_tripped"
     )
-    assert tripped.payload["reason"] == "storm"
-    assert tripped.payload["run"] == "run-9"
-    wait_for(lambda: events_named(events.QUEUE_PAUSED, since), what="queue_paused")
+    assert tripped.resource.id == "batching.queue.tabular"
+    assert tripped.payload["queue"] == "tabular"
+    assert tripped.payload["run"] == run_id
+    assert tripped.payload["reason"].startswith("retry storm on queue 'tabular': 3 batches")
+    assert "CUDA error" in tripped.payload["reason"]
+    assert f"prefect.flow-run.{run_id}" in {r.id for r in tripped.related}
+    # the storm's run used no attempt and committed nothing, so it missed no SLO
+    assert of_run(events.SLA_MISSED, since, run_id) == []
+
+
+def test_a_clean_run_emits_no_breaker_event(tmp_path: Path) -> None:
+    pipeline = make_pipeline(tmp_path, 20)
+    since = time.time()
+    state = score(**pipeline.params(), return_state=True)
+    assert state.is_completed(), state.message
+    run_id = run_id_of(state)
+    wait_for(lambda: of_run(events.RUN_ENDED, since, run_id), what="run_ended")
+    assert of_run(events.BREAKER_TRIPPED, since, run_id) == []
+
+
+def test_a_run_whose_breaker_paused_the_queue_emits_queue_paused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Needs the queue controls (schema v13): the breaker pauses through them."""
+    pytest.importorskip("batching.ingress.controls")
+    pipeline = storm_pipeline(tmp_path, monkeypatch)
+    since = time.time()
+    state = score(**pipeline.params(), return_state=True)
+    assert state.is_failed()
+    (paused,) = wait_for(
+        lambda: [e for e in events_named(events.QUEUE_PAUSED, since)],
+        what="queue_paused",
+    )
+    assert paused.resource.id == "batching.queue.tabular"
+    assert paused.payload["paused_by"].startswith("breaker:")
+    assert "retry storm" in paused.payload["reason"]
 
 
 AUTOMATION_FILES = sorted(alerts.AUTOMATIONS.glob("*.yaml"))
