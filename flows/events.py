@@ -16,12 +16,28 @@
   of a deployment's first scheduled run reach triggers 15 min late, see
   ``bench/prefect_late_trigger.py``.)
 
+* ``batching.run.sla_missed`` on resource ``batching.run.<flow-run id>`` (labels
+  ``batching.config``, ``batching.queue``): a score run Completed having committed more of its
+  items past ``latency_slo_s`` than the latency objective allows (its burn rate over 1). The
+  payload has the counts, the ratio, the objective, its error budget and the burn rate. A run
+  within its objective emits none. The ``batching-sla-missed`` automation notifies.
+* ``batching.breaker.tripped`` on resource ``batching.queue.<queue>``: the retry-storm breaker
+  stopped a run (consecutive batches failed with no single poison item); payload ``queue``,
+  ``reason`` (the run's ``RetryStorm`` message), ``run`` and the flow run. The
+  ``batching-breaker-tripped`` automation notifies.
+* ``batching.queue.paused`` on resource ``batching.queue.<queue>``: a queue was paused by a
+  run's breaker (``paused_by`` ``breaker:<run id>``, ``reason``, ``paused_at``).
+* ``batching.reconcile.checked`` on resource ``batching.output.<queue>``: a reconcile found no
+  critical fault. With ``batching.reconcile.failed`` it is the heartbeat the
+  ``batching-reconcile-stale`` automation expects (no ``batching.reconcile.*`` for 2 h).
+
 Inside a flow run (its hooks too) the client adds the flow run, flow and deployment as related
-resources.
+resources. ``docs/operations.md#alerts`` maps each event to its Prometheus alert.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from prefect.events import emit_event
@@ -32,7 +48,11 @@ from batching import config, models
 BACKLOG = "batching.queue.backlog"
 RECONCILE_FAILED = "batching.reconcile.failed"
 RECONCILE_REPAIRED = "batching.reconcile.repaired"
+RECONCILE_CHECKED = "batching.reconcile.checked"
 RUN_ENDED = "batching.run.ended"
+SLA_MISSED = "batching.run.sla_missed"
+BREAKER_TRIPPED = "batching.breaker.tripped"
+QUEUE_PAUSED = "batching.queue.paused"
 RUN_PARAMETERS = (
     "config",
     "overrides",
@@ -125,3 +145,88 @@ def emit_reconcile(event: str, queue: str, payload: dict[str, Any]) -> None:
     """Emit a ``batching.reconcile.*`` event for the outputs of ``queue``."""
     resource = {"prefect.resource.id": output_resource(queue), "prefect.resource.name": queue}
     emit_event(event=event, resource=resource, payload=payload)
+
+
+def latency_objective(cfg: config.PipelineConfig) -> float:
+    """The share of items to commit within ``latency_slo_s`` (``latency_objective``)."""
+    return cfg.latency_objective
+
+
+def sla_missed(
+    cfg: config.PipelineConfig, flow_run_id: str, latencies_s: Sequence[float]
+) -> dict[str, Any] | None:
+    """The ``batching.run.sla_missed`` payload of a run whose items took ``latencies_s``
+    (enqueue to commit, one per item committed) when more of them than the error budget
+    (1 - ``latency_objective``) took over ``latency_slo_s``; else None."""
+    committed = len(latencies_s)
+    late = sum(1 for s in latencies_s if s > cfg.latency_slo_s)
+    objective = latency_objective(cfg)
+    budget = 1.0 - objective
+    ratio = late / committed if committed else 0.0
+    if ratio <= budget:
+        return None
+    return {
+        "queue": cfg.queue.name,
+        "config": cfg.name,
+        "flow_run_id": flow_run_id,
+        "flow_run_url": flow_run_url(flow_run_id),
+        "items_committed": committed,
+        "items_late": late,
+        "ratio": ratio,
+        "latency_slo_s": cfg.latency_slo_s,
+        "latency_objective": objective,
+        "error_budget": budget,
+        "burn_rate": ratio / budget,
+        "latency_max_s": max(latencies_s),
+    }
+
+
+def emit_sla_missed(payload: dict[str, Any]) -> None:
+    """Emit ``batching.run.sla_missed`` for the run a :func:`sla_missed` payload names."""
+    resource = {
+        "prefect.resource.id": run_resource(payload["flow_run_id"]),
+        "prefect.resource.name": f"{payload['config']} run {payload['flow_run_id']}",
+        "batching.config": payload["config"],
+        "batching.queue": payload["queue"],
+    }
+    emit_event(event=SLA_MISSED, resource=resource, payload=payload)
+
+
+def emit_breaker_tripped(
+    cfg: config.PipelineConfig, reason: str, run: str, flow_run_id: str | None = None
+) -> None:
+    """Emit ``batching.breaker.tripped``: the breaker of scorer run ``run`` (of flow run
+    ``flow_run_id``) stopped it for ``reason``."""
+    resource = {
+        "prefect.resource.id": queue_resource(cfg.queue.name),
+        "prefect.resource.name": cfg.queue.name,
+        "batching.config": cfg.name,
+    }
+    payload = {
+        "queue": cfg.queue.name,
+        "config": cfg.name,
+        "reason": reason,
+        "run": run,
+        "flow_run_id": flow_run_id,
+        "flow_run_url": flow_run_url(flow_run_id) if flow_run_id else None,
+    }
+    emit_event(event=BREAKER_TRIPPED, resource=resource, payload=payload)
+
+
+def emit_queue_paused(
+    cfg: config.PipelineConfig, paused_by: str, reason: str | None, paused_at: float | None
+) -> None:
+    """Emit ``batching.queue.paused``: ``paused_by`` paused the config's queue for ``reason``."""
+    resource = {
+        "prefect.resource.id": queue_resource(cfg.queue.name),
+        "prefect.resource.name": cfg.queue.name,
+        "batching.config": cfg.name,
+    }
+    payload = {
+        "queue": cfg.queue.name,
+        "config": cfg.name,
+        "paused_by": paused_by,
+        "reason": reason,
+        "paused_at": paused_at,
+    }
+    emit_event(event=QUEUE_PAUSED, resource=resource, payload=payload)

@@ -10,7 +10,8 @@ reached; or, with ``full`` (the daily schedule), a resumable sweep of everything
    second pass is the proof) and publishes that table too.
 2. A critical finding (left after the repair, when repairing) emits
    ``batching.reconcile.failed`` and fails the flow run, so automations alert; repairs emit
-   ``batching.reconcile.repaired``.
+   ``batching.reconcile.repaired``; a reconcile without one emits ``batching.reconcile.checked``
+   (what the reconcile-stale automation expects to see).
 
 The run is also an OpenLineage run (job ``<config name>-reconcile``): START, then COMPLETE, or
 FAIL with the reason.
@@ -187,6 +188,8 @@ def judge(
             events.RECONCILE_REPAIRED, cfg.queue.name, _payload(cfg, found, upstream)
         )
     if final.ok:
+        payload = _payload(cfg, final, upstream)
+        events.emit_reconcile(events.RECONCILE_CHECKED, cfg.queue.name, payload)
         return
     payload = _payload(cfg, final, upstream)
     events.emit_reconcile(events.RECONCILE_FAILED, cfg.queue.name, payload)

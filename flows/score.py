@@ -18,7 +18,11 @@
    holding the deployment's slot would have cancelled.
 
 However the run ends (Completed, Failed, Crashed, Cancelled), :func:`report_run_end` emits
-``batching.run.ended`` if it committed items, which triggers a reconcile of the run.
+``batching.run.ended`` if it committed items, which triggers a reconcile of the run. A
+Completed run that committed more items past ``latency_slo_s`` than its latency objective
+allows emits ``batching.run.sla_missed`` (:func:`emit_sla_missed`); a run the retry-storm
+breaker stopped emits ``batching.breaker.tripped``, and ``batching.queue.paused`` when it
+paused the queue (:func:`report_breaker`).
 Credentials come from Secret blocks named in parameters (:mod:`flows.secrets`); a parameter
 holding a password is refused before anything runs.
 """
@@ -42,7 +46,7 @@ from batching import config, errors
 from batching.compose import build
 from batching.compose import record as run_record
 from batching.compose import run as app
-from batching.ingress import run_ledger
+from batching.ingress import controls, run_ledger
 from batching.loop import stats as run_stats
 from batching.redaction import redact_url
 from flows import artifacts, events, logs, secrets, settings
@@ -198,6 +202,11 @@ def check_backlog(cfg: config.PipelineConfig, db_url: str | None) -> dict[str, A
     try:
         queue = build.open_queue(cfg, settings.db_url(db_url) or cfg.database.url)
         try:
+            # A paused queue's backlog starts no run (it would claim nothing, then report the
+            # same backlog again): the pause itself is what an operator is told about.
+            if controls.state(queue.engine, cfg.queue.name).paused:
+                get_run_logger().warning("queue paused: no backlog event; resume it to score")
+                return None
             payload = events.backlog(cfg, queue.stats())
         finally:
             queue.engine.dispose()
@@ -219,6 +228,40 @@ def emit_backlog(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> 
     payload = summary.get(BACKLOG_KEY) if isinstance(summary, dict) else None
     if payload:
         events.emit_backlog(payload)
+
+
+def emit_sla_missed(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
+    """``on_completion`` hook: emit ``batching.run.sla_missed`` if the run's result carries it."""
+    summary = state.result(raise_on_failure=False)
+    payload = summary.get(SLA_KEY) if isinstance(summary, dict) else None
+    if payload:
+        events.emit_sla_missed(payload)
+
+
+def report_breaker(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
+    """``on_failure`` hook: a run the retry-storm breaker stopped (``errors.RetryStorm``)
+    emits ``batching.breaker.tripped``, and ``batching.queue.paused`` when the breaker paused
+    the queue (its control row names a ``breaker:`` actor since the run started)."""
+    storm = state.result(raise_on_failure=False)
+    if not isinstance(storm, errors.RetryStorm):
+        return
+    params = run_parameters(flow, flow_run)
+    run_id = str(flow_run.id)
+    cfg = settings.load(params["config"], params.get("overrides"))  # it loaded for the run
+    events.emit_breaker_tripped(cfg, str(storm), run_id, run_id)
+    try:
+        db = secrets.db_url(params.get("db_url"), params.get("db_url_secret"))
+        queue = build.open_queue(cfg, settings.db_url(db) or cfg.database.url)
+        try:
+            control = controls.state(queue.engine, cfg.queue.name)
+        finally:
+            queue.engine.dispose()
+    except errors.BatchingError:
+        return
+    started = flow_run.start_time.timestamp() if flow_run.start_time else 0.0
+    actor = control.paused_by or ""
+    if control.paused and actor.startswith("breaker:") and (control.paused_at or 0.0) >= started:
+        events.emit_queue_paused(cfg, actor, control.reason, control.paused_at)
 
 
 def flow_run_id() -> str:
@@ -243,6 +286,8 @@ def before_scoring(
 
 BACKLOG_KEY = "backlog"
 """Key of the score flow's result: the backlog event payload, or None."""
+SLA_KEY = "sla_missed"
+"""Key of the score flow's result: the ``batching.run.sla_missed`` payload, or None."""
 
 
 def report_run_end(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
@@ -291,8 +336,8 @@ def run_parameters(flow: Flow[..., Any], flow_run: FlowRun) -> dict[str, Any]:
 
 @flow(
     name="batching-score",
-    on_completion=[emit_backlog, report_run_end],
-    on_failure=[report_run_end],
+    on_completion=[emit_backlog, emit_sla_missed, report_run_end],
+    on_failure=[report_run_end, report_breaker],
     on_crashed=[report_run_end],
     on_cancellation=[report_run_end],
 )
@@ -324,8 +369,9 @@ def score(
         lineage_api_key_secret: name of a Prefect Secret block holding the lineage API key.
 
     Returns:
-        The run summary (items, batches, batch sizes, padding, latency, items/s), and under
-        ``backlog`` the backlog event payload (None when the queue is within its thresholds).
+        The run summary (items, batches, batch sizes, padding, latency, items/s), under
+        ``backlog`` the backlog event payload (None when the queue is within its thresholds),
+        and under ``sla_missed`` the SLA-missed event payload (None within the objective).
     """
     with logs.to_prefect(flow_run_id()):
         secrets.refuse_passwords(db_url=db_url, output=output, overrides=overrides)
@@ -338,4 +384,6 @@ def score(
         limits = run_stats.RunLimits(max_seconds=max_seconds, max_items=max_items)
         outcome = score_queue(cfg, db, output, limits, expected, workers)
         backlog = check_backlog(cfg, db)
-        return outcome.summary | {BACKLOG_KEY: backlog}
+        stats = outcome.workers.stats()
+        sla = events.sla_missed(cfg, flow_run_id(), stats.latencies_s if stats else ())
+        return outcome.summary | {BACKLOG_KEY: backlog, SLA_KEY: sla}

@@ -61,3 +61,30 @@ def test_a_backlog_check_that_cannot_read_the_queue_does_not_fail_the_run(
         return score.check_backlog(cfg, None)
 
     assert after_scoring() is None
+
+
+def test_a_paused_queue_s_backlog_starts_no_run(sqlite_url: str) -> None:
+    """A backlog event starts another score run; on a paused queue it would claim nothing and
+    report the same backlog again, run after run."""
+    from batching import models
+    from batching.ingress import controls
+    from flows import score, settings
+
+    db_url = sqlite_url
+    cfg = settings.load(settings.ONLINE).model_copy(update={"backlog_alert_depth": 1})
+    queue = build.open_queue(cfg, db_url)
+    queue.enqueue(
+        [
+            models.EnqueueRecord(item_key=f"k{i}", payload=models.Payload(b'{"tokens": [1]}'))
+            for i in range(3)
+        ]
+    )
+
+    @flow
+    def after_scoring() -> Any:
+        return score.check_backlog(cfg, db_url)
+
+    assert after_scoring() is not None  # over its depth: the event would be sent
+    controls.pause(queue.engine, cfg.queue.name, actor="test", reason="incident", now=1.0)
+    assert after_scoring() is None
+    queue.engine.dispose()
