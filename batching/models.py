@@ -283,9 +283,9 @@ class Claim:
     lease_expires_at: float
     isolated: bool = False
     """An isolation round: suspects only, to be scored with nothing else in flight."""
-    suspects: bool = False
-    """Suspects (items of a lost worker) wait for an isolation round in this queue."""
+    suspects: bool = False  # suspects (a lost worker's items) wait for an isolation round
     paused: bool = False  # the queue is paused (``batching queue pause``): no items
+    expired: tuple[tuple[str, int], ...] = ()  # (tenant, n) its transaction expired (deadline)
 
     def __len__(self) -> int:
         return len(self.items)

@@ -155,6 +155,9 @@ class ScoreObserver(Protocol):
     def released(self, items: Sequence[models.WorkItem]) -> None:
         """These items were given back without using an attempt."""
 
+    def expired(self, by_tenant: Sequence[tuple[str, int]]) -> None:
+        """A claim expired items whose deadline had passed: ``(tenant, n)`` pairs."""
+
     def lease_lost(self, n_items: int) -> None:
         """A commit found its lease lost: ``n_items`` were not committed by this run."""
 
@@ -190,6 +193,9 @@ class NoObserver:
         """Nothing recorded."""
 
     def released(self, items: Sequence[models.WorkItem]) -> None:
+        """Nothing recorded."""
+
+    def expired(self, by_tenant: Sequence[tuple[str, int]]) -> None:
         """Nothing recorded."""
 
     def lease_lost(self, n_items: int) -> None:

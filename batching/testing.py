@@ -26,6 +26,7 @@ contract written once more, verb by verb, to be read beside ``SqlQueue``.
 
 from __future__ import annotations
 
+import collections
 import random
 import threading
 import time
@@ -221,7 +222,7 @@ class InMemoryQueue:
         with self._store.lock:
             if self.queue in self._store.paused:
                 return models.Claim(lease_id, (), now + lease_s, paused=True)
-            self._expire_overdue(now)
+            expired = self._expire_overdue(now)
             self._reap(now, this_queue=True)
             ready = [
                 r
@@ -252,18 +253,32 @@ class InMemoryQueue:
                 row.attempts += 1
                 taken.append(row.item._replace(attempts=row.attempts))
         return models.Claim(
-            lease_id, tuple(taken), now + lease_s, isolated=isolate, suspects=bool(suspects)
+            lease_id,
+            tuple(taken),
+            now + lease_s,
+            isolated=isolate,
+            suspects=bool(suspects),
+            expired=expired,
         )
 
     def _mine(self) -> Iterable[ItemRow]:
         return (r for r in self._store.rows.values() if r.item.queue == self.queue)
 
-    def _expire_overdue(self, now: float) -> None:
+    def expire_overdue(self) -> int:
+        """Move ready items whose deadline has passed to ``expired``; returns how many."""
+        with self._store.lock:
+            return sum(n for _, n in self._expire_overdue(self.clock()))
+
+    def _expire_overdue(self, now: float) -> tuple[tuple[str, int], ...]:
+        """Expire ready items past their deadline; returns ``(tenant, n)`` sorted by tenant."""
+        by_tenant: collections.Counter[str] = collections.Counter()
         for row in self._mine():
             deadline = row.item.deadline_at
             if row.state is models.State.READY and deadline is not None and deadline < now:
                 row.state, row.finished_at = models.State.EXPIRED, now
                 row.last_error = "deadline passed before scoring"
+                by_tenant[row.item.tenant] += 1
+        return tuple(sorted(by_tenant.items()))
 
     # -- lease writes (compare-and-set on the lease) -----------------------------------------
 

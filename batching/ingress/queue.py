@@ -335,7 +335,7 @@ class SqlQueue:
             raise ValueError("n must be >= 1")
         lease_id = str(uuid.uuid4())
         now = self.clock()
-        params = {
+        params: dict[str, Any] = {
             "queue": self.queue,
             "lane": lane,
             "now": now,
@@ -347,13 +347,18 @@ class SqlQueue:
             "isolate": isolate,
             "suspects": False,
             "paused": False,
+            "expired": (),
         }
         sql = self._claim_sql(lane, None if isolate else max_cost, isolate=isolate)
         if self.dialect == "sqlite":
             claimed = self._claim_sqlite(sql, params, now, columns and not isolate)
             if isinstance(claimed, models.ItemBlock):
                 return models.Claim(
-                    lease_id, claimed, now + lease_s, suspects=bool(params["suspects"])
+                    lease_id,
+                    claimed,
+                    now + lease_s,
+                    suspects=bool(params["suspects"]),
+                    expired=params["expired"],
                 )
             rows, bodies = claimed
         else:
@@ -367,6 +372,7 @@ class SqlQueue:
             isolated=isolate,
             suspects=bool(params["suspects"]),
             paused=bool(params["paused"]),
+            expired=params["expired"],
         )
 
     def _claim_sql(self, lane: str | None, max_cost: int | None, *, isolate: bool = False) -> str:
@@ -514,15 +520,15 @@ class SqlQueue:
     def _before_claim(self, conn: Connection, now: float, params: dict[str, Any]) -> bool:
         """In the claim's transaction, first: whether the queue is paused (one key lookup; if
         so, ``params["paused"]`` and False, nothing else done). Then items past their deadline
-        expire, and this queue's expired leases (a worker killed, or stopped without
-        releasing) go back to ready, so a scorer picks up what a dead one left without anyone
-        running the reaper. Then the suspects: whether any wait (``params["suspects"]``), and
-        for an isolation claim how many it may take together (``params["n"]``; the first
-        suspect's ``isolate_n``)."""
+        expire (``params["expired"]``: how many, by tenant), and this queue's expired leases
+        (a worker killed, or stopped without releasing) go back to ready, so a scorer picks
+        up what a dead one left without anyone running the reaper. Then the suspects: whether
+        any wait (``params["suspects"]``), and for an isolation claim how many it may take
+        together (``params["n"]``; the first suspect's ``isolate_n``)."""
         if controls.is_paused(conn, self.queue):
             params["paused"] = True
             return False
-        self._expire_overdue(conn, now)
+        params["expired"] = self._expire_overdue(conn, now)
         self._release_expired(conn, now, _REAP_LIMIT, this_queue=True)
         # The literal ``state = 0 AND isolate_n > 0`` matches the partial index's predicate.
         where = "queue = :queue AND state = 0 AND isolate_n > 0 AND run_after <= :now"
@@ -538,35 +544,56 @@ class SqlQueue:
             params["n"] = min(params["n"], int(first or 0))
         return True
 
-    def _expire_overdue(self, conn: Connection, now: float) -> int:
-        stmt = (
+    def _expire_overdue(self, conn: Connection, now: float) -> tuple[tuple[str, int], ...]:
+        """Move this queue's ready items past their deadline to ``expired``; returns how many
+        by tenant, ``(tenant, n)`` sorted by tenant (empty when none did).
+
+        PostgreSQL counts them in the statement (``UPDATE ... RETURNING tenant`` grouped in a
+        CTE: one row per tenant). SQLite, where this transaction holds the only write lock,
+        counts them first (one row per tenant) and updates only when there are any: a claim
+        with nothing overdue reads the expiry index once, as before, and never steps a row
+        a time under the lock.
+        """
+        overdue = sa.and_(
+            _T.c.queue == self.queue,
+            _T.c.state == sa.literal_column("0"),
+            _T.c.deadline_at.is_not(None),
+            _T.c.deadline_at < now,
+        )
+        update = (
             sa.update(_T)
-            .where(
-                _T.c.queue == self.queue,
-                _T.c.state == sa.literal_column("0"),
-                _T.c.deadline_at.is_not(None),
-                _T.c.deadline_at < now,
-            )
+            .where(overdue)
             .values(
                 state=int(models.State.EXPIRED),
                 finished_at=now,
                 last_error="deadline passed before scoring",
             )
         )
-        n = conn.execute(stmt).rowcount
-        if n:
-            logger.warning(
-                "%d item(s) of queue %r expired: deadline passed before scoring",
-                n,
-                self.queue,
-                extra={"action": "expire", "queue": self.queue, "n_items": n},
+        if self.dialect == "postgresql":
+            done = update.returning(_T.c.tenant).cte("expired")
+            count: sa.Select[Any] = sa.select(done.c.tenant, sa.func.count()).group_by(
+                done.c.tenant
             )
-        return n
+        else:
+            count = sa.select(_T.c.tenant, sa.func.count()).where(overdue).group_by(_T.c.tenant)
+        by_tenant = tuple(sorted((str(t), int(n)) for t, n in conn.execute(count)))
+        if not by_tenant:
+            return ()
+        if self.dialect != "postgresql":
+            conn.execute(update)
+        n = sum(k for _, k in by_tenant)
+        logger.warning(
+            "%d item(s) of queue %r expired: deadline passed before scoring",
+            n,
+            self.queue,
+            extra={"action": "expire", "queue": self.queue, "n_items": n},
+        )
+        return by_tenant
 
     def expire_overdue(self) -> int:
         """Move ready items whose deadline has passed to ``expired``; returns how many."""
         with self.begin() as conn:
-            return self._expire_overdue(conn, self.clock())
+            return sum(n for _, n in self._expire_overdue(conn, self.clock()))
 
     # -- lease writes (all compare-and-set on the lease) -------------------------------------
 

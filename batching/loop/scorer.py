@@ -266,6 +266,8 @@ class Scorer(Generic[D]):
                 extra={"action": "queue_paused" if claim.paused else "queue_resumed"},
             )
         self._paused = claim.paused
+        if claim.expired:  # its transaction expired items past their deadline first
+            self.observer.expired(claim.expired)
         if claim.isolated:
             self.stats.isolated += len(claim.items)
             self._isolating = bool(claim.items)

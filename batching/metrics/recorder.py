@@ -191,10 +191,11 @@ class Recorder:
         """The breaker stopped the run."""
         self._h["batching_breaker_trips_total"].inc()
 
-    def expired(self, items: Sequence[models.WorkItem]) -> None:
-        """Items expired before scoring (their deadline passed), by tenant."""
-        for tenant, positions in self._by_tenant(items).items():
-            self._s("batching_items_expired_total", tenant).inc(len(positions))
+    def expired(self, by_tenant: Sequence[tuple[str, int]]) -> None:
+        """Items a claim expired before scoring (their deadline passed): ``(tenant, n)``."""
+        for tenant, n in by_tenant:
+            if n:
+                self._s("batching_items_expired_total", self.folder.label(tenant, n)).inc(n)
 
     def finished(self, at: float) -> None:
         """The run ended."""

@@ -1,6 +1,8 @@
 """What every drill shares: a fresh database on the private cluster (:mod:`tests.pgcluster`)
 with its own login role, a W1 queue in it, ``batching`` commands as an operator runs them, and
-the one verdict every drill ends on (:func:`assert_nothing_lost`)."""
+the one verdict every drill ends on (:func:`assert_nothing_lost`), and the metric signals a
+drill checks: ``batching metrics serve``'s gauges read in-process (:meth:`Drill.gauge`) and a
+run's textfile (:func:`textfile`, :func:`metric_sum`)."""
 
 from __future__ import annotations
 
@@ -9,16 +11,21 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow.dataset as ds
 import pytest
+from prometheus_client import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from batching import config as cfg
 from batching import models
+from batching.ingress.queue import SqlQueue
+from batching.metrics.exporter import exporter_registry
+from batching.store import database
 from tests.integration.conftest import BATCHING
 from tests.integration.test_pipeline import enqueue, items, w1_records, write_config
 from tests.pgcluster import ADMIN_PASSWORD, Cluster
@@ -109,6 +116,37 @@ class Drill:
 
     def states(self) -> Counter[str]:
         return Counter(models.State(r.state).name for r in items(self.admin_url).values())
+
+    def gauge(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples with these labels, as ``batching metrics serve``
+        would serve them now: its collector, in-process, on the database as the superuser
+        (read whatever the role may do)."""
+        assert self.config_path is not None
+        config = cfg.load_config(self.config_path)
+        queue = SqlQueue(database.create_engine(self.admin_url), config.queue.name)
+        try:
+            families = list(exporter_registry(config, queue).collect())
+        finally:
+            queue.engine.dispose()
+        return metric_sum(families, name, **labels)
+
+
+def metric_sum(families: Iterable[Metric], name: str, **labels: str) -> float:
+    """The sum of the samples called ``name`` whose labels include ``labels``; a metric
+    signal that is not there at all fails the drill (0 would pass for "no alert")."""
+    found = [
+        s.value
+        for family in families
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    ]
+    assert found, f"no {name} sample with {labels}"
+    return float(sum(found))
+
+
+def textfile(path: Path) -> list[Metric]:
+    """The metric families of a node_exporter textfile (``metrics.textfile_path``)."""
+    return list(text_string_to_metric_families(path.read_text()))
 
 
 @dataclass(frozen=True)

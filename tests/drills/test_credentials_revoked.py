@@ -59,6 +59,8 @@ def test_credentials_revoked_mid_run_fail_fast_and_lose_nothing(drill: Drill) ->
     found = {f["class"]: f for f in json.loads(stale.out)["findings"]}
     assert found["stale_lease"]["severity"] == "warning"
     assert found["stale_lease"]["count"] == states["LEASED"] > 0
+    # ... and `batching metrics serve` shows them (queue gauges, from the table).
+    assert drill.gauge("batching_queue_expired_leases") == states["LEASED"]
 
     drill.cluster.sql(f"ALTER ROLE {drill.role} LOGIN")
     again = drill.score()

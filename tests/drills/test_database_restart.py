@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 
-from tests.drills.conftest import Drill, assert_nothing_lost, finish, report
+from tests.drills.conftest import Drill, assert_nothing_lost, finish, metric_sum, report, textfile
 from tests.integration.test_pipeline import wait_for_done
 
 N = 3000
 
 
 def test_database_restart_mid_run_scorer_reconnects_and_loses_nothing(drill: Drill) -> None:
-    drill.queue(N, queue={"lease_s": 30})
+    prom = drill.folder / "run.prom"  # the run's metrics (node_exporter's textfile collector)
+    drill.queue(N, queue={"lease_s": 30}, metrics={"textfile_path": str(prom)})
     proc = drill.start_score("--json")
     done_before = wait_for_done(drill.url, 300, proc)
     drill.cluster.restart("fast")
@@ -27,6 +28,9 @@ def test_database_restart_mid_run_scorer_reconnects_and_loses_nothing(drill: Dri
     assert "reconnect" in run.err
     verdict = assert_nothing_lost(drill, N)
     assert done_before < N
+    # The run's committed counter went on counting across the reconnects.
+    committed = summary["summary"]["items_committed"]
+    assert metric_sum(textfile(prom), "batching_items_committed_total") == committed
     report(
         "database_restart",
         items=verdict.items,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.drills.conftest import Drill, assert_nothing_lost, report
+from tests.drills.conftest import Drill, assert_nothing_lost, metric_sum, report, textfile
 from tests.integration.test_pipeline import items
 
 N = 400
@@ -43,7 +43,13 @@ def test_disk_full_fails_the_run_naming_errno_28_and_loses_nothing(
     drill: Drill, small_volume: Path
 ) -> None:
     out = small_volume / "out"
-    drill.queue(N, batching=BATCHES, output={"max_rows_per_commit": 16})
+    prom = drill.folder / "run.prom"  # the run's metrics (node_exporter's textfile collector)
+    drill.queue(
+        N,
+        batching=BATCHES,
+        output={"max_rows_per_commit": 16},
+        metrics={"textfile_path": str(prom)},
+    )
     assert drill.config_path is not None
     text = drill.config_path.read_text().replace(str(drill.outputs), str(out))
     drill.config_path.write_text(text)
@@ -63,6 +69,11 @@ def test_disk_full_fails_the_run_naming_errno_28_and_loses_nothing(
     assert states["LEASED"] == 0, "the batch that could not be written stayed leased"
     assert states["READY"] > 0, "the volume took everything: nothing tested"
     assert max(r.attempts for r in items(drill.admin_url).values()) <= 1, "an item was charged"
+    # The failed run's metrics are written all the same: what it committed, nothing dead,
+    # and the run no longer active (the no-heartbeat alert is for runs that say they run).
+    run = textfile(prom)
+    assert metric_sum(run, "batching_items_committed_total") == states["DONE"]
+    assert metric_sum(run, "batching_run_active") == 0
 
     subprocess.run(["mount", "-o", "remount,size=16m", str(small_volume)], check=True)
     again = drill.score()

@@ -10,6 +10,7 @@ once in the files that remain and the new ones.
 from __future__ import annotations
 
 import json
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -41,6 +42,11 @@ def test_lost_output_files_are_found_requeued_and_rescored_once(drill: Drill) ->
     assert {p for f in missing for p in f["files"]} == {
         str(p.relative_to(drill.outputs)) for p in lost
     }
+    # ... and what `batching metrics serve` shows (the failed-reconcile alert reads it).
+    critical = {"class": "missing_file", "severity": "critical"}
+    assert drill.gauge("batching_reconcile_findings", **critical) == sum(
+        f["count"] for f in missing
+    )
 
     repaired = drill.reconcile("--repair", "--json")
     assert repaired.rc == 0, repaired.out + repaired.err
@@ -49,7 +55,9 @@ def test_lost_output_files_are_found_requeued_and_rescored_once(drill: Drill) ->
     again = drill.score("--json")
     assert again.rc == 0, again.err
     assert json.loads(again.out)["summary"]["items_committed"] == lost_items
-    verdict = assert_nothing_lost(drill, N)
+    before_clean = time.time()
+    verdict = assert_nothing_lost(drill, N)  # ends on a clean reconcile
+    assert drill.gauge("batching_reconcile_last_clean_timestamp_seconds") >= before_clean
     report(
         "lost_output_files",
         items=verdict.items,

@@ -80,6 +80,9 @@ def test_slow_database_and_lineage_backend_lose_nothing(
         assert summary["lineage_failures"] >= 2, summary
         assert f"lineage event spooled run_id={run_id}" in run.err, run.err
         verdict = assert_nothing_lost(drill, N)
+        # The spool's backlog shows in `batching metrics serve` (the lineage alert reads it).
+        spooled = drill.gauge("batching_lineage_spool_events")
+        assert spooled > 0
 
         # The backend is back to answering in time (still slow): the spool is flushed to it.
         lineage_proxy.delay_s = 0.05
@@ -93,6 +96,7 @@ def test_slow_database_and_lineage_backend_lose_nothing(
         assert {kind for kind, _ in events} >= {"START", "COMPLETE"}, events
         again = drill.batching("lineage", "flush", "-c", str(drill.config_path), "--db", drill.url)
         assert again.rc == 0, again.out + again.err  # nothing left in the spool
+        assert drill.gauge("batching_lineage_spool_events") == 0
     report(
         "slow_dependency",
         items=verdict.items,
@@ -101,6 +105,7 @@ def test_slow_database_and_lineage_backend_lose_nothing(
         exit=run.rc,
         run_s=f"{run.duration_s:.1f}",
         lineage_failures=summary["lineage_failures"],
+        spooled=int(spooled),
         events_received=len(received),
         events_distinct=len(events),
         exit_flush=flushed.rc,

@@ -263,6 +263,29 @@ def test_items_past_deadline_expire_not_score(queue: Queue, clock: FakeClock) ->
     assert (r.state, r.last_error) == (models.State.EXPIRED, "deadline passed before scoring")
 
 
+def test_the_claim_that_expires_items_reports_them_by_tenant(
+    queue: Queue, clock: FakeClock
+) -> None:
+    soon, now = clock() + 5, clock()
+    queue.enqueue(
+        [rec(f"a{i}", tenant="a", deadline_at=soon) for i in range(3)]
+        + [rec(f"b{i}", tenant="b", deadline_at=soon) for i in range(2)]
+        + [rec("late", tenant="b", deadline_at=now + 500)]
+        + [rec(f"none{i}", tenant="a", priority=1) for i in range(2)]
+    )
+    assert queue.claim(1, lease_s=60).expired == ()  # nothing overdue: nothing to report
+    clock.advance(10)
+    assert sibling(queue, "other").claim(10, lease_s=60).expired == ()  # not its items
+    claim = queue.claim(10, lease_s=60)
+    assert claim.expired == (("a", 3), ("b", 2))  # (tenant, n), sorted by tenant
+    assert sorted(i.item_key for i in claim.items) == ["late", "none1"]
+    assert queue.claim(10, lease_s=60).expired == ()  # told once, by the claim that did it
+    queue.enqueue([rec(f"c{i}", tenant="c", deadline_at=clock() + 1) for i in range(4)])
+    clock.advance(2)
+    assert queue.expire_overdue() == 4  # the maintenance path (the exporter's gauge shows it)
+    assert queue.claim(10, lease_s=60).expired == ()
+
+
 def test_release_gives_items_back_without_using_an_attempt(queue: Queue) -> None:
     queue.enqueue([rec("a")])
     claim = queue.claim(1, lease_s=30)

@@ -4,6 +4,7 @@ the recorder counts when the scorer reports, and the config's checks. No I/O: a 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -220,6 +221,30 @@ def test_failures_count_retried_and_dead_apart_and_retries_by_attempt() -> None:
     assert by_tenant(rec, "batching_retries_total") == {"t": 3}  # items 2, 3 and 5
 
 
+def test_expired_items_count_by_tenant_and_fold_beyond_top_n() -> None:
+    rec = recorder(top_tenants=1)
+    rec.expired([("a", 3), ("b", 2)])
+    rec.expired([("a", 1), ("c", 0)])
+    assert by_tenant(rec, "batching_items_expired_total") == {"a": 4, "other": 2}
+
+
+def test_the_scorer_reports_what_its_claims_expired() -> None:
+    r = rig(keys(3), max_batch_size=4, claim_size=8)
+    claim = r.queue.claim
+    told = iter([(("a", 2), ("b", 1))])
+
+    def expiring(n: int, **kw: Any) -> models.Claim:
+        got = claim(n, **kw)
+        return dataclasses.replace(got, expired=next(told, ()))
+
+    r.queue.claim = expiring  # type: ignore[method-assign]
+    rec = recorder()
+    r.scorer.observer = rec
+    r.scorer.run()
+    assert by_tenant(rec, "batching_items_expired_total") == {"a": 2, "b": 1}
+    assert by_tenant(rec, "batching_items_committed_total") == {"default": 3}
+
+
 def test_a_batch_reports_its_histograms_oom_splits_and_poison() -> None:
     rec = recorder()
     items = (item(1), item(2, tenant="u"), item(3))
@@ -249,6 +274,7 @@ def test_every_series_carries_the_label_set_the_catalog_names() -> None:
     rec.commit_timed(0.01)
     rec.lineage_failed(1)
     rec.breaker_tripped()
+    rec.expired([("t", 1)])
     wanted = {m.name: set(m.labels) for m in catalog.SCORER}
     seen = 0
     for family in rec.metrics.registry.collect():
@@ -299,6 +325,7 @@ def test_the_default_observer_records_nothing() -> None:
     observer: ports.ScoreObserver = ports.NoObserver()
     observer.started(1.0)
     observer.committed([item(1)], 2.0)
+    observer.expired([("t", 1)])
     observer.finished(3.0)
     r = rig(keys(2))
     assert isinstance(r.scorer.observer, ports.NoObserver)
