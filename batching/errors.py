@@ -46,7 +46,8 @@ class QueueError(BatchingError):
 
 
 class Disconnected(QueueError):
-    """The connection to the queue database was lost."""
+    """The connection to the queue database was lost, or the server refused a new one (down,
+    restarting, failing over): a later try may get through, unlike a refused login."""
 
     disconnect = True
 

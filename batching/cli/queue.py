@@ -204,7 +204,8 @@ def status(
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
     out.print(status_table(stats, None if all_queues else queue))
-    totals = ", ".join(f"{k} {v}" for k, v in stats.by_state.items())
+    # cancelled only when some are, as in the table: the line stays within 80 columns
+    totals = ", ".join(f"{k} {v}" for k, v in stats.by_state.items() if v or k != "cancelled")
     backoff = f"; {stats.backoff} ready waiting out a retry backoff" if stats.backoff else ""
     out.print(f"total: {totals}; expired leases {stats.expired_leases}{backoff}")
     depths: dict[str, int] = {}

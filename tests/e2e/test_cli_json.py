@@ -133,10 +133,11 @@ def test_score_json_on_an_uninitialised_database_is_a_json_error(tmp_path: Path)
 
 def test_score_json_never_shows_a_password(tmp_path: Path) -> None:
     """A run that cannot reach its database fails (exit 1) as a JSON error without the
-    password (port 1 on loopback: refused at once)."""
+    password (port 1 on loopback: refused, as a server restarting refuses: ``Disconnected``,
+    the kind a caller may retry)."""
     config = write_config(tmp_path, database={"url": "postgresql://u:sekret@127.0.0.1:1/x"})
     r = batching("score", "-c", str(config), "--json", cwd=tmp_path)
-    message = assert_error_doc(r, "QueueError", 1)
+    message = assert_error_doc(r, "Disconnected", 1)
     assert "u:***@127.0.0.1:1/x" in message
     assert "sekret" not in r.out + r.err
 
