@@ -152,8 +152,10 @@ class Recorder:
                 late += waited > self.slo_s or (deadline is not None and done_at > deadline)
                 retried += attempts[i] > 1
             self._s("batching_items_committed_total", tenant).inc(len(positions))
-            if late:
-                self._s("batching_sla_misses_total", tenant).inc(late)
+            # Born with the committed series (at 0 when none is late): a miss series born at
+            # its first miss would start at that count, which rate() never sees, and a
+            # tenant's miss ratio would be absent rather than 0 while it is on time.
+            self._s("batching_sla_misses_total", tenant).inc(late)
             if retried:
                 self._s("batching_retries_total", tenant).inc(retried)
 

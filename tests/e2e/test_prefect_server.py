@@ -4,8 +4,11 @@
    started from its deployment completes in a served subprocess, and its end triggers a
    reconcile of that run (upstream id and output passed on), which completes too; both are
    OpenLineage runs in the JSONL log.
-2. ``flows.alerts`` saves the webhook block and the alert automation: a
-   ``batching.reconcile.failed`` event makes the server POST to a local webhook.
+2. ``flows.alerts`` (run before the score run) saves the webhook block and the alert
+   automations: the score run, whose items waited for the server longer than the online
+   config's 1 s SLO, emits ``batching.run.sla_missed`` and the SLA-missed automation POSTs to
+   a local webhook (naming the queue and the miss ratio); a ``batching.reconcile.failed`` and
+   a ``batching.queue.backlog`` event do the same through theirs.
 3. ``prefect deploy --all --prefect-file deployments/prefect.yaml`` registers the same
    deployments on a process work pool, with their triggers.
 
@@ -31,6 +34,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from batching.compose import build
 from batching.config import load_config
@@ -38,6 +42,8 @@ from batching.evidence import lineage_log
 from batching.ingress import ingest
 from batching.model import workloads
 from tests.conftest import REPO, wait_for
+
+AUTOMATIONS = REPO / "deployments" / "automations"
 
 pytestmark = pytest.mark.slow
 
@@ -166,6 +172,16 @@ def enqueue_text(stack: Stack, n_items: int) -> None:
 
 def test_served_deployments_score_reconcile_alert_and_deploy(stack: Stack, tmp_path: Path) -> None:
     enqueue_text(stack, 40)
+    hook = Webhook()
+    try:
+        create_automations(stack, hook)
+        score_reconcile_and_alert(stack, tmp_path, hook)
+    finally:
+        hook.close()
+    check_deploy(stack)
+
+
+def score_reconcile_and_alert(stack: Stack, tmp_path: Path, hook: Webhook) -> None:
     serve = stack.start("-m", "flows.serve", name="serve")
     deployments = wait_for(
         lambda: d if len(d := stack.deployments()) == 5 else None, 90, "5 deployments"
@@ -194,8 +210,9 @@ def test_served_deployments_score_reconcile_alert_and_deploy(stack: Stack, tmp_p
     assert serve.returncode == 0  # stopped by Ctrl-C within the grace period
     assert all(d["paused"] for d in stack.deployments().values())  # the runner paused them
 
-    check_alert(stack)
-    check_deploy(stack)
+    check_sla_missed(hook, score_run["id"])
+    check_alert(stack, hook)
+    check_backlog(stack, hook)
 
 
 def check_lineage(stack: Stack, score_id: str, reconcile_id: str) -> None:
@@ -243,33 +260,74 @@ class Webhook:
         self.server.server_close()
 
 
-def check_alert(stack: Stack) -> None:
-    """``python -m flows.alerts``, then a reconcile-failed event reaches the webhook."""
-    hook = Webhook()
-    try:
-        alerts = stack.start("-m", "flows.alerts", "--webhook-url", hook.url, name="alerts")
-        assert alerts.wait(60) == 0
-        event = {
-            "id": str(uuid.uuid4()),
-            "occurred": datetime.now(UTC).isoformat(),
-            "event": "batching.reconcile.failed",
-            "resource": {"prefect.resource.id": "batching.output.text"},
-            "payload": {
-                "config": "score-online",
-                "queue": "text",
-                "location": "/srv/outputs/text",
-                "critical": ["missing_file"],
-                "findings_text": "- critical: missing file (1 affected): its file is missing",
-                "flow_run_url": "http://prefect.example/runs/flow-run/1",
-            },
-        }
-        stack.post("/events", [event])
-        (body,) = wait_for(lambda: hook.bodies, 30, "the alert webhook")
-        assert body["title"] == "batching: reconcile found critical faults in score-online"
-        assert "- critical: missing file (1 affected): its file is missing" in body["text"]
-        assert "Reconcile flow run: http://prefect.example/runs/flow-run/1" in body["text"]
-    finally:
-        hook.close()
+def create_automations(stack: Stack, hook: Webhook) -> None:
+    """``python -m flows.alerts``: the webhook block and every automation."""
+    alerts = stack.start("-m", "flows.alerts", "--webhook-url", hook.url, name="alerts")
+    assert alerts.wait(60) == 0, (stack.root / "alerts.log").read_text()
+
+
+def posted(hook: Webhook, title: str) -> dict[str, Any]:
+    """The one notification titled ``title`` the webhook received (waits for it)."""
+    found = wait_for(
+        lambda: [b for b in hook.bodies if b["title"] == title], 60, f"the webhook {title!r}"
+    )
+    assert len(found) == 1, found
+    return found[0]
+
+
+def check_sla_missed(hook: Webhook, score_id: str) -> None:
+    """The score run missed the online SLO (its items waited for the server to start): the
+    SLA-missed automation posted, naming the queue, the miss ratio and the run."""
+    body = posted(hook, "batching: score-online missed its latency SLO on queue text")
+    assert "40 of 40 items committed by a run of score-online (queue text)" in body["text"]
+    assert "took over 1.0 s from enqueue to commit: 100.0% late" in body["text"]
+    assert "objective of 99.0% on time (burn rate 100.0x" in body["text"]
+    assert score_id in body["text"]
+
+
+def check_alert(stack: Stack, hook: Webhook) -> None:
+    """A reconcile-failed event reaches the webhook."""
+    event = {
+        "id": str(uuid.uuid4()),
+        "occurred": datetime.now(UTC).isoformat(),
+        "event": "batching.reconcile.failed",
+        "resource": {"prefect.resource.id": "batching.output.text"},
+        "payload": {
+            "config": "score-online",
+            "queue": "text",
+            "location": "/srv/outputs/text",
+            "critical": ["missing_file"],
+            "findings_text": "- critical: missing file (1 affected): its file is missing",
+            "flow_run_url": "http://prefect.example/runs/flow-run/1",
+        },
+    }
+    stack.post("/events", [event])
+    body = posted(hook, "batching: reconcile found critical faults in score-online")
+    assert "- critical: missing file (1 affected): its file is missing" in body["text"]
+    assert "Reconcile flow run: http://prefect.example/runs/flow-run/1" in body["text"]
+
+
+def check_backlog(stack: Stack, hook: Webhook) -> None:
+    """A backlog event (as a score run emits it; without the ``batching.config`` label, so
+    the score deployment's own backlog trigger leaves it alone) reaches the webhook."""
+    event = {
+        "id": str(uuid.uuid4()),
+        "occurred": datetime.now(UTC).isoformat(),
+        "event": "batching.queue.backlog",
+        "resource": {"prefect.resource.id": "batching.queue.text"},
+        "payload": {
+            "queue": "text",
+            "config": "score-online",
+            "depth": 6000,
+            "oldest_ready_age_s": 75.0,
+            "depth_threshold": 5000,
+            "age_threshold_s": 60,
+            "reasons": ["depth", "age"],
+        },
+    }
+    stack.post("/events", [event])
+    body = posted(hook, "batching: queue text has a backlog (depth, age)")
+    assert "6000 items ready (alert at 5000), the oldest waiting 75.0 s" in body["text"]
 
 
 def check_deploy(stack: Stack) -> None:
@@ -291,7 +349,7 @@ def check_deploy(stack: Stack) -> None:
     assert automations == {
         "reconcile-after-scoring",
         "score-on-backlog",
-        "batching-reconcile-failed",
+        *(yaml.safe_load(p.read_text())["name"] for p in AUTOMATIONS.glob("*.yaml")),
     }
 
 
