@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -151,3 +152,19 @@ def prometheus(tmp_path: Path) -> Iterator[Callable[..., object]]:
             )
 
         yield start
+
+
+@pytest.fixture
+def small_volume(tmp_path: Path) -> Iterator[Path]:
+    """A 32 KiB tmpfs (root only: skipped elsewhere): a few small Parquet files fill it."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(volume)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield volume
+    subprocess.run(["umount", "-l", str(volume)], check=False)

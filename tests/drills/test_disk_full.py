@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,22 +19,6 @@ from tests.integration.test_pipeline import items
 
 N = 400
 BATCHES = {"max_batch_size": 16, "claim_size": 64, "max_wait_s": 0.01}
-
-
-@pytest.fixture
-def small_volume(tmp_path: Path) -> Iterator[Path]:
-    """A 32 KiB tmpfs: a few Parquet files of 16 rows fill it."""
-    volume = tmp_path / "volume"
-    volume.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(volume)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    yield volume
-    subprocess.run(["umount", "-l", str(volume)], check=False)
 
 
 @pytest.mark.drill

@@ -93,25 +93,9 @@ def test_a_publish_the_folder_refuses_stops_the_run_and_reconcile_calls_it_criti
     assert clean.returncode == 0, clean.stdout
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 32 KiB tmpfs: the output and its staging folder fill it after a few batches."""
-    volume = tmp_path / "volume"
-    volume.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(volume)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    yield volume
-    subprocess.run(["umount", "-l", str(volume)], check=False)
-
-
 @pytest.mark.slow
 def test_a_full_disk_fails_the_run_with_its_errno_and_charges_no_item(
-    small_disk: Path, sqlite_url: str, tmp_path: Path
+    small_volume: Path, sqlite_url: str, tmp_path: Path
 ) -> None:
     events = tmp_path / "events.jsonl"
     path = write_config(
@@ -121,7 +105,7 @@ def test_a_full_disk_fails_the_run_with_its_errno_and_charges_no_item(
         output={"max_rows_per_commit": 16},  # a file per batch of 16: 25 files, 4 KiB or more each
         lineage={"transport": "file", "path": str(events)},
     )
-    config_text = path.read_text().replace(str(tmp_path / "outputs"), str(small_disk / "out"))
+    config_text = path.read_text().replace(str(tmp_path / "outputs"), str(small_volume / "out"))
     path.write_text(config_text)
     config = cfg.load_config(path)
     enqueue(sqlite_url, config, w1_records(N, tmp_path))
@@ -141,8 +125,8 @@ def test_a_full_disk_fails_the_run_with_its_errno_and_charges_no_item(
     assert len(fails) == 5
     assert all("No space left on device" in json.dumps(e["run"]["facets"]) for e in fails)
 
-    subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_volume)], check=True)
     again = run(score_args(path, sqlite_url), tmp_path)
     assert again.returncode == 0, again.stderr
     assert states(sqlite_url) == Counter(DONE=N)
-    assert len(dataset(small_disk / "out")) == N
+    assert len(dataset(small_volume / "out")) == N
