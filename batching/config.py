@@ -137,6 +137,10 @@ class QueueConfig(_Model):
         gt=0,
         description="how often an idle scorer looks for work when no NOTIFY wakes it (PostgreSQL)",
     )
+    late_policy: Literal["score", "expire"] = Field(
+        "score",
+        description="a claimed item predicted to miss its `deadline_at` when its batch is cut: `score` it anyway (late), or `expire` it unscored with a reason naming its deadline and the prediction (counted)",
+    )
 
     @model_validator(mode="after")
     def _heartbeat_below_lease(self) -> QueueConfig:
@@ -297,6 +301,10 @@ class BatchingPolicy(_Model):
         ge=1,
         le=64,
         description="scored batches that may wait for the commit stage (what one group commit can take)",
+    )
+    adaptive: bool = Field(
+        False,
+        description="SLO-adaptive release: go when the model frees up, never past the oldest item's `latency_slo_s` budget (predicted from forward times measured online, seeded by `service_profile`); `max_wait_s` and `max_batch_size` stay upper bounds",
     )
 
     @field_validator("length_buckets")

@@ -54,6 +54,10 @@ class ClaimPort(Protocol):
 
     def release(self, lease_id: str, ids: Sequence[int] | None = None) -> int: ...
 
+    def expire(self, lease_id: str, reasons: Mapping[int, str]) -> int:
+        """Move held items to ``expired`` unscored, each with its reason (``late_policy``)."""
+        ...
+
 
 class RunnerPort(Protocol[D]):
     """The model, as the scoring loop uses it (``TorchRunner``): ``decode`` on the dispatch

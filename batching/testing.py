@@ -346,6 +346,16 @@ class InMemoryQueue:
                 row.attempts -= 1
             return len(held)
 
+    def expire(self, lease_id: str, reasons: Mapping[int, str]) -> int:
+        """Move items this lease holds to expired unscored, each with its reason."""
+        with self._store.lock:
+            held = self._held(lease_id, list(reasons))
+            for row in held:
+                row.state, row.finished_at = models.State.EXPIRED, self.clock()
+                row.last_error = reasons[row.item.id][:2000]
+                row.lease_id = row.lease_expires_at = None
+            return len(held)
+
     def release_expired(self, limit: int = 5000, *, this_queue: bool = False) -> models.ReapResult:
         """The reaper: items whose lease expired go back to ready (dead past max attempts)."""
         with self._store.lock:

@@ -934,6 +934,39 @@ class SqlQueue:
         conn.execute(sa.delete(_P).where(self._id_in(ids, _P.c.id)))
         return int(conn.execute(sa.delete(_T).where(self._id_in(ids))).rowcount)
 
+    @database.reconnecting
+    def expire(self, lease_id: str, reasons: Mapping[int, str]) -> int:
+        """Move items this lease holds to ``expired`` unscored (``late_policy: expire``: each
+        predicted to miss its deadline), keeping each one's reason; returns items changed.
+        Compare-and-set on the lease, like the other lease writes: an item no longer held
+        is left alone."""
+        if not reasons:
+            return 0
+        now = self.clock()
+        n = 0
+        with self.begin() as conn:
+            for item_id, reason in reasons.items():
+                n += conn.execute(
+                    sa.update(_T)
+                    .where(self._leased(lease_id, [item_id]))
+                    .values(
+                        state=int(models.State.EXPIRED),
+                        finished_at=now,
+                        last_error=reason[:2000],
+                        lease_id=None,
+                        lease_expires_at=None,
+                        leased_by=None,
+                    )
+                ).rowcount
+        if n:
+            logger.warning(
+                "%d item(s) of queue %r expired: predicted to miss their deadline",
+                n,
+                self.queue,
+                extra={"action": "expire", "queue": self.queue, "n_items": n},
+            )
+        return n
+
 
 def _claimed_times(conn: Connection, row: Sequence[Any], params: dict[str, Any]) -> Any:
     """A SQLite claim's ``CLAIMED_TIMES`` row, read only when its items need it (most share

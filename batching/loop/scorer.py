@@ -49,7 +49,8 @@ from batching.config import PipelineConfig
 from batching.loop import breaker
 from batching.loop.stages import END, D, Dispatched, End, LeasePart, Scored, by_lease, has_deadline
 from batching.loop.stats import Progress, RunLimits, RunStats
-from batching.policy.batcher import MicroBatcher, ServiceTime
+from batching.policy.adaptive import SloController
+from batching.policy.batcher import Late, MicroBatcher, ServiceTime
 from batching.ports import Clock
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,22 @@ class Scorer(Generic[D]):
         self.runner = runner
         self.outputs = outputs
         self.clock = clock
-        self.batcher = MicroBatcher(config.batching, clock, service_time)
+        policy = config.batching
+        # SLO-adaptive release (``batching.adaptive``): told every forward, decode and commit
+        self.controller = (
+            SloController.for_policy(
+                config.latency_slo_s, service_time, policy.max_batch_size, policy.length_buckets
+            )
+            if policy.adaptive
+            else None
+        )
+        self.batcher = MicroBatcher(
+            policy,
+            clock,
+            service_time,
+            adaptive=self.controller,
+            late_policy=config.queue.late_policy,
+        )
         self.on_progress = on_progress
         self.observer: ports.ScoreObserver = observer or ports.NoObserver()
         self._wait = wait_for_work or (lambda s: time.sleep(s))
@@ -287,8 +303,11 @@ class Scorer(Generic[D]):
     def _dispatch(self, *, flush: bool) -> bool:
         with self._batch_lock:
             batch = self.batcher.poll(flush=flush)
+            late = self.batcher.take_late()
+        if late:
+            self._expire(late)
         if batch is None:
-            return False
+            return bool(late)
         self._claim_wanted.set()
         ids = models.item_column(batch.items, "id")
         with self._lock:  # the leases as claimed now: a reaped item may be claimed again
@@ -300,9 +319,29 @@ class Scorer(Generic[D]):
             with self._batch_lock:  # back where the shutdown releases them from
                 self.batcher.add(batch.items)
             raise
-        self.stats.stage_s["decode"] += time.perf_counter() - started
+        decode_s = time.perf_counter() - started
+        self.stats.stage_s["decode"] += decode_s
+        if self.controller is not None:
+            self.controller.decoded(len(batch), decode_s)
         self._put(self._to_forward, Dispatched(batch, leases, decoded))
         return True
+
+    def _expire(self, late: list[Late]) -> None:
+        """Expire items the batcher found late (``late_policy: expire``), unscored, each
+        with its reason; counted in the stats and the metrics."""
+        self._claim_wanted.set()
+        by_lease: dict[str, list[Late]] = {}
+        with self._lock:
+            for one in late:
+                by_lease.setdefault(self._item_lease[one.item.id], []).append(one)
+        for lease_id, part in by_lease.items():
+            n = self.queue.expire(lease_id, {one.item.id: one.reason for one in part})
+            self.stats.expired += n
+            items = [one.item for one in part]
+            if n:
+                tenants = collections.Counter(item.tenant for item in items)
+                self.observer.expired(sorted(tenants.items()))
+            self._forget(lease_id, items)
 
     def _put(self, q: stdqueue.Queue[J | End], job: J | End) -> None:
         # A stage that died never takes its next job: give up once an error is recorded, and
@@ -351,9 +390,17 @@ class Scorer(Generic[D]):
                 self._settle_held()
                 self._put(self._to_commit, END)
                 return
+            controller, batch = self.controller, job.batch
+            if controller is not None:
+                cost = max(models.item_column(batch.items, "cost"))
+                controller.forward_started(len(batch), cost, self.clock())
             started = time.perf_counter()
             result = self.runner.forward(job.decoded)
-            self.stats.stage_s["forward"] += time.perf_counter() - started
+            forward_s = time.perf_counter() - started
+            self.stats.stage_s["forward"] += forward_s
+            if controller is not None:
+                controller.forward_done(len(batch), cost, forward_s, self.clock(), batch.formed_at)
+                self._wake.set()  # the model is free: the next batch may go now
             self._hand_on(Scored(job.batch, job.leases, result))
 
     # -- retry-storm breaker (``breaker``) ------------------------------------------------------
@@ -505,6 +552,8 @@ class Scorer(Generic[D]):
             self.stats.real_tokens += job.result.real_tokens
             self.stats.padded_tokens += job.result.padded_tokens
             self.observer.batch_committed(job.batch, job.result)
+            if self.controller is not None:
+                self.controller.committed(job.batch.formed_at, job.result.service_s, self.clock())
         self.observer.commit_timed(time.perf_counter() - started)
         self.observer.heartbeat(self.clock())
 

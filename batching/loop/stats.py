@@ -30,6 +30,7 @@ class RunSummary(TypedDict):
     items_released: int
     lease_lost_items: int
     items_isolated: int
+    items_expired: int
     batches: int
     commits: int
     batch_size_mean: float
@@ -65,6 +66,7 @@ _ADDITIVE = (
     "padded_tokens",
     "bytes_written",
     "breaker_trips",
+    "expired",
 )
 
 
@@ -87,6 +89,7 @@ class RunStats:
     padded_tokens: int = 0
     bytes_written: int = 0
     breaker_trips: int = 0  # retry storms that stopped the run (``batching.loop.breaker``)
+    expired: int = 0  # claimed items expired unscored, predicted late (``late_policy: expire``)
     reasons: collections.Counter[str] = field(default_factory=collections.Counter)
     stage_s: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("claim", "decode", "forward", "commit"), 0.0)
@@ -121,6 +124,7 @@ class RunStats:
             "items_released": self.released,
             "lease_lost_items": self.lease_lost,
             "items_isolated": self.isolated,
+            "items_expired": self.expired,
             "batches": len(sizes),
             "commits": self.commits,
             "batch_size_mean": sum(sizes) / len(sizes) if sizes else 0.0,
@@ -169,6 +173,8 @@ def summary_rows(summary: Mapping[str, object]) -> list[tuple[str, str]]:
     ]
     if summary.get("items_isolated"):  # suspects of a lost worker, scored alone
         rows.insert(3, ("items scored in isolation", f"{summary['items_isolated']}"))
+    if summary.get("items_expired"):  # predicted late, expired unscored (late_policy)
+        rows.insert(3, ("items expired (late)", f"{summary['items_expired']}"))
     # Three significant digits: a short run's stages are busy for milliseconds, which a fixed
     # two decimals showed as 0.00.
     busy = summary.get("stage_busy_s")

@@ -40,7 +40,17 @@ stats and times; tested against the item path on random workloads). A first bloc
 no full batch, a block that would come before those waiting, or items of another kind send
 every pending block into the buckets, where the rules above decide.
 
-The batcher never drops items (expired deadlines are released, not discarded). Buckets keep
+The batcher never drops items silently: with ``late_policy="score"`` (the default) items past
+their deadline are released like the rest; with ``"expire"`` an item whose deadline falls
+before the predicted finish of the batch it was cut into (now + the predicted service; with
+``adaptive``, the controller's predicted commit time) leaves the batch and waits in :meth:`MicroBatcher.take_late`
+with a reason naming its deadline and the prediction, for the loop to expire (never scored).
+
+With an ``adaptive`` controller (``batching.policy.adaptive``; ``batching.adaptive``), a bucket
+is due at the earliest of its ``max_wait_s``, its deadline rule (with the controller's
+prediction) and the controller's release time: when the model frees up, never later than the
+oldest item's SLO budget (reasons ``"idle"`` and ``"slo"``); buckets are served in order of
+their oldest item's budget, and a batch is cut no larger than that budget allows. Buckets keep
 their items in sorted lists, lazily deleted: a claim arrives already in bucket order, so an
 ``add`` of k items is O(k) (one merge when it interleaves with what is pending) and a release
 of b items O(b) plus the stale entries it skips, plus O(number of buckets) per decision.
@@ -54,23 +64,34 @@ from __future__ import annotations
 
 import bisect
 import collections
+import datetime
 import functools
 import itertools
 import math
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from batching import models, ports
+from batching.policy.adaptive import ServiceTime, SloController
 
 if TYPE_CHECKING:
     from batching.config import BatchingPolicy
 
-ServiceTime = Callable[[int, int], float]
-"""Predicted seconds of one forward pass: (n_items, largest item cost) -> seconds."""
+__all__ = ["Late", "MicroBatcher", "ServiceTime", "batch_stats", "bucket_index"]
 
-Reason = Literal["size", "cost", "wait", "deadline", "flush"]
+Reason = Literal["size", "cost", "wait", "deadline", "flush", "slo", "idle"]
+LatePolicy = Literal["score", "expire"]
+
+
+@dataclass(frozen=True, slots=True)
+class Late:
+    """An item cut from a batch because it cannot meet its deadline (``late_policy: expire``)."""
+
+    item: models.WorkItem
+    reason: str
+
 
 _Entry = TypeVar("_Entry", bound=tuple[Any, ...])
 _COMPACT_SLACK = 64  # stale entries tolerated before a rebuild, beyond 2x live items
@@ -333,7 +354,8 @@ class _Readiness:
     index: int
     full: bool
     due_at: float  # epoch seconds when the wait or deadline trigger fires
-    trigger: Reason  # "wait" or "deadline": which trigger gives due_at
+    trigger: Reason  # "wait", "deadline" (or adaptive "slo", "idle"): which gives due_at
+    rank: float  # order among ready buckets: due_at, or (adaptive) the oldest item's budget
 
     def ready(self, now: float) -> bool:
         return self.full or self.due_at <= now
@@ -352,6 +374,10 @@ class MicroBatcher:
         clock: returns the current time in epoch seconds.
         service_time: predicted seconds of one forward pass for (n_items, max item cost);
             used to release early enough to meet ``deadline_at``. None means 0 seconds.
+        adaptive: the SLO-adaptive release rule (its model replaces ``service_time``);
+            None: the fixed rules above.
+        late_policy: ``"expire"`` takes items that cannot meet their deadline out of the
+            batches cut (see :meth:`take_late`); ``"score"`` releases them like the rest.
     """
 
     def __init__(
@@ -359,9 +385,18 @@ class MicroBatcher:
         policy: BatchingPolicy,
         clock: ports.Clock,
         service_time: ServiceTime | None = None,
+        *,
+        adaptive: SloController | None = None,
+        late_policy: LatePolicy = "score",
     ) -> None:
         self._policy = policy
         self._clock = clock
+        self._adaptive = adaptive
+        self._late_policy = late_policy
+        self._late: list[Late] = []
+        self._draining = False
+        if adaptive is not None:
+            service_time = adaptive.finish_bound_s
         self._service_time = service_time or _no_service_time
         self._edges = tuple(policy.length_buckets)
         self._budget = _Budget(policy.max_batch_size, policy.max_batch_cost)
@@ -457,17 +492,26 @@ class MicroBatcher:
         Returns:
             A non-empty batch, or None when nothing is pending or nothing is ready yet.
         """
-        if not self._ids:
-            return None
-        self._settle()
-        now = self._clock()
-        if self._blocks:
-            return self._cut_block(now)
-        states = self._readiness()
-        best = min(states, key=lambda s: (not s.ready(now), s.due_at, s.index))
-        if not (flush or best.ready(now)):
-            return None
-        return self._release(best, now, by_length=flush)
+        while self._ids:
+            self._settle()
+            now = self._clock()
+            if self._blocks:
+                return self._cut_block(now)
+            states = self._readiness()
+            best = min(states, key=lambda s: (not s.ready(now), s.rank, s.index))
+            if not (flush or best.ready(now)):
+                return None
+            batch = self._release(best, now, by_length=flush)
+            if batch is not None:
+                return batch
+            # every item of that cut was late (``take_late``): look again
+        return None
+
+    def take_late(self) -> list[Late]:
+        """The items cut out of batches as late since the last call (``late_policy:
+        expire``), each with its reason; the caller expires them. Empty otherwise."""
+        late, self._late = self._late, []
+        return late
 
     def next_deadline(self) -> float | None:
         """Clock time (epoch seconds) at which :meth:`poll` will next release a batch.
@@ -487,8 +531,12 @@ class MicroBatcher:
     def drain(self) -> list[models.Batch]:
         """Release every pending item as batches (shutdown); the batcher is empty afterwards."""
         batches: list[models.Batch] = []
-        while (batch := self.poll(flush=True)) is not None:
-            batches.append(batch)
+        self._draining = True  # released to the queue, not judged late
+        try:
+            while (batch := self.poll(flush=True)) is not None:
+                batches.append(batch)
+        finally:
+            self._draining = False
         return batches
 
     def _check_new(self, items: Sequence[models.WorkItem]) -> None:
@@ -515,30 +563,81 @@ class MicroBatcher:
 
     def _state(self, index: int, bucket: _Bucket) -> _Readiness:
         full = self._budget.full(len(bucket), bucket.cost)
-        wait_at = bucket.oldest_enqueued_at() + self._policy.max_wait_s
+        oldest = bucket.oldest_enqueued_at()
+        wait_at = oldest + self._policy.max_wait_s
+        n = min(len(bucket), self._policy.max_batch_size)
+        due_at: float = wait_at
+        trigger: Reason = "wait"
         deadline = bucket.earliest_deadline()
         if deadline is not None:
-            n = min(len(bucket), self._policy.max_batch_size)
             deadline_at = deadline - max(0.0, self._service_time(n, bucket.max_cost()))
-            if deadline_at < wait_at:
-                return _Readiness(index, full, deadline_at, "deadline")
-        return _Readiness(index, full, wait_at, "wait")
+            if deadline_at < due_at:
+                due_at, trigger = deadline_at, "deadline"
+        if self._adaptive is None:
+            return _Readiness(index, full, due_at, trigger, due_at)
+        due = self._adaptive.due(oldest, n, bucket.max_cost())
+        rank = min(due.budget_at, due_at)
+        if due.at < due_at:
+            return _Readiness(index, full, due.at, due.trigger, rank)
+        return _Readiness(index, full, due_at, trigger, rank)
 
-    def _release(self, state: _Readiness, now: float, *, by_length: bool) -> models.Batch:
+    def _cap(self, bucket: _Bucket, now: float) -> _Budget:
+        """The batch caps: the policy's, and with ``adaptive`` no more items than the oldest
+        item's budget allows."""
+        if self._adaptive is None:
+            return self._budget
+        cap = self._adaptive.size_cap(
+            now, bucket.oldest_enqueued_at(), bucket.max_cost(), self._budget.max_size
+        )
+        if cap >= self._budget.max_size:
+            return self._budget
+        return _Budget(cap, self._budget.max_cost)
+
+    def _release(self, state: _Readiness, now: float, *, by_length: bool) -> models.Batch | None:
         bucket = self._buckets[state.index]
         cut = bucket.cut_by_length if by_length else bucket.cut_in_order
-        seqs = cut(self._budget)
+        budget = self._cap(bucket, now)
+        seqs = cut(budget)
         items = bucket.remove(seqs)
         if by_length:
             items.sort(key=lambda item: item.cost)
         self._ids.difference_update(map(_ID, items))
+        if self._late_policy == "expire" and not self._draining:
+            items = self._without_late(items, now)
+            if not items:
+                return None
+        capped = budget is not self._budget and len(seqs) >= budget.max_size
         return models.Batch(
             items=tuple(items),
-            reason=self._reason(state, len(items), now),
+            reason="slo" if capped else self._reason(state, len(items), now),
             formed_at=now,
             stats=batch_stats(items, now, self._policy.max_batch_size),
             bucket=state.index,
         )
+
+    def _without_late(self, items: list[models.WorkItem], now: float) -> list[models.WorkItem]:
+        """``items`` less those predicted to finish after their deadline (kept for
+        :meth:`take_late`): finish = now + the predicted time of this batch."""
+        deadlines = list(map(models.ITEM_DEADLINE_AT, items))
+        if deadlines.count(None) == len(deadlines):
+            return items
+        n, cost = len(items), max(map(_COST, items))
+        if self._adaptive is not None:  # the mean: expired only when predicted late
+            finish = self._adaptive.finish_at(now, n, cost)
+        else:
+            finish = now + max(0.0, self._service_time(n, cost))
+        predicted = finish - now
+        kept: list[models.WorkItem] = []
+        for item, deadline in zip(items, deadlines, strict=True):
+            if deadline is None or deadline >= finish:
+                kept.append(item)
+                continue
+            reason = (
+                f"late_policy expire: deadline {_utc(deadline)} before the predicted finish "
+                f"{_utc(finish)} (now + {predicted:.3f} s predicted for a batch of {n})"
+            )
+            self._late.append(Late(item, reason))
+        return kept
 
     def _full_reason(self, n_items: int) -> Reason:
         return "size" if n_items >= self._policy.max_batch_size else "cost"
@@ -567,3 +666,9 @@ class MicroBatcher:
         if state.full:
             return self._full_reason(n_items)
         return state.trigger if state.due_at <= now else "flush"
+
+
+def _utc(at: float) -> str:
+    """Epoch seconds as ``2026-12-02T02:50:01.123Z`` (what a reason names)."""
+    stamp = datetime.datetime.fromtimestamp(at, tz=datetime.UTC)
+    return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{stamp.microsecond // 1000:03d}Z"

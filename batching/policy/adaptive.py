@@ -1,0 +1,287 @@
+"""SLO-adaptive batching: a service-time model fitted online, and the release rule built on it.
+
+Pure like the batcher: no I/O and no clock of its own; every time is passed in (epoch seconds).
+The scoring loop reports what it measures (each forward pass, decode and commit), the
+:class:`~batching.policy.batcher.MicroBatcher` asks when to release and how many items.
+
+**The model.** :class:`ServiceModel` predicts the forward seconds ``t(n, c)`` of ``n`` items
+padded to cost ``c`` as ``theta . (1, n, n*c, prior(n, c))`` (sizes and costs scaled), where
+``prior`` is the service profile (``batching profile``; none: 0). ``theta`` is a ridge
+regression over the last ``window`` measured forwards, shrunk toward ``(0, 0, 0, 1)``: before
+any measurement the model *is* the profile, and measurements correct it (another machine of
+the same kind, a warm cache, a longer average length) without forgetting the profile's shape
+where nothing was measured. :meth:`ServiceModel.bound` adds a margin: the 90th percentile of
+the recent relative errors of the model's own out-of-sample predictions (a p99 target needs an
+upper estimate, as Clipper's mean + 3 sigma does).
+
+**The release rule** (:class:`SloController`). A batch released at ``t`` is predicted to be
+committed at ``max(t + decode, busy_until) + bound(n, c) + tail``: it is decoded (measured per
+item), waits for the forward pass in flight (``busy_until``, its predicted end), runs, and
+commits (``tail``, measured from a forward's end to its commit; EWMAs). With
+``latency_slo_s`` as the p99 target, the oldest item of a bucket has its *budget*: it must be
+released by ``enqueued_at + slo - decode - bound(n, c) - tail`` (trigger ``"slo"``). Before that,
+the batch grows while the model is busy and goes when the model frees up (trigger ``"idle"``:
+at the predicted end of the forward pass in flight, less the batch's decode time, so decode
+overlaps the forward); an idle model takes it at once. ``max_wait_s`` and ``max_batch_size``
+stay hard upper bounds, and a batch is cut no larger than the oldest item's budget allows
+(:meth:`SloController.size_cap`) unless even one item cannot make it (then it is late anyway,
+and a full batch serves the rest fastest).
+
+Why not wait at an idle model for a bigger batch: with a per-batch cost ``a + b*n``, going
+when the model frees converges to the batch size that keeps up with arrivals
+(``n* = rate*a / (1 - rate*b)``), so waiting buys no throughput below capacity and costs
+latency; above capacity batches are full anyway (Triton's default is the same greedy rule).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+ServiceTime = Callable[[int, int], float]
+"""Predicted seconds of one forward pass: (n_items, largest item cost) -> seconds."""
+
+_N_FEATURES = 4
+_THETA0 = (0.0, 0.0, 0.0, 1.0)  # the prior as is
+_COLD_MARGIN = 0.25  # relative margin before enough errors are seen
+_MIN_ERRORS = 8
+_MAX_ENDS = 1024  # forward ends waiting for their commit
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve ``a x = b`` (small, symmetric positive definite) by Gaussian elimination."""
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        p = m[col][col]
+        if abs(p) < 1e-300:
+            continue
+        for r in range(col + 1, n):
+            f = m[r][col] / p
+            if f:
+                for k in range(col, n + 1):
+                    m[r][k] -= f * m[col][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        s = m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))
+        x[r] = s / m[r][r] if abs(m[r][r]) >= 1e-300 else 0.0
+    return x
+
+
+class ServiceModel:
+    """Forward seconds ``t(n, c)`` fitted online (see module docstring).
+
+    Args:
+        prior: the profile's prediction for (n_items, padded cost); None: none (0 seconds).
+        n_ref, c_ref: a typical batch size and item cost, to scale the features.
+        window: measurements the fit keeps (older ones are forgotten).
+        ridge: how strongly ``theta`` is held to the prior where measurements say little.
+    """
+
+    def __init__(
+        self,
+        prior: ServiceTime | None = None,
+        *,
+        n_ref: int = 1,
+        c_ref: int = 1,
+        window: int = 64,
+        ridge: float = 1e-2,
+    ) -> None:
+        self._prior = prior
+        self._n_ref = float(max(1, n_ref))
+        self._c_ref = float(max(1, c_ref))
+        self._window = window
+        self._ridge = ridge
+        self._samples: collections.deque[tuple[tuple[float, ...], float]] = collections.deque()
+        self._xtx = [[0.0] * _N_FEATURES for _ in range(_N_FEATURES)]
+        self._xty = [0.0] * _N_FEATURES
+        self._theta: tuple[float, ...] = _THETA0
+        self._errors: collections.deque[float] = collections.deque(maxlen=window)
+        self._margin = _COLD_MARGIN
+        self.n_observed = 0
+
+    def _features(self, n_items: int, cost: int) -> tuple[float, ...]:
+        prior = self._prior(n_items, cost) if self._prior is not None else 0.0
+        n = n_items / self._n_ref
+        return (1.0, n, n * max(1, cost) / self._c_ref, max(0.0, prior))
+
+    def predict(self, n_items: int, cost: int) -> float:
+        """Mean forward seconds of ``n_items`` items padded to ``cost`` (0 for no items)."""
+        if n_items <= 0:
+            return 0.0
+        x = self._features(n_items, cost)
+        return max(0.0, sum(t * v for t, v in zip(self._theta, x, strict=True)))
+
+    def bound(self, n_items: int, cost: int) -> float:
+        """An upper estimate: the mean times (1 + the recent error margin)."""
+        return self.predict(n_items, cost) * (1.0 + self._margin)
+
+    @property
+    def margin(self) -> float:
+        """The relative margin :meth:`bound` adds (90th percentile of recent errors)."""
+        return self._margin
+
+    def observe(self, n_items: int, cost: int, seconds: float) -> None:
+        """One measured forward pass of ``n_items`` items padded to ``cost``."""
+        if n_items <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        before = self.predict(n_items, cost)
+        if self.n_observed or self._prior is not None:
+            # The error of a prediction made before the sample was seen (out of sample).
+            rel = (seconds - before) / max(before, 1e-6)
+            self._errors.append(min(1.0, max(-1.0, rel)))
+        x = self._features(n_items, cost)
+        self._add(x, seconds, +1.0)
+        self._samples.append((x, seconds))
+        if len(self._samples) > self._window:
+            old_x, old_y = self._samples.popleft()
+            self._add(old_x, old_y, -1.0)
+        self._refit()
+        self.n_observed += 1
+        if len(self._errors) >= _MIN_ERRORS:
+            ordered = sorted(self._errors)
+            self._margin = max(0.0, ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))])
+
+    def _add(self, x: tuple[float, ...], y: float, sign: float) -> None:
+        for i in range(_N_FEATURES):
+            self._xty[i] += sign * x[i] * y
+            row = self._xtx[i]
+            for j in range(_N_FEATURES):
+                row[j] += sign * x[i] * x[j]
+
+    def _refit(self) -> None:
+        lam = self._ridge
+        a = [
+            [v + (lam if i == j else 0.0) for j, v in enumerate(row)]
+            for i, row in enumerate(self._xtx)
+        ]
+        b = [v + lam * t0 for v, t0 in zip(self._xty, _THETA0, strict=True)]
+        self._theta = tuple(_solve(a, b))
+
+
+def _ewma(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """When a bucket's batch should go under the adaptive rule, and why."""
+
+    at: float
+    trigger: Literal[
+        "slo", "idle"
+    ]  # "slo" (the oldest item's budget) or "idle" (the model frees up)
+    budget_at: float  # the oldest item's budget: release by then (orders buckets)
+
+
+class SloController:
+    """The adaptive release rule (see module docstring) and what the loop reports to it.
+
+    Thread-safe for one reporter per kind (the forward stage reports forwards, the dispatcher
+    decodes, the commit stage commits): each report replaces values, read whole by the rest.
+
+    Args:
+        slo_s: the p99 latency target (``latency_slo_s``), enqueue to commit.
+        model: the service-time model.
+        alpha: weight of the newest sample in the moving averages.
+    """
+
+    def __init__(self, slo_s: float, model: ServiceModel, *, alpha: float = 0.1) -> None:
+        if slo_s <= 0:
+            raise ValueError(f"slo_s must be > 0, got {slo_s}")
+        self.slo_s = slo_s
+        self.model = model
+        self._alpha = alpha
+        self.busy_until = -math.inf  # predicted end of the forward pass in flight
+        self._tail_s: float | None = None
+        self._decode_per_item_s: float | None = None
+        self._ends: dict[float, float] = {}  # a batch's formed_at -> its forward's end
+
+    @classmethod
+    def for_policy(
+        cls, slo_s: float, prior: ServiceTime | None, max_batch_size: int, edges: tuple[int, ...]
+    ) -> SloController:
+        """A controller whose model is scaled for this policy's batch size and costs."""
+        c_ref = edges[-1] if edges else 1
+        return cls(slo_s, ServiceModel(prior, n_ref=max_batch_size, c_ref=c_ref))
+
+    # -- what the loop reports ---------------------------------------------------------------
+
+    def forward_started(self, n_items: int, cost: int, at: float) -> None:
+        """The forward stage started a batch at ``at``: busy until its predicted end."""
+        self.busy_until = at + self.model.predict(n_items, cost)
+
+    def forward_done(
+        self, n_items: int, cost: int, seconds: float, at: float, formed_at: float | None = None
+    ) -> None:
+        """A forward pass took ``seconds`` and ended at ``at``: the model is free. ``formed_at``
+        (the batch's release) pairs it with its commit (:meth:`committed`)."""
+        self.model.observe(n_items, cost, seconds)
+        self.busy_until = at
+        if formed_at is not None:
+            if len(self._ends) >= _MAX_ENDS:  # commits that never came (a failed stage)
+                self._ends.clear()
+            self._ends[formed_at] = at
+
+    def decoded(self, n_items: int, seconds: float) -> None:
+        """The dispatcher decoded ``n_items`` items in ``seconds``."""
+        if n_items > 0 and seconds >= 0:
+            self._decode_per_item_s = _ewma(self._decode_per_item_s, seconds / n_items, self._alpha)
+
+    def committed(self, formed_at: float, service_s: float, done_at: float) -> None:
+        """A batch released at ``formed_at`` was committed at ``done_at``: the time from its
+        forward's end to the commit is the tail (without that end: all but ``service_s``)."""
+        end = self._ends.pop(formed_at, None)
+        tail = done_at - end if end is not None else done_at - formed_at - service_s
+        self._tail_s = _ewma(self._tail_s, max(0.0, tail), self._alpha)
+
+    # -- predictions -------------------------------------------------------------------------
+
+    @property
+    def tail_s(self) -> float:
+        """Measured seconds from a forward's end to its commit (EWMA; 0 before any)."""
+        return self._tail_s or 0.0
+
+    def lead_s(self, n_items: int) -> float:
+        """Predicted decode seconds of ``n_items`` (measured per item; 0 before any)."""
+        return (self._decode_per_item_s or 0.0) * n_items
+
+    def finish_bound_s(self, n_items: int, cost: int) -> float:
+        """Predicted seconds from release to commit on an idle model, with the model's
+        margin: decode + forward (bound) + tail. What the budget is held to."""
+        return self.lead_s(n_items) + self.model.bound(n_items, cost) + self.tail_s
+
+    def finish_at(self, now: float, n_items: int, cost: int) -> float:
+        """Predicted (mean) commit time of a batch released at ``now``: it starts once
+        decoded and the forward in flight has ended, then runs and commits."""
+        start = max(now + self.lead_s(n_items), self.busy_until)
+        return start + self.model.predict(n_items, cost) + self.tail_s
+
+    def due(self, oldest_enqueued_at: float, n_items: int, cost: int) -> Due:
+        """When a bucket of ``n_items`` (cost ``cost``, oldest enqueued at
+        ``oldest_enqueued_at``) should go: at the budget, or when the model frees up."""
+        budget_at = oldest_enqueued_at + self.slo_s - self.finish_bound_s(n_items, cost)
+        free_at = max(self.busy_until - self.lead_s(n_items), oldest_enqueued_at)  # idle: now
+        if free_at <= budget_at:
+            return Due(free_at, "idle", budget_at)
+        return Due(budget_at, "slo", budget_at)
+
+    def size_cap(self, now: float, oldest_enqueued_at: float, cost: int, max_items: int) -> int:
+        """The most items (<= ``max_items``) a batch released now may hold so that its oldest
+        item is predicted within the SLO; ``max_items`` when even one item cannot be."""
+        budget_at = oldest_enqueued_at + self.slo_s
+
+        def fits(n: int) -> bool:
+            start = max(now + self.lead_s(n), self.busy_until)
+            return start + self.model.bound(n, cost) + self.tail_s <= budget_at
+
+        if max_items <= 1 or fits(max_items) or not fits(1):
+            return max_items
+        # the largest n that fits (the model grows with n; bisect on a monotone predicate)
+        return bisect.bisect_left(range(1, max_items + 1), True, key=lambda n: not fits(n))

@@ -1,0 +1,297 @@
+"""SLO-adaptive batching: the online service-time model, the release rule, and the batcher
+driven through simulated arrival traces (steady, ramp, burst, overload) by a fake clock and a
+simulated server: no sleeps, no threads, no I/O.
+
+The simulated scorer is the real one's shape: a batch is cut only while the hand-off slot is
+empty (one batch decoded ahead of the forward pass), the forward pass takes ``a + b * n``
+seconds (times a seeded jitter), the commit a fixed overhead after it. The controller is told
+what the loop tells it (forward start and end, commit). The prior handed to both batchers is
+a profile that is 30% optimistic, so the adaptive one has to learn the real service time.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from batching import config, models
+from batching.policy import adaptive, batcher
+from batching.testing import FakeClock
+
+A_S, B_S = 0.010, 0.001  # the simulated model: 10 ms per batch + 1 ms per item
+COMMIT_S = 0.002  # from the end of a forward pass to its commit
+N_MAX = 64
+SLO_S = 0.25
+CAPACITY = N_MAX / (A_S + B_S * N_MAX)  # items/s with full batches (~865)
+
+
+def true_service(n: int, rng: random.Random) -> float:
+    return (A_S + B_S * n) * (1.0 + rng.uniform(-0.1, 0.1))
+
+
+def prior(n: int, cost: int) -> float:
+    """The profile: 30% optimistic."""
+    return 0.7 * (A_S + B_S * n)
+
+
+@dataclass
+class Outcome:
+    latencies: list[float] = field(default_factory=list)
+    in_slo: int = 0
+    expired: list[batcher.Late] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    reasons: dict[str, int] = field(default_factory=dict)
+    end_s: float = 0.0
+
+    @property
+    def p99(self) -> float:
+        lat = sorted(self.latencies)
+        return lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]
+
+    def throughput(self, duration_s: float) -> float:
+        return len(self.latencies) / max(self.end_s, duration_s)
+
+    def goodput(self, duration_s: float) -> float:
+        return self.in_slo / max(self.end_s, duration_s)
+
+
+def simulate(
+    arrivals: list[float],
+    *,
+    adaptive_on: bool,
+    max_wait_s: float = 0.05,
+    late_policy: batcher.LatePolicy = "score",
+    deadlines: bool = False,
+    seed: int = 7,
+) -> Outcome:
+    """Run a trace of arrival times (seconds from 0) through the batcher and the simulated
+    server; returns every item's enqueue-to-commit latency."""
+    rng = random.Random(seed)
+    clock = FakeClock(0.0)
+    pol = config.BatchingPolicy(max_batch_size=N_MAX, max_wait_s=max_wait_s)
+    ctrl = adaptive.SloController.for_policy(SLO_S, prior, N_MAX, ()) if adaptive_on else None
+    b = batcher.MicroBatcher(pol, clock, prior, adaptive=ctrl, late_policy=late_policy)
+    out = Outcome()
+    running: tuple[models.Batch, float, float] | None = None  # batch, start, end
+    slot: models.Batch | None = None
+    i = 0
+
+    def start(batch: models.Batch) -> tuple[models.Batch, float, float]:
+        s = true_service(len(batch), rng)
+        if ctrl is not None:
+            ctrl.forward_started(len(batch), 1, clock.now)
+        out.sizes.append(len(batch))
+        out.reasons[batch.reason] = out.reasons.get(batch.reason, 0) + 1
+        return batch, clock.now, clock.now + s
+
+    for _ in range(10 * len(arrivals) + 1000):
+        if i >= len(arrivals) and not len(b) and running is None and slot is None:
+            break
+        times = []
+        if i < len(arrivals):
+            times.append(arrivals[i])
+        if running is not None:
+            times.append(running[2])
+        if slot is None and len(b):
+            due = b.next_deadline()
+            assert due is not None
+            times.append(max(due, clock.now))
+        clock.now = max(clock.now, min(times))
+        new = []
+        while i < len(arrivals) and arrivals[i] <= clock.now:
+            at = arrivals[i]
+            new.append(
+                models.WorkItem(
+                    i + 1,
+                    f"k{i}",
+                    models.Payload(b"{}"),
+                    at,
+                    deadline_at=at + SLO_S if deadlines else None,
+                )
+            )
+            i += 1
+        if new:
+            b.add(new)
+        if running is not None and running[2] <= clock.now:
+            batch, began, end = running
+            done = end + COMMIT_S
+            for item in batch.items:
+                out.latencies.append(done - item.enqueued_at)
+                out.in_slo += done - item.enqueued_at <= SLO_S
+            out.end_s = max(out.end_s, done)
+            if ctrl is not None:
+                ctrl.forward_done(len(batch), 1, end - began, end, batch.formed_at)
+                ctrl.committed(batch.formed_at, end - began, done)
+            running = None
+            if slot is not None:
+                running, slot = start(slot), None
+        if slot is None:
+            batch_or_none = b.poll()
+            out.expired += b.take_late()
+            if batch_or_none is not None:
+                if running is None:
+                    running = start(batch_or_none)
+                else:
+                    slot = batch_or_none
+    else:
+        pytest.fail("the simulation did not finish")
+    assert len(out.latencies) + len(out.expired) == len(arrivals)  # nothing lost
+    return out
+
+
+def poisson(rate: float, duration_s: float, seed: int = 1) -> list[float]:
+    rng = random.Random(seed)
+    t, times = 0.0, list[float]()
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration_s:
+            return times
+        times.append(t)
+
+
+def ramp(start_rate: float, end_rate: float, duration_s: float, seed: int = 2) -> list[float]:
+    """Poisson arrivals whose rate grows linearly (thinning)."""
+    top = max(start_rate, end_rate)
+    rng = random.Random(seed)
+    return [
+        t
+        for t in poisson(top, duration_s, seed)
+        if rng.random() <= (start_rate + (end_rate - start_rate) * t / duration_s) / top
+    ]
+
+
+def bursts(base_rate: float, burst: int, every_s: float, duration_s: float) -> list[float]:
+    times = poisson(base_rate, duration_s, seed=3)
+    k = every_s
+    while k < duration_s:
+        times += [k] * burst
+        k += every_s
+    return sorted(times)
+
+
+DURATION_S = 3.0
+TRACES = {
+    "steady-50%": poisson(0.5 * CAPACITY, DURATION_S),
+    "steady-90%": poisson(0.9 * CAPACITY, DURATION_S),
+    "ramp-10-95%": ramp(0.1 * CAPACITY, 0.95 * CAPACITY, DURATION_S),
+    "burst": bursts(0.2 * CAPACITY, 100, 0.5, DURATION_S),
+}
+THROUGHPUT_FACTOR = 0.95  # adaptive throughput >= this x the fixed config's, same trace
+
+
+@pytest.mark.parametrize("name", sorted(TRACES))
+def test_feasible_traces_meet_the_slo_without_losing_throughput(name: str) -> None:
+    trace = TRACES[name]
+    tuned = simulate(trace, adaptive_on=True)
+    fixed = simulate(trace, adaptive_on=False)
+    assert tuned.p99 <= SLO_S, (name, tuned.p99)
+    assert tuned.throughput(DURATION_S) >= THROUGHPUT_FACTOR * fixed.throughput(DURATION_S)
+    # no slower than the fixed window where the fixed window meets the SLO as well
+    assert tuned.p99 <= max(fixed.p99, SLO_S)
+
+
+def test_low_load_latency_is_service_not_window() -> None:
+    """At low load an idle model takes the batch at once: no window is waited out."""
+    trace = poisson(0.05 * CAPACITY, DURATION_S)
+    tuned = simulate(trace, adaptive_on=True, max_wait_s=0.1)
+    fixed = simulate(trace, adaptive_on=False, max_wait_s=0.1)
+    assert tuned.p99 < 0.1  # below the window
+    assert fixed.p99 > 0.1  # the fixed window waits it out
+    assert set(tuned.reasons) <= {"idle", "size"}
+
+
+def test_a_window_above_the_budget_is_cut_by_the_slo() -> None:
+    """A fixed window too long for the SLO misses it; the adaptive rule keeps the budget."""
+    trace = poisson(0.3 * CAPACITY, DURATION_S)
+    fixed = simulate(trace, adaptive_on=False, max_wait_s=0.24)
+    tuned = simulate(trace, adaptive_on=True, max_wait_s=0.24)
+    assert fixed.p99 > SLO_S
+    assert tuned.p99 <= SLO_S
+
+
+def test_overload_sheds_explicitly_and_keeps_the_admitted_within_slo() -> None:
+    """At 150% of capacity with deadlines and ``late_policy: expire``, what is committed is
+    within the SLO (the excess expired, each with its reason); scoring everything instead
+    commits late, and commits fewer items within the SLO."""
+    trace = poisson(1.5 * CAPACITY, DURATION_S)
+    shed = simulate(trace, adaptive_on=True, deadlines=True, late_policy="expire")
+    late = simulate(trace, adaptive_on=False, deadlines=True, late_policy="score")
+    assert shed.expired
+    assert "deadline" in shed.expired[0].reason
+    assert shed.p99 <= SLO_S
+    assert late.p99 > SLO_S
+    assert shed.goodput(DURATION_S) >= late.goodput(DURATION_S)
+    # the model stays busy with full batches: throughput near capacity
+    assert shed.throughput(DURATION_S) >= 0.8 * CAPACITY
+
+
+# --- the service-time model -------------------------------------------------------------------
+
+
+def test_model_is_the_prior_until_measured() -> None:
+    model = adaptive.ServiceModel(prior, n_ref=N_MAX)
+    for n in (1, 8, 64):
+        assert model.predict(n, 1) == pytest.approx(prior(n, 1))
+    assert adaptive.ServiceModel(None).predict(8, 1) == 0.0
+    assert model.predict(0, 1) == 0.0
+
+
+@pytest.mark.parametrize("with_prior", [True, False])
+def test_model_learns_the_measured_service_time(with_prior: bool) -> None:
+    model = adaptive.ServiceModel(prior if with_prior else None, n_ref=N_MAX)
+    rng = random.Random(5)
+    for _ in range(200):
+        n = rng.randint(1, N_MAX)
+        model.observe(n, 1, A_S + B_S * n)
+    for n in (1, 16, 64):
+        assert model.predict(n, 1) == pytest.approx(A_S + B_S * n, rel=0.05)
+    assert model.bound(16, 1) >= model.predict(16, 1)
+
+
+def test_model_learns_a_cost_term() -> None:
+    """Items padded to a longer cost cost more: the n*c feature learns it."""
+    model = adaptive.ServiceModel(None, n_ref=32, c_ref=128)
+    rng = random.Random(6)
+    for _ in range(300):
+        n, c = rng.randint(1, 32), rng.choice([16, 64, 128])
+        model.observe(n, c, 0.005 + 0.00001 * n * c)
+    assert model.predict(32, 128) == pytest.approx(0.005 + 0.00001 * 32 * 128, rel=0.05)
+    assert model.predict(32, 16) < model.predict(32, 128)
+
+
+def test_model_ignores_nonsense_measurements() -> None:
+    model = adaptive.ServiceModel(prior, n_ref=N_MAX)
+    model.observe(0, 1, 1.0)
+    model.observe(4, 1, math.nan)
+    model.observe(4, 1, -1.0)
+    assert model.n_observed == 0
+
+
+# --- the release rule -------------------------------------------------------------------------
+
+
+def test_due_waits_for_the_model_then_the_budget() -> None:
+    ctrl = adaptive.SloController(1.0, adaptive.ServiceModel(lambda n, c: 0.1))
+    assert ctrl.due(100.0, 4, 1).at == 100.0  # model idle: at once
+    ctrl.forward_started(8, 1, 100.0)  # busy until 100.1
+    assert ctrl.due(100.0, 4, 1) == adaptive.Due(100.1, "idle", 100.0 + 1.0 - 0.1 * 1.25)
+    ctrl.busy_until = 105.0  # a long forward: the budget goes first
+    due = ctrl.due(100.0, 4, 1)
+    assert due.trigger == "slo"
+    assert due.at == pytest.approx(100.875)
+
+
+def test_size_cap_fits_the_oldest_items_budget() -> None:
+    ctrl = adaptive.SloController(1.0, adaptive.ServiceModel(lambda n, c: 0.01 * n))
+    # bound = 1.25 * 0.01 n; 0.5 s left -> n <= 40
+    assert ctrl.size_cap(100.5, 100.0, 1, 64) == 40
+    assert ctrl.size_cap(100.0, 100.0, 1, 64) == 64  # the whole batch fits
+    assert ctrl.size_cap(101.5, 100.0, 1, 64) == 64  # late anyway: a full batch
+
+
+def test_controller_rejects_a_nonpositive_slo() -> None:
+    with pytest.raises(ValueError, match="slo_s"):
+        adaptive.SloController(0.0, adaptive.ServiceModel())
