@@ -118,6 +118,13 @@ class InMemoryQueue:
                 row.attempts -= 1
             return len(held)
 
+    def expire(self, lease_id: str, reasons: Mapping[int, str]) -> int:
+        with self._lock:
+            held = self._held(lease_id, list(reasons))
+            for row in held:
+                row.state, row.lease_id = models.State.EXPIRED, None
+            return len(held)
+
     def reap(self, lease_id: str) -> int:
         """The reaper after a lease expired: its items go back to ready (attempt kept)."""
         with self._lock:
