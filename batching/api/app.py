@@ -194,6 +194,14 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         return JSONResponse(doc, 201 if created else 200)
 
     @app.get(
+        "/v1/queues/{queue}",
+        summary="The queue's depth by state for the token's tenant, as `batching status --json`.",
+        responses=_ERRORS,
+    )
+    def get_queue(queue: QueueName, tenant: Tenant) -> dict[str, Any]:
+        return settings.results.stats(queue, tenant)
+
+    @app.get(
         "/v1/queues/{queue}/items/{item_key}",
         summary="An item's state and committed result; wait_s long-polls until it is final.",
         responses={404: {"description": "no such item"}, **_ERRORS},

@@ -8,6 +8,7 @@ it is committed, so the client gets the row the output will hold.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import threading
@@ -121,6 +122,21 @@ class Results:
             result,
             str(batch.model_version),
         )
+
+    def stats(self, queue: str, tenant: str) -> dict[str, Any]:
+        """``batching status --json`` of ``queue`` for ``tenant``'s items only: by_state,
+        oldest_ready_age_s, expired_leases, groups (by lane), backoff; and the queue's
+        control: paused and max_depth (its depth counts every tenant's items)."""
+        from batching.ingress import controls
+
+        q = self.queue(queue)
+        mine = tuple(g for g in q.stats().groups if g.tenant == tenant)
+        held = controls.states(self.engine).get(queue, controls.QueueControl(queue))
+        return dataclasses.asdict(models.QueueStats.of(mine)) | {
+            "tenant": tenant,
+            "paused": held.paused,
+            "max_depth": held.max_depth,
+        }
 
     def close(self) -> None:
         if self._warehouse is not None:

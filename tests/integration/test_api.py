@@ -242,6 +242,16 @@ def test_a_queue_at_its_depth_cap_answers_429_with_retry_after(config_path: Path
 # -- GET ----------------------------------------------------------------------------------------
 
 
+def test_queue_stats_count_the_tokens_tenant_only(client: TestClient) -> None:
+    client.post(ITEMS, json={"items": [item("a1"), item("a2")]}, headers=A)
+    client.post(ITEMS, json=item("b1"), headers=B)
+    mine = client.get("/v1/queues/tabular", headers=A).json()
+    assert (mine["tenant"], mine["by_state"]["ready"], mine["paused"]) == ("alpha", 2, False)
+    assert [g["tenant"] for g in mine["groups"]] == ["alpha"]
+    assert client.get("/v1/queues/tabular", headers=B).json()["by_state"]["ready"] == 1
+    assert_error(client.get("/v1/queues/tabular"), 401)
+
+
 def test_get_unknown_item_is_404_and_wait_s_is_bounded(client: TestClient) -> None:
     assert_error(client.get(f"{ITEMS}/nope", headers=A), 404, "NotFound")
     client.post(ITEMS, json=item("k"), headers=A)
