@@ -8,6 +8,9 @@ the run) and copied into the runs its events trigger; so is a deployment's job v
   environment (``BATCHING_DB_URL`` without a password plus ``PGPASSWORD`` or ``~/.pgpass``);
 * the lineage API key from the Secret block that ``lineage_api_key_secret`` names, else
   ``OPENLINEAGE_API_KEY`` on the worker;
+* the HTTP ingress's bearer tokens (``TOKEN=TENANT`` pairs) from the Secret block
+  ``batching-api-tokens`` (:func:`api_tokens`), as ``batching api`` takes them from
+  ``BATCHING_API_TOKENS``;
 * a run whose parameters hold a password (``db_url``, ``output``, any string under
   ``overrides``) is refused when it starts: :func:`refuse_passwords`;
 * a ``prefect.yaml`` that would store one is refused before ``prefect deploy``:
@@ -105,6 +108,23 @@ def read_secret(name: str, parameter: str) -> str:
     if not isinstance(value, str) or not value:
         raise errors.ConfigError(f"{parameter}: the Secret block {name!r} holds no string")
     return value
+
+
+API_TOKENS_SECRET = "batching-api-tokens"
+"""The Secret block of the HTTP ingress's tokens: ``TOKEN=TENANT`` pairs, comma-separated."""
+
+
+def api_tokens(secret: str = API_TOKENS_SECRET) -> Any:
+    """The HTTP ingress's tokens (``batching.api.tokens.Tokens``) held by the Secret block
+    ``secret``, for a flow that serves the API.
+
+    Raises:
+        ConfigError: no such block, it holds no string, or an entry is malformed (the
+            message names the entry, never a token).
+    """
+    from batching.api import tokens
+
+    return tokens.parse(read_secret(secret, "api_tokens_secret"), f"Secret block {secret!r}")
 
 
 def db_url(db_url: str | None, db_url_secret: str | None) -> str | None:

@@ -5,7 +5,7 @@ One module per group of commands, each registering on the one Typer app of
 purge), :mod:`~batching.cli.controls` (queue pause, resume, cancel, cap, audit),
 :mod:`~batching.cli.scoring` (score, demo), :mod:`~batching.cli.plan` (check,
 profile), :mod:`~batching.cli.evidence` (lineage, reconcile, maintain),
-:mod:`~batching.cli.metrics` (metrics serve). The CLI is an edge: it alone
+:mod:`~batching.cli.metrics` (metrics serve), :mod:`~batching.cli.api` (api). The CLI is an edge: it alone
 (with ``flows/``) reads environment variables (``BATCHING_DB_URL``, ``OPENLINEAGE_*``) and
 turns them into arguments for the library.
 """
@@ -20,6 +20,7 @@ import sys
 def main() -> None:
     """Console-script entry point."""
     from batching.cli import (  # noqa: F401  (register commands)
+        api,
         controls,
         evidence,
         metrics,

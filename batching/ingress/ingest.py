@@ -105,7 +105,7 @@ def iter_records(
         raise errors.InputError(f"{p}: unknown file type {suffix!r}; use .jsonl or .parquet")
     first: dict[str, int] = {}
     for place, record in placed:
-        _check_limits(record, limits, f"{prefix}{place}")
+        check_limits(record, limits, f"{prefix}{place}")
         _check_unique_key(record, place, first, prefix, unit)
         yield record
 
@@ -124,7 +124,9 @@ def _check_unique_key(
         )
 
 
-def _check_limits(record: models.EnqueueRecord, limits: ItemLimits, where: str) -> None:
+def check_limits(record: models.EnqueueRecord, limits: ItemLimits, where: str) -> None:
+    """Raise ``InputError`` (prefixed ``where``) when ``record`` is past one of ``limits``
+    (the HTTP ingress holds a request's items to the same limits as a file's)."""
     payload = record.payload
     if len(payload.data) > limits.bytes:
         tokens = elements = 0  # the bytes' message below

@@ -31,6 +31,7 @@ COMMANDS = (
     "init",
     "queue",
     "enqueue",
+    "api",
     "status",
     "redrive",
     "purge",

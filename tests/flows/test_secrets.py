@@ -21,6 +21,7 @@ from prefect.blocks.system import Secret
 from prefect.client.orchestration import get_client
 from sqlalchemy.engine import make_url
 
+from batching import errors
 from batching.compose import build
 from batching.config import load_config
 from batching.ingress import ingest, run_ledger
@@ -245,3 +246,16 @@ def test_a_prefect_yaml_that_cannot_be_read_exits_2(
         secrets.main([str(tmp_path / "missing.yaml")])
     assert exited.value.code == 2
     assert "not a readable prefect.yaml" in capsys.readouterr().err
+
+
+def test_api_tokens_come_from_a_secret_block_bound_to_their_tenants() -> None:
+    token = f"tok-{uuid.uuid4().hex}"
+    name = save_secret(f"{token}=acme, {'z' * 20}=globex")
+    known = secrets.api_tokens(name)
+    assert (known.tenant_of(token), known.tenant_of("z" * 20), len(known)) == ("acme", "globex", 2)
+    with pytest.raises(errors.ConfigError, match="api_tokens_secret: no Prefect Secret block"):
+        secrets.api_tokens(f"missing-{uuid.uuid4().hex[:8]}")
+    bad = save_secret("short=acme")
+    with pytest.raises(errors.ConfigError, match="entry 1: the token is shorter") as caught:
+        secrets.api_tokens(bad)
+    assert "short=" not in str(caught.value)

@@ -40,7 +40,9 @@ ALLOWED: dict[str, set[str]] = {
         "evidence",
         "metrics",
     },
+    "api": {"store", "ingress", "outputs"},  # HTTP ingress: the queue, results via the ledger
     "cli": {
+        "api",
         "store",
         "ingress",
         "policy",

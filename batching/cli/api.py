@@ -1,0 +1,96 @@
+"""``batching api``: the HTTP ingress (:mod:`batching.api`), with its tokens from the
+environment: ``BATCHING_API_TOKENS`` (``TOKEN=TENANT`` pairs, comma-separated) or
+``BATCHING_API_TOKENS_FILE`` (one pair a line)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from batching import errors
+from batching.cli.common import ConfigOption, DbOverride, app, err, handle_errors, load
+
+TOKENS_ENV = "BATCHING_API_TOKENS"
+TOKENS_FILE_ENV = "BATCHING_API_TOKENS_FILE"
+
+
+def tokens_from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> Any:
+    """The tokens ``BATCHING_API_TOKENS`` or the file ``BATCHING_API_TOKENS_FILE`` holds.
+
+    Raises:
+        ConfigError: neither is set, both are, the file cannot be read, or an entry is bad.
+    """
+    from batching.api import tokens
+
+    inline, file = env.get(TOKENS_ENV), env.get(TOKENS_FILE_ENV)
+    if inline and file:
+        raise errors.ConfigError(f"both {TOKENS_ENV} and {TOKENS_FILE_ENV} are set; set one")
+    if inline:
+        return tokens.parse(inline, TOKENS_ENV)
+    if file:
+        try:
+            text = Path(file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or type(exc).__name__
+            raise errors.ConfigError(
+                f"{TOKENS_FILE_ENV}: cannot read {file} ({reason}); name a readable file"
+            ) from None
+        return tokens.parse(text, file)
+    raise errors.ConfigError(
+        f"no API tokens: set {TOKENS_ENV}=TOKEN=TENANT[,TOKEN=TENANT...] or {TOKENS_FILE_ENV}"
+        "=FILE (one TOKEN=TENANT a line)"
+    )
+
+
+@app.command("api")
+@handle_errors
+def serve_api(
+    config: ConfigOption,
+    db: DbOverride = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
+    max_body_bytes: Annotated[
+        int, typer.Option(min=1024, help="Largest request body; larger gets 413.")
+    ] = 16 * 1024 * 1024,
+    retry_after_s: Annotated[
+        int, typer.Option(min=1, help="Retry-After of a 429 (the queue at its depth cap).")
+    ] = 1,
+) -> None:
+    """Serve the HTTP ingress: POST items to a queue, GET their state and committed result.
+
+    Tokens come from BATCHING_API_TOKENS (TOKEN=TENANT pairs, comma-separated) or
+    BATCHING_API_TOKENS_FILE (one pair a line); each token enqueues and reads as its tenant
+    only. Items are held to the config's model.max_item_* limits; results are read from the
+    config's output. See docs/howto/http.md.
+    """
+    from batching.api import app as api_app
+    from batching.api.results import Results
+    from batching.compose import build
+    from batching.ingress import ingest
+    from batching.store import database
+
+    known = tokens_from_env()
+    cfg = load(config)
+    res = build.checked(cfg, db, None)
+    results = Results(database.create_engine(res.db_url), res.target)
+    results.queue(cfg.queue.name).check_schema()
+    settings = api_app.Settings(
+        results,
+        known,
+        ingest.ItemLimits.of(cfg.model),
+        max_attempts=cfg.queue.max_attempts,
+        max_body_bytes=max_body_bytes,
+        retry_after_s=retry_after_s,
+    )
+    err.print(
+        f"serving {len(known)} token(s) on http://{host}:{port} (database "
+        f"{database.redact(res.db_url)}); docs at /docs",
+        highlight=False,
+    )
+    try:
+        api_app.serve(api_app.create_app(settings), host, port)
+    finally:
+        results.close()

@@ -1,0 +1,435 @@
+"""The HTTP ingress against a real SQLite file, through FastAPI's test client: tokens bound to
+tenants, idempotent and batch POSTs, the size limit, the depth cap's 429, states, a long poll
+that a real scorer's commit ends, and bad bodies (hypothesis) that never get a 500."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batching.api import app as api_app
+from batching.api import tokens
+from batching.api.results import Results
+from batching.compose import build
+from batching.config import load_config
+from batching.ingress import controls
+from batching.model import workloads
+from batching.store import database
+from tests.conftest import REPO
+
+TOKEN_A, TOKEN_B = "a" * 24, "b" * 24
+A = {"Authorization": f"Bearer {TOKEN_A}"}
+B = {"Authorization": f"Bearer {TOKEN_B}"}
+ITEMS = "/v1/queues/tabular/items"
+
+
+def write_config(folder: Path, db_url: str, **changes: Any) -> Path:
+    """The shipped W1 config on ``db_url``, its outputs in ``folder``."""
+    deployments = REPO / "deployments"
+    data = yaml.safe_load((deployments / "tabular.yaml").read_text())
+    data |= {"database": {"url": db_url}, "output": {"kind": "parquet", "path": "outputs"}}
+    data["batching"] = {"max_batch_size": 32, "max_wait_s": 0.02}
+    data["service_profile"] = str(deployments / data["service_profile"])
+    data |= changes
+    path = folder / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture
+def config_path(tmp_path: Path, db_url: str) -> Path:
+    return write_config(tmp_path, db_url)
+
+
+def make_client(config_path: Path, **kwargs: Any) -> Iterator[TestClient]:
+    cfg = load_config(config_path)
+    res = build.checked(cfg, None, None)
+    results = Results(database.create_engine(res.db_url), res.target)
+    known = tokens.parse(f"{TOKEN_A}=alpha,{TOKEN_B}=beta", "test")
+    settings_ = api_app.Settings(results, known, poll_s=0.01, **kwargs)
+    with TestClient(api_app.create_app(settings_)) as client:
+        yield client
+    results.engine.dispose()
+
+
+@pytest.fixture
+def client(config_path: Path) -> Iterator[TestClient]:
+    yield from make_client(config_path)
+
+
+def item(key: str, **fields: Any) -> dict[str, Any]:
+    return {"item_key": key, "payload": {"x": [0.5] * 64}, **fields}
+
+
+def assert_error(r: Any, status: int, kind: str | None = None) -> str:
+    """``r`` is a one-line JSON error of ``status`` (and ``kind``); returns its message."""
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"kind", "message"}
+    assert kind is None or error["kind"] == kind
+    assert "\n" not in error["message"]
+    return str(error["message"])
+
+
+# -- auth ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer"},
+        {"Authorization": f"Basic {TOKEN_A}"},
+        {"Authorization": "Bearer " + "c" * 24},
+    ],
+)
+def test_a_request_without_a_known_token_is_401(
+    client: TestClient, headers: dict[str, str]
+) -> None:
+    for r in (
+        client.post(ITEMS, json=item("k"), headers=headers),
+        client.get(f"{ITEMS}/k", headers=headers),
+    ):
+        assert_error(r, 401, "Unauthorized")
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert (
+        TOKEN_A
+        not in client.post(ITEMS, json=item("k"), headers={"Authorization": "Bearer x"}).text
+    )
+
+
+def test_a_token_enqueues_and_reads_as_its_own_tenant_only(client: TestClient) -> None:
+    created = client.post(ITEMS, json=item("k1"), headers=A)
+    assert created.status_code == 201
+    message = assert_error(client.post(ITEMS, json=item("k2", tenant="beta"), headers=A), 403)
+    assert "tenant 'beta' is not this token's tenant" in message
+    assert client.get(f"{ITEMS}/k2", headers=B).status_code == 404  # the 403 enqueued nothing
+    assert client.post(ITEMS, json=item("k3", tenant="alpha"), headers=A).status_code == 201
+    assert_error(client.get(f"{ITEMS}/k1", headers=B), 404, "NotFound")  # not told it exists
+    assert_error(client.post(ITEMS, json=item("k1"), headers=B), 409, "Conflict")
+    engine = database.create_engine(str(load_config_url(client)))
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT item_key, tenant FROM batching_items ORDER BY id").all()
+    engine.dispose()
+    assert [tuple(r) for r in rows] == [("k1", "alpha"), ("k3", "alpha")]
+
+
+def load_config_url(client: TestClient) -> str:
+    return str(client.app.state.settings.results.engine.url)  # type: ignore[attr-defined]
+
+
+# -- POST ---------------------------------------------------------------------------------------
+
+
+def test_post_is_idempotent_on_item_key(client: TestClient) -> None:
+    first = client.post(
+        ITEMS, json=item("k", priority=3, deadline="2099-01-01T00:00:00Z"), headers=A
+    )
+    again = client.post(ITEMS, json=item("k", priority=9), headers=A)
+    assert (first.status_code, again.status_code) == (201, 200)
+    (one,), (two,) = first.json()["items"], again.json()["items"]
+    assert one == {"item_key": "k", "id": one["id"], "state": "ready", "created": True}
+    assert two == {**one, "created": False}
+
+
+def test_a_batch_post_mixes_new_and_present_items_and_tensor_payloads(client: TestClient) -> None:
+    client.post(ITEMS, json=item("old"), headers=A)
+    row = np.arange(64, dtype="<f4")
+    tensor = {
+        "dtype": "float32",
+        "shape": [64],
+        "data_b64": base64.b64encode(row.tobytes()).decode(),
+    }
+    body = {"items": [item("old"), item("new"), {"item_key": "t", "payload": {"tensor": tensor}}]}
+    r = client.post(ITEMS, json=body, headers=A)
+    assert r.status_code == 201
+    assert [(i["item_key"], i["created"]) for i in r.json()["items"]] == [
+        ("old", False),
+        ("new", True),
+        ("t", True),
+    ]
+    engine = database.create_engine(load_config_url(client))
+    with engine.connect() as conn:
+        fmt, dtype, shape, cost = conn.exec_driver_sql(
+            "SELECT payload_format, dtype, shape, cost FROM batching_items WHERE item_key = 't'"
+        ).one()
+    engine.dispose()
+    assert (fmt, dtype, json.loads(shape), cost) == ("tensor", "float32", [64], 64)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        ({"items": []}, 422, '"items" must be a non-empty list'),
+        ({"items": [item("a"), item("a")]}, 422, "repeats items[0]"),
+        ({"item_key": "a"}, 422, "missing payload"),
+        ({"item_key": "a", "payload": {"x": [1]}, "colour": 1}, 422, "unknown field(s) colour"),
+        (
+            {
+                "item_key": "a",
+                "payload": {"tensor": {"dtype": "float32", "shape": [2], "data_b64": "AAAA"}},
+            },
+            422,
+            "needs 8",
+        ),
+        (
+            {
+                "item_key": "a",
+                "payload": {"tensor": {"dtype": "complex64", "shape": [1], "data_b64": ""}},
+            },
+            422,
+            "dtype must be one of",
+        ),
+        (
+            {"item_key": "a", "payload": {"x": [1]}, "deadline": "soon"},
+            422,
+            "deadline must be epoch seconds",
+        ),
+    ],
+)
+def test_bad_items_get_a_one_line_422(
+    client: TestClient, body: Any, status: int, says: str
+) -> None:
+    assert says in assert_error(client.post(ITEMS, json=body, headers=A), status, "InputError")
+
+
+def test_an_item_past_the_model_limits_is_refused_as_a_file_record_is(config_path: Path) -> None:
+    from batching.ingress import ingest
+
+    for small in make_client(
+        config_path, limits=ingest.ItemLimits(tokens=8, elements=8, bytes=4096)
+    ):
+        message = assert_error(small.post(ITEMS, json=item("big"), headers=A), 422, "InputError")
+        assert (
+            "body: item 'big' holds 64 numbers, over the limit of 8 (model.max_item_elements)"
+            in message
+        )
+
+
+def test_a_body_past_the_size_limit_is_413(config_path: Path) -> None:
+    for small in make_client(config_path, max_body_bytes=2048):
+        big = {"items": [item(f"k{i}") for i in range(20)]}
+        assert_error(small.post(ITEMS, json=big, headers=A), 413, "PayloadTooLarge")
+        assert small.post(ITEMS, json=item("ok"), headers=A).status_code == 201
+
+
+def test_a_queue_at_its_depth_cap_answers_429_with_retry_after(config_path: Path) -> None:
+    for capped in make_client(config_path, retry_after_s=7):
+        engine = capped.app.state.settings.results.engine  # type: ignore[attr-defined]
+        controls.set_max_depth(engine, "tabular", 2, actor="test", reason=None, now=time.time())
+        ok = capped.post(ITEMS, json={"items": [item("a"), item("b")]}, headers=A)
+        assert ok.status_code == 201
+        full = capped.post(ITEMS, json=item("c"), headers=A)
+        assert "depth cap" in assert_error(full, 429, "QueueFull")
+        assert full.headers["retry-after"] == "7"
+        assert capped.post(ITEMS, json=item("a"), headers=A).status_code == 200  # nothing new
+
+
+# -- GET ----------------------------------------------------------------------------------------
+
+
+def test_queue_stats_count_the_tokens_tenant_only(client: TestClient) -> None:
+    client.post(ITEMS, json={"items": [item("a1"), item("a2")]}, headers=A)
+    client.post(ITEMS, json=item("b1"), headers=B)
+    mine = client.get("/v1/queues/tabular", headers=A).json()
+    assert (mine["tenant"], mine["by_state"]["ready"], mine["paused"]) == ("alpha", 2, False)
+    assert [g["tenant"] for g in mine["groups"]] == ["alpha"]
+    assert client.get("/v1/queues/tabular", headers=B).json()["by_state"]["ready"] == 1
+    assert_error(client.get("/v1/queues/tabular"), 401)
+
+
+def test_get_unknown_item_is_404_and_wait_s_is_bounded(client: TestClient) -> None:
+    assert_error(client.get(f"{ITEMS}/nope", headers=A), 404, "NotFound")
+    client.post(ITEMS, json=item("k"), headers=A)
+    assert_error(client.get(f"{ITEMS}/k?wait_s=31", headers=A), 422, "InputError")
+    ready = client.get(f"{ITEMS}/k?wait_s=0.05", headers=A)  # nothing scores it: the wait ends
+    assert ready.json() == {
+        "item_key": "k",
+        "state": "ready",
+        "result": None,
+        "error": None,
+        "model_version": None,
+    }
+
+
+def test_a_long_poll_returns_the_committed_row_once_a_real_scorer_commits(
+    client: TestClient, config_path: Path, tmp_path: Path
+) -> None:
+    from batching.compose import run as wiring
+    from batching.loop import stats
+
+    rows = workloads.w1_inputs(5)
+    body = {
+        "items": [{"item_key": f"w{i}", "payload": {"x": r.tolist()}} for i, r in enumerate(rows)]
+    }
+    assert client.post(ITEMS, json=body, headers=A).status_code == 201
+    got: dict[str, Any] = {}
+    waiter = threading.Thread(
+        target=lambda: got.update(client.get(f"{ITEMS}/w3?wait_s=30", headers=A).json())
+    )
+    waiter.start()
+    outcome = wiring.run_score(load_config(config_path), limits=stats.RunLimits(until_empty=True))
+    waiter.join(60)
+    assert outcome.summary["items_committed"] == 5
+    assert (got["state"], got["error"], got["model_version"]) == ("done", None, "w1-mlp-v1")
+    (file,) = (tmp_path / "outputs").rglob("*.parquet")
+    table = pq.read_table(file).to_pylist()
+    (written,) = [r for r in table if r["item_key"] == "w3"]
+    result = got["result"]
+    assert result["output"] == pytest.approx(list(written["output"]), abs=0)
+    assert (result["batch_id"], result["run_id"], result["tenant"]) == (
+        written["batch_id"],
+        written["run_id"],
+        "alpha",
+    )
+
+
+@pytest.mark.parametrize("kind", ["sql", "delta"])
+def test_a_done_item_reads_its_row_from_a_sql_or_delta_output(
+    tmp_path: Path, sqlite_url: str, kind: str
+) -> None:
+    from batching.compose import run as wiring
+    from batching.loop import stats
+    from tests.integration import outputs_read
+
+    output = {"kind": kind, "path": str(tmp_path / "delta"), "table": "api_results"}
+    config_path = write_config(tmp_path, sqlite_url, output=output)
+    for client in make_client(config_path):
+        rows = workloads.w1_inputs(3)
+        body = {
+            "items": [
+                {"item_key": f"w{i}", "payload": {"x": r.tolist()}} for i, r in enumerate(rows)
+            ]
+        }
+        assert client.post(ITEMS, json=body, headers=A).status_code == 201
+        wiring.run_score(load_config(config_path), limits=stats.RunLimits(until_empty=True))
+        got = client.get(f"{ITEMS}/w1?wait_s=30", headers=A).json()
+    if kind == "sql":
+        written = outputs_read.sql_rows(sqlite_url, "api_results")
+    else:
+        written = outputs_read.delta_rows(str(tmp_path / "delta"))
+    (row,) = [r for r in written if r["item_key"] == "w1"]
+    result = got["result"]
+    assert (got["state"], got["model_version"]) == ("done", "w1-mlp-v1")
+    assert (result["item_key"], result["batch_id"]) == ("w1", row["batch_id"])
+    assert result["output"] == list(row["output"])
+
+
+def test_a_batch_not_rolled_forward_yet_is_read_from_the_outbox(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    import pyarrow as pa
+    import sqlalchemy as sa
+
+    from batching.compose import run as wiring
+    from batching.loop import stats
+    from batching.outputs import outbox
+    from batching.store import schema
+
+    config_path = write_config(tmp_path, sqlite_url, output={"kind": "delta", "path": "delta"})
+    for client in make_client(config_path):
+        body = {"item_key": "w0", "payload": {"x": workloads.w1_inputs(1)[0].tolist()}}
+        assert client.post(ITEMS, json=body, headers=A).status_code == 201
+        wiring.run_score(load_config(config_path), limits=stats.RunLimits(until_empty=True))
+        done = client.get(f"{ITEMS}/w0", headers=A).json()["result"]
+        # As a crash between the commit and the roll-forward leaves it: the ledger row
+        # committed, the rows in the outbox; the table is not read (here: it is gone).
+        rows = {k: [v] for k, v in done.items() if k not in ("model_version", "output_dim")}
+        rows["output"] = [[2.0 * x for x in done["output"]]]
+        engine = client.app.state.settings.results.engine  # type: ignore[attr-defined]
+        with engine.begin() as conn:
+            conn.execute(
+                schema.outbox.insert().values(
+                    batch_id=done["batch_id"], body=outbox.encode(pa.table(rows))
+                )
+            )
+            conn.execute(
+                sa.update(schema.batches)
+                .where(schema.batches.c.batch_id == done["batch_id"])
+                .values(state="committed")
+            )
+        shutil.rmtree(tmp_path / "delta")
+        pending = client.get(f"{ITEMS}/w0", headers=A).json()["result"]
+    assert pending["output"] == [2.0 * x for x in done["output"]]
+    assert pending["batch_id"] == done["batch_id"]
+
+
+def test_health_readiness_and_the_openapi_schema(client: TestClient, tmp_path: Path) -> None:
+    assert client.get("/healthz").json() == {"ok": True}
+    assert client.get("/readyz").json() == {"ok": True}
+    schema = client.get("/openapi.json").json()
+    assert {
+        "/v1/queues/{queue}/items",
+        "/v1/queues/{queue}/items/{item_key}",
+        "/healthz",
+        "/readyz",
+    } <= set(schema["paths"])
+    post = schema["paths"]["/v1/queues/{queue}/items"]["post"]
+    assert "oneOf" in post["requestBody"]["content"]["application/json"]["schema"]
+
+
+def test_readyz_is_503_when_the_schema_is_not_current(config_path: Path) -> None:
+    for c in make_client(config_path):
+        engine = c.app.state.settings.results.engine  # type: ignore[attr-defined]
+        with engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM batching_schema_version")
+        assert_error(c.get("/readyz"), 503, "SchemaError")
+
+
+# -- bad input, property-based ------------------------------------------------------------------
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+FIELD = st.sampled_from(
+    ["item_key", "payload", "tenant", "priority", "deadline", "cost", "lane", "tensor", "items"]
+)
+ITEMISH = st.dictionaries(
+    FIELD,
+    JSON | st.just({"tensor": {"dtype": "int8", "shape": [1], "data_b64": "AA=="}}),
+    max_size=6,
+)
+BODIES = (
+    JSON.map(lambda v: json.dumps(v).encode())
+    | ITEMISH.map(lambda v: json.dumps(v).encode())
+    | st.lists(ITEMISH, max_size=3).map(lambda v: json.dumps({"items": v}).encode())
+    | st.binary(max_size=64)
+)
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(body=BODIES, queue=st.text(min_size=1, max_size=12), key=st.text(min_size=1, max_size=12))
+def test_no_body_or_path_gets_a_500_and_every_error_is_one_json_line(
+    client: TestClient, body: bytes, queue: str, key: str
+) -> None:
+    from urllib.parse import quote
+
+    q = quote(queue, safe="")
+    r = client.post(f"/v1/queues/{q}/items", content=body, headers=A)
+    assert r.status_code in {200, 201, 400, 403, 404, 409, 422}, r.text
+    if r.status_code >= 400:
+        assert_error(r, r.status_code)
+    g = client.get(f"/v1/queues/{q}/items/{quote(key, safe='')}?wait_s=0", headers=A)
+    assert g.status_code in {200, 404, 422}, g.text
+    if g.status_code >= 400:
+        assert_error(g, g.status_code)

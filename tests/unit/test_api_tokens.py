@@ -1,0 +1,101 @@
+"""Bearer tokens bound to tenants (``batching.api.tokens``) and request bodies bound to the
+token's tenant (``batching.api.requests``): parsed, looked up, refused with one line that
+never holds a token."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from batching import errors, models
+from batching.api import requests, tokens
+from batching.ingress import ingest
+
+T1, T2 = "t" * 20, "u" * 32
+
+
+def test_tokens_parse_commas_and_lines_and_each_is_bound_to_its_tenant() -> None:
+    known = tokens.parse(f"{T1}=acme, {T2}=globex\n# a comment\n\n", "BATCHING_API_TOKENS")
+    assert len(known) == 2
+    assert (known.tenant_of(T1), known.tenant_of(T2)) == ("acme", "globex")
+    assert known.tenant_of("t" * 19) is None
+    assert known.tenant_of(T1 + "x") is None
+    assert known.tenant_of("") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("", "no tokens"),
+        (f"{T1}", "entry 1 is not token=tenant"),
+        (f"{T1}=", "entry 1 is not token=tenant"),
+        ("short=acme", "shorter than 16 characters"),
+        (f"{T1}=a,{T1}=b", "entry 2: the token repeats an earlier entry"),
+        (f"{T1}={'x' * 201}", "the tenant must be at most 200 characters"),
+    ],
+)
+def test_bad_token_text_is_one_line_that_never_shows_a_token(text: str, says: str) -> None:
+    with pytest.raises(errors.ConfigError) as caught:
+        tokens.parse(text, "ENV")
+    message = str(caught.value)
+    assert says in message
+    assert T1 not in message
+    assert "short" not in message.replace("shorter", "")
+
+
+LIMITS = ingest.ItemLimits()
+
+
+def test_an_item_without_tenant_gets_the_tokens_and_another_tenant_is_refused() -> None:
+    (record,) = requests.records({"item_key": "k", "payload": {"x": [1.0]}}, "acme", LIMITS)
+    assert (record.tenant, record.cost) == ("acme", 1)
+    same = {"item_key": "k", "payload": [1, 2], "tenant": "acme"}
+    assert requests.records(same, "acme", LIMITS)[0].cost == 2
+    other = {"items": [same, {"item_key": "j", "payload": {}, "tenant": "globex"}]}
+    with pytest.raises(requests.TenantMismatch, match=r"items\[1\]: tenant 'globex'"):
+        requests.records(other, "acme", LIMITS)
+    with pytest.raises(errors.InputError, match="tenant must be a string"):
+        requests.records({"item_key": "k", "payload": {}, "tenant": 7}, "acme", LIMITS)
+
+
+def test_a_tensor_payload_becomes_the_tensor_a_parquet_list_column_would() -> None:
+    row = np.arange(6, dtype="<i8")
+    spec = {"dtype": "int64", "shape": [1, 6], "data_b64": base64.b64encode(row.tobytes()).decode()}
+    (record,) = requests.records({"item_key": "k", "payload": {"tensor": spec}}, "a", LIMITS)
+    assert record.payload == models.Payload(
+        row.tobytes(), models.PayloadFormat.TENSOR, "int64", (1, 6)
+    )
+    assert record.cost == 6
+    with_cost = {"item_key": "k", "payload": {"tensor": spec}, "cost": 2}
+    assert requests.records(with_cost, "a", LIMITS)[0].cost == 2
+
+
+@pytest.mark.parametrize(
+    ("tensor", "says"),
+    [
+        ({"dtype": "float32", "shape": [2]}, "must be an object of dtype, shape and data_b64"),
+        ({"dtype": "object", "shape": [1], "data_b64": ""}, "dtype must be one of"),
+        ({"dtype": "int8", "shape": [], "data_b64": ""}, "shape must be a list of 1 to 8"),
+        ({"dtype": "int8", "shape": [-1], "data_b64": ""}, "non-negative integers"),
+        ({"dtype": "int8", "shape": [True], "data_b64": "AA=="}, "non-negative integers"),
+        ({"dtype": "int8", "shape": [1], "data_b64": "***"}, "not valid base64"),
+        (
+            {"dtype": "int16", "shape": [2], "data_b64": "AAA="},
+            "holds 2 bytes; shape [2] of int16 needs 4",
+        ),
+    ],
+)
+def test_a_bad_tensor_says_which_part_is_wrong(tensor: object, says: str) -> None:
+    with pytest.raises(errors.InputError, match=r"^items\[0\]: payload\.tensor") as caught:
+        requests.records({"items": [{"item_key": "k", "payload": {"tensor": tensor}}]}, "a", LIMITS)
+    assert says in str(caught.value)
+
+
+def test_an_item_past_the_limits_is_refused_with_the_files_message() -> None:
+    small = ingest.ItemLimits(tokens=4, elements=4, bytes=1024)
+    with pytest.raises(
+        errors.InputError, match=r"body: item 'k' holds 5 numbers, over the limit of 4"
+    ):
+        requests.records({"item_key": "k", "payload": {"x": [1, 2, 3, 4, 5]}}, "a", small)
