@@ -9,7 +9,8 @@ SQLite: WAL, ``synchronous=NORMAL``, ``busy_timeout``; write transactions start 
 ``read()`` transactions deferred; engine set-up, the writer lock and the claim's one-row
 read-back live in :mod:`batching.store.sqlite`, URLs and engines in :mod:`batching.store.database`. PostgreSQL: claims lock candidates in a
 ``MATERIALIZED`` CTE with ``FOR NO KEY UPDATE SKIP LOCKED``; enqueue sends one ``NOTIFY`` per
-batch and :class:`Waiter` listens, polling as a backstop.
+batch and :class:`Waiter` listens, polling as a backstop (SQLite: it reads ``PRAGMA
+data_version``, :mod:`batching.ingress.watch`); an ack sends one on ``watch.DONE_CHANNEL``.
 
 Why it stays one module: every verb is a compare-and-set on the same row under one fencing
 rule, and each dialect branch (SQLite / PostgreSQL) sits next to its twin. Split by verb,
@@ -24,6 +25,7 @@ import json
 import logging
 import operator
 import random
+import sqlite3
 import threading
 import time
 import uuid
@@ -37,13 +39,13 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
 from batching import crashes, errors, models
-from batching.ingress import controls, sqlite_claim
+from batching.ingress import controls, sqlite_claim, watch
 from batching.ports import Clock
 from batching.store import database, schema, sqlite
 
 logger = logging.getLogger(__name__)
 
-NOTIFY_CHANNEL = "batching_items"
+NOTIFY_CHANNEL = watch.ITEMS_CHANNEL
 _ENQUEUE_CHUNK = 1000
 _PURGE_CHUNK = 10_000  # items archived and deleted per statement
 _REAP_LIMIT = 5000  # expired leases returned by one claim (the next claim takes the rest)
@@ -637,6 +639,8 @@ class SqlQueue:
         """Mark items done if this lease still holds them; returns rows changed.
 
         Pass ``conn`` to ack inside the caller's transaction (outputs and ack commit together).
+        PostgreSQL: ``NOTIFY`` on ``watch.DONE_CHANNEL`` (payload: the queue) in the same
+        transaction, so a long-polling reader (``watch.CommitWatch``) wakes when it commits.
         """
         if not ids:
             return 0
@@ -653,9 +657,15 @@ class SqlQueue:
             )
         )
         if conn is not None:
-            return conn.execute(stmt).rowcount
+            return self._ack(conn, stmt)
         with self.begin() as c:
-            return c.execute(stmt).rowcount
+            return self._ack(c, stmt)
+
+    def _ack(self, conn: Connection, stmt: sa.Update) -> int:
+        n = int(conn.execute(stmt).rowcount)
+        if n and self.dialect == "postgresql":  # delivered when (and only if) it commits
+            conn.execute(sa.select(sa.func.pg_notify(watch.DONE_CHANNEL, self.queue)))
+        return n
 
     def ack_all_or_raise(
         self, conn: Connection, lease_id: str, ids: Sequence[int], batch_id: str
@@ -1030,23 +1040,29 @@ def _lane_stats(r: Any, now: float) -> models.LaneStats:
 
 
 class Waiter:
-    """Waits for new work: PostgreSQL ``LISTEN`` with a poll backstop; SQLite polls.
+    """Waits for new work: PostgreSQL ``LISTEN``; SQLite ``PRAGMA data_version`` read every
+    ``check_s`` (:class:`~batching.ingress.watch.SqliteChanges`), and on a change a look for
+    a ready item of this queue. The timeout (``poll_s``) is the backstop on both.
 
-    ``wait(timeout_s)`` returns True when a notification arrived, False on timeout; callers
-    claim either way (the poll is the backstop for a missed notification).
+    ``wait(timeout_s)`` returns True when new work may be there (a notification, a commit
+    that left a ready item), False on timeout; callers claim either way.
     """
 
-    def __init__(self, engine: Engine, queue: str) -> None:
+    def __init__(self, engine: Engine, queue: str, *, check_s: float = watch.CHECK_S) -> None:
         self._engine = engine
         self._queue = queue
+        self._check_s = check_s
         self._conn: Any = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        # Opened now, before the first claim: a commit between that claim and the first
+        # wait is seen.
+        self._changes = watch.SqliteChanges(engine) if engine.dialect.name == "sqlite" else None
+        self._failing = False
 
     def wait(self, timeout_s: float) -> bool:
-        if self._engine.dialect.name != "postgresql":
-            self._stopped.wait(timeout_s)
-            return False
+        if self._changes is not None:
+            return self._wait_sqlite(self._changes, timeout_s)
         import psycopg
 
         try:
@@ -1062,6 +1078,27 @@ class Waiter:
             self._stopped.wait(timeout_s)
         return False
 
+    def _wait_sqlite(self, changes: watch.SqliteChanges, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if changes.changed() and changes.any_ready(self._queue):
+                    self._failing = False
+                    return True
+                self._failing = False
+            except sqlite3.Error as exc:  # reopened next time; poll meanwhile
+                if not self._failing:
+                    logger.warning(
+                        "cannot read the database's change counter; polling",
+                        extra={"action": "reconnect", "error": str(exc).strip()[:200]},
+                    )
+                self._failing = True
+                self._stopped.wait(max(0.0, deadline - time.monotonic()))
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0 or self._stopped.wait(min(self._check_s, left)):
+                return False
+
     def _listen(self) -> Any:
         with self._lock:
             if self._conn is None:
@@ -1076,6 +1113,8 @@ class Waiter:
     def close(self, *, stopping: bool = True) -> None:
         if stopping:
             self._stopped.set()
+            if self._changes is not None:
+                self._changes.close()
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
