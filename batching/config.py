@@ -135,7 +135,8 @@ class QueueConfig(_Model):
     poll_s: float = Field(
         0.05,
         gt=0,
-        description="how often an idle scorer looks for work when no NOTIFY wakes it (PostgreSQL)",
+        description="how often an idle scorer looks for work when nothing wakes it (a NOTIFY on "
+        "PostgreSQL, a data_version change on SQLite)",
     )
     late_policy: Literal["score", "expire"] = Field(
         "score",

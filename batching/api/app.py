@@ -13,11 +13,12 @@ a long poll waits on the event loop between reads, holding no thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -28,9 +29,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from batching import errors
-from batching.api import requests, tokens
+from batching.api import requests, tokens, wakeup
 from batching.api.results import ItemView, Results
 from batching.ingress import ingest
+from batching.ingress.watch import CommitWatch
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,8 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 class Settings:
     """What the application is given (the CLI builds it from the config and environment).
 
-    ``poll_s``: how often a long poll reads the item again.
+    ``watch``: long polls wake on commit (``wakeup``), reading the item again at least every
+    ``backstop_s``; without it, every ``poll_s``.
     """
 
     results: Results
@@ -53,6 +56,8 @@ class Settings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     retry_after_s: int = 1
     poll_s: float = 0.025
+    watch: bool = True
+    backstop_s: float = 0.5
 
 
 class ApiError(Exception):
@@ -75,7 +80,23 @@ def error_response(
 
 def create_app(settings: Settings) -> FastAPI:
     """The application serving ``settings``' queue database and outputs."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        signal = None
+        if settings.watch:
+            watch = CommitWatch(settings.results.engine)
+            signal = wakeup.CommitSignal(watch, backstop_s=settings.backstop_s)
+            signal.start(asyncio.get_running_loop())
+        app.state.signal = signal
+        try:
+            yield
+        finally:
+            if signal is not None:
+                await run_in_threadpool(signal.close)
+
     app = FastAPI(
+        lifespan=lifespan,
         title="batching",
         summary="Durable dynamic batching: enqueue items, read their committed results.",
         version="1",
@@ -207,12 +228,14 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         responses={404: {"description": "no such item"}, **_ERRORS},
     )
     async def get_item(
+        request: Request,
         queue: QueueName,
         item_key: ItemKey,
         tenant: Tenant,
         wait_s: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0.0,
     ) -> JSONResponse:
-        view = await _wait(settings, queue, item_key, tenant, wait_s)
+        signal = getattr(request.app.state, "signal", None)
+        view = await _wait(settings, signal, queue, item_key, tenant, wait_s)
         return JSONResponse(view.doc())
 
 
@@ -313,22 +336,31 @@ def _posted(view: ItemView, created: bool) -> dict[str, Any]:
     }
 
 
-async def _wait(settings: Settings, queue: str, key: str, tenant: str, wait_s: float) -> ItemView:
-    """The item, once final or after ``wait_s``; 404 when unknown or another tenant's.
-
-    TODO(lead): wake on commit with ``batching.ingress.watch.CommitWatch`` once it lands,
-    instead of reading the row every ``poll_s``.
-    """
+async def _wait(
+    settings: Settings,
+    signal: wakeup.CommitSignal | None,
+    queue: str,
+    key: str,
+    tenant: str,
+    wait_s: float,
+) -> ItemView:
+    """The item, once final or after ``wait_s``; 404 when unknown or another tenant's. Woken
+    by a commit (``signal``; its ticket is taken before each read), else reads every
+    ``poll_s``."""
 
     def read() -> Awaitable[ItemView | None]:
         return run_in_threadpool(settings.results.item, queue, key)
 
     ends = time.monotonic() + wait_s
     while True:
+        ticket = signal.ticket() if signal is not None else None
         view = await read()
         if view is None or view.tenant != tenant:
             raise ApiError(404, "NotFound", f"no item {key!r} in queue {queue!r} for this token")
         left = ends - time.monotonic()
         if view.terminal or left <= 0:
             return view
-        await asyncio.sleep(min(settings.poll_s, left))
+        if signal is not None and ticket is not None:
+            await signal.wait(ticket, left)
+        else:
+            await asyncio.sleep(min(settings.poll_s, left))

@@ -170,6 +170,7 @@ def run_score(
         run_record.fail_abandoned(emitter, ctx, config, abandoned)
         record.open()
         scorer: pipeline.Scorer[Any] | None = None
+        waiter = q.Waiter(queue.engine, queue.queue)  # its own connection: closed at the end
         # Objects alive now (the model, torch, SQLAlchemy, Prefect) are frozen out of the cyclic
         # GC for the run: a claim allocates thousands of items, and each collection of the oldest
         # generation otherwise walked them all again (W1: 32.7k -> 37.2k rows/s, measured).
@@ -182,7 +183,7 @@ def run_score(
                 sinks.Outputs(sink, run_id, config.model.version),
                 service_time=profile.predict if profile else None,
                 on_progress=on_progress,
-                wait_for_work=q.Waiter(queue.engine, queue.queue).wait,
+                wait_for_work=waiter.wait,
                 pause_queue=_breaker_pause(config, queue, run_id),
                 observer=observer,
             )
@@ -202,6 +203,7 @@ def run_score(
             raise
         finally:
             gc.unfreeze()
+            waiter.close()
         result = stats.summary()
         # The bytes are this attempt's only: a retry reports the rows alone.
         size = stats.bytes_written if so_far is None else None

@@ -267,10 +267,15 @@ def test_get_unknown_item_is_404_and_wait_s_is_bounded(client: TestClient) -> No
 
 
 def test_a_long_poll_returns_the_committed_row_once_a_real_scorer_commits(
-    client: TestClient, config_path: Path, tmp_path: Path
+    config_path: Path, tmp_path: Path
 ) -> None:
+    """The commit wakes the long poll: its re-read backstop (60 s) is longer than its wait
+    (30 s), so only the wake-up answers it before the wait ends."""
     from batching.compose import run as wiring
     from batching.loop import stats
+
+    clients = make_client(config_path, backstop_s=60.0)
+    client = next(clients)
 
     rows = workloads.w1_inputs(5)
     body = {
@@ -278,13 +283,20 @@ def test_a_long_poll_returns_the_committed_row_once_a_real_scorer_commits(
     }
     assert client.post(ITEMS, json=body, headers=A).status_code == 201
     got: dict[str, Any] = {}
-    waiter = threading.Thread(
-        target=lambda: got.update(client.get(f"{ITEMS}/w3?wait_s=30", headers=A).json())
-    )
+    answered_s: list[float] = []
+
+    def long_poll() -> None:
+        started = time.monotonic()
+        got.update(client.get(f"{ITEMS}/w3?wait_s=30", headers=A).json())
+        answered_s.append(time.monotonic() - started)
+
+    waiter = threading.Thread(target=long_poll)
     waiter.start()
     outcome = wiring.run_score(load_config(config_path), limits=stats.RunLimits(until_empty=True))
     waiter.join(60)
+    next(clients, None)  # the client and its engine closed
     assert outcome.summary["items_committed"] == 5
+    assert answered_s[0] < 20, answered_s  # woken by the commit, not at the end of its wait
     assert (got["state"], got["error"], got["model_version"]) == ("done", None, "w1-mlp-v1")
     (file,) = (tmp_path / "outputs").rglob("*.parquet")
     table = pq.read_table(file).to_pylist()
