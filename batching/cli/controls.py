@@ -189,7 +189,7 @@ def cap(
     (exit 2, nothing enqueued); keys already present do not count. --no-cap removes the cap.
 
     --json: ok, action, queue, changed, control, depth (items ready or leased now)."""
-    from batching.ingress import controls
+    from batching.ingress import admission, controls
 
     if (max_depth is None) == (not no_cap):
         raise errors.InputError("give one of --max-depth N or --no-cap")
@@ -199,7 +199,7 @@ def cap(
         q.engine, q.queue, max_depth, actor=_actor(actor), reason=reason, now=time.time()
     )
     with q.read() as conn:
-        depth = controls.depth(conn, q.queue)
+        depth = admission.depth(conn, q.queue)
     if as_json:
         emit_json(_doc("cap", q.queue, before.max_depth != after.max_depth, after, depth=depth))
         return

@@ -7,8 +7,8 @@ why, what it changed).
   (``models.Claim.paused``); batches already claimed finish and commit. A claim already under
   way when the pause commits still takes its items (they are in flight like the rest).
 * **depth cap**: an enqueue that would leave more than ``max_depth`` items ready or leased in
-  the queue is refused whole (``errors.QueueFull``); keys already present do not count, so
-  re-sending a file that went in is not refused.
+  the queue, or a tenant more than its share of them, is refused whole (``errors.QueueFull``;
+  checked in the enqueue's transaction by :mod:`batching.ingress.admission`).
 * **cancel**: ready items chosen by key, tenant and/or enqueue run go to
   ``State.CANCELLED`` (terminal, not dead letters); leased ones are in flight and are left
   to finish, and counted.
@@ -269,39 +269,6 @@ def _cancel_where(
 def is_paused(conn: Connection, queue: str) -> bool:
     """Whether ``queue`` is paused, read in ``conn``'s transaction (a claim's)."""
     return bool(conn.execute(PAUSED_SQL, {"queue": queue}).scalar())
-
-
-def max_depth(conn: Connection, queue: str) -> int | None:
-    """``queue``'s depth cap, read in ``conn``'s transaction (an enqueue's). PostgreSQL: with
-    a cap, enqueues to the queue then take turns (a transaction-scoped advisory lock, so a
-    pause or a claim does not wait for them), each counting what those before committed;
-    SQLite: the writer lock serializes them anyway."""
-    value = conn.execute(sa.select(_C.c.max_depth).where(_C.c.queue == queue)).scalar()
-    if value is None:
-        return None
-    if conn.dialect.name == "postgresql":
-        conn.execute(sa.text("SELECT pg_advisory_xact_lock(7271102, hashtext(:q))"), {"q": queue})
-        value = conn.execute(sa.select(_C.c.max_depth).where(_C.c.queue == queue)).scalar()
-    return None if value is None else int(value)
-
-
-def depth(conn: Connection, queue: str) -> int:
-    """Items of ``queue`` ready or leased (each state counted on its partial index)."""
-    total = 0
-    for code in ("0", "1"):
-        q = sa.select(sa.func.count()).select_from(_T)
-        q = q.where(_T.c.queue == queue, _T.c.state == sa.literal_column(code))
-        total += int(conn.execute(q).scalar_one())
-    return total
-
-
-def queue_full(queue: str, depth_now: int, adding: int, cap: int) -> errors.QueueFull:
-    """The refusal of an enqueue of at least ``adding`` new items past ``cap``."""
-    return errors.QueueFull(
-        f"queue {queue!r} is at its depth cap ({depth_now} items ready or leased + at least "
-        f"{adding} new > cap {cap}); nothing was enqueued: retry later or raise the cap with "
-        f"`batching queue cap {queue} --max-depth N`"
-    )
 
 
 # -- internals --------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ the invariant would be spread over files; split by dialect, every verb would exi
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -39,7 +40,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
 from batching import crashes, errors, models
-from batching.ingress import controls, sqlite_claim, watch
+from batching.ingress import admission, controls, sqlite_claim, watch
 from batching.ports import Clock
 from batching.store import database, schema, sqlite
 
@@ -106,6 +107,7 @@ class SqlQueue:
         backoff_max_s: float = 600.0,
         worker: str | None = None,
         rng: random.Random | None = None,
+        tenant_weights: Mapping[str, float] | None = None,
     ) -> None:
         self.engine = engine
         self.queue = queue
@@ -115,6 +117,7 @@ class SqlQueue:
         self.backoff_max_s = backoff_max_s
         self.worker = worker or f"{uuid.uuid4().hex[:12]}"
         self._rng = rng or random.Random()
+        self.tenant_weights = dict(tenant_weights or {})  # the depth cap's shares (1.0 unlisted)
         self._url = engine.url.render_as_string(hide_password=True)
 
     @property
@@ -200,6 +203,7 @@ class SqlQueue:
         dupes: list[str] = []
         seen: set[str] = set()  # keys only: a chunk's payloads go once it is written
         written = [0, 0]  # distinct records written, of them inserted
+        added: collections.Counter[str] = collections.Counter()  # inserted, by tenant
         rows: list[dict[str, Any]] = []
         bodies: dict[str, bytes] = {}
         with self.begin() as conn:
@@ -212,12 +216,12 @@ class SqlQueue:
                 bodies[rec.item_key] = rec.payload.data
                 rows.append(self._row(rec, now, enqueue_run))
                 if len(rows) == _ENQUEUE_CHUNK:
-                    self._write_chunk(conn, rows, bodies, written, dupes, on_progress)
-                    room(written[1])
+                    self._write_chunk(conn, rows, bodies, written, dupes, on_progress, added)
+                    room(written[1], added)
                     rows, bodies = [], {}
             if rows:
-                self._write_chunk(conn, rows, bodies, written, dupes, on_progress)
-                room(written[1])
+                self._write_chunk(conn, rows, bodies, written, dupes, on_progress, added)
+                room(written[1], added)
             inserted = written[1]
             if inserted and self.dialect == "postgresql":
                 conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, self.queue)))
@@ -235,9 +239,12 @@ class SqlQueue:
         written: list[int],
         dupes: list[str],
         on_progress: Callable[[int], None] | None,
+        added: collections.Counter[str],
     ) -> None:
-        """Insert one chunk of distinct records; counts into ``written`` and ``dupes``."""
+        """Insert one chunk of distinct records; counts into ``written``, ``dupes`` and
+        ``added`` (inserted by tenant)."""
         ids = self._insert_new(conn, rows)
+        added.update(r["tenant"] for r in rows if r["item_key"] in ids)
         if ids:
             conn.execute(_P.insert(), [{"id": i, "payload": bodies[k]} for k, i in ids.items()])
         written[0] += len(rows)
@@ -246,18 +253,22 @@ class SqlQueue:
         if on_progress is not None:
             on_progress(written[0])
 
-    def _room(self, conn: Connection) -> Callable[[int], None]:
+    def _room(self, conn: Connection) -> Callable[[int, Mapping[str, int]], None]:
         """In an enqueue's transaction: a check that raises ``QueueFull`` once the items it
         inserted so far would take the queue past its depth cap (one that never does when the
-        queue has no cap)."""
-        cap = controls.max_depth(conn, self.queue)
+        queue has no cap), or, past half the cap, a tenant past its weighted share of it
+        (``admission.over_share``: a flooding tenant cannot take the room of the others)."""
+        cap = admission.max_depth(conn, self.queue)
         if cap is None:
-            return lambda _inserted: None
-        before = controls.depth(conn, self.queue)
+            return lambda _inserted, _added: None
+        depths = admission.depth_by_tenant(conn, self.queue)
+        before = sum(depths.values())
 
-        def check(inserted: int) -> None:
+        def check(inserted: int, added: Mapping[str, int]) -> None:
             if before + inserted > cap:
-                raise controls.queue_full(self.queue, before, inserted, cap)
+                raise admission.queue_full(self.queue, before, inserted, cap)
+            if 2 * (before + inserted) > cap:
+                admission.over_share(self.queue, cap, depths, added, self.tenant_weights)
 
         return check
 

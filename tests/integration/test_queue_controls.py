@@ -409,3 +409,32 @@ def test_a_scorer_paused_mid_run_finishes_its_batches_waits_and_resumes(
         attempts = set(conn.execute(sa.select(schema.items.c.attempts).distinct()).scalars())
     engine.dispose()
     assert attempts == {1}, "an item was claimed twice"
+
+
+def test_past_half_its_cap_a_tenant_over_its_share_is_refused_and_the_others_are_not(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    """A flooding tenant takes what it likes of an empty queue, but cannot take the room the
+    other tenants' shares keep for them."""
+    controls.set_max_depth(queue.engine, "ctl", 100, actor="ops", reason="backpressure", now=1.0)
+    queue.enqueue([rec(f"a{i}", tenant="A") for i in range(80)])  # alone: the whole cap is A's
+    queue.enqueue([rec(f"b{i}", tenant="B") for i in range(10)])  # B under its half
+    with pytest.raises(errors.QueueFull, match=r"tenant .A. is at its share .*\(80 items"):
+        queue.enqueue([rec("a-more", tenant="A")])
+    queue.enqueue([rec(f"b-more{i}", tenant="B") for i in range(10)])  # B's share keeps room
+    assert "a-more" not in states(queue)
+    assert sum(k.startswith("b") for k in states(queue)) == 20
+    with pytest.raises(errors.QueueFull, match="at its depth cap"):  # the cap itself still holds
+        queue.enqueue([rec(f"b-last{i}", tenant="B") for i in range(11)])
+
+
+def test_weights_set_the_shares_of_the_cap(db_url: str, clock: FakeClock) -> None:
+    engine = database.create_engine(db_url)
+    weighted = q.SqlQueue(engine, "ctl", clock=clock, tenant_weights={"A": 3.0})
+    controls.set_max_depth(engine, "ctl", 100, actor="ops", reason="backpressure", now=1.0)
+    weighted.enqueue([rec(f"b{i}", tenant="B") for i in range(20)])
+    weighted.enqueue([rec(f"a{i}", tenant="A") for i in range(75)])  # 3/4 of the cap is A's
+    with pytest.raises(errors.QueueFull, match="tenant 'A'"):
+        weighted.enqueue([rec("a-more", tenant="A")])
+    weighted.enqueue([rec(f"b-more{i}", tenant="B") for i in range(5)])  # B up to its 25
+    engine.dispose()

@@ -8,7 +8,7 @@ import re
 from batching import config, errors, models
 from batching.cli.controls import control_lines, when
 from batching.cli.queue import enqueue_run_id
-from batching.ingress import controls
+from batching.ingress import admission, controls
 from batching.loop.scorer import Scorer
 from batching.loop.stats import RunLimits
 from batching.testing import FakeClock, InMemoryQueue, MemoryOutputs
@@ -16,7 +16,7 @@ from tests.unit.test_testing import DoubleIt, records
 
 
 def test_a_full_queue_says_what_it_holds_and_how_to_raise_the_cap() -> None:
-    exc = controls.queue_full("q1", 95, 6, 100)
+    exc = admission.queue_full("q1", 95, 6, 100)
     assert isinstance(exc, errors.QueueError)
     assert errors.QueueFull in errors.USAGE_ERRORS  # exit 2: refused, nothing enqueued
     assert str(exc) == (

@@ -1,0 +1,90 @@
+"""Admission to a capped queue, inside an enqueue's transaction (``SqlQueue.enqueue``).
+
+* **the depth cap** (``batching queue cap``): an enqueue that would leave more than
+  ``max_depth`` items ready or leased is refused whole (``errors.QueueFull``); keys already
+  present do not count, so re-sending a file that went in is not refused.
+* **shares of it**: once the queue is past half its cap, a tenant whose items would pass its
+  weighted share of the cap is refused (``queue.tenant_weights``; 1.0 for a tenant not
+  listed), so a tenant flooding the queue leaves the others the room of their shares, while a
+  tenant alone still fills the whole queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from batching import errors
+from batching.store import schema
+
+_C = schema.queue_controls
+_T = schema.items
+
+
+def max_depth(conn: Connection, queue: str) -> int | None:
+    """``queue``'s depth cap, read in ``conn``'s transaction (an enqueue's). PostgreSQL: with
+    a cap, enqueues to the queue then take turns (a transaction-scoped advisory lock, so a
+    pause or a claim does not wait for them), each counting what those before committed;
+    SQLite: the writer lock serializes them anyway."""
+    value = conn.execute(sa.select(_C.c.max_depth).where(_C.c.queue == queue)).scalar()
+    if value is None:
+        return None
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(7271102, hashtext(:q))"), {"q": queue})
+        value = conn.execute(sa.select(_C.c.max_depth).where(_C.c.queue == queue)).scalar()
+    return None if value is None else int(value)
+
+
+def depth(conn: Connection, queue: str) -> int:
+    """Items of ``queue`` ready or leased (each state counted on its partial index)."""
+    total = 0
+    for code in ("0", "1"):
+        q = sa.select(sa.func.count()).select_from(_T)
+        q = q.where(_T.c.queue == queue, _T.c.state == sa.literal_column(code))
+        total += int(conn.execute(q).scalar_one())
+    return total
+
+
+def depth_by_tenant(conn: Connection, queue: str) -> dict[str, int]:
+    """Items of ``queue`` ready or leased, by tenant."""
+    q = (
+        sa.select(_T.c.tenant, sa.func.count())
+        .where(_T.c.queue == queue, _T.c.state.in_((0, 1)))
+        .group_by(_T.c.tenant)
+    )
+    return {str(t): int(n) for t, n in conn.execute(q)}
+
+
+def over_share(
+    queue: str,
+    cap: int,
+    depths: Mapping[str, int],
+    added: Mapping[str, int],
+    weights: Mapping[str, float],
+) -> None:
+    """Raise ``QueueFull`` for a tenant whose items (ready, leased and just added) would pass
+    its share of ``cap``: ``cap`` x its weight / the weights of the tenants with items (1.0
+    for a tenant not in ``weights``). Called once the queue is past half its cap, so a lone
+    tenant still fills it, and a flooding one leaves the others the room of their shares."""
+    active = {t for t, n in depths.items() if n} | {t for t, n in added.items() if n}
+    total = sum(weights.get(t, 1.0) for t in active)
+    for tenant, n in sorted(added.items()):
+        share = cap * weights.get(tenant, 1.0) / total
+        have = depths.get(tenant, 0)
+        if n and have + n > max(share, 1.0):
+            raise errors.QueueFull(
+                f"tenant {tenant!r} is at its share of queue {queue!r}'s depth cap ({have} items "
+                f"ready or leased + {n} new > {share:.0f} of cap {cap}, shared by {len(active)} "
+                f"tenants); nothing was enqueued: retry later"
+            )
+
+
+def queue_full(queue: str, depth_now: int, adding: int, cap: int) -> errors.QueueFull:
+    """The refusal of an enqueue of at least ``adding`` new items past ``cap``."""
+    return errors.QueueFull(
+        f"queue {queue!r} is at its depth cap ({depth_now} items ready or leased + at least "
+        f"{adding} new > cap {cap}); nothing was enqueued: retry later or raise the cap with "
+        f"`batching queue cap {queue} --max-depth N`"
+    )
