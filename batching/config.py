@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import re
 import typing
 from pathlib import Path
@@ -142,6 +143,46 @@ class QueueConfig(_Model):
         "score",
         description="a claimed item predicted to miss its `deadline_at` when its batch is cut: `score` it anyway (late), or `expire` it unscored with a reason naming its deadline and the prediction (counted)",
     )
+    fair_share: bool = Field(
+        True,
+        description="each claim splits across the tenants with ready items by weight (`tenant_weights`), priority and deadline order kept within a tenant, so one tenant's flood cannot starve another; false: one order across tenants (priority, deadline, age)",
+    )
+    tenant_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="a tenant's share of each claim relative to the others' (1.0 when unlisted), e.g. `{gold: 4, bulk: 0.5}`; with `fair_share`",
+    )
+    max_tenant_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="aging: a tenant with ready items that a scorer has not served for this long gets its next item claimed ahead of every share, so a low weight delays a tenant but never starves it",
+    )
+
+    @field_validator("tenant_weights", mode="before")
+    @classmethod
+    def _no_boolean_weights(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for tenant, weight in value.items():
+                if isinstance(weight, bool):
+                    raise ValueError(
+                        f"tenant_weights[{tenant!r}] must be a number (its share relative to "
+                        f"the others'), got {str(weight).lower()}"
+                    )
+        return value
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _positive_weights(cls, value: dict[str, float]) -> dict[str, float]:
+        for tenant, weight in value.items():
+            if not 1 <= len(tenant) <= 200:
+                raise ValueError(
+                    f"tenant_weights: a tenant name has 1 to 200 characters, got {tenant!r}"
+                )
+            if not (math.isfinite(weight) and 0 < weight <= 1e6):
+                raise ValueError(
+                    f"tenant_weights[{tenant!r}] must be > 0 and <= 1e6 (its share relative to "
+                    f"the others'; leave it out for 1.0), got {weight!r}"
+                )
+        return value
 
     @model_validator(mode="after")
     def _heartbeat_below_lease(self) -> QueueConfig:

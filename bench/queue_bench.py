@@ -4,6 +4,10 @@ Not a test. One scorer process, the database on the same machine; every claim is
 statement and every ack one fenced UPDATE, each in its own transaction (as the scorer does).
 
     python bench/queue_bench.py [--pg postgresql://postgres@127.0.0.1:5432/postgres] [--items N]
+        [--tenants N]
+
+With ``--tenants N`` the items are spread over N tenants, so every claim is split by the
+fair share (``queue.fair_share``); one tenant (the default) is the single-tenant claim.
 """
 
 from __future__ import annotations
@@ -22,16 +26,19 @@ from batching.ingress import queue as q
 from batching.store import database
 
 
-def _records(n: int) -> list[models.EnqueueRecord]:
-    return [models.EnqueueRecord(f"k{i}", models.Payload(b'{"x":[0.5]}')) for i in range(n)]
+def _records(n: int, tenants: int = 1) -> list[models.EnqueueRecord]:
+    return [
+        models.EnqueueRecord(f"k{i}", models.Payload(b'{"x":[0.5]}'), tenant=f"t{i % tenants}")
+        for i in range(n)
+    ]
 
 
-def measure(url: str, claim_size: int, n_items: int) -> float:
+def measure(url: str, claim_size: int, n_items: int, tenants: int = 1) -> float:
     """Rows per second to claim and ack ``n_items`` in claims of ``claim_size``."""
     engine = database.create_engine(url)
     queue = q.SqlQueue(engine, f"bench-{claim_size}")
     queue.migrate()
-    queue.enqueue(_records(n_items))
+    queue.enqueue(_records(n_items, tenants))
     done = 0
     started = time.perf_counter()
     while done < n_items:
@@ -61,22 +68,25 @@ def main() -> None:
     parser.add_argument(
         "--items", type=int, default=20_000, help="items per run at claim sizes 64 and 512"
     )
+    parser.add_argument("--tenants", type=int, default=1, help="tenants the items are spread over")
     args = parser.parse_args()
     sizes = {1: max(1, args.items // 10), 64: args.items, 512: args.items}
     rows: dict[str, dict[int, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         rows["sqlite"] = {
-            s: measure(f"sqlite:///{Path(tmp) / f'b{s}.db'}", s, n) for s, n in sizes.items()
+            s: measure(f"sqlite:///{Path(tmp) / f'b{s}.db'}", s, n, args.tenants)
+            for s, n in sizes.items()
         }
     if args.pg:
         name, url = _pg_database(args.pg)
         try:
-            rows["postgresql"] = {s: measure(url, s, n) for s, n in sizes.items()}
+            rows["postgresql"] = {s: measure(url, s, n, args.tenants) for s, n in sizes.items()}
         finally:
             with psycopg.connect(args.pg, autocommit=True) as conn:
                 conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
     print(
-        f"claim+ack rows/s ({platform.processor() or platform.machine()}, {platform.python_version()})"
+        f"claim+ack rows/s ({platform.processor() or platform.machine()}, "
+        f"{platform.python_version()}, {args.tenants} tenant(s))"
     )
     print(f"{'database':<12}{'size 1':>10}{'size 64':>10}{'size 512':>10}{'512 / 1':>10}")
     for db, r in rows.items():

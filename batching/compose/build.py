@@ -154,6 +154,9 @@ def open_queue(
         max_attempts=config.queue.max_attempts,
         backoff_base_s=config.queue.backoff_base_s,
         backoff_max_s=config.queue.backoff_max_s,
+        fair_share=config.queue.fair_share,
+        tenant_weights=config.queue.tenant_weights,
+        max_tenant_wait_s=config.queue.max_tenant_wait_s,
     )
 
 

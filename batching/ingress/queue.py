@@ -40,7 +40,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
 from batching import crashes, errors, models
-from batching.ingress import admission, controls, sqlite_claim, watch
+from batching.ingress import admission, controls, sqlite_claim, tenant_share, watch
 from batching.ports import Clock
 from batching.store import database, schema, sqlite
 
@@ -77,6 +77,15 @@ _BY_DEADLINE_AGE_ID = operator.itemgetter(
     _CLAIM_COLUMNS.index("id"),
 )
 _BY_PRIORITY = operator.itemgetter(_CLAIM_COLUMNS.index("priority"))
+_BY_TENANT = operator.itemgetter(_CLAIM_COLUMNS.index("tenant"))
+_ORDER = "priority DESC, sort_deadline, enqueued_at, id"  # the ready index's, a tenant's
+# Whether the queue's ready items are all one tenant's (or none): its first and last tenant
+# by ix_batching_items_tenant_ready, two probes. SQLite only (PostgreSQL would pay a round trip).
+_ONE_TENANT = sa.text(
+    "SELECT (SELECT tenant FROM batching_items WHERE queue = :queue AND state = 0"
+    " ORDER BY tenant LIMIT 1) IS (SELECT tenant FROM batching_items WHERE queue = :queue"
+    " AND state = 0 ORDER BY tenant DESC LIMIT 1)"
+)
 
 
 def backoff_s(attempts: int, base_s: float, max_s: float, rng: random.Random) -> float:
@@ -94,6 +103,9 @@ class SqlQueue:
         clock: epoch-seconds clock; ``time.time`` unless a test drives time.
         max_attempts: default for enqueued items.
         backoff_base_s / backoff_max_s: retry backoff after ``fail``.
+        fair_share / tenant_weights / max_tenant_wait_s: claims share across tenants by
+            weight, with aging (:mod:`batching.ingress.tenant_share`); off: global order. The
+            weights also set each tenant's share of a depth cap (:mod:`~.admission`).
     """
 
     def __init__(
@@ -107,7 +119,9 @@ class SqlQueue:
         backoff_max_s: float = 600.0,
         worker: str | None = None,
         rng: random.Random | None = None,
+        fair_share: bool = True,
         tenant_weights: Mapping[str, float] | None = None,
+        max_tenant_wait_s: float = 30.0,
     ) -> None:
         self.engine = engine
         self.queue = queue
@@ -119,6 +133,9 @@ class SqlQueue:
         self._rng = rng or random.Random()
         self.tenant_weights = dict(tenant_weights or {})  # the depth cap's shares (1.0 unlisted)
         self._url = engine.url.render_as_string(hide_password=True)
+        self._fair = (
+            tenant_share.FairShare(self.tenant_weights, max_tenant_wait_s) if fair_share else None
+        )
 
     @property
     def dialect(self) -> str:
@@ -327,7 +344,9 @@ class SqlQueue:
     ) -> models.Claim:
         """Lease up to ``n`` ready items in one statement, under one new lease id.
 
-        Order: priority (high first), then deadline (earliest first, none last), then age.
+        Order: priority (high first), then deadline (earliest first, none last), then age;
+        with ``fair_share`` (the default), within each tenant, and the ``n`` split across
+        the ready tenants by weight, with aging (:mod:`batching.ingress.tenant_share`).
         ``attempts`` is counted here; the reaper gives it back to the items of a lost worker
         unless one was alone in an isolation round (:mod:`batching.crashes`).
         ``max_cost`` caps the sum of cost hints (the first item is always taken, so an
@@ -362,10 +381,17 @@ class SqlQueue:
             "paused": False,
             "expired": (),
         }
-        sql = self._claim_sql(lane, None if isolate else max_cost, isolate=isolate)
+        fair = None if isolate else self._fair  # an isolation round keeps the global order
+        if fair is None:
+            sql = self._claim_sql(lane, None if isolate else max_cost, isolate=isolate)
+        else:
+            sql = self._fair_claim_sql(lane, max_cost, fair.ranking(now), params)
         if self.dialect == "sqlite":
-            claimed = self._claim_sqlite(sql, params, now, columns and not isolate)
+            alone = None if fair is None else self._claim_sql(lane, max_cost)
+            claimed = self._claim_sqlite(sql, params, now, columns and not isolate, alone)
             if isinstance(claimed, models.ItemBlock):
+                if fair is not None:
+                    fair.charge({claimed.template.tenant: len(claimed)}, now)
                 return models.Claim(
                     lease_id,
                     claimed,
@@ -376,6 +402,8 @@ class SqlQueue:
             rows, bodies = claimed
         else:
             rows, bodies = self._claim_returning(sql, params, now)
+        if fair is not None and rows:
+            fair.charge(collections.Counter(map(_BY_TENANT, rows)), now)
         rows.sort(key=_BY_DEADLINE_AGE_ID)
         rows.sort(key=_BY_PRIORITY, reverse=True)  # stable: ties keep the order above
         return models.Claim(
@@ -427,6 +455,76 @@ class SqlQueue:
             f" leased_by = :worker, lease_expires_at = :expires WHERE id IN ({ids})"
         )
 
+    def _fair_claim_sql(
+        self,
+        lane: str | None,
+        max_cost: int | None,
+        ranking: tenant_share.Ranking,
+        params: dict[str, Any],
+    ) -> str:
+        """The claim statement with the fair share (``params`` gets its binds).
+
+        The ready tenants come from a skip scan of ``ix_batching_items_tenant_ready`` (one
+        probe a tenant), each tenant's first ``n`` ready items from the same index in its own
+        order; those are ranked by aged rank and tag (:func:`tenant_share.rank_sql`) and the
+        first ``n`` taken (within ``max_cost``). One statement whatever the number of
+        tenants. PostgreSQL locks each tenant's candidates ``FOR NO KEY UPDATE SKIP LOCKED``
+        in a ``MATERIALIZED`` CTE, as the plain claim does (the unchosen ones only until
+        the claim commits); SQLite holds its write lock.
+        """
+        aged, tag, binds = tenant_share.rank_sql(ranking)
+        params.update(binds)
+        pg = self.dialect == "postgresql"
+        ready = "queue = :queue AND state = 0"
+        tenants = (
+            f"tenants(tenant) AS (SELECT (SELECT tenant FROM batching_items WHERE {ready}"
+            " ORDER BY tenant LIMIT 1) UNION ALL SELECT (SELECT i.tenant FROM batching_items i"
+            " WHERE i.queue = :queue AND i.state = 0 AND i.tenant > t.tenant"
+            " ORDER BY i.tenant LIMIT 1) FROM tenants t WHERE t.tenant IS NOT NULL)"
+        )
+        where = f"{ready} AND tenant = t.tenant AND run_after <= :now AND isolate_n = 0"
+        where += " AND lane = :lane" if lane is not None else ""
+        head = "id, cost, tenant, priority, sort_deadline, enqueued_at"
+        if pg:
+            per_tenant = (
+                f"SELECT c.* FROM tenants t CROSS JOIN LATERAL (SELECT {head} FROM"
+                f" batching_items WHERE {where} ORDER BY {_ORDER} LIMIT :n"
+                " FOR NO KEY UPDATE SKIP LOCKED) c"
+            )
+        else:
+            per_tenant = (
+                f"SELECT i.id, i.cost, i.tenant, i.priority, i.sort_deadline, i.enqueued_at"
+                " FROM tenants t JOIN batching_items i ON i.id IN (SELECT id FROM batching_items"
+                f" WHERE {where} ORDER BY {_ORDER} LIMIT :n)"
+            )
+        order = f"aged, tag, {_ORDER}"
+        ranked = (
+            f"SELECT id, cost, priority, sort_deadline, enqueued_at, {aged} AS aged, {tag} AS tag"
+            " FROM (SELECT l.*, row_number() OVER (PARTITION BY tenant ORDER BY"
+            f" {_ORDER}) AS rn FROM per_tenant l) r ORDER BY {order} LIMIT :n"
+        )
+        materialized = " MATERIALIZED" if pg else ""
+        ctes = f"{tenants}, per_tenant AS{materialized} ({per_tenant}), cand AS ({ranked})"
+        source = "SELECT id FROM cand"
+        if max_cost is not None:
+            source = (
+                "SELECT id FROM (SELECT id, row_number() OVER w AS rn, sum(cost) OVER w AS run"
+                f" FROM cand WINDOW w AS (ORDER BY {order})) s WHERE rn = 1 OR run <= :budget"
+            )
+        if pg:
+            cols = ", ".join(f"q.{c}" for c in _CLAIM_COLUMNS)
+            return (
+                f"WITH RECURSIVE {ctes}, picked AS ({source}) UPDATE batching_items q SET"
+                " state = 1, attempts = q.attempts + 1, lease_id = :lease, leased_by = :worker,"
+                " lease_expires_at = :expires FROM picked WHERE q.id = picked.id AND q.state = 0"
+                f" RETURNING {cols}"
+            )
+        return (
+            "UPDATE batching_items SET state = 1, attempts = attempts + 1, lease_id = :lease,"
+            " leased_by = :worker, lease_expires_at = :expires"
+            f" WHERE id IN (WITH RECURSIVE {ctes} {source})"
+        )
+
     def _claim_returning(
         self, sql: str, params: dict[str, Any], now: float
     ) -> tuple[list[Any], dict[int, bytes]]:
@@ -441,9 +539,18 @@ class SqlQueue:
         return rows, bodies
 
     def _claim_sqlite(
-        self, sql: str, params: dict[str, Any], now: float, columns: bool = False
+        self,
+        sql: str,
+        params: dict[str, Any],
+        now: float,
+        columns: bool = False,
+        alone: str | None = None,
     ) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock:
         """SQLite: the UPDATE alone under the write lock, then the rows read back outside it.
+
+        ``alone``: the statement to run instead of ``sql`` (a fair claim) when the ready items
+        are all one tenant's (:data:`_ONE_TENANT`, two index probes in the same transaction):
+        the plain claim, which takes them in the same order without ranking them.
 
         Python's sqlite3 releases and retakes the GIL for every row it steps. With other
         threads busy in Python each retake can wait a switch interval (5 ms), and a claim that
@@ -456,6 +563,8 @@ class SqlQueue:
         with self.begin() as conn:
             if not self._before_claim(conn, now, params):
                 return [], {}
+            if alone is not None and conn.execute(_ONE_TENANT, params).scalar():
+                sql = alone
             n_claimed = conn.execute(sa.text(sql), params).rowcount
         if not n_claimed:
             return [], {}

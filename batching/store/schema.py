@@ -118,6 +118,21 @@ sa.Index(
     postgresql_where=_READY,
     sqlite_where=_READY,
 )
+# Ready items by tenant (migration 14), in the ready index's order within each: a fair claim
+# (``batching.ingress.tenant_share``) skip-scans it for the ready tenants and reads each one's
+# first items; by the ready index alone, a tenant behind a flood of another's 10,000 items
+# would be found only after reading them all.
+sa.Index(
+    "ix_batching_items_tenant_ready",
+    items.c.queue,
+    items.c.tenant,
+    items.c.priority.desc(),
+    items.c.sort_deadline,
+    items.c.enqueued_at,
+    items.c.id,
+    postgresql_where=_READY,
+    sqlite_where=_READY,
+)
 # ``queue`` leads so the expiry sweep before every claim reads only this queue's overdue
 # items; on deadline_at alone SQLite preferred the ready index and scanned the whole queue.
 sa.Index(
@@ -514,6 +529,12 @@ def _v13(conn: Connection) -> None:
             index.create(conn, checkfirst=True)
 
 
+def _v14(conn: Connection) -> None:
+    for index in items.indexes:
+        if index.name == "ix_batching_items_tenant_ready":
+            index.create(conn, checkfirst=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "queue items, archive, batch ledger, runs, results", _v1),
     Migration(2, "expiry index leads with queue", _v2),
@@ -528,6 +549,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(11, "suspects of a lost worker wait for an isolation round", _v11),
     Migration(12, "a spool for undelivered lineage events, sweep cursors, runs reconciled", _v12),
     Migration(13, "queue controls (pause, depth cap) and their audit, cancelled items", _v13),
+    Migration(14, "ready items indexed by tenant, for fair-share claims", _v14),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -559,7 +581,8 @@ def migrate(engine: Engine, now: Callable[[], float]) -> MigrationResult:
     (SQLite rewrites ``batching_items``; PostgreSQL takes an exclusive lock, and the space
     returns only after ``VACUUM FULL``), 4 rebuilds ``batching_items_archive``, 7 drops and
     builds an index of ``batching_items`` (PostgreSQL locks the table until it commits), 9
-    rekeys ``batching_results`` (SQLite rebuilds it; PostgreSQL locks it while it rekeys).
+    rekeys ``batching_results`` (SQLite rebuilds it; PostgreSQL locks it while it rekeys), 14
+    builds an index of ``batching_items`` (PostgreSQL blocks writes to it until it commits).
     """
     with engine.begin() as conn:
         _lock(conn)

@@ -26,7 +26,9 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 def fill(url: str, name: str, n: int) -> None:
     engine = database.create_engine(url)
     queue = q.SqlQueue(engine, name)
-    records = [models.EnqueueRecord(f"k{i}", models.Payload(b"{}")) for i in range(n)]
+    records = [  # three tenants: concurrent claims split across them (fair share)
+        models.EnqueueRecord(f"k{i}", models.Payload(b"{}"), tenant=f"t{i % 3}") for i in range(n)
+    ]
     assert queue.enqueue(records).inserted == n
     engine.dispose()
 

@@ -347,7 +347,7 @@ def test_migration_13_adds_the_controls_to_a_populated_v12_database(queue: q.Sql
         ):
             conn.execute(sa.text(sql))
         conn.execute(schema.schema_version.delete().where(schema.schema_version.c.version >= 13))
-    with pytest.raises(errors.SchemaError, match="version 12, expected 13"):
+    with pytest.raises(errors.SchemaError, match=f"version 12, expected {schema.SCHEMA_VERSION}"):
         queue.check_schema()
 
     result = queue.migrate()
