@@ -6,8 +6,9 @@ token, 403 an item of another tenant, 404 no such item (or another tenant's), 40
 another tenant holds, 413 a body past the limit, 422 bad input, 429 the queue at its depth
 cap (with ``Retry-After``), 503 the database (or an output) cannot be reached.
 
-The queue and the outputs are synchronous SQLAlchemy: their calls run in the thread pool;
-a long poll waits on the event loop between reads, holding no thread.
+The queue and the outputs are synchronous SQLAlchemy: their calls run in the thread pool, and
+POSTs are enqueued by one writer thread in groups, one transaction each (``writer``); a long
+poll waits on the event loop between reads, holding no thread.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -28,8 +28,8 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from batching import errors
-from batching.api import requests, tokens, wakeup
+from batching import errors, models
+from batching.api import requests, tokens, wakeup, writer
 from batching.api.results import ItemView, Results
 from batching.ingress import ingest
 from batching.ingress.watch import CommitWatch
@@ -46,7 +46,8 @@ class Settings:
     """What the application is given (the CLI builds it from the config and environment).
 
     ``watch``: long polls wake on commit (``wakeup``), reading the item again at least every
-    ``backstop_s``; without it, every ``poll_s``.
+    ``backstop_s``; without it, every ``poll_s``. POSTs are written in groups (``writer``):
+    up to ``group_max_records`` records a transaction, lingering ``group_linger_s`` for more.
     """
 
     results: Results
@@ -58,6 +59,8 @@ class Settings:
     poll_s: float = 0.025
     watch: bool = True
     backstop_s: float = 0.5
+    group_max_records: int = writer.DEFAULT_MAX_RECORDS
+    group_linger_s: float = 0.0
 
 
 class ApiError(Exception):
@@ -92,6 +95,7 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             yield
         finally:
+            await run_in_threadpool(app.state.writer.close)
             if signal is not None:
                 await run_in_threadpool(signal.close)
 
@@ -102,6 +106,12 @@ def create_app(settings: Settings) -> FastAPI:
         version="1",
     )
     app.state.settings = settings
+    app.state.writer = writer.Writer(
+        settings.results,
+        settings.max_attempts,
+        max_records=settings.group_max_records,
+        linger_s=settings.group_linger_s,
+    )
     _handlers(app)
     _routes(app, settings)
     return app
@@ -118,6 +128,7 @@ def serve(app: FastAPI, host: str, port: int) -> None:
 
 _STATUS: tuple[tuple[type[Exception], int], ...] = (
     (requests.TenantMismatch, 403),
+    (writer.Conflict, 409),
     (errors.QueueFull, 429),
     (errors.InputError, 422),
     (errors.ConfigError, 422),
@@ -211,7 +222,9 @@ def _routes(app: FastAPI, settings: Settings) -> None:
     )
     async def post_items(request: Request, queue: QueueName, tenant: Tenant) -> JSONResponse:
         body = await _read_json(request, settings.max_body_bytes)
-        doc, created = await run_in_threadpool(_enqueue, settings, queue, tenant, body)
+        records = await run_in_threadpool(_records, settings, tenant, body)
+        post = request.app.state.writer.submit(queue, tenant, records)
+        doc, created = await asyncio.wrap_future(post.answer)
         return JSONResponse(doc, 201 if created else 200)
 
     @app.get(
@@ -304,36 +317,13 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
         ) from None
 
 
-def _enqueue(settings: Settings, queue: str, tenant: str, body: Any) -> tuple[dict[str, Any], bool]:
-    """Enqueue a body's items; the answer document and whether any item is new."""
+def _records(settings: Settings, tenant: str, body: Any) -> list[models.EnqueueRecord]:
+    """A body's records, validated (before the request joins a group: its errors are its own);
+    the writer (``writer.Writer``) enqueues them."""
     try:
-        records = requests.records(body, tenant, settings.limits)
+        return requests.records(body, tenant, settings.limits)
     except RecursionError:
         raise errors.InputError("body: nested too deeply; flatten the payload") from None
-    keys = [r.item_key for r in records]
-    results = settings.results
-    theirs = [k for k, v in results.states(queue, keys).items() if v.tenant != tenant]
-    if theirs:
-        raise ApiError(
-            409, "Conflict", f"item_key {theirs[0]!r} is taken in queue {queue!r}; use another key"
-        )
-    q = results.queue(queue)
-    q.max_attempts = settings.max_attempts
-    run = f"api-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:8]}"
-    done = q.enqueue(records, enqueue_run=run)
-    dupes = set(done.duplicates)
-    views = results.states(queue, keys)
-    items = [_posted(views[k], k not in dupes) for k in keys if k in views]
-    return {"items": items}, done.inserted > 0
-
-
-def _posted(view: ItemView, created: bool) -> dict[str, Any]:
-    return {
-        "item_key": view.item_key,
-        "id": view.id,
-        "state": view.state.name.lower(),
-        "created": created,
-    }
 
 
 async def _wait(

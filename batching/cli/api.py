@@ -58,6 +58,13 @@ def serve_api(
     retry_after_s: Annotated[
         int, typer.Option(min=1, help="Retry-After of a 429 (the queue at its depth cap).")
     ] = 1,
+    group_max_records: Annotated[
+        int, typer.Option(min=1, help="Most records in one enqueue transaction (group commit).")
+    ] = 1000,
+    group_linger_s: Annotated[
+        float,
+        typer.Option(min=0.0, help="Wait this long for more POSTs before writing a group."),
+    ] = 0.0,
 ) -> None:
     """Serve the HTTP ingress: POST items to a queue, GET their state and committed result.
 
@@ -84,6 +91,8 @@ def serve_api(
         max_attempts=cfg.queue.max_attempts,
         max_body_bytes=max_body_bytes,
         retry_after_s=retry_after_s,
+        group_max_records=group_max_records,
+        group_linger_s=group_linger_s,
     )
     err.print(
         f"serving {len(known)} token(s) on http://{host}:{port} (database "
