@@ -92,6 +92,8 @@ def create_app(settings: Settings) -> FastAPI:
             signal = wakeup.CommitSignal(watch, backstop_s=settings.backstop_s)
             signal.start(asyncio.get_running_loop())
         app.state.signal = signal
+        if app.state.writer.closed:  # served again after a shutdown
+            app.state.writer = _writer(settings)
         try:
             yield
         finally:
@@ -106,15 +108,19 @@ def create_app(settings: Settings) -> FastAPI:
         version="1",
     )
     app.state.settings = settings
-    app.state.writer = writer.Writer(
+    app.state.writer = _writer(settings)
+    _handlers(app)
+    _routes(app, settings)
+    return app
+
+
+def _writer(settings: Settings) -> writer.Writer:
+    return writer.Writer(
         settings.results,
         settings.max_attempts,
         max_records=settings.group_max_records,
         linger_s=settings.group_linger_s,
     )
-    _handlers(app)
-    _routes(app, settings)
-    return app
 
 
 def serve(app: FastAPI, host: str, port: int) -> None:

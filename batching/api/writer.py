@@ -97,6 +97,10 @@ class Writer:
             self._inbox.put(post)
         return post
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what was submitted, then stop the thread (idempotent)."""
         with self._lock:
