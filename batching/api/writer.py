@@ -10,8 +10,8 @@ own answer and errors:
   group) fails that request alone with 409;
 - idempotence on ``item_key``: a key two requests of one group both send is created by the
   first (``created: true``) and reported present to the second, with the same id;
-- the depth cap: when the group would take the queue past it, the group is written again one
-  request at a time, so only the requests that do not fit get 429;
+- the depth cap: when the group would take the queue past it, its halves are written apart
+  (and theirs, down to one request), so only the requests that do not fit get 429;
 - a request is answered only after the transaction holding its items committed.
 
 The writer takes what is queued when its previous transaction ends (up to ``max_records``
@@ -197,8 +197,9 @@ class Writer:
             if len(accepted) == 1:
                 _resolve(accepted[0], exc)
                 return
-            for post in accepted:  # each request gets its own 429 (or success)
-                self._write_queue(queue, [post])
+            half = len(accepted) // 2  # halves, down to each request its own 429 (or success)
+            self._write_queue(queue, accepted[:half])
+            self._write_queue(queue, accepted[half:])
             return
         except errors.BatchingError as exc:
             for post in accepted:
