@@ -72,16 +72,23 @@ class Results:
     Args:
         engine: the queue's database.
         target: the config's outputs (``compose.build.output_target``).
+        tenant_weights: each tenant's share of a queue's depth cap (``queue.tenant_weights``).
     """
 
-    def __init__(self, engine: Engine, target: registry.Target) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        target: registry.Target,
+        tenant_weights: Mapping[str, float] | None = None,
+    ) -> None:
         self.engine = engine
         self.target = target
+        self.tenant_weights = dict(tenant_weights or {})
         self._warehouse: Engine | None = None
         self._lock = threading.Lock()
 
     def queue(self, name: str) -> q.SqlQueue:
-        return q.SqlQueue(self.engine, name)
+        return q.SqlQueue(self.engine, name, tenant_weights=self.tenant_weights)
 
     def states(self, queue: str, keys: Sequence[str]) -> dict[str, ItemView]:
         """The items of ``keys`` in ``queue`` that exist (no result read), by key."""

@@ -82,7 +82,7 @@ def serve_api(
     known = tokens_from_env()
     cfg = load(config)
     res = build.checked(cfg, db, None)
-    results = Results(database.create_engine(res.db_url), res.target)
+    results = Results(database.create_engine(res.db_url), res.target, cfg.queue.tenant_weights)
     results.queue(cfg.queue.name).check_schema()
     settings = api_app.Settings(
         results,

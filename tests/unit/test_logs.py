@@ -40,7 +40,8 @@ def kept() -> Iterator[Kept]:
     logger = logging.getLogger("batching.outputs.contract")
     handler = Kept()
     logger.addHandler(handler)
-    level, logger.level = logger.level, logging.DEBUG
+    level = logger.level
+    logger.setLevel(logging.DEBUG)  # not `logger.level =`: that leaves isEnabledFor's cache stale
     try:
         yield handler
     finally:
