@@ -3,14 +3,16 @@ integration tests."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import pytest
 
@@ -168,3 +170,19 @@ def small_volume(tmp_path: Path) -> Iterator[Path]:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     yield volume
     subprocess.run(["umount", "-l", str(volume)], check=False)
+
+
+class LineageBackend(BaseHTTPRequestHandler):
+    """A lineage backend that records the events POSTed to it: subclass it with a
+    ``received`` list (``type("B", (LineageBackend,), {"received": []})``) and serve it."""
+
+    received: ClassVar[list[dict[str, Any]]]
+
+    def do_POST(self) -> None:
+        self.received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(201)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass

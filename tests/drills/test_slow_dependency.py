@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, ClassVar
+from http.server import ThreadingHTTPServer
+from typing import Any
 
 import pytest
 
+from tests.conftest import LineageBackend
 from tests.drills.conftest import Drill, assert_nothing_lost, report
 from tests.drills.delay_proxy import DelayProxy
 
@@ -27,25 +28,12 @@ LINEAGE_DELAY_S = 1.0  # each way: past the lineage timeout
 BATCHES = {"max_batch_size": 32, "claim_size": 128, "max_wait_s": 0.01}
 
 
-class _Backend(BaseHTTPRequestHandler):
-    """A lineage backend: records what is POSTed to it."""
-
-    received: ClassVar[list[dict[str, Any]]]
-
-    def do_POST(self) -> None:
-        self.received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-        self.send_response(201)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def lineage_backend() -> Iterator[tuple[int, list[dict[str, Any]]]]:
     received: list[dict[str, Any]] = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), type("B", (_Backend,), {"received": received}))
+    server = ThreadingHTTPServer(
+        ("127.0.0.1", 0), type("B", (LineageBackend,), {"received": received})
+    )
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     yield int(server.server_address[1]), received
     server.shutdown()

@@ -14,16 +14,16 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import yaml
 
 from batching.model import workloads
 from batching.store import database
-from tests.conftest import REPO
+from tests.conftest import REPO, LineageBackend
 
 BATCHING = str(Path(sys.executable).with_name("batching"))
 DEPLOYMENTS = REPO / "deployments"
@@ -638,25 +638,10 @@ def test_score_on_an_uninitialised_database_is_one_line(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob("events.jsonl")), "a run that never started is in lineage"
 
 
-class _LineageSink(BaseHTTPRequestHandler):
-    """A lineage backend that records the events POSTed to it."""
-
-    received: ClassVar[list[dict[str, Any]]]
-
-    def do_POST(self) -> None:
-        self.received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-        self.send_response(201)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 def test_score_sends_lineage_where_openlineage_url_points(tmp_path: Path) -> None:
     received: list[dict[str, Any]] = []
     server = ThreadingHTTPServer(
-        ("127.0.0.1", 0), type("S", (_LineageSink,), {"received": received})
+        ("127.0.0.1", 0), type("S", (LineageBackend,), {"received": received})
     )
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     try:

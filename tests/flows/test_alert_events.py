@@ -25,6 +25,7 @@ from flows import score as score_module
 from flows.reconcile import reconcile
 from flows.score import score
 from tests.conftest import wait_for
+from tests.e2e.test_cli_breaker import STORM_MODULE
 from tests.flows.support import REPO, TABULAR, Pipeline, events_named, make_pipeline, run_id_of
 
 N_ITEMS = 40
@@ -146,24 +147,6 @@ def test_the_breaker_events_name_the_queue_the_reason_and_the_run() -> None:
     assert paused.resource.id == f"batching.queue.{queue}"
     assert paused.payload["paused_by"] == "breaker:run-7"
     assert paused.payload["paused_at"] == 12.5
-
-
-STORM_MODULE = """
-import torch
-from torch import nn
-
-
-class Broken(nn.Module):
-    batching_input_dim = 64
-    batching_output_dim = 1
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-
-def build() -> nn.Module:
-    return Broken()
-"""
 
 
 def storm_pipeline(root: Path, monkeypatch: pytest.MonkeyPatch) -> Pipeline:
