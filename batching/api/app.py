@@ -14,11 +14,12 @@ poll waits on the event loop between reads, holding no thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -30,7 +31,7 @@ from starlette.exceptions import HTTPException
 
 from batching import errors, models
 from batching.api import requests, tokens, wakeup, writer
-from batching.api.results import ItemView, Results
+from batching.api.results import TERMINAL, ItemView, Results
 from batching.ingress import ingest
 from batching.ingress.watch import CommitWatch
 
@@ -39,14 +40,16 @@ logger = logging.getLogger(__name__)
 MAX_WAIT_S = 30.0
 """The longest long poll (``wait_s``)."""
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+INLINE_BYTES = 64 * 1024
+"""A POST body up to this size is parsed on the event loop, a larger one in a thread."""
 
 
 @dataclass(frozen=True)
 class Settings:
     """What the application is given (the CLI builds it from the config and environment).
 
-    ``watch``: long polls wake on commit (``wakeup``), reading the item again at least every
-    ``backstop_s``; without it, every ``poll_s``. POSTs are written in groups (``writer``):
+    ``watch``: long polls are answered after the commit that finishes their item
+    (``wakeup``), or after ``backstop_s`` at most; without it, every ``poll_s``. POSTs are written in groups (``writer``):
     up to ``group_max_records`` records a transaction, lingering ``group_linger_s`` for more.
     """
 
@@ -86,20 +89,22 @@ def create_app(settings: Settings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        signal = None
-        if settings.watch:
-            watch = CommitWatch(settings.results.engine)
-            signal = wakeup.CommitSignal(watch, backstop_s=settings.backstop_s)
-            signal.start(asyncio.get_running_loop())
-        app.state.signal = signal
+        watch = CommitWatch(settings.results.engine) if settings.watch else None
+        backstop_s = settings.backstop_s if watch is not None else settings.poll_s
+        waiters = wakeup.Waiters(
+            settings.results.finished,
+            watch,
+            acked=settings.results.acked,
+            backstop_s=backstop_s,
+        )
+        app.state.waiters = waiters
         if app.state.writer.closed:  # served again after a shutdown
             app.state.writer = _writer(settings)
         try:
             yield
         finally:
             await run_in_threadpool(app.state.writer.close)
-            if signal is not None:
-                await run_in_threadpool(signal.close)
+            await run_in_threadpool(waiters.close)
 
     app = FastAPI(
         lifespan=lifespan,
@@ -199,6 +204,10 @@ def _tenant(request: Request, authorization: Annotated[str | None, Header()] = N
 Tenant = Annotated[str, Depends(_tenant)]
 QueueName = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[^\x00/]+$")]
 ItemKey = Annotated[str, Path(min_length=1, max_length=500, pattern=r"^[^\x00]+$")]
+WaitS = Annotated[
+    float,
+    Query(ge=0, le=MAX_WAIT_S, description="long poll: answer once final, or after this long"),
+]
 
 
 # -- routes -------------------------------------------------------------------------------------
@@ -221,16 +230,32 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         openapi_extra={
             "requestBody": {
                 "required": True,
-                "content": {"application/json": {"schema": BODY_SCHEMA}},
+                "content": {"application/json": {"schema": requests.BODY_SCHEMA}},
             }
         },
         responses={200: {"description": "every item was already present"}, **_ERRORS},
     )
-    async def post_items(request: Request, queue: QueueName, tenant: Tenant) -> JSONResponse:
-        body = await _read_json(request, settings.max_body_bytes)
-        records = await run_in_threadpool(_records, settings, tenant, body)
-        post = request.app.state.writer.submit(queue, tenant, records)
-        doc, created = await asyncio.wrap_future(post.answer)
+    async def post_items(
+        request: Request, queue: QueueName, tenant: Tenant, wait_s: WaitS = 0.0
+    ) -> JSONResponse:
+        ends = time.monotonic() + wait_s
+        raw = await _read_body(request, settings.max_body_bytes)
+        if len(raw) <= INLINE_BYTES:  # cheaper here than the hop to a thread
+            records = _records(settings, tenant, _json_of(raw))
+        else:
+            records = await run_in_threadpool(lambda: _records(settings, tenant, _json_of(raw)))
+        waiters: wakeup.Waiters = request.app.state.waiters
+        keys = [r.item_key for r in records] if wait_s > 0 else []
+        futures = {k: waiters.register(queue, k) for k in keys}  # before the writer reads
+        try:
+            post = request.app.state.writer.submit(queue, tenant, records)
+            doc, created = await asyncio.wrap_future(post.answer)
+            if futures:
+                final = await _finals(settings, queue, doc["items"], futures, ends)
+                doc = {"items": [_with_result(i, final.get(i["item_key"])) for i in doc["items"]]}
+        finally:
+            for key, future in futures.items():
+                waiters.cancel(queue, key, future)
         return JSONResponse(doc, 201 if created else 200)
 
     @app.get(
@@ -247,14 +272,9 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         responses={404: {"description": "no such item"}, **_ERRORS},
     )
     async def get_item(
-        request: Request,
-        queue: QueueName,
-        item_key: ItemKey,
-        tenant: Tenant,
-        wait_s: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0.0,
+        request: Request, queue: QueueName, item_key: ItemKey, tenant: Tenant, wait_s: WaitS = 0.0
     ) -> JSONResponse:
-        signal = getattr(request.app.state, "signal", None)
-        view = await _wait(settings, signal, queue, item_key, tenant, wait_s)
+        view = await _wait(settings, request.app.state.waiters, queue, item_key, tenant, wait_s)
         return JSONResponse(view.doc())
 
 
@@ -270,38 +290,10 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (503, "the database or the output cannot be reached"),
     )
 }
-_ITEM_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["item_key", "payload"],
-    "properties": {
-        "item_key": {"type": "string", "maxLength": 500},
-        "payload": {
-            "description": 'a JSON object or array, or {"tensor": {"dtype", "shape", "data_b64"}}',
-            "oneOf": [{"type": "object"}, {"type": "array"}],
-        },
-        "tenant": {"type": "string", "description": "the token's tenant (the default)"},
-        "priority": {"type": "integer"},
-        "deadline": {"oneOf": [{"type": "number"}, {"type": "string", "format": "date-time"}]},
-        "cost": {"type": "integer", "minimum": 1},
-        "lane": {"type": "string"},
-    },
-    "additionalProperties": False,
-}
-BODY_SCHEMA: dict[str, Any] = {
-    "oneOf": [
-        _ITEM_SCHEMA,
-        {
-            "type": "object",
-            "required": ["items"],
-            "properties": {"items": {"type": "array", "items": _ITEM_SCHEMA, "minItems": 1}},
-            "additionalProperties": False,
-        },
-    ]
-}
 
 
-async def _read_json(request: Request, max_bytes: int) -> Any:
-    """The body as JSON, refused with 413 past ``max_bytes`` (before it is read whole)."""
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused with 413 past ``max_bytes`` (before it is read whole)."""
     too_big = ApiError(
         413, "PayloadTooLarge", f"the body is over {max_bytes} bytes; split it into requests"
     )
@@ -314,8 +306,13 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
         if size > max_bytes:
             raise too_big
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_of(raw: bytes) -> Any:
+    """The body as JSON; 400 when it is not."""
     try:
-        return json.loads(b"".join(chunks))
+        return json.loads(raw)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ApiError(
@@ -334,29 +331,62 @@ def _records(settings: Settings, tenant: str, body: Any) -> list[models.EnqueueR
 
 async def _wait(
     settings: Settings,
-    signal: wakeup.CommitSignal | None,
+    waiters: wakeup.Waiters,
     queue: str,
     key: str,
     tenant: str,
     wait_s: float,
 ) -> ItemView:
-    """The item, once final or after ``wait_s``; 404 when unknown or another tenant's. Woken
-    by a commit (``signal``; its ticket is taken before each read), else reads every
-    ``poll_s``."""
-
-    def read() -> Awaitable[ItemView | None]:
-        return run_in_threadpool(settings.results.item, queue, key)
-
+    """The item, once final or after ``wait_s``; 404 when unknown or another tenant's. It
+    waits registered with ``waiters`` (before its first read: see ``wakeup``)."""
     ends = time.monotonic() + wait_s
-    while True:
-        ticket = signal.ticket() if signal is not None else None
-        view = await read()
+    future = waiters.register(queue, key) if wait_s > 0 else None
+    try:
+        view = await run_in_threadpool(settings.results.item, queue, key)
         if view is None or view.tenant != tenant:
             raise ApiError(404, "NotFound", f"no item {key!r} in queue {queue!r} for this token")
-        left = ends - time.monotonic()
-        if view.terminal or left <= 0:
+        if view.terminal or future is None:
             return view
-        if signal is not None and ticket is not None:
-            await signal.wait(ticket, left)
-        else:
-            await asyncio.sleep(min(settings.poll_s, left))
+        with contextlib.suppress(TimeoutError):
+            return await asyncio.wait_for(
+                asyncio.wrap_future(future), max(0.0, ends - time.monotonic())
+            )
+        latest = await run_in_threadpool(settings.results.item, queue, key)
+        return latest if latest is not None else view
+    finally:
+        if future is not None:
+            waiters.cancel(queue, key, future)
+
+
+async def _finals(
+    settings: Settings,
+    queue: str,
+    items: list[dict[str, Any]],
+    futures: dict[str, concurrent.futures.Future[ItemView]],
+    ends: float,
+) -> dict[str, ItemView]:
+    """A waiting POST's items once final (or as they are at ``ends``), by key: those final
+    when written (present before) read now, the others as their futures resolve."""
+    terminal = {s.name.lower() for s in TERMINAL}
+    already = [i["item_key"] for i in items if i["state"] in terminal]
+    final: dict[str, ItemView] = {}
+    if already:
+        final.update(await run_in_threadpool(settings.results.finished, queue, already))
+    pending = [
+        asyncio.wrap_future(futures[i["item_key"]]) for i in items if i["item_key"] not in final
+    ]
+    if pending:
+        await asyncio.wait(pending, timeout=max(0.0, ends - time.monotonic()))
+    for item in items:
+        future = futures[item["item_key"]]
+        if item["item_key"] not in final and future.done() and not future.cancelled():
+            final[item["item_key"]] = future.result()
+    return final
+
+
+def _with_result(item: dict[str, Any], view: ItemView | None) -> dict[str, Any]:
+    """A POSTed item with its state, result, error and model version once final."""
+    if view is None:
+        return item | {"result": None, "error": None, "model_version": None}
+    doc = view.doc()
+    return item | {k: doc[k] for k in ("state", "result", "error", "model_version")}

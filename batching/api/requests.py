@@ -146,3 +146,35 @@ def _check_unique(found: list[models.EnqueueRecord]) -> None:
                 f"items[{n}]: item_key {record.item_key!r} repeats items[{seen}]; give each "
                 "item its own key"
             )
+
+
+# -- the OpenAPI schema of a POST body (the checks above are what enforce it) -----------
+
+ITEM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["item_key", "payload"],
+    "properties": {
+        "item_key": {"type": "string", "maxLength": 500},
+        "payload": {
+            "description": 'a JSON object or array, or {"tensor": {"dtype", "shape", "data_b64"}}',
+            "oneOf": [{"type": "object"}, {"type": "array"}],
+        },
+        "tenant": {"type": "string", "description": "the token's tenant (the default)"},
+        "priority": {"type": "integer"},
+        "deadline": {"oneOf": [{"type": "number"}, {"type": "string", "format": "date-time"}]},
+        "cost": {"type": "integer", "minimum": 1},
+        "lane": {"type": "string"},
+    },
+    "additionalProperties": False,
+}
+BODY_SCHEMA: dict[str, Any] = {
+    "oneOf": [
+        ITEM_SCHEMA,
+        {
+            "type": "object",
+            "required": ["items"],
+            "properties": {"items": {"type": "array", "items": ITEM_SCHEMA, "minItems": 1}},
+            "additionalProperties": False,
+        },
+    ]
+}

@@ -8,11 +8,12 @@ it is committed, so the client gets the row the output will hold.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime as dt
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from sqlalchemy.engine import Connection, Engine, Row
 
 from batching import errors, models
 from batching.ingress import queue as q
+from batching.ingress.watch import SqliteChanges
 from batching.outputs import contract as sinks
 from batching.outputs import ledger, outbox, registry
 from batching.store import database, schema
@@ -35,6 +37,9 @@ TERMINAL = frozenset(
 )
 """States an item never leaves: a long poll ends there."""
 _CHUNK = 500
+CACHED_BATCHES = 256
+"""Batches whose rows a ``Results`` keeps (a client often reads a result twice: the POST that
+waited, then a GET)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,11 @@ class Results:
         self.target = target
         self.tenant_weights = dict(tenant_weights or {})
         self._warehouse: Engine | None = None
+        self._changes: SqliteChanges | None = None
         self._lock = threading.Lock()
+        self._batches: collections.OrderedDict[str, tuple[str, Mapping[str, dict[str, Any]]]] = (
+            collections.OrderedDict()
+        )
 
     def queue(self, name: str) -> q.SqlQueue:
         return q.SqlQueue(self.engine, name, tenant_weights=self.tenant_weights)
@@ -109,26 +118,37 @@ class Results:
         """
         with self.queue(queue).read() as conn:
             row = conn.execute(_select().where(_T.c.queue == queue, _T.c.item_key == key)).first()
-            if row is None:
-                return None
-            view = _view(row)
-            if view.state != models.State.DONE or view.batch_id is None:
-                return view
-            batch = ledger.row(conn, view.batch_id)
-            if batch is None:
-                return view
-            body = _outbox_body(conn, view.batch_id)
-            result = self._read(conn, batch, body, key, queue)
-        return ItemView(
-            view.item_key,
-            view.id,
-            view.state,
-            view.tenant,
-            view.error,
-            view.batch_id,
-            result,
-            str(batch.model_version),
-        )
+            return None if row is None else self._with_results(conn, queue, [_view(row)])[0]
+
+    def finished(self, queue: str, keys: Sequence[str]) -> dict[str, ItemView]:
+        """The items of ``keys`` in a final state, with their committed output rows, by key
+        (one read of the items, then one read of each batch's output for all its keys: what a
+        long poll's wake-up costs, however many requests wait)."""
+        terminal = [int(s) for s in TERMINAL]
+        found: list[ItemView] = []
+        if not keys:
+            return {}
+        with self.queue(queue).read() as conn:
+            for start in range(0, len(keys), _CHUNK):
+                chunk = list(keys[start : start + _CHUNK])
+                stmt = _select().where(
+                    _T.c.queue == queue, _T.c.item_key.in_(chunk), _T.c.state.in_(terminal)
+                )
+                found.extend(_view(r) for r in conn.execute(stmt))
+            views = self._with_results(conn, queue, found)
+        return {v.item_key: v for v in views}
+
+    def acked(self) -> int | None:
+        """A mark that changes when a batch is committed (SQLite: the ledger's last rowid,
+        read on a connection of its own in microseconds), so a wake-up for a commit that
+        finished nothing (an enqueue, a claim, a heartbeat) costs no read of the waiting
+        items. None where the wake-up itself is an ack (PostgreSQL notifies on ack only)."""
+        if self.engine.dialect.name != "sqlite":
+            return None
+        with self._lock:
+            if self._changes is None:
+                self._changes = SqliteChanges(self.engine)
+        return self._changes.last_batch()
 
     def stats(self, queue: str, tenant: str) -> dict[str, Any]:
         """``batching status --json`` of ``queue`` for ``tenant``'s items only: by_state,
@@ -148,31 +168,92 @@ class Results:
     def close(self) -> None:
         if self._warehouse is not None:
             self._warehouse.dispose()
+        if self._changes is not None:
+            self._changes.close()
+
+    def _with_results(
+        self, conn: Connection, queue: str, views: Sequence[ItemView]
+    ) -> list[ItemView]:
+        """``views`` with the output rows of those done, each batch's read once."""
+        by_batch: dict[str, list[str]] = {}
+        for v in views:
+            if v.state == models.State.DONE and v.batch_id is not None:
+                by_batch.setdefault(v.batch_id, []).append(v.item_key)
+        rows: dict[str, tuple[dict[str, Any] | None, str]] = {}
+        for batch_id, keys in by_batch.items():
+            cached = self._cached(batch_id, keys)
+            if cached is None:
+                batch = ledger.row(conn, batch_id)
+                if batch is None:
+                    continue
+                found = self._read(conn, batch, _outbox_body(conn, batch_id), keys, queue)
+                cached = self._cache(batch_id, str(batch.model_version), found)
+            version, found = cached
+            rows.update({k: (found.get(k), version) for k in keys})
+        return [
+            v
+            if v.item_key not in rows
+            else dataclasses.replace(
+                v, result=rows[v.item_key][0], model_version=rows[v.item_key][1]
+            )
+            for v in views
+        ]
+
+    def _cached(
+        self, batch_id: str, keys: Sequence[str]
+    ) -> tuple[str, Mapping[str, dict[str, Any]]] | None:
+        """A batch's rows read before, if they hold every key of ``keys``."""
+        with self._lock:
+            held = self._batches.get(batch_id)
+            if held is None or not all(k in held[1] for k in keys):
+                return None
+            self._batches.move_to_end(batch_id)
+            return held
+
+    def _cache(
+        self, batch_id: str, version: str, rows: Mapping[str, dict[str, Any]]
+    ) -> tuple[str, Mapping[str, dict[str, Any]]]:
+        """Keep a batch's rows (a committed batch's rows never change), the last
+        ``CACHED_BATCHES`` batches read."""
+        with self._lock:
+            held = self._batches.get(batch_id)
+            partial = isinstance(rows, dict) and held is not None and isinstance(held[1], dict)
+            merged = (version, {**held[1], **rows} if partial and held else rows)
+            self._batches[batch_id] = merged
+            self._batches.move_to_end(batch_id)
+            while len(self._batches) > CACHED_BATCHES:
+                self._batches.popitem(last=False)
+            return merged
 
     def _read(
-        self, conn: Connection, batch: Row[Any], body: bytes | None, key: str, queue: str
-    ) -> dict[str, Any] | None:
+        self, conn: Connection, batch: Row[Any], body: bytes | None, keys: list[str], queue: str
+    ) -> Mapping[str, dict[str, Any]]:
+        """The output rows of ``keys`` in ``batch`` (of every item, where the whole batch
+        is read anyway), by key; a key without a row is absent."""
+        version = str(batch.model_version)
         if body is not None:  # committed, not rolled forward yet: the rows it will write
-            return _first(_match(outbox.decode(body), key), str(batch.model_version))
+            return _by_key(outbox.decode(body), version)
         kind = str(batch.sink)
         if kind == "sql":
-            return self._sql_row(conn, str(batch.path), queue, str(batch.model_version), key)
+            return self._sql_rows(conn, str(batch.path), queue, version, keys)
         if kind == "delta":
-            return self._delta_row(batch, key)
+            return self._delta_rows(batch, keys)
         if kind == "parquet":
-            return self._parquet_row(batch, key)
+            return self._parquet_rows(batch)
         raise errors.SinkError(f"batch {batch.batch_id}: unknown sink {kind!r} in the ledger")
 
-    def _sql_row(
-        self, conn: Connection, table_name: str, queue: str, version: str, key: str
-    ) -> dict[str, Any] | None:
+    def _sql_rows(
+        self, conn: Connection, table_name: str, queue: str, version: str, keys: list[str]
+    ) -> dict[str, dict[str, Any]]:
         table = (
             schema.results
             if table_name == schema.results.name
             else schema.results_table(table_name)
         )
         stmt = table.select().where(
-            table.c.queue == queue, table.c.model_version == version, table.c.item_key == key
+            table.c.queue == queue,
+            table.c.model_version == version,
+            table.c.item_key.in_(keys),
         )
         if self.target.kind == "sql" and self.target.url is not None:
             with self._lock:  # requests read in the thread pool
@@ -180,23 +261,22 @@ class Results:
                     self._warehouse = database.create_engine(self.target.url)
             url = self._warehouse.url.render_as_string(hide_password=True)
             with database.translate_errors(url), self._warehouse.connect() as other:
-                row = other.execute(stmt).mappings().first()
+                found = other.execute(stmt).mappings().all()
         else:
-            row = conn.execute(stmt).mappings().first()
-        return None if row is None else _json(dict(row))
+            found = conn.execute(stmt).mappings().all()
+        return {str(r["item_key"]): _json(dict(r)) for r in found}
 
-    def _delta_row(self, batch: Row[Any], key: str) -> dict[str, Any] | None:
+    def _delta_rows(self, batch: Row[Any], keys: list[str]) -> Mapping[str, dict[str, Any]]:
         from batching.outputs import delta
 
         lit = delta.sql_literal
-        sql = (
-            f"SELECT * FROM t WHERE item_key = {lit(key)} AND batch_id = {lit(str(batch.batch_id))}"
-        )
+        listed = ", ".join(lit(k) for k in keys)
+        sql = f"SELECT * FROM t WHERE batch_id = {lit(str(batch.batch_id))} AND item_key IN ({listed})"
         uri = str(batch.path or self.target.where)
         table = delta.DeltaSink.read(uri, sql, storage_options=self.target.storage_options)
-        return _first(table, str(batch.model_version))
+        return _by_key(table, str(batch.model_version))
 
-    def _parquet_row(self, batch: Row[Any], key: str) -> dict[str, Any] | None:
+    def _parquet_rows(self, batch: Row[Any]) -> Mapping[str, dict[str, Any]]:
         import pyarrow.parquet as pq
 
         root = Path(self.target.where).resolve()
@@ -205,15 +285,16 @@ class Results:
             raise errors.SinkError(f"batch {batch.batch_id}: ledger path outside the dataset")
         # The rename into the dataset may land between two looks: final, staging, final.
         staging = [Path(batch.staging_path)] if batch.staging_path else []
-        for path in (final, *staging, final):
+        looks = (final, *staging, final)
+        for n, path in enumerate(looks, 1):
             try:
                 with sinks.translate_errors(f"cannot read {path}"):
-                    table = pq.read_table(path, filters=[("item_key", "==", key)])
+                    table = pq.ParquetFile(path).read()  # one batch: small, read whole
             except errors.SinkError:
-                if path.exists():
+                if n == len(looks) and path.exists():
                     raise
                 continue
-            return _first(table, str(batch.model_version))
+            return _by_key(table, str(batch.model_version))
         raise errors.SinkError(
             f"batch {batch.batch_id}: its file {final} is missing; run `batching reconcile`"
         )
@@ -242,17 +323,35 @@ def _outbox_body(conn: Connection, batch_id: str) -> bytes | None:
     return None if body is None else bytes(body)
 
 
-def _match(table: pa.Table, key: str) -> pa.Table:
-    import pyarrow.compute as pc
+class _Rows(Mapping[str, dict[str, Any]]):
+    """A batch's output rows by key, each turned into JSON values when first asked for (a
+    batch read whole is mostly asked for a few keys at a time)."""
 
-    return table.filter(pc.equal(table.column("item_key"), key))
+    def __init__(self, table: pa.Table, version: str) -> None:
+        self._table, self._version = table, version
+        keys = table.column("item_key").to_pylist()
+        self._index: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            self._index.setdefault(str(key), i)
+        self._done: dict[str, dict[str, Any]] = {}
+
+    def __getitem__(self, key: str) -> dict[str, Any]:
+        row = self._done.get(key)
+        if row is None:
+            (raw,) = self._table.slice(self._index[key], 1).to_pylist()
+            row = self._done[key] = _json({"model_version": self._version, **raw})
+        return row
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
 
 
-def _first(table: pa.Table, version: str) -> dict[str, Any] | None:
-    rows = table.slice(0, 1).to_pylist()
-    if not rows:
-        return None
-    return _json({"model_version": version, **rows[0]})
+def _by_key(table: pa.Table, version: str) -> Mapping[str, dict[str, Any]]:
+    """Each key's first row, as JSON values (when asked for)."""
+    return _Rows(table, version)
 
 
 def _json(row: dict[str, Any]) -> dict[str, Any]:

@@ -160,8 +160,13 @@ class Writer:
     def _write_queue(self, queue: str, posts: list[Post]) -> None:
         """Enqueue ``posts`` (all of ``queue``) in one transaction and answer each."""
         results = self.results
+        # A request of one item needs no look first: a key another tenant holds is only a
+        # duplicate to the enqueue, and the read that answers finds its owner (``_answer``).
+        # One of several items must be refused before its transaction (all or nothing).
+        single = all(len(p.records) == 1 for p in posts)
         try:
-            present = results.states(queue, [r.item_key for p in posts for r in p.records])
+            keys = [] if single else [r.item_key for p in posts for r in p.records]
+            present = results.states(queue, keys) if keys else {}
         except errors.BatchingError as exc:
             for post in posts:
                 _resolve(post, exc)
@@ -175,12 +180,7 @@ class Writer:
                 if owner.get(r.item_key, post.tenant) != post.tenant
             ]
             if theirs:
-                _resolve(
-                    post,
-                    Conflict(
-                        f"item_key {theirs[0]!r} is taken in queue {queue!r}; use another key"
-                    ),
-                )
+                _resolve(post, _taken(theirs[0], queue))
                 continue
             for r in post.records:
                 owner.setdefault(r.item_key, post.tenant)
@@ -220,6 +220,14 @@ class Writer:
                 _resolve(post, exc)
             return
         for post in posts:
+            theirs = [
+                r.item_key
+                for r in post.records
+                if r.item_key in views and views[r.item_key].tenant != post.tenant
+            ]
+            if theirs:
+                _resolve(post, _taken(theirs[0], queue))
+                continue
             items, any_new = [], False
             for r in post.records:
                 created = r.item_key in new
@@ -238,6 +246,10 @@ def posted(view: ItemView, created: bool) -> dict[str, Any]:
         "state": view.state.name.lower(),
         "created": created,
     }
+
+
+def _taken(key: str, queue: str) -> Conflict:
+    return Conflict(f"item_key {key!r} is taken in queue {queue!r}; use another key")
 
 
 def _resolve(post: Post, outcome: Answer | BaseException) -> None:

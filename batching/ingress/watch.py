@@ -47,6 +47,7 @@ DONE_CHANNEL = "batching_done"  # ack NOTIFYs it in the ack's transaction (paylo
 CHECK_S = 0.002  # how often data_version is read while someone waits
 LINGER_S = 1.0  # a CommitWatch keeps checking this long after its last waiter left
 RETRY_S = 1.0  # after a failed check or a lost listening connection
+_LAST_BATCH = "SELECT max(rowid) FROM batching_batches"
 _READY = "SELECT 1 FROM batching_items WHERE queue = ? AND state = 0 LIMIT 1"
 
 
@@ -91,6 +92,16 @@ class SqliteChanges:
             except sqlite3.Error:
                 self._close()
                 raise
+
+    def last_batch(self) -> int | None:
+        """The ledger's last rowid (``batching_batches``): it moves when a batch commits."""
+        with self._lock:
+            try:
+                rows = self._connection().execute(_LAST_BATCH).fetchall()
+            except sqlite3.Error:
+                self._close()
+                raise
+            return None if rows[0][0] is None else int(rows[0][0])
 
     def close(self) -> None:
         with self._lock:
