@@ -44,6 +44,7 @@ class ClaimPort(Protocol):
         max_cost: int | None = None,
         columns: bool = False,
         isolate: bool = False,
+        lease_id: str | None = None,
     ) -> models.Claim: ...
 
     def heartbeat(self, lease_id: str, lease_s: float) -> int: ...

@@ -209,16 +209,18 @@ class InMemoryQueue:
         max_cost: int | None = None,
         columns: bool = False,
         isolate: bool = False,
+        lease_id: str | None = None,
     ) -> models.Claim:
         """Lease up to ``n`` ready items under one new lease id, in claim order (priority,
         deadline, age); first, items past their deadline expire and this queue's expired
         leases are reaped. ``max_cost`` caps the sum of costs (the first item always fits).
-        ``columns`` is accepted and ignored: items come back as work items. Suspects (items
+        ``columns`` is accepted and ignored: items come back as work items. ``lease_id``: add
+        to that lease (the caller holds it) rather than a new one. Suspects (items
         of a lost worker) only with ``isolate``, at most the first one's ``isolate_n``."""
         if n < 1:
             raise ValueError("n must be >= 1")
         now = self.clock()
-        lease_id = str(uuid.uuid4())
+        lease_id = lease_id or str(uuid.uuid4())
         with self._store.lock:
             if self.queue in self._store.paused:
                 return models.Claim(lease_id, (), now + lease_s, paused=True)

@@ -341,8 +341,11 @@ class SqlQueue:
         max_cost: int | None = None,
         columns: bool = False,
         isolate: bool = False,
+        lease_id: str | None = None,
     ) -> models.Claim:
-        """Lease up to ``n`` ready items in one statement, under one new lease id.
+        """Lease up to ``n`` ready items in one statement, under one new lease id (or
+        ``lease_id``: a scorer adding items to a lease it holds, so the batches it cuts from
+        several claims commit once, not once per claim; the fence is the same, item by item).
 
         Order: priority (high first), then deadline (earliest first, none last), then age;
         with ``fair_share`` (the default), within each tenant, and the ``n`` split across
@@ -365,7 +368,7 @@ class SqlQueue:
         """
         if n < 1:
             raise ValueError("n must be >= 1")
-        lease_id = str(uuid.uuid4())
+        lease_id = lease_id or str(uuid.uuid4())
         now = self.clock()
         params: dict[str, Any] = {
             "queue": self.queue,

@@ -37,6 +37,7 @@ import collections
 import functools
 import itertools
 import logging
+import math
 import operator
 import queue as stdqueue
 import threading
@@ -123,6 +124,8 @@ class Scorer(Generic[D]):
         self._unsettled = False  # a commit was cut off: settle its batch again at the end
         self._batch_lock = threading.Lock()  # the batcher: claim thread adds, dispatcher polls
         self._leases: dict[str, int] = {}
+        self._open_lease: str | None = None  # claims add to it while it holds items
+        self._open_lease_at = -math.inf  # when it was opened
         self._item_lease: dict[int, str] = {}
         self._lock = threading.Lock()
         self._to_forward: stdqueue.Queue[Dispatched[D] | End] = stdqueue.Queue(maxsize=1)
@@ -266,12 +269,20 @@ class Scorer(Generic[D]):
         if limits.max_items is not None:
             n = min(n, limits.max_items - self.stats.claimed)
         started = time.perf_counter()
+        with self._lock:  # add to the lease still held: a batch then spans one lease
+            open_lease = self._open_lease if self._open_lease in self._leases else None
+            if self.clock() - self._open_lease_at >= self.config.queue.lease_s / 2:
+                # Not past half a lease: no item of it can have expired and been reaped yet,
+                # so an id is never given to an item after one of its items could be
+                # taken back (reaped items are suspects, claimed apart, besides).
+                open_lease = None
         claim = self.queue.claim(
             n,
             lease_s=self.config.queue.lease_s,
             lane=self.config.queue.lane,
             columns=True,
             isolate=self._isolating,
+            lease_id=None if self._isolating else open_lease,
         )
         self.stats.stage_s["claim"] += time.perf_counter() - started
         if claim.paused != self._paused:  # once per change, not once per poll
@@ -292,7 +303,10 @@ class Scorer(Generic[D]):
         if not claim.items:
             return self._isolating or claim.isolated
         with self._lock:
-            self._leases[claim.lease_id] = len(claim.items)
+            self._leases[claim.lease_id] = self._leases.get(claim.lease_id, 0) + len(claim.items)
+            if claim.lease_id != self._open_lease:
+                self._open_lease_at = self.clock()
+            self._open_lease = None if claim.isolated else claim.lease_id
             ids = models.item_column(claim.items, "id")
             self._item_lease.update(zip(ids, itertools.repeat(claim.lease_id)))
         self.stats.claimed += len(claim.items)

@@ -15,14 +15,18 @@ the recent relative errors of the model's own out-of-sample predictions (a p99 t
 upper estimate, as Clipper's mean + 3 sigma does).
 
 **The release rule** (:class:`SloController`). A batch released at ``t`` is predicted to be
-committed at ``max(t + decode, busy_until) + bound(n, c) + tail``: it is decoded (measured per
-item), waits for the forward pass in flight (``busy_until``, its predicted end), runs, and
-commits (``tail``, measured from a forward's end to its commit; EWMAs). With
+committed at ``max(max(t + decode, busy_until) + bound(n, c), commit_until) + tail``: it is
+decoded (measured per item), waits for the forward pass in flight (``busy_until``, its
+predicted end), runs, waits for the commits queued before it (commits are serial:
+``commit_until``), and commits (``tail``, a commit's own time, measured from the later of its
+forward's end and the previous commit's end; EWMAs). With
 ``latency_slo_s`` as the p99 target, the oldest item of a bucket has its *budget*: it must be
 released by ``enqueued_at + slo - decode - bound(n, c) - tail`` (trigger ``"slo"``). Before that,
 the batch grows while the model is busy and goes when the model frees up (trigger ``"idle"``:
 at the predicted end of the forward pass in flight, less the batch's decode time, so decode
-overlaps the forward); an idle model takes it at once. ``max_wait_s`` and ``max_batch_size``
+overlaps the forward), and while the commit stage is backed up (a batch released then would
+only wait for it: releasing when its forward would end as the stage frees loses nothing and
+makes one commit of what would have been several); an idle pipeline takes it at once. ``max_wait_s`` and ``max_batch_size``
 stay hard upper bounds, and a batch is cut no larger than the oldest item's budget allows
 (:meth:`SloController.size_cap`) unless even one item cannot make it (then it is late anyway,
 and a full batch serves the rest fastest).
@@ -199,6 +203,8 @@ class SloController:
         self.model = model
         self._alpha = alpha
         self.busy_until = -math.inf  # predicted end of the forward pass in flight
+        self.commit_until = -math.inf  # predicted end of the commits the commit stage holds
+        self._last_done = -math.inf  # the last commit's end
         self._tail_s: float | None = None
         self._decode_per_item_s: float | None = None
         self._ends: dict[float, float] = {}  # a batch's formed_at -> its forward's end
@@ -224,6 +230,7 @@ class SloController:
         (the batch's release) pairs it with its commit (:meth:`committed`)."""
         self.model.observe(n_items, cost, seconds)
         self.busy_until = at
+        self.commit_until = max(self.commit_until, at) + self.tail_s  # queued for its commit
         if formed_at is not None:
             if len(self._ends) >= _MAX_ENDS:  # commits that never came (a failed stage)
                 self._ends.clear()
@@ -235,11 +242,19 @@ class SloController:
             self._decode_per_item_s = _ewma(self._decode_per_item_s, seconds / n_items, self._alpha)
 
     def committed(self, formed_at: float, service_s: float, done_at: float) -> None:
-        """A batch released at ``formed_at`` was committed at ``done_at``: the time from its
-        forward's end to the commit is the tail (without that end: all but ``service_s``)."""
+        """A batch released at ``formed_at`` was committed at ``done_at``. The tail is the
+        commit's own time: from its forward's end, or the previous commit's end when the
+        stage was still busy (commits are serial), to ``done_at`` (without that forward's
+        end: all but ``service_s``). The commit stage is then predicted busy for the tails of
+        the batches still waiting for it."""
         end = self._ends.pop(formed_at, None)
-        tail = done_at - end if end is not None else done_at - formed_at - service_s
+        if end is not None:
+            tail = done_at - max(end, self._last_done)
+        else:
+            tail = done_at - formed_at - service_s
+        self._last_done = max(self._last_done, done_at)
         self._tail_s = _ewma(self._tail_s, max(0.0, tail), self._alpha)
+        self.commit_until = done_at + len(self._ends) * self.tail_s
 
     # -- predictions -------------------------------------------------------------------------
 
@@ -261,13 +276,15 @@ class SloController:
         """Predicted (mean) commit time of a batch released at ``now``: it starts once
         decoded and the forward in flight has ended, then runs and commits."""
         start = max(now + self.lead_s(n_items), self.busy_until)
-        return start + self.model.predict(n_items, cost) + self.tail_s
+        return max(start + self.model.predict(n_items, cost), self.commit_until) + self.tail_s
 
     def due(self, oldest_enqueued_at: float, n_items: int, cost: int) -> Due:
         """When a bucket of ``n_items`` (cost ``cost``, oldest enqueued at
         ``oldest_enqueued_at``) should go: at the budget, or when the model frees up."""
         budget_at = oldest_enqueued_at + self.slo_s - self.finish_bound_s(n_items, cost)
-        free_at = max(self.busy_until - self.lead_s(n_items), oldest_enqueued_at)  # idle: now
+        # free: the model, and the commit stage by the time this batch's forward ends
+        ready = max(self.busy_until, self.commit_until - self.model.predict(n_items, cost))
+        free_at = max(ready - self.lead_s(n_items), oldest_enqueued_at)  # idle: now
         if free_at <= budget_at:
             return Due(free_at, "idle", budget_at)
         return Due(budget_at, "slo", budget_at)
@@ -279,7 +296,8 @@ class SloController:
 
         def fits(n: int) -> bool:
             start = max(now + self.lead_s(n), self.busy_until)
-            return start + self.model.bound(n, cost) + self.tail_s <= budget_at
+            end = max(start + self.model.bound(n, cost), self.commit_until)
+            return end + self.tail_s <= budget_at
 
         if max_items <= 1 or fits(max_items) or not fits(1):
             return max_items

@@ -11,12 +11,14 @@ from typing import Any
 from batching import models
 from batching.loop import stats as run_stats
 from batching.testing import FakeClock
-from tests.unit.test_pipeline import Rig, keys, rig
+from tests.unit.test_pipeline import NewLeaseEachClaim, Rig, keys, rig
 
 
 def test_items_reaped_and_claimed_again_while_in_flight_commit_once_under_the_new_lease() -> None:
-    """The old batch is fenced out by its lost lease; the new claim's batch commits."""
-    r = rig(keys(8), max_batch_size=4, claim_size=4)
+    """The old batch is fenced out by its lost lease; the new claim's batch commits. (The
+    SQL queue's reaper makes reaped items suspects, leased apart in an isolation round; this
+    fake queue leases every claim apart, as that round would.)"""
+    r = rig(keys(8), max_batch_size=4, claim_size=4, queue_class=NewLeaseEachClaim)
 
     def reaped_and_reclaimed(n: int) -> None:
         if n != 1:

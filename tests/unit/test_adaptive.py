@@ -295,3 +295,23 @@ def test_size_cap_fits_the_oldest_items_budget() -> None:
 def test_controller_rejects_a_nonpositive_slo() -> None:
     with pytest.raises(ValueError, match="slo_s"):
         adaptive.SloController(0.0, adaptive.ServiceModel())
+
+
+def test_due_waits_for_a_backed_up_commit_stage() -> None:
+    """Commits are serial: a batch released while the stage holds others would only wait
+    for them, so it grows until its forward would end as the stage frees up."""
+    ctrl = adaptive.SloController(1.0, adaptive.ServiceModel(lambda n, c: 0.01))
+    ctrl.committed(formed_at=99.0, service_s=0.0, done_at=99.02)  # a commit takes 20 ms
+    assert ctrl.tail_s == pytest.approx(0.02)
+    for k in range(3):  # three forwards ended at 100.0: their commits run to 100.06
+        ctrl.forward_done(1, 1, 0.01, 100.0, formed_at=99.5 + k)
+    assert ctrl.commit_until == pytest.approx(100.06)
+    due = ctrl.due(100.0, 1, 1)
+    assert due.trigger == "idle"
+    assert due.at == pytest.approx(100.05)  # its forward ends at 100.06
+    assert ctrl.finish_at(100.0, 1, 1) == pytest.approx(100.06 + 0.02)
+    # The commits' own times are measured, not the wait behind the earlier ones.
+    ctrl.committed(99.5, 0.01, 100.02)
+    ctrl.committed(100.5, 0.01, 100.04)
+    assert ctrl.tail_s == pytest.approx(0.02)
+    assert ctrl.commit_until == pytest.approx(100.04 + 0.02)  # one batch still queued
