@@ -15,8 +15,9 @@ One run, one machine, one seeded arrival schedule per point, in this order:
             through its HTTP proxy (`bench/online_ray_serve.py`), each after its own capacity
   batching  W1 (`deployments/tabular.yaml`), like W2 (no peers, no noisy run)
 
-A request to us is POST /v1/queues/{queue}/items, then GET .../items/{key}?wait_s=N until the
-item is done, dead, expired or cancelled; to a peer, one POST that returns the result. Per
+A request to us is one POST /v1/queues/{queue}/items?wait_s=N that answers once the item is
+done, dead, expired or cancelled (then GET .../items/{key}?wait_s=N while it is not); to a
+peer, one POST that returns the result. Per
 request: scheduled, sent and result times, HTTP status, final state. Per point: p50/p99 of the
 admitted requests from scheduled arrival to result (a request still open at the cut-off counts
 at its age then, a lower bound, marked ">"), goodput (results within latency_slo_s, per second
@@ -157,7 +158,7 @@ class Target:
 def ingress_call(
     base: str, queue: str, payloads: list[str], wait_s: float
 ) -> Callable[[Http, Req, str], Coroutine[Any, Any, None]]:
-    """Our HTTP ingress: POST the item, then long-poll GET until a terminal state."""
+    """Our HTTP ingress: POST the item with a long poll, then GET until a terminal state."""
     items = f"{base}/v1/queues/{queue}/items"
 
     async def call(http: Http, rec: Req, key: str) -> None:
@@ -166,7 +167,9 @@ def ingress_call(
         rec.t_sent = now()
         try:
             r = await http.post(
-                items, content=body, headers=auth | {"Content-Type": "application/json"}
+                f"{items}?wait_s={wait_s}",
+                content=body,
+                headers=auth | {"Content-Type": "application/json"},
             )
             rec.status = r.status_code
             if r.status_code == 429:
@@ -175,7 +178,7 @@ def ingress_call(
             if r.status_code not in (200, 201, 202):
                 rec.state, rec.error = "error", f"POST {r.status_code}: {r.text[:160]}"
                 return
-            state = _state(r)
+            state = _item_state(r)
             while state not in TERMINAL:
                 g = await http.get(f"{items}/{key}", params={"wait_s": wait_s}, headers=auth)
                 if g.status_code != 200:
@@ -187,6 +190,15 @@ def ingress_call(
             rec.state, rec.error = "error", f"{type(exc).__name__}: {str(exc)[:160]}"
 
     return call
+
+
+def _item_state(r: Any) -> str | None:
+    """The state of a POST's one item."""
+    try:
+        items = r.json()["items"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return items[0].get("state") if items else None
 
 
 def _state(r: Any) -> str | None:
@@ -626,7 +638,8 @@ def start_ours(
     )
     score = [*cli, "score", "-c", str(config), "--db", db_url, "--max-seconds", "86400"]
     score += ["--quiet"] + (["--workers", str(args.scorers)] if args.scorers > 1 else [])
-    procs.spawn(f"score-{tag}", score, env=env)
+    threads = {"OMP_NUM_THREADS": str(args.scorer_threads)} if args.scorer_threads else {}
+    procs.spawn(f"score-{tag}", score, env=env | threads)
     queue, slo_s = data["queue"]["name"], float(data["latency_slo_s"])
     payloads = payload_json(workload)
     base = f"http://127.0.0.1:{port}"
@@ -1226,6 +1239,11 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=64, help="in flight for the capacity burst")
     p.add_argument("--max-depth", default="auto", help="auto (capacity x SLO), none, or N")
     p.add_argument("--scorers", type=int, default=1, help="scorer processes (score --workers)")
+    p.add_argument(
+        "--scorer-threads",
+        type=int,
+        help="torch threads of our scorer (OMP_NUM_THREADS; default: torch's, the cores)",
+    )
     p.add_argument("--wait-s", type=float, default=5.0, help="long-poll wait of one GET")
     p.add_argument("--pg", metavar="ADMIN_URL", help="PostgreSQL (scratch database) not SQLite")
     p.add_argument("--no-noisy", dest="noisy", action="store_false")

@@ -4,7 +4,8 @@ It speaks the ingress contract the open-loop generator codes against, with a sim
 (no model, no database) so the generator, its statistics and its table can be checked in a few
 seconds on any machine:
 
-    POST /v1/queues/{queue}/items   {"item_key", "payload"}, Authorization: Bearer <token>
+    POST /v1/queues/{queue}/items?wait_s=N   {"item_key", "payload"}, Authorization: Bearer
+        <token>; {"items": [{... as GET}]}, long-polls until terminal
         201 new, 200 existing, 401 unknown token, 429 + Retry-After at the depth cap
     GET  /v1/queues/{queue}/items/{item_key}?wait_s=N
         {"item_key", "state", "result", "error", "model_version"}, long-polls until terminal
@@ -117,12 +118,19 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @app.post("/v1/queues/{queue}/items")
     async def post_item(
-        queue: str, request: Request, authorization: str | None = Header(None)
+        queue: str,
+        request: Request,
+        wait_s: float = 0.0,
+        authorization: str | None = Header(None),
     ) -> JSONResponse:
         tenant = tenant_of(authorization)
         body = await request.json()
         item, new = admit(f"{queue}/{body['item_key']}", tenant)
-        return JSONResponse(item.doc() | {"item_key": body["item_key"]}, 201 if new else 200)
+        if item.state not in TERMINAL and wait_s > 0:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(item.event.wait(), wait_s)
+        doc = item.doc() | {"item_key": body["item_key"], "created": new}
+        return JSONResponse({"items": [doc]}, 201 if new else 200)
 
     @app.get("/v1/queues/{queue}/items/{item_key}")
     async def get_item(
