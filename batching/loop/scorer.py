@@ -252,9 +252,12 @@ class Scorer(Generic[D]):
         # Claim again once fewer than half a claim (and at least two full batches) are
         # pending: the claim runs while those are decoded and scored, and each claim takes a
         # full claim_size, so write transactions stay rare (one per item would contend with
-        # every commit for SQLite's write lock).
+        # every commit for SQLite's write lock). Online, one full batch: a backlog held in
+        # the batcher is served oldest first, one left in the queue is claimed by tenants'
+        # fair shares (and what is claimed commits under one lease, so claims cost no commits).
         batching = self.config.batching
-        return max(batching.effective_claim_size // 2, 2 * batching.max_batch_size)
+        batches = 1 if self.config.profile == "online" else 2
+        return max(batching.effective_claim_size // 2, batches * batching.max_batch_size)
 
     def _drained(self) -> bool:
         with self._lock:
