@@ -38,8 +38,9 @@ TERMINAL = frozenset(
 """States an item never leaves: a long poll ends there."""
 _CHUNK = 500
 CACHED_BATCHES = 256
-"""Batches whose rows a ``Results`` keeps (a client often reads a result twice: the POST that
-waited, then a GET)."""
+CACHED_BYTES = 64 * 1024 * 1024
+"""Batches whose rows a ``Results`` keeps, at most (a client often reads a result twice: the
+POST that waited, then a GET), and their rows' bytes at most (wide outputs: fewer batches)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Results:
         self._warehouse: Engine | None = None
         self._changes: SqliteChanges | None = None
         self._lock = threading.Lock()
+        self._bytes = 0  # of the rows kept in _batches
         self._batches: collections.OrderedDict[str, tuple[str, Mapping[str, dict[str, Any]]]] = (
             collections.OrderedDict()
         )
@@ -214,15 +216,19 @@ class Results:
         self, batch_id: str, version: str, rows: Mapping[str, dict[str, Any]]
     ) -> tuple[str, Mapping[str, dict[str, Any]]]:
         """Keep a batch's rows (a committed batch's rows never change), the last
-        ``CACHED_BATCHES`` batches read."""
+        ``CACHED_BATCHES`` batches read (``CACHED_BYTES`` of rows at most)."""
         with self._lock:
             held = self._batches.get(batch_id)
             partial = isinstance(rows, dict) and held is not None and isinstance(held[1], dict)
             merged = (version, {**held[1], **rows} if partial and held else rows)
             self._batches[batch_id] = merged
             self._batches.move_to_end(batch_id)
-            while len(self._batches) > CACHED_BATCHES:
-                self._batches.popitem(last=False)
+            self._bytes += _size(merged[1]) - (_size(held[1]) if held else 0)
+            while len(self._batches) > 1 and (
+                len(self._batches) > CACHED_BATCHES or self._bytes > CACHED_BYTES
+            ):
+                _, (_, gone) = self._batches.popitem(last=False)
+                self._bytes -= _size(gone)
             return merged
 
     def _read(
@@ -347,6 +353,15 @@ class _Rows(Mapping[str, dict[str, Any]]):
 
     def __len__(self) -> int:
         return len(self._index)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._table.nbytes)
+
+
+def _size(rows: Mapping[str, dict[str, Any]]) -> int:
+    """Bytes a batch's rows hold, near enough: the table's, or ~1 KiB a row read by key."""
+    return rows.nbytes if isinstance(rows, _Rows) else 1024 * len(rows)
 
 
 def _by_key(table: pa.Table, version: str) -> Mapping[str, dict[str, Any]]:
