@@ -588,6 +588,10 @@ class Scorer(Generic[D]):
                 )
                 self.stats.lease_lost += len(ok)
                 self.observer.lease_lost(len(ok))
+                # Items of the batch the lease still holds (claimed into it later than those
+                # that expired) go back now, not when the run ends: its heartbeats would keep
+                # them leased, and nobody would commit them.
+                self._release_held(lease_id, models.item_column(ok, "id"))
             else:
                 done = self.clock()
                 self.stats.bytes_written += committed.n_bytes or 0
@@ -603,6 +607,15 @@ class Scorer(Generic[D]):
                 self.observer.failed([i for i in held if i.id in failures], retry=retry)
         self._forget(lease_id, held)
         return made
+
+    def _release_held(self, lease_id: str, ids: Sequence[int]) -> None:
+        try:
+            self.stats.released += self.queue.release(lease_id, ids)
+        except errors.QueueError:
+            logger.warning(
+                "items not released; they return when the lease expires",
+                extra={"action": "release_failed", "lease_id": lease_id},
+            )
 
     def _give_back(self, parts: Sequence[tuple[str, LeasePart]]) -> None:
         """Release what these parts hold that is still leased (a committed item is ``done``:

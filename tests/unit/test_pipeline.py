@@ -649,6 +649,33 @@ def test_claims_add_to_the_lease_held_so_a_batch_spanning_them_commits_once() ->
     assert r.queue.keys(models.State.DONE) == set(keys(6))
 
 
+def test_a_batch_partly_reaped_gives_back_what_its_lease_still_holds() -> None:
+    """Items claimed into a lease later expire later: a stalled scorer can lose the first
+    claim's items and keep the second's. The batch holding both cannot commit (the ack is
+    all or nothing); what the lease still holds goes back at once, not when the run ends
+    (its heartbeats would keep those items leased, and nobody would commit them)."""
+    r = rig(keys(4), max_batch_size=4, claim_size=2)
+    lost: list[Scored] = []
+
+    def first_claim_expired(batch: Scored) -> None:
+        if not lost:
+            lost.append(batch)
+            with r.queue._lock:
+                for item in batch.items[:2]:  # the reaper took the first claim's items
+                    row = r.queue.rows[item.id]
+                    row.state, row.lease_id = models.State.READY, None
+
+    r.sink.before_commit = first_claim_expired
+    stats = r.scorer.run()
+    assert len(lost[0].items) == 4  # one batch across the two claims, one lease
+    assert stats.lease_lost >= 4
+    assert stats.released >= 2  # (the run may claim them again before it ends)
+    assert r.queue.keys(models.State.LEASED) == set()
+    pipeline.Scorer(make_config(max_batch_size=4), r.queue, r.runner, r.sink).run()
+    assert r.queue.keys(models.State.DONE) == set(keys(4))
+    assert r.sink.keys() == Counter(keys(4))
+
+
 class NewLeaseEachClaim(InMemoryQueue):
     """A queue that leases every claim apart (the lease of an isolation round; a lease let
     go between two claims)."""
