@@ -49,8 +49,9 @@ class Settings:
     """What the application is given (the CLI builds it from the config and environment).
 
     ``watch``: long polls are answered after the commit that finishes their item
-    (``wakeup``), or after ``backstop_s`` at most; without it, every ``poll_s``. POSTs are written in groups (``writer``):
-    up to ``group_max_records`` records a transaction, lingering ``group_linger_s`` for more.
+    (``wakeup``), or after ``backstop_s`` at most; without it, every ``poll_s``. POSTs are
+    written in groups (``writer``): up to ``group_max_records`` records a transaction,
+    lingering ``group_linger_s`` for more.
     """
 
     results: Results
@@ -245,7 +246,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         else:
             records = await run_in_threadpool(lambda: _records(settings, tenant, _json_of(raw)))
         waiters: wakeup.Waiters = request.app.state.waiters
-        keys = [r.item_key for r in records] if wait_s > 0 else []
+        keys = dict.fromkeys(r.item_key for r in records) if wait_s > 0 else {}
         futures = {k: waiters.register(queue, k) for k in keys}  # before the writer reads
         try:
             post = request.app.state.writer.submit(queue, tenant, records)

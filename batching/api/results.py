@@ -103,13 +103,8 @@ class Results:
 
     def states(self, queue: str, keys: Sequence[str]) -> dict[str, ItemView]:
         """The items of ``keys`` in ``queue`` that exist (no result read), by key."""
-        found: dict[str, ItemView] = {}
         with self.queue(queue).read() as conn:
-            for start in range(0, len(keys), _CHUNK):
-                chunk = list(keys[start : start + _CHUNK])
-                stmt = _select().where(_T.c.queue == queue, _T.c.item_key.in_(chunk))
-                found.update({r.item_key: _view(r) for r in conn.execute(stmt)})
-        return found
+            return {v.item_key: v for v in _views(conn, queue, keys)}
 
     def item(self, queue: str, key: str) -> ItemView | None:
         """The item of ``key`` with its committed output row when done; None if unknown.
@@ -126,18 +121,11 @@ class Results:
         """The items of ``keys`` in a final state, with their committed output rows, by key
         (one read of the items, then one read of each batch's output for all its keys: what a
         long poll's wake-up costs, however many requests wait)."""
-        terminal = [int(s) for s in TERMINAL]
-        found: list[ItemView] = []
         if not keys:
             return {}
+        terminal = _T.c.state.in_([int(s) for s in TERMINAL])
         with self.queue(queue).read() as conn:
-            for start in range(0, len(keys), _CHUNK):
-                chunk = list(keys[start : start + _CHUNK])
-                stmt = _select().where(
-                    _T.c.queue == queue, _T.c.item_key.in_(chunk), _T.c.state.in_(terminal)
-                )
-                found.extend(_view(r) for r in conn.execute(stmt))
-            views = self._with_results(conn, queue, found)
+            views = self._with_results(conn, queue, _views(conn, queue, keys, terminal))
         return {v.item_key: v for v in views}
 
     def acked(self) -> int | None:
@@ -310,6 +298,18 @@ def _select() -> sa.Select[Any]:
     return sa.select(
         _T.c.id, _T.c.item_key, _T.c.state, _T.c.tenant, _T.c.last_error, _T.c.batch_id
     )
+
+
+def _views(
+    conn: Connection, queue: str, keys: Sequence[str], *where: sa.ColumnElement[bool]
+) -> list[ItemView]:
+    """The items of ``keys`` in ``queue`` that exist (and match ``where``), read in chunks."""
+    found: list[ItemView] = []
+    for start in range(0, len(keys), _CHUNK):
+        chunk = list(keys[start : start + _CHUNK])
+        stmt = _select().where(_T.c.queue == queue, _T.c.item_key.in_(chunk), *where)
+        found.extend(_view(r) for r in conn.execute(stmt))
+    return found
 
 
 def _view(row: Row[Any]) -> ItemView:
