@@ -286,6 +286,10 @@ class ModelSpec(_Model):
         ge=1,
         description="device memory one forward pass may use: a batch over it is split, an item over it alone is dead at once with its estimate (none: 90% of the GPU's memory left after the weights; unchecked on cpu)",
     )
+    service_profile: str | None = Field(
+        None,
+        description="this version's measured service profile (`batching profile`); none: the config's `service_profile`",
+    )
 
     @field_validator("sha256", mode="before")
     @classmethod
@@ -308,6 +312,34 @@ class ModelSpec(_Model):
         if ":" in value and not _FACTORY.match(value):
             raise ValueError(f"factory must look like package.module:function, got {value!r}")
         return value
+
+
+class RolloutGuard(_Model):
+    """When `batching rollout guard` (and the `rollout-guard` flow) rolls a candidate back:
+    its error rate or its latency against the stable version's, on the items scored or
+    failed since the rollout began."""
+
+    min_items: int = Field(
+        50,
+        ge=1,
+        description="judge nothing before the candidate has scored or failed this many items",
+    )
+    max_error_rate: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="roll back when more than this fraction of the candidate's items failed in its forward pass",
+    )
+    max_p99_ratio: float = Field(
+        1.5,
+        gt=0,
+        description="roll back when the candidate's p99 latency (enqueue to commit) exceeds the stable version's by this factor",
+    )
+    max_p99_s: float | None = Field(
+        None,
+        gt=0,
+        description="... or exceeds this many seconds (none: no bound of its own; a backlog scored late makes every version's p99 long)",
+    )
 
 
 class BatchingPolicy(_Model):
@@ -628,6 +660,11 @@ class PipelineConfig(_Model):
     queue: QueueConfig = QueueConfig()
     breaker: BreakerConfig = BreakerConfig()
     model: ModelSpec
+    model_versions: list[ModelSpec] = Field(
+        default_factory=list,
+        description="the registry: every other version that may run, each pinned like `model`; which one does run is the queue's route, changed only by `batching rollout` (`model`: the version a queue without a route runs)",
+    )
+    rollout: RolloutGuard = RolloutGuard()
     batching: BatchingPolicy = BatchingPolicy()
     output: OutputConfig = OutputConfig()
     lineage: LineageConfig = LineageConfig()
@@ -658,6 +695,21 @@ class PipelineConfig(_Model):
     )
     metrics: MetricsConfig = MetricsConfig()
     base_dir: str = Field(".", exclude=True)
+
+    @model_validator(mode="after")
+    def _versions_unique(self) -> PipelineConfig:
+        seen = [self.model.version, *(v.version for v in self.model_versions)]
+        twice = sorted({v for v in seen if seen.count(v) > 1})
+        if twice:
+            raise ValueError(
+                f"model version(s) {', '.join(map(repr, twice))} listed twice in model and "
+                "model_versions; give each checkpoint its own version"
+            )
+        return self
+
+    def registry(self) -> dict[str, ModelSpec]:
+        """Every version that may run, by name: ``model`` first, then ``model_versions``."""
+        return {self.model.version: self.model} | {v.version: v for v in self.model_versions}
 
     @model_validator(mode="after")
     def _window_below_slo(self) -> PipelineConfig:

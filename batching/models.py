@@ -257,13 +257,8 @@ class OutputRows(Mapping[int, Any]):
 
 
 # ItemBlock columns by WorkItem field; the other fields are the block's shared ones.
-_BLOCK_COLUMNS = {
-    "id": "ids",
-    "item_key": "keys",
-    "enqueued_at": "enqueued_at",
-    "attempts": "attempts",
-    "max_attempts": "max_attempts",
-}
+_BLOCK_COLUMNS = {"id": "ids", "item_key": "keys", "enqueued_at": "enqueued_at"}
+_BLOCK_COLUMNS |= {"attempts": "attempts", "max_attempts": "max_attempts"}
 
 
 def item_column(items: Sequence[WorkItem], name: str) -> list[Any]:
@@ -286,6 +281,7 @@ class Claim:
     suspects: bool = False  # suspects (a lost worker's items) wait for an isolation round
     paused: bool = False  # the queue is paused (``batching queue pause``): no items
     expired: tuple[tuple[str, int], ...] = ()  # (tenant, n) its transaction expired (deadline)
+    route: str | None = None  # the queue's route, JSON (``batching.routing``); None: no route
 
     def __len__(self) -> int:
         return len(self.items)
@@ -395,6 +391,7 @@ class Batch:
     formed_at: float
     stats: BatchStats
     bucket: int = 0
+    model_version: str | None = None  # the version that scores it (a route's); None: the run's
 
     def __len__(self) -> int:
         return len(self.items)

@@ -50,7 +50,12 @@ class ClaimPort(Protocol):
     def heartbeat(self, lease_id: str, lease_s: float) -> int: ...
 
     def fail(
-        self, lease_id: str, failures: Mapping[int, str], *, retry: bool = True
+        self,
+        lease_id: str,
+        failures: Mapping[int, str],
+        *,
+        retry: bool = True,
+        model_version: str | None = None,
     ) -> models.FailResult: ...
 
     def release(self, lease_id: str, ids: Sequence[int] | None = None) -> int: ...
@@ -79,8 +84,10 @@ class CommitPort(Protocol):
         lease_id: str,
         outputs: Mapping[int, npt.NDArray[np.float32]],
         scored_at: float,
+        model_version: str | None = None,
     ) -> outcomes.CommitResult:
-        """Raises ``LeaseLost`` when the lease no longer holds every item (nothing written)."""
+        """Commit as scored by ``model_version`` (None: the run's own). Raises ``LeaseLost``
+        when the lease no longer holds every item (nothing written)."""
         ...
 
     def flush(self) -> None: ...

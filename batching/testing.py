@@ -317,10 +317,15 @@ class InMemoryQueue:
             self.ack(lease_id, ids, batch_id=batch_id)
 
     def fail(
-        self, lease_id: str, failures: Mapping[int, str], *, retry: bool = True
+        self,
+        lease_id: str,
+        failures: Mapping[int, str],
+        *,
+        retry: bool = True,
+        model_version: str | None = None,
     ) -> models.FailResult:
         """Fail items held by this lease: back to ready after a backoff with jitter, or dead
-        (``retry`` false, or no attempts left)."""
+        (``retry`` false, or no attempts left); ``model_version`` is not kept here."""
         retried = dead = 0
         now = self.clock()
         with self._store.lock:
@@ -478,6 +483,7 @@ class Committed:
     batch_id: str
     output: list[float]
     scored_at: float
+    model_version: str | None = None
 
 
 class MemoryOutputs:
@@ -498,8 +504,10 @@ class MemoryOutputs:
         lease_id: str,
         outputs: Mapping[int, npt.NDArray[np.float32]],
         scored_at: float,
+        model_version: str | None = None,
     ) -> outcomes.CommitResult:
-        """Ack the items under ``lease_id`` and keep their outputs.
+        """Ack the items under ``lease_id`` and keep their outputs (and the version that
+        scored them).
 
         Raises:
             LeaseLost: the lease no longer holds every item; nothing is kept.
@@ -512,7 +520,8 @@ class MemoryOutputs:
             for item in items:
                 if item.item_key not in self.rows:
                     values = [float(v) for v in outputs[item.id]]
-                    self.rows[item.item_key] = Committed(batch_id, values, scored_at)
+                    row = Committed(batch_id, values, scored_at, model_version)
+                    self.rows[item.item_key] = row
                     new += 1
             self.commits += 1
         return outcomes.CommitResult(batch_id, new, "memory", n_replayed=len(items) - new)

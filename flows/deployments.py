@@ -1,6 +1,6 @@
 """The deployments, their schedules and triggers, as ``python -m flows.serve`` serves them.
 
-``deployments/prefect.yaml`` declares the same five for a process work pool; a test keeps the
+``deployments/prefect.yaml`` declares the same six for a process work pool; a test keeps the
 two in step.
 
 * ``batching-score/score``: every 5 min the online profile for at most 240 s; on
@@ -20,6 +20,8 @@ two in step.
 * ``batching-bulk/bulk``: on demand, with ``input_path``.
 * ``batching-maintain/maintain``: at 03:00 UTC the online output's housekeeping (a Delta
   table's compaction, checkpoint and vacuum; nothing for the other outputs).
+* ``batching-rollout/rollout-guard``: every minute, the online queue's rollout judged
+  against the config's ``rollout`` bounds, and its candidate rolled back on a breach.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from flows import events, settings
 from flows.bulk import bulk
 from flows.maintain import maintain
 from flows.reconcile import reconcile
+from flows.rollout import rollout_guard
 from flows.score import score
 
 ONLINE_MAX_S = 240.0
@@ -46,6 +49,9 @@ FULL_SWEEP_CRON = "30 4 * * *"
 """The daily full sweep: after the nightly drain (02:00) and the housekeeping (03:00)."""
 UNRECONCILED_EVERY_S = 900
 """The safety net: every 15 min, reconcile the runs no ``batching.run.ended`` trigger reached."""
+GUARD_INTERVAL_S = 60
+"""The rollout guard's period: a breaching candidate serves its share for at most this long
+after the guard has ``min_items`` of its items to judge."""
 TAGS = ["batching"]
 
 
@@ -156,6 +162,19 @@ def maintain_deployment() -> RunnerDeployment:
     return cast(RunnerDeployment, deployment)
 
 
+def rollout_guard_deployment() -> RunnerDeployment:
+    """``batching-rollout/rollout-guard``: every minute, roll the online queue's candidate
+    back if it breaches the config's ``rollout`` bounds (nothing to do without a rollout)."""
+    deployment = rollout_guard.to_deployment(
+        name="rollout-guard",
+        parameters={"config": settings.ONLINE},
+        schedules=[Interval(timedelta(seconds=GUARD_INTERVAL_S))],
+        concurrency_limit=_one_at_a_time(),
+        tags=TAGS,
+    )
+    return cast(RunnerDeployment, deployment)
+
+
 def all_deployments() -> list[RunnerDeployment]:
     """Every deployment, for ``serve``."""
     return [
@@ -164,4 +183,5 @@ def all_deployments() -> list[RunnerDeployment]:
         reconcile_deployment(),
         bulk_deployment(),
         maintain_deployment(),
+        rollout_guard_deployment(),
     ]

@@ -5,7 +5,8 @@ One module per group of commands, each registering on the one Typer app of
 purge), :mod:`~batching.cli.controls` (queue pause, resume, cancel, cap, audit),
 :mod:`~batching.cli.scoring` (score, demo), :mod:`~batching.cli.plan` (check,
 profile), :mod:`~batching.cli.evidence` (lineage, reconcile, maintain),
-:mod:`~batching.cli.metrics` (metrics serve), :mod:`~batching.cli.api` (api). The CLI is an edge: it alone
+:mod:`~batching.cli.metrics` (metrics serve), :mod:`~batching.cli.api` (api),
+:mod:`~batching.cli.rollout` (rollout start, status, promote, rollback, guard). The CLI is an edge: it alone
 (with ``flows/``) reads environment variables (``BATCHING_DB_URL``, ``OPENLINEAGE_*``) and
 turns them into arguments for the library.
 """
@@ -26,6 +27,7 @@ def main() -> None:
         metrics,
         plan,
         queue,
+        rollout,
         scoring,
     )
     from batching.cli.common import app, run_json

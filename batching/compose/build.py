@@ -364,8 +364,9 @@ def make_spool(engine: Engine, settings: cfg.LineageConfig) -> spool.Spool | Non
 
 def check_config(config: cfg.PipelineConfig) -> policy.PolicyReport:
     """Plan-time policy check against the config's measured service profile, after the pinned
-    checkpoint (its file and sha256: a wrong digest fails here, before merge, not at the first
-    score; nothing is deserialized).
+    checkpoint of every version the registry lists (``model`` and ``model_versions``: its file
+    and sha256; a wrong digest fails here, before merge, not at the first score or the first
+    batch a rollout routes to it; nothing is deserialized).
 
     Raises:
         ConfigError: ``model.name`` is neither built in nor a factory (before, the check
@@ -374,8 +375,18 @@ def check_config(config: cfg.PipelineConfig) -> policy.PolicyReport:
     """
     from batching.model import zoo
 
-    spec = config.model
-    zoo.read_pinned(
-        zoo.checkpoint_path(spec.name, spec.checkpoint, Path(config.base_dir)), spec.sha256
-    )
+    for version, spec in config.registry().items():  # every version that may run
+        try:
+            path = zoo.checkpoint_path(spec.name, spec.checkpoint, Path(config.base_dir))
+            zoo.read_pinned(path, spec.sha256)
+        except (errors.ConfigError, errors.CheckpointError) as exc:
+            if version == config.model.version:
+                raise
+            raise type(exc)(f"model_versions {version!r}: {exc}") from None
+        profile = config.resolve(spec.service_profile)
+        if profile is not None and not profile.is_file():
+            raise errors.ConfigError(
+                f"model_versions {version!r}: service profile {profile} not found; run "
+                "`batching profile` with that version as model, or leave service_profile out"
+            )
     return policy.check_policy(config, load_profile(config))

@@ -27,7 +27,7 @@ from typing import Any
 
 from batching import config as cfg
 from batching import models, ports
-from batching.compose import build, evidence
+from batching.compose import build, evidence, versions
 from batching.compose import record as run_record
 from batching.evidence import lineage
 from batching.ingress import controls
@@ -186,6 +186,7 @@ def run_score(
                 wait_for_work=waiter.wait,
                 pause_queue=_breaker_pause(config, queue, run_id),
                 observer=observer,
+                runners=versions.ModelSet(config, runner),
             )
             if on_scorer is not None:
                 on_scorer(scorer)
@@ -208,6 +209,9 @@ def run_score(
         # The bytes are this attempt's only: a retry reports the rows alone.
         size = stats.bytes_written if so_far is None else None
         out = ctx.outputs[0].with_stats(before + stats.committed, size)
+        if stats.by_version and ctx.model is not None:  # a rollout split the items
+            by_version = dict(stats.by_version)
+            record.ctx = replace(ctx, model=replace(ctx.model, versions=by_version))
         record.complete([out.with_version(evidence.output_version(queue, sink, run_id))], result)
         queue.engine.dispose()
         result["lineage_failures"] = emitter.failures

@@ -186,6 +186,7 @@ class ModelRef:
     name: str
     version: str
     sha256: str | None = None
+    versions: Mapping[str, int] | None = None  # a routed run: items committed by each version
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +215,7 @@ class RunContext:
     config: Mapping[str, Any] | None = None
     config_hash: str | None = None
     effective_config_hash: str | None = None
+    rollout: Mapping[str, Any] | None = None  # a route change (``batching_rollout``)
 
     def __post_init__(self) -> None:
         _check_uuid("run_id", self.run_id)
@@ -244,11 +246,13 @@ def new_run_id() -> str:
 
 @attr.define
 class BatchingModelRunFacet(RunFacet):
-    """Custom run facet ``batching_model``: the model name, version and checkpoint sha256."""
+    """Custom run facet ``batching_model``: the model name, version and checkpoint sha256;
+    in a rollout, the items each version committed (``versions``)."""
 
     name: str
     version: str
     sha256: str | None = attr.field(default=None)
+    versions: dict[str, int] | None = attr.field(default=None)
 
     @staticmethod
     def _get_schema() -> str:
@@ -271,9 +275,27 @@ class BatchingConfigRunFacet(RunFacet):
         return f"{FACET_SCHEMA_BASE}BatchingConfigRunFacet.json#/$defs/BatchingConfigRunFacet"
 
 
+@attr.define
+class BatchingRolloutRunFacet(RunFacet):
+    """Custom run facet ``batching_rollout``: a change of a queue's model route (start,
+    promote, rollback, auto-rollback): who, why, the route before and after."""
+
+    action: str
+    queue: str
+    actor: str
+    reason: str
+    to: dict[str, Any]
+    before: dict[str, Any] | None = attr.field(default=None)  # None: the queue had no route
+
+    @staticmethod
+    def _get_schema() -> str:
+        return f"{FACET_SCHEMA_BASE}BatchingRolloutRunFacet.json#/$defs/BatchingRolloutRunFacet"
+
+
 CUSTOM_FACETS: dict[str, type[RunFacet]] = {
     "batching_model": BatchingModelRunFacet,
     "batching_config": BatchingConfigRunFacet,
+    "batching_rollout": BatchingRolloutRunFacet,
 }
 """Every custom facet, by the key it is emitted under."""
 
@@ -310,6 +332,20 @@ def custom_facet_schemas() -> list[dict[str, Any]]:
     """
     text = {"type": "string", "minLength": 1}
     sha = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
+    share = {"type": "number", "minimum": 0, "maximum": 100}
+    route = {
+        "type": "object",
+        "properties": {
+            "stable": text,
+            "candidate": {"type": ["string", "null"]},
+            "percent": share,
+            "shadow": share,
+            "tenants": {"type": "array", "items": {"type": "string"}},
+            "epoch": {"type": "integer", "minimum": 0},
+            "since": {"type": "number"},
+        },
+        "required": ["stable"],
+    }
     return [
         _facet_schema(
             "BatchingModelRunFacet",
@@ -318,6 +354,14 @@ def custom_facet_schemas() -> list[dict[str, Any]]:
                 "name": text | {"description": "the model's name (model.name)"},
                 "version": text | {"description": "the model's version (model.version)"},
                 "sha256": sha | {"description": "sha256 of the checkpoint the run loaded"},
+                "versions": {
+                    "type": "object",
+                    "additionalProperties": {"type": "integer", "minimum": 0},
+                    "description": (
+                        "in a rollout (the queue's route split the items): the items each "
+                        "model version committed in this run"
+                    ),
+                },
             },
             ["name", "version"],
             "The model a batching scoring run scored with.",
@@ -340,6 +384,23 @@ def custom_facet_schemas() -> list[dict[str, Any]]:
             },
             [],
             "The settings of a batching run, as it used them.",
+        ),
+        _facet_schema(
+            "BatchingRolloutRunFacet",
+            "batching_rollout",
+            {
+                "action": {"enum": ["rollout-start", "promote", "rollback", "auto-rollback"]},
+                "queue": text | {"description": "the queue whose route changed"},
+                "actor": text | {"description": "who changed it (a user, guard:...)"},
+                "reason": text | {"description": "why, as recorded in the queue's audit"},
+                "to": route | {"description": "the route after the change"},
+                "before": {
+                    "oneOf": [route, {"type": "null"}],
+                    "description": "the route before it (null: the queue had none)",
+                },
+            },
+            ["action", "queue", "actor", "reason", "to"],
+            "A change of which model version scores a batching queue's items.",
         ),
     ]
 
@@ -411,7 +472,11 @@ def _run_facets(
     if run.model is not None:
         m = run.model
         facets["batching_model"] = BatchingModelRunFacet(
-            name=m.name, version=m.version, sha256=m.sha256, producer=producer
+            name=m.name,
+            version=m.version,
+            sha256=m.sha256,
+            versions=None if m.versions is None else dict(m.versions),
+            producer=producer,
         )
     if run.config is not None or run.config_hash is not None:
         cfg = redact_mapping(run.config) if run.config is not None else None
@@ -421,6 +486,8 @@ def _run_facets(
             config=cfg,
             producer=producer,
         )
+    if run.rollout is not None:
+        facets["batching_rollout"] = BatchingRolloutRunFacet(producer=producer, **run.rollout)
     if error is not None:
         facets["errorMessage"] = _error_facet(error, producer)
     return facets

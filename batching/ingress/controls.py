@@ -40,7 +40,7 @@ _T = schema.items
 _KEY_CHUNK = 1000  # keys per cancel statement (one transaction for all)
 _AUDIT_KEYS = 20  # keys of a cancel listed in its audit row (the count is always there)
 _MAX_DEPTH = 2**62
-PAUSED_SQL = sa.text("SELECT paused FROM batching_queue_controls WHERE queue = :queue")
+CLAIM_SQL = sa.text("SELECT paused, route FROM batching_queue_controls WHERE queue = :queue")
 
 
 @dataclass(frozen=True)
@@ -81,13 +81,13 @@ class CancelResult:
 
 def state(engine: Engine, queue: str) -> QueueControl:
     """The controls of ``queue`` (defaults when it has no row)."""
-    with _connect(engine) as conn:
+    with connect(engine) as conn:
         return _read(conn, queue)
 
 
 def states(engine: Engine) -> dict[str, QueueControl]:
     """The controls of every queue that has a row, by queue name."""
-    with _connect(engine) as conn:
+    with connect(engine) as conn:
         return {r.queue: _control(r) for r in conn.execute(sa.select(_C).order_by(_C.c.queue))}
 
 
@@ -98,7 +98,7 @@ def audit(engine: Engine, queue: str | None = None, limit: int = 50) -> list[Aud
     q = sa.select(_A).order_by(_A.c.id.desc()).limit(limit)
     if queue is not None:
         q = q.where(_A.c.queue == queue)
-    with _connect(engine) as conn:
+    with connect(engine) as conn:
         rows = list(conn.execute(q))
     return [
         AuditRow(r.id, r.queue, r.action, r.actor, r.at, r.reason, json.loads(r.detail or "{}"))
@@ -113,13 +113,13 @@ def pause(engine: Engine, queue: str, *, actor: str, reason: str, now: float) ->
     """Pause ``queue``: from their next claim on, scorers claim nothing from it; what they
     hold finishes. Idempotent: pausing a paused queue keeps who paused it first, and is
     recorded too (``detail.changed`` false)."""
-    actor, reason = _actor(actor), _reason(reason, "pause")
-    with _begin(engine) as conn:
-        before = _locked(conn, queue, now)
+    actor, reason = check_actor(actor), check_reason(reason, "pause")
+    with begin(engine) as conn:
+        before = locked_row(conn, queue, now)
         if not before.paused:
             values = {"paused": True, "paused_at": now, "paused_by": actor, "pause_reason": reason}
-            _update(conn, queue, values, now)
-        _record(conn, queue, "pause", actor, now, reason, {"changed": not before.paused})
+            update_row(conn, queue, values, now)
+        record(conn, queue, "pause", actor, now, reason, {"changed": not before.paused})
         after = _read(conn, queue)
     logger.info(
         "queue paused",
@@ -132,16 +132,16 @@ def resume(
     engine: Engine, queue: str, *, actor: str, reason: str | None, now: float
 ) -> QueueControl:
     """Resume ``queue``: scorers claim from it again at their next poll. Idempotent."""
-    actor, reason = _actor(actor), _optional_reason(reason)
-    with _begin(engine) as conn:
-        before = _locked(conn, queue, now)
+    actor, reason = check_actor(actor), _optional_reason(reason)
+    with begin(engine) as conn:
+        before = locked_row(conn, queue, now)
         if before.paused:
             values = {"paused": False, "paused_at": None, "paused_by": None, "pause_reason": None}
-            _update(conn, queue, values, now)
+            update_row(conn, queue, values, now)
         detail: dict[str, Any] = {"changed": before.paused}
         if before.paused:
             detail |= {"paused_at": before.paused_at, "paused_by": before.paused_by}
-        _record(conn, queue, "resume", actor, now, reason, detail)
+        record(conn, queue, "resume", actor, now, reason, detail)
         after = _read(conn, queue)
     logger.info("queue resumed", extra={"action": "queue_resume", "queue": queue, "actor": actor})
     return after
@@ -160,12 +160,12 @@ def set_max_depth(
     over the cap stay; enqueues are refused until the depth is back under it."""
     if max_depth is not None and not 0 <= max_depth <= _MAX_DEPTH:
         raise errors.InputError(f"the depth cap must be 0 to {_MAX_DEPTH} items, got {max_depth}")
-    actor, reason = _actor(actor), _optional_reason(reason)
-    with _begin(engine) as conn:
-        before = _locked(conn, queue, now)
-        _update(conn, queue, {"max_depth": max_depth}, now)
+    actor, reason = check_actor(actor), _optional_reason(reason)
+    with begin(engine) as conn:
+        before = locked_row(conn, queue, now)
+        update_row(conn, queue, {"max_depth": max_depth}, now)
         detail = {"max_depth": max_depth, "was": before.max_depth}
-        _record(conn, queue, "cap", actor, now, reason, detail)
+        record(conn, queue, "cap", actor, now, reason, detail)
         after = _read(conn, queue)
     logger.info(
         "queue depth cap set",
@@ -214,15 +214,15 @@ def cancel_items(
         InputError: no filter, an empty key list, an empty actor or reason.
     """
     wheres = _cancel_filters(queue, keys, tenant, enqueue_run)
-    actor, reason = _actor(actor), _reason(reason, "cancel")
+    actor, reason = check_actor(actor), check_reason(reason, "cancel")
     note = f"cancelled by {actor}: {reason}"[:2000]
-    with _begin(engine) as conn:
+    with begin(engine) as conn:
         counts = [_cancel_where(conn, where, now, note) for where in wheres]
         result = CancelResult(sum(c for c, _ in counts), sum(f for _, f in counts))
         detail = asdict(result) | {"tenant": tenant, "enqueue_run": enqueue_run}
         if keys is not None:
             detail |= {"n_keys": len(keys), "keys": list(keys[:_AUDIT_KEYS])}
-        _record(conn, queue, "cancel", actor, now, reason, detail)
+        record(conn, queue, "cancel", actor, now, reason, detail)
     logger.info(
         "items cancelled",
         extra={"action": "queue_cancel", "queue": queue, "actor": actor, **asdict(result)},
@@ -266,16 +266,18 @@ def _cancel_where(
 # -- inside the queue's transactions ----------------------------------------------------------
 
 
-def is_paused(conn: Connection, queue: str) -> bool:
-    """Whether ``queue`` is paused, read in ``conn``'s transaction (a claim's)."""
-    return bool(conn.execute(PAUSED_SQL, {"queue": queue}).scalar())
+def for_claim(conn: Connection, queue: str) -> tuple[bool, str | None]:
+    """Whether ``queue`` is paused, and its route (JSON; ``batching.routing``), read in
+    ``conn``'s transaction (a claim's): one key lookup for both."""
+    row = conn.execute(CLAIM_SQL, {"queue": queue}).first()
+    return (False, None) if row is None else (bool(row.paused), row.route)
 
 
-# -- internals --------------------------------------------------------------------------------
+# -- shared with the rollouts (``rollout``): one transaction, one audit row ------------------
 
 
 @contextlib.contextmanager
-def _begin(engine: Engine) -> Iterator[Connection]:
+def begin(engine: Engine) -> Iterator[Connection]:
     """A write transaction, behind the SQLite writer lock as the queue's own writes are."""
     url = engine.url.render_as_string(hide_password=True)
     with sqlite.writer_lock(engine), database.translate_errors(url), engine.begin() as conn:
@@ -283,7 +285,7 @@ def _begin(engine: Engine) -> Iterator[Connection]:
 
 
 @contextlib.contextmanager
-def _connect(engine: Engine) -> Iterator[Connection]:
+def connect(engine: Engine) -> Iterator[Connection]:
     url = engine.url.render_as_string(hide_password=True)
     with database.translate_errors(url), engine.connect() as conn:
         yield conn
@@ -305,7 +307,7 @@ def _read(conn: Connection, queue: str) -> QueueControl:
     return QueueControl(queue) if row is None else _control(row)
 
 
-def _locked(conn: Connection, queue: str, now: float) -> QueueControl:
+def locked_row(conn: Connection, queue: str, now: float) -> QueueControl:
     """The queue's row, created if missing and locked (PostgreSQL) until the transaction ends,
     so two operators changing one queue take turns (SQLite: the writer lock does)."""
     if conn.dialect.name == "postgresql":
@@ -323,11 +325,11 @@ def _locked(conn: Connection, queue: str, now: float) -> QueueControl:
     return _control(conn.execute(q).one())
 
 
-def _update(conn: Connection, queue: str, values: dict[str, Any], now: float) -> None:
+def update_row(conn: Connection, queue: str, values: dict[str, Any], now: float) -> None:
     conn.execute(sa.update(_C).where(_C.c.queue == queue).values(updated_at=now, **values))
 
 
-def _record(
+def record(
     conn: Connection,
     queue: str,
     action: str,
@@ -340,7 +342,7 @@ def _record(
     conn.execute(_A.insert().values(detail=json.dumps(detail, sort_keys=True), **values))
 
 
-def _actor(actor: str) -> str:
+def check_actor(actor: str) -> str:
     actor = actor.strip()
     if not actor or len(actor) > 200:
         raise errors.InputError(
@@ -350,7 +352,7 @@ def _actor(actor: str) -> str:
     return actor
 
 
-def _reason(reason: str | None, verb: str) -> str:
+def check_reason(reason: str | None, verb: str) -> str:
     text = _optional_reason(reason)
     if text is None:
         raise errors.InputError(

@@ -382,6 +382,7 @@ class SqlQueue:
             "isolate": isolate,
             "suspects": False,
             "paused": False,
+            "route": None,
             "expired": (),
         }
         fair = None if isolate else self._fair  # an isolation round keeps the global order
@@ -401,6 +402,7 @@ class SqlQueue:
                     now + lease_s,
                     suspects=bool(params["suspects"]),
                     expired=params["expired"],
+                    route=params["route"],
                 )
             rows, bodies = claimed
         else:
@@ -417,6 +419,7 @@ class SqlQueue:
             suspects=bool(params["suspects"]),
             paused=bool(params["paused"]),
             expired=params["expired"],
+            route=params["route"],
         )
 
     def _claim_sql(self, lane: str | None, max_cost: int | None, *, isolate: bool = False) -> str:
@@ -650,8 +653,8 @@ class SqlQueue:
         up what a dead one left without anyone running the reaper. Then the suspects: whether
         any wait (``params["suspects"]``), and for an isolation claim how many it may take
         together (``params["n"]``; the first suspect's ``isolate_n``)."""
-        if controls.is_paused(conn, self.queue):
-            params["paused"] = True
+        params["paused"], params["route"] = controls.for_claim(conn, self.queue)
+        if params["paused"]:
             return False
         params["expired"] = self._expire_overdue(conn, now)
         self._release_expired(conn, now, _REAP_LIMIT, this_queue=True)
@@ -825,12 +828,19 @@ class SqlQueue:
 
     @database.reconnecting
     def fail(
-        self, lease_id: str, failures: Mapping[int, str], *, retry: bool = True
+        self,
+        lease_id: str,
+        failures: Mapping[int, str],
+        *,
+        retry: bool = True,
+        model_version: str | None = None,
     ) -> models.FailResult:
         """Fail items held by this lease: retry after backoff with jitter, or dead-letter.
 
         An item goes to ``dead`` (keeping the error) when ``retry`` is false or its attempts
         reached max attempts; otherwise back to ``ready`` with ``run_after`` pushed out.
+        ``model_version``: the version whose forward pass failed them (a rollout's error
+        rate; ``batching.ingress.rollout``), recorded on each.
         """
         if not failures:
             return models.FailResult(0, 0)
@@ -850,6 +860,8 @@ class SqlQueue:
                     "leased_by": None,
                     "last_error": failures[row.id][:2000],
                 }
+                if model_version is not None:
+                    values["model_version"] = model_version
                 if is_dead:
                     values |= {"state": int(models.State.DEAD), "finished_at": now}
                 else:

@@ -48,6 +48,7 @@ from typing import Generic, TypeVar
 from batching import errors, models, ports
 from batching.config import PipelineConfig
 from batching.loop import breaker
+from batching.loop.routes import Router
 from batching.loop.stages import END, D, Dispatched, End, LeasePart, Scored, by_lease, has_deadline
 from batching.loop.stats import Progress, RunLimits, RunStats
 from batching.policy.adaptive import SloController
@@ -86,10 +87,12 @@ class Scorer(Generic[D]):
         wait_for_work: Callable[[float], object] | None = None,
         pause_queue: Callable[[str], object] | None = None,
         observer: ports.ScoreObserver | None = None,
+        runners: Callable[[str], ports.RunnerPort[D]] | None = None,
     ) -> None:
         self.config = config
         self.queue = queue
-        self.runner = runner
+        # A rollout's route: each batch split by the version that scores it (``routes``)
+        self.router = Router(runner, runners)
         self.outputs = outputs
         self.clock = clock
         policy = config.batching
@@ -139,6 +142,15 @@ class Scorer(Generic[D]):
         self.breaker: breaker.Breaker[Scored] = breaker.Breaker(config.breaker)
         self.pause_queue = pause_queue
         self._paused = False  # a claim found the queue paused (``models.Claim.paused``)
+
+    @property
+    def runner(self) -> ports.RunnerPort[D]:
+        """The run's own model (the router's, for batches without a version)."""
+        return self.router.runner
+
+    @runner.setter
+    def runner(self, runner: ports.RunnerPort[D]) -> None:
+        self.router.runner = runner
 
     def stop(self) -> None:
         """Ask the run to finish: no new claims, in-flight batches commit, the rest is released."""
@@ -296,6 +308,7 @@ class Scorer(Generic[D]):
                 extra={"action": "queue_paused" if claim.paused else "queue_resumed"},
             )
         self._paused = claim.paused
+        self.router.observe(claim.route)
         if claim.expired:  # its transaction expired items past their deadline first
             self.observer.expired(claim.expired)
         if claim.isolated:
@@ -329,18 +342,26 @@ class Scorer(Generic[D]):
         ids = models.item_column(batch.items, "id")
         with self._lock:  # the leases as claimed now: a reaped item may be claimed again
             leases = dict(zip(ids, map(self._item_lease.__getitem__, ids), strict=True))
-        started = time.perf_counter()
-        try:
-            decoded = self.runner.decode(batch.items)
-        except BaseException:
-            with self._batch_lock:  # back where the shutdown releases them from
-                self.batcher.add(batch.items)
-            raise
-        decode_s = time.perf_counter() - started
-        self.stats.stage_s["decode"] += decode_s
-        if self.controller is not None:
-            self.controller.decoded(len(batch), decode_s)
-        self._put(self._to_forward, Dispatched(batch, leases, decoded))
+        parts = self.router.split(batch)  # one per model version (a rollout's route)
+        for n, part in enumerate(parts):
+            started = time.perf_counter()
+            try:
+                decoded = self.router.runner_for(part).decode(part.items)
+            except BaseException:
+                with self._batch_lock:  # back where the shutdown releases them from
+                    for rest in parts[n:]:
+                        self.batcher.add(rest.items)
+                raise
+            decode_s = time.perf_counter() - started
+            self.stats.stage_s["decode"] += decode_s
+            if self.controller is not None:
+                self.controller.decoded(len(part), decode_s)
+            if len(parts) > 1:
+                part_ids = set(models.item_column(part.items, "id"))
+                part_leases = {i: lease for i, lease in leases.items() if i in part_ids}
+            else:
+                part_leases = leases
+            self._put(self._to_forward, Dispatched(part, part_leases, decoded))
         return True
 
     def _expire(self, late: list[Late]) -> None:
@@ -412,7 +433,7 @@ class Scorer(Generic[D]):
                 cost = max(models.item_column(batch.items, "cost"))
                 controller.forward_started(len(batch), cost, self.clock())
             started = time.perf_counter()
-            result = self.runner.forward(job.decoded)
+            result = self.router.runner_for(batch).forward(job.decoded)
             forward_s = time.perf_counter() - started
             self.stats.stage_s["forward"] += forward_s
             if controller is not None:
@@ -541,7 +562,7 @@ class Scorer(Generic[D]):
 
     def _commit(self, jobs: list[Scored]) -> None:
         started, now = time.perf_counter(), self.clock()
-        parts = list(by_lease(jobs).items())
+        parts = by_lease(jobs)
         for n, (lease_id, part) in enumerate(parts):
             try:
                 self.stats.commits += self._commit_lease_part(lease_id, part, now)
@@ -580,7 +601,7 @@ class Scorer(Generic[D]):
         ok, outputs, held = part.scored()
         if ok:
             try:
-                committed = self.outputs.commit(ok, lease_id, outputs, now)
+                committed = self.outputs.commit(ok, lease_id, outputs, now, part.model_version)
             except errors.LeaseLost as exc:
                 logger.warning(
                     "lease lost",
@@ -596,13 +617,17 @@ class Scorer(Generic[D]):
                 done = self.clock()
                 self.stats.bytes_written += committed.n_bytes or 0
                 self.stats.committed += len(ok)
+                if part.model_version is not None:
+                    self.stats.by_version[part.model_version] += len(ok)
                 since = functools.partial(operator.sub, done)
                 self.stats.latencies_s.extend(map(since, models.item_column(ok, "enqueued_at")))
                 self.observer.committed(ok, done)
                 made = 1
         for failures, retry in ((part.failures, True), (part.undecodable, False)):
             if failures:
-                res = self.queue.fail(lease_id, failures, retry=retry)
+                res = self.queue.fail(
+                    lease_id, failures, retry=retry, model_version=part.model_version
+                )
                 self.stats.failed += res.retried + res.dead
                 self.observer.failed([i for i in held if i.id in failures], retry=retry)
         self._forget(lease_id, held)

@@ -64,6 +64,7 @@ class LeasePart:
     undecodable: dict[int, str] = field(default_factory=dict)
     blocks: list[models.ItemBlock] = field(default_factory=list)
     matrices: list[FloatArray] = field(default_factory=list)
+    model_version: str | None = None  # the version that scored them (None: the run's own)
 
     def scored(
         self,
@@ -84,14 +85,23 @@ class LeasePart:
         return self.ok, self.outputs, self.items
 
 
-def by_lease(jobs: Sequence[Scored]) -> dict[str, LeasePart]:
-    """The scored batches of one group commit, as one part per lease."""
-    parts: dict[str, LeasePart] = {}
+def by_lease(jobs: Sequence[Scored]) -> list[tuple[str, LeasePart]]:
+    """The scored batches of one group commit, as one part per lease and model version (a
+    rollout's batches of two versions commit apart, each recorded with its own)."""
+    parts: dict[tuple[str, str | None], LeasePart] = {}
+
+    def part_of(lease_id: str, version: str | None) -> LeasePart:
+        part = parts.get((lease_id, version))
+        if part is None:
+            part = parts[lease_id, version] = LeasePart(model_version=version)
+        return part
+
     for job in jobs:
         batch, result = job.batch, job.result
+        version = batch.model_version
         owners = set(job.leases.values())
         if len(owners) == 1 and not result.failures:  # the common case, without a step per item
-            part = parts.setdefault(owners.pop(), LeasePart())
+            part = part_of(owners.pop(), version)
             outputs = result.outputs
             if (
                 isinstance(batch.items, models.ItemBlock)
@@ -107,7 +117,7 @@ def by_lease(jobs: Sequence[Scored]) -> dict[str, LeasePart]:
             part.items.extend(built)
             continue
         for item in batch.items:
-            part = parts.setdefault(job.leases[item.id], LeasePart())
+            part = part_of(job.leases[item.id], version)
             if item.id in result.outputs:
                 part.ok.append(item)
                 part.outputs[item.id] = result.outputs[item.id]
@@ -116,7 +126,7 @@ def by_lease(jobs: Sequence[Scored]) -> dict[str, LeasePart]:
             else:
                 part.failures[item.id] = result.failures[item.id]
             part.items.append(item)
-    return parts
+    return [(lease_id, part) for (lease_id, _), part in parts.items()]
 
 
 def has_deadline(batch: models.Batch) -> bool:

@@ -45,6 +45,7 @@ class RunSummary(TypedDict):
     release_reasons: dict[str, int]
     elapsed_s: float
     stage_busy_s: dict[str, float]
+    items_by_version: dict[str, int]
     lineage_failures: NotRequired[int]
     attempt: NotRequired[int]
     run_items_committed: NotRequired[int]
@@ -91,6 +92,7 @@ class RunStats:
     breaker_trips: int = 0  # retry storms that stopped the run (``batching.loop.breaker``)
     expired: int = 0  # claimed items expired unscored, predicted late (``late_policy: expire``)
     reasons: collections.Counter[str] = field(default_factory=collections.Counter)
+    by_version: collections.Counter[str] = field(default_factory=collections.Counter)
     stage_s: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("claim", "decode", "forward", "commit"), 0.0)
     )
@@ -107,6 +109,7 @@ class RunStats:
             for name in _ADDITIVE:
                 setattr(total, name, getattr(total, name) + getattr(p, name))
             total.reasons.update(p.reasons)
+            total.by_version.update(p.by_version)
             for stage, seconds in p.stage_s.items():
                 total.stage_s[stage] = total.stage_s.get(stage, 0.0) + seconds
         ends = [p.finished_at for p in parts]
@@ -143,6 +146,8 @@ class RunStats:
             # Where the time went: seconds each stage was busy (stages overlap, so these can
             # add up to more than elapsed_s; the largest is the bottleneck).
             "stage_busy_s": dict(self.stage_s),
+            # A rollout's route split the items: how many each model version committed.
+            "items_by_version": dict(self.by_version),
         }
 
 
@@ -175,6 +180,10 @@ def summary_rows(summary: Mapping[str, object]) -> list[tuple[str, str]]:
         rows.insert(3, ("items scored in isolation", f"{summary['items_isolated']}"))
     if summary.get("items_expired"):  # predicted late, expired unscored (late_policy)
         rows.insert(3, ("items expired (late)", f"{summary['items_expired']}"))
+    by_version = summary.get("items_by_version")
+    if isinstance(by_version, Mapping) and by_version:  # a rollout's route split them
+        shown = ", ".join(f"{v} {n}" for v, n in sorted(by_version.items()))
+        rows.insert(1, ("items by model version", shown))
     # Three significant digits: a short run's stages are busy for milliseconds, which a fixed
     # two decimals showed as 0.00.
     busy = summary.get("stage_busy_s")

@@ -347,9 +347,12 @@ class Outputs:
         lease_id: str,
         outputs: Mapping[int, npt.NDArray[np.float32]],
         scored_at: float,
+        model_version: str | None = None,
     ) -> outcomes.CommitResult:
-        """Commit one lease's scored items (the sink's ``commit``: :func:`commit`)."""
-        batch = ScoredBatch(items, outputs, lease_id, self.run_id, self.model_version, scored_at)
+        """Commit one lease's scored items, as scored by ``model_version`` (None: the run's
+        own; a routed run's other version) (the sink's ``commit``: :func:`commit`)."""
+        version = model_version or self.model_version
+        batch = ScoredBatch(items, outputs, lease_id, self.run_id, version, scored_at)
         return self.sink.commit(batch)
 
     def flush(self) -> None:

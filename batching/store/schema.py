@@ -86,6 +86,10 @@ def _item_columns(*, archive: bool) -> list[sa.Column[Any]]:
         # operator can cancel what one bad file enqueued. Not indexed: a cancel reads the
         # queue's ready index, and an index would cost every enqueue a write.
         sa.Column("enqueue_run", sa.String(64)),
+        # The model version whose forward pass last failed the item (migration 15), for the
+        # error rate of each version of a rollout (``batching rollout status``); a committed
+        # item's version is its batch's, in the ledger.
+        sa.Column("model_version", sa.String(100)),
     ]
 
 
@@ -301,9 +305,12 @@ queue_controls = sa.Table(
     sa.Column("pause_reason", sa.Text),
     sa.Column("max_depth", sa.BigInteger),
     sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Column("route", sa.Text),
 )
 """A queue's controls (migration 13): paused (every claim reads this row by its key), and
-its depth cap (enqueue refuses past it); no row: not paused, no cap."""
+its depth cap (enqueue refuses past it); no row: not paused, no cap. Its ``route``
+(migration 15; JSON, ``batching.routing.Route``): which model version scores which items,
+read by every claim with ``paused``; none: the scorer's configured version scores all."""
 
 queue_audit = sa.Table(
     "batching_queue_audit",
@@ -535,6 +542,17 @@ def _v14(conn: Connection) -> None:
             index.create(conn, checkfirst=True)
 
 
+def _v15(conn: Connection) -> None:
+    _add_column(conn, queue_controls.name, "route", "TEXT")
+    for table in (items, items_archive):
+        _add_column(conn, table.name, "model_version", "VARCHAR(100)")
+
+
+def _add_column(conn: Connection, table: str, column: str, sql_type: str) -> None:
+    if column not in {c["name"] for c in sa.inspect(conn).get_columns(table)}:
+        conn.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}"))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "queue items, archive, batch ledger, runs, results", _v1),
     Migration(2, "expiry index leads with queue", _v2),
@@ -550,6 +568,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(12, "a spool for undelivered lineage events, sweep cursors, runs reconciled", _v12),
     Migration(13, "queue controls (pause, depth cap) and their audit, cancelled items", _v13),
     Migration(14, "ready items indexed by tenant, for fair-share claims", _v14),
+    Migration(
+        15, "model routes per queue (rollouts); items record the version that failed them", _v15
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -100,7 +100,12 @@ class InMemoryQueue:
             return True
 
     def fail(
-        self, lease_id: str, failures: Mapping[int, str], *, retry: bool = True
+        self,
+        lease_id: str,
+        failures: Mapping[int, str],
+        *,
+        retry: bool = True,
+        model_version: str | None = None,
     ) -> models.FailResult:
         with self._lock:
             self.fail_calls.append((lease_id, dict(failures)))
@@ -154,6 +159,7 @@ class Scored:
     lease_id: str
     items: Sequence[models.WorkItem]
     outputs: Mapping[int, Any]
+    model_version: str | None = None
 
 
 class ListSink:
@@ -173,8 +179,9 @@ class ListSink:
         lease_id: str,
         outputs: Mapping[int, Any],
         scored_at: float,
+        model_version: str | None = None,
     ) -> outcomes.CommitResult:
-        batch = Scored(lease_id, items, outputs)
+        batch = Scored(lease_id, items, outputs, model_version)
         if self.before_commit is not None:
             self.before_commit(batch)
         if not self.queue.ack(batch.lease_id, [i.id for i in batch.items]):

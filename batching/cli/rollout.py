@@ -1,0 +1,265 @@
+"""``batching rollout start | status | promote | rollback | guard``: change which model version
+scores a queue, one command at a time, each recorded (who, when, why, from, to) in the
+queue's audit and in lineage.
+
+The config's registry (``model`` and ``model_versions``) says what may run; the queue's
+route in the database says what does run. Scorers pick a change up at their next claim.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich import box
+from rich.table import Table
+
+from batching import errors
+from batching.cli.common import (
+    ConfigOption,
+    DbOverride,
+    JsonOption,
+    app,
+    emit_json,
+    handle_errors,
+    load,
+    out,
+    plain,
+)
+from batching.cli.controls import ActorOption, ReasonRequired, _actor, when
+
+rollout_app = typer.Typer(
+    name="rollout",
+    help="Roll a new model version out: canary by percent or tenant, compare, promote, roll back.",
+    no_args_is_help=True,
+)
+app.add_typer(rollout_app, name="rollout")
+
+
+def _fmt_s(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms"
+
+
+def _change_doc(change: Any) -> dict[str, Any]:
+    return {
+        "ok": True,
+        "action": change.action,
+        "before": None if change.before is None else change.before.as_dict(),
+        "route": change.after.as_dict(),
+    }
+
+
+def _show(queue: str, change: Any, as_json: bool) -> None:
+    """A route change: its JSON document, or the route now and before."""
+    if as_json:
+        emit_json(_change_doc(change))
+        return
+    before = change.before.describe() if change.before else "-"
+    out.print(plain(f"queue {queue!r}: {change.after.describe()} (was: {before})"))
+
+
+@rollout_app.command()
+@handle_errors
+def start(
+    config: ConfigOption,
+    candidate: Annotated[
+        str,
+        typer.Option(
+            "--candidate", help="The version to try (listed in the config's model_versions)."
+        ),
+    ],
+    reason: ReasonRequired = "",
+    percent: Annotated[
+        float | None,
+        typer.Option(
+            "--percent",
+            help="Share of the keys (of --tenants, if given) the candidate scores, 0-100; "
+            "sticky per item_key. Default: 100 with --tenants, else required.",
+        ),
+    ] = None,
+    tenants: Annotated[
+        str | None,
+        typer.Option("--tenants", help="Comma-separated tenants the candidate serves."),
+    ] = None,
+    shadow: Annotated[
+        float,
+        typer.Option(
+            "--shadow",
+            help="Share (0-100) of the stable items also scored by the candidate, kept aside.",
+        ),
+    ] = 0.0,
+    actor: ActorOption = None,
+    db: DbOverride = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Start a canary: the candidate scores a sticky share of the queue's items.
+
+    Each item is scored by exactly one version, recorded in its output row, the ledger and
+    lineage. Running scorers pick the route up at their next claim. Undo: `batching rollout
+    rollback`; make it everyone's: `batching rollout promote`.
+
+    --json: ok, action, before, route."""
+    from batching.compose import rollouts
+
+    names = [t.strip() for t in (tenants or "").split(",") if t.strip()]
+    if percent is None:
+        if not names and not shadow:
+            raise errors.InputError("give --percent (0-100), --tenants, or --shadow")
+        percent = 100.0 if names else 0.0
+    cfg = load(config)
+    change = rollouts.start(
+        cfg,
+        db,
+        candidate=candidate,
+        percent=percent,
+        tenants=names,
+        shadow=shadow,
+        actor=_actor(actor),
+        reason=reason,
+    )
+    if as_json:
+        emit_json(_change_doc(change))
+        return
+    out.print(plain(f"queue {cfg.queue.name!r}: {change.after.describe()}"))
+    out.print(
+        "scorers pick it up at their next claim. Compare: `batching rollout status`; "
+        "undo: `batching rollout rollback`"
+    )
+
+
+@rollout_app.command()
+@handle_errors
+def promote(
+    config: ConfigOption,
+    reason: ReasonRequired = "",
+    actor: ActorOption = None,
+    db: DbOverride = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Promote the candidate: it becomes the stable version and scores every item.
+
+    One transaction with its audit row; batches already split finish with the version they
+    were split to. --json: ok, action, before, route."""
+    from batching.compose import rollouts
+
+    cfg = load(config)
+    change = rollouts.promote(cfg, db, actor=_actor(actor), reason=reason)
+    _show(cfg.queue.name, change, as_json)
+    if not as_json:
+        out.print(
+            f"set model.version to {change.after.stable!r} in the config when you next edit it"
+        )
+
+
+@rollout_app.command()
+@handle_errors
+def rollback(
+    config: ConfigOption,
+    reason: ReasonRequired = "",
+    actor: ActorOption = None,
+    db: DbOverride = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Roll the candidate back: the stable version scores every item again.
+
+    --json: ok, action, before, route."""
+    from batching.compose import rollouts
+
+    cfg = load(config)
+    _show(cfg.queue.name, rollouts.rollback(cfg, db, actor=_actor(actor), reason=reason), as_json)
+
+
+@rollout_app.command()
+@handle_errors
+def status(
+    config: ConfigOption,
+    db: DbOverride = None,
+    history: Annotated[int, typer.Option("--history", min=0, help="Route changes shown.")] = 10,
+    as_json: JsonOption = False,
+) -> None:
+    """What each version of the rollout did since it began: items, error and dead rate,
+    latency p50/p99 (enqueue to commit), SLA misses; the guard's verdict; the latest changes.
+
+    --json: queue, route, versions[], truncated, guard.breach, history[]."""
+    from batching.compose import rollouts
+
+    cfg = load(config)
+    seen = rollouts.status(cfg, db, history)
+    if as_json:
+        emit_json({"ok": True} | seen.as_dict())
+        return
+    if seen.route is None:
+        out.print(
+            plain(
+                f"queue {seen.queue!r} has no route: every scorer runs its configured "
+                f"version ({cfg.model.version})"
+            )
+        )
+    else:
+        out.print(
+            plain(f"queue {seen.queue!r}: {seen.route.describe()} since {when(seen.route.since)}")
+        )
+    if seen.stats:
+        table = Table(box=box.SIMPLE)
+        for column in ("version", "role", "items", "committed", "errors", "dead", "p50", "p99"):
+            table.add_column(column)
+        table.add_column("SLA misses")
+        for s in seen.stats:
+            table.add_row(
+                plain(s.version),
+                s.role,
+                str(s.items),
+                str(s.committed),
+                f"{s.errors} ({s.error_rate:.1%})",
+                str(s.dead),
+                _fmt_s(s.p50_s),
+                _fmt_s(s.p99_s),
+                str(s.sla_misses),
+            )
+        out.print(table)
+        if seen.truncated:
+            out.print("(the most recent 200,000 items only)")
+        verdict = seen.breach or "within the bounds of the config's rollout section"
+        out.print(plain(f"guard: {verdict}"))
+    for h in seen.history:
+        out.print(plain(f"{when(h.at)}  {h.action:<14} {h.actor}: {h.reason}"))
+
+
+@rollout_app.command()
+@handle_errors
+def guard(
+    config: ConfigOption,
+    db: DbOverride = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Judge only; roll nothing back.")
+    ] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Roll the candidate back if it breaches the config's `rollout` bounds (error rate,
+    p99 latency, p99 against the stable version's). Run it on a schedule (the
+    `rollout-guard` deployment does, every minute).
+
+    Exit 0 whether or not it rolled back; --json: breach, rolled_back, route."""
+    from batching.compose import rollouts
+
+    cfg = load(config)
+    seen, change = rollouts.guard(cfg, db, dry_run=dry_run)
+    if as_json:
+        route = change.after if change else seen.route
+        emit_json(
+            {
+                "ok": True,
+                "breach": seen.breach,
+                "rolled_back": change is not None,
+                "route": None if route is None else route.as_dict(),
+            }
+        )
+        return
+    if seen.route is None or seen.route.candidate is None:
+        out.print(plain(f"queue {seen.queue!r} has no candidate; nothing to guard"))
+    elif seen.breach is None:
+        out.print(plain(f"candidate {seen.route.candidate}: within bounds"))
+    elif change is None:
+        out.print(plain(f"breach (dry run, nothing rolled back): {seen.breach}"))
+    else:
+        out.print(plain(f"rolled back: {seen.breach}; now {change.after.describe()}"))

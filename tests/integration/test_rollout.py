@@ -1,0 +1,538 @@
+"""Rollouts for real: two torch models that tell their outputs apart, a real queue (SQLite, and
+PostgreSQL where it matters), ``run_score``, the Parquet outputs read back, the audit and the
+lineage events validated against the OpenLineage schemas.
+
+* a 10% canary over 10,000 items: the candidate scores 8.5-11.5% of them, each key exactly
+  once and by the version its key routes to (sticky: enqueued again, a key keeps it), each
+  version recorded in its output rows, the ledger and the run's lineage;
+* a broken candidate: the guard rolls it back on its own (``auto-rollback``), recorded;
+* a promote killed by SIGKILL inside its transaction leaves the old route and no audit row;
+* a scorer killed by SIGKILL while a rollout is promoted under it: after a restart every item
+  is committed exactly once, by one version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.dataset as pads
+import pytest
+import sqlalchemy as sa
+import torch
+import yaml
+from safetensors.torch import save_file
+from torch import nn
+
+from batching import config as cfg
+from batching import errors, models
+from batching.compose import build, rollouts
+from batching.compose import run as wiring
+from batching.evidence import lineage
+from batching.ingress import controls, ingest, rollout
+from batching.loop.stats import RunLimits
+from batching.routing import Route
+from batching.store import database, schema
+from tests import olspec
+from tests.conftest import REPO, wait_for
+
+BATCHING = str(Path(sys.executable).with_name("batching"))
+OFFSET = {"v1": 0.0, "v2": 1000.0}  # what each version adds: an output names its version
+
+
+class Plus(nn.Module):
+    """Dense, 4 inputs -> 1 output: their sum plus the version's offset."""
+
+    batching_input = "dense"
+    batching_input_dim = 4
+    batching_output_dim = 1
+
+    def __init__(self, offset: float) -> None:
+        super().__init__()
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(dim=1, keepdim=True) + self.offset
+
+
+class Broken(Plus):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("candidate cannot score")
+
+
+def build_v1() -> nn.Module:
+    return Plus(OFFSET["v1"])
+
+
+def build_v2() -> nn.Module:
+    return Plus(OFFSET["v2"])
+
+
+def build_broken() -> nn.Module:
+    return Broken(0.0)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    path = tmp_path_factory.mktemp("ckpt") / "empty.safetensors"
+    save_file({}, str(path))
+    return str(path), hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def settings(
+    tmp_path: Path, ckpt: tuple[str, str], candidate: str = "build_v2", lease_s: float = 60.0
+) -> dict[str, Any]:
+    def spec(version: str, factory: str) -> dict[str, Any]:
+        name = f"{__name__}:{factory}"
+        return {"name": name, "version": version, "checkpoint": ckpt[0], "sha256": ckpt[1]}
+
+    return {
+        "model": spec("v1", "build_v1") | {"device": "cpu"},
+        "model_versions": [spec("v2", candidate) | {"device": "cpu"}],
+        "batching": {"max_batch_size": 256, "claim_size": 1024, "max_wait_s": 0.005},
+        "queue": {"max_attempts": 1, "lease_s": lease_s},
+        "output": {"kind": "parquet", "path": str(tmp_path / "out")},
+        "lineage": {"path": str(tmp_path / "lineage" / "events.jsonl")},
+        "rollout": {"min_items": 20},
+        "service_profile": None,
+    }
+
+
+def make_config(tmp_path: Path, ckpt: tuple[str, str], **kw: Any) -> cfg.PipelineConfig:
+    return cfg.load_config(REPO / "deployments" / "tabular.yaml", settings(tmp_path, ckpt, **kw))
+
+
+def enqueue(url: str, config: cfg.PipelineConfig, keys: list[str], tenant: str = "t") -> None:
+    queue = build.open_queue(config, url, create=True)
+    queue.migrate()
+    records = [
+        ingest.record_from_mapping(
+            {"item_key": k, "tenant": tenant, "payload": {"x": [1.0, 2.0, 3.0, 4.0]}}, k
+        )
+        for k in keys
+    ]
+    queue.enqueue(records)
+    queue.engine.dispose()
+
+
+def outputs(root: Path) -> list[dict[str, Any]]:
+    """Every published output row, as a reader of the dataset sees it (hive partitions)."""
+    dataset = pads.dataset(root, format="parquet", partitioning="hive")
+    table = dataset.to_table(columns=["item_key", "output", "model_version", "batch_id"])
+    rows: list[dict[str, Any]] = table.to_pylist()
+    return rows
+
+
+def states(url: str) -> dict[str, int]:
+    engine = database.create_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(schema.items.c.item_key, schema.items.c.state)).all()
+    engine.dispose()
+    return {k: s for k, s in rows}
+
+
+def ledger_versions(url: str) -> dict[str, int]:
+    """Rows committed per model version, as the batch ledger records them."""
+    engine = database.create_engine(url)
+    b = schema.batches
+    q = sa.select(b.c.model_version, sa.func.sum(b.c.n_rows)).group_by(b.c.model_version)
+    with engine.connect() as conn:
+        found = {v: int(n) for v, n in conn.execute(q)}
+    engine.dispose()
+    return found
+
+
+def events(config: cfg.PipelineConfig) -> list[dict[str, Any]]:
+    path = Path(config.lineage.path or "")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def engine_of(url: str, config: cfg.PipelineConfig) -> Any:
+    return build.open_queue(config, url).engine
+
+
+# ----------------------------------------------------------------------------- canary
+
+
+def test_a_ten_percent_canary_scores_each_item_once_by_the_version_its_key_routes_to(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    config = make_config(tmp_path, ckpt)
+    keys = [f"item-{i}" for i in range(10_000)]
+    enqueue(sqlite_url, config, keys)
+    change = rollouts.start(
+        config,
+        sqlite_url,
+        candidate="v2",
+        percent=10,
+        tenants=[],
+        shadow=0,
+        actor="ops",
+        reason="canary v2",
+    )
+    route = change.after
+    result = wiring.run_score(config, db_url=sqlite_url, limits=RunLimits())
+
+    rows = outputs(tmp_path / "out")
+    assert sorted(r["item_key"] for r in rows) == sorted(keys)  # each exactly once
+    for r in rows:
+        version = route.version_for(r["item_key"], "t")
+        assert r["model_version"] == version
+        assert r["output"][0] == pytest.approx(10.0 + OFFSET[version])  # that model scored it
+    by_version = {v: sum(r["model_version"] == v for r in rows) for v in ("v1", "v2")}
+    assert 850 <= by_version["v2"] <= 1150, by_version
+    assert ledger_versions(sqlite_url) == by_version
+    assert result.summary["items_by_version"] == by_version
+    assert set(states(sqlite_url).values()) == {int(models.State.DONE)}
+
+    # the run's lineage says which version committed how many, and validates
+    registry = olspec.load_registry(olspec.require_spec_dir(), lineage.custom_facet_schemas())
+    evs = events(config)
+    for ev in evs:
+        olspec.assert_valid_event(ev, registry)
+    (complete,) = [
+        e for e in evs if e["eventType"] == "COMPLETE" and e["job"]["name"] == config.name
+    ]
+    assert complete["run"]["facets"]["batching_model"]["versions"] == by_version
+    (started,) = [
+        e["run"]["facets"]["batching_rollout"]
+        for e in evs
+        if e["job"]["name"] == f"{config.name}.rollout" and e["eventType"] == "COMPLETE"
+    ]
+    assert (started["action"], started["actor"], started["reason"]) == (
+        "rollout-start",
+        "ops",
+        "canary v2",
+    )
+    assert started.get("before") is None  # no route before (nulls are left out)
+    assert started["to"]["candidate"] == "v2"
+
+    # sticky: purged and enqueued again, keys keep their version
+    queue = build.open_queue(config, sqlite_url)
+    assert queue.purge(-1.0) == 10_000
+    queue.engine.dispose()
+    again = keys[:2000]
+    enqueue(sqlite_url, config, again)
+    wiring.run_score(config, db_url=sqlite_url, limits=RunLimits())
+    versions: dict[str, set[str]] = {}
+    for r in outputs(tmp_path / "out"):
+        versions.setdefault(r["item_key"], set()).add(r["model_version"])
+    assert all(len(versions[k]) == 1 for k in again)
+
+
+def test_tenants_scope_the_canary_and_promote_and_rollback_are_recorded(
+    db_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    config = make_config(tmp_path, ckpt)
+    enqueue(db_url, config, [f"a-{i}" for i in range(300)], tenant="acme")
+    enqueue(db_url, config, [f"b-{i}" for i in range(300)], tenant="beta")
+    rollouts.start(
+        config,
+        db_url,
+        candidate="v2",
+        percent=100,
+        tenants=["acme"],
+        shadow=0,
+        actor="ops",
+        reason="acme first",
+    )
+    wiring.run_score(config, db_url=db_url, limits=RunLimits())
+    rows = outputs(tmp_path / "out")
+    assert {r["model_version"] for r in rows if r["item_key"].startswith("a-")} == {"v2"}
+    assert {r["model_version"] for r in rows if r["item_key"].startswith("b-")} == {"v1"}
+
+    seen = rollouts.status(config, db_url)
+    by_role = {s.role: s for s in seen.stats}
+    assert (by_role["stable"].committed, by_role["candidate"].committed) == (300, 300)
+    assert seen.breach is None
+
+    promoted = rollouts.promote(config, db_url, actor="ops", reason="acme is happy")
+    assert promoted.after == Route("v2", epoch=2, since=promoted.after.since)
+    with pytest.raises(errors.InputError, match="no candidate to promote"):
+        rollouts.promote(config, db_url, actor="ops", reason="again")
+    with pytest.raises(errors.InputError, match="already the stable version"):
+        rollouts.start(
+            config,
+            db_url,
+            candidate="v2",
+            percent=5,
+            tenants=[],
+            shadow=0,
+            actor="ops",
+            reason="x",
+        )
+    with pytest.raises(errors.InputError, match="not in the registry"):
+        rollouts.start(
+            config,
+            db_url,
+            candidate="v9",
+            percent=5,
+            tenants=[],
+            shadow=0,
+            actor="ops",
+            reason="x",
+        )
+    rollouts.start(
+        config,
+        db_url,
+        candidate="v1",
+        percent=50,
+        tenants=[],
+        shadow=0,
+        actor="ops",
+        reason="back to v1 for half",
+    )
+    rolled = rollouts.rollback(config, db_url, actor="ops", reason="changed my mind")
+    assert (rolled.after.stable, rolled.after.candidate) == ("v2", None)
+
+    engine = engine_of(db_url, config)
+    audit = [(a.action, a.actor, a.reason) for a in rollout.history(engine, config.queue.name)]
+    engine.dispose()
+    assert audit == [
+        ("rollout-start", "ops", "acme first"),
+        ("promote", "ops", "acme is happy"),
+        ("rollout-start", "ops", "back to v1 for half"),
+        ("rollback", "ops", "changed my mind"),
+    ]
+
+
+def test_the_guard_rolls_a_failing_candidate_back_on_its_own(
+    db_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    config = make_config(tmp_path, ckpt, candidate="build_broken")
+    keys = [f"item-{i}" for i in range(1000)]
+    enqueue(db_url, config, keys)
+    rollouts.start(
+        config,
+        db_url,
+        candidate="v2",
+        percent=30,
+        tenants=[],
+        shadow=0,
+        actor="ops",
+        reason="try the broken one",
+    )
+    wiring.run_score(config, db_url=db_url, limits=RunLimits())
+
+    seen, change = rollouts.guard(config, db_url, dry_run=True)
+    assert change is None
+    assert seen.breach is not None
+    assert "max_error_rate" in seen.breach
+    cand = next(s for s in seen.stats if s.role == "candidate")
+    assert cand.committed == 0
+    assert cand.errors == cand.items == cand.dead > 200
+    engine = engine_of(db_url, config)
+    assert rollout.current(engine, config.queue.name) == seen.route  # judged, not changed
+    engine.dispose()
+
+    seen, change = rollouts.guard(config, db_url)
+    assert change is not None
+    assert change.action == "auto-rollback"
+    assert (change.after.stable, change.after.candidate) == ("v1", None)
+    seen, again = rollouts.guard(config, db_url)
+    assert again is None
+    assert seen.breach is None
+
+    engine = engine_of(db_url, config)
+    (last,) = rollout.history(engine, config.queue.name, 1)
+    engine.dispose()
+    assert (last.action, last.actor) == ("auto-rollback", "guard")
+    assert "max_error_rate" in (last.reason or "")
+    registry = olspec.load_registry(olspec.require_spec_dir(), lineage.custom_facet_schemas())
+    facets = [
+        e["run"]["facets"]["batching_rollout"]
+        for e in events(config)
+        if e["job"]["name"] == f"{config.name}.rollout" and e["eventType"] == "COMPLETE"
+    ]
+    for ev in events(config):
+        olspec.assert_valid_event(ev, registry)
+    assert [f["action"] for f in facets] == ["rollout-start", "auto-rollback"]
+    # the stable items were scored; the candidate's items failed by their own version's fault
+    stable_rows = outputs(tmp_path / "out")
+    assert {r["model_version"] for r in stable_rows} == {"v1"}
+    assert len(stable_rows) == 1000 - cand.dead
+
+
+def test_a_judged_rollback_is_refused_when_the_route_changed_meanwhile(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    config = make_config(tmp_path, ckpt)
+    enqueue(sqlite_url, config, ["k"])
+    first = rollouts.start(
+        config,
+        sqlite_url,
+        candidate="v2",
+        percent=10,
+        tenants=[],
+        shadow=0,
+        actor="ops",
+        reason="r",
+    )
+    engine = engine_of(sqlite_url, config)
+    rollout.promote(engine, config.queue.name, actor="ops", reason="r", now=time.time())
+    rollout.start(
+        engine,
+        config.queue.name,
+        stable="v1",
+        candidate="v1",
+        percent=10,
+        actor="ops",
+        reason="r",
+        now=time.time(),
+    )
+    with pytest.raises(errors.InputError, match="changed while it was judged"):
+        rollout.rollback(
+            engine,
+            config.queue.name,
+            actor="guard",
+            reason="r",
+            now=time.time(),
+            expect_epoch=first.after.epoch,
+        )
+    engine.dispose()
+
+
+# ----------------------------------------------------------------------------- kills
+
+
+def config_file(tmp_path: Path, ckpt: tuple[str, str], **kw: Any) -> Path:
+    """``make_config``'s settings as a file, for the commands run as processes."""
+    path = tmp_path / "pipeline.yaml"
+    settled = make_config(tmp_path, ckpt, **kw).model_dump(mode="json", exclude_none=True)
+    path.write_text(yaml.safe_dump(settled))
+    return path
+
+
+def test_a_promote_killed_inside_its_transaction_leaves_the_old_route_and_no_record(
+    pg_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    config = make_config(tmp_path, ckpt)
+    enqueue(pg_url, config, ["k"])
+    before = rollouts.start(
+        config,
+        pg_url,
+        candidate="v2",
+        percent=10,
+        tenants=[],
+        shadow=0,
+        actor="ops",
+        reason="canary",
+    ).after
+    engine = engine_of(pg_url, config)
+    path = config_file(tmp_path, ckpt)
+    with engine.connect() as holder:
+        holder.execute(sa.text("LOCK TABLE batching_queue_audit IN EXCLUSIVE MODE"))
+        proc = subprocess.Popen(
+            [BATCHING, "rollout", "promote", "-c", str(path), "--db", pg_url, "--reason", "go"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+
+        def blocked() -> bool | None:
+            # the promote has written the new route and waits to insert its audit row
+            q = sa.text(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE 'INSERT INTO batching_queue_audit%'"
+            )
+            with engine.connect() as probe:
+                return bool(probe.execute(q).scalar()) or None
+
+        wait_for(blocked, 60, "the promote to wait inside its transaction")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        holder.rollback()
+    assert proc.returncode == -signal.SIGKILL
+    assert rollout.current(engine, config.queue.name) == before
+    assert [a.action for a in rollout.history(engine, config.queue.name)] == ["rollout-start"]
+
+    done = subprocess.run(
+        [BATCHING, "rollout", "promote", "-c", str(path), "--db", pg_url, "--reason", "go"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    after = rollout.current(engine, config.queue.name)
+    assert after is not None
+    assert (after.stable, after.candidate) == ("v2", None)
+    assert [a.action for a in rollout.history(engine, config.queue.name)] == [
+        "rollout-start",
+        "promote",
+    ]
+    engine.dispose()
+
+
+def test_a_scorer_killed_while_its_rollout_is_promoted_loses_and_doubles_nothing(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    config = make_config(tmp_path, ckpt, lease_s=2.0)
+    keys = [f"item-{i}" for i in range(20_000)]
+    enqueue(sqlite_url, config, keys)
+    canary = rollouts.start(
+        config,
+        sqlite_url,
+        candidate="v2",
+        percent=30,
+        tenants=[],
+        shadow=0,
+        actor="ops",
+        reason="canary",
+    ).after
+    path = config_file(tmp_path, ckpt, lease_s=2.0)
+    proc = subprocess.Popen(
+        [BATCHING, "score", "-c", str(path), "--db", sqlite_url, "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env=os.environ | {"PYTHONPATH": str(REPO)},  # the models are this module's
+        start_new_session=True,
+    )
+    try:
+
+        def some_done() -> bool | None:
+            assert proc.poll() is None, proc.communicate()
+            done = sum(s == int(models.State.DONE) for s in states(sqlite_url).values())
+            return done >= 2000 or None
+
+        wait_for(some_done, 120, "the scorer to commit 2,000 items")
+        at_promote = ledger_versions(sqlite_url).get("v2", 0)
+        rollouts.promote(config, sqlite_url, actor="ops", reason="mid-run")
+
+        def after_promote() -> bool | None:  # the scorer took the promote at a claim
+            return ledger_versions(sqlite_url).get("v2", 0) >= at_promote + 2000 or None
+
+        wait_for(after_promote, 60, "a batch after the promote")
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    left = sum(s != int(models.State.DONE) for s in states(sqlite_url).values())
+
+    def restarted() -> bool | None:  # the killed scorer's leases expire, then its items score
+        wiring.run_score(config, db_url=sqlite_url, limits=RunLimits())
+        return set(states(sqlite_url).values()) == {int(models.State.DONE)} or None
+
+    wait_for(restarted, 60, "every item to be committed after the restart")
+
+    rows = outputs(tmp_path / "out")
+    assert sorted(r["item_key"] for r in rows) == sorted(keys), f"{left} were left"
+    for r in rows:  # one version each: the canary's for its key, or the promoted one
+        assert r["model_version"] in {canary.version_for(r["item_key"], "t"), "v2"}
+        assert r["output"][0] == pytest.approx(10.0 + OFFSET[r["model_version"]])
+    assert set(states(sqlite_url).values()) == {int(models.State.DONE)}
+    assert sum(ledger_versions(sqlite_url).values()) == len(keys)
+    engine = database.create_engine(sqlite_url)
+    assert controls.state(engine, config.queue.name).paused is False
+    engine.dispose()
