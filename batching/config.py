@@ -314,10 +314,16 @@ class ModelSpec(_Model):
         return value
 
 
-class RolloutGuard(_Model):
-    """When `batching rollout guard` (and the `rollout-guard` flow) rolls a candidate back:
-    its error rate or its latency against the stable version's, on the items scored or
-    failed since the rollout began."""
+class RolloutConfig(_Model):
+    """Rollouts (`batching rollout`): when the guard (`batching rollout guard`, the
+    `rollout-guard` deployment) rolls a candidate back, judged on the items scored or failed
+    since the rollout began; and where shadow outputs go."""
+
+    shadow_path: str = Field(
+        "outputs/shadow",
+        min_length=1,
+        description="a folder (relative to this file's) for the shadow outputs of `rollout start --shadow`: a Parquet dataset of each shadowed item's stable and candidate output, never published",
+    )
 
     min_items: int = Field(
         50,
@@ -664,7 +670,7 @@ class PipelineConfig(_Model):
         default_factory=list,
         description="the registry: every other version that may run, each pinned like `model`; which one does run is the queue's route, changed only by `batching rollout` (`model`: the version a queue without a route runs)",
     )
-    rollout: RolloutGuard = RolloutGuard()
+    rollout: RolloutConfig = RolloutConfig()
     batching: BatchingPolicy = BatchingPolicy()
     output: OutputConfig = OutputConfig()
     lineage: LineageConfig = LineageConfig()

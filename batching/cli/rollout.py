@@ -180,7 +180,10 @@ def status(
     """What each version of the rollout did since it began: items, error and dead rate,
     latency p50/p99 (enqueue to commit), SLA misses; the guard's verdict; the latest changes.
 
-    --json: queue, route, versions[], truncated, guard.breach, history[]."""
+    With --shadow: the drift of the shadowed items' outputs (mean and max absolute
+    difference; cosine similarity for vectors, KS and PSI for scalars).
+
+    --json: queue, route, versions[], truncated, guard.breach, shadow, history[]."""
     from batching.compose import rollouts
 
     cfg = load(config)
@@ -219,6 +222,12 @@ def status(
         out.print(table)
         if seen.truncated:
             out.print("(the most recent 200,000 items only)")
+        if seen.drift is not None:
+            shown = ", ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in seen.drift.items()
+            )
+            out.print(plain(f"shadow drift (candidate against stable): {shown}"))
         verdict = seen.breach or "within the bounds of the config's rollout section"
         out.print(plain(f"guard: {verdict}"))
     for h in seen.history:

@@ -18,7 +18,7 @@ from typing import Any
 
 from batching import config as cfg
 from batching import errors
-from batching.compose import build
+from batching.compose import build, shadow
 from batching.evidence import lineage
 from batching.ingress import queue as q
 from batching.ingress import rollout
@@ -38,6 +38,7 @@ class Status:
     truncated: bool
     breach: str | None
     history: list[Any]
+    drift: dict[str, Any] | None = None  # the shadowed items' (``shadow.drift``)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -46,6 +47,7 @@ class Status:
             "versions": [s.as_dict() for s in self.stats],
             "truncated": self.truncated,
             "guard": {"breach": self.breach},
+            "shadow": self.drift,
             "history": [
                 {"at": h.at, "action": h.action, "actor": h.actor, "reason": h.reason} | h.detail
                 for h in self.history
@@ -135,7 +137,10 @@ def status(config: cfg.PipelineConfig, db_url: str | None, history: int = 10) ->
         changes = rollout.history(queue.engine, queue.queue, history)
     finally:
         queue.engine.dispose()
-    return Status(queue.queue, route, stats, truncated, breach, changes)
+    drift = None
+    if route is not None and route.candidate is not None:
+        drift = shadow.drift(shadow.folder(config), queue.queue, route.candidate, route.since)
+    return Status(queue.queue, route, stats, truncated, breach, changes, drift)
 
 
 def guard(

@@ -27,7 +27,7 @@ from typing import Any
 
 from batching import config as cfg
 from batching import models, ports
-from batching.compose import build, evidence, versions
+from batching.compose import build, evidence, shadow, versions
 from batching.compose import record as run_record
 from batching.evidence import lineage
 from batching.ingress import controls
@@ -187,6 +187,7 @@ def run_score(
                 pause_queue=_breaker_pause(config, queue, run_id),
                 observer=observer,
                 runners=versions.ModelSet(config, runner),
+                shadow_out=shadow.ShadowWriter(shadow.folder(config), config.queue.name, run_id),
             )
             if on_scorer is not None:
                 on_scorer(scorer)

@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from batching import errors, models
-from batching.config import RolloutGuard
+from batching.config import RolloutConfig
 from batching.ingress import controls
 from batching.routing import Route
 from batching.store import schema
@@ -292,7 +292,7 @@ def _quantile(values: Sequence[float], q: float) -> float | None:
     return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
-def judge(stats: Sequence[VersionStats], guard: RolloutGuard) -> str | None:
+def judge(stats: Sequence[VersionStats], guard: RolloutConfig) -> str | None:
     """Why the candidate must be rolled back, or None: its error rate past
     ``max_error_rate``, or its p99 past ``max_p99_s`` or past ``max_p99_ratio`` times the
     stable version's, once it has ``min_items`` items (and the stable version too, for the

@@ -1,5 +1,6 @@
 """The scoring loop's side of a rollout: the queue's route as the last claim read it, each
-released batch split by the version that scores it, and that version's runner.
+released batch split by the version that scores it, that version's runner, and the shadow
+sample of the stable batches scored by the candidate too, aside.
 
 Every claim reads the queue's route in its own transaction (``models.Claim.route``); the
 route a batch is split by is the newest one read, so a change of routing takes effect at a
@@ -11,37 +12,59 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Generic
 
-from batching import models, ports
+import numpy as np
+import numpy.typing as npt
+
+from batching import models, outcomes, ports
 from batching.loop.stages import D
 from batching.routing import Route
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ShadowRows:
+    """The shadowed items of one stable batch: each item's stable output (what was committed)
+    and the candidate's output for the same input, kept aside."""
+
+    stable: str
+    candidate: str
+    keys: list[str]
+    stable_outputs: list[npt.NDArray[np.float32]]
+    candidate_outputs: list[npt.NDArray[np.float32]]
+    candidate_s: float  # the candidate's forward seconds
+
+
 class Router(Generic[D]):
-    """Splits batches by version and finds each version's runner.
+    """Splits batches by version, finds each version's runner, and shadows a sample.
 
     Args:
         runner: the run's own model (its configured version).
         runners: the runner of a version by name (a routed run's models, loaded on first
             use and pinned by sha256); None: the run scores with ``runner`` alone and
             ignores routes.
+        shadow_out: where the shadow outputs go (``ShadowRows``); None: nothing is shadowed.
     """
 
     def __init__(
         self,
         runner: ports.RunnerPort[D],
         runners: Callable[[str], ports.RunnerPort[D]] | None = None,
+        shadow_out: Callable[[ShadowRows], object] | None = None,
     ) -> None:
         self.runner = runner
         self._runners = runners
+        self._shadow_out = shadow_out
         self._route: Route | None = None
         self._seen: str | None = None
         self._lock = threading.Lock()
+        self.shadowed = 0  # items scored aside by the candidate
+        self.shadow_failures = 0  # shadowed items the candidate failed (never the run's failure)
 
     @property
     def route(self) -> Route | None:
@@ -78,3 +101,49 @@ class Router(Generic[D]):
         if batch.model_version is None or self._runners is None:
             return self.runner
         return self._runners(batch.model_version)
+
+    def shadow(self, batch: models.Batch, result: outcomes.ScoreResult) -> None:
+        """Score the shadow sample of a stable batch with the candidate too (the forward
+        stage's thread, after the batch's own pass) and hand both outputs on. A failure here
+        is logged and counted; the batch commits as scored either way."""
+        route = self._route
+        if (
+            self._shadow_out is None
+            or self._runners is None
+            or route is None
+            or route.candidate is None
+            or not route.shadow
+            or batch.model_version != route.stable
+        ):
+            return
+        outputs = result.outputs
+        items = tuple(i for i in batch.items if i.id in outputs and route.shadowed(i.item_key))
+        if not items:
+            return
+        try:
+            runner = self._runners(route.candidate)
+            started = time.perf_counter()
+            scored = runner.forward(runner.decode(items))
+            took = time.perf_counter() - started
+            both = [i for i in items if i.id in scored.outputs]
+            self.shadow_failures += len(items) - len(both)
+            if not both:
+                return
+            self._shadow_out(
+                ShadowRows(
+                    route.stable,
+                    route.candidate,
+                    [i.item_key for i in both],
+                    [outputs[i.id] for i in both],
+                    [scored.outputs[i.id] for i in both],
+                    took,
+                )
+            )
+            self.shadowed += len(both)
+        except Exception:  # the candidate's or the side dataset's trouble, not the batch's
+            self.shadow_failures += len(items)
+            logger.warning(
+                "shadow pass failed; the batch commits as scored",
+                extra={"action": "shadow_failed", "model_version": route.candidate},
+                exc_info=True,
+            )

@@ -48,7 +48,7 @@ from typing import Generic, TypeVar
 from batching import errors, models, ports
 from batching.config import PipelineConfig
 from batching.loop import breaker
-from batching.loop.routes import Router
+from batching.loop.routes import Router, ShadowRows
 from batching.loop.stages import END, D, Dispatched, End, LeasePart, Scored, by_lease, has_deadline
 from batching.loop.stats import Progress, RunLimits, RunStats
 from batching.policy.adaptive import SloController
@@ -88,11 +88,12 @@ class Scorer(Generic[D]):
         pause_queue: Callable[[str], object] | None = None,
         observer: ports.ScoreObserver | None = None,
         runners: Callable[[str], ports.RunnerPort[D]] | None = None,
+        shadow_out: Callable[[ShadowRows], object] | None = None,
     ) -> None:
         self.config = config
         self.queue = queue
         # A rollout's route: each batch split by the version that scores it (``routes``)
-        self.router = Router(runner, runners)
+        self.router = Router(runner, runners, shadow_out)
         self.outputs = outputs
         self.clock = clock
         policy = config.batching
@@ -436,6 +437,7 @@ class Scorer(Generic[D]):
             result = self.router.runner_for(batch).forward(job.decoded)
             forward_s = time.perf_counter() - started
             self.stats.stage_s["forward"] += forward_s
+            self.router.shadow(batch, result)  # a rollout's sample, scored aside
             if controller is not None:
                 controller.forward_done(len(batch), cost, forward_s, self.clock(), batch.formed_at)
                 self._wake.set()  # the model is free: the next batch may go now

@@ -33,7 +33,7 @@ from torch import nn
 
 from batching import config as cfg
 from batching import errors, models
-from batching.compose import build, rollouts
+from batching.compose import build, rollouts, shadow
 from batching.compose import run as wiring
 from batching.evidence import lineage
 from batching.ingress import controls, ingest, rollout
@@ -400,6 +400,75 @@ def test_a_judged_rollback_is_refused_when_the_route_changed_meanwhile(
             expect_epoch=first.after.epoch,
         )
     engine.dispose()
+
+
+# ----------------------------------------------------------------------------- shadow
+
+
+def test_a_shadow_sample_is_scored_by_both_and_only_the_stable_output_is_published(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    config = make_config(tmp_path, ckpt)
+    keys = [f"item-{i}" for i in range(3000)]
+    enqueue(sqlite_url, config, keys)
+    route = rollouts.start(
+        config,
+        sqlite_url,
+        candidate="v2",
+        percent=10,
+        tenants=[],
+        shadow=30,
+        actor="ops",
+        reason="shadow v2",
+    ).after
+    wiring.run_score(config, db_url=sqlite_url, limits=RunLimits())
+
+    rows = outputs(tmp_path / "out")  # published: one row a key, by its routed version
+    assert sorted(r["item_key"] for r in rows) == sorted(keys)
+    assert all(r["model_version"] == route.version_for(r["item_key"], "t") for r in rows)
+    side = pads.dataset(shadow.folder(config), format="parquet", partitioning="hive").to_table()
+    shadowed = side.column("item_key").to_pylist()
+    expected = {k for k in keys if route.version_for(k, "t") == "v1" and route.shadowed(k)}
+    assert set(shadowed) == expected
+    assert 0.25 < len(expected) / 2700 < 0.35
+    assert set(side.column("model_version").to_pylist()) == {"v2"}
+    for stable_out, cand_out in zip(
+        side.column("stable_output").to_pylist(),
+        side.column("candidate_output").to_pylist(),
+        strict=True,
+    ):
+        assert cand_out[0] - stable_out[0] == pytest.approx(OFFSET["v2"])
+
+    drift = rollouts.status(config, sqlite_url).drift
+    assert drift is not None
+    assert drift["items"] == len(expected)
+    assert drift["mean_abs_diff"] == pytest.approx(OFFSET["v2"])
+    assert drift["ks"] == 1.0  # every candidate score is above every stable one
+
+
+def test_a_failing_shadow_never_fails_the_batch_it_shadows(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    config = make_config(tmp_path, ckpt, candidate="build_broken")
+    keys = [f"item-{i}" for i in range(500)]
+    enqueue(sqlite_url, config, keys)
+    rollouts.start(
+        config,
+        sqlite_url,
+        candidate="v2",
+        percent=0,
+        tenants=[],
+        shadow=50,
+        actor="ops",
+        reason="shadow only",
+    )
+    scorers: list[Any] = []
+    wiring.run_score(config, db_url=sqlite_url, limits=RunLimits(), on_scorer=scorers.append)
+    assert {r["model_version"] for r in outputs(tmp_path / "out")} == {"v1"}
+    assert len(outputs(tmp_path / "out")) == 500
+    assert scorers[0].router.shadow_failures > 0
+    assert scorers[0].router.shadowed == 0
+    assert rollouts.status(config, sqlite_url).drift is None
 
 
 # ----------------------------------------------------------------------------- kills

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from batching import models, outcomes
-from batching.config import RolloutGuard
+from batching.compose import shadow
+from batching.config import RolloutConfig
 from batching.ingress.rollout import VersionStats, judge
 from batching.loop.routes import Router
 from batching.loop.stages import Scored, by_lease
@@ -149,10 +150,21 @@ def stats(role: str, items: int, errors: int = 0, p99: float | None = 0.1) -> Ve
 def test_the_guard_judges_the_candidate_against_its_bounds(
     candidate: VersionStats, stable: VersionStats, breach: str | None
 ) -> None:
-    guard = RolloutGuard(min_items=50, max_error_rate=0.05, max_p99_ratio=1.5, max_p99_s=2.0)
+    guard = RolloutConfig(min_items=50, max_error_rate=0.05, max_p99_ratio=1.5, max_p99_s=2.0)
     found = judge([stable, candidate], guard)
     if breach is None:
         assert found is None
     else:
         assert found is not None
         assert breach in found
+
+
+def test_ks_and_psi_are_zero_for_one_distribution_and_grow_with_a_shift() -> None:
+    rng = np.random.default_rng(7)
+    a = rng.normal(size=5000)
+    assert shadow.ks_statistic(a, a) == 0.0
+    assert shadow.psi(a, a) == 0.0
+    near, far = a + 0.1, a + 1.0
+    assert 0 < shadow.ks_statistic(a, near) < shadow.ks_statistic(a, far) <= 1.0
+    assert 0 < shadow.psi(a, near) < 0.1 < shadow.psi(a, far)  # 0.1: the usual "stable" bound
+    assert shadow.ks_statistic(np.zeros(10), np.ones(10)) == 1.0
