@@ -7,7 +7,7 @@ all three without knowing who made them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -75,3 +75,14 @@ class RecoverResult:
     rolled_forward: tuple[str, ...] = ()
     removed_staging: tuple[str, ...] = ()
     in_flight: tuple[str, ...] = ()
+
+
+def by_cost(tenants: Sequence[str], costs: Sequence[int], seconds: float) -> dict[str, float]:
+    """``seconds`` of a forward pass shared among the tenants of its items in proportion to
+    their cost (each item's ``cost``: tokens, rows; at least 1): what each tenant's items
+    used of the device."""
+    shares: dict[str, float] = {}
+    for tenant, cost in zip(tenants, costs, strict=True):
+        shares[tenant] = shares.get(tenant, 0.0) + max(int(cost), 1)
+    total = sum(shares.values())
+    return {t: seconds * c / total for t, c in shares.items()} if total else {}

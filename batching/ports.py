@@ -85,9 +85,11 @@ class CommitPort(Protocol):
         outputs: Mapping[int, npt.NDArray[np.float32]],
         scored_at: float,
         model_version: str | None = None,
+        forwards: Mapping[int, Sequence[int]] | None = None,
     ) -> outcomes.CommitResult:
-        """Commit as scored by ``model_version`` (None: the run's own). Raises ``LeaseLost``
-        when the lease no longer holds every item (nothing written)."""
+        """Commit as scored by ``model_version`` (None: the run's own), in the forward passes
+        ``forwards`` (pass number -> ids, for replay). Raises ``LeaseLost`` when the lease no
+        longer holds every item (nothing written)."""
         ...
 
     def flush(self) -> None: ...
@@ -158,10 +160,15 @@ class ScoreObserver(Protocol):
     def batch_committed(self, batch: models.Batch, result: outcomes.ScoreResult) -> None:
         """A scored batch went through the commit stage (its size, cost, fill, forward time)."""
 
-    def committed(self, items: Sequence[models.WorkItem], done_at: float) -> None:
-        """These items committed at ``done_at`` (latency from ``enqueued_at``, SLA misses)."""
+    def committed(
+        self, items: Sequence[models.WorkItem], done_at: float, model_version: str | None = None
+    ) -> None:
+        """These items committed at ``done_at`` (latency from ``enqueued_at``, SLA misses),
+        scored by ``model_version`` (None: the run's own)."""
 
-    def failed(self, items: Sequence[models.WorkItem], *, retry: bool) -> None:
+    def failed(
+        self, items: Sequence[models.WorkItem], *, retry: bool, model_version: str | None = None
+    ) -> None:
         """These items failed: retried unless ``retry`` is False or their attempts ran out."""
 
     def released(self, items: Sequence[models.WorkItem]) -> None:
@@ -198,10 +205,14 @@ class NoObserver:
     def batch_committed(self, batch: models.Batch, result: outcomes.ScoreResult) -> None:
         """Nothing recorded."""
 
-    def committed(self, items: Sequence[models.WorkItem], done_at: float) -> None:
+    def committed(
+        self, items: Sequence[models.WorkItem], done_at: float, model_version: str | None = None
+    ) -> None:
         """Nothing recorded."""
 
-    def failed(self, items: Sequence[models.WorkItem], *, retry: bool) -> None:
+    def failed(
+        self, items: Sequence[models.WorkItem], *, retry: bool, model_version: str | None = None
+    ) -> None:
         """Nothing recorded."""
 
     def released(self, items: Sequence[models.WorkItem]) -> None:

@@ -176,13 +176,26 @@ def status(
         typer.Option("--queue", "-q", help="Queue name (default: default).", callback=queue_name),
     ] = None,
     all_queues: Annotated[bool, typer.Option("--all", help="Every queue in the table.")] = False,
+    costs: Annotated[
+        bool,
+        typer.Option(
+            "--costs",
+            help="Also the device seconds the queue's runs used, by tenant and model version.",
+        ),
+    ] = False,
+    since: Annotated[
+        str, typer.Option("--since", help="With --costs: runs that ended this long ago (24h).")
+    ] = "24h",
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Queue depth by state, oldest ready age, expired leases, per queue, lane and tenant; a
-    pause (who, since when, why) and a depth cap.
+    pause (who, since when, why) and a depth cap. With --costs, the device seconds (forward
+    time on the scorers' devices) the queue's runs used since --since, by tenant (shared by
+    their items' cost) and by model version, from the run ledger.
 
     --json: by_state, oldest_ready_age_s, expired_leases, groups, backoff, and controls (by
-    queue: paused, paused_at, paused_by, reason, max_depth)."""
+    queue: paused, paused_at, paused_by, reason, max_depth); with --costs, costs (runs,
+    device_s, by_tenant, by_model_version)."""
     from dataclasses import asdict
 
     from batching.cli.controls import control_lines
@@ -190,6 +203,9 @@ def status(
 
     if all_queues and queue is not None:
         raise errors.InputError("--all and --queue together: give one (--all: every queue)")
+    if costs and all_queues:
+        raise errors.InputError("--costs is per queue: give --queue NAME rather than --all")
+    window_s = parse_duration(since, "--since") if costs else 0.0
     queue = queue or "default"
     q = open_queue(db, queue)
     q.check_schema()
@@ -199,8 +215,14 @@ def status(
     held = controls.states(q.engine)
     if not all_queues:
         held = {queue: held.get(queue, controls.QueueControl(queue))}
+    spent = None
+    if costs:
+        from batching.ingress.run_ledger import RunLedger
+
+        spent = RunLedger(q).costs(time.time() - window_s)
     if as_json:
         doc = asdict(stats) | {"controls": {k: asdict(c) for k, c in held.items()}}
+        doc |= {"costs": spent} if spent is not None else {}
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
     out.print(status_table(stats, None if all_queues else queue))
@@ -214,6 +236,24 @@ def status(
     for line in control_lines(held, depths):
         out.print(line, highlight=False)
     out.print(_lineage_backlog(q.engine), highlight=False)
+    if spent is not None:
+        out.print(cost_table(spent, queue, since))
+
+
+def cost_table(spent: dict[str, Any], queue: str, since: str) -> Table:
+    """``--costs``: device seconds by tenant and by model version, the largest first."""
+    table = Table(
+        title=f"device seconds of queue {queue!r}, last {since} ({spent['runs']} run(s), "
+        f"{spent['device_s']:.3g} s)",
+        box=box.SIMPLE_HEAD,
+    )
+    for column in ("by", "name", "device s", "share"):
+        table.add_column(column)
+    total = spent["device_s"] or 1.0
+    for by, key in (("tenant", "by_tenant"), ("model version", "by_model_version")):
+        for name, seconds in sorted(spent[key].items(), key=lambda kv: -kv[1]):
+            table.add_row(by, plain(name), f"{seconds:.3g}", f"{seconds / total:.1%}")
+    return table
 
 
 def _lineage_backlog(engine: Any) -> str:

@@ -1,6 +1,6 @@
-"""``batching rollout start | status | promote | rollback | guard``: change which model version
-scores a queue, one command at a time, each recorded (who, when, why, from, to) in the
-queue's audit and in lineage.
+"""``batching rollout start | status | promote | rollback | guard`` and ``batching replay``:
+change which model version scores a queue, one command at a time, each recorded (who, when,
+why, from, to) in the queue's audit and in lineage; score a past run again.
 
 The config's registry (``model`` and ``model_versions``) says what may run; the queue's
 route in the database says what does run. Scorers pick a change up at their next claim.
@@ -8,6 +8,7 @@ route in the database says what does run. Scorers pick a change up at their next
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -272,3 +273,59 @@ def guard(
         out.print(plain(f"breach (dry run, nothing rolled back): {seen.breach}"))
     else:
         out.print(plain(f"rolled back: {seen.breach}; now {change.after.describe()}"))
+
+
+@app.command()
+@handle_errors
+def replay(
+    run_id: Annotated[str, typer.Argument(help="The scoring run to replay (its run id).")],
+    config: ConfigOption,
+    model_version: Annotated[
+        str | None,
+        typer.Option(
+            "--model-version", help="Replay with this version (default: each item's own)."
+        ),
+    ] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", help="Side dataset folder (default: outputs/replay)."),
+    ] = None,
+    db: DbOverride = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Score again exactly the items a past run committed, in the same forward passes,
+    into a side dataset, and diff against what the run committed.
+
+    The same checkpoint on the same device (CPU) gives every item identical; another version
+    gives a drift report. Items purged since are named and skipped. Exit 1 when any item of
+    a same-version replay differs. --json: the report."""
+    from batching.compose import replay as replays
+
+    cfg = load(config)
+    folder = output if output is not None else Path("outputs") / "replay"
+    report = replays.replay(cfg, db, run_id, output=folder.resolve(), model_version=model_version)
+    if as_json:
+        emit_json({"ok": True} | report.as_dict())
+    else:
+        versions = ", ".join(f"{v} {n}" for v, n in sorted(report.model_versions.items()))
+        out.print(
+            plain(
+                f"run {run_id}: {report.items} items in {report.passes} passes of "
+                f"{report.batches} batches replayed ({versions}) into {report.output}"
+            )
+        )
+        out.print(
+            plain(
+                f"identical {report.identical}, differing {report.differing} (mean abs diff "
+                f"{report.mean_abs_diff:.3g}, max {report.max_abs_diff:.3g}); skipped "
+                f"{report.skipped} purged since"
+                + (f": {', '.join(report.skipped_keys)}" if report.skipped_keys else "")
+            )
+        )
+        if report.passes_unrecorded:
+            out.print(
+                f"{report.passes_unrecorded} batch(es) committed before passes were recorded: "
+                "each replayed as one pass (their bits may differ)"
+            )
+    if model_version is None and report.differing:
+        raise typer.Exit(1)

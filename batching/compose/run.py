@@ -188,6 +188,7 @@ def run_score(
                 observer=observer,
                 runners=versions.ModelSet(config, runner),
                 shadow_out=shadow.ShadowWriter(shadow.folder(config), config.queue.name, run_id),
+                model_version=config.model.version,
             )
             if on_scorer is not None:
                 on_scorer(scorer)
@@ -210,9 +211,10 @@ def run_score(
         # The bytes are this attempt's only: a retry reports the rows alone.
         size = stats.bytes_written if so_far is None else None
         out = ctx.outputs[0].with_stats(before + stats.committed, size)
+        record.ctx = with_costs(ctx, result)
         if stats.by_version and ctx.model is not None:  # a rollout split the items
             by_version = dict(stats.by_version)
-            record.ctx = replace(ctx, model=replace(ctx.model, versions=by_version))
+            record.ctx = replace(record.ctx, model=replace(ctx.model, versions=by_version))
         record.complete([out.with_version(evidence.output_version(queue, sink, run_id))], result)
         queue.engine.dispose()
         result["lineage_failures"] = emitter.failures
@@ -233,6 +235,18 @@ def run_score(
         record.stop()
         _stop(flush)
         observer.lineage_failed(emitter.failures)
+
+
+def with_costs(ctx: lineage.RunContext, summary: Mapping[str, Any]) -> lineage.RunContext:
+    """``ctx`` with the run's device seconds (``batching_cost``), when its summary has them."""
+    if "device_s" not in summary:
+        return ctx
+    cost = {
+        "deviceSeconds": float(summary["device_s"]),
+        "byTenant": dict(summary.get("device_s_by_tenant") or {}),
+        "byModelVersion": dict(summary.get("device_s_by_version") or {}),
+    }
+    return replace(ctx, cost=cost)
 
 
 def _observer(config: cfg.PipelineConfig) -> ports.ScoreObserver:
@@ -375,6 +389,7 @@ def run_score_workers(
         for report in (r for r in outcome.reports if r.died):
             run_record.close_dead_worker(emitter, runs, ctx, report)
         error = outcome.error()
+        record.ctx = with_costs(ctx, summary)
         if error is None:
             record.complete([out_ds], summary)
         else:

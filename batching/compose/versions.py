@@ -21,9 +21,11 @@ logger = logging.getLogger(__name__)
 class ModelSet:
     """A runner per model version, by name (the scoring loop's ``runners``)."""
 
-    def __init__(self, config: cfg.PipelineConfig, first: TorchRunner) -> None:
+    def __init__(self, config: cfg.PipelineConfig, first: TorchRunner | None = None) -> None:
         self.config = config
-        self._loaded: dict[str, TorchRunner] = {config.model.version: first}
+        self._loaded: dict[str, TorchRunner] = {}
+        if first is not None:  # the run's own, loaded already
+            self._loaded[config.model.version] = first
         self._lock = threading.Lock()
 
     def __call__(self, version: str) -> TorchRunner:

@@ -216,6 +216,8 @@ class RunContext:
     config_hash: str | None = None
     effective_config_hash: str | None = None
     rollout: Mapping[str, Any] | None = None  # a route change (``batching_rollout``)
+    replay: Mapping[str, Any] | None = None  # a replay of a past run (``batching_replay``)
+    cost: Mapping[str, Any] | None = None  # device seconds, at the end (``batching_cost``)
 
     def __post_init__(self) -> None:
         _check_uuid("run_id", self.run_id)
@@ -292,10 +294,44 @@ class BatchingRolloutRunFacet(RunFacet):
         return f"{FACET_SCHEMA_BASE}BatchingRolloutRunFacet.json#/$defs/BatchingRolloutRunFacet"
 
 
+@attr.define
+class BatchingReplayRunFacet(RunFacet):
+    """Custom run facet ``batching_replay``: the run a replay scored again, and what it found
+    (items identical to what that run committed, differing, skipped as purged since)."""
+
+    originalRunId: str
+    items: int = attr.field(default=0)
+    identical: int = attr.field(default=0)
+    differing: int = attr.field(default=0)
+    skipped: int = attr.field(default=0)
+    modelVersions: dict[str, int] | None = attr.field(default=None)
+
+    @staticmethod
+    def _get_schema() -> str:
+        return f"{FACET_SCHEMA_BASE}BatchingReplayRunFacet.json#/$defs/BatchingReplayRunFacet"
+
+
+@attr.define
+class BatchingCostRunFacet(RunFacet):
+    """Custom run facet ``batching_cost``: the device seconds a scoring run used (forward time
+    on its device, summed over its workers), by tenant (apportioned by their items' cost)
+    and by model version."""
+
+    deviceSeconds: float
+    byTenant: dict[str, float] | None = attr.field(default=None)
+    byModelVersion: dict[str, float] | None = attr.field(default=None)
+
+    @staticmethod
+    def _get_schema() -> str:
+        return f"{FACET_SCHEMA_BASE}BatchingCostRunFacet.json#/$defs/BatchingCostRunFacet"
+
+
 CUSTOM_FACETS: dict[str, type[RunFacet]] = {
     "batching_model": BatchingModelRunFacet,
     "batching_config": BatchingConfigRunFacet,
     "batching_rollout": BatchingRolloutRunFacet,
+    "batching_replay": BatchingReplayRunFacet,
+    "batching_cost": BatchingCostRunFacet,
 }
 """Every custom facet, by the key it is emitted under."""
 
@@ -333,6 +369,8 @@ def custom_facet_schemas() -> list[dict[str, Any]]:
     text = {"type": "string", "minLength": 1}
     sha = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
     share = {"type": "number", "minimum": 0, "maximum": 100}
+    count = {"type": "integer", "minimum": 0}
+    seconds = {"type": "number", "minimum": 0}
     route = {
         "type": "object",
         "properties": {
@@ -401,6 +439,45 @@ def custom_facet_schemas() -> list[dict[str, Any]]:
             },
             ["action", "queue", "actor", "reason", "to"],
             "A change of which model version scores a batching queue's items.",
+        ),
+        _facet_schema(
+            "BatchingReplayRunFacet",
+            "batching_replay",
+            {
+                "originalRunId": {"type": "string", "format": "uuid"}
+                | {"description": "the scoring run replayed"},
+                "items": count | {"description": "items scored again"},
+                "identical": count | {"description": "of those, bit for bit as committed"},
+                "differing": count | {"description": "of those, not (or failed now)"},
+                "skipped": count | {"description": "committed by the run, purged since"},
+                "modelVersions": {
+                    "type": "object",
+                    "additionalProperties": count,
+                    "description": "items replayed by each model version",
+                },
+            },
+            ["originalRunId"],
+            "A replay of a batching scoring run: the same items, the same forward passes.",
+        ),
+        _facet_schema(
+            "BatchingCostRunFacet",
+            "batching_cost",
+            {
+                "deviceSeconds": seconds
+                | {"description": "forward seconds on the run's devices, summed"},
+                "byTenant": {
+                    "type": "object",
+                    "additionalProperties": seconds,
+                    "description": "of those, each tenant's, shared by its items' cost",
+                },
+                "byModelVersion": {
+                    "type": "object",
+                    "additionalProperties": seconds,
+                    "description": "of those, each model version's",
+                },
+            },
+            ["deviceSeconds"],
+            "What a batching scoring run used of its devices, and for whom.",
         ),
     ]
 
@@ -488,6 +565,10 @@ def _run_facets(
         )
     if run.rollout is not None:
         facets["batching_rollout"] = BatchingRolloutRunFacet(producer=producer, **run.rollout)
+    if run.replay is not None:
+        facets["batching_replay"] = BatchingReplayRunFacet(producer=producer, **run.replay)
+    if run.cost is not None:
+        facets["batching_cost"] = BatchingCostRunFacet(producer=producer, **run.cost)
     if error is not None:
         facets["errorMessage"] = _error_facet(error, producer)
     return facets

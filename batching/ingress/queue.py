@@ -1080,6 +1080,24 @@ class SqlQueue:
         return int(conn.execute(sa.delete(_T).where(self._id_in(ids))).rowcount)
 
     @database.reconnecting
+    def committed_items(self, ids: Sequence[int]) -> dict[int, models.WorkItem]:
+        """The done items of ``ids`` still in the queue (with their payloads), by id, as a
+        claim would hand them to the runner: what ``batching replay`` scores again. An id
+        purged since (or never done) is absent."""
+        found: dict[int, models.WorkItem] = {}
+        with self.read() as conn:
+            for start in range(0, len(ids), 5000):
+                chunk = ids[start : start + 5000]
+                stmt = (
+                    sa.select(*(_T.c[c] for c in _CLAIM_COLUMNS))
+                    .where(_T.c.queue == self.queue, _T.c.state == int(models.State.DONE))
+                    .where(self._id_in(chunk))
+                )
+                rows = list(conn.execute(stmt))
+                bodies = self._bodies(conn, [r[0] for r in rows])
+                found.update((i.id, i) for i in _items([r for r in rows if r[0] in bodies], bodies))
+        return found
+
     def expire(self, lease_id: str, reasons: Mapping[int, str]) -> int:
         """Move items this lease holds to ``expired`` unscored (``late_policy: expire``: each
         predicted to miss its deadline), keeping each one's reason; returns items changed.

@@ -216,6 +216,36 @@ class RunLedger:
                         break
         return found
 
+    def costs(self, since: float) -> dict[str, Any]:
+        """Device seconds of this queue's runs that ended since ``since``, from their
+        summaries: in all, by tenant (apportioned by cost) and by model version. Top-level
+        runs only: a run's summary holds its workers'."""
+        r = schema.runs.c
+        stmt = sa.select(r.summary).where(
+            r.queue == self._queue.queue,
+            r.parent_run_id.is_(None),
+            r.finished_at >= since,
+            r.summary.is_not(None),
+        )
+        total, runs = 0.0, 0
+        by: dict[str, dict[str, float]] = {"device_s_by_tenant": {}, "device_s_by_version": {}}
+        with self._queue.read() as conn:
+            for text in conn.execute(stmt).scalars():
+                summary = json.loads(text)
+                if "device_s" not in summary:  # a run from before costs were kept
+                    continue
+                runs += 1
+                total += float(summary["device_s"])
+                for field, into in by.items():
+                    for key, seconds in (summary.get(field) or {}).items():
+                        into[key] = into.get(key, 0.0) + float(seconds)
+        return {
+            "runs": runs,
+            "device_s": total,
+            "by_tenant": by["device_s_by_tenant"],
+            "by_model_version": by["device_s_by_version"],
+        }
+
     def mark_reconciled(self, run_id: str) -> None:
         """Record that a reconcile checked the run's batches (and so its workers')."""
         r = schema.runs.c

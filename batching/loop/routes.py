@@ -49,6 +49,7 @@ class Router(Generic[D]):
             use and pinned by sha256); None: the run scores with ``runner`` alone and
             ignores routes.
         shadow_out: where the shadow outputs go (``ShadowRows``); None: nothing is shadowed.
+        version: the run's own model version (``runner``'s), for what it reports.
     """
 
     def __init__(
@@ -56,8 +57,10 @@ class Router(Generic[D]):
         runner: ports.RunnerPort[D],
         runners: Callable[[str], ports.RunnerPort[D]] | None = None,
         shadow_out: Callable[[ShadowRows], object] | None = None,
+        version: str = "",
     ) -> None:
         self.runner = runner
+        self.version = version  # the run's own model version
         self._runners = runners
         self._shadow_out = shadow_out
         self._route: Route | None = None
@@ -95,6 +98,10 @@ class Router(Generic[D]):
             for version, items in route.split(batch.items)
             if len(items)
         ]
+
+    def version_of(self, batch: models.Batch) -> str:
+        """The version that scores ``batch`` (the run's own when the route set none)."""
+        return batch.model_version or self.version
 
     def runner_for(self, batch: models.Batch) -> ports.RunnerPort[D]:
         """The runner of the batch's version (the run's own when it has none)."""

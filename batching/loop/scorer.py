@@ -34,6 +34,7 @@ the locking reads in one place.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import logging
@@ -89,11 +90,12 @@ class Scorer(Generic[D]):
         observer: ports.ScoreObserver | None = None,
         runners: Callable[[str], ports.RunnerPort[D]] | None = None,
         shadow_out: Callable[[ShadowRows], object] | None = None,
+        model_version: str = "",
     ) -> None:
         self.config = config
         self.queue = queue
         # A rollout's route: each batch split by the version that scores it (``routes``)
-        self.router = Router(runner, runners, shadow_out)
+        self.router = Router(runner, runners, shadow_out, model_version)
         self.outputs = outputs
         self.clock = clock
         policy = config.batching
@@ -131,6 +133,7 @@ class Scorer(Generic[D]):
         self._open_lease: str | None = None  # claims add to it while it holds items
         self._open_lease_at = -math.inf  # when it was opened
         self._item_lease: dict[int, str] = {}
+        self._seq = itertools.count(1)  # forward passes, numbered in the run
         self._lock = threading.Lock()
         self._to_forward: stdqueue.Queue[Dispatched[D] | End] = stdqueue.Queue(maxsize=1)
         self._to_commit: stdqueue.Queue[Scored | End] = stdqueue.Queue(
@@ -362,6 +365,9 @@ class Scorer(Generic[D]):
                 part_leases = {i: lease for i, lease in leases.items() if i in part_ids}
             else:
                 part_leases = leases
+            part = dataclasses.replace(
+                part, seq=next(self._seq)
+            )  # the ledger records who was in it
             self._put(self._to_forward, Dispatched(part, part_leases, decoded))
         return True
 
@@ -592,6 +598,7 @@ class Scorer(Generic[D]):
             self.stats.real_tokens += job.result.real_tokens
             self.stats.padded_tokens += job.result.padded_tokens
             self.observer.batch_committed(job.batch, job.result)
+            self.stats.add_device_time(job.batch, job.result.service_s, self.router.version_of)
             if self.controller is not None:
                 self.controller.committed(job.batch.formed_at, job.result.service_s, self.clock())
         self.observer.commit_timed(time.perf_counter() - started)
@@ -603,7 +610,9 @@ class Scorer(Generic[D]):
         ok, outputs, held = part.scored()
         if ok:
             try:
-                committed = self.outputs.commit(ok, lease_id, outputs, now, part.model_version)
+                committed = self.outputs.commit(
+                    ok, lease_id, outputs, now, part.model_version, part.forwards
+                )
             except errors.LeaseLost as exc:
                 logger.warning(
                     "lease lost",
@@ -623,7 +632,7 @@ class Scorer(Generic[D]):
                     self.stats.by_version[part.model_version] += len(ok)
                 since = functools.partial(operator.sub, done)
                 self.stats.latencies_s.extend(map(since, models.item_column(ok, "enqueued_at")))
-                self.observer.committed(ok, done)
+                self.observer.committed(ok, done, part.model_version)
                 made = 1
         for failures, retry in ((part.failures, True), (part.undecodable, False)):
             if failures:
@@ -631,7 +640,8 @@ class Scorer(Generic[D]):
                     lease_id, failures, retry=retry, model_version=part.model_version
                 )
                 self.stats.failed += res.retried + res.dead
-                self.observer.failed([i for i in held if i.id in failures], retry=retry)
+                failed = [i for i in held if i.id in failures]
+                self.observer.failed(failed, retry=retry, model_version=part.model_version)
         self._forget(lease_id, held)
         return made
 

@@ -65,6 +65,7 @@ class LeasePart:
     blocks: list[models.ItemBlock] = field(default_factory=list)
     matrices: list[FloatArray] = field(default_factory=list)
     model_version: str | None = None  # the version that scored them (None: the run's own)
+    forwards: dict[int, list[int]] = field(default_factory=dict)  # forward seq -> ids scored
 
     def scored(
         self,
@@ -110,9 +111,11 @@ def by_lease(jobs: Sequence[Scored]) -> list[tuple[str, LeasePart]]:
             ):
                 part.blocks.append(batch.items)
                 part.matrices.append(outputs.matrix)
+                part.forwards.setdefault(batch.seq, []).extend(batch.items.ids)
                 continue
             built = tuple(batch.items)  # a block's items built once
             part.ok.extend(built)
+            part.forwards.setdefault(batch.seq, []).extend(models.item_column(built, "id"))
             part.outputs.update(outputs)
             part.items.extend(built)
             continue
@@ -120,6 +123,7 @@ def by_lease(jobs: Sequence[Scored]) -> list[tuple[str, LeasePart]]:
             part = part_of(job.leases[item.id], version)
             if item.id in result.outputs:
                 part.ok.append(item)
+                part.forwards.setdefault(batch.seq, []).append(item.id)
                 part.outputs[item.id] = result.outputs[item.id]
             elif item.id in result.undecodable:
                 part.undecodable[item.id] = result.failures[item.id]

@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NotRequired, TypedDict
 
+from batching import models, outcomes
+
 
 @dataclass(frozen=True)
 class RunLimits:
@@ -46,6 +48,9 @@ class RunSummary(TypedDict):
     elapsed_s: float
     stage_busy_s: dict[str, float]
     items_by_version: dict[str, int]
+    device_s: float
+    device_s_by_tenant: dict[str, float]
+    device_s_by_version: dict[str, float]
     lineage_failures: NotRequired[int]
     attempt: NotRequired[int]
     run_items_committed: NotRequired[int]
@@ -93,6 +98,10 @@ class RunStats:
     expired: int = 0  # claimed items expired unscored, predicted late (``late_policy: expire``)
     reasons: collections.Counter[str] = field(default_factory=collections.Counter)
     by_version: collections.Counter[str] = field(default_factory=collections.Counter)
+    # Device seconds (forward time on the run's one device), by tenant (apportioned by cost)
+    # and by model version: what the run cost, and whom.
+    device_s_by_tenant: dict[str, float] = field(default_factory=dict)
+    device_s_by_version: dict[str, float] = field(default_factory=dict)
     stage_s: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("claim", "decode", "forward", "commit"), 0.0)
     )
@@ -110,6 +119,8 @@ class RunStats:
                 setattr(total, name, getattr(total, name) + getattr(p, name))
             total.reasons.update(p.reasons)
             total.by_version.update(p.by_version)
+            _add(total.device_s_by_tenant, p.device_s_by_tenant)
+            _add(total.device_s_by_version, p.device_s_by_version)
             for stage, seconds in p.stage_s.items():
                 total.stage_s[stage] = total.stage_s.get(stage, 0.0) + seconds
         ends = [p.finished_at for p in parts]
@@ -148,7 +159,24 @@ class RunStats:
             "stage_busy_s": dict(self.stage_s),
             # A rollout's route split the items: how many each model version committed.
             "items_by_version": dict(self.by_version),
+            "device_s": sum(self.device_s_by_version.values()),
+            "device_s_by_tenant": dict(self.device_s_by_tenant),
+            "device_s_by_version": dict(self.device_s_by_version),
         }
+
+    def add_device_time(
+        self, batch: models.Batch, seconds: float, version_of: Callable[[models.Batch], str]
+    ) -> None:
+        """A committed batch's forward seconds, to its tenants by cost and to its version."""
+        tenants = models.item_column(batch.items, "tenant")
+        costs = models.item_column(batch.items, "cost")
+        _add(self.device_s_by_tenant, outcomes.by_cost(tenants, costs, seconds))
+        _add(self.device_s_by_version, {version_of(batch): seconds})
+
+
+def _add(into: dict[str, float], more: Mapping[str, float]) -> None:
+    for key, value in more.items():
+        into[key] = into.get(key, 0.0) + value
 
 
 def summary_rows(summary: Mapping[str, object]) -> list[tuple[str, str]]:
@@ -180,6 +208,15 @@ def summary_rows(summary: Mapping[str, object]) -> list[tuple[str, str]]:
         rows.insert(3, ("items scored in isolation", f"{summary['items_isolated']}"))
     if summary.get("items_expired"):  # predicted late, expired unscored (late_policy)
         rows.insert(3, ("items expired (late)", f"{summary['items_expired']}"))
+    device = summary.get("device_s_by_tenant")
+    if isinstance(device, Mapping) and device:  # the busiest tenants first
+        top = sorted(device.items(), key=lambda kv: -float(kv[1]))[:5]
+        shown = ", ".join(f"{t} {float(s):.3g}" for t, s in top)
+        more = f" (+{len(device) - 5} more)" if len(device) > 5 else ""
+        rows.append(("device seconds by tenant", shown + more))
+    device_s = summary.get("device_s")
+    if isinstance(device_s, int | float):
+        rows.append(("device seconds (forward)", f"{device_s:.3g}"))
     by_version = summary.get("items_by_version")
     if isinstance(by_version, Mapping) and by_version:  # a rollout's route split them
         shown = ", ".join(f"{v} {n}" for v, n in sorted(by_version.items()))

@@ -75,6 +75,12 @@ SCORER: tuple[Metric, ...] = (
         S,
         "Items a bisection isolated: failed alone while their batch-mates scored.",
     ),
+    Metric(
+        "batching_device_seconds_total",
+        "counter",
+        S,
+        "Forward seconds on the scorer's device, shared among tenants by their items' cost.",
+    ),
     Metric("batching_oom_splits_total", "counter", H, "Batches split in half after a CUDA OOM."),
     Metric(
         "batching_lease_losses_total", "counter", H, "Items whose lease was lost before commit."

@@ -80,19 +80,29 @@ class Recorder:
         self.slo_s = config.latency_slo_s
         self.max_batch_size = config.batching.max_batch_size
         self.folder = self.metrics.folder(config.metrics.top_tenants)
-        self._children: dict[tuple[str, str], Any] = {}
-        s = self.metrics.series
-        h = (self.env, self.queue, self.version)
+        self._children: dict[tuple[str, str, str], Any] = {}
+        self._by_version: dict[str, dict[str, Any]] = {}
         e = (self.env, self.queue)
-        self._h = {m.name: s[m.name].labels(*h) for m in catalog.SCORER if m.labels == catalog.H}
+        s = self.metrics.series
         self._e = {m.name: s[m.name].labels(*e) for m in catalog.SCORER if m.labels == catalog.E}
+        self._h = self._hv(self.version)
 
-    def _s(self, name: str, tenant: str) -> Any:
-        """The ``S``-labelled child of ``name`` for this (folded) tenant label."""
-        key = (name, tenant)
+    def _hv(self, version: str | None) -> dict[str, Any]:
+        """The ``H``-labelled children of ``version`` (a rollout's batches: their own)."""
+        version = version or self.version
+        held = self._by_version.get(version)
+        if held is None:
+            s, h = self.metrics.series, (self.env, self.queue, version)
+            held = {m.name: s[m.name].labels(*h) for m in catalog.SCORER if m.labels == catalog.H}
+            self._by_version[version] = held
+        return held
+
+    def _s(self, name: str, tenant: str, version: str | None = None) -> Any:
+        """The ``S``-labelled child of ``name`` for this (folded) tenant label and version."""
+        key = (name, tenant, version or self.version)
         child = self._children.get(key)
         if child is None:
-            child = self.metrics.series[name].labels(self.env, self.queue, tenant, self.version)
+            child = self.metrics.series[name].labels(self.env, self.queue, tenant, key[2])
             self._children[key] = child
         return child
 
@@ -119,8 +129,10 @@ class Recorder:
         self._e["batching_run_heartbeat_timestamp_seconds"].set(at)
 
     def batch_committed(self, batch: models.Batch, result: outcomes.ScoreResult) -> None:
-        """A batch went through the commit stage."""
-        h = self._h
+        """A batch went through the commit stage: its shape, forward time, and the device
+        seconds it used, by tenant (apportioned by cost)."""
+        version = batch.model_version
+        h = self._hv(version)
         h["batching_batches_total"].inc()
         h["batching_batch_size_items"].observe(len(batch))
         h["batching_batch_cost"].observe(batch.stats.cost)
@@ -135,15 +147,24 @@ class Recorder:
         if result.poisoned:
             poisoned = [i for i in batch.items if i.id in result.poisoned]
             for tenant, p in self._by_tenant(poisoned).items():
-                self._s("batching_poison_isolated_total", tenant).inc(len(p))
+                self._s("batching_poison_isolated_total", tenant, version).inc(len(p))
+        costs = models.item_column(batch.items, "cost")
+        by_tenant = self._by_tenant(batch.items)
+        labels = [t for t, p in by_tenant.items() for _ in p]
+        per_item = [costs[i] for p in by_tenant.values() for i in p]
+        for tenant, seconds in outcomes.by_cost(labels, per_item, result.service_s).items():
+            self._s("batching_device_seconds_total", tenant, version).inc(seconds)
 
-    def committed(self, items: Sequence[models.WorkItem], done_at: float) -> None:
+    def committed(
+        self, items: Sequence[models.WorkItem], done_at: float, model_version: str | None = None
+    ) -> None:
         """Items committed: counts, latency, retries and SLA misses by tenant."""
         enqueued = models.item_column(items, "enqueued_at")
         deadlines = models.item_column(items, "deadline_at")
         attempts = models.item_column(items, "attempts")
+        v = model_version
         for tenant, positions in self._by_tenant(items).items():
-            latency = self._s("batching_item_latency_seconds", tenant)
+            latency = self._s("batching_item_latency_seconds", tenant, v)
             late = retried = 0
             for i in positions:
                 waited = done_at - enqueued[i]
@@ -151,25 +172,29 @@ class Recorder:
                 deadline = deadlines[i]
                 late += waited > self.slo_s or (deadline is not None and done_at > deadline)
                 retried += attempts[i] > 1
-            self._s("batching_items_committed_total", tenant).inc(len(positions))
+            self._s("batching_items_committed_total", tenant, v).inc(len(positions))
             # Born with the committed series (at 0 when none is late): a miss series born at
             # its first miss would start at that count, which rate() never sees, and a
             # tenant's miss ratio would be absent rather than 0 while it is on time.
-            self._s("batching_sla_misses_total", tenant).inc(late)
+            self._s("batching_sla_misses_total", tenant, v).inc(late)
             if retried:
-                self._s("batching_retries_total", tenant).inc(retried)
+                self._s("batching_retries_total", tenant, v).inc(retried)
 
-    def failed(self, items: Sequence[models.WorkItem], *, retry: bool) -> None:
-        """Items failed: retried (``failed``) or dead-lettered (``dead``), by tenant."""
+    def failed(
+        self, items: Sequence[models.WorkItem], *, retry: bool, model_version: str | None = None
+    ) -> None:
+        """Items failed: retried (``failed``) or dead-lettered (``dead``), by tenant and the
+        version that failed them."""
+        v = model_version
         for tenant, positions in self._by_tenant(items).items():
             dead = sum(not retry or items[i].attempts >= items[i].max_attempts for i in positions)
             retried_before = sum(items[i].attempts > 1 for i in positions)
             if dead:
-                self._s("batching_items_dead_total", tenant).inc(dead)
+                self._s("batching_items_dead_total", tenant, v).inc(dead)
             if len(positions) - dead:
-                self._s("batching_items_failed_total", tenant).inc(len(positions) - dead)
+                self._s("batching_items_failed_total", tenant, v).inc(len(positions) - dead)
             if retried_before:
-                self._s("batching_retries_total", tenant).inc(retried_before)
+                self._s("batching_retries_total", tenant, v).inc(retried_before)
 
     def released(self, items: Sequence[models.WorkItem]) -> None:
         """Items given back without an attempt."""

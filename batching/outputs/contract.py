@@ -78,6 +78,9 @@ class ScoredBatch:
     model_version: str
     scored_at: float
     batch_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    forwards: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    """The forward passes its items were scored in (pass number in the run -> ids, in the
+    pass's order), as the ledger records them for replay; empty: not recorded."""
     _matrix: npt.NDArray[np.float32] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -348,11 +351,15 @@ class Outputs:
         outputs: Mapping[int, npt.NDArray[np.float32]],
         scored_at: float,
         model_version: str | None = None,
+        forwards: Mapping[int, Sequence[int]] | None = None,
     ) -> outcomes.CommitResult:
         """Commit one lease's scored items, as scored by ``model_version`` (None: the run's
-        own; a routed run's other version) (the sink's ``commit``: :func:`commit`)."""
+        own; a routed run's other version) in the forward passes ``forwards`` (the sink's
+        ``commit``: :func:`commit`)."""
         version = model_version or self.model_version
-        batch = ScoredBatch(items, outputs, lease_id, self.run_id, version, scored_at)
+        batch = ScoredBatch(
+            items, outputs, lease_id, self.run_id, version, scored_at, forwards=forwards or {}
+        )
         return self.sink.commit(batch)
 
     def flush(self) -> None:

@@ -9,6 +9,7 @@ ledger and the queue never disagree on what was committed; its state moves from
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -42,7 +43,36 @@ def row_values(
         "sha256": staged.sha256,
         "state": models.BatchState.COMMITTED,
         "committed_at": fence.clock(),
+        "forwards": encode_forwards(batch.forwards),
         **values,
+    }
+
+
+def encode_forwards(forwards: Mapping[int, Sequence[int]]) -> str | None:
+    """The forward passes of a batch as the ledger keeps them: JSON ``[[pass, [[first id,
+    count], ...]], ...]``, each pass's ids in its order as runs of consecutive ids (a claim's
+    block is one run); None when not recorded."""
+    if not forwards:
+        return None
+    encoded = []
+    for seq, ids in forwards.items():
+        runs: list[list[int]] = []
+        for i in ids:
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1][1] += 1
+            else:
+                runs.append([int(i), 1])
+        encoded.append([int(seq), runs])
+    return json.dumps(encoded, separators=(",", ":"))
+
+
+def decode_forwards(text: str | None) -> dict[int, list[int]]:
+    """What :func:`encode_forwards` wrote (empty for None)."""
+    if not text:
+        return {}
+    return {
+        int(seq): [first + k for first, n in runs for k in range(n)]
+        for seq, runs in json.loads(text)
     }
 
 

@@ -220,6 +220,9 @@ batches = sa.Table(
     # batch and its sequence number; a Delta commit carries them as its transaction id.
     sa.Column("writer", sa.String(64)),
     sa.Column("seq", sa.BigInteger),
+    # Who was in each forward pass of the batch (migration 15; JSON, ``ledger.encode_forwards``),
+    # so ``batching replay`` scores the same passes again.
+    sa.Column("forwards", sa.Text),
 )
 sa.Index("ix_batching_batches_run", batches.c.run_id)
 sa.Index("ix_batching_batches_committed", batches.c.committed_at)
@@ -544,6 +547,7 @@ def _v14(conn: Connection) -> None:
 
 def _v15(conn: Connection) -> None:
     _add_column(conn, queue_controls.name, "route", "TEXT")
+    _add_column(conn, batches.name, "forwards", "TEXT")
     for table in (items, items_archive):
         _add_column(conn, table.name, "model_version", "VARCHAR(100)")
 
@@ -569,7 +573,10 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(13, "queue controls (pause, depth cap) and their audit, cancelled items", _v13),
     Migration(14, "ready items indexed by tenant, for fair-share claims", _v14),
     Migration(
-        15, "model routes per queue (rollouts); items record the version that failed them", _v15
+        15,
+        "model routes per queue (rollouts); items record the version that failed them; "
+        "batches record their forward passes (replay)",
+        _v15,
     ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version

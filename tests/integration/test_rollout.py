@@ -402,6 +402,74 @@ def test_a_judged_rollback_is_refused_when_the_route_changed_meanwhile(
     engine.dispose()
 
 
+# ----------------------------------------------------------------------------- costs
+
+
+def test_device_seconds_are_charged_to_tenants_by_cost_and_to_versions(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    config = make_config(tmp_path, ckpt)
+    queue = build.open_queue(config, sqlite_url, create=True)
+    queue.migrate()
+    records = [
+        ingest.record_from_mapping(
+            {
+                "item_key": f"{tenant}-{i}",
+                "tenant": tenant,
+                "cost": cost,
+                "payload": {"x": [1.0, 2.0, 3.0, 4.0]},
+            },
+            str(i),
+        )
+        for i in range(600)  # interleaved: every batch holds both tenants
+        for tenant, cost in (("small", 1), ("large", 3))
+    ]
+    queue.enqueue(records)
+    queue.engine.dispose()
+    rollouts.start(
+        config,
+        sqlite_url,
+        candidate="v2",
+        percent=50,
+        tenants=[],
+        shadow=0,
+        actor="ops",
+        reason="costs",
+    )
+    summary = wiring.run_score(config, db_url=sqlite_url, limits=RunLimits()).summary
+    total = summary["device_s"]
+    assert total > 0
+    assert sum(summary["device_s_by_tenant"].values()) == pytest.approx(total)
+    assert sum(summary["device_s_by_version"].values()) == pytest.approx(total)
+    assert set(summary["device_s_by_version"]) == {"v1", "v2"}
+    by_tenant = summary["device_s_by_tenant"]
+    # every batch holds both tenants alike: the large items pay three times as much
+    assert by_tenant["large"] / by_tenant["small"] == pytest.approx(3.0, rel=0.2)
+
+    registry = olspec.load_registry(olspec.require_spec_dir(), lineage.custom_facet_schemas())
+    (complete,) = [
+        e
+        for e in events(config)
+        if e["eventType"] == "COMPLETE" and e["job"]["name"] == config.name
+    ]
+    olspec.assert_valid_event(complete, registry)
+    facet = complete["run"]["facets"]["batching_cost"]
+    assert facet["deviceSeconds"] == pytest.approx(total)
+    assert facet["byTenant"] == pytest.approx(by_tenant)
+
+    shown = subprocess.run(
+        [BATCHING, "status", "--db", sqlite_url, "-q", config.queue.name, "--costs", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    costs = json.loads(shown.stdout)["costs"]
+    assert costs["runs"] == 1
+    assert costs["device_s"] == pytest.approx(total)
+    assert costs["by_model_version"] == pytest.approx(summary["device_s_by_version"])
+
+
 # ----------------------------------------------------------------------------- shadow
 
 

@@ -420,11 +420,9 @@ def test_new_run_id_is_a_uuid() -> None:
 def test_custom_facet_schema_ids_match_the_schema_urls() -> None:
     ids = {schema["$id"] for schema in lineage.custom_facet_schemas()}
     change = {"action": "promote", "queue": "q", "actor": "ops", "reason": "r", "to": {}}
-    ev = event_dict(lineage.RunState.START, run_context(rollout=change))
-    urls = {
-        ev["run"]["facets"][k]["_schemaURL"].partition("#")[0]
-        for k in ("batching_model", "batching_config", "batching_rollout")
-    }
+    replay, cost = {"originalRunId": RUN_ID}, {"deviceSeconds": 1.5}
+    ev = event_dict(lineage.RunState.START, run_context(rollout=change, replay=replay, cost=cost))
+    urls = {ev["run"]["facets"][k]["_schemaURL"].partition("#")[0] for k in lineage.CUSTOM_FACETS}
     assert urls == ids
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -25,6 +26,7 @@ CONTRACT: dict[str, set[str]] = {
     **dict.fromkeys(
         [
             "batching_items_committed_total",
+            "batching_device_seconds_total",
             "batching_items_failed_total",
             "batching_items_dead_total",
             "batching_items_expired_total",
@@ -360,3 +362,32 @@ def test_metrics_are_off_unless_served_pushed_or_written() -> None:
     assert not config.MetricsConfig().enabled
     for on in ({"port": 9100}, {"pushgateway_url": "http://pg:9091"}, {"textfile_path": "x.prom"}):
         assert config.MetricsConfig(**on).enabled
+
+
+def test_a_rollouts_batches_are_labelled_by_their_version_and_charge_device_seconds() -> None:
+    rec = recorder()
+    costs = {1: 1, 2: 2, 3: 1}
+    plain = (item(1), item(2, tenant="u"), item(3))
+    items = tuple(i._replace(cost=costs[i.id]) for i in plain)
+    stats = models.BatchStats(3, 4, 0.75, 1.0, 0.1, 0.05)
+    outputs = {i.id: np.zeros(1, np.float32) for i in items}
+    result = outcomes.ScoreResult(outputs, {}, 0.4, 4, 4)
+    rec.batch_committed(models.Batch(items, "size", 0.0, stats, model_version="v2"), result)
+    rec.batch_committed(models.Batch(items[:1], "size", 0.0, stats), result)
+    rec.committed(items[:2], 1.0, "v2")
+    rec.failed(items[2:], retry=False, model_version="v2")
+    seconds = samples(rec, "batching_device_seconds_total")
+    env = (("environment", "test"),)
+
+    def key(tenant: str, version: str) -> tuple[tuple[str, str], ...]:
+        return (*env, ("model_version", version), ("queue", "q"), ("tenant", tenant))
+
+    # v2's batch: 0.4 s shared by cost, t 2 of 4 units, u 2 of 4; v1's: all t's
+    assert seconds == pytest.approx({key("t", "v2"): 0.2, key("u", "v2"): 0.2, key("t", "v1"): 0.4})
+    h = (*env, ("model_version", "v2"), ("queue", "q"))
+    assert samples(rec, "batching_batches_total")[h] == 1
+    assert samples(rec, "batching_items_committed_total") == {
+        key("t", "v2"): 1,
+        key("u", "v2"): 1,
+    }
+    assert samples(rec, "batching_items_dead_total") == {key("t", "v2"): 1}

@@ -1,0 +1,323 @@
+"""Replay: score again exactly the items a past run committed, in the forward passes it scored
+them in (the ledger records who was in each: ``batches.forwards``), with the version each was
+scored by (or another), into a side dataset; then diff against what the run committed.
+
+With the same checkpoint on the same device, a pass of the same members gives the same bits
+on CPU: the diff then counts every item identical. Another version, device or dtype gives a
+drift report instead (mean and max absolute difference). An item purged since the run (or
+whose key was enqueued again, which is a new item) is named and skipped; a batch committed
+before its passes were recorded (before schema 15) is replayed as one pass, and said so.
+
+The replay is a lineage run of the job ``<config name>.replay``, with the original run's
+outputs as its input, the side dataset as its output, and a ``batching_replay`` facet naming
+the original run and the result.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from batching import config as cfg
+from batching import errors, models, naming
+from batching.compose import build, versions
+from batching.evidence import lineage
+from batching.ingress import queue as q
+from batching.outputs import ledger, outbox, registry
+from batching.store import schema
+
+SKIPPED_SHOWN = 20  # purged keys named in the report (all are counted)
+_B = schema.batches
+
+
+@dataclass
+class Report:
+    """What a replay did and found."""
+
+    run_id: str
+    replay_run_id: str
+    output: str
+    model_versions: dict[str, int] = field(default_factory=dict)  # items replayed by each
+    batches: int = 0
+    passes: int = 0
+    passes_unrecorded: int = 0  # batches without recorded passes, replayed as one pass each
+    items: int = 0
+    identical: int = 0
+    differing: int = 0
+    max_abs_diff: float = 0.0
+    sum_abs_diff: float = 0.0
+    skipped: int = 0
+    skipped_keys: list[str] = field(default_factory=list)
+
+    @property
+    def mean_abs_diff(self) -> float:
+        return self.sum_abs_diff / self.items if self.items else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "replay_run_id": self.replay_run_id,
+            "output": self.output,
+            "model_versions": self.model_versions,
+            "batches": self.batches,
+            "passes": self.passes,
+            "passes_unrecorded": self.passes_unrecorded,
+            "items": self.items,
+            "identical": self.identical,
+            "differing": self.differing,
+            "mean_abs_diff": self.mean_abs_diff,
+            "max_abs_diff": self.max_abs_diff,
+            "skipped": self.skipped,
+            "skipped_keys": self.skipped_keys,
+        }
+
+
+def replay(
+    config: cfg.PipelineConfig,
+    db_url: str | None,
+    run_id: str,
+    *,
+    output: Path,
+    model_version: str | None = None,
+) -> Report:
+    """Replay ``run_id`` into ``output``
+    (``<output>/run=<run_id>/replay=<replay run id>/part-<n>.parquet``).
+
+    Raises:
+        InputError: the run committed nothing in this queue, or ``model_version`` is not in
+            the registry.
+        CheckpointError: a version's checkpoint is not the pinned one.
+    """
+    if model_version is not None and model_version not in config.registry():
+        raise errors.InputError(
+            f"--model-version {model_version!r} is not in the config's registry (it lists "
+            f"{', '.join(sorted(config.registry()))})"
+        )
+    res = build.resolve(config, db_url, None)
+    queue = build.open_queue(config, res.db_url)
+    try:
+        queue.check_schema()
+        with queue.read() as conn:
+            rows = _run_batches(conn, queue.queue, run_id)
+            if not rows:
+                raise errors.InputError(
+                    f"run {run_id} committed no batch in queue {queue.queue!r} of "
+                    f"{queue.url}; check the run id (`batching status`, the lineage log)"
+                )
+            originals = {r.batch_id: _original_rows(conn, r, res.target) for r in rows}
+        report = Report(run_id, lineage.new_run_id(), str(output))
+        target = output / f"run={run_id}" / f"replay={report.replay_run_id}"
+        target.mkdir(parents=True, exist_ok=True)
+        models_ = versions.ModelSet(config)
+        emitter = build.make_emitter(config, res, engine=queue.engine)
+        ctx = _context(config, res, report, target)
+        emitter.start(ctx)
+        try:
+            for n, (version, items, original) in enumerate(_passes(queue, rows, originals, report)):
+                version = model_version or version
+                runner = models_(version)
+                scored = runner.forward(runner.decode(items))
+                _compare(items, scored.outputs, original, report)
+                _write(target / f"part-{n:06d}.parquet", items, scored.outputs, version)
+                report.model_versions[version] = report.model_versions.get(version, 0) + len(items)
+            emitter.complete(_context(config, res, report, target))
+        except BaseException as exc:
+            emitter.fail(ctx, exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+            raise
+        finally:
+            emitter.close()
+    finally:
+        queue.engine.dispose()
+    return report
+
+
+def _run_batches(conn: Connection, queue: str, run_id: str) -> list[Any]:
+    live = [str(s) for s in models.LIVE_BATCH_STATES]
+    stmt = (
+        sa.select(_B)
+        .where(_B.c.run_id == run_id, _B.c.queue == queue, _B.c.state.in_(live))
+        .order_by(_B.c.committed_at, _B.c.batch_id)
+    )
+    return list(conn.execute(stmt))
+
+
+def _original_rows(
+    conn: Connection, row: Any, target: registry.Target
+) -> dict[str, np.ndarray[Any, Any]]:
+    """What the run committed in batch ``row``, by key, read as a reader of the output would
+    (a batch not rolled forward yet: from the outbox, where it waits)."""
+    body = conn.execute(
+        sa.select(schema.outbox.c.body).where(schema.outbox.c.batch_id == row.batch_id)
+    ).scalar()
+    if body is not None:
+        table = outbox.decode(bytes(body))
+    elif row.sink == "parquet":
+        root = Path(target.where).resolve()
+        path = (root / str(row.path)).resolve()
+        if root not in path.parents:
+            raise errors.SinkError(f"batch {row.batch_id}: ledger path outside the dataset")
+        if not path.is_file() and row.staging_path:
+            path = Path(row.staging_path)
+        table = pq.read_table(path, columns=["item_key", "output"])
+    elif row.sink == "sql":
+        results = schema.results_table(str(row.path))
+        stmt = sa.select(results.c.item_key, results.c.output, results.c.output_dim).where(
+            results.c.batch_id == row.batch_id
+        )
+        engine = conn if target.url is None else None
+        if engine is None:
+            from batching.store import database
+
+            other = database.create_engine(target.url or "")
+            with other.connect() as c:
+                found = c.execute(stmt).all()
+            other.dispose()
+        else:
+            found = conn.execute(stmt).all()
+        return {k: np.frombuffer(bytes(o), np.float32) for k, o, _ in found}
+    elif row.sink == "delta":
+        from batching.outputs import delta
+
+        sql = f"SELECT item_key, output FROM t WHERE batch_id = {delta.sql_literal(row.batch_id)}"
+        table = delta.DeltaSink.read(
+            str(row.path or target.where), sql, storage_options=target.storage_options
+        )
+    else:
+        raise errors.SinkError(f"batch {row.batch_id}: unknown sink {row.sink!r} in the ledger")
+    keys = table.column("item_key").to_pylist()
+    outs = table.column("output").to_pylist()
+    return {k: np.asarray(o, np.float32) for k, o in zip(keys, outs, strict=True)}
+
+
+def _passes(
+    queue: q.SqlQueue,
+    rows: Sequence[Any],
+    originals: dict[str, dict[str, np.ndarray[Any, Any]]],
+    report: Report,
+) -> Any:
+    """``(version, items, originals by key)`` per forward pass of the run, in pass order:
+    a pass's members gathered from every batch that committed some of them."""
+    passes: dict[tuple[int, int], list[int]] = {}
+    version_of: dict[tuple[int, int], str] = {}
+    original_of: dict[int, np.ndarray[Any, Any]] = {}
+    for n, row in enumerate(rows):
+        report.batches += 1
+        recorded = ledger.decode_forwards(row.forwards)
+        if not recorded:  # before schema 15: the whole batch as one pass, ids unknown yet
+            report.passes_unrecorded += 1
+            recorded = {-1: []}
+        for seq, ids in recorded.items():
+            key = (seq, n) if seq < 0 else (seq, 0)
+            passes.setdefault(key, []).extend(ids)
+            version_of[key] = str(row.model_version)
+    keys_of: dict[str, np.ndarray[Any, Any]] = {}
+    for row in rows:
+        keys_of.update(originals[row.batch_id])
+    all_ids = [i for ids in passes.values() for i in ids]
+    found = queue.committed_items(all_ids)
+    seen_keys: set[str] = set()
+    for (seq, n), ids in sorted(passes.items()):
+        if seq < 0:  # unrecorded: the batch's items, found by key among the done items
+            items = _items_by_key(queue, list(originals[rows[n].batch_id]))
+        else:
+            items = [found[i] for i in ids if i in found]
+        items = [i for i in items if i.item_key in keys_of]
+        if not items:
+            continue
+        seen_keys.update(i.item_key for i in items)
+        for i in items:
+            original_of[i.id] = keys_of[i.item_key]
+        report.passes += 1
+        yield version_of[(seq, n)], tuple(items), {i.id: original_of[i.id] for i in items}
+    missing = sorted(set(keys_of) - seen_keys)
+    report.skipped = len(missing)
+    report.skipped_keys = missing[:SKIPPED_SHOWN]
+
+
+def _items_by_key(queue: q.SqlQueue, keys: list[str]) -> list[models.WorkItem]:
+    t = schema.items
+    with queue.read() as conn:
+        ids = [
+            int(i)
+            for i in conn.execute(
+                sa.select(t.c.id).where(t.c.queue == queue.queue, t.c.item_key.in_(keys))
+            ).scalars()
+        ]
+    found = queue.committed_items(ids)
+    return [found[i] for i in sorted(found)]
+
+
+def _compare(
+    items: Sequence[models.WorkItem],
+    outputs: Any,
+    original: dict[int, np.ndarray[Any, Any]],
+    report: Report,
+) -> None:
+    for item in items:
+        if item.id not in outputs:  # failed now: counted as differing, worst case
+            report.items += 1
+            report.differing += 1
+            continue
+        new = np.asarray(outputs[item.id], np.float32)
+        old = original[item.id]
+        report.items += 1
+        if new.shape == old.shape and np.array_equal(new, old):
+            report.identical += 1
+            continue
+        report.differing += 1
+        if new.shape == old.shape:
+            diff = np.abs(new.astype(np.float64) - old)
+            report.max_abs_diff = max(report.max_abs_diff, float(diff.max()))
+            report.sum_abs_diff += float(diff.mean())
+
+
+def _write(path: Path, items: Sequence[models.WorkItem], outputs: Any, version: str) -> None:
+    scored = [i for i in items if i.id in outputs]
+    table = pa.table(
+        {
+            "item_key": [i.item_key for i in scored],
+            "output": [np.asarray(outputs[i.id], np.float32) for i in scored],
+            "model_version": [version] * len(scored),
+        },
+        schema=pa.schema(
+            [
+                ("item_key", pa.string()),
+                ("output", pa.list_(pa.float32())),
+                ("model_version", pa.string()),
+            ]
+        ),
+    )
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def _context(
+    config: cfg.PipelineConfig, res: build.Resolved, report: Report, target: Path
+) -> lineage.RunContext:
+    _, original = build.datasets(config, res)
+    ns, name = naming.file_dataset_id(target)
+    return lineage.RunContext(
+        run_id=report.replay_run_id,
+        job_name=f"{config.name}.replay",
+        inputs=(original,),
+        outputs=(lineage.DatasetRef(ns, name, (("item_key", "string"), ("output", "list"))),),
+        replay={
+            "originalRunId": report.run_id,
+            "items": report.items,
+            "identical": report.identical,
+            "differing": report.differing,
+            "skipped": report.skipped,
+            "modelVersions": dict(report.model_versions),
+        },
+    )
