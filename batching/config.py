@@ -319,10 +319,10 @@ class RolloutConfig(_Model):
     `rollout-guard` deployment) rolls a candidate back, judged on the items scored or failed
     since the rollout began; and where shadow outputs go."""
 
-    shadow_path: str = Field(
-        "outputs/shadow",
+    shadow_path: str | None = Field(
+        None,
         min_length=1,
-        description="a folder (relative to this file's) for the shadow outputs of `rollout start --shadow`: a Parquet dataset of each shadowed item's stable and candidate output, never published",
+        description="a folder (relative to this file's) for the shadow outputs of `rollout start --shadow`: a Parquet dataset of each shadowed item's stable and candidate output, never published (none: `shadow/` beside a local output folder, else `outputs/shadow` beside this file)",
     )
 
     min_items: int = Field(

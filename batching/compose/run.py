@@ -187,7 +187,9 @@ def run_score(
                 pause_queue=_breaker_pause(config, queue, run_id),
                 observer=observer,
                 runners=versions.ModelSet(config, runner),
-                shadow_out=shadow.ShadowWriter(shadow.folder(config), config.queue.name, run_id),
+                shadow_out=shadow.ShadowWriter(
+                    shadow.folder(config, res), config.queue.name, run_id
+                ),
                 model_version=config.model.version,
             )
             if on_scorer is not None:

@@ -24,7 +24,9 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from batching import config as cfg
+from batching.compose import build
 from batching.loop.routes import ShadowRows
+from batching.outputs import registry
 
 _SCHEMA = pa.schema(
     [
@@ -39,10 +41,16 @@ _SCHEMA = pa.schema(
 PSI_BINS = 10
 
 
-def folder(config: cfg.PipelineConfig) -> Path:
-    """The config's shadow dataset (``rollout.shadow_path``, relative to its file)."""
+def folder(config: cfg.PipelineConfig, res: build.Resolved | None = None) -> Path:
+    """The config's shadow dataset: ``rollout.shadow_path`` (relative to its file), else
+    ``shadow/`` beside a local output folder (``res``'s: after ``--output``), else
+    ``outputs/shadow`` beside the file."""
     path = config.resolve(config.rollout.shadow_path)
-    assert path is not None  # a required setting
+    if path is None:
+        res = res or build.resolve(config, None, None)
+        local = registry.kind_of(res.target).local_folder(res.target)
+        path = local.parent / "shadow" if local is not None else config.resolve("outputs/shadow")
+    assert path is not None
     return path.expanduser().resolve()
 
 
