@@ -687,3 +687,31 @@ def test_a_scorer_killed_while_its_rollout_is_promoted_loses_and_doubles_nothing
     engine = database.create_engine(sqlite_url)
     assert controls.state(engine, config.queue.name).paused is False
     engine.dispose()
+
+
+def test_the_plan_check_fails_a_config_that_lacks_a_version_its_queue_routes_to(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    config = make_config(tmp_path, ckpt)
+    config = config.model_copy(
+        update={"database": config.database.model_copy(update={"url": sqlite_url})}
+    )
+
+    def routed(c: cfg.PipelineConfig) -> list[str]:  # (no service profile here: its error)
+        return [e for e in build.check_config(c).errors if "routes items" in e]
+
+    assert routed(config) == []  # no database yet: nothing routed
+    enqueue(sqlite_url, config, ["k"])
+    rollouts.start(
+        config,
+        sqlite_url,
+        candidate="v2",
+        percent=10,
+        tenants=[],
+        shadow=0,
+        actor="ops",
+        reason="r",
+    )
+    assert routed(config) == []
+    (problem,) = routed(config.model_copy(update={"model_versions": []}))
+    assert "routes items to model version 'v2' (candidate)" in problem
