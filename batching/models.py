@@ -392,7 +392,7 @@ class Batch:
     stats: BatchStats
     bucket: int = 0
     model_version: str | None = None  # the version that scores it (a route's); None: the run's
-    seq: int = 0  # its forward pass in the run (the ledger records who was in it, for replay)
+    pass_id: str = ""  # its forward pass (the ledger records who was in it, for replay)
 
     def __len__(self) -> int:
         return len(self.items)

@@ -85,10 +85,10 @@ class CommitPort(Protocol):
         outputs: Mapping[int, npt.NDArray[np.float32]],
         scored_at: float,
         model_version: str | None = None,
-        forwards: Mapping[int, Sequence[int]] | None = None,
+        forwards: Mapping[str, Sequence[int]] | None = None,
     ) -> outcomes.CommitResult:
         """Commit as scored by ``model_version`` (None: the run's own), in the forward passes
-        ``forwards`` (pass number -> ids, for replay). Raises ``LeaseLost`` when the lease no
+        ``forwards`` (pass id -> ids, for replay). Raises ``LeaseLost`` when the lease no
         longer holds every item (nothing written)."""
         ...
 

@@ -44,8 +44,8 @@ def shadow_bucket(item_key: str) -> int:
 
 @dataclass(frozen=True)
 class Route:
-    """A queue's route. ``epoch`` counts its changes (a change is refused unless it names the
-    epoch it read: two operators cannot interleave); ``since`` is when this route began."""
+    """A queue's route. ``epoch`` counts its changes (the guard's rollback is refused unless
+    the route is still at the epoch it judged); ``since`` is when this route began."""
 
     stable: str
     candidate: str | None = None

@@ -505,7 +505,7 @@ class MemoryOutputs:
         outputs: Mapping[int, npt.NDArray[np.float32]],
         scored_at: float,
         model_version: str | None = None,
-        forwards: Mapping[int, Sequence[int]] | None = None,
+        forwards: Mapping[str, Sequence[int]] | None = None,
     ) -> outcomes.CommitResult:
         """Ack the items under ``lease_id`` and keep their outputs (and the version that
         scored them; ``forwards`` is not kept here).

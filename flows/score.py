@@ -43,7 +43,7 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.tasks import Task, exponential_backoff
 
 from batching import config, errors
-from batching.compose import build
+from batching.compose import build, checks
 from batching.compose import record as run_record
 from batching.compose import run as app
 from batching.ingress import controls, run_ledger
@@ -108,7 +108,7 @@ def validate_preconditions(
         build.open_sink(queue, res).preflight()
     finally:
         queue.engine.dispose()
-    report = build.check_config(cfg)  # reads the checkpoint and checks its sha256: no load
+    report = checks.check_config(cfg)  # reads the checkpoint and checks its sha256: no load
     report.raise_for_errors()
     return {
         "ready": ready,

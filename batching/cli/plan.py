@@ -12,6 +12,7 @@ from rich.table import Table
 from batching import errors
 from batching.cli.common import (
     ConfigOption,
+    DbOverride,
     JsonOption,
     app,
     emit_json,
@@ -26,17 +27,20 @@ from batching.cli.common import (
 
 @app.command()
 @handle_errors
-def check(config: ConfigOption, as_json: JsonOption = False) -> None:
+def check(config: ConfigOption, db: DbOverride = None, as_json: JsonOption = False) -> None:
     """Plan-time policy check: worst-case wait + full-batch service time vs the latency objective.
 
     Exit 1 with the numbers when the config would break its objective or not fit the device.
+    Every version in model / model_versions is checked against its pinned sha256; when the
+    queue's database exists (--db, else the config's), its model route must name only listed
+    versions.
 
     --json prints one document: ok, config, latency_slo_s, max_wait_s, commit_interval_s,
     worst_case_latency_s, predicted_service_s, worst_batch {n_items, length},
     estimated_memory_bytes, largest_item (null when not known), errors, warnings (lists of
     one-line messages). The exit code is the same as without --json.
     """
-    from batching.compose import build
+    from batching.compose import checks
 
     cfg = load(config)
     path = cfg.resolve(cfg.service_profile)
@@ -45,7 +49,7 @@ def check(config: ConfigOption, as_json: JsonOption = False) -> None:
             f"{path}: service profile not found (service_profile in {config}); "
             f"run `batching profile -c {config}` to create it"
         )
-    report = build.check_config(cfg)
+    report = checks.check_config(cfg, db)
     if as_json:
         emit_json(check_doc(config, cfg, report))
         if not report.ok:

@@ -26,7 +26,6 @@ from batching.evidence import lineage, spool
 from batching.ingress import queue as q
 from batching.outputs import contract as sinks
 from batching.outputs import registry
-from batching.plan import check as policy
 from batching.plan.profile import ServiceProfile
 from batching.store import database
 
@@ -360,87 +359,3 @@ def make_spool(engine: Engine, settings: cfg.LineageConfig) -> spool.Spool | Non
     return spool.Spool(
         engine, max_events=settings.spool_max_events, max_age_s=settings.spool_max_age_s
     )
-
-
-def check_config(config: cfg.PipelineConfig) -> policy.PolicyReport:
-    """Plan-time policy check against the config's measured service profile, after the pinned
-    checkpoint of every version the registry lists (``model`` and ``model_versions``: its file
-    and sha256; a wrong digest fails here, before merge, not at the first score or the first
-    batch a rollout routes to it; nothing is deserialized).
-
-    Raises:
-        ConfigError: ``model.name`` is neither built in nor a factory (before, the check
-            blamed the service profile and advised ``batching profile``, which failed too).
-        CheckpointError: no checkpoint for a factory, a missing file, or another sha256.
-    """
-    from batching.model import zoo
-
-    for version, spec in config.registry().items():  # every version that may run
-        try:
-            path = zoo.checkpoint_path(spec.name, spec.checkpoint, Path(config.base_dir))
-            zoo.read_pinned(path, spec.sha256)
-        except (errors.ConfigError, errors.CheckpointError) as exc:
-            if version == config.model.version:
-                raise
-            raise type(exc)(f"model_versions {version!r}: {exc}") from None
-        own_profile = config.resolve(spec.service_profile)
-        if own_profile is not None and not own_profile.is_file():
-            raise errors.ConfigError(
-                f"model_versions {version!r}: service profile {own_profile} not found; run "
-                "`batching profile` with that version as model, or leave service_profile out"
-            )
-    profile = load_profile(config)
-    report = policy.check_policy(config, profile)
-    found = [*report.errors, *_route_problems(config)]
-    warned = list(report.warnings)
-    two = _two_largest_checkpoints(config)
-    device = profile.device_memory_bytes if profile is not None else None
-    if two and device and two + (report.estimated_memory_bytes or 0) > device:
-        found.append(
-            f"a rollout's two largest versions ({two / 2**20:.0f} MiB of checkpoints) and a "
-            f"full batch ({(report.estimated_memory_bytes or 0) / 2**20:.0f} MiB) do not fit "
-            f"the device ({device / 2**20:.0f} MiB): a scorer holds both; list fewer versions "
-            "or smaller ones"
-        )
-    return replace(report, errors=tuple(found), warnings=tuple(warned))
-
-
-def _route_problems(config: cfg.PipelineConfig) -> list[str]:
-    """The queue's current route against the registry, when its database can be read (at
-    plan time there may be none yet: nothing is routed then)."""
-    from batching.ingress import rollout
-
-    try:
-        queue = open_queue(config, config.database.url)
-    except errors.ConfigError:  # no database file yet
-        return []
-    try:
-        route = rollout.current(queue.engine, queue.queue)
-    except (errors.QueueError, errors.SchemaError):  # unreachable, or not migrated yet
-        return []
-    finally:
-        queue.engine.dispose()
-    if route is None:
-        return []
-    listed = config.registry()
-    return [
-        f"queue {queue.queue!r} routes items to model version {version!r} ({role}), which "
-        "model and model_versions do not list: a scorer with this config would fail at its "
-        "first such batch; list it, or roll the rollout back"
-        for version, role in zip(route.versions, ("stable", "candidate"), strict=False)
-        if version not in listed
-    ]
-
-
-def _two_largest_checkpoints(config: cfg.PipelineConfig) -> int:
-    """Bytes of the two largest checkpoints the registry lists (a rollout holds two), 0 with
-    a single version."""
-    from batching.model import zoo
-
-    if not config.model_versions:
-        return 0
-    sizes = sorted(
-        zoo.checkpoint_path(s.name, s.checkpoint, Path(config.base_dir)).stat().st_size
-        for s in config.registry().values()
-    )
-    return sum(sizes[-2:])

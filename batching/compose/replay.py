@@ -33,6 +33,7 @@ from batching import errors, models, naming
 from batching.compose import build, versions
 from batching.evidence import lineage
 from batching.ingress import queue as q
+from batching.loop.stages import INEXACT
 from batching.outputs import ledger, outbox, registry
 from batching.store import schema
 
@@ -54,6 +55,8 @@ class Report:
     items: int = 0
     identical: int = 0
     differing: int = 0
+    inexact: int = 0  # items of passes the runner split or that failed items (no bit promise)
+    differing_inexact: int = 0  # of the differing, those
     max_abs_diff: float = 0.0
     sum_abs_diff: float = 0.0
     skipped: int = 0
@@ -75,6 +78,8 @@ class Report:
             "items": self.items,
             "identical": self.identical,
             "differing": self.differing,
+            "inexact": self.inexact,
+            "differing_inexact": self.differing_inexact,
             "mean_abs_diff": self.mean_abs_diff,
             "max_abs_diff": self.max_abs_diff,
             "skipped": self.skipped,
@@ -123,11 +128,16 @@ def replay(
         ctx = _context(config, res, report, target)
         emitter.start(ctx)
         try:
-            for n, (version, items, original) in enumerate(_passes(queue, rows, originals, report)):
+            passes = _passes(queue, rows, originals, report)
+            for n, (pass_id, version, items, original) in enumerate(passes):
                 version = model_version or version
                 runner = models_(version)
                 scored = runner.forward(runner.decode(items))
+                differing = report.differing
                 _compare(items, scored.outputs, original, report)
+                if pass_id.endswith(INEXACT):
+                    report.inexact += len(items)
+                    report.differing_inexact += report.differing - differing
                 _write(target / f"part-{n:06d}.parquet", items, scored.outputs, version)
                 report.model_versions[version] = report.model_versions.get(version, 0) + len(items)
             emitter.complete(_context(config, res, report, target))
@@ -142,10 +152,14 @@ def replay(
 
 
 def _run_batches(conn: Connection, queue: str, run_id: str) -> list[Any]:
+    """The live batches of ``run_id`` and of its workers (``score --workers``), in commit
+    order."""
+    workers = sa.select(schema.runs.c.run_id).where(schema.runs.c.parent_run_id == run_id)
+    runs = [run_id, *conn.execute(workers).scalars()]
     live = [str(s) for s in models.LIVE_BATCH_STATES]
     stmt = (
         sa.select(_B)
-        .where(_B.c.run_id == run_id, _B.c.queue == queue, _B.c.state.in_(live))
+        .where(_B.c.run_id.in_(runs), _B.c.queue == queue, _B.c.state.in_(live))
         .order_by(_B.c.committed_at, _B.c.batch_id)
     )
     return list(conn.execute(stmt))
@@ -205,30 +219,32 @@ def _passes(
     originals: dict[str, dict[str, np.ndarray[Any, Any]]],
     report: Report,
 ) -> Any:
-    """``(version, items, originals by key)`` per forward pass of the run, in pass order:
-    a pass's members gathered from every batch that committed some of them."""
-    passes: dict[tuple[int, int], list[int]] = {}
-    version_of: dict[tuple[int, int], str] = {}
+    """``(version, items, originals by key)`` per forward pass of the run, in the order the
+    passes first committed: a pass's members gathered from every batch that committed some
+    of them (a pass can span two leases' commits)."""
+    passes: dict[str, list[int]] = {}  # pass id -> ids; "" + batch id: a batch unrecorded
+    version_of: dict[str, str] = {}
+    unrecorded: dict[str, str] = {}  # such a pass -> its batch
     original_of: dict[int, np.ndarray[Any, Any]] = {}
-    for n, row in enumerate(rows):
+    for row in rows:
         report.batches += 1
         recorded = ledger.decode_forwards(row.forwards)
         if not recorded:  # before schema 15: the whole batch as one pass, ids unknown yet
             report.passes_unrecorded += 1
-            recorded = {-1: []}
-        for seq, ids in recorded.items():
-            key = (seq, n) if seq < 0 else (seq, 0)
-            passes.setdefault(key, []).extend(ids)
-            version_of[key] = str(row.model_version)
+            recorded = {f":{row.batch_id}": []}
+            unrecorded[f":{row.batch_id}"] = row.batch_id
+        for pass_id, ids in recorded.items():
+            passes.setdefault(pass_id, []).extend(ids)  # (split passes keep their mark)
+            version_of[pass_id] = str(row.model_version)
     keys_of: dict[str, np.ndarray[Any, Any]] = {}
     for row in rows:
         keys_of.update(originals[row.batch_id])
     all_ids = [i for ids in passes.values() for i in ids]
     found = queue.committed_items(all_ids)
     seen_keys: set[str] = set()
-    for (seq, n), ids in sorted(passes.items()):
-        if seq < 0:  # unrecorded: the batch's items, found by key among the done items
-            items = _items_by_key(queue, list(originals[rows[n].batch_id]))
+    for pass_id, ids in passes.items():
+        if pass_id in unrecorded:  # the batch's items: the done items it committed
+            items = _items_of_batch(queue, unrecorded[pass_id])
         else:
             items = [found[i] for i in ids if i in found]
         items = [i for i in items if i.item_key in keys_of]
@@ -238,21 +254,17 @@ def _passes(
         for i in items:
             original_of[i.id] = keys_of[i.item_key]
         report.passes += 1
-        yield version_of[(seq, n)], tuple(items), {i.id: original_of[i.id] for i in items}
+        yield pass_id, version_of[pass_id], tuple(items), {i.id: original_of[i.id] for i in items}
     missing = sorted(set(keys_of) - seen_keys)
     report.skipped = len(missing)
     report.skipped_keys = missing[:SKIPPED_SHOWN]
 
 
-def _items_by_key(queue: q.SqlQueue, keys: list[str]) -> list[models.WorkItem]:
+def _items_of_batch(queue: q.SqlQueue, batch_id: str) -> list[models.WorkItem]:
     t = schema.items
     with queue.read() as conn:
-        ids = [
-            int(i)
-            for i in conn.execute(
-                sa.select(t.c.id).where(t.c.queue == queue.queue, t.c.item_key.in_(keys))
-            ).scalars()
-        ]
+        stmt = sa.select(t.c.id).where(t.c.queue == queue.queue, t.c.batch_id == batch_id)
+        ids = [int(i) for i in conn.execute(stmt).scalars()]
     found = queue.committed_items(ids)
     return [found[i] for i in sorted(found)]
 

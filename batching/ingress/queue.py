@@ -1079,7 +1079,6 @@ class SqlQueue:
         conn.execute(sa.delete(_P).where(self._id_in(ids, _P.c.id)))
         return int(conn.execute(sa.delete(_T).where(self._id_in(ids))).rowcount)
 
-    @database.reconnecting
     def committed_items(self, ids: Sequence[int]) -> dict[int, models.WorkItem]:
         """The done items of ``ids`` still in the queue (with their payloads), by id, as a
         claim would hand them to the runner: what ``batching replay`` scores again. An id
@@ -1098,6 +1097,7 @@ class SqlQueue:
                 found.update((i.id, i) for i in _items([r for r in rows if r[0] in bodies], bodies))
         return found
 
+    @database.reconnecting
     def expire(self, lease_id: str, reasons: Mapping[int, str]) -> int:
         """Move items this lease holds to ``expired`` unscored (``late_policy: expire``: each
         predicted to miss its deadline), keeping each one's reason; returns items changed.

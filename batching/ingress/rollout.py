@@ -235,13 +235,14 @@ def version_stats(
             _T.c.finished_at,
             _T.c.deadline_at,
             _T.c.model_version.label("failed_by"),
-            _T.c.last_error,
             _B.c.model_version.label("scored_by"),
         )
         .select_from(_T.outerjoin(_B, _B.c.batch_id == _T.c.batch_id))
         .where(
             _T.c.queue == queue,
             sa.or_(_T.c.finished_at >= route.since, _T.c.run_after >= route.since),
+            # scored or failed by some version: a backlog not yet tried is no evidence
+            sa.or_(_T.c.batch_id.is_not(None), _T.c.model_version.is_not(None)),
         )
         .order_by(_T.c.id.desc())
         .limit(STATS_ROWS + 1)
@@ -257,7 +258,8 @@ def version_stats(
         items = errors_ = dead_n = misses = 0
         for r in rows:
             scored = r.state == done and r.scored_by == version
-            failed = r.failed_by == version and r.last_error is not None
+            # only a failure writes the item's version (an ack clears its error, not this)
+            failed = r.failed_by == version
             if not (scored or failed):
                 continue
             items += 1

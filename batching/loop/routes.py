@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Generic
 
@@ -22,6 +21,7 @@ import numpy.typing as npt
 
 from batching import models, outcomes, ports
 from batching.loop.stages import D
+from batching.policy.batcher import batch_stats
 from batching.routing import Route
 
 logger = logging.getLogger(__name__)
@@ -93,11 +93,28 @@ class Router(Generic[D]):
         route = self._route
         if route is None:
             return [batch]
-        return [
-            replace(batch, items=items, model_version=version)
-            for version, items in route.split(batch.items)
-            if len(items)
+        parts = [(v, items) for v, items in route.split(batch.items) if len(items)]
+        if len(parts) == 1:
+            return [replace(batch, model_version=parts[0][0])]
+        size = round(len(batch) / batch.stats.fill) if batch.stats.fill else len(batch)
+        return [  # each part described as the batch it is (its size, cost, fill, waits)
+            replace(
+                batch,
+                items=items,
+                model_version=version,
+                stats=batch_stats(items, batch.formed_at, max(size, 1)),
+            )
+            for version, items in parts
         ]
+
+    def is_candidate(self, batch: models.Batch) -> bool:
+        """Whether the route's candidate scored ``batch``."""
+        route = self._route
+        return (
+            route is not None
+            and route.candidate is not None
+            and (batch.model_version == route.candidate)
+        )
 
     def version_of(self, batch: models.Batch) -> str:
         """The version that scores ``batch`` (the run's own when the route set none)."""
@@ -109,10 +126,14 @@ class Router(Generic[D]):
             return self.runner
         return self._runners(batch.model_version)
 
-    def shadow(self, batch: models.Batch, result: outcomes.ScoreResult) -> None:
+    def shadow(
+        self, batch: models.Batch, result: outcomes.ScoreResult
+    ) -> tuple[Sequence[models.WorkItem], str, float] | None:
         """Score the shadow sample of a stable batch with the candidate too (the forward
-        stage's thread, after the batch's own pass) and hand both outputs on. A failure here
-        is logged and counted; the batch commits as scored either way."""
+        stage's thread, after the batch's own pass) and hand both outputs on; returns what
+        the candidate's pass used of the device (items, version, seconds), None when there
+        was none. A failure here is logged and counted; the batch commits as scored either
+        way."""
         route = self._route
         if (
             self._shadow_out is None
@@ -122,30 +143,29 @@ class Router(Generic[D]):
             or not route.shadow
             or batch.model_version != route.stable
         ):
-            return
+            return None
         outputs = result.outputs
         items = tuple(i for i in batch.items if i.id in outputs and route.shadowed(i.item_key))
         if not items:
-            return
+            return None
+        took = 0.0
         try:
             runner = self._runners(route.candidate)
-            started = time.perf_counter()
             scored = runner.forward(runner.decode(items))
-            took = time.perf_counter() - started
+            took = scored.service_s
             both = [i for i in items if i.id in scored.outputs]
             self.shadow_failures += len(items) - len(both)
-            if not both:
-                return
-            self._shadow_out(
-                ShadowRows(
-                    route.stable,
-                    route.candidate,
-                    [i.item_key for i in both],
-                    [outputs[i.id] for i in both],
-                    [scored.outputs[i.id] for i in both],
-                    took,
+            if both:
+                self._shadow_out(
+                    ShadowRows(
+                        route.stable,
+                        route.candidate,
+                        [i.item_key for i in both],
+                        [outputs[i.id] for i in both],
+                        [scored.outputs[i.id] for i in both],
+                        took,
+                    )
                 )
-            )
             self.shadowed += len(both)
         except Exception:  # the candidate's or the side dataset's trouble, not the batch's
             self.shadow_failures += len(items)
@@ -154,3 +174,4 @@ class Router(Generic[D]):
                 extra={"action": "shadow_failed", "model_version": route.candidate},
                 exc_info=True,
             )
+        return items, route.candidate, took

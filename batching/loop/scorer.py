@@ -21,7 +21,8 @@ finishes the batches in flight, and returns.
 The forward stage feeds each result to the retry-storm breaker (``breaker``): a batch whose
 every item failed in the model is held (still leased) until a batch scores; enough of them in
 a row pause the queue (``pause_queue``) and fail the run with ``RetryStorm``, everything it
-holds released without using an attempt.
+holds released without using an attempt. A rollout's candidate batches bypass it: the guard
+judges the candidate, and rolls it back rather than pause the queue.
 
 Adapters (queue, runner, sink) are passed in; this module imports none of them.
 
@@ -43,6 +44,7 @@ import operator
 import queue as stdqueue
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -133,7 +135,10 @@ class Scorer(Generic[D]):
         self._open_lease: str | None = None  # claims add to it while it holds items
         self._open_lease_at = -math.inf  # when it was opened
         self._item_lease: dict[int, str] = {}
-        self._seq = itertools.count(1)  # forward passes, numbered in the run
+        # Forward passes, named for the ledger: unique across scorers, workers and attempts of
+        # a run (each numbers its own), so a replay never merges two passes into one.
+        self._pass_prefix = uuid.uuid4().hex[:12]
+        self._pass_n = itertools.count(1)
         self._lock = threading.Lock()
         self._to_forward: stdqueue.Queue[Dispatched[D] | End] = stdqueue.Queue(maxsize=1)
         self._to_commit: stdqueue.Queue[Scored | End] = stdqueue.Queue(
@@ -365,9 +370,8 @@ class Scorer(Generic[D]):
                 part_leases = {i: lease for i, lease in leases.items() if i in part_ids}
             else:
                 part_leases = leases
-            part = dataclasses.replace(
-                part, seq=next(self._seq)
-            )  # the ledger records who was in it
+            pass_id = f"{self._pass_prefix}-{next(self._pass_n)}"  # the ledger records its items
+            part = dataclasses.replace(part, pass_id=pass_id)
             self._put(self._to_forward, Dispatched(part, part_leases, decoded))
         return True
 
@@ -443,7 +447,9 @@ class Scorer(Generic[D]):
             result = self.router.runner_for(batch).forward(job.decoded)
             forward_s = time.perf_counter() - started
             self.stats.stage_s["forward"] += forward_s
-            self.router.shadow(batch, result)  # a rollout's sample, scored aside
+            shadowed = self.router.shadow(batch, result)  # a rollout's sample, scored aside
+            if shadowed is not None:  # its device time is the candidate's
+                self.stats.add_device_time(*shadowed)
             if controller is not None:
                 controller.forward_done(len(batch), cost, forward_s, self.clock(), batch.formed_at)
                 self._wake.set()  # the model is free: the next batch may go now
@@ -455,6 +461,11 @@ class Scorer(Generic[D]):
         """Through the breaker to the commit stage: held while a streak is undecided; on a
         trip, the streak's batches wait with the stranded ones for the shutdown's release."""
         result = job.result
+        if self.router.is_candidate(job.batch):
+            # A candidate's failures are the rollout guard's to judge (it rolls the candidate
+            # back); through the breaker they would pause the queue for the stable traffic.
+            self._put(self._to_commit, job)
+            return
         step = self.breaker.observe(
             job, breaker.verdict(result), len(job.batch), result.whole_batch_error
         )
@@ -598,7 +609,8 @@ class Scorer(Generic[D]):
             self.stats.real_tokens += job.result.real_tokens
             self.stats.padded_tokens += job.result.padded_tokens
             self.observer.batch_committed(job.batch, job.result)
-            self.stats.add_device_time(job.batch, job.result.service_s, self.router.version_of)
+            version = self.router.version_of(job.batch)
+            self.stats.add_device_time(job.batch.items, version, job.result.service_s)
             if self.controller is not None:
                 self.controller.committed(job.batch.formed_at, job.result.service_s, self.clock())
         self.observer.commit_timed(time.perf_counter() - started)

@@ -43,6 +43,10 @@ class Scored:
     result: outcomes.ScoreResult
 
 
+INEXACT = "~"
+"""Ends the id of a pass the runner split or that failed items (``LeasePart.forwards``)."""
+
+
 class End:
     """The end of a stage's input: no job follows."""
 
@@ -65,7 +69,7 @@ class LeasePart:
     blocks: list[models.ItemBlock] = field(default_factory=list)
     matrices: list[FloatArray] = field(default_factory=list)
     model_version: str | None = None  # the version that scored them (None: the run's own)
-    forwards: dict[int, list[int]] = field(default_factory=dict)  # forward seq -> ids scored
+    forwards: dict[str, list[int]] = field(default_factory=dict)  # forward pass -> ids scored
 
     def scored(
         self,
@@ -100,6 +104,9 @@ def by_lease(jobs: Sequence[Scored]) -> list[tuple[str, LeasePart]]:
     for job in jobs:
         batch, result = job.batch, job.result
         version = batch.model_version
+        # A pass the runner split (bisection, an OOM split) or that failed items is not one
+        # forward pass of these members: marked, so a replay does not promise its bits.
+        pass_id = batch.pass_id + (INEXACT if result.n_forward > 1 or result.failures else "")
         owners = set(job.leases.values())
         if len(owners) == 1 and not result.failures:  # the common case, without a step per item
             part = part_of(owners.pop(), version)
@@ -111,11 +118,11 @@ def by_lease(jobs: Sequence[Scored]) -> list[tuple[str, LeasePart]]:
             ):
                 part.blocks.append(batch.items)
                 part.matrices.append(outputs.matrix)
-                part.forwards.setdefault(batch.seq, []).extend(batch.items.ids)
+                part.forwards.setdefault(pass_id, []).extend(batch.items.ids)
                 continue
             built = tuple(batch.items)  # a block's items built once
             part.ok.extend(built)
-            part.forwards.setdefault(batch.seq, []).extend(models.item_column(built, "id"))
+            part.forwards.setdefault(pass_id, []).extend(models.item_column(built, "id"))
             part.outputs.update(outputs)
             part.items.extend(built)
             continue
@@ -123,7 +130,7 @@ def by_lease(jobs: Sequence[Scored]) -> list[tuple[str, LeasePart]]:
             part = part_of(job.leases[item.id], version)
             if item.id in result.outputs:
                 part.ok.append(item)
-                part.forwards.setdefault(batch.seq, []).append(item.id)
+                part.forwards.setdefault(pass_id, []).append(item.id)
                 part.outputs[item.id] = result.outputs[item.id]
             elif item.id in result.undecodable:
                 part.undecodable[item.id] = result.failures[item.id]

@@ -165,13 +165,14 @@ class RunStats:
         }
 
     def add_device_time(
-        self, batch: models.Batch, seconds: float, version_of: Callable[[models.Batch], str]
+        self, items: Sequence[models.WorkItem], version: str, seconds: float
     ) -> None:
-        """A committed batch's forward seconds, to its tenants by cost and to its version."""
-        tenants = models.item_column(batch.items, "tenant")
-        costs = models.item_column(batch.items, "cost")
+        """A forward pass's seconds (a committed batch's, a shadow pass's), to the items'
+        tenants by cost and to the version that ran it."""
+        tenants = models.item_column(items, "tenant")
+        costs = models.item_column(items, "cost")
         _add(self.device_s_by_tenant, outcomes.by_cost(tenants, costs, seconds))
-        _add(self.device_s_by_version, {version_of(batch): seconds})
+        _add(self.device_s_by_version, {version: seconds})
 
 
 def _add(into: dict[str, float], more: Mapping[str, float]) -> None:

@@ -78,8 +78,8 @@ class ScoredBatch:
     model_version: str
     scored_at: float
     batch_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    forwards: Mapping[int, Sequence[int]] = field(default_factory=dict)
-    """The forward passes its items were scored in (pass number in the run -> ids, in the
+    forwards: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    """The forward passes its items were scored in (pass id -> ids, in the
     pass's order), as the ledger records them for replay; empty: not recorded."""
     _matrix: npt.NDArray[np.float32] = field(init=False, repr=False)
 
@@ -351,7 +351,7 @@ class Outputs:
         outputs: Mapping[int, npt.NDArray[np.float32]],
         scored_at: float,
         model_version: str | None = None,
-        forwards: Mapping[int, Sequence[int]] | None = None,
+        forwards: Mapping[str, Sequence[int]] | None = None,
     ) -> outcomes.CommitResult:
         """Commit one lease's scored items, as scored by ``model_version`` (None: the run's
         own; a routed run's other version) in the forward passes ``forwards`` (the sink's

@@ -48,8 +48,8 @@ def row_values(
     }
 
 
-def encode_forwards(forwards: Mapping[int, Sequence[int]]) -> str | None:
-    """The forward passes of a batch as the ledger keeps them: JSON ``[[pass, [[first id,
+def encode_forwards(forwards: Mapping[str, Sequence[int]]) -> str | None:
+    """The forward passes of a batch as the ledger keeps them: JSON ``[[pass id, [[first id,
     count], ...]], ...]``, each pass's ids in its order as runs of consecutive ids (a claim's
     block is one run); None when not recorded."""
     if not forwards:
@@ -62,16 +62,16 @@ def encode_forwards(forwards: Mapping[int, Sequence[int]]) -> str | None:
                 runs[-1][1] += 1
             else:
                 runs.append([int(i), 1])
-        encoded.append([int(seq), runs])
+        encoded.append([str(seq), runs])
     return json.dumps(encoded, separators=(",", ":"))
 
 
-def decode_forwards(text: str | None) -> dict[int, list[int]]:
-    """What :func:`encode_forwards` wrote (empty for None)."""
+def decode_forwards(text: str | None) -> dict[str, list[int]]:
+    """What :func:`encode_forwards` wrote (empty for None), in its order."""
     if not text:
         return {}
     return {
-        int(seq): [first + k for first, n in runs for k in range(n)]
+        str(seq): [first + k for first, n in runs for k in range(n)]
         for seq, runs in json.loads(text)
     }
 

@@ -43,6 +43,8 @@ COMMANDS = (
     "profile",
     "demo",
     "metrics",
+    "rollout",
+    "replay",
 )
 DB = "sqlite:///queue.db"  # relative: a copied workspace keeps working
 SECRET_DB = "postgresql://u:sekret@127.0.0.1:9/x"

@@ -90,6 +90,21 @@ def test_a_replay_of_a_run_reproduces_its_outputs_bit_for_bit(
     assert mine[-1]["job"]["name"] == f"{config.name}.replay"
 
 
+def test_a_run_of_two_worker_processes_is_replayed_whole(sqlite_url: str, tmp_path: Path) -> None:
+    # each worker numbers its own passes: the ledger's pass ids keep them apart
+    config = make_config(tmp_path)
+    queue = build.open_queue(config, sqlite_url, create=True)
+    queue.migrate()
+    lines = list(workloads.w2_json_lines(120))
+    queue.enqueue([ingest.record_from_mapping(json.loads(x), str(i)) for i, x in enumerate(lines)])
+    queue.engine.dispose()
+    outcome = wiring.run_score_workers(config, 2, db_url=sqlite_url, limits=RunLimits())
+    assert outcome.summary["items_committed"] == 120
+    report = replay.replay(config, sqlite_url, outcome.run_id, output=tmp_path / "replay")
+    assert report.items == report.identical == 120
+    assert report.skipped == 0
+
+
 def test_another_version_drifts_and_purged_items_are_named_and_skipped(
     sqlite_url: str, tmp_path: Path
 ) -> None:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow.dataset as pads
 import pytest
 import sqlalchemy as sa
@@ -33,11 +34,12 @@ from torch import nn
 
 from batching import config as cfg
 from batching import errors, models
-from batching.compose import build, rollouts, shadow
+from batching.compose import build, checks, rollouts, shadow
 from batching.compose import run as wiring
 from batching.evidence import lineage
 from batching.ingress import controls, ingest, rollout
 from batching.loop.stats import RunLimits
+from batching.outputs import contract
 from batching.routing import Route
 from batching.store import database, schema
 from tests import olspec
@@ -543,7 +545,10 @@ def test_a_failing_shadow_never_fails_the_batch_it_shadows(
         reason="shadow only",
     )
     scorers: list[Any] = []
-    wiring.run_score(config, db_url=sqlite_url, limits=RunLimits(), on_scorer=scorers.append)
+    summary = wiring.run_score(
+        config, db_url=sqlite_url, limits=RunLimits(), on_scorer=scorers.append
+    ).summary
+    assert summary["device_s_by_version"]["v2"] > 0  # its shadow passes cost the device
     assert {r["model_version"] for r in outputs(tmp_path / "out")} == {"v1"}
     assert len(outputs(tmp_path / "out")) == 500
     assert scorers[0].router.shadow_failures > 0
@@ -698,7 +703,7 @@ def test_the_plan_check_fails_a_config_that_lacks_a_version_its_queue_routes_to(
     )
 
     def routed(c: cfg.PipelineConfig) -> list[str]:  # (no service profile here: its error)
-        return [e for e in build.check_config(c).errors if "routes items" in e]
+        return [e for e in checks.check_config(c).errors if "routes items" in e]
 
     assert routed(config) == []  # no database yet: nothing routed
     enqueue(sqlite_url, config, ["k"])
@@ -715,3 +720,72 @@ def test_the_plan_check_fails_a_config_that_lacks_a_version_its_queue_routes_to(
     assert routed(config) == []
     (problem,) = routed(config.model_copy(update={"model_versions": []}))
     assert "routes items to model version 'v2' (candidate)" in problem
+
+
+def test_an_item_the_candidate_failed_counts_as_its_error_after_a_retry_scored_it(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a flaky candidate must not look healthy because retries hide its failures; and a
+    # backlog not yet tried, enqueued after, must not crowd the evidence out of the window
+    config = make_config(tmp_path, ckpt)
+    retried = {"max_attempts": 3, "backoff_base_s": 0.0, "backoff_max_s": 0.0}
+    config = config.model_copy(update={"queue": config.queue.model_copy(update=retried)})
+    enqueue(sqlite_url, config, ["flaky"])
+    rollouts.start(
+        config,
+        sqlite_url,
+        candidate="v2",
+        percent=100,
+        tenants=[],
+        shadow=0,
+        actor="ops",
+        reason="r",
+    )
+    queue = build.open_queue(config, sqlite_url)
+    sink = build.open_sink(queue, build.resolve(config, sqlite_url, None))
+    first = queue.claim(1, lease_s=30)
+    queue.fail(first.lease_id, {first.items[0].id: "boom"}, retry=True, model_version="v2")
+    engine = queue.engine
+    again = queue.claim(1, lease_s=30)
+    assert len(again.items) == 1
+    item = again.items[0]
+    contract.Outputs(sink, lineage.new_run_id(), "v1").commit(
+        again.items, again.lease_id, {item.id: np.ones(1, np.float32)}, time.time(), "v2"
+    )
+    enqueue(sqlite_url, config, [f"later-{i}" for i in range(20)])  # a backlog, untried
+    monkeypatch.setattr(rollout, "STATS_ROWS", 5)
+    route = rollout.current(engine, config.queue.name)
+    assert route is not None
+    stats, _ = rollout.version_stats(engine, config.queue.name, route, config.latency_slo_s)
+    engine.dispose()
+    cand = next(s for s in stats if s.role == "candidate")
+    assert (cand.items, cand.committed, cand.errors, cand.dead) == (1, 1, 1, 0)
+    assert cand.error_rate == 1.0
+
+
+def test_a_broken_candidate_never_trips_the_breaker_and_pauses_the_queue(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    # every batch is the candidate's and fails whole: the breaker would pause the queue for
+    # everyone; the guard's judgement is the candidate's breaker instead
+    config = make_config(tmp_path, ckpt, candidate="build_broken")
+    small = config.batching.model_copy(update={"max_batch_size": 8, "claim_size": 8})
+    config = config.model_copy(update={"batching": small})
+    enqueue(sqlite_url, config, [f"a-{i}" for i in range(64)], tenant="acme")
+    rollouts.start(
+        config,
+        sqlite_url,
+        candidate="v2",
+        percent=100,
+        tenants=["acme"],
+        shadow=0,
+        actor="ops",
+        reason="acme only",
+    )
+    summary = wiring.run_score(config, db_url=sqlite_url, limits=RunLimits()).summary
+    assert summary["items_failed"] == 64
+    assert set(states(sqlite_url).values()) == {int(models.State.DEAD)}
+    engine = database.create_engine(sqlite_url)
+    assert controls.state(engine, config.queue.name).paused is False
+    engine.dispose()
+    assert rollouts.guard(config, sqlite_url, dry_run=True)[0].breach is not None

@@ -180,7 +180,7 @@ class ListSink:
         outputs: Mapping[int, Any],
         scored_at: float,
         model_version: str | None = None,
-        forwards: Mapping[int, Sequence[int]] | None = None,
+        forwards: Mapping[str, Sequence[int]] | None = None,
     ) -> outcomes.CommitResult:
         batch = Scored(lease_id, items, outputs, model_version)
         if self.before_commit is not None:

@@ -1,0 +1,101 @@
+"""The plan-time check of a config (``batching check``, the score flow's preconditions): the
+pinned checkpoint of every version its registry lists, the latency objective and device memory
+against its measured service profile (:mod:`batching.plan.check`), the route its queue holds
+against the registry, and whether a rollout's two versions fit the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from batching import config as cfg
+from batching import errors
+from batching.compose.build import load_profile, open_queue
+from batching.plan import check as policy
+
+
+def check_config(config: cfg.PipelineConfig, db_url: str | None = None) -> policy.PolicyReport:
+    """Plan-time policy check against the config's measured service profile, after the pinned
+    checkpoint of every version the registry lists (``model`` and ``model_versions``: its file
+    and sha256; a wrong digest fails here, before merge, not at the first score or the first
+    batch a rollout routes to it; nothing is deserialized).
+
+    The queue's route is read from ``db_url`` (else the config's database) when it exists.
+
+    Raises:
+        ConfigError: ``model.name`` is neither built in nor a factory (before, the check
+            blamed the service profile and advised ``batching profile``, which failed too).
+        CheckpointError: no checkpoint for a factory, a missing file, or another sha256.
+    """
+    from batching.model import zoo
+
+    for version, spec in config.registry().items():  # every version that may run
+        try:
+            path = zoo.checkpoint_path(spec.name, spec.checkpoint, Path(config.base_dir))
+            zoo.read_pinned(path, spec.sha256)
+        except (errors.ConfigError, errors.CheckpointError) as exc:
+            if version == config.model.version:
+                raise
+            raise type(exc)(f"model_versions {version!r}: {exc}") from None
+        own_profile = config.resolve(spec.service_profile)
+        if own_profile is not None and not own_profile.is_file():
+            raise errors.ConfigError(
+                f"model_versions {version!r}: service profile {own_profile} not found; run "
+                "`batching profile` with that version as model, or leave service_profile out"
+            )
+    profile = load_profile(config)
+    report = policy.check_policy(config, profile)
+    routed, unchecked = _route_problems(config, db_url or config.database.url)
+    found = [*report.errors, *routed]
+    warned = [*report.warnings, *unchecked]
+    held = _largest_checkpoints(config, 3)
+    device = profile.device_memory_bytes if profile is not None else None
+    if held and device and held + (report.estimated_memory_bytes or 0) > device:
+        found.append(
+            f"the three largest listed versions ({held / 2**20:.0f} MiB of checkpoints) and a "
+            f"full batch ({(report.estimated_memory_bytes or 0) / 2**20:.0f} MiB) do not fit "
+            f"the device ({device / 2**20:.0f} MiB): a scorer in a rollout holds its own "
+            "version and the route's two; list fewer versions or smaller ones"
+        )
+    return replace(report, errors=tuple(found), warnings=tuple(warned))
+
+
+def _route_problems(config: cfg.PipelineConfig, db_url: str) -> tuple[list[str], list[str]]:
+    """The queue's current route against the registry: errors, and a warning when the
+    database cannot be read (at plan time there may be none yet: nothing is routed then)."""
+    from batching.ingress import rollout
+
+    try:
+        queue = open_queue(config, db_url)
+    except errors.ConfigError:  # no database file yet
+        return [], []
+    try:
+        route = rollout.current(queue.engine, queue.queue)
+    except (errors.QueueError, errors.SchemaError) as exc:  # unreachable, or not migrated
+        return [], [f"the queue's model route not checked: {errors.one_line(exc)}"]
+    finally:
+        queue.engine.dispose()
+    if route is None:
+        return [], []
+    listed = config.registry()
+    return [
+        f"queue {queue.queue!r} routes items to model version {version!r} ({role}), which "
+        "model and model_versions do not list: a scorer with this config would fail at its "
+        "first such batch; list it, or roll the rollout back"
+        for version, role in zip(route.versions, ("stable", "candidate"), strict=False)
+        if version not in listed
+    ], []
+
+
+def _largest_checkpoints(config: cfg.PipelineConfig, n: int) -> int:
+    """Bytes of the ``n`` largest checkpoints the registry lists, 0 with a single version."""
+    from batching.model import zoo
+
+    if not config.model_versions:
+        return 0
+    sizes = sorted(
+        zoo.checkpoint_path(s.name, s.checkpoint, Path(config.base_dir)).stat().st_size
+        for s in config.registry().values()
+    )
+    return sum(sizes[-n:])
