@@ -184,9 +184,16 @@ def test_served_deployments_score_reconcile_alert_and_deploy(stack: Stack, tmp_p
 def score_reconcile_and_alert(stack: Stack, tmp_path: Path, hook: Webhook) -> None:
     serve = stack.start("-m", "flows.serve", name="serve")
     deployments = wait_for(
-        lambda: d if len(d := stack.deployments()) == 5 else None, 90, "5 deployments"
+        lambda: d if len(d := stack.deployments()) == 6 else None, 90, "6 deployments"
     )
-    assert set(deployments) == {"score", "score-nightly", "reconcile", "bulk", "maintain"}
+    assert set(deployments) == {
+        "score",
+        "score-nightly",
+        "reconcile",
+        "bulk",
+        "maintain",
+        "rollout-guard",
+    }
 
     out = str(tmp_path / "outputs" / "text")
     score_run = stack.post(
@@ -358,7 +365,7 @@ def test_serve_exits_within_its_grace_period_when_the_server_is_gone(stack: Stac
     pausing the schedules for minutes; either way `flows.serve` ends within the grace period
     (tests/flows/test_serve.py covers the kill path deterministically)."""
     serve = stack.start("-m", "flows.serve", "--shutdown-grace-s", "3", name="serve")
-    wait_for(lambda: len(stack.deployments()) == 5, 90, "5 deployments")
+    wait_for(lambda: len(stack.deployments()) == 6, 90, "6 deployments")
     server = stack.procs[0]
     os.killpg(server.pid, signal.SIGKILL)
     server.wait(10)

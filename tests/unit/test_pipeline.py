@@ -669,9 +669,9 @@ def test_a_batch_partly_reaped_gives_back_what_its_lease_still_holds() -> None:
         if not lost:
             lost.append(batch)
             with r.queue._lock:
-                for item in batch.items[:2]:  # the reaper took the first claim's items
-                    row = r.queue.rows[item.id]
-                    row.state, row.lease_id = models.State.READY, None
+                for item in batch.items[:2]:  # the reaper took the first claim's items:
+                    row = r.queue.rows[item.id]  # suspects now, claimed in isolation only
+                    row.state, row.lease_id, row.isolate_n = models.State.READY, None, 1
 
     r.sink.before_commit = first_claim_expired
     stats = r.scorer.run()
