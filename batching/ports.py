@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from batching import models, outcomes
+from batching import models, outcomes, routing
 
 if TYPE_CHECKING:
     import numpy as np
@@ -45,6 +45,7 @@ class ClaimPort(Protocol):
         columns: bool = False,
         isolate: bool = False,
         lease_id: str | None = None,
+        pin: routing.Pin | None = None,
     ) -> models.Claim: ...
 
     def heartbeat(self, lease_id: str, lease_s: float) -> int: ...

@@ -119,4 +119,13 @@ class Route:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """A scorer that serves one model version of a rollout: it claims only the items the
+    queue's route sends to ``version`` (``default``: the version a queue without a route runs)."""
+
+    version: str
+    default: str
+
+
 _FIELDS = {"stable", "candidate", "percent", "tenants", "shadow", "epoch", "since"}

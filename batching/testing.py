@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from batching import crashes, errors, models, outcomes, ports
+from batching import crashes, errors, models, outcomes, ports, routing
 
 if TYPE_CHECKING:
     import numpy as np
@@ -210,16 +210,20 @@ class InMemoryQueue:
         columns: bool = False,
         isolate: bool = False,
         lease_id: str | None = None,
+        pin: routing.Pin | None = None,
     ) -> models.Claim:
         """Lease up to ``n`` ready items under one new lease id, in claim order (priority,
         deadline, age); first, items past their deadline expire and this queue's expired
         leases are reaped. ``max_cost`` caps the sum of costs (the first item always fits).
         ``columns`` is accepted and ignored: items come back as work items. ``lease_id``: add
         to that lease (the caller holds it) rather than a new one. Suspects (items
-        of a lost worker) only with ``isolate``, at most the first one's ``isolate_n``."""
+        of a lost worker) only with ``isolate``, at most the first one's ``isolate_n``. No
+        routes here: a ``pin`` to the default version takes everything, another nothing."""
         if n < 1:
             raise ValueError("n must be >= 1")
         now = self.clock()
+        if pin is not None and pin.version != pin.default:
+            return models.Claim(lease_id or str(uuid.uuid4()), (), now + lease_s)
         lease_id = lease_id or str(uuid.uuid4())
         with self._store.lock:
             if self.queue in self._store.paused:

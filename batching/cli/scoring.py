@@ -15,6 +15,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from batching import errors
 from batching.cli.common import (
     ConfigOption,
     DbOverride,
@@ -105,6 +106,15 @@ def score(
             "metrics.port; with --workers, one endpoint for all of them).",
         ),
     ] = None,
+    model_version: Annotated[
+        str | None,
+        typer.Option(
+            "--model-version",
+            help="Serve this version of a rollout alone (listed in model_versions): claim only "
+            "the items the queue's route sends to it. For a device that cannot hold two "
+            "versions: run one such scorer per version.",
+        ),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Claim, batch, score and commit items from the config's queue.
@@ -148,6 +158,11 @@ def score(
             rate=f"{committed} committed",
         )
 
+    if workers > 1 and model_version is not None:
+        raise errors.InputError(
+            "--model-version serves one version from one process; give --workers 1 (run one "
+            "such scorer per device)"
+        )
     if workers > 1:
         with progress, scorer_metrics(cfg, workers):
             _score_workers(
@@ -175,6 +190,7 @@ def score(
             on_progress=on_progress,
             on_scorer=stop.attach,
             lineage_config=lineage_config,
+            model_version=model_version,
         )
     if as_json:
         emit_json(score_doc(cfg, outcome))

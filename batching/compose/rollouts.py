@@ -12,7 +12,7 @@ when it breaches them (``auto-rollback``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,10 +61,10 @@ def start(
     *,
     candidate: str,
     percent: float,
-    tenants: list[str],
-    shadow: float,
     actor: str,
     reason: str,
+    tenants: Sequence[str] = (),
+    shadow: float = 0.0,
 ) -> rollout.Change:
     """Start ``candidate`` on a share of the queue.
 

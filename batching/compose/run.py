@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from batching import config as cfg
-from batching import models, ports
+from batching import errors, models, ports, routing
 from batching.compose import build, evidence, shadow, versions
 from batching.compose import record as run_record
 from batching.evidence import lineage
@@ -110,8 +110,13 @@ def run_score(
     lineage_config: cfg.LineageConfig | None = None,
     job_name: str | None = None,
     attempt: run_record.Attempt = run_record.FIRST,
+    model_version: str | None = None,
 ) -> ScoreOutcome:
     """Run one scoring run end to end: checks, recovery, scoring, run ledger and lineage.
+
+    ``model_version``: serve that version of a rollout alone (a device that cannot hold two):
+    the run loads it as its model and claims only the items the queue's route sends to it
+    (:func:`pinned`).
 
     ``parent`` (run id, job name) and ``job_name`` place the run under a parent lineage run
     (``run_score_workers``); by default the run is the config's job, without a parent.
@@ -123,6 +128,7 @@ def run_score(
             got past the checks (its rows live in the queue database).
         ConfigError: the lineage settings are invalid (nothing can be recorded).
     """
+    config, pin = pinned(config, model_version)
     res = build.checked(config, db_url, output)
     run_id = run_id or lineage.new_run_id()
     emitter = build.make_emitter(config, res, lineage_config)
@@ -191,6 +197,7 @@ def run_score(
                     shadow.folder(config, res), config.queue.name, run_id
                 ),
                 model_version=config.model.version,
+                pin=pin,
             )
             if on_scorer is not None:
                 on_scorer(scorer)
@@ -237,6 +244,26 @@ def run_score(
         record.stop()
         _stop(flush)
         observer.lineage_failed(emitter.failures)
+
+
+def pinned(
+    config: cfg.PipelineConfig, version: str | None
+) -> tuple[cfg.PipelineConfig, routing.Pin | None]:
+    """The config of a run that serves ``version`` alone (its ``model`` that version's entry
+    of the registry), and its pin; unchanged, and no pin, for None.
+
+    Raises:
+        InputError: ``version`` is not in the registry.
+    """
+    if version is None:
+        return config, None
+    spec = config.registry().get(version)
+    if spec is None:
+        raise errors.InputError(
+            f"--model-version {version!r} is not in the config's registry (it lists "
+            f"{', '.join(sorted(config.registry()))}); add it under model_versions"
+        )
+    return config.model_copy(update={"model": spec}), routing.Pin(version, config.model.version)
 
 
 def with_costs(ctx: lineage.RunContext, summary: Mapping[str, Any]) -> lineage.RunContext:

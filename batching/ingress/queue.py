@@ -39,7 +39,7 @@ from sqlalchemy import exc
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
-from batching import crashes, errors, models
+from batching import crashes, errors, models, routing
 from batching.ingress import admission, controls, sqlite_claim, tenant_share, watch
 from batching.ports import Clock
 from batching.store import database, schema, sqlite
@@ -312,6 +312,7 @@ class SqlQueue:
             "deadline_at": rec.deadline_at,
             "sort_deadline": rec.deadline_at if rec.deadline_at is not None else schema.NO_DEADLINE,
             "enqueue_run": enqueue_run,
+            "route_bucket": routing.bucket(rec.item_key),
         }
 
     def _insert_new(self, conn: Connection, chunk: list[dict[str, Any]]) -> dict[str, int]:
@@ -342,6 +343,7 @@ class SqlQueue:
         columns: bool = False,
         isolate: bool = False,
         lease_id: str | None = None,
+        pin: routing.Pin | None = None,
     ) -> models.Claim:
         """Lease up to ``n`` ready items in one statement, under one new lease id (or
         ``lease_id``: a scorer adding items to a lease it holds, so the batches it cuts from
@@ -365,6 +367,11 @@ class SqlQueue:
         ``suspects`` says whether any wait. With ``isolate``, the claim takes suspects only,
         at most as many as the first one's ``isolate_n``: score them with nothing else in
         flight, so a death while they run is charged to them alone.
+
+        With ``pin``, only the items the queue's route (read in the claim's transaction)
+        sends to ``pin.version``, by their stored key bucket: a scorer serving one version of
+        a rollout, where a device cannot hold two. Nothing when the route names no such
+        version (or, without a route, when it is not ``pin.default``).
         """
         if n < 1:
             raise ValueError("n must be >= 1")
@@ -384,14 +391,18 @@ class SqlQueue:
             "paused": False,
             "route": None,
             "expired": (),
+            "pin": pin,
         }
         fair = None if isolate else self._fair  # an isolation round keeps the global order
+        pinned = pin is not None
         if fair is None:
-            sql = self._claim_sql(lane, None if isolate else max_cost, isolate=isolate)
+            sql = self._claim_sql(
+                lane, None if isolate else max_cost, isolate=isolate, pinned=pinned
+            )
         else:
-            sql = self._fair_claim_sql(lane, max_cost, fair.ranking(now), params)
+            sql = self._fair_claim_sql(lane, max_cost, fair.ranking(now), params, pinned)
         if self.dialect == "sqlite":
-            alone = None if fair is None else self._claim_sql(lane, max_cost)
+            alone = None if fair is None else self._claim_sql(lane, max_cost, pinned=pinned)
             claimed = self._claim_sqlite(sql, params, now, columns and not isolate, alone)
             if isinstance(claimed, models.ItemBlock):
                 if fair is not None:
@@ -422,10 +433,13 @@ class SqlQueue:
             route=params["route"],
         )
 
-    def _claim_sql(self, lane: str | None, max_cost: int | None, *, isolate: bool = False) -> str:
+    def _claim_sql(
+        self, lane: str | None, max_cost: int | None, *, isolate: bool = False, pinned: bool = False
+    ) -> str:
         where = "queue = :queue AND state = 0 AND run_after <= :now"
         where += " AND lane = :lane" if lane is not None else ""
         where += " AND isolate_n > 0" if isolate else " AND isolate_n = 0"
+        where += f" AND {self._pin_sql()}" if pinned else ""
         order = "priority DESC, sort_deadline, enqueued_at, id"
         order = f"isolate_n, {order}" if isolate else order
         pg = self.dialect == "postgresql"
@@ -467,6 +481,7 @@ class SqlQueue:
         max_cost: int | None,
         ranking: tenant_share.Ranking,
         params: dict[str, Any],
+        pinned: bool = False,
     ) -> str:
         """The claim statement with the fair share (``params`` gets its binds).
 
@@ -490,6 +505,7 @@ class SqlQueue:
         )
         where = f"{ready} AND tenant = t.tenant AND run_after <= :now AND isolate_n = 0"
         where += " AND lane = :lane" if lane is not None else ""
+        where += f" AND {self._pin_sql()}" if pinned else ""
         head = "id, cost, tenant, priority, sort_deadline, enqueued_at"
         if pg:
             per_tenant = (
@@ -656,11 +672,15 @@ class SqlQueue:
         params["paused"], params["route"] = controls.for_claim(conn, self.queue)
         if params["paused"]:
             return False
+        pin = params["pin"]
+        if pin is not None:
+            params.update(_pin_binds(pin, params["route"]))
         params["expired"] = self._expire_overdue(conn, now)
         self._release_expired(conn, now, _REAP_LIMIT, this_queue=True)
         # The literal ``state = 0 AND isolate_n > 0`` matches the partial index's predicate.
         where = "queue = :queue AND state = 0 AND isolate_n > 0 AND run_after <= :now"
         where += " AND lane = :lane" if params["lane"] is not None else ""
+        where += f" AND {self._pin_sql()}" if pin is not None else ""
         first = conn.execute(
             sa.text(
                 f"SELECT isolate_n FROM batching_items WHERE {where} ORDER BY isolate_n LIMIT 1"
@@ -671,6 +691,20 @@ class SqlQueue:
         if params["isolate"]:
             params["n"] = min(params["n"], int(first or 0))
         return True
+
+    def _pin_sql(self) -> str:
+        """A pinned claim's filter (binds: :func:`_pin_binds`): the items whose stored key
+        bucket and tenant the route sends to the pinned version. An item without a bucket
+        (written by something other than ``enqueue``) is left to a scorer that is not pinned."""
+        if self.dialect == "postgresql":
+            listed = "tenant IN (SELECT jsonb_array_elements_text(CAST(:pin_tenants AS jsonb)))"
+        else:
+            listed = "tenant IN (SELECT value FROM json_each(:pin_tenants))"
+        candidate = f"route_bucket < :pin_cut AND (:pin_any_tenant = 1 OR {listed})"
+        return (
+            f"((:pin_want = 1 AND {candidate}) OR (:pin_want = 2 AND route_bucket IS NOT NULL"
+            f" AND NOT ({candidate})))"
+        )
 
     def _expire_overdue(self, conn: Connection, now: float) -> tuple[tuple[str, int], ...]:
         """Move this queue's ready items past their deadline to ``expired``; returns how many
@@ -1143,6 +1177,24 @@ _FORMATS = {f.value: f for f in models.PayloadFormat}
 # Named tuples built by tuple.__new__ itself: no Python-level __new__ call per row.
 _new_item = functools.partial(tuple.__new__, models.WorkItem)
 _new_payload = functools.partial(tuple.__new__, models.Payload)
+
+
+def _pin_binds(pin: routing.Pin, route_json: str | None) -> dict[str, Any]:
+    """The binds of :meth:`SqlQueue._pin_sql` for ``pin`` under the route a claim read:
+    ``pin_want`` 1 takes the candidate's items, 2 the stable version's, 0 nothing."""
+    route = routing.Route.from_json(route_json) if route_json else routing.Route(pin.default)
+    want = 0
+    if pin.version == route.candidate:
+        want = 1
+    elif pin.version == route.stable:
+        want = 2
+    cut = route.percent * 100 if route.candidate is not None else 0.0
+    return {
+        "pin_want": want,
+        "pin_cut": cut,
+        "pin_any_tenant": 0 if route.tenants else 1,
+        "pin_tenants": json.dumps(list(route.tenants)),
+    }
 
 
 def _items(rows: list[Any], bodies: Mapping[int, bytes]) -> tuple[models.WorkItem, ...]:

@@ -50,6 +50,9 @@ class Router(Generic[D]):
             ignores routes.
         shadow_out: where the shadow outputs go (``ShadowRows``); None: nothing is shadowed.
         version: the run's own model version (``runner``'s), for what it reports.
+        pinned: the run serves ``version`` alone (``routing.Pin``): its claims took only the
+            items the route sent to it then, so every batch is that version's, whatever
+            the route says by the time it is released; nothing is shadowed.
     """
 
     def __init__(
@@ -58,9 +61,12 @@ class Router(Generic[D]):
         runners: Callable[[str], ports.RunnerPort[D]] | None = None,
         shadow_out: Callable[[ShadowRows], object] | None = None,
         version: str = "",
+        *,
+        pinned: bool = False,
     ) -> None:
         self.runner = runner
         self.version = version  # the run's own model version
+        self.pinned = pinned  # it claims only ``version``'s items: scores all with it
         self._runners = runners
         self._shadow_out = shadow_out
         self._route: Route | None = None
@@ -91,6 +97,8 @@ class Router(Generic[D]):
         """``batch`` as one batch per version that scores some of its items (each tagged with
         its ``model_version``); without a route, ``batch`` itself."""
         route = self._route
+        if self.pinned:
+            return [replace(batch, model_version=self.version)]
         if route is None:
             return [batch]
         parts = [(v, items) for v, items in route.split(batch.items) if len(items)]
@@ -136,7 +144,8 @@ class Router(Generic[D]):
         way."""
         route = self._route
         if (
-            self._shadow_out is None
+            self.pinned
+            or self._shadow_out is None
             or self._runners is None
             or route is None
             or route.candidate is None

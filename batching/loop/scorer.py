@@ -48,7 +48,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
-from batching import errors, models, ports
+from batching import errors, models, ports, routing
 from batching.config import PipelineConfig
 from batching.loop import breaker
 from batching.loop.routes import Router, ShadowRows
@@ -93,11 +93,13 @@ class Scorer(Generic[D]):
         runners: Callable[[str], ports.RunnerPort[D]] | None = None,
         shadow_out: Callable[[ShadowRows], object] | None = None,
         model_version: str = "",
+        pin: routing.Pin | None = None,
     ) -> None:
         self.config = config
         self.queue = queue
         # A rollout's route: each batch split by the version that scores it (``routes``)
-        self.router = Router(runner, runners, shadow_out, model_version)
+        self.router = Router(runner, runners, shadow_out, model_version, pinned=pin is not None)
+        self.pin = pin  # serve one version of a rollout: claim only its items
         self.outputs = outputs
         self.clock = clock
         policy = config.batching
@@ -307,6 +309,7 @@ class Scorer(Generic[D]):
             columns=True,
             isolate=self._isolating,
             lease_id=None if self._isolating else open_lease,
+            pin=self.pin,
         )
         self.stats.stage_s["claim"] += time.perf_counter() - started
         if claim.paused != self._paused:  # once per change, not once per poll

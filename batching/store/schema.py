@@ -90,6 +90,9 @@ def _item_columns(*, archive: bool) -> list[sa.Column[Any]]:
         # error rate of each version of a rollout (``batching rollout status``); a committed
         # item's version is its batch's, in the ledger.
         sa.Column("model_version", sa.String(100)),
+        # Its key's slice of the key space (``batching.routing.bucket``; migration 15), so a
+        # scorer that serves one version of a rollout claims only that version's items.
+        sa.Column("route_bucket", sa.Integer),
     ]
 
 
@@ -550,6 +553,23 @@ def _v15(conn: Connection) -> None:
     _add_column(conn, batches.name, "forwards", "TEXT")
     for table in (items, items_archive):
         _add_column(conn, table.name, "model_version", "VARCHAR(100)")
+        _add_column(conn, table.name, "route_bucket", "INTEGER")
+    _fill_route_buckets(conn)
+
+
+def _fill_route_buckets(conn: Connection, chunk: int = 5000) -> None:
+    """The route bucket of the items already in the queue that can still be claimed (not done
+    or cancelled): computed from their keys, as an enqueue does."""
+    from batching.routing import bucket
+
+    t = items
+    todo = sa.and_(t.c.route_bucket.is_(None), t.c.state.not_in((2, 5)))
+    update = t.update().where(t.c.id == sa.bindparam("rid")).values(route_bucket=sa.bindparam("b"))
+    while True:
+        rows = conn.execute(sa.select(t.c.id, t.c.item_key).where(todo).limit(chunk)).all()
+        if not rows:
+            return
+        conn.execute(update, [{"rid": i, "b": bucket(k)} for i, k in rows])
 
 
 def _add_column(conn: Connection, table: str, column: str, sql_type: str) -> None:

@@ -56,8 +56,6 @@ def with_candidate(pipeline: Pipeline, tmp_path: Path, factory: str | None = Non
         None,
         candidate="w1-next",
         percent=40,
-        tenants=[],
-        shadow=0,
         actor="ops",
         reason="try w1-next",
     )

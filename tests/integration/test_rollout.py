@@ -40,7 +40,7 @@ from batching.evidence import lineage
 from batching.ingress import controls, ingest, rollout
 from batching.loop.stats import RunLimits
 from batching.outputs import contract
-from batching.routing import Route
+from batching.routing import Route, bucket
 from batching.store import database, schema
 from tests import olspec
 from tests.conftest import REPO, wait_for
@@ -197,8 +197,6 @@ def test_a_ten_percent_canary_scores_each_item_once_by_the_version_its_key_route
         sqlite_url,
         candidate="v2",
         percent=10,
-        tenants=[],
-        shadow=0,
         actor="ops",
         reason="canary v2",
     )
@@ -264,7 +262,6 @@ def test_tenants_scope_the_canary_and_promote_and_rollback_are_recorded(
         candidate="v2",
         percent=100,
         tenants=["acme"],
-        shadow=0,
         actor="ops",
         reason="acme first",
     )
@@ -287,8 +284,6 @@ def test_tenants_scope_the_canary_and_promote_and_rollback_are_recorded(
             db_url,
             candidate="v2",
             percent=5,
-            tenants=[],
-            shadow=0,
             actor="ops",
             reason="x",
         )
@@ -298,8 +293,6 @@ def test_tenants_scope_the_canary_and_promote_and_rollback_are_recorded(
             db_url,
             candidate="v9",
             percent=5,
-            tenants=[],
-            shadow=0,
             actor="ops",
             reason="x",
         )
@@ -308,8 +301,6 @@ def test_tenants_scope_the_canary_and_promote_and_rollback_are_recorded(
         db_url,
         candidate="v1",
         percent=50,
-        tenants=[],
-        shadow=0,
         actor="ops",
         reason="back to v1 for half",
     )
@@ -338,8 +329,6 @@ def test_the_guard_rolls_a_failing_candidate_back_on_its_own(
         db_url,
         candidate="v2",
         percent=30,
-        tenants=[],
-        shadow=0,
         actor="ops",
         reason="try the broken one",
     )
@@ -394,8 +383,6 @@ def test_a_judged_rollback_is_refused_when_the_route_changed_meanwhile(
         sqlite_url,
         candidate="v2",
         percent=10,
-        tenants=[],
-        shadow=0,
         actor="ops",
         reason="r",
     )
@@ -498,7 +485,6 @@ def test_a_shadow_sample_is_scored_by_both_and_only_the_stable_output_is_publish
         sqlite_url,
         candidate="v2",
         percent=10,
-        tenants=[],
         shadow=30,
         actor="ops",
         reason="shadow v2",
@@ -539,7 +525,6 @@ def test_a_failing_shadow_never_fails_the_batch_it_shadows(
         sqlite_url,
         candidate="v2",
         percent=0,
-        tenants=[],
         shadow=50,
         actor="ops",
         reason="shadow only",
@@ -577,8 +562,6 @@ def test_a_promote_killed_inside_its_transaction_leaves_the_old_route_and_no_rec
         pg_url,
         candidate="v2",
         percent=10,
-        tenants=[],
-        shadow=0,
         actor="ops",
         reason="canary",
     ).after
@@ -639,8 +622,6 @@ def test_a_scorer_killed_while_its_rollout_is_promoted_loses_and_doubles_nothing
         sqlite_url,
         candidate="v2",
         percent=30,
-        tenants=[],
-        shadow=0,
         actor="ops",
         reason="canary",
     ).after
@@ -712,8 +693,6 @@ def test_the_plan_check_fails_a_config_that_lacks_a_version_its_queue_routes_to(
         sqlite_url,
         candidate="v2",
         percent=10,
-        tenants=[],
-        shadow=0,
         actor="ops",
         reason="r",
     )
@@ -736,8 +715,6 @@ def test_an_item_the_candidate_failed_counts_as_its_error_after_a_retry_scored_i
         sqlite_url,
         candidate="v2",
         percent=100,
-        tenants=[],
-        shadow=0,
         actor="ops",
         reason="r",
     )
@@ -778,7 +755,6 @@ def test_a_broken_candidate_never_trips_the_breaker_and_pauses_the_queue(
         candidate="v2",
         percent=100,
         tenants=["acme"],
-        shadow=0,
         actor="ops",
         reason="acme only",
     )
@@ -789,3 +765,67 @@ def test_a_broken_candidate_never_trips_the_breaker_and_pauses_the_queue(
     assert controls.state(engine, config.queue.name).paused is False
     engine.dispose()
     assert rollouts.guard(config, sqlite_url, dry_run=True)[0].breach is not None
+
+
+# ----------------------------------------------------------------------------- one version a scorer
+
+
+def test_scorers_pinned_to_one_version_each_claim_only_its_items(
+    db_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    # a device that cannot hold two versions: one scorer per version, each claiming only
+    # the items the route sends to it (the stored key bucket and the tenant, in the claim)
+    config = make_config(tmp_path, ckpt)
+    enqueue(db_url, config, [f"a-{i}" for i in range(600)], tenant="a")
+    enqueue(db_url, config, [f"b-{i}" for i in range(400)], tenant="b")
+    route = rollouts.start(
+        config,
+        db_url,
+        candidate="v2",
+        percent=50,
+        tenants=["a"],
+        actor="ops",
+        reason="r",
+    ).after
+    tenant_of = {f"a-{i}": "a" for i in range(600)} | {f"b-{i}": "b" for i in range(400)}
+    expected = {k: route.version_for(k, t) for k, t in tenant_of.items()}
+
+    stable = wiring.run_score(config, db_url=db_url, limits=RunLimits(), model_version="v1")
+    assert stable.summary["items_committed"] == sum(v == "v1" for v in expected.values())
+    left = {k for k, s in states(db_url).items() if s == int(models.State.READY)}
+    assert left == {k for k, v in expected.items() if v == "v2"}
+    candidate = wiring.run_score(config, db_url=db_url, limits=RunLimits(), model_version="v2")
+    assert candidate.summary["items_committed"] == len(left)
+
+    rows = outputs(tmp_path / "out")
+    assert sorted(r["item_key"] for r in rows) == sorted(expected)
+    for r in rows:
+        assert r["model_version"] == expected[r["item_key"]]
+        assert r["output"][0] == pytest.approx(10.0 + OFFSET[r["model_version"]])
+
+    # a version the route does not name claims nothing; an unlisted one is refused
+    rollouts.promote(config, db_url, actor="ops", reason="r")
+    enqueue(db_url, config, ["late"], tenant="a")
+    idle = wiring.run_score(config, db_url=db_url, limits=RunLimits(), model_version="v1")
+    assert idle.summary["items_committed"] == 0
+    with pytest.raises(errors.InputError, match="not in the config's registry"):
+        wiring.run_score(config, db_url=db_url, limits=RunLimits(), model_version="v9")
+
+
+def test_migration_15_gives_the_items_already_queued_their_route_bucket(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    config = make_config(tmp_path, ckpt)
+    enqueue(sqlite_url, config, [f"k-{i}" for i in range(50)])
+    engine = database.create_engine(sqlite_url)
+    with engine.begin() as conn:  # as a version 14 database would hold them
+        conn.execute(sa.update(schema.items).values(route_bucket=None))
+        conn.execute(schema.schema_version.delete().where(schema.schema_version.c.version >= 15))
+    queue = build.open_queue(config, sqlite_url)
+    assert (queue.migrate().from_version, schema.SCHEMA_VERSION) == (14, 15)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(schema.items.c.item_key, schema.items.c.route_bucket)).all()
+    engine.dispose()
+    queue.engine.dispose()
+    assert rows
+    assert all(b == bucket(k) for k, b in rows)

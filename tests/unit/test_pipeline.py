@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batching import config, errors, models, outcomes
+from batching import config, errors, models, outcomes, routing
 from batching.loop import scorer as pipeline
 from batching.loop import stats as run_stats
 from batching.testing import FakeClock
@@ -65,6 +65,7 @@ class InMemoryQueue:
         columns: bool = False,  # items as work items either way (ItemBlocks: integration tests)
         isolate: bool = False,  # no suspects here: an isolation claim finds none
         lease_id: str | None = None,
+        pin: routing.Pin | None = None,  # no routes here
     ) -> models.Claim:
         if isolate:
             return models.Claim("none", (), self.clock() + lease_s, isolated=True)
@@ -669,9 +670,12 @@ def test_a_batch_partly_reaped_gives_back_what_its_lease_still_holds() -> None:
         if not lost:
             lost.append(batch)
             with r.queue._lock:
-                for item in batch.items[:2]:  # the reaper took the first claim's items:
-                    row = r.queue.rows[item.id]  # suspects now, claimed in isolation only
-                    row.state, row.lease_id, row.isolate_n = models.State.READY, None, 1
+                for item in batch.items[:2]:  # the reaper took the first claim's items
+                    row = r.queue.rows[item.id]
+                    row.state, row.lease_id = models.State.READY, None
+                # ... and, as the SQL reaper's suspects are, they are never claimed into
+                # that lease again (it is no longer added to)
+                r.queue._reaped.add(batch.lease_id)
 
     r.sink.before_commit = first_claim_expired
     stats = r.scorer.run()
