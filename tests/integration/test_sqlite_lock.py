@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 from batching import config as cfg
 from batching import models
+from tests.conftest import wait_for
 from tests.integration.conftest import BATCHING
 from tests.integration.test_pipeline import SLOW, enqueue, items, w1_records, write_config
 
@@ -82,6 +84,11 @@ def test_workers_end_a_worker_that_holds_the_lock_past_its_lease(
     done_by_then = Counter(models.State(r.state).name for r in items(sqlite_url).values())
     assert done_by_then["DONE"] > 0
 
+    def leases_over() -> bool | None:  # --until-empty does not wait for leased items
+        held = [r.lease_expires_at for r in items(sqlite_url).values() if r.lease_expires_at]
+        return all(t < time.time() for t in held) or None
+
+    wait_for(leases_over, 30, "the ended worker's leases to expire")
     again = subprocess.run(score, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     rows = items(sqlite_url)
