@@ -2,6 +2,10 @@
 on every claim (``WorkItem``, ``Payload``), named tuples; standard library only.
 
 Times are epoch seconds (float) from the injected clock; durations carry ``_s``.
+
+Why it stays one module: these are the kernel's nouns, imported by every layer; split by
+topic they would import each other (a claim holds items, a batch holds a claim's items or
+its block), and the block's columnar tricks must stay beside the item they stand for.
 """
 
 from __future__ import annotations
@@ -194,6 +198,19 @@ class ItemBlock(Sequence[WorkItem]):
 
     def __iter__(self) -> Iterator[WorkItem]:
         return map(self.__getitem__, range(len(self.ids)))
+
+    def take(self, positions: Sequence[int]) -> ItemBlock:
+        """The items at ``positions`` (in that order) as a block of their own."""
+        nb, data = self.item_nbytes, memoryview(self.data)
+        return ItemBlock(
+            self.template,
+            [self.ids[i] for i in positions],
+            [self.keys[i] for i in positions],
+            [self.enqueued_at[i] for i in positions],
+            [self.attempts[i] for i in positions],
+            [self.max_attempts[i] for i in positions],
+            b"".join([data[i * nb : (i + 1) * nb] for i in positions]),
+        )
 
     def __repr__(self) -> str:
         payload = self.template.payload

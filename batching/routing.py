@@ -85,9 +85,14 @@ class Route:
             return [(self.stable, items)]
         if all(v == self.candidate for v in versions):
             return [(self.candidate, items)]
-        stable = tuple(i for i, v in zip(items, versions, strict=True) if v == self.stable)
-        candidate = tuple(i for i, v in zip(items, versions, strict=True) if v != self.stable)
-        return [(self.stable, stable), (self.candidate, candidate)]
+        mine = [i for i, v in enumerate(versions) if v == self.stable]
+        theirs = [i for i, v in enumerate(versions) if v != self.stable]
+        if isinstance(items, models.ItemBlock):  # stays columns: no object per item
+            return [(self.stable, items.take(mine)), (self.candidate, items.take(theirs))]
+        return [
+            (self.stable, tuple(items[i] for i in mine)),
+            (self.candidate, tuple(items[i] for i in theirs)),
+        ]
 
     def as_dict(self) -> dict[str, Any]:
         """Its fields, as JSON holds them."""

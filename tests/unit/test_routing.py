@@ -168,3 +168,30 @@ def test_ks_and_psi_are_zero_for_one_distribution_and_grow_with_a_shift() -> Non
     assert 0 < shadow.ks_statistic(a, near) < shadow.ks_statistic(a, far) <= 1.0
     assert 0 < shadow.psi(a, near) < 0.1 < shadow.psi(a, far)  # 0.1: the usual "stable" bound
     assert shadow.ks_statistic(np.zeros(10), np.ones(10)) == 1.0
+
+
+def test_a_block_splits_into_blocks_with_each_items_own_payload() -> None:
+    n, width = 64, 8
+    template = models.WorkItem(
+        0, "", models.Payload(b"", models.PayloadFormat.TENSOR, "uint8", (width,)), 0.0
+    )
+    data = b"".join(bytes([i]) * width for i in range(n))
+    block = models.ItemBlock(
+        template,
+        list(range(n)),
+        [f"key-{i}" for i in range(n)],
+        [float(i) for i in range(n)],
+        [1] * n,
+        [5] * n,
+        data,
+    )
+    route = Route("v1", "v2", percent=50)
+    parts = route.split(block)
+    assert [v for v, _ in parts] == ["v1", "v2"]
+    for version, part in parts:
+        assert isinstance(part, models.ItemBlock)
+        for item in part:  # built from the part's own columns and bytes
+            assert route.version_for(item.item_key, item.tenant) == version
+            assert item.payload.data == bytes([item.id]) * width
+            assert item.enqueued_at == float(item.id)
+    assert sorted(i.id for _, p in parts for i in p) == list(range(n))
