@@ -125,6 +125,7 @@ def score_queue(
     limits: run_stats.RunLimits,
     expected: int,
     workers: int = 1,
+    model_version: str | None = None,
 ) -> app.WorkersScoreOutcome:
     """Score the queue within ``limits`` as the flow run's lineage run; publish the summary.
 
@@ -149,6 +150,7 @@ def score_queue(
             resend_signals=True,  # a cancel still ends the flow run as Prefect intends
             attempt=attempt,
             in_process=workers == 1,
+            model_version=model_version,
         )
         if (error := outcome.workers.error()) is not None:
             raise error
@@ -351,6 +353,7 @@ def score(
     workers: int = 1,
     db_url_secret: str | None = None,
     lineage_api_key_secret: str | None = None,
+    model_version: str | None = None,
 ) -> dict[str, Any]:
     """Score a pipeline's queue: preconditions, then claim, batch, score, commit; report.
 
@@ -367,6 +370,9 @@ def score(
             child lineage job ``<name>.worker-<i>`` of this flow run's.
         db_url_secret: name of a Prefect Secret block holding the database URL.
         lineage_api_key_secret: name of a Prefect Secret block holding the lineage API key.
+        model_version: serve that version of a rollout alone (``batching score
+            --model-version``): a deployment per GPU slot and version, where a device cannot
+            hold two.
 
     Returns:
         The run summary (items, batches, batch sizes, padding, latency, items/s), under
@@ -382,7 +388,7 @@ def score(
             found = validate_preconditions(cfg, db, output)
         expected = min(found["ready"], max_items or found["ready"])
         limits = run_stats.RunLimits(max_seconds=max_seconds, max_items=max_items)
-        outcome = score_queue(cfg, db, output, limits, expected, workers)
+        outcome = score_queue(cfg, db, output, limits, expected, workers, model_version)
         backlog = check_backlog(cfg, db)
         stats = outcome.workers.stats()
         sla = events.sla_missed(cfg, flow_run_id(), stats.latencies_s if stats else ())

@@ -15,7 +15,6 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from batching import errors
 from batching.cli.common import (
     ConfigOption,
     DbOverride,
@@ -158,11 +157,6 @@ def score(
             rate=f"{committed} committed",
         )
 
-    if workers > 1 and model_version is not None:
-        raise errors.InputError(
-            "--model-version serves one version from one process; give --workers 1 (run one "
-            "such scorer per device)"
-        )
     if workers > 1:
         with progress, scorer_metrics(cfg, workers):
             _score_workers(
@@ -175,6 +169,7 @@ def score(
                 lineage_config=lineage_config,
                 stop=stop.asked,
                 as_json=as_json,
+                model_version=model_version,
             )
         return
 

@@ -324,8 +324,12 @@ def run_score_workers(
     resend_signals: bool = False,
     attempt: run_record.Attempt = run_record.FIRST,
     in_process: bool = False,
+    model_version: str | None = None,
 ) -> WorkersScoreOutcome:
     """Score with ``n`` worker processes as ONE run of the config's job.
+
+    ``model_version``: every worker serves that version of a rollout alone (as
+    :func:`run_score`'s); the parent run records it as its model.
 
     ``in_process`` (``n`` = 1): the one worker is scored in this process, not a spawned one
     (a Prefect flow run's single scorer: the flow run is the parent run, its scorer the
@@ -346,6 +350,8 @@ def run_score_workers(
         SchemaError, QueueError, SinkError, ConfigError, CheckpointError: the database, the
             output location or an argument is unusable; the lineage settings are invalid.
     """
+    original = config  # the workers pin from it: a queue without a route runs its model
+    config, _ = pinned(config, model_version)
     res = build.checked(config, db_url, output)
     share_limits(limits or run_stats.RunLimits(), n)  # bad input: refused before any record
     if in_process and n != 1:
@@ -390,11 +396,12 @@ def run_score_workers(
                 "lineage_config": lineage_config,
             }
             outcome = (
-                _in_process(config, **each)
+                _in_process(original, model_version=model_version, **each)
                 if in_process
                 else _spawned(
-                    config,
+                    original,
                     n,
+                    model_version=model_version,
                     threads=threads,
                     stop=stop,
                     resend_signals=resend_signals,
@@ -438,11 +445,12 @@ def _spawned(
     *,
     engine: Any,
     parent: tuple[str, str],
+    model_version: str | None = None,
     **kwargs: Any,
 ) -> WorkersOutcome:
     """``n`` workers in spawned processes (``workers.run_workers``), each with a run id."""
     return run_workers(
-        _ScoreOne(),
+        _ScoreOne(model_version),
         config,
         n,
         parent=parent,
@@ -487,7 +495,10 @@ def _in_process(
 class _ScoreOne:
     """:func:`run_score`, as a worker process runs it: pickled by its class's name, so the
     worker looks ``run_score`` up in its own interpreter (a parent's monkeypatched or wrapped
-    function could not be pickled)."""
+    function could not be pickled). ``model_version``: each worker serves that version alone."""
+
+    def __init__(self, model_version: str | None = None) -> None:
+        self.model_version = model_version
 
     def __call__(
         self,
@@ -514,6 +525,7 @@ class _ScoreOne:
             job_name=job_name,
             lineage_config=lineage_config,
             run_id=run_id,
+            model_version=self.model_version,
         )
 
 

@@ -95,3 +95,14 @@ def test_the_guard_flow_leaves_a_healthy_candidate_alone(tmp_path: Path) -> None
     by_role = {v["role"]: v for v in result["versions"]}
     assert by_role["candidate"]["committed"] + by_role["stable"]["committed"] == 200
     assert by_role["candidate"]["errors"] == 0
+
+
+def test_score_flows_pinned_to_one_version_each_score_only_its_items(tmp_path: Path) -> None:
+    pipeline = make_pipeline(tmp_path, 300)
+    with_candidate(pipeline, tmp_path)
+    stable = score(**pipeline.params(model_version="w1-mlp-v1"))
+    assert 0 < stable["items_committed"] < 300
+    assert pipeline.by_state()["ready"] == 300 - stable["items_committed"]
+    candidate = score(**pipeline.params(model_version="w1-next"))
+    assert stable["items_committed"] + candidate["items_committed"] == 300
+    assert pipeline.by_state()["done"] == 300

@@ -794,7 +794,10 @@ def test_scorers_pinned_to_one_version_each_claim_only_its_items(
     assert stable.summary["items_committed"] == sum(v == "v1" for v in expected.values())
     left = {k for k, s in states(db_url).items() if s == int(models.State.READY)}
     assert left == {k for k, v in expected.items() if v == "v2"}
-    candidate = wiring.run_score(config, db_url=db_url, limits=RunLimits(), model_version="v2")
+    candidate = wiring.run_score_workers(  # two processes, each serving the candidate
+        config, 2, db_url=db_url, limits=RunLimits(), model_version="v2"
+    )
+    assert candidate.workers.error() is None
     assert candidate.summary["items_committed"] == len(left)
 
     rows = outputs(tmp_path / "out")
