@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from batching import models
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
@@ -77,11 +79,14 @@ class RecoverResult:
     in_flight: tuple[str, ...] = ()
 
 
-def by_cost(tenants: Sequence[str], costs: Sequence[int], seconds: float) -> dict[str, float]:
-    """``seconds`` of a forward pass shared among the tenants of its items in proportion to
-    their cost (each item's ``cost``: tokens, rows; at least 1): what each tenant's items
-    used of the device."""
+def by_cost(items: Sequence[models.WorkItem], seconds: float) -> dict[str, float]:
+    """``seconds`` of a forward pass shared among the tenants of its ``items`` in proportion
+    to their cost (each item's ``cost``: tokens, rows; at least 1): what each tenant's items
+    used of the device. A claim's block is one tenant's: no step per item."""
+    if isinstance(items, models.ItemBlock):
+        return {items.template.tenant: seconds} if len(items) else {}
     shares: dict[str, float] = {}
+    tenants, costs = models.item_column(items, "tenant"), models.item_column(items, "cost")
     for tenant, cost in zip(tenants, costs, strict=True):
         shares[tenant] = shares.get(tenant, 0.0) + max(int(cost), 1)
     total = sum(shares.values())

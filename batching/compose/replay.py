@@ -188,16 +188,15 @@ def _original_rows(
         stmt = sa.select(results.c.item_key, results.c.output, results.c.output_dim).where(
             results.c.batch_id == row.batch_id
         )
-        engine = conn if target.url is None else None
-        if engine is None:
+        if target.url is None:  # in the queue's database
+            found = conn.execute(stmt).all()
+        else:  # a warehouse of its own
             from batching.store import database
 
-            other = database.create_engine(target.url or "")
+            other = database.create_engine(target.url)
             with other.connect() as c:
                 found = c.execute(stmt).all()
             other.dispose()
-        else:
-            found = conn.execute(stmt).all()
         return {k: np.frombuffer(bytes(o), np.float32) for k, o, _ in found}
     elif row.sink == "delta":
         from batching.outputs import delta
@@ -225,7 +224,6 @@ def _passes(
     passes: dict[str, list[int]] = {}  # pass id -> ids; "" + batch id: a batch unrecorded
     version_of: dict[str, str] = {}
     unrecorded: dict[str, str] = {}  # such a pass -> its batch
-    original_of: dict[int, np.ndarray[Any, Any]] = {}
     for row in rows:
         report.batches += 1
         recorded = ledger.decode_forwards(row.forwards)
@@ -251,10 +249,8 @@ def _passes(
         if not items:
             continue
         seen_keys.update(i.item_key for i in items)
-        for i in items:
-            original_of[i.id] = keys_of[i.item_key]
         report.passes += 1
-        yield pass_id, version_of[pass_id], tuple(items), {i.id: original_of[i.id] for i in items}
+        yield pass_id, version_of[pass_id], tuple(items), {i.id: keys_of[i.item_key] for i in items}
     missing = sorted(set(keys_of) - seen_keys)
     report.skipped = len(missing)
     report.skipped_keys = missing[:SKIPPED_SHOWN]

@@ -18,7 +18,6 @@ Scorers read the route in every claim's transaction (``controls.for_claim``).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -189,8 +188,8 @@ def _change(
         after = replace(after, epoch=epoch, since=now)
         controls.update_row(conn, queue, {"route": after.to_json()}, now)
         detail = {
-            "from": None if before is None else json.loads(before.to_json()),
-            "to": json.loads(after.to_json()),
+            "from": None if before is None else before.as_dict(),
+            "to": after.as_dict(),
         }
         controls.record(conn, queue, action, actor, now, reason, detail)
     return Change(action, before, after, actor, reason)

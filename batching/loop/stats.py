@@ -169,9 +169,7 @@ class RunStats:
     ) -> None:
         """A forward pass's seconds (a committed batch's, a shadow pass's), to the items'
         tenants by cost and to the version that ran it."""
-        tenants = models.item_column(items, "tenant")
-        costs = models.item_column(items, "cost")
-        _add(self.device_s_by_tenant, outcomes.by_cost(tenants, costs, seconds))
+        _add(self.device_s_by_tenant, outcomes.by_cost(items, seconds))
         _add(self.device_s_by_version, {version: seconds})
 
 

@@ -148,12 +148,10 @@ class Recorder:
             poisoned = [i for i in batch.items if i.id in result.poisoned]
             for tenant, p in self._by_tenant(poisoned).items():
                 self._s("batching_poison_isolated_total", tenant, version).inc(len(p))
-        costs = models.item_column(batch.items, "cost")
-        by_tenant = self._by_tenant(batch.items)
-        labels = [t for t, p in by_tenant.items() for _ in p]
-        per_item = [costs[i] for p in by_tenant.values() for i in p]
-        for tenant, seconds in outcomes.by_cost(labels, per_item, result.service_s).items():
-            self._s("batching_device_seconds_total", tenant, version).inc(seconds)
+        for tenant, seconds in outcomes.by_cost(batch.items, result.service_s).items():
+            # folded as ``committed`` counted them (n_items 0: counted once, there)
+            label = self.folder.label(tenant, 0)
+            self._s("batching_device_seconds_total", label, version).inc(seconds)
 
     def committed(
         self, items: Sequence[models.WorkItem], done_at: float, model_version: str | None = None
