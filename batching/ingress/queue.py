@@ -40,7 +40,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
 from batching import crashes, errors, models, routing
-from batching.ingress import admission, controls, sqlite_claim, tenant_share, watch
+from batching.ingress import admission, controls, pg_bulk, sqlite_claim, tenant_share, watch
 from batching.ports import Clock
 from batching.store import database, schema, sqlite
 
@@ -223,6 +223,7 @@ class SqlQueue:
         added: collections.Counter[str] = collections.Counter()  # inserted, by tenant
         rows: list[dict[str, Any]] = []
         bodies: dict[str, bytes] = {}
+        chunk = pg_bulk.CHUNK if self.dialect == "postgresql" else _ENQUEUE_CHUNK
         with self.begin() as conn:
             room = self._room(conn)
             for rec in records:
@@ -232,7 +233,7 @@ class SqlQueue:
                 seen.add(rec.item_key)
                 bodies[rec.item_key] = rec.payload.data
                 rows.append(self._row(rec, now, enqueue_run))
-                if len(rows) == _ENQUEUE_CHUNK:
+                if len(rows) == chunk:
                     self._write_chunk(conn, rows, bodies, written, dupes, on_progress, added)
                     room(written[1], added)
                     rows, bodies = [], {}
@@ -262,7 +263,9 @@ class SqlQueue:
         ``added`` (inserted by tenant)."""
         ids = self._insert_new(conn, rows)
         added.update(r["tenant"] for r in rows if r["item_key"] in ids)
-        if ids:
+        if ids and self.dialect == "postgresql":
+            pg_bulk.copy_bodies(conn, [(i, bodies[k]) for k, i in ids.items()])
+        elif ids:
             conn.execute(_P.insert(), [{"id": i, "payload": bodies[k]} for k, i in ids.items()])
         written[0] += len(rows)
         written[1] += len(ids)
@@ -316,11 +319,12 @@ class SqlQueue:
         }
 
     def _insert_new(self, conn: Connection, chunk: list[dict[str, Any]]) -> dict[str, int]:
-        """Insert the rows whose key is new; returns their ids by key."""
+        """Insert the rows whose key is new; returns their ids by key. PostgreSQL: one
+        statement over column arrays (:mod:`~batching.ingress.pg_bulk`)."""
         if self.dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        else:
-            from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
+            return pg_bulk.insert_new(conn, chunk)
+        from sqlalchemy.dialects.sqlite import insert
+
         # One statement, many parameter sets: SQLAlchemy's insertmanyvalues batches them into
         # multi-row INSERTs without compiling a statement per chunk (which cost ~250 us a row).
         stmt = (
@@ -404,20 +408,20 @@ class SqlQueue:
         if self.dialect == "sqlite":
             alone = None if fair is None else self._claim_sql(lane, max_cost, pinned=pinned)
             claimed = self._claim_sqlite(sql, params, now, columns and not isolate, alone)
-            if isinstance(claimed, models.ItemBlock):
-                if fair is not None:
-                    fair.charge({claimed.template.tenant: len(claimed)}, now)
-                return models.Claim(
-                    lease_id,
-                    claimed,
-                    now + lease_s,
-                    suspects=bool(params["suspects"]),
-                    expired=params["expired"],
-                    route=params["route"],
-                )
-            rows, bodies = claimed
         else:
-            rows, bodies = self._claim_returning(sql, params, now)
+            claimed = self._claim_returning(sql, params, now, columns and not isolate)
+        if isinstance(claimed, models.ItemBlock):
+            if fair is not None:
+                fair.charge({claimed.template.tenant: len(claimed)}, now)
+            return models.Claim(
+                lease_id,
+                claimed,
+                now + lease_s,
+                suspects=bool(params["suspects"]),
+                expired=params["expired"],
+                route=params["route"],
+            )
+        rows, bodies = claimed
         if fair is not None and rows:
             fair.charge(collections.Counter(map(_BY_TENANT, rows)), now)
         rows.sort(key=_BY_DEADLINE_AGE_ID)
@@ -548,14 +552,23 @@ class SqlQueue:
         )
 
     def _claim_returning(
-        self, sql: str, params: dict[str, Any], now: float
-    ) -> tuple[list[Any], dict[int, bytes]]:
-        """PostgreSQL: UPDATE ... RETURNING and the bodies, in one transaction."""
+        self, sql: str, params: dict[str, Any], now: float, columns: bool = False
+    ) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock:
+        """PostgreSQL: the UPDATE ... RETURNING read back as one row of columns
+        (:func:`pg_bulk.claim_as_one_row`), its bodies included, in one statement; with
+        ``columns``, uniform items as one ItemBlock (as a SQLite claim). Items whose body
+        row is gone are buried in the same transaction."""
         with self.begin() as conn:
             if not self._before_claim(conn, now, params):
                 return [], {}
-            rows = list(conn.execute(sa.text(sql), params).fetchall())
-            bodies = self._bodies(conn, [r[0] for r in rows]) if rows else {}
+            row = conn.execute(sa.text(pg_bulk.claim_as_one_row(sql)), params).one()
+            parts = pg_bulk.split_row(row)
+            if parts is None:
+                return [], {}
+            claimed = sqlite_claim.unpack_claim(self.queue, *parts, columns=columns)
+            if isinstance(claimed, models.ItemBlock):
+                return claimed
+            rows, bodies = claimed
             if len(bodies) != len(rows):
                 rows = self._bury_bodiless(conn, params["lease"], rows, bodies, now)
         return rows, bodies

@@ -33,7 +33,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -43,9 +43,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from batching import errors, models, outcomes
-from batching.config import ModelSpec
 from batching.model import payloads, zoo
 from batching.plan.profile import ProfilePoint, ServiceProfile
+
+if TYPE_CHECKING:  # read by attribute only: bench/gpu_check.py runs without pydantic
+    from batching.config import ModelSpec
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 W1_ROWS = 50_000
 W2_ROWS = 3_000
@@ -41,6 +39,9 @@ def w2_inputs(n: int = W2_ROWS) -> list[npt.NDArray[np.int64]]:
 def write_w1_parquet(path: Path, n: int, *, prefix: str = "w1-") -> Path:
     """W1 requests as Parquet with a fixed-size-list ``payload`` column (binary tensor payloads)."""
     x = w1_inputs(n)
+    import pyarrow as pa  # here: the GPU check imports this module without pyarrow
+    import pyarrow.parquet as pq
+
     payload = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 64)
     keys = pa.array([f"{prefix}{i}" for i in range(n)])
     pq.write_table(pa.table({"item_key": keys, "payload": payload}), path)

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from batching import errors, models
+from batching import errors, models, routing
+from batching.ingress import pg_bulk, run_ledger
 from batching.ingress import queue as q
-from batching.ingress import run_ledger
 from batching.store import database, schema
 from batching.testing import FakeClock
 
@@ -287,7 +287,7 @@ def test_a_columns_claim_of_uniform_items_is_one_block_of_the_same_items_in_clai
     clock.now = 1_800_000_040.0  # all ready
     twin = q.SqlQueue(queue.engine, "contract", clock=clock)
     claim = queue.claim(10, lease_s=30, columns=True)
-    assert isinstance(claim.items, models.ItemBlock) == (block and queue.dialect == "sqlite")
+    assert isinstance(claim.items, models.ItemBlock) == block  # SQLite and PostgreSQL alike
     keys = [i.item_key for i in claim.items]
     want = ["k0", "k1", "k4", "k5", "k2", "k3"]
     assert [k for k in keys if k != "odd"] == want
@@ -544,12 +544,71 @@ def test_enqueue_reports_progress_after_each_chunk(
     queue: q.SqlQueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(q, "_ENQUEUE_CHUNK", 2)
+    monkeypatch.setattr(pg_bulk, "CHUNK", 2)
     seen: list[int] = []
     result = queue.enqueue(
         [rec("a"), rec("b"), rec("a"), rec("c"), rec("d"), rec("e")], seen.append
     )
     assert (result.inserted, result.duplicates) == (5, ("a",))
     assert seen == [2, 4, 5]
+
+
+def test_an_enqueue_in_chunks_keeps_every_field_and_skips_keys_already_queued(
+    queue: q.SqlQueue, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Chunks of 100: on PostgreSQL each goes by COPY through the staging table, and a chunk
+    # of fewer than pg_bulk.STAGE_MIN rows (the first enqueue, the last chunk) by unnest.
+    monkeypatch.setattr(q, "_ENQUEUE_CHUNK", 100)
+    monkeypatch.setattr(pg_bulk, "CHUNK", 100)
+    assert queue.enqueue([rec(f"k{i}") for i in range(0, 300, 6)]).inserted == 50
+
+    def tensor(i: int) -> models.EnqueueRecord:
+        body = bytes([i % 256]) * 8 + b"\x00\xff"
+        payload = models.Payload(body, models.PayloadFormat.TENSOR, "uint8", (2, 5))
+        deadline = clock() + 10.0 + i / 7 if i % 3 else None
+        return models.EnqueueRecord(
+            f"k{i}", payload, tenant=f"t{i % 4}", priority=i % 2, deadline_at=deadline, cost=i
+        )
+
+    records = [tensor(i) for i in range(300)] + [tensor(7)]  # a repeat in the same call
+    result = queue.enqueue(records, enqueue_run="run-1")
+    assert result.inserted == 250
+    assert set(result.duplicates) == {f"k{i}" for i in range(0, 300, 6)} | {"k7"}
+    for i in (1, 2, 99, 100, 101, 299):
+        r = row(queue, f"k{i}")
+        want = tensor(i)
+        assert (r.tenant, r.priority, r.cost, r.enqueue_run) == (f"t{i % 4}", i % 2, i, "run-1")
+        assert (r.payload_format, r.dtype, json.loads(r.shape)) == ("tensor", "uint8", [2, 5])
+        assert r.deadline_at == want.deadline_at  # exact, not rounded through text
+        assert r.sort_deadline == (want.deadline_at or schema.NO_DEADLINE)
+        assert r.route_bucket == routing.bucket(f"k{i}")
+        assert r.state == models.State.READY
+        assert r.enqueued_at == clock()
+    claim = queue.claim(300, lease_s=30)
+    assert len(claim.items) == 300
+    by_key = {i.item_key: i for i in claim.items}
+    assert by_key["k299"].payload.data == tensor(299).payload.data
+    assert by_key["k6"].payload.data == b'{"x":[1]}'  # queued first, kept
+
+
+def test_an_enqueue_that_fails_midway_leaves_nothing_and_the_next_one_works(
+    queue: q.SqlQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(q, "_ENQUEUE_CHUNK", 100)
+    monkeypatch.setattr(pg_bulk, "CHUNK", 100)
+
+    def records() -> Iterator[models.EnqueueRecord]:
+        for i in range(250):
+            yield rec(f"a{i}")
+        raise ValueError("the input broke")
+
+    with pytest.raises(ValueError, match="the input broke"):
+        queue.enqueue(records())
+    assert queue.stats().by_state.get("ready", 0) == 0
+    # The same pooled connection: its staging table holds no rows of the failed enqueue.
+    assert queue.enqueue([rec(f"b{i}") for i in range(150)]).inserted == 150
+    assert queue.stats().by_state["ready"] == 150
+    assert {i.item_key for i in queue.claim(200, lease_s=30).items} == {f"b{i}" for i in range(150)}
 
 
 def test_ack_all_or_raise_rolls_back_with_caller(queue: q.SqlQueue) -> None:
