@@ -139,6 +139,11 @@ class QueueConfig(_Model):
         description="how often an idle scorer looks for work when nothing wakes it (a NOTIFY on "
         "PostgreSQL, a data_version change on SQLite)",
     )
+    idle_poll_max_s: float = Field(
+        1.0,
+        gt=0,
+        description="an idle scorer polls less often the longer it finds nothing, up to this: new items still wake it at once; what only time makes ready (a retry's backoff, an expired lease, a resumed queue) waits up to this long",
+    )
     late_policy: Literal["score", "expire"] = Field(
         "score",
         description="a claimed item predicted to miss its `deadline_at` when its batch is cut: `score` it anyway (late), or `expire` it unscored with a reason naming its deadline and the prediction (counted)",

@@ -225,6 +225,7 @@ class Scorer(Generic[D]):
         """Claim whenever fewer than ``_low_water()`` items are pending, so claims (mostly
         database time, without the GIL) overlap decoding and the forward pass."""
         deadline = self.clock() + limits.max_seconds if limits.max_seconds is not None else None
+        idle_s = self.config.queue.poll_s
         try:
             while not self._stop.is_set() and self._error is None:
                 if (limits.max_items is not None and self.stats.claimed >= limits.max_items) or (
@@ -240,12 +241,17 @@ class Scorer(Generic[D]):
                 got = self._claim(limits)
                 self._exhausted = not got
                 self._wake.set()
-                if not got:
+                if got:
+                    idle_s = self.config.queue.poll_s
+                else:
                     if limits.until_empty:
                         return
-                    # Poll again only after poll_s (a NOTIFY wakes it sooner on PostgreSQL):
-                    # each claim is a write transaction that would contend with commits.
-                    self._wait(self.config.queue.poll_s)
+                    # Poll again only after idle_s (new items wake it sooner: a NOTIFY on
+                    # PostgreSQL, a data_version change on SQLite): each claim is a write
+                    # transaction, and an idle scorer should cost the database next to nothing.
+                    # It doubles while nothing is found, up to idle_poll_max_s.
+                    self._wait(idle_s)
+                    idle_s = min(2 * idle_s, max(self.config.queue.idle_poll_max_s, idle_s))
         finally:
             self._claims_over.set()
             self._wake.set()

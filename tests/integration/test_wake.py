@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,34 @@ engine.dispose()
 """
 
 
+def score_one_in_thread(
+    config: Any, url: str, tmp_path: Path, on_scorer: Any
+) -> tuple[threading.Thread, list[wiring.ScoreOutcome]]:
+    """A long-running scorer (``max_items=1``) on a thread; its outcome lands in the list."""
+    outcome: list[wiring.ScoreOutcome] = []
+    run = threading.Thread(
+        target=lambda: outcome.append(
+            wiring.run_score(
+                config,
+                db_url=url,
+                output=str(tmp_path / "outputs"),
+                limits=run_stats.RunLimits(until_empty=False, max_items=1),
+                on_scorer=on_scorer,
+            )
+        ),
+        daemon=True,
+    )
+    run.start()
+    return run, outcome
+
+
+def produce(url: str, queue: str) -> None:
+    """Enqueue the item ``late`` from another process."""
+    subprocess.run(
+        [sys.executable, "-c", PRODUCER, url, queue], check=True, cwd=REPO, timeout=BACKSTOP_S
+    )
+
+
 def test_a_waiting_sqlite_scorer_scores_another_processs_item_before_poll_s(
     sqlite_url: str, tmp_path: Path
 ) -> None:
@@ -106,27 +135,9 @@ def test_a_waiting_sqlite_scorer_scores_another_processs_item_before_poll_s(
 
         scorer._wait = marked
 
-    outcome: list[wiring.ScoreOutcome] = []
-    run = threading.Thread(
-        target=lambda: outcome.append(
-            wiring.run_score(
-                config,
-                db_url=sqlite_url,
-                output=str(tmp_path / "outputs"),
-                limits=run_stats.RunLimits(until_empty=False, max_items=1),
-                on_scorer=watch_the_wait,
-            )
-        ),
-        daemon=True,
-    )
-    run.start()
+    run, outcome = score_one_in_thread(config, sqlite_url, tmp_path, watch_the_wait)
     assert waiting.wait(BACKSTOP_S), "the scorer never waited for work"
-    subprocess.run(
-        [sys.executable, "-c", PRODUCER, sqlite_url, config.queue.name],
-        check=True,
-        cwd=REPO,
-        timeout=BACKSTOP_S,
-    )
+    produce(sqlite_url, config.queue.name)
     run.join(BACKSTOP_S / 2)  # a poll would claim the item only after BACKSTOP_S
     assert not run.is_alive(), "the enqueue did not wake the scorer"
     assert outcome[0].summary["items_committed"] == 1
@@ -137,6 +148,45 @@ def test_a_waiting_sqlite_scorer_scores_another_processs_item_before_poll_s(
         ).scalar_one()
     engine.dispose()
     assert state == models.State.DONE
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("poll_s", [BACKSTOP_S, 0.05])
+def test_an_idle_postgres_scorer_claims_ever_less_often_and_wakes_on_a_notify(
+    pg_url: str, tmp_path: Path, poll_s: float
+) -> None:
+    """Long-running mode on PostgreSQL: a scorer that keeps finding nothing claims ever less
+    often (poll_s doubling up to idle_poll_max_s: ~10 claims in 3 s, not 60), and another
+    process's enqueue still wakes it at once by its NOTIFY (with poll_s at 60 s, only the
+    NOTIFY can end the run in time)."""
+    config = load(
+        "tabular.yaml", tmp_path, queue={"poll_s": poll_s, "idle_poll_max_s": max(poll_s, 0.4)}
+    )
+    claims: list[float] = []
+    waiting = threading.Event()
+
+    def count(scorer: Any) -> None:
+        claim, wait = scorer._claim, scorer._wait
+
+        def counted(limits: Any) -> object:
+            claims.append(time.monotonic())
+            return claim(limits)
+
+        def marked(timeout_s: float) -> object:
+            waiting.set()
+            return wait(timeout_s)
+
+        scorer._claim, scorer._wait = counted, marked
+
+    run, outcome = score_one_in_thread(config, pg_url, tmp_path, count)
+    assert waiting.wait(BACKSTOP_S), "the scorer never waited for work"
+    time.sleep(3.0)
+    idle_claims = len(claims)
+    assert idle_claims <= 12, idle_claims  # every poll_s (0.05 s) would be ~60
+    produce(pg_url, config.queue.name)
+    run.join(BACKSTOP_S / 2)
+    assert not run.is_alive(), "the enqueue did not wake the scorer"
+    assert outcome[0].summary["items_committed"] == 1
 
 
 def test_a_commit_watch_wakes_every_waiting_reader_on_a_commit(db_url: str) -> None:

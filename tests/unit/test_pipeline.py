@@ -435,8 +435,18 @@ def test_max_seconds_on_the_fake_clock_waits_for_work_then_stops() -> None:
     assert r.sink.keys() == Counter(["late-1", "late-2", "late-3"])
     assert stats.committed == 3
     assert r.clock() - started == 5.0
-    assert len(r.waits) == 5
-    assert all(0 < w <= 0.001 for w in r.waits)  # never longer than poll_s
+    # poll_s after an empty claim; doubling while claims keep finding nothing, from poll_s
+    # again once one found work (the third claim)
+    assert r.waits == [0.001, 0.001, 0.002, 0.004, 0.008]
+
+
+def test_an_idle_scorer_polls_ever_less_often_up_to_idle_poll_max_s() -> None:
+    r = rig(on_wait=lambda r: r.clock.advance(1.0), max_batch_size=4, claim_size=8)
+    r.scorer.config = r.scorer.config.model_copy(
+        update={"queue": r.scorer.config.queue.model_copy(update={"idle_poll_max_s": 0.005})}
+    )
+    r.scorer.run(run_stats.RunLimits(until_empty=False, max_seconds=6.0))
+    assert r.waits == [0.001, 0.002, 0.004, 0.005, 0.005, 0.005]
 
 
 def test_until_empty_on_an_empty_queue_returns_at_once() -> None:
