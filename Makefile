@@ -1,5 +1,5 @@
 # The two set-up commands: `make demo` and `make check`. Both create .venv on first use.
-.PHONY: demo check setup setup-dev lint types test test-fast bench chaos-smoke drills
+.PHONY: demo check setup setup-dev lint types test test-fast bench chaos-smoke drills gpu-wheels
 
 VENV := .venv/bin
 
@@ -48,3 +48,11 @@ PG_URL ?= postgresql://postgres@127.0.0.1:5432/postgres
 chaos-smoke: setup-dev
 	$(VENV)/python bench/chaos.py --rounds 4 --seed $(SEED) --faults cycle
 	$(VENV)/python bench/chaos.py --rounds 2 --seed $(SEED) --pg $(PG_URL) --faults cycle
+
+# The one wheel bench/gpu_check.sh needs beyond torch, numpy and safetensors on a bare GPU
+# machine (Python 3.12, x86-64), into .whl/ (git-ignored): carry it with the working tree.
+ORJSON_VERSION ?= $(shell $(VENV)/python -c "import orjson; print(orjson.__version__)" 2>/dev/null)
+gpu-wheels:
+	python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl orjson$(if $(ORJSON_VERSION),==$(ORJSON_VERSION))
