@@ -15,7 +15,7 @@ from batching import config
 from batching.compose import build
 from batching.ingress import ingest
 from batching.loop import stats as run_stats
-from flows import logs, secrets, settings
+from flows import logs, secrets, settings, slots
 from flows.score import (
     before_scoring,
     flow_run_id,
@@ -63,6 +63,8 @@ def bulk(
     workers: int = 1,
     db_url_secret: str | None = None,
     lineage_api_key_secret: str | None = None,
+    gpu_slot: str | None = None,
+    gpu_slot_wait_s: float | None = None,
 ) -> dict[str, Any]:
     """Enqueue ``input_path`` and score the whole queue with the bulk profile.
 
@@ -72,6 +74,7 @@ def bulk(
         max_seconds: stop claiming after this long (checked between micro-batches).
         workers: scorer processes side by side, as for the score flow.
         db_url_secret, lineage_api_key_secret: Secret block names, as for the score flow.
+        gpu_slot, gpu_slot_wait_s: the GPU slot held while scoring, as for the score flow.
 
     Returns:
         ``enqueued`` and ``duplicates`` counts, then the run summary.
@@ -86,7 +89,8 @@ def bulk(
             enqueued = enqueue_input(cfg, db, input_path)
         limits = run_stats.RunLimits(max_seconds=max_seconds)
         expected = found["ready"] + enqueued["inserted"]
-        outcome = score_queue(cfg, db, output, limits, expected, workers)
+        with slots.gpu_slot(gpu_slot, gpu_slot_wait_s):
+            outcome = score_queue(cfg, db, output, limits, expected, workers)
         return {
             "enqueued": enqueued["inserted"],
             "duplicates": enqueued["duplicates"],

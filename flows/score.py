@@ -49,7 +49,7 @@ from batching.compose import run as app
 from batching.ingress import controls, run_ledger
 from batching.loop import stats as run_stats
 from batching.redaction import redact_url
-from flows import artifacts, events, logs, secrets, settings
+from flows import artifacts, events, logs, secrets, settings, slots
 from flows import lineage as flow_lineage
 
 P = ParamSpec("P")
@@ -354,6 +354,8 @@ def score(
     db_url_secret: str | None = None,
     lineage_api_key_secret: str | None = None,
     model_version: str | None = None,
+    gpu_slot: str | None = None,
+    gpu_slot_wait_s: float | None = None,
 ) -> dict[str, Any]:
     """Score a pipeline's queue: preconditions, then claim, batch, score, commit; report.
 
@@ -373,6 +375,10 @@ def score(
         model_version: serve that version of a rollout alone (``batching score
             --model-version``): a deployment per GPU slot and version, where a device cannot
             hold two.
+        gpu_slot: a Prefect global concurrency limit of 1 (one GPU of one host) held while
+            scoring, so runs that name the same slot never share its GPU
+            (:mod:`flows.slots`; the deployment's ``CUDA_VISIBLE_DEVICES`` picks the GPU).
+        gpu_slot_wait_s: fail the run if the slot stays taken this long (default: wait).
 
     Returns:
         The run summary (items, batches, batch sizes, padding, latency, items/s), under
@@ -388,7 +394,8 @@ def score(
             found = validate_preconditions(cfg, db, output)
         expected = min(found["ready"], max_items or found["ready"])
         limits = run_stats.RunLimits(max_seconds=max_seconds, max_items=max_items)
-        outcome = score_queue(cfg, db, output, limits, expected, workers, model_version)
+        with slots.gpu_slot(gpu_slot, gpu_slot_wait_s):
+            outcome = score_queue(cfg, db, output, limits, expected, workers, model_version)
         backlog = check_backlog(cfg, db)
         stats = outcome.workers.stats()
         sla = events.sla_missed(cfg, flow_run_id(), stats.latencies_s if stats else ())
