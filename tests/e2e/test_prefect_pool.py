@@ -38,8 +38,8 @@ WORKERS = 2
 
 
 W1 = zoo.BUILTINS["w1-mlp"]
-# W1 whose forward pass takes 50 ms: a run of 1,000 items scores for ~5 s, so runs on two
-# workers overlap however their processes' starts fall.
+# W1 whose forward pass takes 50 ms: a run of 1,000 items in batches of 5 scores for ~10 s,
+# so runs on two workers overlap however their processes' starts fall.
 SLOW_W1 = {
     "name": f"{__name__}:slow_w1",
     "version": "w1-slow",
@@ -91,7 +91,7 @@ def test_two_workers_on_a_pool_score_one_postgres_queue_exactly_once(
                                 "lineage": {"path": str(tmp_path / "events.jsonl")},
                                 "model": SLOW_W1,
                                 "service_profile": str(profile),
-                                "batching": {"max_batch_size": 10, "claim_size": 100},
+                                "batching": {"max_batch_size": 5, "claim_size": 50},
                             },
                         },
                         "work_pool": {"name": "pool", "work_queue_name": "default"},
@@ -143,10 +143,19 @@ def test_two_workers_on_a_pool_score_one_postgres_queue_exactly_once(
     assert len(set(keys)) == N_ITEMS
 
     # Both workers ran flow runs, and two runs scored at the same time.
+    # (a worker names every run it sees; only the one that starts a run logs this line)
     logs = {i: (tmp_path / f"worker-{i}.log").read_text() for i in range(WORKERS)}
-    ran = {i: [r for r in runs if r in log] for i, log in logs.items()}
+    names = {stack.flow_run(run_id)["name"]: run_id for run_id in runs}
+    ran = {
+        i: [
+            r
+            for name, r in names.items()
+            if f"Flow run '{name}' submitted to infrastructure" in log
+        ]
+        for i, log in logs.items()
+    }
     assert all(ran.values()), ran
-    assert sorted(itertools.chain(*ran.values())) == sorted(runs)
+    assert sorted(itertools.chain(*ran.values())) == sorted(runs)  # each run started once
     scored = [(start, end) for run_id, start, end in windows if run_id in runs]
     assert any(a[0] < b[1] and b[0] < a[1] for a, b in itertools.combinations(scored, 2)), scored
 
