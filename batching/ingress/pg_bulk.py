@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import orjson
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
@@ -103,15 +104,16 @@ def copy_bodies(conn: Connection, bodies: Sequence[tuple[int, bytes]]) -> None:
 
 # -- claims as one row -----------------------------------------------------------------------
 
-# A PostgreSQL claim read back as ONE row laid out as ``sqlite_claim.CLAIMED`` (the columns as
-# JSON arrays, the times' min, max and deadline count, the bodies concatenated) followed by
-# ``sqlite_claim.CLAIMED_TIMES``'s time columns, from the claim's own UPDATE ... RETURNING: so
+# A PostgreSQL claim read back as ONE row laid out as ``sqlite_claim.CLAIMED_NO_BODIES`` (the
+# columns as JSON arrays, the times' min, max and deadline count) followed by
+# ``sqlite_claim.CLAIMED_TIMES``'s time columns, from the claim's own UPDATE ... RETURNING, then
+# its bodies concatenated in a second statement (:func:`with_bodies`): so
 # ``sqlite_claim.unpack_claim`` builds its items (or one ItemBlock) a column at a time, where
 # returning a row per item cost ~12 us a row of Python (fetch, item tuples, sort) in the
-# scorer, the largest share of a PostgreSQL scorer's CPU. The aggregates of one query step through
-# the same rows in the same order (one ORDER BY each sorted the rows once per aggregate: 17
-# sorts, twice the claim's time); ``unpack_claim`` puts the items in claim order. Times go as
-# integers (whole seconds, fraction times 2^52), exact as in SQLite.
+# scorer, the largest share of a PostgreSQL scorer's CPU. The aggregates of one query step
+# through the same rows in the same order (one ORDER BY each sorted the rows once per
+# aggregate: 17 sorts, twice the claim's time); ``unpack_claim`` puts the items in claim
+# order. Times go as integers (whole seconds, fraction times 2^52), exact as in SQLite.
 _JSON_COLUMNS = (
     "u.id",
     "u.item_key",
@@ -140,7 +142,6 @@ _AGGREGATES = ", ".join(
         "min(u.enqueued_at)",
         "max(u.enqueued_at)",
         "count(u.deadline_at)",
-        "string_agg(p.payload, CAST('' AS bytea))",
         *(
             _agg(part.format(column))
             for column in ("u.enqueued_at", "u.deadline_at")
@@ -148,7 +149,16 @@ _AGGREGATES = ", ".join(
         ),
     ]
 )
-_TIMES_AT = len(_JSON_COLUMNS) + 4  # where the CLAIMED_TIMES columns start in the row
+_TIMES_AT = len(_JSON_COLUMNS) + 3  # where the CLAIMED_TIMES columns start in the row
+_SIZES = _JSON_COLUMNS.index("octet_length(p.payload)")
+# The bodies of a claim's ids, concatenated in the order of the ids. PostgreSQL refuses a value
+# past 1 GB: bodies adding up to more than CONCAT_MAX_BYTES are read a row each instead.
+CONCAT_MAX_BYTES = 256 * 2**20
+_BODIES_IN_ORDER = sa.text(
+    "SELECT string_agg(p.payload, CAST('' AS bytea) ORDER BY o.n)"
+    " FROM unnest(CAST(:ids AS bigint[])) WITH ORDINALITY o(id, n)"
+    " JOIN batching_payloads p ON p.id = o.id"
+)
 
 
 def claim_as_one_row(claim_sql: str) -> str:
@@ -161,8 +171,20 @@ def claim_as_one_row(claim_sql: str) -> str:
 
 
 def split_row(row: Sequence[Any]) -> tuple[Sequence[Any], Sequence[Any]] | None:
-    """A :func:`claim_as_one_row` row as ``(CLAIMED row, CLAIMED_TIMES row)``; None when the
-    claim took nothing."""
+    """A :func:`claim_as_one_row` row as ``(CLAIMED_NO_BODIES row, CLAIMED_TIMES row)``; None
+    when the claim took nothing."""
     if row[0] is None:
         return None
     return row[:_TIMES_AT], (row[0], *row[_TIMES_AT:])
+
+
+def with_bodies(conn: Connection, claimed: Sequence[Any]) -> Sequence[Any] | None:
+    """A ``CLAIMED_NO_BODIES`` row of :func:`split_row` with its bodies appended (laid out as
+    ``sqlite_claim.CLAIMED``), read in ``conn``'s transaction; None when they add up to more
+    than :data:`CONCAT_MAX_BYTES` (read them a row each). A missing body row is left out, as
+    its null size says."""
+    sizes = orjson.loads(claimed[_SIZES])
+    if sum(size for size in sizes if size is not None) > CONCAT_MAX_BYTES:
+        return None
+    data = conn.execute(_BODIES_IN_ORDER, {"ids": orjson.loads(claimed[0])}).scalar()
+    return (*claimed, data or b"")

@@ -319,8 +319,8 @@ class SqlQueue:
         }
 
     def _insert_new(self, conn: Connection, chunk: list[dict[str, Any]]) -> dict[str, int]:
-        """Insert the rows whose key is new; returns their ids by key. PostgreSQL: one
-        statement over column arrays (:mod:`~batching.ingress.pg_bulk`)."""
+        """Insert the rows whose key is new; returns their ids by key. PostgreSQL: by
+        ``COPY`` through a staging table (:mod:`~batching.ingress.pg_bulk`)."""
         if self.dialect == "postgresql":
             return pg_bulk.insert_new(conn, chunk)
         from sqlalchemy.dialects.sqlite import insert
@@ -555,9 +555,10 @@ class SqlQueue:
         self, sql: str, params: dict[str, Any], now: float, columns: bool = False
     ) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock:
         """PostgreSQL: the UPDATE ... RETURNING read back as one row of columns
-        (:func:`pg_bulk.claim_as_one_row`), its bodies included, in one statement; with
-        ``columns``, uniform items as one ItemBlock (as a SQLite claim). Items whose body
-        row is gone are buried in the same transaction."""
+        (:func:`pg_bulk.claim_as_one_row`), then the bodies as one value in the ids' order
+        (a row each past ``pg_bulk.CONCAT_MAX_BYTES``); with ``columns``, uniform items as
+        one ItemBlock (as a SQLite claim). Items whose body row is gone are buried in the
+        same transaction."""
         with self.begin() as conn:
             if not self._before_claim(conn, now, params):
                 return [], {}
@@ -565,10 +566,16 @@ class SqlQueue:
             parts = pg_bulk.split_row(row)
             if parts is None:
                 return [], {}
-            claimed = sqlite_claim.unpack_claim(self.queue, *parts, columns=columns)
-            if isinstance(claimed, models.ItemBlock):
-                return claimed
-            rows, bodies = claimed
+            head, times = parts
+            full = pg_bulk.with_bodies(conn, head)
+            if full is None:  # too many bytes for one value: the bodies a row each
+                rows, _ = sqlite_claim.unpack_claim(self.queue, head, times)
+                bodies = self._bodies(conn, [r[0] for r in rows])
+            else:
+                claimed = sqlite_claim.unpack_claim(self.queue, full, times, columns=columns)
+                if isinstance(claimed, models.ItemBlock):
+                    return claimed
+                rows, bodies = claimed
             if len(bodies) != len(rows):
                 rows = self._bury_bodiless(conn, params["lease"], rows, bodies, now)
         return rows, bodies

@@ -343,6 +343,41 @@ def test_a_sqlite_claim_whose_bodies_exceed_the_longest_blob_reads_them_row_by_r
     engine.dispose()
 
 
+def test_a_postgres_claim_whose_bodies_exceed_one_value_reads_them_row_by_row(
+    queue: q.SqlQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL refuses a value past 1 GB (pg_bulk.CONCAT_MAX_BYTES: 5,000 bytes here):
+    bodies that add up to more come back a row each, uniform or not, and an item whose body
+    row is gone is still dead-lettered alone."""
+    if queue.dialect != "postgresql":
+        pytest.skip("SQLite's limit: the test above")
+    monkeypatch.setattr(pg_bulk, "CONCAT_MAX_BYTES", 5000)
+
+    def tensors(keys: range) -> dict[str, bytes]:
+        bodies = {f"k{i}": bytes([i]) * 1500 for i in keys}
+        tensor = models.PayloadFormat.TENSOR
+        queue.enqueue(
+            [
+                models.EnqueueRecord(k, models.Payload(v, tensor, "uint8", (1500,)))
+                for k, v in bodies.items()
+            ]
+        )
+        return bodies
+
+    uniform = tensors(range(5))  # 7,500 bytes: over the limit
+    claim = queue.claim(10, lease_s=30, columns=True)
+    assert not isinstance(claim.items, models.ItemBlock)  # under the limit: one block
+    assert {i.item_key: i.payload.data for i in claim.items} == uniform
+    more = tensors(range(5, 9))
+    with queue.engine.begin() as conn:
+        conn.execute(schema.payloads.delete().where(schema.payloads.c.id == row(queue, "k8").id))
+    claim = queue.claim(10, lease_s=30)
+    assert {i.item_key: i.payload.data for i in claim.items} == {
+        k: v for k, v in more.items() if k != "k8"
+    }
+    assert row(queue, "k8").state == models.State.DEAD
+
+
 def test_purge_archive_keeps_working_when_sqlite_hands_out_a_purged_id_again(
     queue: q.SqlQueue, clock: FakeClock
 ) -> None:
