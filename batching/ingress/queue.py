@@ -671,6 +671,7 @@ class SqlQueue:
                 last_error="payload missing from batching_payloads",
             )
         )
+        self._notify_final(conn)
         logger.error(
             "claimed items have no payload; dead-lettered",
             extra={"action": "dead_letter", "queue": self.queue, "n_items": len(lost)},
@@ -763,6 +764,7 @@ class SqlQueue:
             return ()
         if self.dialect != "postgresql":
             conn.execute(update)
+        self._notify_final(conn)
         n = sum(k for _, k in by_tenant)
         logger.warning(
             "%d item(s) of queue %r expired: deadline passed before scoring",
@@ -843,9 +845,16 @@ class SqlQueue:
 
     def _ack(self, conn: Connection, stmt: sa.Update) -> int:
         n = int(conn.execute(stmt).rowcount)
-        if n and self.dialect == "postgresql":  # delivered when (and only if) it commits
-            conn.execute(sa.select(sa.func.pg_notify(watch.DONE_CHANNEL, self.queue)))
+        if n:
+            self._notify_final(conn)
         return n
+
+    def _notify_final(self, conn: Connection) -> None:
+        """PostgreSQL: ``NOTIFY`` on ``watch.DONE_CHANNEL`` in ``conn``'s transaction (sent
+        when, and only if, it commits): items of this queue reached a final state (done,
+        dead, expired), so a long-polling reader (``watch.CommitWatch``) wakes to read them."""
+        if self.dialect == "postgresql":
+            conn.execute(sa.select(sa.func.pg_notify(watch.DONE_CHANNEL, self.queue)))
 
     def ack_all_or_raise(
         self, conn: Connection, lease_id: str, ids: Sequence[int], batch_id: str
@@ -928,6 +937,8 @@ class SqlQueue:
                 ).rowcount
                 dead += n if is_dead else 0
                 retried += 0 if is_dead else n
+            if dead:
+                self._notify_final(conn)
         logger.info(
             "items failed",
             extra={"action": "fail", "queue": self.queue, "n_retried": retried, "n_dead": dead},
@@ -1012,6 +1023,8 @@ class SqlQueue:
             ).rowcount
             released += n
             suspects += 0 if verdict.charged else n
+        if dead:  # the killer found (this queue's, in a claim; the CLI reaper's: any)
+            self._notify_final(conn)
         if released or dead:
             logger.warning(
                 "expired leases released",
@@ -1179,6 +1192,8 @@ class SqlQueue:
                         leased_by=None,
                     )
                 ).rowcount
+            if n:
+                self._notify_final(conn)
         if n:
             logger.warning(
                 "%d item(s) of queue %r expired: predicted to miss their deadline",

@@ -11,8 +11,9 @@
 * :class:`CommitWatch`: returns when the items table may have changed, for long-polling
   readers (``GET item?wait_s=N``). One per process, shared by every waiting request: one
   thread checks (SQLite: ``data_version`` while someone waits; PostgreSQL: ``LISTEN`` on
-  ``DONE_CHANNEL``, which ``SqlQueue.ack`` notifies in the ack's own transaction, so it fires
-  on commit) and fans out through a ``threading.Condition``.
+  ``DONE_CHANNEL``, which the queue notifies in the transaction that makes items of a queue
+  final (an ack; a fail to ``dead``; an expiry), so it fires on commit) and fans out through
+  a ``threading.Condition``.
 
 A reader that must not miss a commit landing between its read and its wait takes a mark
 first::
@@ -26,7 +27,7 @@ first::
         row = read_item(key)
 
 Each wake-up costs every waiting reader one read, whatever item the commit touched: on
-SQLite any commit to the file wakes it, on PostgreSQL any ack of the queue.
+SQLite any commit to the file wakes it, on PostgreSQL any item of the queue made final.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from sqlalchemy.engine import Engine
 logger = logging.getLogger(__name__)
 
 ITEMS_CHANNEL = "batching_items"  # enqueue NOTIFYs it (payload: the queue); scorers LISTEN
-DONE_CHANNEL = "batching_done"  # ack NOTIFYs it in the ack's transaction (payload: the queue)
+DONE_CHANNEL = "batching_done"  # NOTIFYed where items become final (payload: the queue)
 CHECK_S = 0.002  # how often data_version is read while someone waits
 LINGER_S = 1.0  # a CommitWatch keeps checking this long after its last waiter left
 RETRY_S = 1.0  # after a failed check or a lost listening connection
@@ -131,8 +132,8 @@ class CommitWatch:
 
     SQLite: ``data_version`` read every ``check_s`` by one thread while anyone waits (and
     ``LINGER_S`` after), idle otherwise; any commit to the file counts. PostgreSQL: one
-    connection ``LISTEN``s on ``DONE_CHANNEL``; an ack of ``queue`` (any queue when None)
-    counts. A lost connection or a failed check counts too (something may have been
+    connection ``LISTEN``s on ``DONE_CHANNEL``; items of ``queue`` (any queue when None)
+    made final (done, dead, expired) count. A lost connection or a failed check counts too (something may have been
     missed); the reader's own timeout is the backstop.
 
     Args:
@@ -261,7 +262,7 @@ class CommitWatch:
         return conn
 
     def _consume(self) -> None:
-        """PostgreSQL: bump on every ack of the queue; reconnect (and bump) when the
+        """PostgreSQL: bump on every notify of the queue; reconnect (and bump) when the
         connection is lost."""
         import psycopg
 

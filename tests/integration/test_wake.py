@@ -257,6 +257,32 @@ def test_an_ack_notifies_only_when_it_commits(pg_url: str) -> None:
     engine.dispose()
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("final", ["dead", "expired", "overdue"])
+def test_an_item_made_dead_or_expired_wakes_a_commit_watch(pg_url: str, final: str) -> None:
+    """A long-polling reader of an item waits for it to be final: dead (failed past its
+    attempts) and expired (predicted late, or past its deadline before a claim) wake it as
+    an ack does, not only its timeout."""
+    engine = database.create_engine(pg_url)
+    commit_watch = watch.CommitWatch(engine, "read")
+    queue = q.SqlQueue(engine, "read")
+    deadline = time.time() + (0.5 if final == "overdue" else 3600)
+    queue.enqueue([models.EnqueueRecord("k", models.Payload(b'{"x": 1}'), deadline_at=deadline)])
+    claim = queue.claim(1, lease_s=60) if final != "overdue" else None
+    mark = commit_watch.mark()
+    assert commit_watch.wait(0.3, since=mark) is False  # nothing final yet
+    if claim is not None and final == "dead":
+        assert queue.fail(claim.lease_id, {claim.items[0].id: "boom"}, retry=False).dead == 1
+    elif claim is not None:
+        assert queue.expire(claim.lease_id, {claim.items[0].id: "predicted late"}) == 1
+    else:
+        time.sleep(0.6)
+        assert queue.claim(1, lease_s=60).expired == (("default", 1),)  # the claim's sweep
+    assert commit_watch.wait(BACKSTOP_S, since=mark) is True
+    commit_watch.close()
+    engine.dispose()
+
+
 def test_a_sqlite_commit_watch_idle_between_readers_still_wakes_the_next(
     sqlite_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
