@@ -48,11 +48,11 @@ DEPLOY = Path(__file__).resolve().parents[1] / "deployments"
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _machine_busy() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
+def _machine_busy() -> float:
+    """Busy CPU seconds of the whole machine so far, from /proc/stat."""
     fields = [float(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
     idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields) - idle) / TICK, sum(fields) / TICK
+    return (sum(fields) - idle) / TICK
 
 
 def _postgres_pids() -> dict[int, float]:
@@ -86,7 +86,7 @@ class CpuSampler:
     def _sample(self) -> None:
         self._pg.update(_postgres_pids())
         pg = sum(cpu - self._first.get(pid, 0.0) for pid, cpu in self._pg.items())
-        self.samples.append((time.time(), _machine_busy()[0], pg))
+        self.samples.append((time.time(), _machine_busy(), pg))
 
     def _run(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
