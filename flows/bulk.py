@@ -12,7 +12,7 @@ from typing import Any
 from prefect import flow
 
 from batching import config
-from batching.compose import build
+from batching.compose import build, inplace
 from batching.ingress import ingest
 from batching.loop import stats as run_stats
 from flows import logs, secrets, settings, slots
@@ -46,6 +46,24 @@ def enqueue_input(cfg: config.PipelineConfig, db_url: str | None, path: str) -> 
     return {"inserted": result.inserted, "duplicates": len(result.duplicates)}
 
 
+@retrying_task("enqueue-shards", retries=2, backoff_s=1.0)
+def enqueue_shards(
+    cfg: config.PipelineConfig, db_url: str | None, path: str, rows_per_shard: int
+) -> tuple[inplace.InPlace, dict[str, int]]:
+    """Queue a Parquet dataset as shards (``bulk --in-place``), idempotently.
+
+    Returns the run's input (for lineage) and ``inserted``, ``duplicates`` and ``rows``.
+
+    Raises:
+        InputError: the input is unreadable, or a file changed since its shards were queued.
+        QueueError: the database failed (nothing is enqueued).
+    """
+    db = settings.db_url(db_url) or cfg.database.url
+    found, result = inplace.enqueue_shards(cfg, db, path, rows_per_shard)
+    counts = {"inserted": result.inserted, "duplicates": len(result.duplicates), "rows": found.rows}
+    return inplace.InPlace.of(found), counts
+
+
 @flow(
     name="batching-bulk",
     on_completion=[report_run_end],
@@ -65,6 +83,8 @@ def bulk(
     lineage_api_key_secret: str | None = None,
     gpu_slot: str | None = None,
     gpu_slot_wait_s: float | None = None,
+    in_place: bool = False,
+    rows_per_shard: int = 65_536,
 ) -> dict[str, Any]:
     """Enqueue ``input_path`` and score the whole queue with the bulk profile.
 
@@ -75,6 +95,8 @@ def bulk(
         workers: scorer processes side by side, as for the score flow.
         db_url_secret, lineage_api_key_secret: Secret block names, as for the score flow.
         gpu_slot, gpu_slot_wait_s: the GPU slot held while scoring, as for the score flow.
+        in_place: queue a Parquet file or folder as shards of ``rows_per_shard`` rows or more
+            (whole row groups) and score it where it lies (``batching bulk --in-place``).
 
     Returns:
         ``enqueued`` and ``duplicates`` counts, then the run summary.
@@ -86,11 +108,16 @@ def bulk(
         with before_scoring(cfg, db, output):
             require_workers(workers)
             found = validate_preconditions(cfg, db, output)
-            enqueued = enqueue_input(cfg, db, input_path)
+            source: inplace.InPlace | None = None
+            if in_place:
+                source, enqueued = enqueue_shards(cfg, db, input_path, rows_per_shard)
+                expected = enqueued["rows"]  # rows, not shards
+            else:
+                enqueued = enqueue_input(cfg, db, input_path)
+                expected = found["ready"] + enqueued["inserted"]
         limits = run_stats.RunLimits(max_seconds=max_seconds)
-        expected = found["ready"] + enqueued["inserted"]
         with slots.gpu_slot(gpu_slot, gpu_slot_wait_s):
-            outcome = score_queue(cfg, db, output, limits, expected, workers)
+            outcome = score_queue(cfg, db, output, limits, expected, workers, in_place=source)
         return {
             "enqueued": enqueued["inserted"],
             "duplicates": enqueued["duplicates"],

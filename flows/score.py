@@ -43,7 +43,7 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.tasks import Task, exponential_backoff
 
 from batching import config, errors
-from batching.compose import build, checks
+from batching.compose import build, checks, inplace
 from batching.compose import record as run_record
 from batching.compose import run as app
 from batching.ingress import controls, run_ledger
@@ -126,10 +126,12 @@ def score_queue(
     expected: int,
     workers: int = 1,
     model_version: str | None = None,
+    in_place: inplace.InPlace | None = None,
 ) -> app.WorkersScoreOutcome:
     """Score the queue within ``limits`` as the flow run's lineage run; publish the summary.
 
     ``expected``: the items the run expects to score, the progress artifact's 100 %.
+    ``in_place``: score the queue's input shards (``inplace.InPlace``; the bulk flow's).
     The flow run is the parent lineage run (and run-ledger row) of job ``<config name>``; its
     scorers are child runs ``<config name>.worker-<i>`` whose parent facet names it: one in
     this process (``workers`` = 1), else that many scorer processes.
@@ -151,6 +153,7 @@ def score_queue(
             attempt=attempt,
             in_process=workers == 1,
             model_version=model_version,
+            in_place=in_place,
         )
         if (error := outcome.workers.error()) is not None:
             raise error

@@ -3,7 +3,7 @@
 One module per group of commands, each registering on the one Typer app of
 :mod:`batching.cli.common`: :mod:`~batching.cli.queue` (init, enqueue, status, redrive,
 purge), :mod:`~batching.cli.controls` (queue pause, resume, cancel, cap, audit),
-:mod:`~batching.cli.scoring` (score, demo), :mod:`~batching.cli.plan` (check,
+:mod:`~batching.cli.scoring` (score, demo), :mod:`~batching.cli.bulk` (bulk --in-place), :mod:`~batching.cli.plan` (check,
 profile), :mod:`~batching.cli.evidence` (lineage, reconcile, maintain),
 :mod:`~batching.cli.metrics` (metrics serve), :mod:`~batching.cli.api` (api),
 :mod:`~batching.cli.rollout` (rollout start, status, promote, rollback, guard). The CLI is an edge: it alone
@@ -22,6 +22,7 @@ def main() -> None:
     """Console-script entry point."""
     from batching.cli import (  # noqa: F401  (register commands)
         api,
+        bulk,
         controls,
         evidence,
         metrics,

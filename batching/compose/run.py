@@ -27,7 +27,7 @@ from typing import Any
 
 from batching import config as cfg
 from batching import errors, models, ports, routing
-from batching.compose import build, evidence, shadow, versions
+from batching.compose import build, evidence, inplace, shadow, versions
 from batching.compose import record as run_record
 from batching.evidence import lineage
 from batching.ingress import controls
@@ -106,13 +106,17 @@ def run_score(
     run_id: str | None = None,
     parent: tuple[str, str] | None = None,
     on_progress: run_stats.Progress | None = None,
-    on_scorer: Callable[[pipeline.Scorer[Any]], None] | None = None,
+    on_scorer: Callable[[Any], None] | None = None,
     lineage_config: cfg.LineageConfig | None = None,
     job_name: str | None = None,
     attempt: run_record.Attempt = run_record.FIRST,
     model_version: str | None = None,
+    in_place: inplace.InPlace | None = None,
 ) -> ScoreOutcome:
     """Run one scoring run end to end: checks, recovery, scoring, run ledger and lineage.
+
+    ``in_place``: score the queue's input shards (``bulk --in-place``) instead of its items,
+    with the input dataset, when known, among the run's lineage inputs.
 
     ``model_version``: serve that version of a rollout alone (a device that cannot hold two):
     the run loads it as its model and claims only the items the queue's route sends to it
@@ -161,6 +165,10 @@ def run_score(
         recovered = sink.recover()
         profile = build.load_profile(config)
         ctx = context(sink=sink, checksum=runner.checksum)
+        if in_place is not None:
+            ctx = in_place.context(ctx)
+        else:
+            inplace.refuse_shards(queue)
         runs, so_far = run_record.ledger_start(
             queue, config, ctx, runner.checksum, parent[0] if parent else None, attempt
         )
@@ -175,30 +183,41 @@ def run_score(
     try:
         run_record.fail_abandoned(emitter, ctx, config, abandoned)
         record.open()
-        scorer: pipeline.Scorer[Any] | None = None
+        scorer: pipeline.Scorer[Any] | inplace.ShardScorer | None = None
         waiter = q.Waiter(queue.engine, queue.queue)  # its own connection: closed at the end
         # Objects alive now (the model, torch, SQLAlchemy, Prefect) are frozen out of the cyclic
         # GC for the run: a claim allocates thousands of items, and each collection of the oldest
         # generation otherwise walked them all again (W1: 32.7k -> 37.2k rows/s, measured).
         gc.freeze()
         try:
-            scorer = pipeline.Scorer(
-                config,
-                queue,
-                runner,
-                sinks.Outputs(sink, run_id, config.model.version),
-                service_time=profile.predict if profile else None,
-                on_progress=on_progress,
-                wait_for_work=waiter.wait,
-                pause_queue=_breaker_pause(config, queue, run_id),
-                observer=observer,
-                runners=versions.ModelSet(config, runner),
-                shadow_out=shadow.ShadowWriter(
-                    shadow.folder(config, res), config.queue.name, run_id
-                ),
-                model_version=config.model.version,
-                pin=pin,
-            )
+            outputs = sinks.Outputs(sink, run_id, config.model.version)
+            if in_place is not None:
+                scorer = inplace.ShardScorer(
+                    config,
+                    queue,
+                    runner,
+                    outputs,
+                    on_progress=on_progress,
+                    wait_for_work=waiter.wait,
+                )
+            else:
+                scorer = pipeline.Scorer(
+                    config,
+                    queue,
+                    runner,
+                    outputs,
+                    service_time=profile.predict if profile else None,
+                    on_progress=on_progress,
+                    wait_for_work=waiter.wait,
+                    pause_queue=_breaker_pause(config, queue, run_id),
+                    observer=observer,
+                    runners=versions.ModelSet(config, runner),
+                    shadow_out=shadow.ShadowWriter(
+                        shadow.folder(config, res), config.queue.name, run_id
+                    ),
+                    model_version=config.model.version,
+                    pin=pin,
+                )
             if on_scorer is not None:
                 on_scorer(scorer)
             # its commit stage flushes the sink
@@ -325,8 +344,11 @@ def run_score_workers(
     attempt: run_record.Attempt = run_record.FIRST,
     in_process: bool = False,
     model_version: str | None = None,
+    in_place: inplace.InPlace | None = None,
 ) -> WorkersScoreOutcome:
     """Score with ``n`` worker processes as ONE run of the config's job.
+
+    ``in_place``: the workers score the queue's input shards (as :func:`run_score`'s).
 
     ``model_version``: every worker serves that version of a rollout alone (as
     :func:`run_score`'s); the parent run records it as its model.
@@ -367,6 +389,7 @@ def run_score_workers(
         emitter.spool = build.make_spool(queue.engine, emitter.config)  # a database that works
         sink = build.open_sink(queue, res, read_only=True)  # its dataset, for lineage
         ctx = build.scoring_context(config, res, run_id, sink=sink, lineage_config=lineage_config)
+        ctx = in_place.context(ctx) if in_place is not None else ctx
         runs, so_far = run_record.ledger_start(
             queue, config, ctx, config.model.sha256, attempt=attempt
         )
@@ -396,12 +419,13 @@ def run_score_workers(
                 "lineage_config": lineage_config,
             }
             outcome = (
-                _in_process(original, model_version=model_version, **each)
+                _in_process(original, model_version=model_version, in_place=in_place, **each)
                 if in_process
                 else _spawned(
                     original,
                     n,
                     model_version=model_version,
+                    in_place=in_place,
                     threads=threads,
                     stop=stop,
                     resend_signals=resend_signals,
@@ -446,11 +470,12 @@ def _spawned(
     engine: Any,
     parent: tuple[str, str],
     model_version: str | None = None,
+    in_place: inplace.InPlace | None = None,
     **kwargs: Any,
 ) -> WorkersOutcome:
     """``n`` workers in spawned processes (``workers.run_workers``), each with a run id."""
     return run_workers(
-        _ScoreOne(model_version),
+        _ScoreOne(model_version, in_place),
         config,
         n,
         parent=parent,
@@ -495,10 +520,14 @@ def _in_process(
 class _ScoreOne:
     """:func:`run_score`, as a worker process runs it: pickled by its class's name, so the
     worker looks ``run_score`` up in its own interpreter (a parent's monkeypatched or wrapped
-    function could not be pickled). ``model_version``: each worker serves that version alone."""
+    function could not be pickled). ``model_version``: each worker serves that version alone;
+    ``in_place``: each scores input shards."""
 
-    def __init__(self, model_version: str | None = None) -> None:
+    def __init__(
+        self, model_version: str | None = None, in_place: inplace.InPlace | None = None
+    ) -> None:
         self.model_version = model_version
+        self.in_place = in_place
 
     def __call__(
         self,
@@ -526,6 +555,7 @@ class _ScoreOne:
             lineage_config=lineage_config,
             run_id=run_id,
             model_version=self.model_version,
+            in_place=self.in_place,
         )
 
 

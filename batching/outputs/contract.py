@@ -55,20 +55,14 @@ SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,36}$")
 """Batch and lease ids (they become file names): letters, digits, ``_`` and ``-``, 1-36."""
 
 
-# ----------------------------------------------------------------------------- value types
-
-
 @dataclass(frozen=True, eq=False)
 class ScoredBatch:
-    """A scored micro-batch ready to commit.
-
-    ``outputs`` maps each item's id to a 1-D float array; every item has exactly one output and
+    """A scored micro-batch ready to commit: ``outputs`` maps each item's id to a 1-D float array; every item has exactly one output and
     all outputs have the same length (``output_dim``). ``scored_at`` is epoch seconds.
     ``batch_id`` (``[A-Za-z0-9_-]``, at most 36 characters) is a fresh UUID unless given.
 
-    Raises:
-        SinkError: the batch is empty, an output is missing, extra, not 1-D, of another
-            length or not finite, or an id has an unsafe form.
+    Raises ``SinkError`` when the batch is empty, an output is missing, extra, not 1-D, of
+    another length or not finite, or an id has an unsafe form.
     """
 
     items: Sequence[models.WorkItem]
@@ -98,6 +92,13 @@ class ScoredBatch:
                 f"({len(self.items)} items, {len(self.outputs)} outputs)"
             )
         object.__setattr__(self, "_matrix", self._stack())
+
+    @property
+    def n_rows(self) -> int:  # rows written: one per item (a shard's: one per input row)
+        return len(self.items)
+
+    def table(self) -> pa.Table:  # the rows as Arrow (a shard's: already so)
+        return batch_table(self)
 
     @property
     def output_dim(self) -> int:

@@ -38,7 +38,7 @@ def row_values(
         "sink": kind,
         "path": staged.location,
         "staging_path": str(staged.path) if staged.path is not None else None,
-        "n_rows": len(batch.items),
+        "n_rows": batch.n_rows,
         "n_bytes": staged.n_bytes,
         "sha256": staged.sha256,
         "state": models.BatchState.COMMITTED,

@@ -130,7 +130,7 @@ class ParquetSink(sinks.FencedSink):
         self._ensure_folders()
         rel = self.layout.relative_path(batch.batch_id, batch.model_version, batch.scored_at)
         path = self.layout.staging_file(batch.batch_id, batch.lease_id)
-        n_bytes, digest = self._write_staging(sinks.batch_table(batch), path)
+        n_bytes, digest = self._write_staging(batch.table(), path)
         return sinks.Staged(batch, rel, path, n_bytes, digest)
 
     def record(self, conn: Connection, staged: sinks.Staged) -> outcomes.CommitResult:

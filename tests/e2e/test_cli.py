@@ -39,6 +39,7 @@ COMMANDS = (
     "reconcile",
     "maintain",
     "score",
+    "bulk",
     "check",
     "profile",
     "demo",

@@ -47,3 +47,40 @@ def test_bulk_enqueues_a_parquet_dataset_once_and_drains_it(tmp_path: Path) -> N
         0,
     )
     assert pq.read_table(pipeline.output).num_rows == N_ITEMS
+
+
+def test_bulk_in_place_scores_each_input_row_once(tmp_path: Path) -> None:
+    """W2 token rows in two Parquet files scored in place: one output row per input row, in
+    as many commits as shards; the flow run's lineage names the input and its version; a
+    second run queues and scores nothing."""
+    pipeline = make_pipeline(tmp_path, 0, config=BULK)
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    for part in range(2):
+        pq.write_table(
+            pq.read_table(write_w2_parquet(tmp_path / "w2.parquet", N_ITEMS)),
+            folder / f"part-{part}.parquet",
+            row_group_size=20,
+        )
+    params = pipeline.params(input_path=str(folder), in_place=True, rows_per_shard=40)
+    first = bulk(**params, return_state=True)
+    assert first.is_completed(), first.message
+    summary = first.result()
+    assert (summary["enqueued"], summary["items_committed"], summary["commits"]) == (4, 120, 4)
+    assert summary["padding_efficiency"] > 0.5  # length-sorted within each shard
+    table = pq.ParquetDataset(pipeline.output).read()
+    pairs = set(
+        zip(
+            table.column("input_file").to_pylist(),
+            table.column("input_row").to_pylist(),
+            strict=True,
+        )
+    )
+    assert table.num_rows == len(pairs) == 2 * N_ITEMS
+    assert table.column("error").null_count == 2 * N_ITEMS
+    events = pipeline.lineage(run_id_of(first))
+    names = {i["name"]: i for i in events[-1]["inputs"]}
+    assert names[str(folder.resolve())]["facets"]["version"]["datasetVersion"]
+    again = bulk(**params, return_state=True)
+    assert again.is_completed(), again.message
+    assert (again.result()["enqueued"], again.result()["items_committed"]) == (0, 0)

@@ -1,0 +1,395 @@
+"""Bulk scoring in place: the scorer of input shards (:mod:`batching.ingress.shards`).
+
+A :class:`ShardScorer` claims one shard at a time (lane ``shard``), reads its rows from the
+input file (refused when the file is not the one planned), scores them in micro-batches of
+``batching.max_batch_size`` rows (token inputs sorted by length first, and cut by
+``max_batch_cost``), and commits them as one Parquet file with the ack of the shard, in one
+transaction (``outputs.contract.ShardBatch``). Scoring the next shard overlaps the commit of
+the last; a heartbeat thread keeps both leases.
+
+Every input row gets exactly one output row, keyed by ``(input_file, input_row)``: its
+``output``, or, when the model refused that row alone (the runner bisects a failing batch),
+no output and its ``error``. A shard whose every row failed is the model's fault, not the
+rows': it goes back to the queue under the usual attempt rule. A shard whose file changed or
+vanished is dead with that reason.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import sqlalchemy as sa
+
+from batching import config as cfg
+from batching import errors, models, naming
+from batching.compose import build
+from batching.evidence import lineage
+from batching.ingress import queue as q
+from batching.ingress import shards
+from batching.loop import stats as run_stats
+from batching.model import rows as rows_
+from batching.outputs import contract as sinks
+from batching.outputs import shard_batch
+from batching.store import schema
+
+if TYPE_CHECKING:  # torch: only a run that scores loads it
+    from batching.model.runner import TorchRunner
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_FIELDS: tuple[tuple[str, str], ...] = (
+    ("item_key", "string"),
+    ("input_file", "string"),
+    ("input_row", "int64"),
+    ("input_key", "string"),
+    ("output", "fixed_size_list<float>"),
+    ("error", "string"),
+    ("scored_at", "timestamp[us, tz=UTC]"),
+    ("run_id", "string"),
+    ("batch_id", "string"),
+    ("queue", "string"),
+    ("tenant", "string"),
+)
+"""The columns of an in-place output file (``input_key`` only when the input has
+``item_key``)."""
+
+
+def shard_table(
+    shard: shards.Shard,
+    item: models.WorkItem,
+    scored: rows_.Scored,
+    input_keys: pa.ChunkedArray | None,
+    batch: tuple[str, str, float],
+) -> pa.Table:
+    """The output rows of a scored shard (:data:`OUTPUT_FIELDS`); ``batch``: (batch id, run
+    id, scored at)."""
+    batch_id, run_id, scored_at = batch
+    n, dim = scored.matrix.shape
+    failed = np.array([e is not None for e in scored.errors], dtype=bool)
+    values = pa.array(scored.matrix.reshape(-1), pa.float32())
+    mask = pa.array(failed) if scored.n_failed else None
+    output = pa.FixedSizeListArray.from_arrays(values, dim, mask=mask)
+    cols: dict[str, object] = {
+        "item_key": pa.repeat(pa.scalar(item.item_key), n),
+        "input_file": pa.repeat(pa.scalar(shard.relpath), n),
+        "input_row": pa.array(np.arange(shard.first_row, shard.first_row + n, dtype=np.int64)),
+    }
+    if input_keys is not None:
+        cols["input_key"] = pc.cast(input_keys, pa.string())
+    cols |= {
+        "output": output,
+        "error": pa.array(scored.errors, pa.string()),
+        "scored_at": pa.repeat(pa.scalar(round(scored_at * 1e6), pa.timestamp("us", tz="UTC")), n),
+        "run_id": pa.repeat(pa.scalar(run_id), n),
+        "batch_id": pa.repeat(pa.scalar(batch_id), n),
+        "queue": pa.repeat(pa.scalar(item.queue), n),
+        "tenant": pa.repeat(pa.scalar(item.tenant), n),
+    }
+    return pa.table(cols)
+
+
+@dataclass(frozen=True, slots=True)
+class InPlace:
+    """A run of ``bulk --in-place``: the input dataset it scores, when the caller planned it
+    (its version: :attr:`shards.Plan.version`), for the run's lineage."""
+
+    dataset: lineage.DatasetRef | None = None
+
+    @classmethod
+    def of(cls, found: shards.Plan) -> InPlace:
+        """The input dataset of a plan: a folder (or file) of Parquet, named as a path."""
+        root = found.root if len(found.files) > 1 else found.root / found.files[0][0]
+        ns, name = naming.file_dataset_id(root)
+        ref = lineage.DatasetRef(
+            ns,
+            name,
+            (("payload", found.payload_type),),
+            row_count=found.rows,
+            size_bytes=found.size_bytes,
+            version=found.version,
+        )
+        return cls(ref)
+
+    def context(self, ctx: lineage.RunContext) -> lineage.RunContext:
+        """The run's lineage: the input dataset beside the queue, the output's own columns."""
+        out = replace(ctx.outputs[0], fields=OUTPUT_FIELDS, columns=(), row_inputs=())
+        inputs = ctx.inputs + ((self.dataset,) if self.dataset is not None else ())
+        return replace(ctx, inputs=inputs, outputs=(out, *ctx.outputs[1:]))
+
+
+def enqueue_shards(
+    config: cfg.PipelineConfig,
+    db_url: str,
+    source: str | Path,
+    rows_per_shard: int = shards.ROWS_PER_SHARD,
+    tenant: str = "default",
+) -> tuple[shards.Plan, models.EnqueueResult]:
+    """Plan ``source`` into shards and enqueue those the queue has not seen (idempotent).
+
+    Raises:
+        InputError: the input is unreadable, or a file changed since its shards were queued.
+        ConfigError: the output is not a Parquet dataset (shards commit as Parquet files).
+        QueueError, QueueFull: the database failed or the queue is at its cap (nothing queued).
+    """
+    if config.output.kind != "parquet":
+        raise errors.ConfigError(
+            f"bulk --in-place writes a Parquet dataset; output.kind is {config.output.kind!r}: "
+            "set output.kind: parquet (or give --output a folder)"
+        )
+    found = shards.plan(source, rows_per_shard)
+    queue = build.open_queue(config, db_url)
+    try:
+        queue.check_schema()
+        with queue.engine.connect() as conn:
+            shards.refuse_changed(conn, queue.queue, found)
+        result = queue.enqueue(shards.records(found.shards, tenant))
+    finally:
+        queue.engine.dispose()
+    return found, result
+
+
+def refuse_shards(queue: q.SqlQueue) -> None:
+    """A plain scoring run refuses a queue holding input shards: it would fail each one as a
+    payload the model cannot read.
+
+    Raises:
+        ConfigError: naming the queue and the command that scores shards.
+    """
+    t = schema.items
+    found = sa.select(t.c.id).where(
+        t.c.queue == queue.queue, t.c.lane == shards.LANE, t.c.state == int(models.State.READY)
+    )
+    with queue.engine.connect() as conn:
+        if conn.execute(found.limit(1)).first() is not None:
+            raise errors.ConfigError(
+                f"queue {queue.queue!r} holds input shards (lane 'shard'); score them with "
+                "`batching bulk --in-place`, and give plain items another queue"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class _Fetched:
+    """A claimed shard and its rows (None: refused, already dead with its reason)."""
+
+    claim: models.Claim
+    shard: shards.Shard | None
+    table: pa.Table | None
+
+
+class ShardScorer:
+    """Claims, scores and commits input shards until the queue has none or a limit is hit
+    (the scorer :func:`batching.compose.run.run_score` runs for ``bulk --in-place``)."""
+
+    def __init__(
+        self,
+        config: cfg.PipelineConfig,
+        queue: q.SqlQueue,
+        runner: TorchRunner,
+        outputs: sinks.Outputs,
+        *,
+        on_progress: run_stats.Progress | None = None,
+        wait_for_work: Callable[[float], object] | None = None,
+    ) -> None:
+        self.config, self.queue, self.runner, self.outputs = config, queue, runner, outputs
+        self.stats = run_stats.RunStats(started_at=time.time())
+        self._on_progress = on_progress
+        self._wait = wait_for_work or time.sleep
+        self._stop = threading.Event()
+        self._done = threading.Event()  # the heartbeat's: leases are kept until the end
+        self._verified = shards.Verified()
+        self._held: set[str] = set()
+        self._lock = threading.Lock()
+        self._lease_s = config.queue.lease_s
+
+    def stop(self) -> None:
+        """Claim nothing more; the shard being scored still commits."""
+        self._stop.set()
+
+    def run(self, limits: run_stats.RunLimits) -> run_stats.RunStats:
+        """Score shards until none is ready (``until_empty``), a limit is hit or :meth:`stop`.
+        The next shard is claimed and read while this one is scored, and committed while the
+        next one is; a shard read ahead and not scored goes back to the queue unscored."""
+        deadline = None if limits.max_seconds is None else time.monotonic() + limits.max_seconds
+
+        def may_claim() -> bool:
+            if self._stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
+                return False
+            return limits.max_items is None or self.stats.claimed < limits.max_items
+
+        beat = threading.Thread(target=self._heartbeat, name="shard-heartbeat", daemon=True)
+        beat.start()
+        ahead: cf.Future[_Fetched | None] | None = None
+        committing: cf.Future[None] | None = None
+        reads = cf.ThreadPoolExecutor(1, thread_name_prefix="shard-read")
+        commits = cf.ThreadPoolExecutor(1, thread_name_prefix="shard-commit")
+        try:
+            ahead = reads.submit(self._fetch) if may_claim() else None
+            while ahead is not None:
+                got, ahead = ahead.result(), None
+                if got is None and limits.until_empty:
+                    break
+                if got is None:
+                    self._wait(self.config.queue.poll_s)
+                if may_claim():
+                    ahead = reads.submit(self._fetch)
+                if got is None or got.table is None:
+                    continue
+                job = self._score(got)
+                if committing is not None:
+                    committing.result()  # one commit in flight: a failed one stops the run
+                committing = None if job is None else commits.submit(self._commit, *job)
+            if committing is not None:
+                committing.result()
+        finally:
+            self._give_back(ahead)
+            reads.shutdown()
+            commits.shutdown()
+            self._done.set()
+            beat.join()
+            self.outputs.flush()
+            self.stats.finished_at = time.time()
+        return self.stats
+
+    # -- the steps ------------------------------------------------------------------------
+
+    def _fetch(self) -> _Fetched | None:
+        """Claim a shard and read its rows; None when none is ready. A shard that cannot be
+        read as planned is dead with the reason (its ``table`` None)."""
+        started = time.perf_counter()
+        claim = self.queue.claim(1, lease_s=self._lease_s, lane=shards.LANE)
+        if not claim.items and claim.suspects:  # a lost worker's shard: alone, as always
+            claim = self.queue.claim(1, lease_s=self._lease_s, lane=shards.LANE, isolate=True)
+        self.stats.stage_s["claim"] += time.perf_counter() - started
+        if not claim.items:
+            return None
+        with self._lock:
+            self._held.add(claim.lease_id)
+        item = claim.items[0]
+        started = time.perf_counter()
+        try:
+            shard = shards.Shard.of(item.payload)
+            table = shards.read(shard, self._verified, ("payload", "item_key"))
+        except errors.InputError as exc:
+            self._give_up(claim, item, str(exc))
+            return _Fetched(claim, None, None)
+        self.stats.claimed += shard.rows
+        self.stats.stage_s["decode"] += time.perf_counter() - started
+        return _Fetched(claim, shard, table)
+
+    def _give_back(self, ahead: cf.Future[_Fetched | None] | None) -> None:
+        """Release a shard claimed ahead and not scored (no attempt used)."""
+        if ahead is None:
+            return
+        try:
+            got = ahead.result()
+        except Exception:
+            return  # its claim failed: nothing is held
+        if got is not None and got.table is not None:
+            self.queue.release(got.claim.lease_id)
+            with self._lock:
+                self._held.discard(got.claim.lease_id)
+
+    def _score(self, got: _Fetched) -> tuple[models.Claim, shards.Shard, pa.Table, int, int] | None:
+        claim, shard, table = got.claim, got.shard, got.table
+        assert shard is not None
+        assert table is not None
+        item = claim.items[0]
+        b = self.config.batching
+        scored = rows_.score_rows(
+            runner=self.runner,
+            payload=table.column("payload"),
+            max_batch=b.max_batch_size,
+            max_cost=b.max_batch_cost,
+        )
+        self.stats.stage_s["forward"] += scored.service_s
+        if scored.whole_error is not None:  # the model failed, not the rows
+            self._release_failed(claim, item, scored.whole_error)
+            return None
+        self.stats.batch_sizes.extend(scored.sizes)
+        self.stats.service_s.append(scored.service_s)
+        self.stats.real_tokens += scored.real_tokens
+        self.stats.padded_tokens += scored.padded_tokens
+        self.stats.add_device_time([item], self.outputs.model_version, scored.service_s)
+        keys = table.column("item_key") if "item_key" in table.column_names else None
+        batch = (str(uuid.uuid4()), self.outputs.run_id, time.time())
+        rows = shard_table(shard, item, scored, keys, batch)
+        return claim, shard, rows, shard.rows - scored.n_failed, scored.n_failed
+
+    def _commit(
+        self, claim: models.Claim, shard: shards.Shard, rows: pa.Table, ok: int, failed: int
+    ) -> None:
+        started = time.perf_counter()
+        item = claim.items[0]
+        batch = shard_batch.ShardBatch(
+            (item,),
+            {},
+            claim.lease_id,
+            self.outputs.run_id,
+            self.outputs.model_version,
+            time.time(),
+            batch_id=str(rows.column("batch_id")[0]),
+            rows=rows,
+        )
+        try:
+            result = self.outputs.sink.commit(batch)
+        except errors.LeaseLost:
+            self.stats.lease_lost += shard.rows
+            return
+        finally:
+            with self._lock:
+                self._held.discard(claim.lease_id)
+            self.stats.stage_s["commit"] += time.perf_counter() - started
+        self.stats.committed += ok
+        self.stats.failed += failed
+        self.stats.commits += 1
+        self.stats.bytes_written += result.n_bytes or 0
+        self.stats.by_version[self.outputs.model_version] += ok
+        self.stats.latencies_s.append(time.time() - item.enqueued_at)
+        if failed:
+            logger.warning(
+                "rows refused by the model",
+                extra={"action": "shard_rows_failed", "item_key": item.item_key, "n_items": failed},
+            )
+        if self._on_progress is not None:
+            self._on_progress(self.stats)
+
+    def _give_up(self, claim: models.Claim, item: models.WorkItem, reason: str) -> None:
+        """The shard cannot be read as planned: dead, with the reason (a retry reads the same)."""
+        self.queue.fail(claim.lease_id, {item.id: reason}, retry=False)
+        with self._lock:
+            self._held.discard(claim.lease_id)
+        logger.error(reason, extra={"action": "shard_refused", "item_key": item.item_key})
+
+    def _release_failed(self, claim: models.Claim, item: models.WorkItem, reason: str) -> None:
+        """Every row failed: the model's fault; the shard is retried under the attempt rule."""
+        result = self.queue.fail(claim.lease_id, {item.id: reason})
+        with self._lock:
+            self._held.discard(claim.lease_id)
+        if result.dead:
+            self.stats.failed += int(item.cost)  # its rows
+        logger.error(
+            "every row of a shard failed; the shard goes back to the queue",
+            extra={"action": "shard_failed", "item_key": item.item_key, "error": reason},
+        )
+
+    def _heartbeat(self) -> None:
+        every = self.config.queue.effective_heartbeat_s
+        while not self._done.wait(every):
+            with self._lock:
+                held = list(self._held)
+            for lease in held:
+                try:
+                    self.queue.heartbeat(lease, self._lease_s)
+                except errors.QueueError:
+                    logger.warning("heartbeat failed", extra={"action": "heartbeat_failed"})

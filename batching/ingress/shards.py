@@ -1,0 +1,303 @@
+"""Bulk scoring in place: an input Parquet dataset as shards (file x row-group range) in the
+queue, instead of one queue row per input row.
+
+:func:`plan` reads each file's footer and fingerprint (sha256 of its bytes) and cuts its row
+groups into shards of about ``rows_per_shard`` rows; :func:`records` turns them into queue
+items (``lane`` :data:`LANE`, the shard as the JSON payload, its rows as the cost); a scorer
+reads a claimed shard's rows back with :func:`read`, which refuses a file whose bytes are no
+longer those planned (a changed input is refused, never half-scored). Enqueueing is
+idempotent on the shard key, which names the file, its fingerprint and the row groups; a plan
+over a file that changed since its shards were queued is refused (:func:`refuse_changed`).
+
+100M input rows cost 100M model rows and a few thousand queue rows: every guarantee of the
+queue (fencing, attempts, exactly-once commit, reconcile) then holds per shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import sqlalchemy as sa
+
+from batching import errors, models
+from batching.store import schema
+
+LANE = "shard"
+"""The lane of shard items: a claim for shards takes this lane only."""
+ROWS_PER_SHARD = 65_536
+"""Rows a shard holds at least (whole row groups), unless its file has fewer left."""
+KEY_PREFIX = "inplace:"
+_HASH_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Row groups ``[first_group, end_group)`` of one file: rows ``[first_row, first_row +
+    rows)`` of it. ``path`` is absolute; ``relpath`` names it within its dataset; ``sha256`` and
+    ``size`` and ``mtime_ns`` are the file's when planned."""
+
+    path: str
+    relpath: str
+    sha256: str
+    size: int
+    mtime_ns: int
+    first_group: int
+    end_group: int
+    first_row: int
+    rows: int
+
+    @property
+    def key(self) -> str:
+        """The shard's queue key: file, fingerprint (16 hex digits) and row groups."""
+        return (
+            f"{KEY_PREFIX}{self.relpath}@{self.sha256[:16]}"
+            f":rg{self.first_group}-{self.end_group - 1}"
+        )
+
+    def payload(self) -> bytes:
+        """The shard as its queue item's JSON payload."""
+        fields = {
+            "path": self.path,
+            "relpath": self.relpath,
+            "sha256": self.sha256,
+            "size": self.size,
+            "mtime_ns": self.mtime_ns,
+            "row_groups": [self.first_group, self.end_group],
+            "rows": [self.first_row, self.rows],
+        }
+        return json.dumps(fields, separators=(",", ":")).encode()
+
+    @classmethod
+    def of(cls, payload: models.Payload) -> Shard:
+        """The shard a queue item holds.
+
+        Raises:
+            InputError: the payload is not a shard (this queue holds other items).
+        """
+        try:
+            obj = json.loads(payload.data)
+            (g0, g1), (r0, n) = obj["row_groups"], obj["rows"]
+            shard = cls(
+                str(obj["path"]),
+                str(obj["relpath"]),
+                str(obj["sha256"]),
+                int(obj["size"]),
+                int(obj["mtime_ns"]),
+                int(g0),
+                int(g1),
+                int(r0),
+                int(n),
+            )
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+            raise errors.InputError(
+                "not an input shard (queue items of lane 'shard' are written by `batching "
+                "bulk --in-place`); score other items with `batching score`"
+            ) from None
+        return shard
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """An input dataset cut into shards; ``version``: sha256 over its files' names and
+    fingerprints (the dataset version lineage records)."""
+
+    root: Path
+    shards: tuple[Shard, ...]
+    files: tuple[tuple[str, str, int], ...]  # (relpath, sha256, rows)
+    version: str
+    payload_type: str
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum({s.relpath: s.size for s in self.shards}.values())
+
+
+def plan(source: str | Path, rows_per_shard: int = ROWS_PER_SHARD) -> Plan:
+    """Shards of a Parquet file, or of every ``*.parquet`` under a folder (sorted by path).
+
+    Raises:
+        InputError: no such file or folder, no Parquet file in it, a file unreadable, or one
+            without a ``payload`` column of numbers, lists of numbers or JSON text.
+    """
+    if rows_per_shard < 1:
+        raise errors.InputError(f"rows per shard must be >= 1, got {rows_per_shard}")
+    src = Path(source).expanduser().resolve()
+    if src.is_dir():
+        files, root = sorted(p for p in src.rglob("*.parquet") if p.is_file()), src
+        if not files:
+            raise errors.InputError(f"{src}: no .parquet file in this folder")
+    elif src.is_file():
+        files, root = [src], src.parent
+    else:
+        raise errors.InputError(f"{src}: no such file or folder; give a Parquet file or folder")
+    shards: list[Shard] = []
+    listed: list[tuple[str, str, int]] = []
+    types: set[str] = set()
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        meta, payload_type = _footer(path)
+        types.add(payload_type)
+        digest, size, mtime = fingerprint(path)
+        listed.append((rel, digest, meta.num_rows))
+        shards.extend(_cut(path, rel, (digest, size, mtime), meta, rows_per_shard))
+    if len(types) > 1:
+        raise errors.InputError(
+            f"{src}: payload columns differ between files ({', '.join(sorted(types))}); "
+            "give one dataset of one payload type"
+        )
+    version = hashlib.sha256(json.dumps(listed).encode()).hexdigest()
+    return Plan(root, tuple(shards), tuple(listed), version, types.pop())
+
+
+def _footer(path: Path) -> tuple[pq.FileMetaData, str]:
+    try:
+        meta = pq.read_metadata(path)
+        schema_ = meta.schema.to_arrow_schema()
+    except (pa.ArrowException, OSError) as exc:
+        raise errors.InputError(f"{path}: not a readable Parquet file ({exc})") from None
+    if "payload" not in schema_.names:
+        raise errors.InputError(
+            f"{path}: no payload column; give a column 'payload' of lists of numbers "
+            "(dense inputs or token ids) or JSON text"
+        )
+    kind = schema_.field("payload").type
+    ok = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        ok = pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)
+    if not ok:
+        raise errors.InputError(
+            f"{path}: payload column is {kind}; give lists of numbers or JSON text"
+        )
+    return meta, str(kind)
+
+
+def _cut(
+    path: Path,
+    rel: str,
+    stamp: tuple[str, int, int],
+    meta: pq.FileMetaData,
+    rows_per_shard: int,
+) -> Iterator[Shard]:
+    first_group = first_row = rows = 0
+    for g in range(meta.num_row_groups):
+        rows += meta.row_group(g).num_rows
+        if rows >= rows_per_shard or g == meta.num_row_groups - 1:
+            if rows:
+                yield Shard(str(path), rel, *stamp, first_group, g + 1, first_row, rows)
+            first_group, first_row, rows = g + 1, first_row + rows, 0
+
+
+def fingerprint(path: Path) -> tuple[str, int, int]:
+    """(sha256 of the file's bytes, its size, its modification time in ns)."""
+    h, size = hashlib.sha256(), 0
+    try:
+        with path.open("rb") as f:
+            mtime = os.fstat(f.fileno()).st_mtime_ns
+            while chunk := f.read(_HASH_CHUNK):
+                h.update(chunk)
+                size += len(chunk)
+    except OSError as exc:
+        raise errors.InputError(f"{path}: cannot read ({exc})") from None
+    return h.hexdigest(), size, mtime
+
+
+def records(shards: Sequence[Shard], tenant: str = "default") -> Iterator[models.EnqueueRecord]:
+    """The queue items of ``shards``: their keys, descriptors and row counts as costs."""
+    for s in shards:
+        yield models.EnqueueRecord(
+            item_key=s.key,
+            payload=models.Payload(s.payload()),
+            tenant=tenant,
+            cost=s.rows,
+            lane=LANE,
+        )
+
+
+def refuse_changed(conn: sa.Connection, queue: str, found: Plan) -> None:
+    """Refuse a plan over a file whose shards are queued under another fingerprint: its rows
+    would be scored twice, once per version of the file.
+
+    Raises:
+        InputError: naming the file and both fingerprints.
+    """
+    t = schema.items
+    known = {rel: digest[:16] for rel, digest, _ in found.files}
+    q = sa.select(t.c.item_key).where(
+        t.c.queue == queue, t.c.lane == LANE, t.c.item_key.startswith(KEY_PREFIX, autoescape=True)
+    )
+    for (key,) in conn.execute(q):
+        rel, _, rest = key.removeprefix(KEY_PREFIX).rpartition("@")
+        was = rest.split(":", 1)[0]
+        if rel in known and known[rel] != was:
+            raise errors.InputError(
+                f"{found.root / rel}: changed since its shards were queued (sha256 {was}... "
+                f"then, {known[rel]}... now); write changed data under a new file name, or "
+                "score it into another queue"
+            )
+
+
+class Verified:
+    """Files checked against their planned fingerprint. A file of the planned size and
+    modification time is taken as planned (the quick check of make and rsync: rewriting a
+    file sets its mtime); one whose mtime differs (copied to another host, touched) is hashed,
+    once per worker, and refused unless its sha256 is the planned one."""
+
+    def __init__(self) -> None:
+        self._ok: set[tuple[str, int, int]] = set()
+        self._lock = threading.Lock()
+
+    def check(self, shard: Shard) -> None:
+        """Raises ``InputError`` when the file is gone or no longer the one planned."""
+        p = Path(shard.path)
+        try:
+            st = p.stat()
+        except OSError as exc:
+            raise errors.InputError(f"{p}: input file gone ({exc.strerror})") from None
+        stamp = (shard.path, st.st_size, st.st_mtime_ns)
+        if st.st_size == shard.size and st.st_mtime_ns == shard.mtime_ns:
+            return
+        with self._lock:
+            if stamp in self._ok:
+                return
+        digest, size, _ = fingerprint(p)
+        if (digest, size) != (shard.sha256, shard.size):
+            raise errors.InputError(
+                f"{p}: changed since it was planned (sha256 {shard.sha256[:16]}... then, "
+                f"{digest[:16]}... now); refused rather than half-scored"
+            )
+        with self._lock:
+            self._ok.add(stamp)
+
+
+def read(shard: Shard, verified: Verified, columns: Sequence[str] = ("payload",)) -> pa.Table:
+    """The shard's rows (``columns`` that the file has), after checking the file.
+
+    Raises:
+        InputError: the file changed, is gone, or its row groups do not hold the planned rows.
+    """
+    verified.check(shard)
+    try:
+        with pq.ParquetFile(shard.path) as f:
+            have = [c for c in columns if c in f.schema_arrow.names]
+            groups = list(range(shard.first_group, shard.end_group))
+            table = f.read_row_groups(groups, columns=have, use_threads=False)
+    except (pa.ArrowException, OSError) as exc:
+        raise errors.InputError(f"{shard.path}: cannot read row groups ({exc})") from None
+    if table.num_rows != shard.rows:
+        raise errors.InputError(
+            f"{shard.path}: row groups {shard.first_group}-{shard.end_group - 1} hold "
+            f"{table.num_rows} rows, {shard.rows} planned"
+        )
+    return table

@@ -1,0 +1,305 @@
+"""Bulk scoring in place: a Parquet dataset queued as shards, scored with the real W1 model,
+committed as Parquet files read back; reconcile, lineage, changed inputs, rows the model
+refuses, and a scorer killed for real mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pds
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+
+from batching import config as cfg
+from batching import errors, models
+from batching.compose import build, inplace
+from batching.compose import run as wiring
+from batching.evidence import lineage, lineage_log
+from batching.evidence import reconcile as rc
+from batching.ingress import shards
+from batching.loop import stats
+from batching.model import workloads
+from batching.model.runner import TorchRunner
+from batching.outputs import parquet
+from batching.store import schema
+from tests import olspec
+from tests.conftest import REPO, wait_for
+
+DEPLOYMENTS = REPO / "deployments"
+UNTIL_EMPTY = stats.RunLimits(until_empty=True)
+
+
+def config(tmp_path: Path, **queue: Any) -> cfg.PipelineConfig:
+    """tabular.yaml, its queue and output its own, lineage under ``tmp_path``."""
+    return cfg.load_config(
+        DEPLOYMENTS / "tabular.yaml",
+        {
+            "queue": {"name": "w1-shards", **queue},
+            "output": {"path": str(tmp_path / "out")},
+            "lineage": {"path": str(tmp_path / "lineage" / "events.jsonl")},
+        },
+    )
+
+
+def write_dataset(folder: Path, files: int, rows: int, group: int) -> np.ndarray:
+    """``files`` W1 files of ``rows`` rows (row groups of ``group``); returns every row."""
+    folder.mkdir(parents=True, exist_ok=True)
+    x = workloads.w1_inputs(files * rows)
+    for f in range(files):
+        part = x[f * rows : (f + 1) * rows]
+        payload = pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1)), 64)
+        keys = pa.array([f"row-{f}-{i}" for i in range(rows)])
+        table = pa.table({"item_key": keys, "payload": payload})
+        pq.write_table(table, folder / f"part-{f}.parquet", row_group_size=group)
+    return x
+
+
+def migrate(url: str, c: cfg.PipelineConfig) -> None:
+    queue = build.open_queue(c, url, create=True)
+    queue.migrate()
+    queue.engine.dispose()
+
+
+def outputs(root: Path) -> pa.Table:
+    return pds.dataset(root, format="parquet", partitioning="hive").to_table()
+
+
+def expected(c: cfg.PipelineConfig, x: np.ndarray) -> np.ndarray:
+    runner = TorchRunner.load(c.model, base_dir=c.base_dir)
+    with torch.inference_mode():
+        out: np.ndarray = runner.model(torch.from_numpy(x)).numpy()
+    return out.reshape(len(x), -1)
+
+
+def reconcile(url: str, c: cfg.PipelineConfig, root: Path) -> rc.Report:
+    queue = build.open_queue(c, url)
+    try:
+        return rc.reconcile(queue, parquet.ParquetSink(queue, root), now=time.time())
+    finally:
+        queue.engine.dispose()
+
+
+def test_every_row_scored_once_and_reconciled(db_url: str, tmp_path: Path) -> None:
+    """Three files cut into shards of whole row groups: every input row has exactly one output
+    row, the model's own output for it; reconcile is clean; a second run queues and scores
+    nothing."""
+    c = config(tmp_path)
+    migrate(db_url, c)
+    x = write_dataset(tmp_path / "in", files=3, rows=1000, group=256)
+    found, queued = inplace.enqueue_shards(c, db_url, tmp_path / "in", rows_per_shard=500)
+    assert [s.rows for s in found.shards] == [512, 488] * 3  # whole row groups
+    assert queued.inserted == 6
+    outcome = wiring.run_score(
+        c, db_url=db_url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(found)
+    )
+    assert outcome.summary["items_committed"] == 3000
+    assert outcome.summary["commits"] == 6
+    table = outputs(tmp_path / "out")
+    assert table.num_rows == 3000
+    files = table.column("input_file").to_pylist()
+    rows = table.column("input_row").to_numpy()
+    assert len(set(zip(files, rows.tolist(), strict=True))) == 3000
+    order = np.array([int(f[5]) * 1000 + r for f, r in zip(files, rows.tolist(), strict=True)])
+    got = np.stack(table.column("output").to_numpy(zero_copy_only=False))[np.argsort(order)]
+    np.testing.assert_allclose(got, expected(c, x), rtol=1e-5, atol=1e-6)
+    keys = table.column("input_key").to_pylist()
+    assert keys[0] == f"row-{files[0][5]}-{rows[0]}"
+    assert table.column("error").null_count == 3000
+    assert reconcile(db_url, c, tmp_path / "out").clean
+    again, queued = inplace.enqueue_shards(c, db_url, tmp_path / "in", rows_per_shard=500)
+    assert (queued.inserted, len(queued.duplicates)) == (0, 6)
+    assert again.version == found.version
+    rerun = wiring.run_score(
+        c, db_url=db_url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(again)
+    )
+    assert rerun.summary["items_committed"] == 0
+    assert outputs(tmp_path / "out").num_rows == 3000
+
+
+def test_lineage_names_the_input_and_its_version(sqlite_url: str, tmp_path: Path) -> None:
+    c = config(tmp_path)
+    migrate(sqlite_url, c)
+    write_dataset(tmp_path / "in", files=2, rows=300, group=100)
+    found, _ = inplace.enqueue_shards(c, sqlite_url, tmp_path / "in")
+    wiring.run_score(c, db_url=sqlite_url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(found))
+    events = lineage_log.read_events(tmp_path / "lineage" / "events.jsonl")
+    assert [e["eventType"] for e in events] == ["START", "COMPLETE"]
+    registry = olspec.load_registry(olspec.require_spec_dir(), lineage.custom_facet_schemas())
+    for event in events:
+        olspec.assert_valid_event(event, registry)
+    inputs = {i["name"]: i for i in events[-1]["inputs"]}
+    data = inputs[str((tmp_path / "in").resolve())]
+    assert data["namespace"] == "file"
+    assert data["facets"]["version"]["datasetVersion"] == found.version
+    out = events[-1]["outputs"][0]
+    names = [f["name"] for f in out["facets"]["schema"]["fields"]]
+    assert {"input_file", "input_row", "output", "error"} <= set(names)
+
+
+def test_a_changed_file_is_refused_not_half_scored(sqlite_url: str, tmp_path: Path) -> None:
+    """A file rewritten after its shards were queued: its shards go dead with the reason, the
+    other file is scored, and planning the changed dataset again is refused."""
+    c = config(tmp_path)
+    migrate(sqlite_url, c)
+    write_dataset(tmp_path / "in", files=2, rows=400, group=200)
+    found, _ = inplace.enqueue_shards(c, sqlite_url, tmp_path / "in", rows_per_shard=200)
+    changed = tmp_path / "in" / "part-1.parquet"
+    table = pq.read_table(changed)
+    pq.write_table(table.slice(0, 399), changed, row_group_size=200)
+    outcome = wiring.run_score(
+        c, db_url=sqlite_url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(found)
+    )
+    assert outcome.summary["items_committed"] == 400
+    assert set(outputs(tmp_path / "out").column("input_file").to_pylist()) == {"part-0.parquet"}
+    engine = build.open_queue(c, sqlite_url).engine
+    t = schema.items
+    with engine.connect() as conn:
+        dead = conn.execute(t.select().where(t.c.state == 3)).all()
+    engine.dispose()
+    assert len(dead) == 2
+    assert all("changed since it was planned" in r.last_error for r in dead)
+    with pytest.raises(errors.InputError, match=r"part-1\.parquet: changed since its shards"):
+        inplace.enqueue_shards(c, sqlite_url, tmp_path / "in", rows_per_shard=200)
+
+
+def test_a_row_the_model_refuses_fails_alone(sqlite_url: str, tmp_path: Path) -> None:
+    """JSON payloads, one of the wrong width: that row has its error and no output, every
+    other row its output; the shard commits."""
+    c = config(tmp_path)
+    migrate(sqlite_url, c)
+    x = workloads.w1_inputs(50)
+    texts = [json.dumps({"x": row.tolist()}) for row in x]
+    texts[17] = json.dumps({"x": [1.0, 2.0]})
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"payload": texts}), tmp_path / "in" / "j.parquet")
+    found, _ = inplace.enqueue_shards(c, sqlite_url, tmp_path / "in")
+    outcome = wiring.run_score(
+        c, db_url=sqlite_url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(found)
+    )
+    assert (outcome.summary["items_committed"], outcome.summary["items_failed"]) == (49, 1)
+    table = outputs(tmp_path / "out").sort_by("input_row")
+    errors_ = table.column("error").to_pylist()
+    assert errors_[17] is not None
+    assert "64" in errors_[17]
+    assert [i for i, e in enumerate(errors_) if e is not None] == [17]
+    out = table.column("output")
+    assert out.null_count == 1
+    assert not out[17].is_valid
+    want = expected(c, x)
+    got = np.array([out[i].values.to_numpy() for i in (0, 49)])
+    np.testing.assert_allclose(got, want[[0, 49]], rtol=1e-5, atol=1e-6)
+    assert reconcile(sqlite_url, c, tmp_path / "out").clean
+
+
+def test_plain_scoring_refuses_a_queue_of_shards(sqlite_url: str, tmp_path: Path) -> None:
+    c = config(tmp_path)
+    migrate(sqlite_url, c)
+    write_dataset(tmp_path / "in", files=1, rows=10, group=10)
+    inplace.enqueue_shards(c, sqlite_url, tmp_path / "in")
+    with pytest.raises(errors.ConfigError, match="holds input shards"):
+        wiring.run_score(c, db_url=sqlite_url, limits=UNTIL_EMPTY)
+
+
+def test_bad_inputs_are_named(sqlite_url: str, tmp_path: Path) -> None:
+    c = config(tmp_path)
+    migrate(sqlite_url, c)
+    with pytest.raises(errors.InputError, match="no such file or folder"):
+        inplace.enqueue_shards(c, sqlite_url, tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(errors.InputError, match=r"no \.parquet file"):
+        inplace.enqueue_shards(c, sqlite_url, tmp_path / "empty")
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "nopayload.parquet")
+    with pytest.raises(errors.InputError, match="no payload column"):
+        inplace.enqueue_shards(c, sqlite_url, tmp_path / "nopayload.parquet")
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet")
+    with pytest.raises(errors.InputError, match="not a readable Parquet file"):
+        inplace.enqueue_shards(c, sqlite_url, tmp_path / "junk.parquet")
+    sql = config(tmp_path).model_copy(
+        update={"output": c.output.model_copy(update={"kind": "sql"})}
+    )
+    with pytest.raises(errors.ConfigError, match=r"output\.kind: parquet"):
+        inplace.enqueue_shards(sql, sqlite_url, tmp_path / "nopayload.parquet")
+
+
+def test_sigkill_mid_run_then_rerun_scores_each_row_once(sqlite_url: str, tmp_path: Path) -> None:
+    """`batching bulk --in-place` killed with SIGKILL after its first commit, with shards in
+    flight: a second run (after the lease runs out) scores the rest; every input row has
+    exactly one output row and reconcile is clean."""
+    data = yaml.safe_load((DEPLOYMENTS / "tabular.yaml").read_text())
+    data["queue"] = {"name": "w1-shards", "lease_s": 2}
+    data["service_profile"] = str(DEPLOYMENTS / data["service_profile"])
+    data["output"]["path"] = str(tmp_path / "out")
+    data["batching"]["max_batch_size"] = 64  # a slow run: time to kill it in the middle
+    data["lineage"] = {"transport": "file", "path": str(tmp_path / "events.jsonl")}
+    conf = tmp_path / "inplace.yaml"
+    conf.write_text(yaml.safe_dump(data))
+    c = cfg.load_config(conf)
+    migrate(sqlite_url, c)
+    write_dataset(tmp_path / "in", files=2, rows=20_000, group=1000)
+    cmd = [
+        str(Path(sys.executable).with_name("batching")),
+        "bulk",
+        str(tmp_path / "in"),
+        "-c",
+        str(conf),
+        "--in-place",
+        "--quiet",
+        "--db",
+        sqlite_url,
+        "--rows-per-shard",
+        "1000",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    engine = build.open_queue(c, sqlite_url).engine
+
+    def committed() -> int | None:
+        with engine.connect() as conn:
+            n = conn.execute(schema.batches.select()).all()
+        return len(n) if n else None
+
+    try:
+        wait_for(committed, timeout_s=120, what="a first shard committed")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    first = committed() or 0
+    assert first < 40, "the run finished before it was killed"
+    time.sleep(2.5)  # its leases run out
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    engine.dispose()
+    table = outputs(tmp_path / "out")
+    pairs = set(
+        zip(
+            table.column("input_file").to_pylist(),
+            table.column("input_row").to_pylist(),
+            strict=True,
+        )
+    )
+    assert table.num_rows == len(pairs) == 40_000
+    assert reconcile(sqlite_url, c, tmp_path / "out").clean
+
+
+def test_plan_cuts_whole_row_groups(tmp_path: Path) -> None:
+    write_dataset(tmp_path, files=1, rows=1000, group=300)
+    found = shards.plan(tmp_path / "part-0.parquet", rows_per_shard=500)
+    assert [(s.first_group, s.end_group, s.first_row, s.rows) for s in found.shards] == [
+        (0, 2, 0, 600),
+        (2, 4, 600, 400),
+    ]
+    assert shards.Shard.of(models.Payload(found.shards[1].payload())) == found.shards[1]
+    with pytest.raises(errors.InputError, match="not an input shard"):
+        shards.Shard.of(models.Payload(b'{"x": [1]}'))
