@@ -38,7 +38,9 @@ from batching.cli.scoring import (
 def bulk(
     source: Annotated[
         Path,
-        typer.Argument(help="A Parquet file, or a folder of them, with a payload column."),
+        typer.Argument(
+            help="A Parquet file, a folder of them or a local Delta table, with a payload column."
+        ),
     ],
     config: ConfigOption,
     in_place: Annotated[

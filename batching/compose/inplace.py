@@ -211,6 +211,7 @@ class ShardScorer:
         self._held: set[str] = set()
         self._lock = threading.Lock()
         self._lease_s = config.queue.lease_s
+        self._suspects = False  # the last plain claim found none, and lost workers' shards wait
 
     def stop(self) -> None:
         """Claim nothing more; the shard being scored still commits."""
@@ -237,6 +238,22 @@ class ShardScorer:
             ahead = reads.submit(self._fetch) if may_claim() else None
             while ahead is not None:
                 got, ahead = ahead.result(), None
+                if got is None and self._suspects:
+                    # A lost worker's shard: claimed with nothing else in flight, so a death
+                    # while it runs is its own (``batching.crashes``); split or scored alone.
+                    if committing is not None:
+                        committing.result()
+                        committing = None
+                    got = self._fetch(isolate=True) if may_claim() else None
+                    if got is None and limits.until_empty:
+                        break
+                    if got is None:
+                        self._wait(self.config.queue.poll_s)
+                    elif got.table is not None and (job := self._score(got)) is not None:
+                        self._commit(*job)
+                    if may_claim():
+                        ahead = reads.submit(self._fetch)
+                    continue
                 if got is None and limits.until_empty:
                     break
                 if got is None:
@@ -263,14 +280,15 @@ class ShardScorer:
 
     # -- the steps ------------------------------------------------------------------------
 
-    def _fetch(self) -> _Fetched | None:
-        """Claim a shard and read its rows; None when none is ready. A shard that cannot be
-        read as planned is dead with the reason (its ``table`` None)."""
+    def _fetch(self, isolate: bool = False) -> _Fetched | None:
+        """Claim a shard (``isolate``: a lost worker's) and read its rows; None when none is
+        ready (``_suspects`` then says whether lost workers' shards wait). A shard that
+        cannot be read as planned is dead with the reason, and one of a lost worker split in
+        two (its ``table`` None)."""
         started = time.perf_counter()
-        claim = self.queue.claim(1, lease_s=self._lease_s, lane=shards.LANE)
-        if not claim.items and claim.suspects:  # a lost worker's shard: alone, as always
-            claim = self.queue.claim(1, lease_s=self._lease_s, lane=shards.LANE, isolate=True)
+        claim = self.queue.claim(1, lease_s=self._lease_s, lane=shards.LANE, isolate=isolate)
         self.stats.stage_s["claim"] += time.perf_counter() - started
+        self._suspects = not isolate and not claim.items and claim.suspects
         if not claim.items:
             return None
         with self._lock:
@@ -279,6 +297,9 @@ class ShardScorer:
         started = time.perf_counter()
         try:
             shard = shards.Shard.of(item.payload)
+            if claim.isolated and shard.rows > 1:  # its worker was lost: corner the killer
+                self._split(claim, item, shard)
+                return _Fetched(claim, None, None)
             table = shards.read(shard, self._verified, ("payload", "item_key"))
         except errors.InputError as exc:
             self._give_up(claim, item, str(exc))
@@ -363,6 +384,16 @@ class ShardScorer:
             )
         if self._on_progress is not None:
             self._on_progress(self.stats)
+
+    def _split(self, claim: models.Claim, item: models.WorkItem, shard: shards.Shard) -> None:
+        closed = shards.split(self.queue, claim.lease_id, item, shard)
+        with self._lock:
+            self._held.discard(claim.lease_id)
+        self.stats.isolated += shard.rows
+        logger.warning(
+            "shard split in two: its worker was lost while scoring it",
+            extra={"action": "shard_split", "item_key": item.item_key, "closed": closed},
+        )
 
     def _give_up(self, claim: models.Claim, item: models.WorkItem, reason: str) -> None:
         """The shard cannot be read as planned: dead, with the reason (a retry reads the same)."""

@@ -20,8 +20,9 @@ import json
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -29,6 +30,9 @@ import sqlalchemy as sa
 
 from batching import errors, models
 from batching.store import schema
+
+if TYPE_CHECKING:
+    from batching.ingress.queue import SqlQueue
 
 LANE = "shard"
 """The lane of shard items: a claim for shards takes this lane only."""
@@ -40,8 +44,8 @@ _HASH_CHUNK = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """Row groups ``[first_group, end_group)`` of one file: rows ``[first_row, first_row +
-    rows)`` of it. ``path`` is absolute; ``relpath`` names it within its dataset; ``sha256`` and
+    """Row groups ``[first_group, end_group)`` of one file, ``skip`` rows into them: rows
+    ``[first_row, first_row + rows)`` of the file (a split shard holds part of its groups). ``path`` is absolute; ``relpath`` names it within its dataset; ``sha256`` and
     ``size`` and ``mtime_ns`` are the file's when planned."""
 
     path: str
@@ -53,14 +57,15 @@ class Shard:
     end_group: int
     first_row: int
     rows: int
+    skip: int = 0
+    part: str = ""
 
     @property
     def key(self) -> str:
-        """The shard's queue key: file, fingerprint (16 hex digits) and row groups."""
-        return (
-            f"{KEY_PREFIX}{self.relpath}@{self.sha256[:16]}"
-            f":rg{self.first_group}-{self.end_group - 1}"
-        )
+        """The shard's queue key: file, fingerprint (16 hex digits) and row groups; a split
+        shard's, its parent's and ``/0`` or ``/1``."""
+        groups = f"rg{self.first_group}-{self.end_group - 1}"
+        return f"{KEY_PREFIX}{self.relpath}@{self.sha256[:16]}:{groups}{self.part}"
 
     def payload(self) -> bytes:
         """The shard as its queue item's JSON payload."""
@@ -72,8 +77,23 @@ class Shard:
             "mtime_ns": self.mtime_ns,
             "row_groups": [self.first_group, self.end_group],
             "rows": [self.first_row, self.rows],
+            "skip": self.skip,
+            "part": self.part,
         }
         return json.dumps(fields, separators=(",", ":")).encode()
+
+    def halves(self) -> tuple[Shard, Shard]:
+        """The shard cut in two (:func:`split`), keyed ``<key>/0`` and ``<key>/1``."""
+        n = self.rows // 2
+        first = replace(self, rows=n, part=f"{self.part}/0")
+        second = replace(
+            self,
+            first_row=self.first_row + n,
+            rows=self.rows - n,
+            skip=self.skip + n,
+            part=f"{self.part}/1",
+        )
+        return first, second
 
     @classmethod
     def of(cls, payload: models.Payload) -> Shard:
@@ -95,6 +115,8 @@ class Shard:
                 int(g1),
                 int(r0),
                 int(n),
+                int(obj.get("skip", 0)),
+                str(obj.get("part", "")),
             )
         except (ValueError, TypeError, KeyError, UnicodeDecodeError):
             raise errors.InputError(
@@ -106,8 +128,8 @@ class Shard:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """An input dataset cut into shards; ``version``: sha256 over its files' names and
-    fingerprints (the dataset version lineage records)."""
+    """An input dataset cut into shards; ``version``: a Delta table's version, else sha256
+    over its files' names and fingerprints (the dataset version lineage records)."""
 
     root: Path
     shards: tuple[Shard, ...]
@@ -125,7 +147,8 @@ class Plan:
 
 
 def plan(source: str | Path, rows_per_shard: int = ROWS_PER_SHARD) -> Plan:
-    """Shards of a Parquet file, or of every ``*.parquet`` under a folder (sorted by path).
+    """Shards of a Parquet file, of every ``*.parquet`` under a folder (sorted by path), or
+    of the data files of a local Delta table's current version (its version is the plan's).
 
     Raises:
         InputError: no such file or folder, no Parquet file in it, a file unreadable, or one
@@ -134,7 +157,11 @@ def plan(source: str | Path, rows_per_shard: int = ROWS_PER_SHARD) -> Plan:
     if rows_per_shard < 1:
         raise errors.InputError(f"rows per shard must be >= 1, got {rows_per_shard}")
     src = Path(source).expanduser().resolve()
-    if src.is_dir():
+    table_version = None
+    if (src / "_delta_log").is_dir():
+        files, table_version = _delta_files(src)
+        root = src
+    elif src.is_dir():
         files, root = sorted(p for p in src.rglob("*.parquet") if p.is_file()), src
         if not files:
             raise errors.InputError(f"{src}: no .parquet file in this folder")
@@ -157,8 +184,34 @@ def plan(source: str | Path, rows_per_shard: int = ROWS_PER_SHARD) -> Plan:
             f"{src}: payload columns differ between files ({', '.join(sorted(types))}); "
             "give one dataset of one payload type"
         )
-    version = hashlib.sha256(json.dumps(listed).encode()).hexdigest()
+    version = table_version or hashlib.sha256(json.dumps(listed).encode()).hexdigest()
     return Plan(root, tuple(shards), tuple(listed), version, types.pop())
+
+
+def _delta_files(table: Path) -> tuple[list[Path], str]:
+    """The data files of a local Delta table's current version, and that version.
+
+    Raises:
+        InputError: not a readable table, or one whose rows a file does not hold alone
+            (deletion vectors).
+    """
+    from deltalake import DeltaTable  # only a Delta input needs it
+
+    try:
+        dt = DeltaTable(str(table))
+        features = set(dt.protocol().reader_features or ())
+        uris = dt.file_uris()
+    except Exception as exc:  # deltalake raises its own kinds: every one is a bad input here
+        raise errors.InputError(f"{table}: not a readable Delta table ({exc})") from None
+    if "deletionVectors" in features:
+        raise errors.InputError(
+            f"{table}: the table may use deletion vectors (rows deleted without rewriting "
+            "their files); run OPTIMIZE/PURGE to rewrite them, or score a copy"
+        )
+    files = sorted(Path(u.removeprefix("file://")) for u in uris)
+    if not files:
+        raise errors.InputError(f"{table}: the Delta table holds no data file")
+    return files, str(dt.version())
 
 
 def _footer(path: Path) -> tuple[pq.FileMetaData, str]:
@@ -173,14 +226,14 @@ def _footer(path: Path) -> tuple[pq.FileMetaData, str]:
             "(dense inputs or token ids) or JSON text"
         )
     kind = schema_.field("payload").type
-    ok = pa.types.is_string(kind) or pa.types.is_large_string(kind)
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
-        ok = pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)
-    if not ok:
-        raise errors.InputError(
-            f"{path}: payload column is {kind}; give lists of numbers or JSON text"
-        )
-    return meta, str(kind)
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return meta, "JSON text"
+    listed = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+    if (listed or pa.types.is_fixed_size_list(kind)) and (
+        pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)
+    ):
+        return meta, "list of numbers"  # a fixed-size list may read back as a list
+    raise errors.InputError(f"{path}: payload column is {kind}; give lists of numbers or JSON text")
 
 
 def _cut(
@@ -248,6 +301,54 @@ def refuse_changed(conn: sa.Connection, queue: str, found: Plan) -> None:
             )
 
 
+SPLIT = "split into {a} and {b}: its worker was lost while scoring it (scored as halves)"
+
+
+def split(queue: SqlQueue, lease_id: str, item: models.WorkItem, shard: Shard) -> bool:
+    """The crash-isolation rule within a shard: a shard whose worker was lost (a suspect,
+    claimed in isolation) is not scored again whole but queued as two halves, so a row that
+    kills its scorer is cornered in about log2(rows) deaths and the rest are scored. The halves
+    are queued first (idempotent on their keys), then the shard, still held by ``lease_id``,
+    is closed ``cancelled`` with the reason: a death between the two splits it again, finding
+    the halves already queued. Only a one-row shard is scored alone, and charged by the usual
+    rule (``batching.crashes``). Returns False when the lease was lost (nothing closed).
+    """
+    a, b = shard.halves()
+    queue.enqueue(
+        [
+            models.EnqueueRecord(
+                h.key,
+                models.Payload(h.payload()),
+                item.tenant,
+                item.priority,
+                None,
+                h.rows,
+                LANE,
+                item.max_attempts,
+            )
+            for h in (a, b)
+        ]
+    )
+    t = schema.items
+    reason = SPLIT.format(a=a.key, b=b.key)
+    with queue.begin() as conn:
+        closed = conn.execute(
+            sa.update(t)
+            .where(
+                t.c.id == item.id, t.c.lease_id == lease_id, t.c.state == int(models.State.LEASED)
+            )
+            .values(
+                state=int(models.State.CANCELLED),
+                lease_id=None,
+                lease_expires_at=None,
+                leased_by=None,
+                finished_at=queue.clock(),
+                last_error=reason,
+            )
+        ).rowcount
+    return bool(closed)
+
+
 class Verified:
     """Files checked against their planned fingerprint. A file of the planned size and
     modification time is taken as planned (the quick check of make and rsync: rewriting a
@@ -295,9 +396,9 @@ def read(shard: Shard, verified: Verified, columns: Sequence[str] = ("payload",)
             table = f.read_row_groups(groups, columns=have, use_threads=False)
     except (pa.ArrowException, OSError) as exc:
         raise errors.InputError(f"{shard.path}: cannot read row groups ({exc})") from None
-    if table.num_rows != shard.rows:
+    if table.num_rows < shard.skip + shard.rows:
         raise errors.InputError(
             f"{shard.path}: row groups {shard.first_group}-{shard.end_group - 1} hold "
-            f"{table.num_rows} rows, {shard.rows} planned"
+            f"{table.num_rows} rows, {shard.skip + shard.rows} planned"
         )
-    return table
+    return table.slice(shard.skip, shard.rows) if shard.part else table

@@ -6,6 +6,8 @@ HOW ``exit``: ``os._exit(3)`` in the model, as a native library that gives up wo
 a real segmentation fault (a read of address 0), the kernel's doing; ``kill``: SIGKILL, as an
 OOM kill takes a process. None of them runs a ``finally``: the lease is simply left to expire.
 The death comes in ``decode``, when the batch holding KEY is on its way to the forward pass.
+KEY ``x0=V``: the batch holding a dense row whose first value is V (rows scored in place
+have no key of their own).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def main() -> None:
     decode = runner.TorchRunner.decode
 
     def dying_decode(self: runner.TorchRunner, items: Sequence[Any]) -> Any:
+        if key.startswith("x0="):  # a dense row whose first value is this (rows in place)
+            decoded = decode(self, items)
+            if bool((decoded.inputs[:, 0] == float(key[3:])).any()):
+                die(how)
+            return decoded
         if key in models.item_column(items, "item_key"):
             die(how)
         return decode(self, items)

@@ -303,3 +303,102 @@ def test_plan_cuts_whole_row_groups(tmp_path: Path) -> None:
     assert shards.Shard.of(models.Payload(found.shards[1].payload())) == found.shards[1]
     with pytest.raises(errors.InputError, match="not an input shard"):
         shards.Shard.of(models.Payload(b'{"x": [1]}'))
+
+
+DIE_ON = Path(__file__).with_name("die_on.py")
+
+
+def test_a_row_that_kills_its_scorer_costs_only_itself(sqlite_url: str, tmp_path: Path) -> None:
+    """A row whose scoring kills the process (os._exit, no finally): each run dies, the
+    shard that held it is split in halves on its next claim until the row is alone, which is
+    charged until dead; every other row is committed exactly once, and reconcile is clean."""
+    data = yaml.safe_load((DEPLOYMENTS / "tabular.yaml").read_text())
+    data["queue"] = {"name": "w1-shards", "lease_s": 0.6, "max_attempts": 2}
+    data["service_profile"] = str(DEPLOYMENTS / data["service_profile"])
+    data["output"]["path"] = str(tmp_path / "out")
+    data["lineage"] = {"transport": "file", "path": str(tmp_path / "events.jsonl")}
+    conf = tmp_path / "inplace.yaml"
+    conf.write_text(yaml.safe_dump(data))
+    c = cfg.load_config(conf)
+    migrate(sqlite_url, c)
+    x = workloads.w1_inputs(64)
+    x[37, 0] = 1234.5  # the poison row
+    folder = tmp_path / "in"
+    folder.mkdir()
+    payload = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 64)
+    pq.write_table(pa.table({"payload": payload}), folder / "p.parquet")
+    cmd = [
+        sys.executable,
+        str(DIE_ON),
+        "x0=1234.5",
+        "exit",
+        "--",
+        "bulk",
+        str(folder),
+        "-c",
+        str(conf),
+        "--in-place",
+        "--quiet",
+        "--db",
+        sqlite_url,
+    ]
+    runs = []
+    for _ in range(14):  # log2(64) splits, then the row alone max_attempts times
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        runs.append(done.returncode)
+        if done.returncode == 0:
+            break
+        time.sleep(0.7)  # the dead run's lease runs out
+    assert runs[-1] == 0, runs
+    assert runs.count(3) >= 6, runs  # it died each time the row was in flight
+    engine = build.open_queue(c, sqlite_url).engine
+    t = schema.items
+    with engine.connect() as conn:
+        dead = conn.execute(t.select().where(t.c.state == 3)).all()
+        split = conn.execute(t.select().where(t.c.state == 5)).all()
+    engine.dispose()
+    assert len(dead) == 1
+    assert "alone" in dead[0].last_error
+    assert dead[0].cost == 1  # the row alone: one row lost, not its shard
+    assert all("split into" in r.last_error for r in split)
+    table = outputs(tmp_path / "out")
+    rows = sorted(table.column("input_row").to_pylist())
+    assert rows == [i for i in range(64) if i != 37]
+    assert reconcile(sqlite_url, c, tmp_path / "out").clean
+
+
+def test_a_delta_table_is_scored_as_of_its_version(sqlite_url: str, tmp_path: Path) -> None:
+    """A local Delta table: its current version's files are the input and its version the
+    dataset version in lineage; after an append, a second run scores only the new file."""
+    from deltalake import write_deltalake
+
+    c = config(tmp_path)
+    migrate(sqlite_url, c)
+    x = workloads.w1_inputs(300)
+    table = tmp_path / "delta"
+
+    def append(rows: np.ndarray) -> None:
+        payload = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), 64)
+        write_deltalake(str(table), pa.table({"payload": payload}), mode="append")
+
+    append(x[:100])
+    append(x[100:200])
+    found, queued = inplace.enqueue_shards(c, sqlite_url, table)
+    assert (found.version, found.rows, queued.inserted) == ("1", 200, 2)
+    first = wiring.run_score(
+        c, db_url=sqlite_url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(found)
+    )
+    assert first.summary["items_committed"] == 200
+    events = lineage_log.read_events(tmp_path / "lineage" / "events.jsonl")
+    inputs = {i["name"]: i["facets"] for i in events[-1]["inputs"]}
+    assert inputs[str(table.resolve())]["version"]["datasetVersion"] == "1"
+    append(x[200:])
+    found, queued = inplace.enqueue_shards(c, sqlite_url, table)
+    assert (found.version, found.rows, queued.inserted, len(queued.duplicates)) == ("2", 300, 1, 2)
+    again = wiring.run_score(
+        c, db_url=sqlite_url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(found)
+    )
+    assert again.summary["items_committed"] == 100
+    out = outputs(tmp_path / "out")
+    assert out.num_rows == 300
+    assert reconcile(sqlite_url, c, tmp_path / "out").clean
