@@ -25,6 +25,7 @@ from batching.cli.common import (
 from batching.cli.scoring import (
     _explain_what_is_left,
     _finite,
+    _score_workers,
     _StopOnSignal,
     _where,
     lineage_settings,
@@ -60,6 +61,14 @@ def bulk(
         float | None,
         typer.Option(min=0.001, callback=_finite, help="Stop claiming shards after S seconds."),
     ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Scorer processes side by side, each claiming a shard at a time (as score "
+            "--workers).",
+        ),
+    ] = 1,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -108,6 +117,24 @@ def bulk(
         progress.update(task, completed=stats.committed + stats.failed)
 
     limits = run_stats.RunLimits(until_empty=True, max_seconds=max_seconds)
+    scored = inplace.InPlace.of(found)
+    if workers > 1:
+        with progress, scorer_metrics(cfg, workers):
+            _score_workers(
+                cfg,
+                workers,
+                db_url=db,
+                output=output,
+                limits=limits,
+                on_progress=lambda done, failed, _claimed: progress.update(
+                    task, completed=done + failed
+                ),
+                lineage_config=lineage_settings(cfg),
+                stop=stop.asked,
+                as_json=as_json,
+                in_place=scored,
+            )
+        return
     with progress, scorer_metrics(cfg, 1):
         outcome = wiring.run_score(
             cfg,
@@ -117,7 +144,7 @@ def bulk(
             on_progress=on_progress,
             on_scorer=stop.attach,
             lineage_config=lineage_settings(cfg),
-            in_place=inplace.InPlace.of(found),
+            in_place=scored,
         )
     if as_json:
         doc = score_doc(cfg, outcome)

@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 import sqlalchemy as sa
 
 from batching import config as cfg
-from batching import errors, models, naming
+from batching import errors, models, naming, ports
 from batching.compose import build
 from batching.evidence import lineage
 from batching.ingress import queue as q
@@ -200,8 +200,10 @@ class ShardScorer:
         *,
         on_progress: run_stats.Progress | None = None,
         wait_for_work: Callable[[float], object] | None = None,
+        observer: ports.ScoreObserver | None = None,
     ) -> None:
         self.config, self.queue, self.runner, self.outputs = config, queue, runner, outputs
+        self.observer = observer or ports.NoObserver()
         self.stats = run_stats.RunStats(started_at=time.time())
         self._on_progress = on_progress
         self._wait = wait_for_work or time.sleep
@@ -230,6 +232,7 @@ class ShardScorer:
 
         beat = threading.Thread(target=self._heartbeat, name="shard-heartbeat", daemon=True)
         beat.start()
+        self.observer.started(time.time())
         ahead: cf.Future[_Fetched | None] | None = None
         committing: cf.Future[None] | None = None
         reads = cf.ThreadPoolExecutor(1, thread_name_prefix="shard-read")
@@ -276,6 +279,7 @@ class ShardScorer:
             beat.join()
             self.outputs.flush()
             self.stats.finished_at = time.time()
+            self.observer.finished(self.stats.finished_at)
         return self.stats
 
     # -- the steps ------------------------------------------------------------------------
@@ -366,6 +370,7 @@ class ShardScorer:
             result = self.outputs.sink.commit(batch)
         except errors.LeaseLost:
             self.stats.lease_lost += shard.rows
+            self.observer.lease_lost(1)
             return
         finally:
             with self._lock:
@@ -377,6 +382,8 @@ class ShardScorer:
         self.stats.bytes_written += result.n_bytes or 0
         self.stats.by_version[self.outputs.model_version] += ok
         self.stats.latencies_s.append(time.time() - item.enqueued_at)
+        self.observer.commit_timed(time.perf_counter() - started)
+        self.observer.committed([item], time.time(), self.outputs.model_version)
         if failed:
             logger.warning(
                 "rows refused by the model",
@@ -398,6 +405,7 @@ class ShardScorer:
     def _give_up(self, claim: models.Claim, item: models.WorkItem, reason: str) -> None:
         """The shard cannot be read as planned: dead, with the reason (a retry reads the same)."""
         self.queue.fail(claim.lease_id, {item.id: reason}, retry=False)
+        self.observer.failed([item], retry=False)
         with self._lock:
             self._held.discard(claim.lease_id)
         logger.error(reason, extra={"action": "shard_refused", "item_key": item.item_key})
@@ -405,6 +413,7 @@ class ShardScorer:
     def _release_failed(self, claim: models.Claim, item: models.WorkItem, reason: str) -> None:
         """Every row failed: the model's fault; the shard is retried under the attempt rule."""
         result = self.queue.fail(claim.lease_id, {item.id: reason})
+        self.observer.failed([item], retry=True)
         with self._lock:
             self._held.discard(claim.lease_id)
         if result.dead:
@@ -419,6 +428,7 @@ class ShardScorer:
         while not self._done.wait(every):
             with self._lock:
                 held = list(self._held)
+            self.observer.heartbeat(time.time())
             for lease in held:
                 try:
                     self.queue.heartbeat(lease, self._lease_s)

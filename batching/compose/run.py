@@ -199,6 +199,7 @@ def run_score(
                     outputs,
                     on_progress=on_progress,
                     wait_for_work=waiter.wait,
+                    observer=observer,
                 )
             else:
                 scorer = pipeline.Scorer(

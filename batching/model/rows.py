@@ -134,7 +134,7 @@ def _work_items(payload: pa.ChunkedArray, runner: TorchRunner) -> Sequence[model
         )
         zeros = [0.0] * n
         return models.ItemBlock(
-            template, list(range(n)), [""] * n, zeros, [1] * n, [1] * n, values.tobytes()
+            template, list(range(n)), [""] * n, zeros, [1] * n, [1] * n, values.data
         )
     size, dtype, raw = values.dtype.itemsize, values.dtype.name, values.tobytes()
     items = []

@@ -402,3 +402,54 @@ def test_a_delta_table_is_scored_as_of_its_version(sqlite_url: str, tmp_path: Pa
     out = outputs(tmp_path / "out")
     assert out.num_rows == 300
     assert reconcile(sqlite_url, c, tmp_path / "out").clean
+
+
+@pytest.mark.postgres
+def test_two_scorer_processes_share_the_shards_on_postgresql(pg_url: str, tmp_path: Path) -> None:
+    """`batching bulk --in-place --workers 2` on PostgreSQL: both processes claim shards,
+    every input row has exactly one output row, reconcile is clean."""
+    data = yaml.safe_load((DEPLOYMENTS / "tabular.yaml").read_text())
+    data["queue"] = {"name": "w1-shards"}
+    data["service_profile"] = str(DEPLOYMENTS / data["service_profile"])
+    data["output"]["path"] = str(tmp_path / "out")
+    data["lineage"] = {"transport": "file", "path": str(tmp_path / "events.jsonl")}
+    conf = tmp_path / "inplace.yaml"
+    conf.write_text(yaml.safe_dump(data))
+    c = cfg.load_config(conf)
+    migrate(pg_url, c)
+    write_dataset(tmp_path / "in", files=2, rows=4000, group=500)
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("batching")),
+            "bulk",
+            str(tmp_path / "in"),
+            "-c",
+            str(conf),
+            "--in-place",
+            "--quiet",
+            "--json",
+            "--db",
+            pg_url,
+            "--rows-per-shard",
+            "500",
+            "--workers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["summary"]["items_committed"] == 8000
+    assert len(doc["workers"]) == 2
+    table = outputs(tmp_path / "out")
+    pairs = set(
+        zip(
+            table.column("input_file").to_pylist(),
+            table.column("input_row").to_pylist(),
+            strict=True,
+        )
+    )
+    assert table.num_rows == len(pairs) == 8000
+    assert reconcile(pg_url, c, tmp_path / "out").clean
