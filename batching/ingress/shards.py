@@ -390,7 +390,7 @@ def read(shard: Shard, verified: Verified, columns: Sequence[str] = ("payload",)
     """
     verified.check(shard)
     try:
-        with pq.ParquetFile(shard.path) as f:
+        with pq.ParquetFile(shard.path, memory_map=True) as f:
             have = [c for c in columns if c in f.schema_arrow.names]
             groups = list(range(shard.first_group, shard.end_group))
             table = f.read_row_groups(groups, columns=have, use_threads=False)
