@@ -108,9 +108,8 @@ class InPlace:
 
     @classmethod
     def of(cls, found: shards.Plan) -> InPlace:
-        """The input dataset of a plan: a folder (or file) of Parquet, named as a path."""
-        root = found.root if len(found.files) > 1 else found.root / found.files[0][0]
-        ns, name = naming.file_dataset_id(root)
+        """The input dataset of a plan, named by its path: the file, folder or table given."""
+        ns, name = naming.file_dataset_id(found.source)
         ref = lineage.DatasetRef(
             ns,
             name,
@@ -145,7 +144,7 @@ def enqueue_shards(
     if config.output.kind != "parquet":
         raise errors.ConfigError(
             f"bulk --in-place writes a Parquet dataset; output.kind is {config.output.kind!r}: "
-            "set output.kind: parquet (or give --output a folder)"
+            "give in-place runs a config with output.kind: parquet (the folder: output.path or --output)"
         )
     found = shards.plan(source, rows_per_shard)
     queue = build.open_queue(config, db_url)
@@ -283,6 +282,7 @@ class ShardScorer:
             self._give_back(ahead)
             reads.shutdown()
             commits.shutdown()
+            self._release_held()
             self._done.set()
             beat.join()
             self.outputs.flush()
@@ -319,6 +319,17 @@ class ShardScorer:
         self.stats.claimed += shard.rows
         self.stats.stage_s["decode"] += time.perf_counter() - started
         return _Fetched(claim, shard, table)
+
+    def _release_held(self) -> None:
+        """A run that failed gives back the shards it still holds, unscored and uncharged
+        (left to expire, they would come back as a lost worker's and be split)."""
+        with self._lock:
+            held, self._held = list(self._held), set()
+        for lease in held:
+            try:
+                self.queue.release(lease)
+            except errors.QueueError:
+                logger.warning("release failed; the lease will expire", exc_info=True)
 
     def _give_back(self, ahead: cf.Future[_Fetched | None] | None) -> None:
         """Release a shard claimed ahead and not scored (no attempt used)."""

@@ -136,6 +136,7 @@ class Plan:
     files: tuple[tuple[str, str, int], ...]  # (relpath, sha256, rows)
     version: str
     payload_type: str
+    source: Path  # what was given: a file, a folder, a Delta table (the lineage dataset)
 
     @property
     def rows(self) -> int:
@@ -185,7 +186,7 @@ def plan(source: str | Path, rows_per_shard: int = ROWS_PER_SHARD) -> Plan:
             "give one dataset of one payload type"
         )
     version = table_version or hashlib.sha256(json.dumps(listed).encode()).hexdigest()
-    return Plan(root, tuple(shards), tuple(listed), version, types.pop())
+    return Plan(root, tuple(shards), tuple(listed), version, types.pop(), src)
 
 
 def _delta_files(table: Path) -> tuple[list[Path], str]:

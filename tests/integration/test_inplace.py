@@ -4,6 +4,7 @@ refuses, and a scorer killed for real mid-run."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -453,3 +454,54 @@ def test_two_scorer_processes_share_the_shards_on_postgresql(pg_url: str, tmp_pa
     )
     assert table.num_rows == len(pairs) == 8000
     assert reconcile(pg_url, c, tmp_path / "out").clean
+
+
+def test_a_model_failing_every_row_sends_the_shard_back(sqlite_url: str, tmp_path: Path) -> None:
+    """Every forward pass fails (a broken device): not the rows' fault, so no file of errors
+    is committed; the shard goes back to the queue with its attempt counted, and is dead with
+    the model's error once its attempts run out."""
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "empty.safetensors"
+    save_file({}, str(ckpt))
+    digest = hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    c = cfg.load_config(
+        DEPLOYMENTS / "tabular.yaml",
+        {
+            "model": {
+                "name": "tests.integration.test_breaker:build_storm",
+                "version": "t1",
+                "checkpoint": str(ckpt),
+                "sha256": digest,
+                "device": "cpu",
+            },
+            "queue": {
+                "name": "w1-shards",
+                "max_attempts": 2,
+                "backoff_base_s": 0.01,
+                "backoff_max_s": 0.01,
+            },
+            "output": {"path": str(tmp_path / "out")},
+            "lineage": {"path": str(tmp_path / "lineage" / "events.jsonl")},
+            "service_profile": None,
+        },
+    )
+    migrate(sqlite_url, c)
+    (tmp_path / "in").mkdir()
+    x = np.ones((40, 4), dtype=np.float32)
+    payload = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 4)
+    pq.write_table(pa.table({"payload": payload}), tmp_path / "in" / "f.parquet")
+    found, _ = inplace.enqueue_shards(c, sqlite_url, tmp_path / "in")
+    for _ in range(2):
+        outcome = wiring.run_score(
+            c, db_url=sqlite_url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(found)
+        )
+        assert outcome.summary["items_committed"] == 0
+        time.sleep(0.05)  # past the retry backoff
+    engine = build.open_queue(c, sqlite_url).engine
+    with engine.connect() as conn:
+        (row,) = conn.execute(schema.items.select()).all()
+    engine.dispose()
+    assert (row.state, row.attempts) == (3, 2)
+    assert "illegal memory access" in row.last_error
+    assert not list((tmp_path / "out").rglob("*.parquet"))
