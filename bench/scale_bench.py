@@ -8,7 +8,10 @@ items (enqueued before the clock starts) through the whole pipeline: claim, deco
 Parquet commit (ledger + ack in one transaction).
 
     python bench/scale_bench.py [--items 200000] [--scorers 1 2 4 8] [--batch 256]
-        [--pg postgresql://postgres@127.0.0.1:5432/postgres] [--json out.json]
+        [--pg postgresql://postgres@127.0.0.1:5432/postgres] [--in-place] [--json out.json]
+
+``--in-place``: the same rows also scored in place (``bulk --in-place``: a Parquet file of
+row groups of 4,096 rows, a shard each), so the queue holds a row per shard, not per row.
 
 Reported per run: rows/s (first scorer's start to last one's end, model loads excluded), the
 ideal of ``k`` processes bound by the simulated forward alone (``k * B / (5 ms + 2 us * B)``
@@ -22,6 +25,7 @@ machine's CPU microseconds per row.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -31,11 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import sim_accel  # bench/ is on the path (this script's folder); scorers import it by name
 from safetensors.torch import save_file
 
 from batching import models
-from batching.compose import build
+from batching.compose import build, inplace
 from batching.compose import run as app
 from batching.config import load_config
 from batching.ingress import ingest
@@ -45,6 +50,7 @@ from batching.model import workloads
 from batching.store.database import normalize_url
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deployments"
+SHARD_ROWS = 4096  # --in-place: rows a shard (and a row group) holds
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -132,17 +138,25 @@ def _config(url: str, tmp: Path, tag: str, ckpt: tuple[str, str], batch: int) ->
     )
 
 
-def one_run(cfg: Any, records: list[models.EnqueueRecord], k: int, batch: int) -> dict[str, Any]:
-    """Enqueue ``records``, then drain them with ``k`` scorer processes; rows/s and CPU."""
+def one_run(
+    cfg: Any, records: list[models.EnqueueRecord], k: int, batch: int, dataset: Path | None = None
+) -> dict[str, Any]:
+    """Enqueue ``records`` (or, with ``dataset``, its shards: ``bulk --in-place``), then drain
+    them with ``k`` scorer processes; rows/s and CPU."""
     queue = build.open_queue(cfg, cfg.database.url, create=True)
     queue.migrate()
-    queue.enqueue(records)
     queue.engine.dispose()
+    score: Any = app.run_score
+    if dataset is None:
+        queue = build.open_queue(cfg, cfg.database.url)
+        queue.enqueue(records)
+        queue.engine.dispose()
+    else:
+        found, _ = inplace.enqueue_shards(cfg, cfg.database.url, dataset, SHARD_ROWS)
+        score = functools.partial(app.run_score, in_place=inplace.InPlace.of(found))
     cpu = CpuSampler()
     started = time.perf_counter()
-    outcome = run_workers(
-        app.run_score, cfg, k, threads=1, limits=run_stats.RunLimits(until_empty=True)
-    )
+    outcome = run_workers(score, cfg, k, threads=1, limits=run_stats.RunLimits(until_empty=True))
     wall = time.perf_counter() - started
     cpu.stop()
     if outcome.exit_code:
@@ -190,6 +204,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="max_batch_size (claims: 8x)")
     parser.add_argument("--pg", metavar="ADMIN_URL", help="also run on this PostgreSQL server")
     parser.add_argument("--sqlite", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--in-place",
+        action="store_true",
+        help=f"also score the rows in place (bulk --in-place: shards of {SHARD_ROWS} rows)",
+    )
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
     results: dict[str, list[dict[str, Any]]] = {}
@@ -197,21 +216,26 @@ def main() -> None:
         tmp = Path(tmp_name)
         ckpt = _checkpoint(tmp)
         records = ingest.read_records(workloads.write_w1_parquet(tmp / "w1.parquet", args.items))
+        dataset = tmp / "w1-groups.parquet"  # row groups small enough for every scorer a shard
+        pq.write_table(pq.read_table(tmp / "w1.parquet"), dataset, row_group_size=SHARD_ROWS)
         backends: list[str] = (["sqlite"] if args.sqlite else []) + (
             ["postgresql"] if args.pg else []
         )
-        for db in backends:
-            results[db] = []
+        runs = [(db, False) for db in backends] + [(db, True) for db in backends if args.in_place]
+        for db, shards in runs:
+            label = f"{db}-inplace" if shards else db
+            results[label] = []
             for k in args.scorers:
-                tag = f"{db}-{k}"
+                tag = f"{label}-{k}"
                 url = f"sqlite:///{tmp / f'{tag}.db'}" if db == "sqlite" else _pg_url(args.pg, True)
                 try:
-                    row = one_run(_config(url, tmp, tag, ckpt, args.batch), records, k, args.batch)
+                    conf = _config(url, tmp, tag, ckpt, args.batch)
+                    row = one_run(conf, records, k, args.batch, dataset if shards else None)
                 finally:
                     if db == "postgresql":
                         _pg_url(args.pg, False)
-                results[db].append(row)
-                print(db, json.dumps(row), flush=True)
+                results[label].append(row)
+                print(label, json.dumps(row), flush=True)
     meta = {
         "items": args.items,
         "batch": args.batch,
@@ -220,13 +244,13 @@ def main() -> None:
         "cpus": os.cpu_count(),
     }
     print(
-        f"\n{'db':<11}{'k':>3}{'rows/s':>10}{'ideal':>10}{'vs ideal':>9}"
+        f"\n{'db':<19}{'k':>3}{'rows/s':>10}{'ideal':>10}{'vs ideal':>9}"
         f"{'scorers':>9}{'postgres':>9}{'machine':>9}{'us/row':>8}  (CPU while draining)"
     )
     for db, rows in results.items():
         for r in rows:
             print(
-                f"{db:<11}{r['scorers']:>3}{r['rows_s']:>10,}{r['ideal_rows_s']:>10,}"
+                f"{db:<19}{r['scorers']:>3}{r['rows_s']:>10,}{r['ideal_rows_s']:>10,}"
                 f"{r['vs_ideal']:>9.2f}{r['cpu_scorers_cores']:>9.2f}"
                 f"{r['cpu_postgres_cores']:>9.2f}{r['cpu_machine_cores']:>9.2f}"
                 f"{r['cpu_us_per_row']:>8.1f}"

@@ -1,27 +1,15 @@
-"""Bulk scoring in place: the scorer of input shards (:mod:`batching.ingress.shards`).
-
-A :class:`ShardScorer` claims one shard at a time (lane ``shard``), reads its rows from the
-input file (refused when the file is not the one planned), scores them in micro-batches of
-``batching.max_batch_size`` rows (token inputs sorted by length first, and cut by
-``max_batch_cost``), and commits them as one Parquet file with the ack of the shard, in one
-transaction (``outputs.contract.ShardBatch``). Scoring the next shard overlaps the commit of
-the last; a heartbeat thread keeps both leases.
+"""Bulk scoring in place: a run's input dataset and its shards in the queue
+(:mod:`batching.ingress.shards`), the output rows of a scored shard, and the guard that keeps
+plain scoring off a queue of shards. The scorer is :mod:`batching.compose.shard_scorer`.
 
 Every input row gets exactly one output row, keyed by ``(input_file, input_row)``: its
 ``output``, or, when the model refused that row alone (the runner bisects a failing batch),
-no output and its ``error``. A shard whose every row failed is the model's fault, not the
-rows': it goes back to the queue under the usual attempt rule. A shard whose file changed or
-vanished is dead with that reason.
+no output and its ``error``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
-import threading
-import time
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,19 +20,16 @@ import pyarrow.compute as pc
 import sqlalchemy as sa
 
 from batching import config as cfg
-from batching import errors, models, naming, ports
+from batching import errors, models, naming
 from batching.compose import build
 from batching.evidence import lineage
 from batching.ingress import queue as q
 from batching.ingress import shards
-from batching.loop import stats as run_stats
 from batching.model import rows as rows_
-from batching.outputs import contract as sinks
-from batching.outputs import shard_batch
 from batching.store import schema
 
 if TYPE_CHECKING:  # torch: only a run that scores loads it
-    from batching.model.runner import TorchRunner
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -151,11 +136,36 @@ def enqueue_shards(
     try:
         queue.check_schema()
         with queue.engine.connect() as conn:
-            shards.refuse_changed(conn, queue.queue, found)
+            refuse_changed(conn, queue.queue, found)
         result = queue.enqueue(shards.records(found.shards, tenant))
     finally:
         queue.engine.dispose()
     return found, result
+
+
+def refuse_changed(conn: sa.Connection, queue: str, found: shards.Plan) -> None:
+    """Refuse a plan over a file whose shards are queued under another fingerprint: its rows
+    would be scored twice, once per version of the file.
+
+    Raises:
+        InputError: naming the file and both fingerprints.
+    """
+    t = schema.items
+    known = {rel: digest[:16] for rel, digest, _ in found.files}
+    q = sa.select(t.c.item_key).where(
+        t.c.queue == queue,
+        t.c.lane == shards.LANE,
+        t.c.item_key.startswith(shards.KEY_PREFIX, autoescape=True),
+    )
+    for (key,) in conn.execute(q):
+        rel, _, rest = key.removeprefix(shards.KEY_PREFIX).rpartition("@")
+        was = rest.split(":", 1)[0]
+        if rel in known and known[rel] != was:
+            raise errors.InputError(
+                f"{found.root / rel}: changed since its shards were queued (sha256 {was}... "
+                f"then, {known[rel]}... now); write changed data under a new file name, or "
+                "score it into another queue"
+            )
 
 
 def refuse_shards(queue: q.SqlQueue) -> None:
@@ -175,281 +185,3 @@ def refuse_shards(queue: q.SqlQueue) -> None:
                 f"queue {queue.queue!r} holds input shards (lane 'shard'); score them with "
                 "`batching bulk --in-place`, and give plain items another queue"
             )
-
-
-@dataclass(frozen=True, slots=True)
-class _Fetched:
-    """A claimed shard and its rows (None: refused, already dead with its reason)."""
-
-    claim: models.Claim
-    shard: shards.Shard | None
-    table: pa.Table | None
-
-
-class ShardScorer:
-    """Claims, scores and commits input shards until the queue has none or a limit is hit
-    (the scorer :func:`batching.compose.run.run_score` runs for ``bulk --in-place``)."""
-
-    def __init__(
-        self,
-        config: cfg.PipelineConfig,
-        queue: q.SqlQueue,
-        runner: TorchRunner,
-        outputs: sinks.Outputs,
-        *,
-        on_progress: run_stats.Progress | None = None,
-        wait_for_work: Callable[[float], object] | None = None,
-        observer: ports.ScoreObserver | None = None,
-    ) -> None:
-        self.config, self.queue, self.runner, self.outputs = config, queue, runner, outputs
-        self.observer = observer or ports.NoObserver()
-        self.stats = run_stats.RunStats(started_at=time.time())
-        self._on_progress = on_progress
-        self._wait = wait_for_work or time.sleep
-        self._stop = threading.Event()
-        self._done = threading.Event()  # the heartbeat's: leases are kept until the end
-        self._verified = shards.Verified()
-        self._held: set[str] = set()
-        self._lock = threading.Lock()
-        self._lease_s = config.queue.lease_s
-        self._suspects = False  # the last plain claim found none, and lost workers' shards wait
-
-    def stop(self) -> None:
-        """Claim nothing more; the shard being scored still commits."""
-        self._stop.set()
-
-    def run(self, limits: run_stats.RunLimits) -> run_stats.RunStats:
-        """Score shards until none is ready (``until_empty``), a limit is hit or :meth:`stop`.
-        The next shard is claimed and read ahead, and this one committed while the next is
-        scored; a shard read ahead and not scored goes back to the queue unscored."""
-        deadline = None if limits.max_seconds is None else time.monotonic() + limits.max_seconds
-
-        def may_claim() -> bool:
-            if self._stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
-                return False
-            return limits.max_items is None or self.stats.claimed < limits.max_items
-
-        # On a GPU the next shard is read while this one is scored; on a CPU, once it is
-        # (while it commits): read beside the forward, the reader took the model's cores
-        # (1M W1 rows on 2 cores: 237k and 265k rows/s against 260k and 290k, alternated).
-        early = self.runner.device.type != "cpu"
-        beat = threading.Thread(target=self._heartbeat, name="shard-heartbeat", daemon=True)
-        beat.start()
-        self.observer.started(time.time())
-        ahead: cf.Future[_Fetched | None] | None = None
-        committing: cf.Future[None] | None = None
-        reads = cf.ThreadPoolExecutor(1, thread_name_prefix="shard-read")
-        commits = cf.ThreadPoolExecutor(1, thread_name_prefix="shard-commit")
-        try:
-            ahead = reads.submit(self._fetch) if may_claim() else None
-            while ahead is not None:
-                got, ahead = ahead.result(), None
-                if got is None and self._suspects:
-                    # A lost worker's shard: claimed with nothing else in flight, so a death
-                    # while it runs is its own (``batching.crashes``); split or scored alone.
-                    if committing is not None:
-                        committing.result()
-                        committing = None
-                    got = self._fetch(isolate=True) if may_claim() else None
-                    if got is None and limits.until_empty:
-                        break
-                    if got is None:
-                        self._wait(self.config.queue.poll_s)
-                    elif got.table is not None and (job := self._score(got)) is not None:
-                        self._commit(*job)
-                    if may_claim():
-                        ahead = reads.submit(self._fetch)
-                    continue
-                if got is None and limits.until_empty:
-                    break
-                if got is None:
-                    self._wait(self.config.queue.poll_s)
-                if early and may_claim():
-                    ahead = reads.submit(self._fetch)
-                if got is None or got.table is None:
-                    if not early and may_claim():
-                        ahead = reads.submit(self._fetch)
-                    continue
-                job = self._score(got)
-                if not early and may_claim():
-                    ahead = reads.submit(self._fetch)
-                if committing is not None:
-                    committing.result()  # one commit in flight: a failed one stops the run
-                committing = None if job is None else commits.submit(self._commit, *job)
-            if committing is not None:
-                committing.result()
-        finally:
-            self._give_back(ahead)
-            reads.shutdown()
-            commits.shutdown()
-            self._release_held()
-            self._done.set()
-            beat.join()
-            self.outputs.flush()
-            self.stats.finished_at = time.time()
-            self.observer.finished(self.stats.finished_at)
-        return self.stats
-
-    # -- the steps ------------------------------------------------------------------------
-
-    def _fetch(self, isolate: bool = False) -> _Fetched | None:
-        """Claim a shard (``isolate``: a lost worker's) and read its rows; None when none is
-        ready (``_suspects`` then says whether lost workers' shards wait). A shard that
-        cannot be read as planned is dead with the reason, and one of a lost worker split in
-        two (its ``table`` None)."""
-        started = time.perf_counter()
-        claim = self.queue.claim(1, lease_s=self._lease_s, lane=shards.LANE, isolate=isolate)
-        self.stats.stage_s["claim"] += time.perf_counter() - started
-        self._suspects = not isolate and not claim.items and claim.suspects
-        if not claim.items:
-            return None
-        with self._lock:
-            self._held.add(claim.lease_id)
-        item = claim.items[0]
-        started = time.perf_counter()
-        try:
-            shard = shards.Shard.of(item.payload)
-            if claim.isolated and shard.rows > 1:  # its worker was lost: corner the killer
-                self._split(claim, item, shard)
-                return _Fetched(claim, None, None)
-            table = shards.read(shard, self._verified, ("payload", "item_key"))
-        except errors.InputError as exc:
-            self._give_up(claim, item, str(exc))
-            return _Fetched(claim, None, None)
-        self.stats.claimed += shard.rows
-        self.stats.stage_s["decode"] += time.perf_counter() - started
-        return _Fetched(claim, shard, table)
-
-    def _release_held(self) -> None:
-        """A run that failed gives back the shards it still holds, unscored and uncharged
-        (left to expire, they would come back as a lost worker's and be split)."""
-        with self._lock:
-            held, self._held = list(self._held), set()
-        for lease in held:
-            try:
-                self.queue.release(lease)
-            except errors.QueueError:
-                logger.warning("release failed; the lease will expire", exc_info=True)
-
-    def _give_back(self, ahead: cf.Future[_Fetched | None] | None) -> None:
-        """Release a shard claimed ahead and not scored (no attempt used)."""
-        if ahead is None:
-            return
-        try:
-            got = ahead.result()
-        except Exception:
-            return  # its claim failed: nothing is held
-        if got is not None and got.table is not None:
-            self.queue.release(got.claim.lease_id)
-            with self._lock:
-                self._held.discard(got.claim.lease_id)
-
-    def _score(self, got: _Fetched) -> tuple[models.Claim, shards.Shard, pa.Table, int, int] | None:
-        claim, shard, table = got.claim, got.shard, got.table
-        assert shard is not None
-        assert table is not None
-        item = claim.items[0]
-        b = self.config.batching
-        scored = rows_.score_rows(
-            runner=self.runner,
-            payload=table.column("payload"),
-            max_batch=b.max_batch_size,
-            max_cost=b.max_batch_cost,
-        )
-        self.stats.stage_s["forward"] += scored.service_s
-        if scored.whole_error is not None:  # the model failed, not the rows
-            self._release_failed(claim, item, scored.whole_error)
-            return None
-        self.stats.batch_sizes.extend(scored.sizes)
-        self.stats.service_s.append(scored.service_s)
-        self.stats.real_tokens += scored.real_tokens
-        self.stats.padded_tokens += scored.padded_tokens
-        self.stats.add_device_time([item], self.outputs.model_version, scored.service_s)
-        keys = table.column("item_key") if "item_key" in table.column_names else None
-        batch = (str(uuid.uuid4()), self.outputs.run_id, time.time())
-        rows = shard_table(shard, item, scored, keys, batch)
-        return claim, shard, rows, shard.rows - scored.n_failed, scored.n_failed
-
-    def _commit(
-        self, claim: models.Claim, shard: shards.Shard, rows: pa.Table, ok: int, failed: int
-    ) -> None:
-        started = time.perf_counter()
-        item = claim.items[0]
-        batch = shard_batch.ShardBatch(
-            (item,),
-            {},
-            claim.lease_id,
-            self.outputs.run_id,
-            self.outputs.model_version,
-            time.time(),
-            batch_id=str(rows.column("batch_id")[0]),
-            rows=rows,
-        )
-        try:
-            result = self.outputs.sink.commit(batch)
-        except errors.LeaseLost:
-            self.stats.lease_lost += shard.rows
-            self.observer.lease_lost(1)
-            return
-        finally:
-            with self._lock:
-                self._held.discard(claim.lease_id)
-            self.stats.stage_s["commit"] += time.perf_counter() - started
-        self.stats.committed += ok
-        self.stats.failed += failed
-        self.stats.commits += 1
-        self.stats.bytes_written += result.n_bytes or 0
-        self.stats.by_version[self.outputs.model_version] += ok
-        self.stats.latencies_s.append(time.time() - item.enqueued_at)
-        self.observer.commit_timed(time.perf_counter() - started)
-        self.observer.committed([item], time.time(), self.outputs.model_version)
-        if failed:
-            logger.warning(
-                "rows refused by the model",
-                extra={"action": "shard_rows_failed", "item_key": item.item_key, "n_items": failed},
-            )
-        if self._on_progress is not None:
-            self._on_progress(self.stats)
-
-    def _split(self, claim: models.Claim, item: models.WorkItem, shard: shards.Shard) -> None:
-        closed = shards.split(self.queue, claim.lease_id, item, shard)
-        with self._lock:
-            self._held.discard(claim.lease_id)
-        self.stats.isolated += shard.rows
-        logger.warning(
-            "shard split in two: its worker was lost while scoring it",
-            extra={"action": "shard_split", "item_key": item.item_key, "closed": closed},
-        )
-
-    def _give_up(self, claim: models.Claim, item: models.WorkItem, reason: str) -> None:
-        """The shard cannot be read as planned: dead, with the reason (a retry reads the same)."""
-        self.queue.fail(claim.lease_id, {item.id: reason}, retry=False)
-        self.observer.failed([item], retry=False)
-        with self._lock:
-            self._held.discard(claim.lease_id)
-        logger.error(reason, extra={"action": "shard_refused", "item_key": item.item_key})
-
-    def _release_failed(self, claim: models.Claim, item: models.WorkItem, reason: str) -> None:
-        """Every row failed: the model's fault; the shard is retried under the attempt rule."""
-        result = self.queue.fail(claim.lease_id, {item.id: reason})
-        self.observer.failed([item], retry=True)
-        with self._lock:
-            self._held.discard(claim.lease_id)
-        if result.dead:
-            self.stats.failed += int(item.cost)  # its rows
-        logger.error(
-            "every row of a shard failed; the shard goes back to the queue",
-            extra={"action": "shard_failed", "item_key": item.item_key, "error": reason},
-        )
-
-    def _heartbeat(self) -> None:
-        every = self.config.queue.effective_heartbeat_s
-        while not self._done.wait(every):
-            with self._lock:
-                held = list(self._held)
-            self.observer.heartbeat(time.time())
-            for lease in held:
-                try:
-                    self.queue.heartbeat(lease, self._lease_s)
-                except errors.QueueError:
-                    logger.warning("heartbeat failed", extra={"action": "heartbeat_failed"})

@@ -27,7 +27,7 @@ from typing import Any
 
 from batching import config as cfg
 from batching import errors, models, ports, routing
-from batching.compose import build, evidence, inplace, shadow, versions
+from batching.compose import build, evidence, inplace, shadow, shard_scorer, versions
 from batching.compose import record as run_record
 from batching.evidence import lineage
 from batching.ingress import controls
@@ -183,7 +183,7 @@ def run_score(
     try:
         run_record.fail_abandoned(emitter, ctx, config, abandoned)
         record.open()
-        scorer: pipeline.Scorer[Any] | inplace.ShardScorer | None = None
+        scorer: pipeline.Scorer[Any] | shard_scorer.ShardScorer | None = None
         waiter = q.Waiter(queue.engine, queue.queue)  # its own connection: closed at the end
         # Objects alive now (the model, torch, SQLAlchemy, Prefect) are frozen out of the cyclic
         # GC for the run: a claim allocates thousands of items, and each collection of the oldest
@@ -192,7 +192,7 @@ def run_score(
         try:
             outputs = sinks.Outputs(sink, run_id, config.model.version)
             if in_place is not None:
-                scorer = inplace.ShardScorer(
+                scorer = shard_scorer.ShardScorer(
                     config,
                     queue,
                     runner,

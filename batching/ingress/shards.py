@@ -7,7 +7,7 @@ items (``lane`` :data:`LANE`, the shard as the JSON payload, its rows as the cos
 reads a claimed shard's rows back with :func:`read`, which refuses a file whose bytes are no
 longer those planned (a changed input is refused, never half-scored). Enqueueing is
 idempotent on the shard key, which names the file, its fingerprint and the row groups; a plan
-over a file that changed since its shards were queued is refused (:func:`refuse_changed`).
+over a file that changed since its shards were queued is refused (``compose.inplace.refuse_changed``).
 
 100M input rows cost 100M model rows and a few thousand queue rows: every guarantee of the
 queue (fencing, attempts, exactly-once commit, reconcile) then holds per shard.
@@ -277,29 +277,6 @@ def records(shards: Sequence[Shard], tenant: str = "default") -> Iterator[models
             cost=s.rows,
             lane=LANE,
         )
-
-
-def refuse_changed(conn: sa.Connection, queue: str, found: Plan) -> None:
-    """Refuse a plan over a file whose shards are queued under another fingerprint: its rows
-    would be scored twice, once per version of the file.
-
-    Raises:
-        InputError: naming the file and both fingerprints.
-    """
-    t = schema.items
-    known = {rel: digest[:16] for rel, digest, _ in found.files}
-    q = sa.select(t.c.item_key).where(
-        t.c.queue == queue, t.c.lane == LANE, t.c.item_key.startswith(KEY_PREFIX, autoescape=True)
-    )
-    for (key,) in conn.execute(q):
-        rel, _, rest = key.removeprefix(KEY_PREFIX).rpartition("@")
-        was = rest.split(":", 1)[0]
-        if rel in known and known[rel] != was:
-            raise errors.InputError(
-                f"{found.root / rel}: changed since its shards were queued (sha256 {was}... "
-                f"then, {known[rel]}... now); write changed data under a new file name, or "
-                "score it into another queue"
-            )
 
 
 SPLIT = "split into {a} and {b}: its worker was lost while scoring it (scored as halves)"
