@@ -139,7 +139,12 @@ def _config(url: str, tmp: Path, tag: str, ckpt: tuple[str, str], batch: int) ->
 
 
 def one_run(
-    cfg: Any, records: list[models.EnqueueRecord], k: int, batch: int, dataset: Path | None = None
+    cfg: Any,
+    records: list[models.EnqueueRecord],
+    k: int,
+    batch: int,
+    dataset: Path | None = None,
+    n_rows: int = 0,
 ) -> dict[str, Any]:
     """Enqueue ``records`` (or, with ``dataset``, its shards: ``bulk --in-place``), then drain
     them with ``k`` scorer processes; rows/s and CPU."""
@@ -154,6 +159,7 @@ def one_run(
     else:
         found, _ = inplace.enqueue_shards(cfg, cfg.database.url, dataset, SHARD_ROWS)
         score = functools.partial(app.run_score, in_place=inplace.InPlace.of(found))
+    n_rows = n_rows or len(records)
     cpu = CpuSampler()
     started = time.perf_counter()
     outcome = run_workers(score, cfg, k, threads=1, limits=run_stats.RunLimits(until_empty=True))
@@ -162,8 +168,8 @@ def one_run(
     if outcome.exit_code:
         raise RuntimeError("; ".join(outcome.errors()))
     stats = outcome.stats()
-    if stats is None or stats.committed != len(records):
-        raise RuntimeError(f"the scorers committed {stats and stats.committed} of {len(records)}")
+    if stats is None or stats.committed != n_rows:
+        raise RuntimeError(f"the scorers committed {stats and stats.committed} of {n_rows}")
     rate = float(stats.summary()["items_per_s"])
     window = float(stats.summary()["elapsed_s"])  # the first scorer's start to the last's end
     machine, postgres = cpu.between(stats.started_at, stats.started_at + window)
@@ -178,7 +184,7 @@ def one_run(
         "cpu_machine_cores": round(machine / window, 2),
         "cpu_postgres_cores": round(postgres / window, 2),
         "cpu_scorers_cores": round((machine - postgres) / window, 2),
-        "cpu_us_per_row": round(machine / len(records) * 1e6, 1),
+        "cpu_us_per_row": round(machine / n_rows * 1e6, 1),
         "batch_size_mean": round(float(stats.summary()["batch_size_mean"]), 1),
     }
 
@@ -205,6 +211,12 @@ def main() -> None:
     parser.add_argument("--pg", metavar="ADMIN_URL", help="also run on this PostgreSQL server")
     parser.add_argument("--sqlite", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
+        "--per-row",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the per-row queue (--no-per-row: in place only)",
+    )
+    parser.add_argument(
         "--in-place",
         action="store_true",
         help=f"also score the rows in place (bulk --in-place: shards of {SHARD_ROWS} rows)",
@@ -215,13 +227,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         ckpt = _checkpoint(tmp)
-        records = ingest.read_records(workloads.write_w1_parquet(tmp / "w1.parquet", args.items))
+        written = workloads.write_w1_parquet(tmp / "w1.parquet", args.items)
+        records = ingest.read_records(written) if args.per_row else []
         dataset = tmp / "w1-groups.parquet"  # row groups small enough for every scorer a shard
         pq.write_table(pq.read_table(tmp / "w1.parquet"), dataset, row_group_size=SHARD_ROWS)
         backends: list[str] = (["sqlite"] if args.sqlite else []) + (
             ["postgresql"] if args.pg else []
         )
-        runs = [(db, False) for db in backends] + [(db, True) for db in backends if args.in_place]
+        runs = [(db, False) for db in backends if args.per_row]
+        runs += [(db, True) for db in backends if args.in_place]
         for db, shards in runs:
             label = f"{db}-inplace" if shards else db
             results[label] = []
@@ -230,7 +244,9 @@ def main() -> None:
                 url = f"sqlite:///{tmp / f'{tag}.db'}" if db == "sqlite" else _pg_url(args.pg, True)
                 try:
                     conf = _config(url, tmp, tag, ckpt, args.batch)
-                    row = one_run(conf, records, k, args.batch, dataset if shards else None)
+                    row = one_run(
+                        conf, records, k, args.batch, dataset if shards else None, args.items
+                    )
                 finally:
                     if db == "postgresql":
                         _pg_url(args.pg, False)
