@@ -72,8 +72,35 @@ def migrate(url: str, c: cfg.PipelineConfig) -> None:
     queue.engine.dispose()
 
 
+def config_file(
+    tmp_path: Path, url: str, queue: dict[str, Any], batching: dict[str, Any] | None = None
+) -> tuple[Path, cfg.PipelineConfig]:
+    """tabular.yaml with its own queue, output and lineage, written for a subprocess to load;
+    the queue's schema is created on ``url``."""
+    data = yaml.safe_load((DEPLOYMENTS / "tabular.yaml").read_text())
+    data["queue"] = {"name": "w1-shards", **queue}
+    data["service_profile"] = str(DEPLOYMENTS / data["service_profile"])
+    data["output"]["path"] = str(tmp_path / "out")
+    data["batching"].update(batching or {})
+    data["lineage"] = {"transport": "file", "path": str(tmp_path / "events.jsonl")}
+    conf = tmp_path / "inplace.yaml"
+    conf.write_text(yaml.safe_dump(data))
+    c = cfg.load_config(conf)
+    migrate(url, c)
+    return conf, c
+
+
 def outputs(root: Path) -> pa.Table:
     return pds.dataset(root, format="parquet", partitioning="hive").to_table()
+
+
+def once_each(table: pa.Table) -> int:
+    """The rows of ``table``, checked to name each input row (file, row number) once."""
+    pairs = zip(
+        table.column("input_file").to_pylist(), table.column("input_row").to_pylist(), strict=True
+    )
+    assert len(set(pairs)) == table.num_rows, "an input row has more than one output row"
+    return int(table.num_rows)
 
 
 def expected(c: cfg.PipelineConfig, x: np.ndarray) -> np.ndarray:
@@ -237,16 +264,8 @@ def test_sigkill_mid_run_then_rerun_scores_each_row_once(sqlite_url: str, tmp_pa
     """`batching bulk --in-place` killed with SIGKILL after its first commit, with shards in
     flight: a second run (after the lease runs out) scores the rest; every input row has
     exactly one output row and reconcile is clean."""
-    data = yaml.safe_load((DEPLOYMENTS / "tabular.yaml").read_text())
-    data["queue"] = {"name": "w1-shards", "lease_s": 2}
-    data["service_profile"] = str(DEPLOYMENTS / data["service_profile"])
-    data["output"]["path"] = str(tmp_path / "out")
-    data["batching"]["max_batch_size"] = 64  # a slow run: time to kill it in the middle
-    data["lineage"] = {"transport": "file", "path": str(tmp_path / "events.jsonl")}
-    conf = tmp_path / "inplace.yaml"
-    conf.write_text(yaml.safe_dump(data))
-    c = cfg.load_config(conf)
-    migrate(sqlite_url, c)
+    # small batches: a slow run, time to kill it in the middle
+    conf, c = config_file(tmp_path, sqlite_url, {"lease_s": 2}, {"max_batch_size": 64})
     write_dataset(tmp_path / "in", files=2, rows=20_000, group=1000)
     cmd = [
         str(Path(sys.executable).with_name("batching")),
@@ -282,15 +301,7 @@ def test_sigkill_mid_run_then_rerun_scores_each_row_once(sqlite_url: str, tmp_pa
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     engine.dispose()
-    table = outputs(tmp_path / "out")
-    pairs = set(
-        zip(
-            table.column("input_file").to_pylist(),
-            table.column("input_row").to_pylist(),
-            strict=True,
-        )
-    )
-    assert table.num_rows == len(pairs) == 40_000
+    assert once_each(outputs(tmp_path / "out")) == 40_000
     assert reconcile(sqlite_url, c, tmp_path / "out").clean
 
 
@@ -313,15 +324,7 @@ def test_a_row_that_kills_its_scorer_costs_only_itself(sqlite_url: str, tmp_path
     """A row whose scoring kills the process (os._exit, no finally): each run dies, the
     shard that held it is split in halves on its next claim until the row is alone, which is
     charged until dead; every other row is committed exactly once, and reconcile is clean."""
-    data = yaml.safe_load((DEPLOYMENTS / "tabular.yaml").read_text())
-    data["queue"] = {"name": "w1-shards", "lease_s": 0.6, "max_attempts": 2}
-    data["service_profile"] = str(DEPLOYMENTS / data["service_profile"])
-    data["output"]["path"] = str(tmp_path / "out")
-    data["lineage"] = {"transport": "file", "path": str(tmp_path / "events.jsonl")}
-    conf = tmp_path / "inplace.yaml"
-    conf.write_text(yaml.safe_dump(data))
-    c = cfg.load_config(conf)
-    migrate(sqlite_url, c)
+    conf, c = config_file(tmp_path, sqlite_url, {"lease_s": 0.6, "max_attempts": 2})
     x = workloads.w1_inputs(64)
     x[37, 0] = 1234.5  # the poison row
     folder = tmp_path / "in"
@@ -409,15 +412,7 @@ def test_a_delta_table_is_scored_as_of_its_version(sqlite_url: str, tmp_path: Pa
 def test_two_scorer_processes_share_the_shards_on_postgresql(pg_url: str, tmp_path: Path) -> None:
     """`batching bulk --in-place --workers 2` on PostgreSQL: both processes claim shards,
     every input row has exactly one output row, reconcile is clean."""
-    data = yaml.safe_load((DEPLOYMENTS / "tabular.yaml").read_text())
-    data["queue"] = {"name": "w1-shards"}
-    data["service_profile"] = str(DEPLOYMENTS / data["service_profile"])
-    data["output"]["path"] = str(tmp_path / "out")
-    data["lineage"] = {"transport": "file", "path": str(tmp_path / "events.jsonl")}
-    conf = tmp_path / "inplace.yaml"
-    conf.write_text(yaml.safe_dump(data))
-    c = cfg.load_config(conf)
-    migrate(pg_url, c)
+    conf, c = config_file(tmp_path, pg_url, {})
     write_dataset(tmp_path / "in", files=2, rows=4000, group=500)
     done = subprocess.run(
         [
@@ -444,15 +439,7 @@ def test_two_scorer_processes_share_the_shards_on_postgresql(pg_url: str, tmp_pa
     doc = json.loads(done.stdout)
     assert doc["summary"]["items_committed"] == 8000
     assert len(doc["workers"]) == 2
-    table = outputs(tmp_path / "out")
-    pairs = set(
-        zip(
-            table.column("input_file").to_pylist(),
-            table.column("input_row").to_pylist(),
-            strict=True,
-        )
-    )
-    assert table.num_rows == len(pairs) == 8000
+    assert once_each(outputs(tmp_path / "out")) == 8000
     assert reconcile(pg_url, c, tmp_path / "out").clean
 
 
