@@ -200,6 +200,7 @@ def run_score(
                     on_progress=on_progress,
                     wait_for_work=waiter.wait,
                     observer=observer,
+                    pause_queue=_breaker_pause(config, queue, run_id),
                 )
             else:
                 scorer = pipeline.Scorer(

@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pyarrow as pa
 
@@ -31,6 +31,7 @@ from batching import errors, models, ports
 from batching.compose.inplace import shard_table
 from batching.ingress import queue as q
 from batching.ingress import shards
+from batching.loop import breaker
 from batching.loop import stats as run_stats
 from batching.model import rows as rows_
 from batching.outputs import contract as sinks
@@ -65,9 +66,11 @@ class ShardScorer:
         on_progress: run_stats.Progress | None = None,
         wait_for_work: Callable[[float], object] | None = None,
         observer: ports.ScoreObserver | None = None,
+        pause_queue: Callable[[str], object] | None = None,
     ) -> None:
         self.config, self.queue, self.runner, self.outputs = config, queue, runner, outputs
         self.observer = observer or ports.NoObserver()
+        self.pause_queue = pause_queue
         self.stats = run_stats.RunStats(started_at=time.time())
         self._on_progress = on_progress
         self._wait = wait_for_work or time.sleep
@@ -223,7 +226,7 @@ class ShardScorer:
         )
         self.stats.stage_s["forward"] += scored.service_s
         if scored.whole_error is not None:  # the model failed, not the rows
-            self._release_failed(claim, item, scored.whole_error)
+            self._release_failed(claim, item, scored)
             return None
         self.stats.batch_sizes.extend(scored.sizes)
         self.stats.service_s.append(scored.service_s)
@@ -294,8 +297,21 @@ class ShardScorer:
             self._held.discard(claim.lease_id)
         logger.error(reason, extra={"action": "shard_refused", "item_key": item.item_key})
 
-    def _release_failed(self, claim: models.Claim, item: models.WorkItem, reason: str) -> None:
-        """Every row failed: the model's fault; the shard is retried under the attempt rule."""
+    def _release_failed(
+        self, claim: models.Claim, item: models.WorkItem, scored: rows_.Scored
+    ) -> None:
+        """Every row failed: the model's fault, not the rows'. With the breaker on and at
+        least ``breaker.max_failed_batches`` micro-batches failed whole, the run trips: the
+        shard goes back unchanged (no attempt used), the queue pauses and the run fails with
+        ``RetryStorm``, as the scoring loop's breaker does. Else the shard is retried under
+        the attempt rule."""
+        reason = str(scored.whole_error)
+        b = self.config.breaker
+        if b.enabled and scored.whole_failed >= b.max_failed_batches:
+            self.queue.release(claim.lease_id)
+            with self._lock:
+                self._held.discard(claim.lease_id)
+            self._trip(breaker.Trip((), tuple(scored.sizes), reason))
         result = self.queue.fail(claim.lease_id, {item.id: reason})
         self.observer.failed([item], retry=True)
         with self._lock:
@@ -306,6 +322,18 @@ class ShardScorer:
             "every row of a shard failed; the shard goes back to the queue",
             extra={"action": "shard_failed", "item_key": item.item_key, "error": reason},
         )
+
+    def _trip(self, trip: breaker.Trip[Any]) -> NoReturn:
+        self.stats.breaker_trips += 1
+        self.observer.breaker_tripped()
+        why: str | None = "breaker.pause_queue is false"
+        if self.pause_queue is not None:
+            try:
+                self.pause_queue(f"retry storm: a shard failed whole: {trip.error}"[:500])
+                why = None
+            except Exception as exc:  # still stop
+                why = f"pausing it failed: {errors.one_line(exc, 120)}"
+        raise errors.RetryStorm(trip.message(self.queue.queue, why))
 
     def _heartbeat(self) -> None:
         every = self.config.queue.effective_heartbeat_s

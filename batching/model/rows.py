@@ -31,6 +31,7 @@ class Scored:
     real_tokens: int
     padded_tokens: int
     whole_error: str | None
+    whole_failed: int  # micro-batches of two or more rows that failed whole in the model
 
 
 def score_rows(
@@ -47,7 +48,7 @@ def score_rows(
     sizes: list[int] = []
     service = 0.0
     real = padded = 0
-    errs: set[str] = set()
+    errs: list[str] = []
     for chunk in _cut(items, order, max_batch, max_cost):
         result = runner.score(chunk)
         sizes.append(len(chunk))
@@ -56,12 +57,12 @@ def score_rows(
         _place(out, result.outputs)
         failures.update(result.failures)
         if result.whole_batch_error:
-            errs.add(result.whole_batch_error)
+            errs.append(result.whole_batch_error)
     row_errors: list[str | None] = [None] * n
     for i, reason in failures.items():
         row_errors[i] = reason
-    whole = next(iter(errs)) if n > 0 and len(failures) == n and errs else None
-    return Scored(out, row_errors, len(failures), sizes, service, real, padded, whole)
+    whole = errs[-1] if n > 0 and len(failures) == n and errs else None
+    return Scored(out, row_errors, len(failures), sizes, service, real, padded, whole, len(errs))
 
 
 def _place(out: np.ndarray, outputs: object) -> None:

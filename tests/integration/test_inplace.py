@@ -443,41 +443,46 @@ def test_two_scorer_processes_share_the_shards_on_postgresql(pg_url: str, tmp_pa
     assert reconcile(pg_url, c, tmp_path / "out").clean
 
 
-def test_a_model_failing_every_row_sends_the_shard_back(sqlite_url: str, tmp_path: Path) -> None:
-    """Every forward pass fails (a broken device): not the rows' fault, so no file of errors
-    is committed; the shard goes back to the queue with its attempt counted, and is dead with
-    the model's error once its attempts run out."""
+def storm_config(tmp_path: Path, url: str, max_batch_size: int) -> cfg.PipelineConfig:
+    """A model whose every forward pass fails (``test_breaker.StormModel``), 40 rows of 4
+    numbers queued as one shard."""
     from safetensors.torch import save_file
 
     ckpt = tmp_path / "empty.safetensors"
     save_file({}, str(ckpt))
-    digest = hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    model = {"name": "tests.integration.test_breaker:build_storm", "version": "t1"}
+    model |= {"checkpoint": str(ckpt), "sha256": hashlib.sha256(ckpt.read_bytes()).hexdigest()}
     c = cfg.load_config(
         DEPLOYMENTS / "tabular.yaml",
         {
-            "model": {
-                "name": "tests.integration.test_breaker:build_storm",
-                "version": "t1",
-                "checkpoint": str(ckpt),
-                "sha256": digest,
-                "device": "cpu",
-            },
-            "queue": {
-                "name": "w1-shards",
-                "max_attempts": 2,
-                "backoff_base_s": 0.01,
-                "backoff_max_s": 0.01,
-            },
+            "model": model | {"device": "cpu"},
+            "queue": {"name": "w1-shards", "max_attempts": 2, "backoff_base_s": 0.01},
+            "batching": {"max_batch_size": max_batch_size},
             "output": {"path": str(tmp_path / "out")},
             "lineage": {"path": str(tmp_path / "lineage" / "events.jsonl")},
             "service_profile": None,
         },
     )
-    migrate(sqlite_url, c)
+    migrate(url, c)
     (tmp_path / "in").mkdir()
-    x = np.ones((40, 4), dtype=np.float32)
-    payload = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 4)
+    payload = pa.FixedSizeListArray.from_arrays(pa.array(np.ones(160, dtype=np.float32)), 4)
     pq.write_table(pa.table({"payload": payload}), tmp_path / "in" / "f.parquet")
+    return c
+
+
+def the_shard(url: str, c: cfg.PipelineConfig) -> Any:
+    engine = build.open_queue(c, url).engine
+    with engine.connect() as conn:
+        (row,) = conn.execute(schema.items.select()).all()
+    engine.dispose()
+    return row
+
+
+def test_a_model_failing_every_row_sends_the_shard_back(sqlite_url: str, tmp_path: Path) -> None:
+    """Every forward pass fails (a broken device), in one micro-batch: not the rows' fault,
+    so no file of errors is committed; the shard goes back to the queue with its attempt
+    counted, and is dead with the model's error once its attempts run out."""
+    c = storm_config(tmp_path, sqlite_url, max_batch_size=2048)
     found, _ = inplace.enqueue_shards(c, sqlite_url, tmp_path / "in")
     for _ in range(2):
         outcome = wiring.run_score(
@@ -485,10 +490,26 @@ def test_a_model_failing_every_row_sends_the_shard_back(sqlite_url: str, tmp_pat
         )
         assert outcome.summary["items_committed"] == 0
         time.sleep(0.05)  # past the retry backoff
-    engine = build.open_queue(c, sqlite_url).engine
-    with engine.connect() as conn:
-        (row,) = conn.execute(schema.items.select()).all()
-    engine.dispose()
+    row = the_shard(sqlite_url, c)
     assert (row.state, row.attempts) == (3, 2)
     assert "illegal memory access" in row.last_error
     assert not list((tmp_path / "out").rglob("*.parquet"))
+
+
+def test_a_shard_failing_batch_after_batch_trips_the_breaker(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """Five micro-batches of the shard fail whole (breaker.max_failed_batches is 3): the run
+    fails with RetryStorm, the shard is back in the queue without an attempt used, and the
+    queue is paused, as the scoring loop's breaker does."""
+    c = storm_config(tmp_path, sqlite_url, max_batch_size=8)
+    found, _ = inplace.enqueue_shards(c, sqlite_url, tmp_path / "in")
+    with pytest.raises(errors.RetryStorm, match="the queue is paused"):
+        wiring.run_score(
+            c, db_url=sqlite_url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(found)
+        )
+    row = the_shard(sqlite_url, c)
+    assert (row.state, row.attempts, row.lease_id) == (0, 0, None)
+    queue = build.open_queue(c, sqlite_url)
+    assert queue.claim(1, lease_s=5, lane=shards.LANE).paused
+    queue.engine.dispose()
