@@ -6,7 +6,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from batching.cli.common import (
     ConfigOption,
@@ -97,7 +103,22 @@ def bulk(
 
     cfg = load(config)
     db_url = db or cfg.database.url
-    found, queued = inplace.enqueue_shards(cfg, db_url, source, rows_per_shard)
+    planning = progress_bar(
+        TextColumn("fingerprinting input"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeElapsedColumn(),
+        quiet=quiet,
+    )
+    hashing = planning.add_task("plan", total=None)
+    with planning:
+        found, queued = inplace.enqueue_shards(
+            cfg,
+            db_url,
+            source,
+            rows_per_shard,
+            on_bytes=lambda done, total: planning.update(hashing, completed=done, total=total),
+        )
     err.print(
         f"input: {found.rows} rows in {len(found.files)} file(s), {len(found.shards)} shards "
         f"({queued.inserted} queued now, {len(queued.duplicates)} already queued); "

@@ -10,6 +10,7 @@ no output and its ``error``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,8 +119,10 @@ def enqueue_shards(
     source: str | Path,
     rows_per_shard: int = shards.ROWS_PER_SHARD,
     tenant: str = "default",
+    on_bytes: Callable[[int, int], None] | None = None,
 ) -> tuple[shards.Plan, models.EnqueueResult]:
-    """Plan ``source`` into shards and enqueue those the queue has not seen (idempotent).
+    """Plan ``source`` into shards and enqueue those the queue has not seen (idempotent);
+    ``on_bytes(hashed, total)`` follows the files' fingerprinting.
 
     Raises:
         InputError: the input is unreadable, or a file changed since its shards were queued.
@@ -131,7 +134,7 @@ def enqueue_shards(
             f"bulk --in-place writes a Parquet dataset; output.kind is {config.output.kind!r}: "
             "give in-place runs a config with output.kind: parquet (the folder: output.path or --output)"
         )
-    found = shards.plan(source, rows_per_shard)
+    found = shards.plan(source, rows_per_shard, on_bytes)
     queue = build.open_queue(config, db_url)
     try:
         queue.check_schema()

@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -147,9 +147,14 @@ class Plan:
         return sum({s.relpath: s.size for s in self.shards}.values())
 
 
-def plan(source: str | Path, rows_per_shard: int = ROWS_PER_SHARD) -> Plan:
+def plan(
+    source: str | Path,
+    rows_per_shard: int = ROWS_PER_SHARD,
+    on_bytes: Callable[[int, int], None] | None = None,
+) -> Plan:
     """Shards of a Parquet file, of every ``*.parquet`` under a folder (sorted by path), or
     of the data files of a local Delta table's current version (its version is the plan's).
+    ``on_bytes(hashed, total)`` follows the fingerprinting, the long part (~0.7 GB/s).
 
     Raises:
         InputError: no such file or folder, no Parquet file in it, a file unreadable, or one
@@ -173,11 +178,20 @@ def plan(source: str | Path, rows_per_shard: int = ROWS_PER_SHARD) -> Plan:
     shards: list[Shard] = []
     listed: list[tuple[str, str, int]] = []
     types: set[str] = set()
+    total = sum(p.stat().st_size for p in files if p.is_file())
+    hashed = 0
+
+    def progress(n: int) -> None:
+        nonlocal hashed
+        hashed += n
+        if on_bytes is not None:
+            on_bytes(hashed, total)
+
     for path in files:
         rel = path.relative_to(root).as_posix()
         meta, payload_type = _footer(path)
         types.add(payload_type)
-        digest, size, mtime = fingerprint(path)
+        digest, size, mtime = fingerprint(path, progress)
         listed.append((rel, digest, meta.num_rows))
         shards.extend(_cut(path, rel, (digest, size, mtime), meta, rows_per_shard))
     if len(types) > 1:
@@ -253,8 +267,9 @@ def _cut(
             first_group, first_row, rows = g + 1, first_row + rows, 0
 
 
-def fingerprint(path: Path) -> tuple[str, int, int]:
-    """(sha256 of the file's bytes, its size, its modification time in ns)."""
+def fingerprint(path: Path, on_chunk: Callable[[int], None] | None = None) -> tuple[str, int, int]:
+    """(sha256 of the file's bytes, its size, its modification time in ns); ``on_chunk`` is
+    told the bytes of each chunk read."""
     h, size = hashlib.sha256(), 0
     try:
         with path.open("rb") as f:
@@ -262,6 +277,8 @@ def fingerprint(path: Path) -> tuple[str, int, int]:
             while chunk := f.read(_HASH_CHUNK):
                 h.update(chunk)
                 size += len(chunk)
+                if on_chunk is not None:
+                    on_chunk(len(chunk))
     except OSError as exc:
         raise errors.InputError(f"{path}: cannot read ({exc})") from None
     return h.hexdigest(), size, mtime

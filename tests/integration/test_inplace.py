@@ -307,7 +307,10 @@ def test_sigkill_mid_run_then_rerun_scores_each_row_once(sqlite_url: str, tmp_pa
 
 def test_plan_cuts_whole_row_groups(tmp_path: Path) -> None:
     write_dataset(tmp_path, files=1, rows=1000, group=300)
-    found = shards.plan(tmp_path / "part-0.parquet", rows_per_shard=500)
+    seen: list[tuple[int, int]] = []
+    found = shards.plan(tmp_path / "part-0.parquet", 500, lambda *n: seen.append(n))
+    size = (tmp_path / "part-0.parquet").stat().st_size
+    assert seen[-1] == (size, size)  # the fingerprinting's progress, to the last byte
     assert [(s.first_group, s.end_group, s.first_row, s.rows) for s in found.shards] == [
         (0, 2, 0, 600),
         (2, 4, 600, 400),
