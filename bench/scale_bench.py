@@ -150,13 +150,11 @@ def one_run(
     them with ``k`` scorer processes; rows/s and CPU."""
     queue = build.open_queue(cfg, cfg.database.url, create=True)
     queue.migrate()
+    if dataset is None:
+        queue.enqueue(records)
     queue.engine.dispose()
     score: Any = app.run_score
-    if dataset is None:
-        queue = build.open_queue(cfg, cfg.database.url)
-        queue.enqueue(records)
-        queue.engine.dispose()
-    else:
+    if dataset is not None:
         found, _ = inplace.enqueue_shards(cfg, cfg.database.url, dataset, SHARD_ROWS)
         score = functools.partial(app.run_score, in_place=inplace.InPlace.of(found))
     n_rows = n_rows or len(records)

@@ -13,7 +13,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -28,9 +27,6 @@ from batching.ingress import queue as q
 from batching.ingress import shards
 from batching.model import rows as rows_
 from batching.store import schema
-
-if TYPE_CHECKING:  # torch: only a run that scores loads it
-    pass
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +58,8 @@ def shard_table(
     id, scored at)."""
     batch_id, run_id, scored_at = batch
     n, dim = scored.matrix.shape
-    failed = np.array([e is not None for e in scored.errors], dtype=bool)
     values = pa.array(scored.matrix.reshape(-1), pa.float32())
-    mask = pa.array(failed) if scored.n_failed else None
+    mask = pa.array([e is not None for e in scored.errors]) if scored.n_failed else None
     output = pa.FixedSizeListArray.from_arrays(values, dim, mask=mask)
     cols: dict[str, object] = {
         "item_key": pa.repeat(pa.scalar(item.item_key), n),

@@ -90,6 +90,14 @@ def config_file(
     return conf, c
 
 
+BATCHING = str(Path(sys.executable).with_name("batching"))
+
+
+def bulk_args(dataset: Path, conf: Path, url: str, *more: str) -> list[str]:
+    """`batching bulk DATASET --in-place` on ``url`` (after the program), quiet, with ``more``."""
+    return ["bulk", str(dataset), "-c", str(conf), "--in-place", "--quiet", "--db", url, *more]
+
+
 def outputs(root: Path) -> pa.Table:
     return pds.dataset(root, format="parquet", partitioning="hive").to_table()
 
@@ -267,19 +275,7 @@ def test_sigkill_mid_run_then_rerun_scores_each_row_once(sqlite_url: str, tmp_pa
     # small batches: a slow run, time to kill it in the middle
     conf, c = config_file(tmp_path, sqlite_url, {"lease_s": 2}, {"max_batch_size": 64})
     write_dataset(tmp_path / "in", files=2, rows=20_000, group=1000)
-    cmd = [
-        str(Path(sys.executable).with_name("batching")),
-        "bulk",
-        str(tmp_path / "in"),
-        "-c",
-        str(conf),
-        "--in-place",
-        "--quiet",
-        "--db",
-        sqlite_url,
-        "--rows-per-shard",
-        "1000",
-    ]
+    cmd = [BATCHING, *bulk_args(tmp_path / "in", conf, sqlite_url, "--rows-per-shard", "1000")]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )
@@ -340,14 +336,7 @@ def test_a_row_that_kills_its_scorer_costs_only_itself(sqlite_url: str, tmp_path
         "x0=1234.5",
         "exit",
         "--",
-        "bulk",
-        str(folder),
-        "-c",
-        str(conf),
-        "--in-place",
-        "--quiet",
-        "--db",
-        sqlite_url,
+        *bulk_args(folder, conf, sqlite_url),
     ]
     runs = []
     for _ in range(14):  # log2(64) splits, then the row alone max_attempts times
@@ -419,20 +408,10 @@ def test_two_scorer_processes_share_the_shards_on_postgresql(pg_url: str, tmp_pa
     write_dataset(tmp_path / "in", files=2, rows=4000, group=500)
     done = subprocess.run(
         [
-            str(Path(sys.executable).with_name("batching")),
-            "bulk",
-            str(tmp_path / "in"),
-            "-c",
-            str(conf),
-            "--in-place",
-            "--quiet",
-            "--json",
-            "--db",
-            pg_url,
-            "--rows-per-shard",
-            "500",
-            "--workers",
-            "2",
+            BATCHING,
+            *bulk_args(
+                tmp_path / "in", conf, pg_url, "--json", "--rows-per-shard", "500", "--workers", "2"
+            ),
         ],
         capture_output=True,
         text=True,
