@@ -150,16 +150,16 @@ class QueueConfig(_Model):
     )
     fair_share: bool = Field(
         True,
-        description="each claim splits across the tenants with ready items by weight (`tenant_weights`), priority and deadline order kept within a tenant, so one tenant's flood cannot starve another; false: one order across tenants (priority, deadline, age)",
+        description="each claim, and then each batch cut from what was claimed, splits across the tenants by weight (`tenant_weights`), priority and deadline order kept within a tenant, so one tenant's flood cannot starve another; false: one order across tenants (priority, deadline, age)",
     )
     tenant_weights: dict[str, float] = Field(
         default_factory=dict,
-        description="a tenant's share of each claim relative to the others' (1.0 when unlisted), e.g. `{gold: 4, bulk: 0.5}`; with `fair_share`",
+        description="a tenant's share of each claim and batch relative to the others' (1.0 when unlisted), e.g. `{gold: 4, bulk: 0.5}`; with `fair_share`",
     )
     max_tenant_wait_s: float = Field(
         30.0,
         gt=0,
-        description="aging: a tenant with ready items that a scorer has not served for this long gets its next item claimed ahead of every share, so a low weight delays a tenant but never starves it",
+        description="aging: a tenant with ready items that a scorer has not served for this long gets its next item claimed (and batched) ahead of every share, so a low weight delays a tenant but never starves it",
     )
 
     @field_validator("tenant_weights", mode="before")

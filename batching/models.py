@@ -113,6 +113,7 @@ ITEM_ENQUEUED_AT = operator.attrgetter("enqueued_at")
 ITEM_PRIORITY = operator.attrgetter("priority")
 ITEM_COST = operator.attrgetter("cost")
 ITEM_DEADLINE_AT = operator.attrgetter("deadline_at")
+ITEM_TENANT = operator.attrgetter("tenant")
 
 
 class ItemBlock(Sequence[WorkItem]):

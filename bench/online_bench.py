@@ -624,19 +624,23 @@ def start_ours(
 ) -> tuple[Target, Ours]:
     tag = f"{workload}-{variant or 'shipped'}"
     db_url = scratch_db(args.pg, run_dir, tag)
-    config, data = write_config(
-        workload, args.configs[workload], run_dir, db_url, args.variants[variant]
-    )
+    overrides = dict(args.variants[variant])
+    api_cpus = overrides.pop("api_cpus", args.api_cpus)  # where the processes run, not config
+    scorer_cpus = overrides.pop("scorer_cpus", args.scorer_cpus)
+    config, data = write_config(workload, args.configs[workload], run_dir, db_url, overrides)
     cli = [sys.executable, "-m", "batching.cli"]
     env = project_env({"BATCHING_API_TOKENS": ",".join(f"{t}={n}" for n, t in TOKENS.items())})
     subprocess.run([*cli, "init", "--db", db_url], check=True, env=env, capture_output=True)
     port = free_port()
+    api_on = ["taskset", "-c", str(api_cpus)] if api_cpus is not None else []
     procs.spawn(
         f"api-{tag}",
-        [*cli, "api", "-c", str(config), "--db", db_url, "--port", str(port)],
+        [*api_on, *cli, "api", "-c", str(config), "--db", db_url, "--port", str(port)],
         env=env,
     )
-    score = [*cli, "score", "-c", str(config), "--db", db_url, "--max-seconds", "86400"]
+    score_on = ["taskset", "-c", str(scorer_cpus)] if scorer_cpus is not None else []
+    score = [*score_on, *cli, "score", "-c", str(config), "--db", db_url]
+    score += ["--max-seconds", "86400"]
     score += ["--quiet"] + (["--workers", str(args.scorers)] if args.scorers > 1 else [])
     threads = {"OMP_NUM_THREADS": str(args.scorer_threads)} if args.scorer_threads else {}
     procs.spawn(f"score-{tag}", score, env=env | threads)
@@ -1181,7 +1185,8 @@ def _progress(row: dict[str, Any]) -> str:
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
-    """NAME:key=value,key=value (values YAML: true, 0.05, expire)."""
+    """NAME:key=value,key=value (values YAML: true, 0.05, expire); the keys ``api_cpus`` and
+    ``scorer_cpus`` place the variant's processes (taskset -c) instead of setting config."""
     name, _, rest = text.partition(":")
     overrides = {}
     for pair in filter(None, rest.split(",")):
@@ -1219,7 +1224,7 @@ def main() -> int:
         action="append",
         type=parse_variant,
         help="NAME:key=value,... config overrides of one run of ours (repeatable; "
-        "default one run of the config as shipped)",
+        "default one run of the config as shipped); api_cpus=0,scorer_cpus=1 pin its processes",
     )
     p.add_argument("--config", type=parse_pairs, default={}, help="w2=PATH,w1=PATH")
     p.add_argument(
@@ -1243,6 +1248,12 @@ def main() -> int:
         "--scorer-threads",
         type=int,
         help="torch threads of our scorer (OMP_NUM_THREADS; default: torch's, the cores)",
+    )
+    p.add_argument("--api-cpus", help="ours: run the API on these CPUs (taskset -c LIST, e.g. 0)")
+    p.add_argument(
+        "--scorer-cpus",
+        help="ours: run the scorer on these CPUs (taskset -c LIST, e.g. 1; torch's threads "
+        "follow the set)",
     )
     p.add_argument("--wait-s", type=float, default=5.0, help="long-poll wait of one GET")
     p.add_argument("--pg", metavar="ADMIN_URL", help="PostgreSQL (scratch database) not SQLite")

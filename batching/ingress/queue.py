@@ -39,8 +39,8 @@ from sqlalchemy import exc
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
-from batching import crashes, errors, models, routing
-from batching.ingress import admission, controls, pg_bulk, sqlite_claim, tenant_share, watch
+from batching import crashes, errors, models, routing, tenant_share
+from batching.ingress import admission, controls, pg_bulk, sqlite_claim, watch
 from batching.ports import Clock
 from batching.store import database, schema, sqlite
 
@@ -104,7 +104,7 @@ class SqlQueue:
         max_attempts: default for enqueued items.
         backoff_base_s / backoff_max_s: retry backoff after ``fail``.
         fair_share / tenant_weights / max_tenant_wait_s: claims share across tenants by
-            weight, with aging (:mod:`batching.ingress.tenant_share`); off: global order. The
+            weight, with aging (:mod:`batching.tenant_share`); off: global order. The
             weights also set each tenant's share of a depth cap (:mod:`~.admission`).
     """
 
@@ -355,7 +355,7 @@ class SqlQueue:
 
         Order: priority (high first), then deadline (earliest first, none last), then age;
         with ``fair_share`` (the default), within each tenant, and the ``n`` split across
-        the ready tenants by weight, with aging (:mod:`batching.ingress.tenant_share`).
+        the ready tenants by weight, with aging (:mod:`batching.tenant_share`).
         ``attempts`` is counted here; the reaper gives it back to the items of a lost worker
         unless one was alone in an isolation round (:mod:`batching.crashes`).
         ``max_cost`` caps the sum of cost hints (the first item is always taken, so an

@@ -48,7 +48,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
-from batching import errors, models, ports, routing
+from batching import errors, models, ports, routing, tenant_share
 from batching.config import PipelineConfig
 from batching.loop import breaker
 from batching.loop.routes import Router, ShadowRows
@@ -117,6 +117,11 @@ class Scorer(Generic[D]):
             service_time,
             adaptive=self.controller,
             late_policy=config.queue.late_policy,
+            fair=(
+                tenant_share.FairShare(config.queue.tenant_weights, config.queue.max_tenant_wait_s)
+                if config.queue.fair_share
+                else None
+            ),
         )
         self.on_progress = on_progress
         self.observer: ports.ScoreObserver = observer or ports.NoObserver()

@@ -25,6 +25,14 @@ Policy:
   that would break the size or cost cap; the first item always fits, so an item costlier than
   the whole budget is released alone rather than stuck. Priority is strict inside a bucket: a
   wait or deadline trigger decides *when*, priority decides *who*.
+- **Whose (``fair``, from ``queue.fair_share``).** A bucket holding several tenants' items
+  takes its first item as above, then the rest as a fair claim ranks them
+  (:mod:`batching.tenant_share`): each tenant's items in the order above, interleaved by
+  weight, an aged tenant's first item ahead. A claim of 1,000 of one tenant's items thus does
+  not hold another's 10 back for 1,000 / ``max_batch_size`` batches. The first item leads so
+  that buckets, which take turns by it, keep taking turns. Blocks of different tenants go to
+  the buckets for it. One tenant: the order above, nothing ranked. A flush cuts by length as
+  below, items of one cost in the fair order.
 - **Who (bulk, ``flush=True`` and ``drain``).** The batch is built around the bucket's most
   urgent item (the anchor) and filled with the items nearest to it in cost, then sorted by cost.
   Many pending items therefore give full, length-sorted batches with little padding, while the
@@ -73,7 +81,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-from batching import models, ports
+from batching import models, ports, tenant_share
 from batching.policy.adaptive import ServiceTime, SloController
 
 if TYPE_CHECKING:
@@ -244,6 +252,7 @@ class _Bucket:
         self._deadlines: _Ordered[tuple[float, int]] = _Ordered()  # (deadline_at, seq)
         self._groups: dict[int, dict[int, models.WorkItem]] = {}  # cost -> seq -> item
         self._costs: list[int] = []  # sorted distinct costs present
+        self.tenants: collections.Counter[str] = collections.Counter()  # live items a tenant
 
     def __len__(self) -> int:
         return len(self.items)
@@ -251,6 +260,7 @@ class _Bucket:
     def push(self, seqs: list[int], items: list[models.WorkItem]) -> None:
         """Add items, each under its unique sequence number (``seqs[i]`` for ``items[i]``)."""
         self.items.update(zip(seqs, items, strict=True))
+        self.tenants.update(map(models.ITEM_TENANT, items))  # counted in C
         costs = list(map(_COST, items))
         self.cost += sum(costs)
         enqueued = list(map(_ENQUEUED, items))
@@ -288,9 +298,10 @@ class _Bucket:
         """Largest pending item cost (bucket must be non-empty)."""
         return self._costs[-1]
 
-    def cut_in_order(self, budget: _Budget) -> list[int]:
-        """Take items by (priority, deadline, enqueue) until the next would break the budget."""
-        live = self._order.live_seqs(self.items)
+    def cut_in_order(self, budget: _Budget, order: Iterable[int] | None = None) -> list[int]:
+        """Take items by (priority, deadline, enqueue), or in ``order`` (live seqs, e.g.
+        :meth:`fair_order`), until the next would break the budget."""
+        live = self._order.live_seqs(self.items) if order is None else iter(order)
         if budget.max_cost is None:  # rows are the only cap: the first max_size live items
             return list(itertools.islice(live, budget.max_size))
         seqs: list[int] = []
@@ -303,13 +314,46 @@ class _Bucket:
             total += cost
         return seqs
 
-    def cut_by_length(self, budget: _Budget) -> list[int]:
-        """Take the most urgent item, then the items nearest to it in cost, within the budget."""
+    def fair_order(self, share: tenant_share.FairShare, now: float, per_tenant: int) -> list[int]:
+        """Live seqs for a fair cut: the bucket's first item (the most urgent, as an unfair cut
+        takes it), then the rest as a fair claim ranks them (:mod:`batching.tenant_share`):
+        each tenant's items in the bucket's order, the k-th of tenant t at tag ``S_t + k /
+        w_t``, an aged tenant's first before every tag; ties by the bucket's order. Only each
+        tenant's first ``per_tenant`` are ranked (a batch takes no more of one tenant); the
+        rest follow in order.
+
+        The first item leads because buckets take turns by it (their oldest, or an overdue
+        deadline): were it passed over, its bucket would keep the turn and starve the others.
+        """
+        ranking = share.ranking(now)
+        terms = {term.tenant: term for term in ranking.shares}
+        default = tenant_share.TenantShare("", ranking.default_start, ranking.default_step)
+        taken: collections.Counter[str] = collections.Counter()
+        ranked: list[tuple[int, float, int, int]] = []
+        rest: list[int] = []
+        for position, seq in enumerate(self._order.live_seqs(self.items)):
+            tenant = self.items[seq].tenant
+            k = taken[tenant]
+            if k >= per_tenant:
+                rest.append(seq)
+                continue
+            taken[tenant] = k + 1
+            term = terms.get(tenant, default)
+            aged = 0 if term.aged and k == 0 else 1
+            rank = -1 if position == 0 else aged  # the bucket's first item leads
+            ranked.append((rank, term.start + k * term.step, position, seq))
+        ranked.sort()
+        return [entry[-1] for entry in ranked] + rest
+
+    def cut_by_length(self, budget: _Budget, order: Sequence[int] | None = None) -> list[int]:
+        """Take the most urgent item, then the items nearest to it in cost, within the budget;
+        items of one cost in ``order`` (live seqs, e.g. :meth:`fair_order`) when given."""
         top = self._order.top(self.items)
         assert top is not None
         anchor = top[-1]
+        rank = None if order is None else {seq: k for k, seq in enumerate(order)}
         seqs, total = [anchor], self.items[anchor].cost
-        for seq, item in self._nearest(self.items[anchor].cost):
+        for seq, item in self._nearest(self.items[anchor].cost, rank):
             if seq == anchor:
                 continue
             if not budget.fits(len(seqs), total, item.cost):
@@ -318,8 +362,11 @@ class _Bucket:
             total += item.cost
         return seqs
 
-    def _nearest(self, cost: int) -> Iterator[tuple[int, models.WorkItem]]:
-        """Pending items by distance of their cost from ``cost`` (ties: cheaper first)."""
+    def _nearest(
+        self, cost: int, rank: dict[int, int] | None = None
+    ) -> Iterator[tuple[int, models.WorkItem]]:
+        """Pending items by distance of their cost from ``cost`` (ties: cheaper first); those
+        of one cost by ``rank`` (seq -> place) when given, else as they came."""
         costs = self._costs
         hi = bisect.bisect_left(costs, cost)
         lo = hi - 1
@@ -328,12 +375,21 @@ class _Bucket:
                 group, lo = costs[lo], lo - 1
             else:
                 group, hi = costs[hi], hi + 1
-            yield from self._groups[group].items()
+            if rank is None:
+                yield from self._groups[group].items()
+            else:
+                yield from sorted(self._groups[group].items(), key=lambda kv: rank[kv[0]])
 
     def remove(self, seqs: Iterable[int]) -> list[models.WorkItem]:
         """Remove the given items and return them in the same order."""
         seqs = list(seqs)
         taken = list(map(self.items.pop, seqs))
+        for tenant, n in collections.Counter(map(models.ITEM_TENANT, taken)).items():
+            left = self.tenants[tenant] - n
+            if left > 0:
+                self.tenants[tenant] = left
+            else:
+                del self.tenants[tenant]
         costs = list(map(_COST, taken))
         self.cost -= sum(costs)
         for cost, group_seqs, _ in _grouped(costs, seqs, taken):
@@ -378,6 +434,8 @@ class MicroBatcher:
             None: the fixed rules above.
         late_policy: ``"expire"`` takes items that cannot meet their deadline out of the
             batches cut (see :meth:`take_late`); ``"score"`` releases them like the rest.
+        fair: the tenants' fair share of each batch (``queue.fair_share``): a bucket holding
+            several tenants' items cuts them as a fair claim ranks them; None: one order.
     """
 
     def __init__(
@@ -388,8 +446,10 @@ class MicroBatcher:
         *,
         adaptive: SloController | None = None,
         late_policy: LatePolicy = "score",
+        fair: tenant_share.FairShare | None = None,
     ) -> None:
         self._policy = policy
+        self._fair = fair
         self._clock = clock
         self._adaptive = adaptive
         self._late_policy = late_policy
@@ -443,6 +503,7 @@ class MicroBatcher:
             prio, last_prio = block.template.priority, last.template.priority
             if (
                 self._bucket_of(block.template.cost) != self._bucket_of(last.template.cost)
+                or (self._fair is not None and block.template.tenant != last.template.tenant)
                 or prio > last_prio
                 or (prio == last_prio and block.enqueued_at[0] < last.enqueued_at[-1])
             ):
@@ -595,10 +656,17 @@ class MicroBatcher:
 
     def _release(self, state: _Readiness, now: float, *, by_length: bool) -> models.Batch | None:
         bucket = self._buckets[state.index]
-        cut = bucket.cut_by_length if by_length else bucket.cut_in_order
         budget = self._cap(bucket, now)
-        seqs = cut(budget)
+        fair = self._fair if len(bucket.tenants) > 1 else None
+        order = None if fair is None else bucket.fair_order(fair, now, budget.max_size)
+        if by_length:
+            seqs = bucket.cut_by_length(budget, order)
+        else:
+            seqs = bucket.cut_in_order(budget, order)
         items = bucket.remove(seqs)
+        if fair is not None:  # the lead item out of turn, the rest by their tags
+            fair.charge_aside(items[0].tenant, now)
+            fair.charge(collections.Counter(map(models.ITEM_TENANT, items[1:])), now)
         if by_length:
             items.sort(key=lambda item: item.cost)
         self._ids.difference_update(map(_ID, items))

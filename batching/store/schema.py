@@ -126,7 +126,7 @@ sa.Index(
     sqlite_where=_READY,
 )
 # Ready items by tenant (migration 14), in the ready index's order within each: a fair claim
-# (``batching.ingress.tenant_share``) skip-scans it for the ready tenants and reads each one's
+# (``batching.tenant_share``) skip-scans it for the ready tenants and reads each one's
 # first items; by the ready index alone, a tenant behind a flood of another's 10,000 items
 # would be found only after reading them all.
 sa.Index(

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from batching.ingress import tenant_share as ts
+from batching import tenant_share as ts
 
 
 def claim(share: ts.FairShare, ready: dict[str, int], n: int, now: float = 0.0) -> Counter[str]:

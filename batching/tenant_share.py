@@ -119,6 +119,14 @@ class FairShare:
             self.vtime = 0.0
             self.finish = {t: f - shift for t, f in self.finish.items()}
 
+    def charge_aside(self, tenant: str, now: float) -> None:
+        """Account one item of ``tenant`` served out of turn (a batch's lead item, taken by its
+        age, not its tag): the tenant's tag advances, the virtual time does not. Were it
+        advanced, a tenant served out of turn with a tag far ahead would drag every other
+        tenant's start up with it, and their ties would go to the oldest items every time."""
+        self.finish[tenant] = self.start(tenant) + 1.0 / self.weight(tenant)
+        self.served_at[tenant] = now
+
 
 def split(
     ready: Mapping[str, int], n: int, weights: Mapping[str, float] | None = None
