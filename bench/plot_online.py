@@ -7,7 +7,7 @@ Runs where matplotlib is installed (the peers' plot venv), never in the project'
 One panel per workload and arrival pattern; x: offered load as a fraction of the reference
 capacity (ours, measured in the same run), y: p99 from scheduled arrival to result (log
 scale). A hollow marker is a lower bound (requests still open at the cut-off); the dashed
-line is the config's latency_slo_s; our fixed variant is dotted. Standard library + matplotlib only.
+line is the config's latency_slo_s; our fixed variant is dotted, pinned dashed, others dash-dot. Standard library + matplotlib only.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 STYLE = {"batching": "C0", "pytriton": "C1", "litserve": "C2", "ray_serve": "C3"}
+VARIANT_LINES = {"fixed": ":", "adaptive": "-", "pinned": "--"}
 
 
 def label(row: dict[str, Any]) -> str:
@@ -53,7 +54,8 @@ def main() -> None:
             color = STYLE.get(series[0]["system"], f"C{4 + n}")
             x = [r["load"] for r in series]
             y = [r["p99_s"] for r in series]
-            line = ":" if series[0].get("variant") == "fixed" else "-"  # ours: two variants
+            variant = series[0].get("variant") or ""
+            line = VARIANT_LINES.get(variant, "-" if not variant else "-.")
             ax.plot(x, y, line, color=color, label=name)
             for r in series:
                 hollow = r.get("p99_censored")
