@@ -9,7 +9,8 @@ One run, one machine, one seeded arrival schedule per point, in this order:
             (--max-depth: 429 past it); then Poisson and bursty arrivals (on/off: 1 s at
             1.75x, 1 s at 0.25x) at 50/90/110/150% of the reference
   noisy     W2, our server: three quiet tenants alone, then with a fourth offering 10x each
-            of them (total 90% of capacity); the quiet tenants' p99 with and without it
+            of them (total 90% of capacity); the quiet tenants' p99 with and without it;
+            then the same 90% spread evenly over the four (what the load alone costs)
   peers     W2, the same schedules (the same offered rates: equal load) against PyTriton,
             LitServe (their harnesses' servers, `$PEERS/bench_*.py --serve`) and Ray Serve
             through its HTTP proxy (`bench/online_ray_serve.py`), each after its own capacity
@@ -987,15 +988,23 @@ async def settle(run: Run, target: Target, http: Http, key: str) -> float | None
 async def noisy(
     run: Run, target: Target, http: Http, base: dict[str, Any], ref: float, key: str
 ) -> None:
-    """Quiet tenants alone, then with a tenant offering NOISY_FACTOR x each (90% in all)."""
+    """Quiet tenants alone, then with a tenant offering NOISY_FACTOR x each (90% in all), then
+    the same 90% spread evenly over the four tenants: the quiet tenants' p99 there is what
+    the load alone costs them, so with_noisy / even is what the noisy tenant's share costs."""
     per_quiet = 0.9 * ref / (len(QUIET) + NOISY_FACTOR)
     seconds = 1.5 * run.point_s
     quiet = {t: 1.0 for t in QUIET}
+    even = (len(QUIET) + NOISY_FACTOR) / (len(QUIET) + 1)  # each tenant's share, 90% in all
     rows = {}
-    for name, shares in (("alone", quiet), ("with_noisy", quiet | {"noisy": NOISY_FACTOR})):
+    summary: dict[str, Any] | None = None
+    for name, shares in (
+        ("alone", quiet),
+        ("with_noisy", quiet | {"noisy": NOISY_FACTOR}),
+        ("even", {t: even for t in (*QUIET, "noisy")}),
+    ):
         if run.left() < seconds + 5:
             run.emit({**base, "kind": "skipped", "what": f"noisy {name}"})
-            return
+            break
         rate = per_quiet * sum(shares.values())
         arrivals = schedule("poisson", rate, shares, seconds, f"noisy-{name}")
         drain_s = min(max(5.0, 3 * target.slo_s), max(1.0, run.left()))
@@ -1006,17 +1015,27 @@ async def noisy(
         rows[name] = q
         run.emit(
             {**base, "kind": "noisy_point", "run": name, "offered_rps": round(rate, 2)}
-            | {"quiet_offered_rps": round(per_quiet * len(QUIET), 2), "slo_s": target.slo_s}
-            | {"quiet": q, "noisy": n if name == "with_noisy" else None}
+            | {"quiet_offered_rps": round(per_quiet * len(QUIET) * shares[QUIET[0]], 2)}
+            | {"slo_s": target.slo_s}
+            | {"quiet": q, "noisy": n if name != "alone" else None}
         )
         await settle(run, target, http, f"{key}-{name}-settle")
-    alone, with_noisy = rows["alone"]["p99_s"], rows["with_noisy"]["p99_s"]
-    ratio = with_noisy / alone if alone and with_noisy is not None else None
-    run.emit(
-        {**base, "kind": "noisy", "quiet_p99_alone_s": alone, "quiet_p99_with_noisy_s": with_noisy}
-        | {"ratio": None if ratio is None else round(ratio, 3), "target_ratio": 1.25}
-        | {"censored": rows["with_noisy"]["p99_censored"] or rows["alone"]["p99_censored"]}
-    )
+        if name == "with_noisy":
+            alone, with_noisy = rows["alone"]["p99_s"], rows["with_noisy"]["p99_s"]
+            ratio = with_noisy / alone if alone and with_noisy is not None else None
+            summary = (
+                {**base, "kind": "noisy", "quiet_p99_alone_s": alone}
+                | {"quiet_p99_with_noisy_s": with_noisy, "target_ratio": 1.25}
+                | {"ratio": None if ratio is None else round(ratio, 3)}
+                | {"censored": rows["with_noisy"]["p99_censored"] or rows["alone"]["p99_censored"]}
+            )
+    if summary is None:
+        return
+    even_p99 = rows["even"]["p99_s"] if "even" in rows else None
+    if even_p99 and summary["quiet_p99_with_noisy_s"] is not None:
+        summary["quiet_p99_even_s"] = even_p99
+        summary["ratio_vs_even"] = round(summary["quiet_p99_with_noisy_s"] / even_p99, 3)
+    run.emit(summary)
 
 
 def depth_cap(policy: str, capacity: float, slo_s: float) -> int | None:
@@ -1136,13 +1155,19 @@ def render_tables(rows: Iterable[dict[str, Any]]) -> str:
             f"Noisy tenant, {r['workload'].upper()} {_label(r)}: quiet tenants' p99 "
             f"{_s(r['quiet_p99_alone_s'])} s alone, {_s(r['quiet_p99_with_noisy_s'])} s with "
             f"the noisy one: {r['ratio']}x (target <= {r['target_ratio']}x)"
-            + (" (a p99 is a lower bound)" if r["censored"] else ""),
+            + (" (a p99 is a lower bound)" if r["censored"] else "")
+            + (
+                f"; {_s(r['quiet_p99_even_s'])} s with the same load spread evenly over four "
+                f"tenants: {r['ratio_vs_even']}x the even load's"
+                if r.get("ratio_vs_even") is not None
+                else ""
+            ),
             "",
             "| run | offered/s | quiet p50 s | quiet p99 s | quiet goodput/s | noisy p99 s "
             "| shed 429 (quiet/noisy) | expired (quiet/noisy) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for name in ("alone", "with_noisy"):
+        for name in ("alone", "with_noisy", "even"):
             if name not in pts:
                 continue
             p, q, n = pts[name], pts[name]["quiet"], pts[name]["noisy"] or {}
