@@ -205,6 +205,10 @@ class _Ordered(Generic[_Entry]):
             live.__contains__, map(_SEQ, itertools.islice(self._entries, self._head, None))
         )
 
+    def live_entries(self, live: dict[int, models.WorkItem]) -> Iterator[_Entry]:
+        """The live entries in order (do not release while iterating)."""
+        return (e for e in itertools.islice(self._entries, self._head, None) if e[-1] in live)
+
     def compact(self, live: dict[int, models.WorkItem]) -> None:
         mine, head = self._entries, self._head
         if len(mine) - head > 2 * len(live) + _COMPACT_SLACK:
@@ -253,6 +257,10 @@ class _Bucket:
         self._groups: dict[int, dict[int, models.WorkItem]] = {}  # cost -> seq -> item
         self._costs: list[int] = []  # sorted distinct costs present
         self.tenants: collections.Counter[str] = collections.Counter()  # live items a tenant
+        # Each tenant's entries of _order, kept only while the bucket holds several tenants'
+        # items (built when a second tenant arrives): a fair cut reads each tenant's first few
+        # instead of walking every pending item.
+        self._by_tenant: dict[str, _Ordered[tuple[int, float, float, int]]] | None = None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -274,7 +282,14 @@ class _Bucket:
                 [(d, q) for d, q in zip(deadlines, seqs, strict=True) if d is not None]
             )
         prios = map(operator.neg, map(models.ITEM_PRIORITY, items))
-        self._order.add(list(zip(prios, sort_deadlines, enqueued, seqs, strict=True)))
+        entries = list(zip(prios, sort_deadlines, enqueued, seqs, strict=True))
+        if self._by_tenant is not None:
+            self._add_by_tenant(entries, list(map(models.ITEM_TENANT, items)))
+        self._order.add(entries)
+        if self._by_tenant is None and len(self.tenants) > 1:
+            live = list(self._order.live_entries(self.items))
+            self._by_tenant = {}
+            self._add_by_tenant(live, [self.items[e[-1]].tenant for e in live])
         self._ages.add(list(zip(enqueued, seqs, strict=True)))
         for cost, group_seqs, group_items in _grouped(costs, seqs, items):
             group = self._groups.get(cost)
@@ -282,6 +297,19 @@ class _Bucket:
                 group = self._groups[cost] = {}
                 bisect.insort(self._costs, cost)
             group.update(zip(group_seqs, group_items, strict=True))
+
+    def _add_by_tenant(
+        self, entries: list[tuple[int, float, float, int]], tenants: list[str]
+    ) -> None:
+        assert self._by_tenant is not None
+        if tenants and tenants.count(tenants[0]) == len(tenants):
+            groups = {tenants[0]: list(entries)}
+        else:
+            groups = {}
+            for entry, tenant in zip(entries, tenants, strict=True):
+                groups.setdefault(tenant, []).append(entry)
+        for tenant, group in groups.items():
+            self._by_tenant.setdefault(tenant, _Ordered()).add(group)
 
     def oldest_enqueued_at(self) -> float:
         """``enqueued_at`` of the oldest pending item (bucket must be non-empty)."""
@@ -315,35 +343,32 @@ class _Bucket:
         return seqs
 
     def fair_order(self, share: tenant_share.FairShare, now: float, per_tenant: int) -> list[int]:
-        """Live seqs for a fair cut: the bucket's first item (the most urgent, as an unfair cut
-        takes it), then the rest as a fair claim ranks them (:mod:`batching.tenant_share`):
-        each tenant's items in the bucket's order, the k-th of tenant t at tag ``S_t + k /
-        w_t``, an aged tenant's first before every tag; ties by the bucket's order. Only each
-        tenant's first ``per_tenant`` are ranked (a batch takes no more of one tenant); the
-        rest follow in order.
+        """Seqs for a fair cut (the bucket holds several tenants' items): the bucket's first
+        item (the most urgent, as an unfair cut takes it), then each tenant's first
+        ``per_tenant`` items (a batch takes no more of one) as a fair claim ranks them
+        (:mod:`batching.tenant_share`): the k-th of tenant t at tag ``S_t + k / w_t``, an aged
+        tenant's first before every tag; ties by the bucket's order.
 
         The first item leads because buckets take turns by it (their oldest, or an overdue
         deadline): were it passed over, its bucket would keep the turn and starve the others.
         """
+        assert self._by_tenant is not None
+        top = self._order.top(self.items)
+        assert top is not None
+        lead = top[-1]
         ranking = share.ranking(now)
         terms = {term.tenant: term for term in ranking.shares}
         default = tenant_share.TenantShare("", ranking.default_start, ranking.default_step)
-        taken: collections.Counter[str] = collections.Counter()
-        ranked: list[tuple[int, float, int, int]] = []
-        rest: list[int] = []
-        for position, seq in enumerate(self._order.live_seqs(self.items)):
-            tenant = self.items[seq].tenant
-            k = taken[tenant]
-            if k >= per_tenant:
-                rest.append(seq)
-                continue
-            taken[tenant] = k + 1
+        ranked: list[tuple[int, float, tuple[int, float, float, int]]] = []
+        for tenant, ordered in self._by_tenant.items():
             term = terms.get(tenant, default)
-            aged = 0 if term.aged and k == 0 else 1
-            rank = -1 if position == 0 else aged  # the bucket's first item leads
-            ranked.append((rank, term.start + k * term.step, position, seq))
+            ordered.top(self.items)  # past the released front: cuts take a tenant's first
+            firsts = itertools.islice(ordered.live_entries(self.items), per_tenant)
+            for k, entry in enumerate(firsts):
+                rank = -1 if entry[-1] == lead else (0 if term.aged and k == 0 else 1)
+                ranked.append((rank, term.start + k * term.step, entry))
         ranked.sort()
-        return [entry[-1] for entry in ranked] + rest
+        return [entry[-1] for _, _, entry in ranked]
 
     def cut_by_length(self, budget: _Budget, order: Sequence[int] | None = None) -> list[int]:
         """Take the most urgent item, then the items nearest to it in cost, within the budget;
@@ -378,7 +403,8 @@ class _Bucket:
             if rank is None:
                 yield from self._groups[group].items()
             else:
-                yield from sorted(self._groups[group].items(), key=lambda kv: rank[kv[0]])
+                last = len(rank)  # items past every tenant's first few: after, as they came
+                yield from sorted(self._groups[group].items(), key=lambda kv: rank.get(kv[0], last))
 
     def remove(self, seqs: Iterable[int]) -> list[models.WorkItem]:
         """Remove the given items and return them in the same order."""
@@ -400,6 +426,15 @@ class _Bucket:
                 del self._costs[bisect.bisect_left(self._costs, cost)]
         for ordered in (self._order, self._ages, self._deadlines):
             ordered.compact(self.items)
+        if self._by_tenant is not None:
+            if len(self.tenants) <= 1:
+                self._by_tenant = None
+            else:
+                for tenant in list(self._by_tenant):
+                    if tenant in self.tenants:
+                        self._by_tenant[tenant].compact(self.items)
+                    else:
+                        del self._by_tenant[tenant]
         return taken
 
 
