@@ -246,9 +246,13 @@ class _Budget:
 
 
 class _Bucket:
-    """Pending items of one length bucket, indexed for O(log n) decisions (lazy-deleted heaps)."""
+    """Pending items of one length bucket, indexed for O(log n) decisions (lazy-deleted heaps).
 
-    def __init__(self) -> None:
+    ``fair``: count the live items of each tenant (``tenants``), and keep each tenant's order
+    while there are several, for fair cuts; without it ``tenants`` stays empty."""
+
+    def __init__(self, *, fair: bool = False) -> None:
+        self._fair = fair
         self.items: dict[int, models.WorkItem] = {}  # seq -> item, the live set
         self.cost = 0
         self._order: _Ordered[tuple[int, float, float, int]] = _Ordered()  # -prio, dl, enq, seq
@@ -268,7 +272,8 @@ class _Bucket:
     def push(self, seqs: list[int], items: list[models.WorkItem]) -> None:
         """Add items, each under its unique sequence number (``seqs[i]`` for ``items[i]``)."""
         self.items.update(zip(seqs, items, strict=True))
-        self.tenants.update(map(models.ITEM_TENANT, items))  # counted in C
+        if self._fair:
+            self.tenants.update(map(models.ITEM_TENANT, items))  # counted in C
         costs = list(map(_COST, items))
         self.cost += sum(costs)
         enqueued = list(map(_ENQUEUED, items))
@@ -310,6 +315,14 @@ class _Bucket:
                 groups.setdefault(tenant, []).append(entry)
         for tenant, group in groups.items():
             self._by_tenant.setdefault(tenant, _Ordered()).add(group)
+
+    def _uncount(self, taken: list[models.WorkItem]) -> None:
+        for tenant, n in collections.Counter(map(models.ITEM_TENANT, taken)).items():
+            left = self.tenants[tenant] - n
+            if left > 0:
+                self.tenants[tenant] = left
+            else:
+                del self.tenants[tenant]
 
     def oldest_enqueued_at(self) -> float:
         """``enqueued_at`` of the oldest pending item (bucket must be non-empty)."""
@@ -410,12 +423,8 @@ class _Bucket:
         """Remove the given items and return them in the same order."""
         seqs = list(seqs)
         taken = list(map(self.items.pop, seqs))
-        for tenant, n in collections.Counter(map(models.ITEM_TENANT, taken)).items():
-            left = self.tenants[tenant] - n
-            if left > 0:
-                self.tenants[tenant] = left
-            else:
-                del self.tenants[tenant]
+        if self._fair:
+            self._uncount(taken)
         costs = list(map(_COST, taken))
         self.cost -= sum(costs)
         for cost, group_seqs, _ in _grouped(costs, seqs, taken):
@@ -495,7 +504,7 @@ class MicroBatcher:
         self._service_time = service_time or _no_service_time
         self._edges = tuple(policy.length_buckets)
         self._budget = _Budget(policy.max_batch_size, policy.max_batch_cost)
-        self._buckets = [_Bucket() for _ in range(len(self._edges) + 1)]
+        self._buckets = [_Bucket(fair=fair is not None) for _ in range(len(self._edges) + 1)]
         # Uniform claims (ItemBlocks) wait here, in order, while no bucket holds an item: full
         # batches are cut from the first as slices, without an entry per item. Whatever is
         # not a full batch goes to the buckets (see _settle), so the policy is unchanged.
