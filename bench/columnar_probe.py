@@ -51,7 +51,7 @@ def claimer(q: Any, size: int, batch: int, out: queue.Queue[Any]) -> None:
         params |= {"worker": "probe", "expires": now + 60, "budget": None}
         with q.begin() as conn:
             q._before_claim(conn, now)
-            claimed = conn.execute(sa.text(q._claim_sql(None, None)), params).rowcount
+            claimed = conn.execute(sa.text(q._claim_sql(None, None).update), params).rowcount
         if not claimed:
             out.put(None)
             return

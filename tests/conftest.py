@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import time
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
@@ -186,3 +187,32 @@ class LineageBackend(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
+
+
+def as_held(conn: Any, rows: list[Any]) -> list[Any]:
+    """Item rows as their leases hold them: an item a range lease holds stays ready in the
+    table (``batching_ranges``) and is shown leased, with the claim's attempt counted and the
+    range's lease id and expiry, as a per-item lease would have written it."""
+    import sqlalchemy as sa
+
+    from batching import models
+    from batching.store import schema
+
+    r = schema.ranges
+    held = list(
+        conn.execute(sa.select(r.c.lo, r.c.hi, r.c.lease_id, r.c.leased_by, r.c.lease_expires_at))
+    )
+    if not held:
+        return rows
+    out = []
+    for row in rows:
+        lease = next((h for h in held if h.lo <= row.id <= h.hi), None)
+        if lease is not None and row.state == models.State.READY:
+            row = types.SimpleNamespace(
+                **row._asdict(),
+            )
+            row.state, row.attempts = int(models.State.LEASED), row.attempts + 1
+            row.lease_id, row.leased_by = lease.lease_id, lease.leased_by
+            row.lease_expires_at = lease.lease_expires_at
+        out.append(row)
+    return out

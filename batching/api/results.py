@@ -295,9 +295,16 @@ class Results:
 
 
 def _select() -> sa.Select[Any]:
-    return sa.select(
-        _T.c.id, _T.c.item_key, _T.c.state, _T.c.tenant, _T.c.last_error, _T.c.batch_id
+    """An item's row; one a range lease holds (ready in the table) reads as leased."""
+    r = schema.ranges
+    ranged = (
+        sa.select(r.c.id)
+        .where(r.c.queue == _T.c.queue, r.c.lo <= _T.c.id, r.c.hi >= _T.c.id)
+        .exists()
     )
+    held = sa.and_(_T.c.state == int(models.State.READY), ranged)
+    state = sa.case((held, int(models.State.LEASED)), else_=_T.c.state).label("state")
+    return sa.select(_T.c.id, _T.c.item_key, state, _T.c.tenant, _T.c.last_error, _T.c.batch_id)
 
 
 def _views(

@@ -220,11 +220,23 @@ def _done_items(conn: Connection, scope: _Scope) -> tuple[DoneItem, ...]:
 
 def _health(conn: Connection, scope: _Scope) -> dict[str, Any]:
     """Stale leases, dead and expired tallies, late items (queue-wide; ``since`` applies)."""
-    stale = sa.select(_I.c.item_key).where(
+    stale: sa.Select[Any] | sa.CompoundSelect[Any] = sa.select(_I.c.item_key).where(
         _I.c.queue == scope.queue,
         _I.c.state == int(models.State.LEASED),
         _I.c.lease_expires_at < scope.now,
     )
+    held = schema.ranges
+    lapsed = conn.execute(
+        sa.select(held.c.lo, held.c.hi).where(
+            held.c.queue == scope.queue, held.c.lease_expires_at < scope.now
+        )
+    ).all()
+    if lapsed:  # a range lease's items stay ready in the table
+        in_range = sa.or_(*(_I.c.id.between(lo, hi) for lo, hi in lapsed))
+        ranged = sa.select(_I.c.item_key).where(
+            _I.c.queue == scope.queue, _I.c.state == int(models.State.READY), in_range
+        )
+        stale = sa.union_all(stale, ranged)
     late = [_I.c.deadline_at.is_not(None), _I.c.finished_at > _I.c.deadline_at]
     return {
         "stale_leases": tuple(r[0] for r in conn.execute(stale)),

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 _C = schema.queue_controls
 _A = schema.queue_audit
 _T = schema.items
+RANGE_LOCK_SPACE = 7271102  # PostgreSQL: pg_advisory_xact_lock(this, hashtext(queue))
 _KEY_CHUNK = 1000  # keys per cancel statement (one transaction for all)
 _AUDIT_KEYS = 20  # keys of a cancel listed in its audit row (the count is always there)
 _MAX_DEPTH = 2**62
@@ -217,7 +218,8 @@ def cancel_items(
     actor, reason = check_actor(actor), check_reason(reason, "cancel")
     note = f"cancelled by {actor}: {reason}"[:2000]
     with begin(engine) as conn:
-        counts = [_cancel_where(conn, where, now, note) for where in wheres]
+        lock_ranges(conn, queue, exclusive=False)
+        counts = [_cancel_where(conn, queue, where, now, note) for where in wheres]
         result = CancelResult(sum(c for c, _ in counts), sum(f for _, f in counts))
         detail = asdict(result) | {"tenant": tenant, "enqueue_run": enqueue_run}
         if keys is not None:
@@ -250,10 +252,13 @@ def _cancel_filters(
 
 
 def _cancel_where(
-    conn: Connection, where: list[sa.ColumnElement[bool]], now: float, note: str
+    conn: Connection, queue: str, where: list[sa.ColumnElement[bool]], now: float, note: str
 ) -> tuple[int, int]:
     """Cancel the ready items matching ``where``; (cancelled, leased ones left in flight)."""
     ready, leased = _T.c.state == sa.literal_column("0"), _T.c.state == sa.literal_column("1")
+    held = range_held(conn, queue)
+    if held is not None:  # ready in the table, in flight in fact: left to finish
+        leased, ready = sa.or_(leased, sa.and_(ready, held)), sa.and_(ready, sa.not_(held))
     cancelled = conn.execute(
         sa.update(_T)
         .where(*where, ready)
@@ -264,6 +269,27 @@ def _cancel_where(
 
 
 # -- inside the queue's transactions ----------------------------------------------------------
+
+
+def lock_ranges(conn: Connection, queue: str, *, exclusive: bool) -> None:
+    """PostgreSQL: ``queue``'s range lock for ``conn``'s transaction. A claim that may lease a
+    range (``SqlQueue.claim``) reads which items are ready without locking a row, so it holds
+    the lock alone; every other claim and a cancel share it. SQLite's write lock already
+    keeps every writer apart."""
+    if conn.dialect.name == "postgresql":
+        how = "" if exclusive else "_shared"
+        conn.execute(
+            sa.text(f"SELECT pg_advisory_xact_lock{how}(:space, hashtext(:queue))"),
+            {"space": RANGE_LOCK_SPACE, "queue": queue},
+        )
+
+
+def range_held(conn: Connection, queue: str) -> sa.ColumnElement[bool] | None:
+    """Whether an item is one of ``queue``'s range leases (they stay ready in the table); None
+    when the queue has none."""
+    r = schema.ranges
+    held = conn.execute(sa.select(r.c.lo, r.c.hi).where(r.c.queue == queue)).all()
+    return sa.or_(*(_T.c.id.between(lo, hi) for lo, hi in held)) if held else None
 
 
 def for_claim(conn: Connection, queue: str) -> tuple[bool, str | None]:

@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import sqlalchemy as sa
@@ -79,6 +79,27 @@ _BY_DEADLINE_AGE_ID = operator.itemgetter(
 _BY_PRIORITY = operator.itemgetter(_CLAIM_COLUMNS.index("priority"))
 _BY_TENANT = operator.itemgetter(_CLAIM_COLUMNS.index("tenant"))
 _ORDER = "priority DESC, sort_deadline, enqueued_at, id"  # the ready index's, a tenant's
+_R = schema.ranges
+# The candidates of a claim that may lease a range, as one row: first and last id, how many,
+# the earliest deadline (schema.NO_DEADLINE when none has one).
+_PROBE = "SELECT min(id), max(id), count(*), min(sort_deadline)"
+# PostgreSQL: a range lease's rows, as a claim's UPDATE ... RETURNING would give them (the
+# attempt the range counts at ack or demotion counted here, as a per-item claim does).
+_RANGE_ROWS = (
+    "SELECT "
+    + ", ".join("attempts + 1 AS attempts" if c == "attempts" else c for c in _CLAIM_COLUMNS)
+    + " FROM batching_items WHERE id BETWEEN :range_lo AND :range_hi AND state = 0"
+)
+
+
+class _ClaimSql(NamedTuple):
+    """A claim's UPDATE, and the candidates counted for a range lease (None: never one)."""
+
+    update: str
+    probe: str | None
+
+
+_Statements = Callable[[int], tuple[_ClaimSql, "_ClaimSql | None"]]
 # Whether the queue's ready items are all one tenant's (or none): its first and last tenant
 # by ix_batching_items_tenant_ready, two probes. SQLite only (PostgreSQL would pay a round trip).
 _ONE_TENANT = sa.text(
@@ -399,17 +420,30 @@ class SqlQueue:
         }
         fair = None if isolate else self._fair  # an isolation round keeps the global order
         pinned = pin is not None
-        if fair is None:
-            sql = self._claim_sql(
-                lane, None if isolate else max_cost, isolate=isolate, pinned=pinned
-            )
-        else:
-            sql = self._fair_claim_sql(lane, max_cost, fair.ranking(now), params, pinned)
+        ranking = None if fair is None else fair.ranking(now)
+        # A range lease (one row for a run of ids) only where every rule of a per-item lease
+        # holds for it unchanged: not a suspects' round, a pin or a cost budget; the claim
+        # itself checks that the items are one run of ids with no deadline.
+        rangeable = columns and not isolate and not pinned and max_cost is None and n >= 2
+
+        def statements(excluded: int) -> tuple[_ClaimSql, _ClaimSql | None]:
+            """The claim leaving out ``excluded`` ranges, and (SQLite, fair share) the plain
+            claim to run instead when the ready items are one tenant's."""
+            if ranking is None:
+                budget = None if isolate else max_cost
+                return self._claim_sql(
+                    lane, budget, isolate=isolate, pinned=pinned, excluded=excluded
+                ), None
+            sql = self._fair_claim_sql(lane, max_cost, ranking, params, pinned, excluded)
+            if self.dialect != "sqlite":
+                return sql, None
+            return sql, self._claim_sql(lane, max_cost, pinned=pinned, excluded=excluded)
+
+        block = columns and not isolate
         if self.dialect == "sqlite":
-            alone = None if fair is None else self._claim_sql(lane, max_cost, pinned=pinned)
-            claimed = self._claim_sqlite(sql, params, now, columns and not isolate, alone)
+            claimed = self._claim_sqlite(statements, params, now, block, rangeable)
         else:
-            claimed = self._claim_returning(sql, params, now, columns and not isolate)
+            claimed = self._claim_returning(statements, params, now, block, rangeable)
         if isinstance(claimed, models.ItemBlock):
             if fair is not None:
                 fair.charge({claimed.template.tenant: len(claimed)}, now)
@@ -438,20 +472,29 @@ class SqlQueue:
         )
 
     def _claim_sql(
-        self, lane: str | None, max_cost: int | None, *, isolate: bool = False, pinned: bool = False
-    ) -> str:
+        self,
+        lane: str | None,
+        max_cost: int | None,
+        *,
+        isolate: bool = False,
+        pinned: bool = False,
+        excluded: int = 0,
+    ) -> _ClaimSql:
         where = "queue = :queue AND state = 0 AND run_after <= :now"
         where += " AND lane = :lane" if lane is not None else ""
         where += " AND isolate_n > 0" if isolate else " AND isolate_n = 0"
         where += f" AND {self._pin_sql()}" if pinned else ""
+        where += _not_in_ranges(excluded)
         order = "priority DESC, sort_deadline, enqueued_at, id"
         order = f"isolate_n, {order}" if isolate else order
         pg = self.dialect == "postgresql"
         lock = " FOR NO KEY UPDATE SKIP LOCKED" if pg else ""
-        cand = (
+        unlocked = (
             "SELECT id, cost, priority, sort_deadline, enqueued_at FROM batching_items"
-            f" WHERE {where} ORDER BY {order} LIMIT :n{lock}"
+            f" WHERE {where} ORDER BY {order} LIMIT :n"
         )
+        cand = unlocked + lock
+        probe = None if max_cost is not None or isolate else f"{_PROBE} FROM ({unlocked}) c"
         if max_cost is None:
             picked = cand
         else:
@@ -467,16 +510,18 @@ class SqlQueue:
             if max_cost is not None:
                 ctes += f", picked AS MATERIALIZED ({picked})"
             source = "picked" if max_cost is not None else "cand"
-            return (
+            return _ClaimSql(
                 f"WITH {ctes} UPDATE batching_items q SET state = 1, attempts = q.attempts + 1,"
                 " lease_id = :lease, leased_by = :worker, lease_expires_at = :expires"
-                f" FROM {source} WHERE q.id = {source}.id AND q.state = 0 RETURNING {cols}"
+                f" FROM {source} WHERE q.id = {source}.id AND q.state = 0 RETURNING {cols}",
+                probe,
             )
         # SQLite returns nothing here: the claimed rows are read back as one row (_claim_sqlite).
         ids = f"SELECT id FROM ({cand})" if max_cost is None else f"WITH cand AS ({cand}) {picked}"
-        return (
+        return _ClaimSql(
             "UPDATE batching_items SET state = 1, attempts = attempts + 1, lease_id = :lease,"
-            f" leased_by = :worker, lease_expires_at = :expires WHERE id IN ({ids})"
+            f" leased_by = :worker, lease_expires_at = :expires WHERE id IN ({ids})",
+            probe,
         )
 
     def _fair_claim_sql(
@@ -486,7 +531,8 @@ class SqlQueue:
         ranking: tenant_share.Ranking,
         params: dict[str, Any],
         pinned: bool = False,
-    ) -> str:
+        excluded: int = 0,
+    ) -> _ClaimSql:
         """The claim statement with the fair share (``params`` gets its binds).
 
         The ready tenants come from a skip scan of ``ix_batching_items_tenant_ready`` (one
@@ -510,13 +556,15 @@ class SqlQueue:
         where = f"{ready} AND tenant = t.tenant AND run_after <= :now AND isolate_n = 0"
         where += " AND lane = :lane" if lane is not None else ""
         where += f" AND {self._pin_sql()}" if pinned else ""
+        where += _not_in_ranges(excluded)
         head = "id, cost, tenant, priority, sort_deadline, enqueued_at"
+        unlocked = per_tenant = ""
         if pg:
-            per_tenant = (
+            unlocked = (
                 f"SELECT c.* FROM tenants t CROSS JOIN LATERAL (SELECT {head} FROM"
-                f" batching_items WHERE {where} ORDER BY {_ORDER} LIMIT :n"
-                " FOR NO KEY UPDATE SKIP LOCKED) c"
+                f" batching_items WHERE {where} ORDER BY {_ORDER} LIMIT :n) c"
             )
+            per_tenant = unlocked.removesuffix(") c") + " FOR NO KEY UPDATE SKIP LOCKED) c"
         else:
             per_tenant = (
                 f"SELECT i.id, i.cost, i.tenant, i.priority, i.sort_deadline, i.enqueued_at"
@@ -531,6 +579,10 @@ class SqlQueue:
         )
         materialized = " MATERIALIZED" if pg else ""
         ctes = f"{tenants}, per_tenant AS{materialized} ({per_tenant}), cand AS ({ranked})"
+        probe = None
+        if max_cost is None and not pinned:
+            plain = ctes.replace(per_tenant, unlocked) if pg else ctes
+            probe = f"WITH RECURSIVE {plain} {_PROBE} FROM cand"
         source = "SELECT id FROM cand"
         if max_cost is not None:
             source = (
@@ -539,30 +591,47 @@ class SqlQueue:
             )
         if pg:
             cols = ", ".join(f"q.{c}" for c in _CLAIM_COLUMNS)
-            return (
+            return _ClaimSql(
                 f"WITH RECURSIVE {ctes}, picked AS ({source}) UPDATE batching_items q SET"
                 " state = 1, attempts = q.attempts + 1, lease_id = :lease, leased_by = :worker,"
                 " lease_expires_at = :expires FROM picked WHERE q.id = picked.id AND q.state = 0"
-                f" RETURNING {cols}"
+                f" RETURNING {cols}",
+                probe,
             )
-        return (
+        return _ClaimSql(
             "UPDATE batching_items SET state = 1, attempts = attempts + 1, lease_id = :lease,"
             " leased_by = :worker, lease_expires_at = :expires"
-            f" WHERE id IN (WITH RECURSIVE {ctes} {source})"
+            f" WHERE id IN (WITH RECURSIVE {ctes} {source})",
+            probe,
         )
 
     def _claim_returning(
-        self, sql: str, params: dict[str, Any], now: float, columns: bool = False
+        self,
+        statements: _Statements,
+        params: dict[str, Any],
+        now: float,
+        columns: bool = False,
+        rangeable: bool = False,
     ) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock:
         """PostgreSQL: the UPDATE ... RETURNING read back as one row of columns
         (:func:`pg_bulk.claim_as_one_row`), then the bodies as one value in the ids' order
         (a row each past ``pg_bulk.CONCAT_MAX_BYTES``); with ``columns``, uniform items as
         one ItemBlock (as a SQLite claim). Items whose body row is gone are buried in the
-        same transaction."""
+        same transaction. A range lease reads its rows with a SELECT instead.
+
+        Claims that may lease a range hold the queue's range lock exclusively, every other
+        claim (and a cancel) shares it: a range is leased by reading which items are ready,
+        with no row locked, so nothing else may take a ready item meanwhile."""
         with self.begin() as conn:
+            controls.lock_ranges(conn, self.queue, exclusive=rangeable)
             if not self._before_claim(conn, now, params):
                 return [], {}
-            row = conn.execute(sa.text(pg_bulk.claim_as_one_row(sql)), params).one()
+            sql, _ = statements(self._exclude_ranges(conn, params))
+            if rangeable and self._lease_range(conn, sql.probe, params):
+                claim_sql = _RANGE_ROWS
+            else:
+                claim_sql = sql.update
+            row = conn.execute(sa.text(pg_bulk.claim_as_one_row(claim_sql)), params).one()
             parts = pg_bulk.split_row(row)
             if parts is None:
                 return [], {}
@@ -582,17 +651,19 @@ class SqlQueue:
 
     def _claim_sqlite(
         self,
-        sql: str,
+        statements: _Statements,
         params: dict[str, Any],
         now: float,
         columns: bool = False,
-        alone: str | None = None,
+        rangeable: bool = False,
     ) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock:
-        """SQLite: the UPDATE alone under the write lock, then the rows read back outside it.
+        """SQLite: the UPDATE (or a range lease's one row) alone under the write lock, then
+        the rows read back outside it.
 
-        ``alone``: the statement to run instead of ``sql`` (a fair claim) when the ready items
-        are all one tenant's (:data:`_ONE_TENANT`, two index probes in the same transaction):
-        the plain claim, which takes them in the same order without ranking them.
+        ``statements`` may give a second statement to run instead of the first (a fair claim)
+        when the ready items are all one tenant's (:data:`_ONE_TENANT`, two index probes in
+        the same transaction): the plain claim, which takes them in the same order without
+        ranking them.
 
         Python's sqlite3 releases and retakes the GIL for every row it steps. With other
         threads busy in Python each retake can wait a switch interval (5 ms), and a claim that
@@ -605,9 +676,13 @@ class SqlQueue:
         with self.begin() as conn:
             if not self._before_claim(conn, now, params):
                 return [], {}
+            sql, alone = statements(self._exclude_ranges(conn, params))
             if alone is not None and conn.execute(_ONE_TENANT, params).scalar():
                 sql = alone
-            n_claimed = conn.execute(sa.text(sql), params).rowcount
+            if rangeable and self._lease_range(conn, sql.probe, params):
+                n_claimed = params["range_n"]
+            else:
+                n_claimed = conn.execute(sa.text(sql.update), params).rowcount
         if not n_claimed:
             return [], {}
         try:
@@ -629,14 +704,85 @@ class SqlQueue:
     def _read_claimed(
         self, conn: Connection, params: dict[str, Any], columns: bool
     ) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock:
+        reads = sqlite_claim.RANGE if "range_n" in params else sqlite_claim.LEASE
         try:
-            row = conn.execute(sqlite_claim.CLAIMED, params).one()
+            row = conn.execute(reads.claimed, params).one()
         except exc.DataError:  # "string or blob too big": bodies over 1 GB in all
-            row = conn.execute(sqlite_claim.CLAIMED_NO_BODIES, params).one()
-            rows, _ = sqlite_claim.unpack_claim(self.queue, row, _claimed_times(conn, row, params))
+            row = conn.execute(reads.no_bodies, params).one()
+            times = _claimed_times(conn, row, params, reads)
+            rows, _ = sqlite_claim.unpack_claim(self.queue, row, times)
             return rows, self._bodies(conn, [r[0] for r in rows])
-        times = _claimed_times(conn, row, params)
+        times = _claimed_times(conn, row, params, reads)
         return sqlite_claim.unpack_claim(self.queue, row, times, columns=columns)
+
+    # -- range leases (one row for a run of ready ids; schema.ranges) -------------------------
+
+    def _exclude_ranges(self, conn: Connection, params: dict[str, Any]) -> int:
+        """Bind this queue's range leases into ``params`` (``xlo0``, ``xhi0``, ...) for
+        :func:`_not_in_ranges`; returns how many."""
+        held = conn.execute(
+            sa.select(_R.c.lo, _R.c.hi).where(_R.c.queue == self.queue).order_by(_R.c.lo)
+        ).all()
+        for k, (lo, hi) in enumerate(held):
+            params[f"xlo{k}"], params[f"xhi{k}"] = lo, hi
+        return len(held)
+
+    def _lease_range(self, conn: Connection, probe: str | None, params: dict[str, Any]) -> bool:
+        """Lease the claim's items by one ``batching_ranges`` row when they are one run of
+        ids (at least two) with no deadline: the claim's candidates, counted in one
+        aggregate row (no row stepped in Python under the write lock). False, with nothing
+        written, when they are not; the claim then leases them item by item."""
+        if probe is None:
+            return False
+        lo, hi, n, soonest = conn.execute(sa.text(probe), params).one()
+        if not n or n < 2 or hi - lo + 1 != n or soonest < schema.NO_DEADLINE:
+            return False
+        conn.execute(
+            sa.insert(_R).values(
+                queue=self.queue,
+                lo=lo,
+                hi=hi,
+                remaining=n,
+                lease_id=params["lease"],
+                leased_by=params["worker"],
+                lease_expires_at=params["expires"],
+            )
+        )
+        params.update(range_lo=lo, range_hi=hi, range_n=n)
+        return True
+
+    def _demote(self, conn: Connection, held: sa.ColumnElement[bool]) -> int:
+        """Turn the range leases matching ``held`` into per-item leases (state leased, an
+        attempt counted, the range's lease id and expiry), in ``conn``'s transaction; returns
+        the items. Every verb but a whole ack or release does this first, so the rules of a
+        per-item lease (fencing, the crash rule, backoff, dead-lettering) apply unchanged.
+        The ranges are deleted first: of two transactions demoting one range, one does."""
+        gone = conn.execute(
+            sa.delete(_R)
+            .where(held)
+            .returning(_R.c.lo, _R.c.hi, _R.c.lease_id, _R.c.leased_by, _R.c.lease_expires_at)
+        ).all()
+        n = 0
+        for lo, hi, lease_id, leased_by, expires in gone:
+            n += conn.execute(
+                sa.update(_T)
+                .where(_T.c.id.between(lo, hi), _T.c.state == sa.literal_column("0"))
+                .values(
+                    state=int(models.State.LEASED),
+                    attempts=_T.c.attempts + 1,
+                    lease_id=lease_id,
+                    leased_by=leased_by,
+                    lease_expires_at=expires,
+                )
+            ).rowcount
+        return n
+
+    def _lease_ranges(self, conn: Connection, lease_id: str) -> Sequence[Any]:
+        """The range leases of ``lease_id``, locked (PostgreSQL) before any of their items:
+        a range is always locked before its items, by every verb, so an ack and a reaper
+        demoting the same range wait for each other rather than deadlock."""
+        held = sa.select(_R.c.id, _R.c.lo, _R.c.hi).where(_R.c.lease_id == lease_id)
+        return conn.execute(held.with_for_update()).all()
 
     def _release_quietly(self, lease_id: str) -> None:
         try:
@@ -660,6 +806,7 @@ class SqlQueue:
         restore) in the claim's transaction; returns the rest. They can never be scored, and
         failing the claim instead would charge an attempt to every item claimed with them."""
         lost = [r[0] for r in rows if r[0] not in bodies]
+        self._demote(conn, _R.c.lease_id == lease_id)
         conn.execute(
             sa.update(_T)
             .where(self._leased(lease_id, lost))
@@ -802,13 +949,16 @@ class SqlQueue:
     @database.reconnecting
     def heartbeat(self, lease_id: str, lease_s: float) -> int:
         """Extend the lease; returns rows extended (0: the lease was lost, stop and write nothing)."""
-        with self.begin() as conn:
-            stmt = (
-                sa.update(_T)
-                .where(self._leased(lease_id))
-                .values(lease_expires_at=self.clock() + lease_s)
-            )
-            return conn.execute(stmt).rowcount
+        expires = self.clock() + lease_s
+        with self.begin() as conn:  # the ranges first, as every verb locks them
+            ranged = conn.execute(
+                sa.update(_R)
+                .where(_R.c.lease_id == lease_id)
+                .values(lease_expires_at=expires)
+                .returning(_R.c.remaining)
+            ).all()
+            stmt = sa.update(_T).where(self._leased(lease_id)).values(lease_expires_at=expires)
+            return int(conn.execute(stmt).rowcount) + sum(int(r[0]) for r in ranged)
 
     def ack(
         self,
@@ -826,25 +976,45 @@ class SqlQueue:
         """
         if not ids:
             return 0
-        stmt = (
-            sa.update(_T)
-            .where(self._leased(lease_id, ids))
-            .values(
-                state=int(models.State.DONE),
-                finished_at=self.clock(),
-                lease_id=None,
-                lease_expires_at=None,
-                batch_id=batch_id,
-                last_error=None,
-            )
-        )
         if conn is not None:
-            return self._ack(conn, stmt)
+            return self._ack(conn, lease_id, ids, batch_id)
         with self.begin() as c:
-            return self._ack(c, stmt)
+            return self._ack(c, lease_id, ids, batch_id)
 
-    def _ack(self, conn: Connection, stmt: sa.Update) -> int:
-        n = int(conn.execute(stmt).rowcount)
+    def _ack(
+        self, conn: Connection, lease_id: str, ids: Sequence[int], batch_id: str | None
+    ) -> int:
+        """Items of a range lease go from ready to done (the attempt counted here), the
+        range's ``remaining`` goes down by as many and the range is deleted at zero; the
+        rest by their per-item lease."""
+        done = {
+            "state": int(models.State.DONE),
+            "finished_at": self.clock(),
+            "lease_id": None,
+            "lease_expires_at": None,
+            "batch_id": batch_id,
+            "last_error": None,
+        }
+        n, rest = 0, ids
+        for range_id, lo, hi in self._lease_ranges(conn, lease_id):
+            mine = [i for i in rest if lo <= i <= hi]
+            if not mine:
+                continue
+            rest = [i for i in rest if not lo <= i <= hi]
+            k = int(
+                conn.execute(
+                    sa.update(_T)
+                    .where(self._id_in(mine), _T.c.state == sa.literal_column("0"))
+                    .values(attempts=_T.c.attempts + 1, **done)
+                ).rowcount
+            )
+            n += k
+            left = _R.c.remaining - k
+            conn.execute(sa.update(_R).where(_R.c.id == range_id).values(remaining=left))
+            conn.execute(sa.delete(_R).where(_R.c.id == range_id, _R.c.remaining <= 0))
+        if rest:
+            stmt = sa.update(_T).where(self._leased(lease_id, rest)).values(**done)
+            n += int(conn.execute(stmt).rowcount)
         if n:
             self._notify_final(conn)
         return n
@@ -873,7 +1043,8 @@ class SqlQueue:
         q = sa.select(_T.c.lease_id).where(
             _T.c.state == int(models.State.LEASED), _T.c.lease_id.in_(list(lease_ids))
         )
-        return {str(r[0]) for r in conn.execute(q.distinct())}
+        ranged = sa.select(_R.c.lease_id).where(_R.c.lease_id.in_(list(lease_ids)))
+        return {str(r[0]) for r in conn.execute(sa.union(q, ranged))}
 
     def rebatch(
         self, conn: Connection, old_batch_id: str, new_batch_id: str, keys: Sequence[str]
@@ -910,6 +1081,7 @@ class SqlQueue:
         now = self.clock()
         retried = dead = 0
         with self.begin() as conn:
+            self._demote(conn, _R.c.lease_id == lease_id)
             rows = conn.execute(
                 sa.select(_T.c.id, _T.c.attempts, _T.c.max_attempts).where(
                     self._leased(lease_id, list(failures))
@@ -950,6 +1122,13 @@ class SqlQueue:
         """Give items back to ``ready`` without using up an attempt (clean shutdown).
         PostgreSQL: a ``NOTIFY`` with them, so an idle scorer takes them at once."""
         with self.begin() as conn:
+            held = _R.c.lease_id == lease_id
+            if ids is None:  # a range's items are ready already, its attempt not counted
+                gone = conn.execute(sa.delete(_R).where(held).returning(_R.c.remaining)).all()
+                n = sum(int(r[0]) for r in gone)
+            else:
+                n = 0
+                self._demote(conn, held)
             stmt = (
                 sa.update(_T)
                 .where(self._leased(lease_id, ids))
@@ -962,7 +1141,7 @@ class SqlQueue:
                     run_after=self.clock(),
                 )
             )
-            n = int(conn.execute(stmt).rowcount)
+            n += int(conn.execute(stmt).rowcount)
             if n and self.dialect == "postgresql":
                 conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, self.queue)))
             return n
@@ -988,6 +1167,8 @@ class SqlQueue:
     def _release_expired(
         self, conn: Connection, now: float, limit: int, *, this_queue: bool
     ) -> models.ReapResult:
+        lapsed = _R.c.lease_expires_at < now
+        self._demote(conn, sa.and_(lapsed, _R.c.queue == self.queue) if this_queue else lapsed)
         expired = self._expired(conn, now, limit, this_queue=this_queue)
         released = dead = suspects = 0
         for verdict in crashes.judge(expired):
@@ -1055,9 +1236,17 @@ class SqlQueue:
 
     def lease_held(self, conn: Connection, lease_id: str, ids: Sequence[int]) -> bool:
         """True when this lease still holds every one of ``ids`` (checked in ``conn``'s txn)."""
-        n = conn.execute(
-            sa.select(sa.func.count()).select_from(_T).where(self._leased(lease_id, ids))
-        ).scalar_one()
+        n, rest = 0, list(ids)
+        for _, lo, hi in self._lease_ranges(conn, lease_id):
+            mine = [i for i in rest if lo <= i <= hi]
+            if mine:
+                rest = [i for i in rest if not lo <= i <= hi]
+                ready = sa.and_(self._id_in(mine), _T.c.state == sa.literal_column("0"))
+                count = sa.select(sa.func.count()).select_from(_T).where(ready)
+                n += conn.execute(count).scalar_one()
+        if rest:
+            held = self._leased(lease_id, rest)
+            n += conn.execute(sa.select(sa.func.count()).select_from(_T).where(held)).scalar_one()
         return int(n) == len(ids)
 
     # -- operations --------------------------------------------------------------------------
@@ -1066,8 +1255,28 @@ class SqlQueue:
     def stats(self, *, all_queues: bool = False) -> models.QueueStats:
         """Counts by state, oldest ready age and expired leases, per (queue, lane, tenant)."""
         now = self.clock()
-        state, leased, ready = _T.c.state, _T.c.state == 1, _T.c.state == 0
-        q = sa.select(
+        with self.read() as conn:
+            held = conn.execute(sa.select(_R.c.lo, _R.c.hi, _R.c.lease_expires_at)).all()
+            q = self._stats_query(now, held)
+            if not all_queues:
+                q = q.where(_T.c.queue == self.queue)
+            rows = conn.execute(q.order_by(_T.c.queue, _T.c.lane, _T.c.tenant)).all()
+        return models.QueueStats.of(tuple(_lane_stats(r, now) for r in rows))
+
+    def _stats_query(self, now: float, held: Sequence[Any]) -> sa.Select[Any]:
+        """Counts by state per (queue, lane, tenant); the ready items of a range lease
+        (``held``: lo, hi, expiry) count as leased, as they are."""
+        state: sa.ColumnElement[Any] = _T.c.state
+        leased, ready = _T.c.state == 1, _T.c.state == 0
+        stale = sa.and_(leased, _T.c.lease_expires_at < now)
+        if held:
+            in_range = sa.or_(*(_T.c.id.between(lo, hi) for lo, hi, _ in held))
+            lapsed = [_T.c.id.between(lo, hi) for lo, hi, at in held if at < now]
+            ranged = sa.and_(ready, in_range)
+            state = sa.case((ranged, 1), else_=_T.c.state)
+            stale = sa.or_(stale, sa.and_(ready, sa.or_(*lapsed))) if lapsed else stale
+            ready = sa.and_(ready, sa.not_(in_range))
+        return sa.select(
             _T.c.queue,
             _T.c.lane,
             _T.c.tenant,
@@ -1075,19 +1284,12 @@ class SqlQueue:
                 sa.func.sum(sa.case((state == s.value, 1), else_=0)).label(s.name.lower())
                 for s in models.State
             ],
-            sa.func.sum(sa.case((sa.and_(leased, _T.c.lease_expires_at < now), 1), else_=0)).label(
-                "xl"
-            ),
+            sa.func.sum(sa.case((stale, 1), else_=0)).label("xl"),
             sa.func.min(sa.case((ready, _T.c.enqueued_at))).label("oldest"),
             sa.func.sum(sa.case((sa.and_(ready, _T.c.run_after > now), 1), else_=0)).label(
                 "backoff"
             ),
         ).group_by(_T.c.queue, _T.c.lane, _T.c.tenant)
-        if not all_queues:
-            q = q.where(_T.c.queue == self.queue)
-        with self.read() as conn:
-            rows = conn.execute(q.order_by(_T.c.queue, _T.c.lane, _T.c.tenant)).all()
-        return models.QueueStats.of(tuple(_lane_stats(r, now) for r in rows))
 
     def redrive(
         self, states: Sequence[models.State] = (models.State.DEAD, models.State.EXPIRED)
@@ -1179,6 +1381,7 @@ class SqlQueue:
         now = self.clock()
         n = 0
         with self.begin() as conn:
+            self._demote(conn, _R.c.lease_id == lease_id)
             for item_id, reason in reasons.items():
                 n += conn.execute(
                     sa.update(_T)
@@ -1204,12 +1407,21 @@ class SqlQueue:
         return n
 
 
-def _claimed_times(conn: Connection, row: Sequence[Any], params: dict[str, Any]) -> Any:
+def _claimed_times(
+    conn: Connection, row: Sequence[Any], params: dict[str, Any], reads: sqlite_claim.Reads
+) -> Any:
     """A SQLite claim's ``CLAIMED_TIMES`` row, read only when its items need it (most share
     one enqueue time and have no deadline: no second read)."""
     if not sqlite_claim.needs_times(row):
         return None
-    return conn.execute(sqlite_claim.CLAIMED_TIMES, params).one()
+    return conn.execute(reads.times, params).one()
+
+
+def _not_in_ranges(excluded: int) -> str:
+    """A claim's filter leaving out the ids of ``excluded`` range leases (binds from
+    ``SqlQueue._exclude_ranges``): on the ready index's own ``id``, so SQLite tests it
+    before it reads a row."""
+    return "".join(f" AND id NOT BETWEEN :xlo{k} AND :xhi{k}" for k in range(excluded))
 
 
 _FORMATS = {f.value: f for f in models.PayloadFormat}

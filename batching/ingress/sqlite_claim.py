@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, NamedTuple, overload
 
 import numpy as np
 import orjson
@@ -37,39 +37,61 @@ _SQLITE_JSON_COLUMNS = (
     "i.max_attempts",
     "length(p.payload)",
 )
-_CLAIMED_COLUMNS_SQL = (
-    "SELECT "
-    + ", ".join(f"json_group_array({c})" for c in _SQLITE_JSON_COLUMNS)
-    + ", min(i.enqueued_at), max(i.enqueued_at), count(i.deadline_at)"
-)
-_CLAIMED_WHERE_SQL = " WHERE i.lease_expires_at = :expires AND i.state = 1 AND i.lease_id = :lease"
-_CLAIMED_FROM_SQL = (
-    " FROM batching_items i LEFT JOIN batching_payloads p ON p.id = i.id" + _CLAIMED_WHERE_SQL
-)
-CLAIMED = sa.text(
-    _CLAIMED_COLUMNS_SQL + ", CAST(group_concat(p.payload, '') AS BLOB)" + _CLAIMED_FROM_SQL
-)
-_TIMES = slice(len(_SQLITE_JSON_COLUMNS), len(_SQLITE_JSON_COLUMNS) + 3)  # min, max, deadlines
-BODIES = _TIMES.stop  # CLAIMED's column of bodies
-# Without the bodies, for a claim whose bodies add up to more than SQLite's longest blob.
-CLAIMED_NO_BODIES = sa.text(_CLAIMED_COLUMNS_SQL + _CLAIMED_FROM_SQL)
-# Each item's times, with its id, as two integers a time: its whole seconds and its fraction
-# times 2^52, exact for any time of at least 1 s (every clock time and deadline; below that,
-# within 2^-52 s). Text would not be: this SQLite's quote() and JSON keep 15 digits (87 of
-# 700k random doubles came back changed through quote()), and formatting a float cost ~0.5 us
-# a row against ~0.15 for the integers. Read only for claims that need it (see needs_times).
 _WHOLE = "CAST({0} AS INTEGER)"
 _FRACTION = "CAST(({0} - CAST({0} AS INTEGER)) * 4503599627370496 AS INTEGER)"
-CLAIMED_TIMES = sa.text(
-    "SELECT json_group_array(i.id), "
-    + ", ".join(
-        f"json_group_array({part.format(column)})"
-        for column in ("i.enqueued_at", "i.deadline_at")
-        for part in (_WHOLE, _FRACTION)
+_TIMES = slice(len(_SQLITE_JSON_COLUMNS), len(_SQLITE_JSON_COLUMNS) + 3)  # min, max, deadlines
+BODIES = _TIMES.stop  # CLAIMED's column of bodies
+
+
+class Reads(NamedTuple):
+    """The statements that read a claim back: ``claimed`` (its items as one row, bodies
+    last), ``no_bodies`` (the same without the bodies, for a claim whose bodies add up to
+    more than SQLite's longest blob) and ``times`` (each item's times, when needed)."""
+
+    claimed: sa.TextClause
+    no_bodies: sa.TextClause
+    times: sa.TextClause
+
+
+def _reads(where: str, attempts: str) -> Reads:
+    columns = (attempts if c == "i.attempts" else c for c in _SQLITE_JSON_COLUMNS)
+    head = (
+        "SELECT "
+        + ", ".join(f"json_group_array({c})" for c in columns)
+        + ", min(i.enqueued_at), max(i.enqueued_at), count(i.deadline_at)"
     )
-    + " FROM batching_items i"
-    + _CLAIMED_WHERE_SQL
+    source = " FROM batching_items i LEFT JOIN batching_payloads p ON p.id = i.id" + where
+    # Each item's times, with its id, as two integers a time: its whole seconds and its
+    # fraction times 2^52, exact for any time of at least 1 s (every clock time and deadline;
+    # below that, within 2^-52 s). Text would not be: this SQLite's quote() and JSON keep 15
+    # digits (87 of 700k random doubles came back changed through quote()), and formatting a
+    # float cost ~0.5 us a row against ~0.15 for the integers. Read only for claims that need
+    # it (see needs_times).
+    times = (
+        "SELECT json_group_array(i.id), "
+        + ", ".join(
+            f"json_group_array({part.format(column)})"
+            for column in ("i.enqueued_at", "i.deadline_at")
+            for part in (_WHOLE, _FRACTION)
+        )
+        + " FROM batching_items i"
+        + where
+    )
+    return Reads(
+        sa.text(head + ", CAST(group_concat(p.payload, '') AS BLOB)" + source),
+        sa.text(head + source),
+        sa.text(times),
+    )
+
+
+# A per-item lease's rows, by the leased index.
+LEASE = _reads(
+    " WHERE i.lease_expires_at = :expires AND i.state = 1 AND i.lease_id = :lease", "i.attempts"
 )
+# A range lease's rows, by id; they stay ready in the table, so the attempt this claim counts
+# (written at ack, or when the range turns into per-item leases) is added here.
+RANGE = _reads(" WHERE i.id BETWEEN :range_lo AND :range_hi AND i.state = 0", "i.attempts + 1")
+CLAIMED, CLAIMED_NO_BODIES, CLAIMED_TIMES = LEASE
 _FRACTION_UNIT = 2.0**-52
 
 

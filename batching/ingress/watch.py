@@ -49,7 +49,10 @@ CHECK_S = 0.002  # how often data_version is read while someone waits
 LINGER_S = 1.0  # a CommitWatch keeps checking this long after its last waiter left
 RETRY_S = 1.0  # after a failed check or a lost listening connection
 _LAST_BATCH = "SELECT max(rowid) FROM batching_batches"
-_READY = "SELECT 1 FROM batching_items WHERE queue = ? AND state = 0 LIMIT 1"
+_READY = "SELECT 1 FROM batching_items WHERE queue = ? AND state = 0{} LIMIT 1"
+# A range lease's items stay ready in the table (``SqlQueue.claim``): left out by id, on the
+# ready index, so a waiting scorer does not wake to claim what another one holds.
+_RANGES = "SELECT lo, hi FROM batching_ranges WHERE queue = ?"
 
 
 class SqliteChanges:
@@ -89,7 +92,11 @@ class SqliteChanges:
         with self._lock:
             try:
                 # fetchall: a cursor left open would hold a read snapshot and stall checkpoints
-                return bool(self._connection().execute(_READY, (queue,)).fetchall())
+                conn = self._connection()
+                held = conn.execute(_RANGES, (queue,)).fetchall()
+                sql = _READY.format(" AND id NOT BETWEEN ? AND ?" * len(held))
+                binds = [queue, *(bound for pair in held for bound in pair)]
+                return bool(conn.execute(sql, binds).fetchall())
             except sqlite3.Error:
                 self._close()
                 raise

@@ -198,6 +198,27 @@ payloads = sa.Table(
     sa.Column("id", _ID, primary_key=True, autoincrement=False),
     sa.Column("payload", sa.LargeBinary, nullable=False),
 )
+
+# Range leases (migration 16): a claim whose items are one run of ids [lo, hi], all ready, is
+# leased by ONE row here instead of a write to each item row; the items keep ``state = 0``
+# while the range holds them, every claim and cancel leaves them out, and ``remaining``
+# counts those not yet acked. An ack writes each item once (ready to done). Anything else
+# (fail, a partial release, an expired lease, ``expire``) first turns the range into per-item
+# leases (``SqlQueue._demote``), so every rule of a per-item lease then applies unchanged.
+ranges = sa.Table(
+    "batching_ranges",
+    metadata,
+    sa.Column("id", _ID, primary_key=True, autoincrement=True),
+    sa.Column("queue", sa.String(200), nullable=False),
+    sa.Column("lo", _ID, nullable=False),
+    sa.Column("hi", _ID, nullable=False),
+    sa.Column("remaining", sa.Integer, nullable=False),
+    sa.Column("lease_id", sa.String(36), nullable=False),
+    sa.Column("leased_by", sa.String(200)),
+    sa.Column("lease_expires_at", sa.Float, nullable=False),
+)
+sa.Index("ix_batching_ranges_lease", ranges.c.lease_id)
+sa.Index("ix_batching_ranges_queue", ranges.c.queue, ranges.c.lo)
 """Request bodies by item id, written once at enqueue and read once per claim."""
 
 items_archive = sa.Table("batching_items_archive", metadata, *_item_columns(archive=True))
@@ -572,6 +593,10 @@ def _fill_route_buckets(conn: Connection, chunk: int = 5000) -> None:
         conn.execute(update, [{"rid": i, "b": bucket(k)} for i, k in rows])
 
 
+def _v16(conn: Connection) -> None:
+    ranges.create(conn, checkfirst=True)
+
+
 def _add_column(conn: Connection, table: str, column: str, sql_type: str) -> None:
     if column not in {c["name"] for c in sa.inspect(conn).get_columns(table)}:
         conn.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}"))
@@ -598,6 +623,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         "batches record their forward passes (replay)",
         _v15,
     ),
+    Migration(16, "range leases: one row leases a run of ready items", _v16),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -2,6 +2,8 @@
 
 usage: queue_worker.py drain URL QUEUE CLAIM_SIZE OUT   claim+ack until empty; write claims
        queue_worker.py hold URL QUEUE CLAIM_SIZE LEASE_S  claim once, print, then hang
+  drain-columns / hold-columns: the same with the scorer's claims (``columns=True``): a claim
+  whose items are one run of ids is a range lease.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ from batching.ingress import queue as q
 from batching.store import database
 
 
-def drain(url: str, name: str, n: int, out: str) -> None:
+def drain(url: str, name: str, n: int, out: str, columns: bool) -> None:
     engine = database.create_engine(url)
     queue = q.SqlQueue(engine, name)
     claims, empty = [], 0
     while empty < 3:
-        claim = queue.claim(n, lease_s=600)
+        claim = queue.claim(n, lease_s=600, columns=columns)
         if not claim.items and claim.suspects:  # a dead claimer's items: alone, as a scorer would
             claim = queue.claim(n, lease_s=600, isolate=True)
         if not claim.items:
@@ -35,16 +37,17 @@ def drain(url: str, name: str, n: int, out: str) -> None:
     engine.dispose()
 
 
-def hold(url: str, name: str, n: int, lease_s: float) -> None:
+def hold(url: str, name: str, n: int, lease_s: float, columns: bool) -> None:
     engine = database.create_engine(url)
-    claim = q.SqlQueue(engine, name).claim(n, lease_s=lease_s)
+    claim = q.SqlQueue(engine, name).claim(n, lease_s=lease_s, columns=columns)
     print(json.dumps({"lease": claim.lease_id, "ids": [i.id for i in claim.items]}), flush=True)
     time.sleep(3600)
 
 
 if __name__ == "__main__":
     mode, url, name, size, last = sys.argv[1:6]
-    if mode == "drain":
-        drain(url, name, int(size), last)
+    verb, _, columns = mode.partition("-")
+    if verb == "drain":
+        drain(url, name, int(size), last, bool(columns))
     else:
-        hold(url, name, int(size), float(last))
+        hold(url, name, int(size), float(last), bool(columns))

@@ -40,7 +40,7 @@ from batching.model.runner import TorchRunner
 from batching.outputs import contract as sinks
 from batching.store import database, schema
 from tests import olspec
-from tests.conftest import REPO, wait_for
+from tests.conftest import REPO, as_held, wait_for
 
 DEPLOYMENTS = REPO / "deployments"
 W1_DIM = 64
@@ -112,9 +112,10 @@ def dataset(root: Path) -> dict[str, Any]:
 
 
 def items(url: str) -> dict[str, Any]:
+    """Every item row by key, as its lease holds it (``tests.conftest.as_held``)."""
     engine = database.create_engine(url)
     with engine.connect() as conn:
-        rows = {r.item_key: r for r in conn.execute(sa.select(schema.items))}
+        rows = {r.item_key: r for r in as_held(conn, list(conn.execute(sa.select(schema.items))))}
     engine.dispose()
     return rows
 
@@ -258,6 +259,15 @@ class ReaperBeforeCommit:
                     .where(schema.items.c.lease_id == batch.lease_id, schema.items.c.state == 1)
                     .values(lease_expires_at=time.time() - 1)
                 ).rowcount
+                self.expired += sum(  # a range lease's items, by its one row
+                    r[0]
+                    for r in conn.execute(
+                        schema.ranges.update()
+                        .where(schema.ranges.c.lease_id == batch.lease_id)
+                        .values(lease_expires_at=time.time() - 1)
+                        .returning(schema.ranges.c.remaining)
+                    )
+                )
             reaper.release_expired()  # or the run's own next claim reaps them first
             # This batch's items are no longer held (a claim of the run may have added
             # others to the lease since: its expiry was forced here, not waited out).
@@ -270,7 +280,13 @@ class ReaperBeforeCommit:
                         schema.items.c.id.in_(list(ids)),
                     )
                 ).scalar()
-            assert held == 0, "the lease still holds the batch's items: nothing tested"
+                r = schema.ranges.c
+                ranged = conn.execute(  # a range of the lease over any of the batch's items
+                    sa.select(sa.func.count())
+                    .select_from(schema.ranges)
+                    .where(r.lease_id == batch.lease_id, r.lo <= max(ids), r.hi >= min(ids))
+                ).scalar()
+            assert held == ranged == 0, "the lease still holds the batch's items: nothing tested"
             reaper.engine.dispose()
         return self.sink.commit(batch)
 

@@ -13,14 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from batching import models
 from batching.ingress import queue as q
-from batching.store import database, sqlite
+from batching.store import database, schema, sqlite
 from tests.conftest import REPO, wait_for
 
 WORKER = str(Path(__file__).with_name("queue_worker.py"))
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+MODES = ("drain", "drain-columns")
 
 
 def fill(url: str, name: str, n: int) -> None:
@@ -36,12 +38,15 @@ def fill(url: str, name: str, n: int) -> None:
 def run_claimers(
     url: str, name: str, n_procs: int, claim_size: int, tmp: Path
 ) -> list[dict[str, Any]]:
+    """``n_procs`` claimer processes draining the queue at once; every other one claims as a
+    scorer does (range leases where its items are one run of ids), the rest item by item."""
     outs = [tmp / f"claims-{i}.json" for i in range(n_procs)]
     procs = [
         subprocess.Popen(
-            [sys.executable, WORKER, "drain", url, name, str(claim_size), str(o)], env=ENV
+            [sys.executable, WORKER, MODES[i % 2], url, name, str(claim_size), str(o)],
+            env=ENV,
         )
-        for o in outs
+        for i, o in enumerate(outs)
     ]
     for p in procs:
         assert p.wait(timeout=300) == 0
@@ -72,16 +77,17 @@ def test_concurrent_claimers_ack_every_item_exactly_once(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["hold", "hold-columns"])
 @pytest.mark.parametrize(
     "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 )
 def test_sigkilled_claimer_items_are_reaped_and_finished(
-    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+    backend: str, mode: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     url = request.getfixturevalue("sqlite_url" if backend == "sqlite" else "pg_url")
     fill(url, "kill", 300)
-    proc = subprocess.Popen(
-        [sys.executable, WORKER, "hold", url, "kill", "120", "2"],
+    proc = subprocess.Popen(  # hold-columns: a range lease, killed
+        [sys.executable, WORKER, mode, url, "kill", "120", "2"],
         env=ENV,
         stdout=subprocess.PIPE,
         text=True,
@@ -95,6 +101,10 @@ def test_sigkilled_claimer_items_are_reaped_and_finished(
 
     engine = database.create_engine(url)
     queue = q.SqlQueue(engine, "kill")
+    with engine.connect() as conn:
+        ranges = conn.execute(sa.select(sa.func.count()).select_from(schema.ranges)).scalar()
+    assert ranges == (1 if mode == "hold-columns" else 0)
+    assert queue.stats().by_state["leased"] == 120
     assert queue.release_expired().released == 0, "lease still live right after the kill"
     time.sleep(2.2)  # the dead claimer's 2 s lease runs out in real time
     assert queue.release_expired().released == 120
@@ -109,10 +119,6 @@ def test_sigkilled_claimer_items_are_reaped_and_finished(
     queue = q.SqlQueue(engine, "kill")
     assert queue.stats().by_state["done"] == 300
     with engine.connect() as conn:
-        import sqlalchemy as sa
-
-        from batching.store import schema
-
         rows = conn.execute(
             sa.select(schema.items.c.attempts, schema.items.c.crash_count).where(
                 schema.items.c.id.in_(held["ids"])

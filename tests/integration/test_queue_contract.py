@@ -675,7 +675,7 @@ def test_unreachable_database_is_a_queue_error_without_password() -> None:
 
 def test_sqlite_claim_uses_ready_index(sqlite_url: str) -> None:
     engine = database.create_engine(sqlite_url)
-    sql = q.SqlQueue(engine)._claim_sql(None, None)
+    sql = q.SqlQueue(engine)._claim_sql(None, None).update
     inner = sql[sql.index("SELECT id, cost") : sql.index("LIMIT :n")]
     with engine.connect() as conn:
         plan = conn.execute(

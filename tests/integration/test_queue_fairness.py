@@ -125,7 +125,7 @@ def test_sqlite_fair_claim_reads_the_tenant_index(sqlite_url: str) -> None:
     engine = database.create_engine(sqlite_url)
     queue = q.SqlQueue(engine, "plan")
     params: dict[str, object] = {}
-    sql = queue._fair_claim_sql(None, None, queue._fair.ranking(0.0), params)  # type: ignore[union-attr]
+    sql = queue._fair_claim_sql(None, None, queue._fair.ranking(0.0), params).update  # type: ignore[union-attr]
     inner = sql[sql.index("WITH RECURSIVE") : -1]
     with engine.connect() as conn:
         plan = conn.execute(

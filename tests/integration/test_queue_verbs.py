@@ -18,6 +18,7 @@ from batching import crashes, models
 from batching.ingress import queue as q
 from batching.store import database, schema
 from batching.testing import FakeClock, InMemoryQueue
+from tests.conftest import as_held
 
 Queue = q.SqlQueue | InMemoryQueue
 
@@ -26,14 +27,35 @@ def rec(key: str, **kw: object) -> models.EnqueueRecord:
     return models.EnqueueRecord(item_key=key, payload=models.Payload(b'{"x":[1]}'), **kw)  # type: ignore[arg-type]
 
 
-@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+class RangeQueue(q.SqlQueue):
+    """A SQL queue whose claims ask for columns, as the scorer's do: a claim whose items are
+    one run of ids is then a range lease (one row in ``batching_ranges``), so every test of
+    this file also runs on range leases."""
+
+    def claim(self, n: int, **kw: Any) -> models.Claim:
+        kw.setdefault("columns", True)
+        return super().claim(n, **kw)
+
+
+@pytest.fixture(
+    params=[
+        "memory",
+        "sqlite",
+        "sqlite-ranges",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("postgres-ranges", marks=pytest.mark.postgres),
+    ]
+)
 def queue(request: pytest.FixtureRequest, clock: FakeClock) -> Iterator[Queue]:
     if request.param == "memory":
         yield InMemoryQueue("contract", clock=clock, rng=random.Random(7))
         return
-    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
-    engine = database.create_engine(url)
-    yield q.SqlQueue(engine, "contract", clock=clock, rng=random.Random(7))
+    kind, _, ranges = request.param.partition("-")
+    engine = database.create_engine(
+        request.getfixturevalue({"sqlite": "sqlite_url"}.get(kind, "pg_url"))
+    )
+    cls = RangeQueue if ranges else q.SqlQueue
+    yield cls(engine, "contract", clock=clock, rng=random.Random(7))
     engine.dispose()
 
 
@@ -41,16 +63,18 @@ def sibling(queue: Queue, name: str) -> Queue:
     """Another queue of the same table."""
     if isinstance(queue, InMemoryQueue):
         return queue.sibling(name)
-    return q.SqlQueue(queue.engine, name, clock=queue.clock)
+    return type(queue)(queue.engine, name, clock=queue.clock)
 
 
 def row(queue: Queue, key: str) -> Any:
-    """The item's row: state, attempts, lease, last error, ..."""
+    """The item's row: state, attempts, lease, last error, ..., as its lease holds it
+    (``tests.conftest.as_held``: a range lease's items stay ready in the table)."""
     if isinstance(queue, InMemoryQueue):
         return queue.item(key)
     t = schema.items
     with queue.engine.connect() as conn:
-        return conn.execute(sa.select(t).where(t.c.item_key == key, t.c.queue == queue.queue)).one()
+        item = conn.execute(sa.select(t).where(t.c.item_key == key, t.c.queue == queue.queue)).one()
+        return as_held(conn, [item])[0]
 
 
 def archived(queue: Queue) -> int:

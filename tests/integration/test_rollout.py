@@ -825,7 +825,7 @@ def test_migration_15_gives_the_items_already_queued_their_route_bucket(
         conn.execute(sa.update(schema.items).values(route_bucket=None))
         conn.execute(schema.schema_version.delete().where(schema.schema_version.c.version >= 15))
     queue = build.open_queue(config, sqlite_url)
-    assert (queue.migrate().from_version, schema.SCHEMA_VERSION) == (14, 15)
+    assert queue.migrate().from_version == 14
     with engine.connect() as conn:
         rows = conn.execute(sa.select(schema.items.c.item_key, schema.items.c.route_bucket)).all()
     engine.dispose()

@@ -1,0 +1,228 @@
+"""Range leases on a real SQLite file and a real PostgreSQL database: a claim whose items are
+one run of ids is leased by one ``batching_ranges`` row, with no write to the item rows; every
+other verb keeps the rules of a per-item lease (``test_queue_verbs.py`` runs its whole
+contract on range leases too)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import sqlalchemy as sa
+
+from batching import models
+from batching.ingress import controls
+from batching.ingress import queue as q
+from batching.store import database, schema
+from batching.testing import FakeClock
+
+T, R = schema.items, schema.ranges
+
+
+def tensor(key: str, **kw: Any) -> models.EnqueueRecord:
+    body = np.full(4, 0.5, dtype=np.float32).tobytes()
+    payload = models.Payload(body, models.PayloadFormat.TENSOR, "float32", (4,))
+    return models.EnqueueRecord(key, payload, **kw)
+
+
+@pytest.fixture
+def queue(db_url: str, clock: FakeClock) -> Iterator[q.SqlQueue]:
+    engine = database.create_engine(db_url)
+    queue = q.SqlQueue(engine, "ranges", clock=clock, rng=random.Random(3))
+    queue.migrate()
+    yield queue
+    engine.dispose()
+
+
+def ranges(queue: q.SqlQueue) -> list[Any]:
+    with queue.engine.connect() as conn:
+        return list(conn.execute(sa.select(R).where(R.c.queue == queue.queue).order_by(R.c.lo)))
+
+
+def rows(queue: q.SqlQueue) -> dict[str, Any]:
+    with queue.engine.connect() as conn:
+        got = conn.execute(sa.select(T).where(T.c.queue == queue.queue)).all()
+    return {r.item_key: r for r in got}
+
+
+def test_a_run_of_ids_is_one_range_and_its_rows_are_written_once_at_ack(
+    queue: q.SqlQueue,
+) -> None:
+    queue.enqueue([tensor(f"k{i}") for i in range(10)])
+    claim = queue.claim(8, lease_s=30, columns=True)
+    assert isinstance(claim.items, models.ItemBlock)
+    assert [i.item_key for i in claim.items] == [f"k{i}" for i in range(8)]
+    assert {i.attempts for i in claim.items} == {1}
+    (held,) = ranges(queue)
+    ids = [i.id for i in claim.items]
+    assert (held.lo, held.hi, held.remaining, held.lease_id) == (
+        ids[0],
+        ids[-1],
+        8,
+        claim.lease_id,
+    )
+    before = rows(queue)
+    assert {(r.state, r.attempts, r.lease_id) for r in before.values()} == {(0, 0, None)}
+    stats = queue.stats()
+    assert (stats.by_state["leased"], stats.by_state["ready"]) == (8, 2)
+    # Another claim leaves the range alone and takes the rest.
+    other = queue.claim(8, lease_s=30, columns=True)
+    assert [i.item_key for i in other.items] == ["k8", "k9"]
+    # Acks by batch: the range counts down, then goes.
+    assert queue.ack(claim.lease_id, ids[:5], batch_id="b1") == 5
+    assert ranges(queue)[0].remaining == 3
+    assert queue.ack(claim.lease_id, ids[5:], batch_id="b2") == 3
+    assert [r.lease_id for r in ranges(queue)] == [other.lease_id]
+    after = rows(queue)
+    assert {(after[f"k{i}"].state, after[f"k{i}"].attempts) for i in range(8)} == {(2, 1)}
+    assert after["k0"].batch_id == "b1"
+    assert after["k7"].batch_id == "b2"
+    assert queue.ack(claim.lease_id, ids) == 0  # once
+
+
+def test_claims_that_are_not_one_run_lease_item_by_item(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    queue.enqueue([tensor(f"k{i}") for i in range(6)])
+    middle = [r.id for r in rows(queue).values() if r.item_key == "k2"]
+    queue.enqueue([tensor("soon", deadline_at=clock() + 100)])
+    with queue.engine.begin() as conn:  # a hole in the run: k2 taken by hand
+        conn.execute(sa.update(T).where(T.c.id.in_(middle)).values(state=2))
+    claim = queue.claim(5, lease_s=30, columns=True)
+    assert [i.item_key for i in claim.items] == ["soon", "k0", "k1", "k3", "k4"]
+    assert ranges(queue) == []
+    assert {r.state for k, r in rows(queue).items() if k != "k2" and k != "k5"} == {1}
+    # One item alone, a suspects' round, a cost budget: never a range.
+    assert len(queue.claim(1, lease_s=30, columns=True).items) == 1
+    assert ranges(queue) == []
+
+
+def test_fail_and_expire_turn_the_range_into_item_leases_first(queue: q.SqlQueue) -> None:
+    queue.enqueue([tensor(f"k{i}") for i in range(6)])
+    claim = queue.claim(6, lease_s=30, columns=True)
+    ids = [i.id for i in claim.items]
+    assert len(ranges(queue)) == 1
+    assert queue.fail(claim.lease_id, {ids[0]: "bad row"}) == models.FailResult(1, 0)
+    assert ranges(queue) == []
+    got = rows(queue)
+    assert (got["k0"].state, got["k0"].attempts, got["k0"].last_error) == (0, 1, "bad row")
+    assert {(got[f"k{i}"].state, got[f"k{i}"].lease_id) for i in range(1, 6)} == {
+        (1, claim.lease_id)
+    }
+    assert queue.expire(claim.lease_id, {ids[1]: "late"}) == 1
+    assert queue.heartbeat(claim.lease_id, 30) == 4
+    assert queue.ack(claim.lease_id, ids[2:]) == 4
+    got = rows(queue)
+    assert [got[f"k{i}"].state for i in range(6)] == [0, 4, 2, 2, 2, 2]
+    assert {got[f"k{i}"].attempts for i in range(2, 6)} == {1}
+
+
+def test_release_gives_the_range_back_without_an_attempt(queue: q.SqlQueue) -> None:
+    queue.enqueue([tensor(f"k{i}") for i in range(6)])
+    claim = queue.claim(6, lease_s=30, columns=True)
+    ids = [i.id for i in claim.items]
+    assert queue.release(claim.lease_id, ids[:2]) == 2  # a part: the rest stays held
+    assert ranges(queue) == []
+    assert queue.stats().by_state["leased"] == 4
+    again = queue.claim(6, lease_s=30, columns=True)
+    assert [i.item_key for i in again.items] == ["k0", "k1"]
+    assert queue.release(again.lease_id) == 2  # the whole range: its row goes, nothing else
+    assert queue.release(claim.lease_id) == 4
+    assert {(r.state, r.attempts) for r in rows(queue).values()} == {(0, 0)}
+    assert ranges(queue) == []
+
+
+def test_an_expired_range_is_reaped_by_the_crash_rule(queue: q.SqlQueue, clock: FakeClock) -> None:
+    queue.enqueue([tensor(f"k{i}") for i in range(8)])
+    claim = queue.claim(8, lease_s=10, columns=True)
+    clock.advance(5)
+    assert queue.heartbeat(claim.lease_id, 10) == 8
+    clock.advance(8)
+    assert queue.stats().groups[0].expired_leases == 0
+    clock.advance(5)
+    assert queue.stats().groups[0].expired_leases == 8
+    assert queue.release_expired() == models.ReapResult(released=8, dead=0)
+    assert ranges(queue) == []
+    got = rows(queue)
+    # Eight items in one lost lease: nobody is charged, all are suspects.
+    assert {(r.state, r.attempts, r.crash_count, r.isolate_n) for r in got.values()} == {
+        (0, 0, 1, 4)
+    }
+    assert queue.ack(claim.lease_id, [i.id for i in claim.items]) == 0
+    plain = queue.claim(8, lease_s=10, columns=True)
+    assert (len(plain.items), plain.suspects) == (0, True)
+    round_ = queue.claim(8, lease_s=10, columns=True, isolate=True)
+    assert len(round_.items) == 4
+    assert ranges(queue) == []
+
+
+def test_a_claim_reaps_an_expired_range_of_its_queue(queue: q.SqlQueue, clock: FakeClock) -> None:
+    queue.enqueue([tensor(f"k{i}") for i in range(4)])
+    queue.claim(4, lease_s=10, columns=True)
+    clock.advance(11)
+    claim = queue.claim(4, lease_s=10, columns=True)
+    assert (len(claim.items), claim.suspects) == (0, True)
+    assert ranges(queue) == []
+
+
+def test_cancel_leaves_a_range_in_flight(queue: q.SqlQueue, clock: FakeClock) -> None:
+    queue.enqueue([tensor(f"k{i}", tenant="t") for i in range(6)])
+    claim = queue.claim(4, lease_s=30, columns=True)
+    done = controls.cancel_items(
+        queue.engine, queue.queue, tenant="t", actor="ops", reason="test", now=clock()
+    )
+    assert (done.cancelled, done.in_flight) == (2, 4)
+    assert queue.ack(claim.lease_id, [i.id for i in claim.items]) == 4
+    assert queue.stats().by_state == {
+        "ready": 0,
+        "leased": 0,
+        "done": 4,
+        "dead": 0,
+        "expired": 0,
+        "cancelled": 2,
+    }
+
+
+def test_a_range_is_held_for_a_commit_only_while_its_items_are(queue: q.SqlQueue) -> None:
+    queue.enqueue([tensor(f"k{i}") for i in range(4)])
+    claim = queue.claim(4, lease_s=30, columns=True)
+    ids = [i.id for i in claim.items]
+    with queue.engine.begin() as conn:
+        assert queue.lease_held(conn, claim.lease_id, ids)
+        assert not queue.lease_held(conn, "another", ids)
+        assert queue.held_leases(conn, [claim.lease_id, "another"]) == {claim.lease_id}
+        queue.ack_all_or_raise(conn, claim.lease_id, ids[:2], "b1")
+        assert not queue.lease_held(conn, claim.lease_id, ids)
+        assert queue.lease_held(conn, claim.lease_id, ids[2:])
+
+
+def test_migration_16_adds_range_leases_to_a_queue_of_version_15(queue: q.SqlQueue) -> None:
+    queue.enqueue([tensor(f"k{i}") for i in range(4)])
+    with queue.engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE batching_ranges"))
+        conn.execute(schema.schema_version.delete().where(schema.schema_version.c.version >= 16))
+    assert queue.migrate().from_version == 15
+    claim = queue.claim(4, lease_s=30, columns=True)
+    assert len(ranges(queue)) == 1
+    assert queue.ack(claim.lease_id, [i.id for i in claim.items]) == 4
+    assert queue.migrate().applied is False
+
+
+def test_an_item_a_range_holds_reads_as_leased_over_http(queue: q.SqlQueue) -> None:
+    from batching.api import results
+
+    queue.enqueue([tensor(f"k{i}") for i in range(3)])
+    claim = queue.claim(2, lease_s=30, columns=True)
+    assert len(ranges(queue)) == 1
+    reader = results.Results(queue.engine, target=None)  # type: ignore[arg-type]
+    views = reader.states(queue.queue, ["k0", "k1", "k2"])
+    assert {k: v.state for k, v in views.items()} == {
+        "k0": models.State.LEASED,
+        "k1": models.State.LEASED,
+        "k2": models.State.READY,
+    }
+    queue.ack(claim.lease_id, [i.id for i in claim.items])
+    assert reader.states(queue.queue, ["k0"])["k0"].state is models.State.DONE
