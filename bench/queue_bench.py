@@ -8,11 +8,16 @@ statement and every ack one fenced UPDATE, each in its own transaction (as the s
 
 With ``--tenants N`` the items are spread over N tenants, so every claim is split by the
 fair share (``queue.fair_share``); one tenant (the default) is the single-tenant claim.
+
+``--w1 N``: instead, N W1 tensor items claimed as the scorer claims them (``columns=True``,
+claims of ``--claim`` items: range leases where a claim is one run of ids) and acked in
+batches of 2,048, with the claims and the acks timed apart: microseconds a row each.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import tempfile
 import time
@@ -22,7 +27,9 @@ from pathlib import Path
 import psycopg
 
 from batching import models
+from batching.ingress import ingest
 from batching.ingress import queue as q
+from batching.model import workloads
 from batching.store import database
 
 
@@ -49,6 +56,33 @@ def measure(url: str, claim_size: int, n_items: int, tenants: int = 1) -> float:
     return n_items / elapsed
 
 
+def measure_w1(url: str, n_items: int, claim_size: int) -> tuple[float, float]:
+    """Microseconds a row to claim (as the scorer does) and to ack ``n_items`` W1 items."""
+    with tempfile.TemporaryDirectory() as tmp:
+        records = ingest.read_records(workloads.write_w1_parquet(Path(tmp) / "w1.parquet", n_items))
+    engine = database.create_engine(url)
+    queue = q.SqlQueue(engine, f"w1-{uuid.uuid4().hex[:8]}")
+    queue.migrate()
+    queue.enqueue(records)
+    claim_s = ack_s = 0.0
+    done = 0
+    gc.freeze()
+    try:
+        while done < n_items:
+            started = time.perf_counter()
+            claim = queue.claim(claim_size, lease_s=600, columns=True)
+            claim_s += time.perf_counter() - started
+            ids = models.item_column(claim.items, "id")
+            started = time.perf_counter()
+            for k in range(0, len(ids), 2048):
+                done += queue.ack(claim.lease_id, ids[k : k + 2048])
+            ack_s += time.perf_counter() - started
+    finally:
+        gc.unfreeze()
+    engine.dispose()
+    return claim_s / n_items * 1e6, ack_s / n_items * 1e6
+
+
 def _pg_database(admin_url: str) -> tuple[str, str]:
     name = f"batching_bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(admin_url, autocommit=True) as conn:
@@ -69,7 +103,12 @@ def main() -> None:
         "--items", type=int, default=20_000, help="items per run at claim sizes 64 and 512"
     )
     parser.add_argument("--tenants", type=int, default=1, help="tenants the items are spread over")
+    parser.add_argument("--w1", type=int, metavar="N", help="N W1 tensor items, as a scorer claims")
+    parser.add_argument("--claim", type=int, default=16_384, help="claim size with --w1")
     args = parser.parse_args()
+    if args.w1:
+        _w1(args)
+        return
     sizes = {1: max(1, args.items // 10), 64: args.items, 512: args.items}
     rows: dict[str, dict[int, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,6 +130,22 @@ def main() -> None:
     print(f"{'database':<12}{'size 1':>10}{'size 64':>10}{'size 512':>10}{'512 / 1':>10}")
     for db, r in rows.items():
         print(f"{db:<12}{r[1]:>10.0f}{r[64]:>10.0f}{r[512]:>10.0f}{r[512] / r[1]:>9.1f}x")
+
+
+def _w1(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {"sqlite": measure_w1(f"sqlite:///{Path(tmp) / 'w1.db'}", args.w1, args.claim)}
+    if args.pg:
+        name, url = _pg_database(args.pg)
+        try:
+            results["postgresql"] = measure_w1(url, args.w1, args.claim)
+        finally:
+            with psycopg.connect(args.pg, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    print(f"W1 tensor items, {args.w1:,}, claims of {args.claim:,}: microseconds a row")
+    print(f"{'database':<12}{'claim':>8}{'ack':>8}{'both':>8}")
+    for db, (claim_us, ack_us) in results.items():
+        print(f"{db:<12}{claim_us:>8.2f}{ack_us:>8.2f}{claim_us + ack_us:>8.2f}")
 
 
 if __name__ == "__main__":
