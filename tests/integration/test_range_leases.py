@@ -226,3 +226,16 @@ def test_an_item_a_range_holds_reads_as_leased_over_http(queue: q.SqlQueue) -> N
     }
     queue.ack(claim.lease_id, [i.id for i in claim.items])
     assert reader.states(queue.queue, ["k0"])["k0"].state is models.State.DONE
+
+
+def test_acks_of_a_range_in_any_order_and_shape(queue: q.SqlQueue) -> None:
+    queue.enqueue([tensor(f"k{i}") for i in range(8)])
+    claim = queue.claim(8, lease_s=30, columns=True)
+    ids = [i.id for i in claim.items]
+    assert queue.ack(claim.lease_id, [ids[6], ids[0], ids[3]]) == 3  # not one run
+    assert queue.ack(claim.lease_id, [ids[2], ids[1]]) == 2  # one run, out of order
+    assert queue.ack(claim.lease_id, [ids[1], ids[4]]) == 1  # one of them acked already
+    assert ranges(queue)[0].remaining == 2
+    assert queue.ack(claim.lease_id, [ids[5], ids[7]]) == 2
+    assert ranges(queue) == []
+    assert {(r.state, r.attempts) for r in rows(queue).values()} == {(2, 1)}
