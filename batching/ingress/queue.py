@@ -1340,9 +1340,13 @@ class SqlQueue:
                 with self.begin() as conn:
                     # The rows first, locked (PostgreSQL): a reconcile requeueing one of them
                     # between the statements below would leave a ready item without its payload.
+                    # Not inside a range lease still held: SQLite gives the highest ids out
+                    # again, and a new item must not be born inside a range.
+                    held = controls.range_held(conn, self.queue)
+                    where = cond if held is None else sa.and_(cond, sa.not_(held))
                     ids = list(
                         conn.execute(
-                            sa.select(_T.c.id).where(cond).limit(_PURGE_CHUNK).with_for_update()
+                            sa.select(_T.c.id).where(where).limit(_PURGE_CHUNK).with_for_update()
                         ).scalars()
                     )
                     more = len(ids) == _PURGE_CHUNK

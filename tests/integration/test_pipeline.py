@@ -310,7 +310,7 @@ def test_a_batch_whose_lease_was_lost_is_not_committed_and_its_items_score_once_
     first = score(config, sqlite_url, root, on_scorer=wrap)
     second = score(config, sqlite_url, root)  # picks up what the first run did not
     (lost,) = wrapped[0].lost
-    assert len(lost.items) == 50
+    assert len(lost.items) in (50, 100, 150, 200)  # one batch, or several of one lease
     # The commit's items (its batches of one lease: 50 or more) are lost; the lease's other
     # expired items are lost too when committed before the run ends, else given back.
     assert wrapped[0].expired >= len(lost.items) >= 50

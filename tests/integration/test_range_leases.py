@@ -239,3 +239,17 @@ def test_acks_of_a_range_in_any_order_and_shape(queue: q.SqlQueue) -> None:
     assert queue.ack(claim.lease_id, [ids[5], ids[7]]) == 2
     assert ranges(queue) == []
     assert {(r.state, r.attempts) for r in rows(queue).values()} == {(2, 1)}
+
+
+def test_purge_keeps_the_done_items_of_a_range_still_held(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    queue.enqueue([tensor(f"k{i}") for i in range(4)])
+    claim = queue.claim(4, lease_s=600, columns=True)
+    ids = [i.id for i in claim.items]
+    queue.ack(claim.lease_id, ids[2:])  # the highest ids: SQLite would hand them out again
+    clock.advance(100)
+    assert queue.purge(10) == 0
+    assert queue.ack(claim.lease_id, ids[:2]) == 2
+    clock.advance(100)
+    assert queue.purge(10) == 4

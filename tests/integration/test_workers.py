@@ -60,6 +60,11 @@ def runs(url: str) -> list[str]:
     return states
 
 
+def holders(url: str) -> set[str]:
+    """The workers holding a lease now (item leases and range leases alike)."""
+    return {r.leased_by for r in items(url).values() if r.state == models.State.LEASED}
+
+
 def test_two_workers_commit_every_item_exactly_once(db_url: str, tmp_path: Path) -> None:
     config = load("tabular.yaml", tmp_path, batching=SLOW)
     enqueue(db_url, config, w1_records(N, tmp_path))
@@ -585,9 +590,11 @@ def test_a_killed_worker_is_reported_and_its_items_are_scored_after_the_lease(
     path, config = slow_w1_queue(sqlite_url, tmp_path, N, lease_s=lease_s)
     proc = two_workers_running(score_process, path)
     wait_for_done(sqlite_url, 200, proc)
-    # Both workers' runs on record (parent and two workers): on a loaded machine one worker
-    # may still be loading the model when the other has done 200 items.
+    # Both workers scoring (each holds a lease, so each has recorded its run and its lineage
+    # START): on a loaded machine one worker may still be loading the model when the other
+    # has done 200 items.
     wait_for(lambda: len(runs(sqlite_url)) == 3, 60, "both workers' runs")
+    wait_for(lambda: len(holders(sqlite_url)) == 2, 60, "both workers holding a lease")
     os.kill(worker_pids(proc.pid)[0], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr
