@@ -80,6 +80,11 @@ _BY_PRIORITY = operator.itemgetter(_CLAIM_COLUMNS.index("priority"))
 _BY_TENANT = operator.itemgetter(_CLAIM_COLUMNS.index("tenant"))
 _ORDER = "priority DESC, sort_deadline, enqueued_at, id"  # the ready index's, a tenant's
 _R = schema.ranges
+# An item row still ready, for statements that find their rows by id: ``state + 0`` does not
+# imply the ready indexes' predicate, so PostgreSQL goes by the primary key. With ``state =
+# 0`` and its statistics not yet gathered (a queue just filled) it chose the ready index and
+# read the whole of it for each range, with ``id`` its last column.
+_STILL_READY = _T.c.state + sa.literal_column("0") == sa.literal_column("0")
 # The candidates of a claim that may lease a range, as one row: first and last id, how many,
 # the earliest deadline (schema.NO_DEADLINE when none has one).
 _PROBE = "SELECT min(id), max(id), count(*), min(sort_deadline)"
@@ -88,7 +93,7 @@ _PROBE = "SELECT min(id), max(id), count(*), min(sort_deadline)"
 _RANGE_ROWS = (
     "SELECT "
     + ", ".join("attempts + 1 AS attempts" if c == "attempts" else c for c in _CLAIM_COLUMNS)
-    + " FROM batching_items WHERE id BETWEEN :range_lo AND :range_hi AND state = 0"
+    + " FROM batching_items WHERE id BETWEEN :range_lo AND :range_hi AND state + 0 = 0"
 )
 
 
@@ -766,7 +771,7 @@ class SqlQueue:
         for lo, hi, lease_id, leased_by, expires in gone:
             n += conn.execute(
                 sa.update(_T)
-                .where(_T.c.id.between(lo, hi), _T.c.state == sa.literal_column("0"))
+                .where(_T.c.id.between(lo, hi), _STILL_READY)
                 .values(
                     state=int(models.State.LEASED),
                     attempts=_T.c.attempts + 1,
@@ -1013,7 +1018,7 @@ class SqlQueue:
             k = int(
                 conn.execute(
                     sa.update(_T)
-                    .where(self._ids(mine), _T.c.state == sa.literal_column("0"))
+                    .where(self._ids(mine), _STILL_READY)
                     .values(attempts=_T.c.attempts + 1, **done)
                 ).rowcount
             )
@@ -1250,7 +1255,7 @@ class SqlQueue:
             mine = [i for i in rest if lo <= i <= hi]
             if mine:
                 rest = [i for i in rest if not lo <= i <= hi]
-                ready = sa.and_(self._ids(mine), _T.c.state == sa.literal_column("0"))
+                ready = sa.and_(self._ids(mine), _STILL_READY)
                 count = sa.select(sa.func.count()).select_from(_T).where(ready)
                 n += conn.execute(count).scalar_one()
         if rest:

@@ -90,7 +90,7 @@ LEASE = _reads(
 )
 # A range lease's rows, by id; they stay ready in the table, so the attempt this claim counts
 # (written at ack, or when the range turns into per-item leases) is added here.
-RANGE = _reads(" WHERE i.id BETWEEN :range_lo AND :range_hi AND i.state = 0", "i.attempts + 1")
+RANGE = _reads(" WHERE i.id BETWEEN :range_lo AND :range_hi AND i.state + 0 = 0", "i.attempts + 1")
 CLAIMED, CLAIMED_NO_BODIES, CLAIMED_TIMES = LEASE
 _FRACTION_UNIT = 2.0**-52
 

@@ -253,3 +253,40 @@ def test_purge_keeps_the_done_items_of_a_range_still_held(
     assert queue.ack(claim.lease_id, ids[:2]) == 2
     clock.advance(100)
     assert queue.purge(10) == 4
+
+
+def test_a_range_is_read_by_the_primary_key_on_a_queue_just_filled(queue: q.SqlQueue) -> None:
+    """Without statistics (a queue just filled) PostgreSQL chose the ready index for ``id
+    BETWEEN ... AND state = 0`` and read the whole of it for every range."""
+    from batching.ingress import sqlite_claim
+
+    queue.enqueue([tensor(f"k{i}") for i in range(3000)])
+    claim = queue.claim(2048, lease_s=30, columns=True)
+    ids = [i.id for i in claim.items]
+    pg = queue.dialect == "postgresql"
+    ack = sa.update(T).where(queue._ids(ids), q._STILL_READY).values(state=2)
+    read = sa.text(q._RANGE_ROWS if pg else str(sqlite_claim.RANGE.claimed))
+    explain = "EXPLAIN " if pg else "EXPLAIN QUERY PLAN "
+    binds = {"range_lo": ids[0], "range_hi": ids[-1]}
+    with queue.engine.connect() as conn:
+        compiled = ack.compile(conn, compile_kwargs={"literal_binds": True})
+        for stmt, params in ((read, binds), (sa.text(str(compiled)), {})):
+            plan = " ".join(str(r[-1]) for r in conn.execute(sa.text(explain + stmt.text), params))
+            assert ("batching_items_pkey" if pg else "INTEGER PRIMARY KEY") in plan, plan
+            assert "ix_batching_items_ready" not in plan, plan
+
+
+def test_a_range_hands_each_item_its_own_body(queue: q.SqlQueue) -> None:
+    def own(i: int) -> models.EnqueueRecord:
+        body = np.arange(i, i + 4, dtype=np.float32).tobytes()
+        return models.EnqueueRecord(
+            f"k{i}", models.Payload(body, models.PayloadFormat.TENSOR, "float32", (4,))
+        )
+
+    queue.enqueue([own(i) for i in range(300)])
+    claim = queue.claim(300, lease_s=30, columns=True)
+    assert isinstance(claim.items, models.ItemBlock)
+    assert len(ranges(queue)) == 1
+    for item in claim.items:
+        i = int(item.item_key[1:])
+        assert item.payload.data == np.arange(i, i + 4, dtype=np.float32).tobytes()
