@@ -622,37 +622,71 @@ class SqlQueue:
         (:func:`pg_bulk.claim_as_one_row`), then the bodies as one value in the ids' order
         (a row each past ``pg_bulk.CONCAT_MAX_BYTES``); with ``columns``, uniform items as
         one ItemBlock (as a SQLite claim). Items whose body row is gone are buried in the
-        same transaction. A range lease reads its rows with a SELECT instead.
+        same transaction.
 
         Claims that may lease a range hold the queue's range lock exclusively, every other
         claim (and a cancel) shares it: a range is leased by reading which items are ready,
-        with no row locked, so nothing else may take a ready item meanwhile."""
+        with no row locked, so nothing else may take a ready item meanwhile. A range lease
+        reads its rows back once it has committed, in a read transaction of its own (as a
+        SQLite claim does), so the lock is held for the range's one row, not for reading
+        its bodies (~0.1 s for 16,384 W1 items, during which every other scorer of the
+        queue would wait)."""
         with self.begin() as conn:
             controls.lock_ranges(conn, self.queue, exclusive=rangeable)
             if not self._before_claim(conn, now, params):
                 return [], {}
             sql, _ = statements(self._exclude_ranges(conn, params))
-            if rangeable and self._lease_range(conn, sql.probe, params):
-                claim_sql = _RANGE_ROWS
-            else:
-                claim_sql = sql.update
-            row = conn.execute(sa.text(pg_bulk.claim_as_one_row(claim_sql)), params).one()
-            parts = pg_bulk.split_row(row)
-            if parts is None:
-                return [], {}
-            head, times = parts
-            full = pg_bulk.with_bodies(conn, head)
-            if full is None:  # too many bytes for one value: the bodies a row each
-                rows, _ = sqlite_claim.unpack_claim(self.queue, head, times)
-                bodies = self._bodies(conn, [r[0] for r in rows])
-            else:
-                claimed = sqlite_claim.unpack_claim(self.queue, full, times, columns=columns)
+            ranged = rangeable and self._lease_range(conn, sql.probe, params)
+            if not ranged:
+                claimed = self._returned(conn, sql.update, params, columns)
                 if isinstance(claimed, models.ItemBlock):
                     return claimed
                 rows, bodies = claimed
-            if len(bodies) != len(rows):
+                if len(bodies) != len(rows):
+                    rows = self._bury_bodiless(conn, params["lease"], rows, bodies, now)
+                return rows, bodies
+        return self._read_back(
+            lambda c: self._returned(c, _RANGE_ROWS, params, columns), params, now
+        )
+
+    def _read_back(
+        self,
+        read: Callable[[Connection], tuple[list[Any], dict[int, bytes]] | models.ItemBlock],
+        params: dict[str, Any],
+        now: float,
+    ) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock:
+        """A committed claim's rows, read in a read transaction of their own; if reading them
+        fails, the claim is released, not left leased (and, item by item, charged an attempt)
+        until it expires. Items whose body row is gone are buried in a write transaction."""
+        try:
+            with self.read() as conn:
+                claimed = read(conn)
+        except BaseException:
+            self._release_quietly(params["lease"])
+            raise
+        if isinstance(claimed, models.ItemBlock):
+            return claimed
+        rows, bodies = claimed
+        if len(bodies) != len(rows):
+            with self.begin() as conn:
                 rows = self._bury_bodiless(conn, params["lease"], rows, bodies, now)
         return rows, bodies
+
+    def _returned(
+        self, conn: Connection, claim_sql: str, params: dict[str, Any], columns: bool
+    ) -> tuple[list[Any], dict[int, bytes]] | models.ItemBlock:
+        """PostgreSQL: the rows of ``claim_sql`` (a claim's UPDATE ... RETURNING, or a range's
+        SELECT) as one row of columns, then their bodies (see _claim_returning)."""
+        row = conn.execute(sa.text(pg_bulk.claim_as_one_row(claim_sql)), params).one()
+        parts = pg_bulk.split_row(row)
+        if parts is None:
+            return [], {}
+        head, times = parts
+        full = pg_bulk.with_bodies(conn, head)
+        if full is None:  # too many bytes for one value: the bodies a row each
+            rows, _ = sqlite_claim.unpack_claim(self.queue, head, times)
+            return rows, self._bodies(conn, [r[0] for r in rows])
+        return sqlite_claim.unpack_claim(self.queue, full, times, columns=columns)
 
     def _claim_sqlite(
         self,
@@ -690,21 +724,7 @@ class SqlQueue:
                 n_claimed = conn.execute(sa.text(sql.update), params).rowcount
         if not n_claimed:
             return [], {}
-        try:
-            with self.read() as conn:
-                claimed = self._read_claimed(conn, params, columns)
-        except BaseException:
-            # The UPDATE committed: give the items back rather than leave them leased (and
-            # charged an attempt) until the lease expires.
-            self._release_quietly(params["lease"])
-            raise
-        if isinstance(claimed, models.ItemBlock):
-            return claimed
-        rows, bodies = claimed
-        if len(bodies) != len(rows):
-            with self.begin() as conn:
-                rows = self._bury_bodiless(conn, params["lease"], rows, bodies, now)
-        return rows, bodies
+        return self._read_back(lambda c: self._read_claimed(c, params, columns), params, now)
 
     def _read_claimed(
         self, conn: Connection, params: dict[str, Any], columns: bool

@@ -290,3 +290,36 @@ def test_a_range_hands_each_item_its_own_body(queue: q.SqlQueue) -> None:
     for item in claim.items:
         i = int(item.item_key[1:])
         assert item.payload.data == np.arange(i, i + 4, dtype=np.float32).tobytes()
+
+
+def test_a_range_whose_body_row_is_gone_buries_it_and_claims_the_rest(queue: q.SqlQueue) -> None:
+    queue.enqueue([tensor(f"k{i}") for i in range(4)])
+    gone = rows(queue)["k1"].id
+    with queue.engine.begin() as conn:
+        conn.execute(schema.payloads.delete().where(schema.payloads.c.id == gone))
+    claim = queue.claim(4, lease_s=30, columns=True)
+    assert sorted(i.item_key for i in claim.items) == ["k0", "k2", "k3"]
+    got = rows(queue)
+    assert (got["k1"].state, got["k1"].last_error) == (3, "payload missing from batching_payloads")
+    assert ranges(queue) == []  # demoted: the rest are leased item by item
+    assert {got[k].state for k in ("k0", "k2", "k3")} == {1}
+    assert queue.ack(claim.lease_id, [i.id for i in claim.items]) == 3
+
+
+def test_a_range_that_cannot_be_read_back_is_given_back(
+    queue: q.SqlQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batching.ingress import sqlite_claim
+
+    queue.enqueue([tensor(f"k{i}") for i in range(4)])
+
+    def broken(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError("read back failed")
+
+    monkeypatch.setattr(sqlite_claim, "unpack_claim", broken)
+    with pytest.raises(RuntimeError, match="read back failed"):
+        queue.claim(4, lease_s=30, columns=True)
+    monkeypatch.undo()
+    assert ranges(queue) == []
+    assert {(r.state, r.attempts) for r in rows(queue).values()} == {(0, 0)}
+    assert len(queue.claim(4, lease_s=30, columns=True).items) == 4
