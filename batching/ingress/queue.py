@@ -90,10 +90,12 @@ _STILL_READY = _T.c.state + sa.literal_column("0") == sa.literal_column("0")
 _PROBE = "SELECT min(id), max(id), count(*), min(sort_deadline)"
 # PostgreSQL: a range lease's rows, as a claim's UPDATE ... RETURNING would give them (the
 # attempt the range counts at ack or demotion counted here, as a per-item claim does).
+_RANGE_ATTEMPTS = "CASE WHEN state = 0 THEN attempts + 1 ELSE attempts END AS attempts"
 _RANGE_ROWS = (
     "SELECT "
-    + ", ".join("attempts + 1 AS attempts" if c == "attempts" else c for c in _CLAIM_COLUMNS)
-    + " FROM batching_items WHERE id BETWEEN :range_lo AND :range_hi AND state + 0 = 0"
+    + ", ".join(_RANGE_ATTEMPTS if c == "attempts" else c for c in _CLAIM_COLUMNS)
+    + " FROM batching_items WHERE id BETWEEN :range_lo AND :range_hi"
+    " AND (state + 0 = 0 OR (state + 0 = 1 AND lease_id = :lease))"  # see sqlite_claim.RANGE
 )
 
 

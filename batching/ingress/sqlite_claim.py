@@ -88,9 +88,15 @@ def _reads(where: str, attempts: str) -> Reads:
 LEASE = _reads(
     " WHERE i.lease_expires_at = :expires AND i.state = 1 AND i.lease_id = :lease", "i.attempts"
 )
-# A range lease's rows, by id; they stay ready in the table, so the attempt this claim counts
-# (written at ack, or when the range turns into per-item leases) is added here.
-RANGE = _reads(" WHERE i.id BETWEEN :range_lo AND :range_hi AND i.state + 0 = 0", "i.attempts + 1")
+# A range lease's rows, by id (read once the range has committed). They stay ready in the
+# table, so the attempt the claim counts (written at ack or at demotion) is added here. A
+# range may be demoted to item leases before it is read back (a failure of another batch of
+# the same lease, on another thread of the scorer): its items are then leased by this lease.
+RANGE = _reads(
+    " WHERE i.id BETWEEN :range_lo AND :range_hi"
+    " AND (i.state + 0 = 0 OR (i.state + 0 = 1 AND i.lease_id = :lease))",
+    "i.attempts + (i.state = 0)",
+)
 CLAIMED, CLAIMED_NO_BODIES, CLAIMED_TIMES = LEASE
 _FRACTION_UNIT = 2.0**-52
 
