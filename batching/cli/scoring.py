@@ -236,6 +236,7 @@ class _StopOnSignal:
     def __init__(self) -> None:
         self.asked = threading.Event()
         self._scorer: Any = None
+        self._stopping = False
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         # At exit the interpreter puts every Python handler back to the default action, and
@@ -245,6 +246,10 @@ class _StopOnSignal:
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         if self._scorer is not None:
+            # A flag first: a burst of signals nested handlers in Event.set until stack overflow
+            if self._stopping:
+                return
+            self._stopping = True
             self.asked.set()
             self._scorer.stop()
             return
