@@ -1,8 +1,10 @@
 """The SQL queue table: enqueue, claim, heartbeat, ack, fail, release, release_expired, stats.
 
 All dialect branches (SQLite / PostgreSQL) live here. Every write after a claim is a
-compare-and-set on ``(id, state, lease_id)``: the lease id stamped at claim is a fencing token,
-and a write with a stale lease changes nothing and reports 0 rows.
+compare-and-set on ``(id, state, lease_id)``, or on a range lease's row (``batching_ranges``: a
+claim of one run of ready ids, its items left ready; every verb but a whole ack or release
+demotes it to item leases first): the lease id stamped at claim is a fencing token, and a
+write with a stale lease changes nothing and reports 0 rows.
 
 SQLite: WAL, ``synchronous=NORMAL``, ``busy_timeout``; write transactions start with
 ``BEGIN IMMEDIATE`` (a deferred transaction that upgrades to a write ignores the busy timeout),
