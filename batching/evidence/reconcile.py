@@ -225,16 +225,10 @@ def _health(conn: Connection, scope: _Scope) -> dict[str, Any]:
         _I.c.state == int(models.State.LEASED),
         _I.c.lease_expires_at < scope.now,
     )
-    held = schema.ranges
-    lapsed = conn.execute(
-        sa.select(held.c.lo, held.c.hi).where(
-            held.c.queue == scope.queue, held.c.lease_expires_at < scope.now
-        )
-    ).all()
-    if lapsed:  # a range lease's items stay ready in the table
-        in_range = sa.or_(*(_I.c.id.between(lo, hi) for lo, hi in lapsed))
+    lapsed = schema.held_by_ranges(conn, queue=scope.queue, lapsed_at=scope.now)
+    if lapsed is not None:  # a range lease's items stay ready in the table
         ranged = sa.select(_I.c.item_key).where(
-            _I.c.queue == scope.queue, _I.c.state == int(models.State.READY), in_range
+            _I.c.queue == scope.queue, _I.c.state == int(models.State.READY), lapsed
         )
         stale = sa.union_all(stale, ranged)
     late = [_I.c.deadline_at.is_not(None), _I.c.finished_at > _I.c.deadline_at]

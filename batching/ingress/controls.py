@@ -256,7 +256,7 @@ def _cancel_where(
 ) -> tuple[int, int]:
     """Cancel the ready items matching ``where``; (cancelled, leased ones left in flight)."""
     ready, leased = _T.c.state == sa.literal_column("0"), _T.c.state == sa.literal_column("1")
-    held = range_held(conn, queue)
+    held = schema.held_by_ranges(conn, queue=queue)
     if held is not None:  # ready in the table, in flight in fact: left to finish
         leased, ready = sa.or_(leased, sa.and_(ready, held)), sa.and_(ready, sa.not_(held))
     cancelled = conn.execute(
@@ -282,14 +282,6 @@ def lock_ranges(conn: Connection, queue: str, *, exclusive: bool) -> None:
             sa.text(f"SELECT pg_advisory_xact_lock{how}(:space, hashtext(:queue))"),
             {"space": RANGE_LOCK_SPACE, "queue": queue},
         )
-
-
-def range_held(conn: Connection, queue: str) -> sa.ColumnElement[bool] | None:
-    """Whether an item is one of ``queue``'s range leases (they stay ready in the table); None
-    when the queue has none."""
-    r = schema.ranges
-    held = conn.execute(sa.select(r.c.lo, r.c.hi).where(r.c.queue == queue)).all()
-    return sa.or_(*(_T.c.id.between(lo, hi) for lo, hi in held)) if held else None
 
 
 def for_claim(conn: Connection, queue: str) -> tuple[bool, str | None]:

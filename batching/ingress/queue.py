@@ -1294,26 +1294,29 @@ class SqlQueue:
         """Counts by state, oldest ready age and expired leases, per (queue, lane, tenant)."""
         now = self.clock()
         with self.read() as conn:
-            held = conn.execute(sa.select(_R.c.lo, _R.c.hi, _R.c.lease_expires_at)).all()
-            q = self._stats_query(now, held)
+            held = schema.held_by_ranges(conn)
+            lapsed = None if held is None else schema.held_by_ranges(conn, lapsed_at=now)
+            q = self._stats_query(now, held, lapsed)
             if not all_queues:
                 q = q.where(_T.c.queue == self.queue)
             rows = conn.execute(q.order_by(_T.c.queue, _T.c.lane, _T.c.tenant)).all()
         return models.QueueStats.of(tuple(_lane_stats(r, now) for r in rows))
 
-    def _stats_query(self, now: float, held: Sequence[Any]) -> sa.Select[Any]:
+    def _stats_query(
+        self,
+        now: float,
+        held: sa.ColumnElement[bool] | None,
+        lapsed: sa.ColumnElement[bool] | None,
+    ) -> sa.Select[Any]:
         """Counts by state per (queue, lane, tenant); the ready items of a range lease
-        (``held``: lo, hi, expiry) count as leased, as they are."""
+        (``held``; ``lapsed``: of one expired) count as leased, as they are."""
         state: sa.ColumnElement[Any] = _T.c.state
         leased, ready = _T.c.state == 1, _T.c.state == 0
         stale = sa.and_(leased, _T.c.lease_expires_at < now)
-        if held:
-            in_range = sa.or_(*(_T.c.id.between(lo, hi) for lo, hi, _ in held))
-            lapsed = [_T.c.id.between(lo, hi) for lo, hi, at in held if at < now]
-            ranged = sa.and_(ready, in_range)
-            state = sa.case((ranged, 1), else_=_T.c.state)
-            stale = sa.or_(stale, sa.and_(ready, sa.or_(*lapsed))) if lapsed else stale
-            ready = sa.and_(ready, sa.not_(in_range))
+        if held is not None:
+            state = sa.case((sa.and_(ready, held), 1), else_=_T.c.state)
+            stale = stale if lapsed is None else sa.or_(stale, sa.and_(ready, lapsed))
+            ready = sa.and_(ready, sa.not_(held))
         return sa.select(
             _T.c.queue,
             _T.c.lane,
@@ -1371,7 +1374,7 @@ class SqlQueue:
                     # between the statements below would leave a ready item without its payload.
                     # Not inside a range lease still held: SQLite gives the highest ids out
                     # again, and a new item must not be born inside a range.
-                    held = controls.range_held(conn, self.queue)
+                    held = schema.held_by_ranges(conn, queue=self.queue)
                     where = cond if held is None else sa.and_(cond, sa.not_(held))
                     ids = list(
                         conn.execute(

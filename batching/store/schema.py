@@ -219,6 +219,23 @@ ranges = sa.Table(
 )
 sa.Index("ix_batching_ranges_lease", ranges.c.lease_id)
 sa.Index("ix_batching_ranges_queue", ranges.c.queue, ranges.c.lo)
+
+
+def held_by_ranges(
+    conn: Connection, *, queue: str | None = None, lapsed_at: float | None = None
+) -> sa.ColumnElement[bool] | None:
+    """Whether an item row is one a range lease holds (it stays ready in the table): the ids
+    of ``queue``'s ranges (every queue's without one), only those expired before
+    ``lapsed_at`` when given; read in ``conn``'s transaction. None when there are none."""
+    held = sa.select(ranges.c.lo, ranges.c.hi)
+    if queue is not None:
+        held = held.where(ranges.c.queue == queue)
+    if lapsed_at is not None:
+        held = held.where(ranges.c.lease_expires_at < lapsed_at)
+    spans = conn.execute(held).all()
+    return sa.or_(*(items.c.id.between(lo, hi) for lo, hi in spans)) if spans else None
+
+
 """Request bodies by item id, written once at enqueue and read once per claim."""
 
 items_archive = sa.Table("batching_items_archive", metadata, *_item_columns(archive=True))
