@@ -148,6 +148,11 @@ class QueueConfig(_Model):
         "score",
         description="a claimed item predicted to miss its `deadline_at` when its batch is cut: `score` it anyway (late), or `expire` it unscored with a reason naming its deadline and the prediction (counted)",
     )
+    default_deadline_s: float | None = Field(
+        None,
+        gt=0,
+        description="with `late_policy: expire`, an item enqueued without a `deadline_at` is due this many seconds after its enqueue (as Triton's default queue timeout): on an online queue set it to `latency_slo_s`, and under overload an item that would commit past the objective is expired unscored with its reason, not scored late; none: only items with a deadline of their own can be late",
+    )
     fair_share: bool = Field(
         True,
         description="each claim, and then each batch cut from what was claimed, splits across the tenants by weight (`tenant_weights`), priority and deadline order kept within a tenant, so one tenant's flood cannot starve another; false: one order across tenants (priority, deadline, age)",
@@ -195,6 +200,12 @@ class QueueConfig(_Model):
             raise ValueError(
                 f"heartbeat_s must be <= lease_s / 3 ({self.lease_s / 3:g}) so a live lease "
                 f"never expires between heartbeats, got {self.heartbeat_s:g}"
+            )
+        if self.default_deadline_s is not None and self.late_policy != "expire":
+            raise ValueError(
+                "default_deadline_s takes effect only with late_policy: expire (an item "
+                "scored anyway when late has no use for it); set late_policy: expire or "
+                "remove default_deadline_s"
             )
         if self.backoff_base_s > self.backoff_max_s:
             raise ValueError(

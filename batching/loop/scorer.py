@@ -117,6 +117,7 @@ class Scorer(Generic[D]):
             service_time,
             adaptive=self.controller,
             late_policy=config.queue.late_policy,
+            default_deadline_s=config.queue.default_deadline_s,
             fair=(
                 tenant_share.FairShare(config.queue.tenant_weights, config.queue.max_tenant_wait_s)
                 if config.queue.fair_share

@@ -265,6 +265,13 @@ def _judge_latency(
             f"under sustained full load an item can wait for the batch ahead: "
             f"{max(wait_s, service_s) + service_s + commit_s:.4g}s > latency_slo_s {slo_s:g}"
         )
+    due_s = config.queue.default_deadline_s
+    if due_s is not None and _waits(config) + service_s > due_s:
+        warned.append(
+            f"queue.default_deadline_s {due_s:g} is below the worst case "
+            f"{_waits(config) + service_s:.4g}s: items without a deadline can expire as late "
+            f"even at low load; raise it (to latency_slo_s {slo_s:g}) or lower the batch"
+        )
     if not profile.covers(worst.n_items, worst.length):
         warned.append(
             f"service time of {shape} is extrapolated beyond the profile (batch sizes up to "

@@ -272,11 +272,13 @@ class SloController:
         margin: decode + forward (bound) + tail. What the budget is held to."""
         return self.lead_s(n_items) + self.model.bound(n_items, cost) + self.tail_s
 
-    def finish_at(self, now: float, n_items: int, cost: int) -> float:
-        """Predicted (mean) commit time of a batch released at ``now``: it starts once
-        decoded and the forward in flight has ended, then runs and commits."""
+    def finish_at(self, now: float, n_items: int, cost: int, *, upper: bool = False) -> float:
+        """Predicted commit time of a batch released at ``now``: it starts once decoded and
+        the forward in flight has ended, then runs and commits. The mean; ``upper``: with the
+        model's margin (:meth:`ServiceModel.bound`), the estimate a p99 objective is held to."""
         start = max(now + self.lead_s(n_items), self.busy_until)
-        return max(start + self.model.predict(n_items, cost), self.commit_until) + self.tail_s
+        forward = self.model.bound if upper else self.model.predict
+        return max(start + forward(n_items, cost), self.commit_until) + self.tail_s
 
     def due(self, oldest_enqueued_at: float, n_items: int, cost: int) -> Due:
         """When a bucket of ``n_items`` (cost ``cost``, oldest enqueued at

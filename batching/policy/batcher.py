@@ -478,6 +478,8 @@ class MicroBatcher:
             None: the fixed rules above.
         late_policy: ``"expire"`` takes items that cannot meet their deadline out of the
             batches cut (see :meth:`take_late`); ``"score"`` releases them like the rest.
+        default_deadline_s: with ``"expire"``, an item without a deadline of its own is due
+            this long after its enqueue (``queue.default_deadline_s``); None: it cannot be late.
         fair: the tenants' fair share of each batch (``queue.fair_share``): a bucket holding
             several tenants' items cuts them as a fair claim ranks them; None: one order.
     """
@@ -490,9 +492,11 @@ class MicroBatcher:
         *,
         adaptive: SloController | None = None,
         late_policy: LatePolicy = "score",
+        default_deadline_s: float | None = None,
         fair: tenant_share.FairShare | None = None,
     ) -> None:
         self._policy = policy
+        self._default_deadline_s = default_deadline_s if late_policy == "expire" else None
         self._fair = fair
         self._clock = clock
         self._adaptive = adaptive
@@ -572,11 +576,18 @@ class MicroBatcher:
             self._blocks.popleft()
 
     def _settle(self) -> None:
-        """A first block that holds no full batch goes to the buckets with those after it:
-        there the wait, deadline and flush rules decide."""
+        """A first block that holds no full batch, or whose oldest item would be late by its
+        default deadline, goes to the buckets with those after it: there the wait, deadline,
+        late and flush rules decide."""
         if self._blocks:
             head = self._blocks[0]
-            if not self._budget.full(len(head), len(head) * head.template.cost):
+            cost = head.template.cost
+            if not self._budget.full(len(head), len(head) * cost) or (
+                self._default_deadline_s is not None
+                and not self._draining
+                and head.enqueued_at[0] + self._default_deadline_s
+                < self._finish_at(self._clock(), self._budget.rows_of(cost), cost, upper=True)
+            ):
                 self._spill()
 
     def _add_items(self, batch: list[models.WorkItem]) -> None:
@@ -731,25 +742,41 @@ class MicroBatcher:
         """``items`` less those predicted to finish after their deadline (kept for
         :meth:`take_late`): finish = now + the predicted time of this batch."""
         deadlines = list(map(models.ITEM_DEADLINE_AT, items))
-        if deadlines.count(None) == len(deadlines):
+        default_s = self._default_deadline_s
+        if default_s is None and deadlines.count(None) == len(deadlines):
             return items
         n, cost = len(items), max(map(_COST, items))
-        if self._adaptive is not None:  # the mean: expired only when predicted late
-            finish = self._adaptive.finish_at(now, n, cost)
-        else:
-            finish = now + max(0.0, self._service_time(n, cost))
-        predicted = finish - now
+        own = self._finish_at(now, n, cost)  # an item's own deadline: the mean
+        by_default = self._finish_at(now, n, cost, upper=True)  # the SLO's: the upper estimate
         kept: list[models.WorkItem] = []
         for item, deadline in zip(items, deadlines, strict=True):
-            if deadline is None or deadline >= finish:
+            if deadline is not None:
+                due, finish, what = deadline, own, f"deadline {_utc(deadline)}"
+            elif default_s is not None:
+                due, finish = item.enqueued_at + default_s, by_default
+                what = f"default deadline {_utc(due)} ({default_s:g} s after its enqueue)"
+            else:
+                kept.append(item)
+                continue
+            if due >= finish:
                 kept.append(item)
                 continue
             reason = (
-                f"late_policy expire: deadline {_utc(deadline)} before the predicted finish "
-                f"{_utc(finish)} (now + {predicted:.3f} s predicted for a batch of {n})"
+                f"late_policy expire: {what} before the predicted finish "
+                f"{_utc(finish)} (now + {finish - now:.3f} s predicted for a batch of {n})"
             )
             self._late.append(Late(item, reason))
         return kept
+
+    def _finish_at(self, now: float, n: int, cost: int, *, upper: bool = False) -> float:
+        """When a batch of ``n`` items (max cost ``cost``) released at ``now`` is predicted to
+        finish: with the controller, the mean (an item with a deadline of its own is expired
+        only when predicted late) or, ``upper``, with the model's margin (a default deadline
+        holds the p99 objective), counting the forward in flight and the commit; else
+        ``now`` + its service time."""
+        if self._adaptive is not None:
+            return self._adaptive.finish_at(now, n, cost, upper=upper)
+        return now + max(0.0, self._service_time(n, cost))
 
     def _full_reason(self, n_items: int) -> Reason:
         return "size" if n_items >= self._policy.max_batch_size else "cost"

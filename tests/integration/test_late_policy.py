@@ -87,6 +87,44 @@ def test_late_items_expire_with_their_reason_and_their_batch_mates_commit(
     assert rec.metrics.registry.get_sample_value("batching_items_expired_total", labels) == 6
 
 
+def test_a_default_deadline_expires_items_without_one_and_keeps_their_own(
+    db_url: str, tmp_path: Path
+) -> None:
+    """``queue.default_deadline_s``: an item enqueued without a deadline is due that long
+    after its enqueue. With every forward predicted at 30 s, those (due in 5 s) expire with a
+    reason naming the default; items with a later deadline of their own commit."""
+    config = load(
+        "tabular.yaml",
+        tmp_path,
+        output={"kind": "sql"},
+        queue={"late_policy": "expire", "default_deadline_s": 5.0},
+        batching={"max_batch_size": 8},
+        service_profile=str(slow_profile(tmp_path / "slow.json")),
+    )
+    recs = w1_records(24, tmp_path)
+    later = time.time() + 3600
+    recs = [dataclasses.replace(r, deadline_at=later) for r in recs[:8]] + recs[8:]
+    enqueue(db_url, config, recs)
+    outcome = wiring.run_score(config, db_url=db_url, output=None)
+    assert outcome.summary["items_committed"] == 8
+    assert outcome.summary["items_expired"] == 16
+
+    engine = database.create_engine(db_url)
+    with engine.connect() as conn:
+        rows = {r.item_key: r for r in conn.execute(sa.select(schema.items)).all()}
+        results = {r.item_key for r in conn.execute(sa.select(schema.results)).all()}
+    engine.dispose()
+    own = {r.item_key for r in recs[:8]}
+    assert results == own
+    for key, got in rows.items():
+        if key in own:
+            assert got.state == models.State.DONE
+        else:
+            assert got.state == models.State.EXPIRED
+            assert "late_policy expire: default deadline " in got.last_error
+            assert "(5 s after its enqueue) before the predicted finish" in got.last_error
+
+
 def test_an_adaptive_run_scores_everything(db_url: str, tmp_path: Path) -> None:
     config = load(
         "tabular.yaml",

@@ -127,3 +127,100 @@ def test_edf_within_a_priority(seed: int) -> None:
     batch = b.poll()
     assert batch is not None
     assert [i.id for i in batch.items] == expected
+
+
+def test_a_default_deadline_makes_items_without_one_late_past_it() -> None:
+    """``queue.default_deadline_s``: an item with no deadline is due that long after its
+    enqueue; one with a deadline of its own keeps it."""
+    clock = FakeClock(NOW + 0.9)
+    pol = config.BatchingPolicy(max_batch_size=8, max_wait_s=0.5)
+    b = batcher.MicroBatcher(
+        pol, clock, lambda n, c: 0.2, late_policy="expire", default_deadline_s=1.0
+    )
+    old, fresh, own = (
+        item(enqueued_at=NOW),  # due NOW + 1.0, finish NOW + 1.1: late
+        item(enqueued_at=NOW + 0.5),  # due NOW + 1.5: in time
+        item(enqueued_at=NOW, deadline_at=NOW + 60),  # its own deadline wins
+    )
+    b.add([old, fresh, own])
+    batch = b.poll(flush=True)
+    assert batch is not None
+    assert sorted(i.id for i in batch.items) == sorted([fresh.id, own.id])
+    (taken,) = b.take_late()
+    assert taken.item.id == old.id
+    assert "default deadline 2027-01-15T08:00:01.000Z (1 s after its enqueue)" in taken.reason
+    assert "predicted finish 2027-01-15T08:00:01.100Z" in taken.reason
+
+
+def test_a_default_deadline_is_ignored_when_late_items_are_scored() -> None:
+    clock = FakeClock(NOW + 5)
+    pol = config.BatchingPolicy(max_batch_size=8, max_wait_s=0.5)
+    b = batcher.MicroBatcher(pol, clock, lambda n, c: 0.2, default_deadline_s=1.0)
+    b.add([item(enqueued_at=NOW)])
+    batch = b.poll()
+    assert batch is not None
+    assert len(batch) == 1
+    assert b.take_late() == []
+
+
+def test_a_uniform_block_past_its_default_deadline_is_cut_item_by_item() -> None:
+    """A claim's columnar block is cut whole only while its oldest item can be in time; past
+    that its items are judged one by one like any others."""
+    tensor = models.Payload(b"", models.PayloadFormat.TENSOR, "float32", (2,))
+    ids = [next(_ids) for _ in range(4)]
+    block = models.ItemBlock(
+        models.WorkItem(0, "", tensor, 0.0),
+        ids,
+        [f"k{i}" for i in ids],
+        [NOW, NOW, NOW + 0.5, NOW + 0.5],
+        [1] * 4,
+        [8] * 4,
+        bytes(32),
+    )
+    pol = config.BatchingPolicy(max_batch_size=4, max_wait_s=0.5)
+    clock = FakeClock(NOW + 0.5)  # in time: cut whole, as a block
+    b = batcher.MicroBatcher(
+        pol, clock, lambda n, c: 0.1, late_policy="expire", default_deadline_s=1.0
+    )
+    b.add(block)
+    whole = b.poll()
+    assert whole is not None
+    assert isinstance(whole.items, models.ItemBlock)
+    assert list(whole.items.ids) == ids
+
+    clock.now = NOW + 0.95  # the first two would finish at NOW + 1.05, past NOW + 1.0
+    b = batcher.MicroBatcher(
+        pol, clock, lambda n, c: 0.1, late_policy="expire", default_deadline_s=1.0
+    )
+    b.add(block)
+    batch = b.poll()
+    assert batch is not None
+    assert [i.id for i in batch.items] == ids[2:]
+    assert [t.item.id for t in b.take_late()] == ids[:2]
+
+
+def test_config_refuses_a_default_deadline_without_expire() -> None:
+    with pytest.raises(ValueError, match="default_deadline_s takes effect only with late_policy"):
+        config.QueueConfig(default_deadline_s=1.0)
+    assert config.QueueConfig(late_policy="expire", default_deadline_s=1.0).default_deadline_s
+
+
+def test_with_the_controller_a_default_deadline_is_held_to_the_upper_estimate() -> None:
+    """The default deadline stands for the p99 objective, so it is judged by the model's
+    bound (mean x (1 + margin)); a deadline of the item's own, by the mean."""
+    clock = FakeClock(NOW)
+    ctrl = adaptive.SloController(1.0, adaptive.ServiceModel(lambda n, c: 0.1))
+    assert ctrl.model.bound(2, 1) == pytest.approx(0.125)  # the cold margin, 25%
+    pol = config.BatchingPolicy(max_batch_size=8, max_wait_s=0.5)
+    b = batcher.MicroBatcher(
+        pol, clock, adaptive=ctrl, late_policy="expire", default_deadline_s=1.0
+    )
+    # both due at NOW + 0.12: in time by the mean (0.1), late by the bound (0.125)
+    by_default, own = item(enqueued_at=NOW - 0.88), item(deadline_at=NOW + 0.12)
+    b.add([by_default, own])
+    batch = b.poll(flush=True)
+    assert batch is not None
+    assert [i.id for i in batch.items] == [own.id]
+    (taken,) = b.take_late()
+    assert taken.item.id == by_default.id
+    assert "(now + 0.125 s predicted for a batch of 2)" in taken.reason

@@ -197,3 +197,22 @@ def test_a_claim_smaller_than_a_batch_is_a_warning_with_the_transaction_count() 
         pipeline(max_batch_size=32, length_buckets=(128,)), tokens_profile(1e-5)
     )
     assert not any("claim_size" in w for w in default.warnings)
+
+
+def test_a_default_deadline_below_the_worst_case_is_a_warning() -> None:
+    """An item without a deadline due before even an idle pipeline can commit it would expire
+    at low load; at the objective the check is quiet."""
+    cfg = pipeline(max_batch_size=32, length_buckets=(32, 64, 128))
+    tight = cfg.model_copy(
+        update={"queue": config.QueueConfig(late_policy="expire", default_deadline_s=0.05)}
+    )
+    report = policy.check_policy(tight, tokens_profile(1e-5))
+    assert report.ok
+    assert any(
+        "queue.default_deadline_s 0.05 is below the worst case 0.09" in w for w in report.warnings
+    ), report.warnings
+    at_slo = cfg.model_copy(
+        update={"queue": config.QueueConfig(late_policy="expire", default_deadline_s=1.0)}
+    )
+    quiet = policy.check_policy(at_slo, tokens_profile(1e-5))
+    assert not any("default_deadline_s" in w for w in quiet.warnings)
