@@ -1038,12 +1038,25 @@ async def noisy(
     run.emit(summary)
 
 
+def _depth_policy(text: str) -> str:
+    """--max-depth, checked before anything starts."""
+    try:
+        depth_cap(text, 1.0, 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give auto, auto:F (F a fraction of capacity x SLO), none or a count"
+        ) from None
+    return text
+
+
 def depth_cap(policy: str, capacity: float, slo_s: float) -> int | None:
-    """auto: what the measured capacity scores within the SLO; none: no cap; or a number."""
+    """auto: what the measured capacity scores in half the SLO (the other half is the last
+    item's batch and commit); auto:F: in F x the SLO; none: no cap; or a number."""
     if policy == "none":
         return None
-    if policy == "auto":
-        return max(1, math.ceil(capacity * slo_s))
+    if policy == "auto" or policy.startswith("auto:"):
+        fraction = float(policy.partition(":")[2] or 0.5)
+        return max(1, math.ceil(capacity * slo_s * fraction))
     return int(policy)
 
 
@@ -1268,7 +1281,12 @@ def main() -> int:
         "request, overstated single-item HTTP capacity by ~30%% (docs/benchmarks.md)",
     )
     p.add_argument("--concurrency", type=int, default=64, help="in flight for the capacity burst")
-    p.add_argument("--max-depth", default="auto", help="auto (capacity x SLO), none, or N")
+    p.add_argument(
+        "--max-depth",
+        default="auto",
+        type=_depth_policy,
+        help="auto (capacity x SLO / 2), auto:F (capacity x SLO x F), none, or N",
+    )
     p.add_argument("--scorers", type=int, default=1, help="scorer processes (score --workers)")
     p.add_argument(
         "--scorer-threads",

@@ -10,8 +10,9 @@ own answer and errors:
   group) fails that request alone with 409;
 - idempotence on ``item_key``: a key two requests of one group both send is created by the
   first (``created: true``) and reported present to the second, with the same id;
-- the depth cap: when the group would take the queue past it, its halves are written apart
-  (and theirs, down to one request), so only the requests that do not fit get 429;
+- the depth cap: each request of the group is admitted or refused on its own, in order, in
+  the group's one transaction (a savepoint each, ``SqlQueue.enqueue_each``), so only the
+  requests that do not fit get 429;
 - a request is answered only after the transaction holding its items committed.
 
 The writer takes what is queued when its previous transaction ends (up to ``max_records``
@@ -192,20 +193,22 @@ class Writer:
         run = f"api-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:8]}"
         self.groups += 1
         try:
-            done = q.enqueue([r for p in accepted for r in p.records], enqueue_run=run)
-        except (errors.QueueFull, errors.InputError) as exc:
-            if len(accepted) == 1:
-                _resolve(accepted[0], exc)
-                return
-            half = len(accepted) // 2  # halves, down to each request its own 429 (or success)
-            self._write_queue(queue, accepted[:half])
-            self._write_queue(queue, accepted[half:])
-            return
+            outcomes = q.enqueue_each([p.records for p in accepted], enqueue_run=run)
         except errors.BatchingError as exc:
             for post in accepted:
                 _resolve(post, exc)
             return
-        self._answer(queue, accepted, done)
+        admitted: list[Post] = []
+        inserted, duplicates = 0, list[str]()
+        for post, outcome in zip(accepted, outcomes, strict=True):
+            if isinstance(outcome, errors.BatchingError):  # its own 429 (or 422)
+                _resolve(post, outcome)
+                continue
+            admitted.append(post)
+            inserted += outcome.inserted
+            duplicates.extend(outcome.duplicates)
+        if admitted:
+            self._answer(queue, admitted, models.EnqueueResult(inserted, tuple(duplicates)))
 
     def _answer(self, queue: str, posts: list[Post], done: models.EnqueueResult) -> None:
         """Each request's items, ``created`` for the first request of the group sending a key

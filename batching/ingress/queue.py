@@ -101,6 +101,18 @@ _RANGE_ROWS = (
 )
 
 
+_Room = Callable[[int, int, Mapping[str, int]], None]
+"""``SqlQueue._room``'s check: (inserted earlier, inserted now, inserted by tenant)."""
+
+
+class _Written(NamedTuple):
+    """What one enqueue's records inserted: how many, the keys skipped, new items by tenant."""
+
+    inserted: int
+    duplicates: tuple[str, ...]
+    by_tenant: collections.Counter[str]
+
+
 class _ClaimSql(NamedTuple):
     """A claim's UPDATE, and the candidates counted for a range lease (None: never one)."""
 
@@ -246,7 +258,76 @@ class SqlQueue:
             QueueFull: the new items would take the queue past its depth cap
                 (:mod:`batching.ingress.controls`); nothing is enqueued.
         """
+        with self.begin() as conn:
+            room = functools.partial(_room_after, self._room(conn), 0, {})
+            done = self._write_records(conn, records, self.clock(), enqueue_run, room, on_progress)
+            if done.inserted and self.dialect == "postgresql":
+                conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, self.queue)))
+        logger.info(
+            "items enqueued",
+            extra={"action": "enqueue", "queue": self.queue, "n_items": done.inserted},
+        )
+        return models.EnqueueResult(done.inserted, done.duplicates)
+
+    def enqueue_each(
+        self,
+        groups: Sequence[Sequence[models.EnqueueRecord]],
+        *,
+        enqueue_run: str | None = None,
+    ) -> list[models.EnqueueResult | errors.QueueFull | errors.InputError]:
+        """Enqueue several requests' records in ONE transaction, each group admitted or
+        refused on its own, in order: a group that would take the queue past its depth cap
+        (or its tenant past its share) is rolled back to a savepoint and gets its
+        ``QueueFull``, the groups after it still go in while there is room. A key a group
+        sends that an earlier group (or the queue) holds is that group's duplicate.
+
+        The HTTP ingress writes the requests waiting at one moment this way: at the cap one
+        transaction answers them all, where refusing a group whole and retrying its halves
+        took up to twice as many transactions as requests, and the ingress fell behind just
+        when the queue was full.
+
+        Raises:
+            QueueError: the database failed; nothing is enqueued.
+        """
         now = self.clock()
+        out: list[models.EnqueueResult | errors.QueueFull | errors.InputError] = []
+        with self.begin() as conn:
+            check = self._room(conn)
+            inserted = 0
+            added: collections.Counter[str] = collections.Counter()
+
+            for records in groups:
+                savepoint = conn.begin_nested()
+                room = functools.partial(_room_after, check, inserted, added)
+                try:
+                    done = self._write_records(conn, records, now, enqueue_run, room, None)
+                except (errors.QueueFull, errors.InputError) as refused:
+                    savepoint.rollback()
+                    out.append(refused)
+                    continue
+                savepoint.commit()
+                inserted += done.inserted
+                added.update(done.by_tenant)
+                out.append(models.EnqueueResult(done.inserted, done.duplicates))
+            if inserted and self.dialect == "postgresql":
+                conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, self.queue)))
+        logger.info(
+            "items enqueued",
+            extra={"action": "enqueue", "queue": self.queue, "n_items": inserted},
+        )
+        return out
+
+    def _write_records(
+        self,
+        conn: Connection,
+        records: Iterable[models.EnqueueRecord],
+        now: float,
+        enqueue_run: str | None,
+        room: Callable[[int, Mapping[str, int]], None],
+        on_progress: Callable[[int], None] | None,
+    ) -> _Written:
+        """Insert ``records`` a chunk at a time in ``conn``'s transaction, repeats and keys
+        present skipped; ``room`` checks the cap after each chunk (raising ``QueueFull``)."""
         dupes: list[str] = []
         seen: set[str] = set()  # keys only: a chunk's payloads go once it is written
         written = [0, 0]  # distinct records written, of them inserted
@@ -254,30 +335,21 @@ class SqlQueue:
         rows: list[dict[str, Any]] = []
         bodies: dict[str, bytes] = {}
         chunk = pg_bulk.CHUNK if self.dialect == "postgresql" else _ENQUEUE_CHUNK
-        with self.begin() as conn:
-            room = self._room(conn)
-            for rec in records:
-                if rec.item_key in seen:
-                    dupes.append(rec.item_key)
-                    continue
-                seen.add(rec.item_key)
-                bodies[rec.item_key] = rec.payload.data
-                rows.append(self._row(rec, now, enqueue_run))
-                if len(rows) == chunk:
-                    self._write_chunk(conn, rows, bodies, written, dupes, on_progress, added)
-                    room(written[1], added)
-                    rows, bodies = [], {}
-            if rows:
+        for rec in records:
+            if rec.item_key in seen:
+                dupes.append(rec.item_key)
+                continue
+            seen.add(rec.item_key)
+            bodies[rec.item_key] = rec.payload.data
+            rows.append(self._row(rec, now, enqueue_run))
+            if len(rows) == chunk:
                 self._write_chunk(conn, rows, bodies, written, dupes, on_progress, added)
                 room(written[1], added)
-            inserted = written[1]
-            if inserted and self.dialect == "postgresql":
-                conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, self.queue)))
-        logger.info(
-            "items enqueued",
-            extra={"action": "enqueue", "queue": self.queue, "n_items": inserted},
-        )
-        return models.EnqueueResult(inserted=inserted, duplicates=tuple(dupes))
+                rows, bodies = [], {}
+        if rows:
+            self._write_chunk(conn, rows, bodies, written, dupes, on_progress, added)
+            room(written[1], added)
+        return _Written(written[1], tuple(dupes), added)
 
     def _write_chunk(
         self,
@@ -303,21 +375,22 @@ class SqlQueue:
         if on_progress is not None:
             on_progress(written[0])
 
-    def _room(self, conn: Connection) -> Callable[[int, Mapping[str, int]], None]:
+    def _room(self, conn: Connection) -> _Room:
         """In an enqueue's transaction: a check that raises ``QueueFull`` once the items it
-        inserted so far would take the queue past its depth cap (one that never does when the
-        queue has no cap), or, past half the cap, a tenant past its weighted share of it
+        inserted so far (``earlier`` of them before this group, ``n`` in it; ``added`` by
+        tenant, all of them) would take the queue past its depth cap (one that never does when
+        the queue has no cap), or, past half the cap, a tenant past its weighted share of it
         (``admission.over_share``: a flooding tenant cannot take the room of the others)."""
         cap = admission.max_depth(conn, self.queue)
         if cap is None:
-            return lambda _inserted, _added: None
+            return lambda _earlier, _n, _added: None
         depths = admission.depth_by_tenant(conn, self.queue)
         before = sum(depths.values())
 
-        def check(inserted: int, added: Mapping[str, int]) -> None:
-            if before + inserted > cap:
-                raise admission.queue_full(self.queue, before, inserted, cap)
-            if 2 * (before + inserted) > cap:
+        def check(earlier: int, n: int, added: Mapping[str, int]) -> None:
+            if before + earlier + n > cap:
+                raise admission.queue_full(self.queue, before + earlier, n, cap)
+            if 2 * (before + earlier + n) > cap:
                 admission.over_share(self.queue, cap, depths, added, self.tenant_weights)
 
         return check
@@ -1460,6 +1533,18 @@ def _claimed_times(
     if not sqlite_claim.needs_times(row):
         return None
     return conn.execute(reads.times, params).one()
+
+
+def _room_after(
+    check: _Room,
+    earlier: int,
+    earlier_added: Mapping[str, int],
+    n: int,
+    added: Mapping[str, int],
+) -> None:
+    """``check`` (``SqlQueue._room``'s) of ``n`` items (``added``, by tenant) written after
+    ``earlier`` (``earlier_added``) in the same transaction."""
+    check(earlier, n, collections.Counter(earlier_added) + collections.Counter(added))
 
 
 def _not_in_ranges(excluded: int) -> str:

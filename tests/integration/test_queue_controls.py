@@ -262,6 +262,51 @@ def test_the_depth_cap_refuses_a_whole_enqueue_that_would_pass_it(queue: q.SqlQu
     ]
 
 
+def test_enqueue_each_admits_or_refuses_each_group_in_order_in_one_transaction(
+    queue: q.SqlQueue,
+) -> None:
+    """The HTTP ingress's group write: a group past the cap (or its tenant's share) is rolled
+    back alone; the groups after it go in while there is room; a key an earlier group wrote
+    is a later group's duplicate; nothing is visible before the one commit."""
+    queue.enqueue([rec("old")])
+    cap(queue, 4)
+    groups = [
+        [rec("a"), rec("b")],
+        [rec("c"), rec("d"), rec("e")],  # 1 + 2 + 3 > 4: refused whole
+        [rec("c")],  # fits: 4
+        [rec("a"), rec("old")],  # present keys do not count
+        [rec("f")],  # 5 > 4
+        [],
+    ]
+    out = queue.enqueue_each(groups, enqueue_run="grp")
+    assert [o.inserted if isinstance(o, models.EnqueueResult) else "full" for o in out] == [
+        2,
+        "full",
+        1,
+        0,
+        "full",
+        0,
+    ]
+    assert isinstance(out[1], errors.QueueFull)
+    assert "3 items ready or leased + at least 3 new > cap 4" in str(out[1])
+    assert isinstance(out[3], models.EnqueueResult)
+    assert out[3].duplicates == ("a", "old")
+    assert set(states(queue)) == {"old", "a", "b", "c"}
+    with queue.engine.connect() as conn:
+        t = schema.items
+        runs = conn.execute(sa.select(t.c.item_key, t.c.enqueue_run)).all()
+        bodies = conn.execute(sa.select(sa.func.count()).select_from(schema.payloads)).scalar()
+    assert dict(runs) == {"old": None, "a": "grp", "b": "grp", "c": "grp"}
+    assert bodies == 4  # the refused groups' bodies rolled back with their rows
+
+    cap(queue, 100)  # past half the cap, a tenant over its share is refused alone
+    queue.enqueue([rec(f"x{i}", tenant="X") for i in range(50)])
+    out = queue.enqueue_each([[rec("x-more", tenant="X")], [rec("y", tenant="Y")]])
+    assert isinstance(out[0], errors.QueueFull)
+    assert "tenant 'X' is at its share" in str(out[0])
+    assert out[1] == models.EnqueueResult(1, ())
+
+
 def test_a_cap_passed_in_a_later_chunk_rolls_back_the_chunks_before(queue: q.SqlQueue) -> None:
     cap(queue, 1200)
     with pytest.raises(errors.QueueFull, match="at least 1500 new > cap 1200"):
