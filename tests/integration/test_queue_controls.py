@@ -307,6 +307,30 @@ def test_enqueue_each_admits_or_refuses_each_group_in_order_in_one_transaction(
     assert out[1] == models.EnqueueResult(1, ())
 
 
+def test_enqueue_each_rolls_back_a_large_group_and_writes_the_next(queue: q.SqlQueue) -> None:
+    """Groups big enough for PostgreSQL's staging table (COPY, then a move that empties it):
+    a refused group's rows leave neither the table nor the stage behind."""
+    cap(queue, 150)
+    out = queue.enqueue_each(
+        [
+            [rec(f"a{i}") for i in range(100)],
+            [rec(f"b{i}") for i in range(80)],  # 180 > 150: refused
+            [rec(f"c{i}") for i in range(50)],
+        ]
+    )
+    assert isinstance(out[1], errors.QueueFull)
+    assert [o.inserted for o in (out[0], out[2]) if isinstance(o, models.EnqueueResult)] == [
+        100,
+        50,
+    ]
+    keys = set(states(queue))
+    assert len(keys) == 150
+    assert not any(k.startswith("b") for k in keys)
+    cap(queue, None)
+    assert queue.enqueue([rec(f"b{i}") for i in range(80)]).inserted == 80  # the stage is clean
+    assert len(states(queue)) == 230
+
+
 def test_a_cap_passed_in_a_later_chunk_rolls_back_the_chunks_before(queue: q.SqlQueue) -> None:
     cap(queue, 1200)
     with pytest.raises(errors.QueueFull, match="at least 1500 new > cap 1200"):
