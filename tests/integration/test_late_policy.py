@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
@@ -30,6 +31,16 @@ def slow_profile(path: Path) -> Path:
     """A W1 profile predicting 30 s per forward pass, whatever its size."""
     points = tuple(ProfilePoint(n, 1, 30.0) for n in (1, 8, 64))
     return ServiceProfile(points, "w1-mlp", "w1-mlp-v1", "cpu").save(path)
+
+
+def items_and_results(db_url: str) -> tuple[dict[str, Any], set[str]]:
+    """The item rows by key, and the keys with a result row."""
+    engine = database.create_engine(db_url)
+    with engine.connect() as conn:
+        rows = {r.item_key: r for r in conn.execute(sa.select(schema.items)).all()}
+        results = {r.item_key for r in conn.execute(sa.select(schema.results)).all()}
+    engine.dispose()
+    return rows, results
 
 
 def test_late_items_expire_with_their_reason_and_their_batch_mates_commit(
@@ -61,11 +72,7 @@ def test_late_items_expire_with_their_reason_and_their_batch_mates_commit(
     assert outcome.summary["items_committed"] == 10
     assert outcome.summary["items_expired"] == 6
 
-    engine = database.create_engine(db_url)
-    with engine.connect() as conn:
-        rows = {r.item_key: r for r in conn.execute(sa.select(schema.items)).all()}
-        results = {r.item_key for r in conn.execute(sa.select(schema.results)).all()}
-    engine.dispose()
+    rows, results = items_and_results(db_url)
     kind_of = {r.item_key: k for r, k in zip(recs, kinds, strict=True)}
     for key, item in rows.items():
         if kind_of[key] == "late":
@@ -109,11 +116,7 @@ def test_a_default_deadline_expires_items_without_one_and_keeps_their_own(
     assert outcome.summary["items_committed"] == 8
     assert outcome.summary["items_expired"] == 16
 
-    engine = database.create_engine(db_url)
-    with engine.connect() as conn:
-        rows = {r.item_key: r for r in conn.execute(sa.select(schema.items)).all()}
-        results = {r.item_key for r in conn.execute(sa.select(schema.results)).all()}
-    engine.dispose()
+    rows, results = items_and_results(db_url)
     own = {r.item_key for r in recs[:8]}
     assert results == own
     for key, got in rows.items():
