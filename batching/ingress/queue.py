@@ -101,8 +101,8 @@ _RANGE_ROWS = (
 )
 
 
-_Room = Callable[[int, int, Mapping[str, int]], None]
-"""``SqlQueue._room``'s check: (inserted earlier, inserted now, inserted by tenant)."""
+_Room = Callable[[Mapping[str, int], Mapping[str, int]], None]
+"""``SqlQueue._room``'s check: (inserted by the groups before, by this one), by tenant."""
 
 
 class _Written(NamedTuple):
@@ -259,7 +259,7 @@ class SqlQueue:
                 (:mod:`batching.ingress.controls`); nothing is enqueued.
         """
         with self.begin() as conn:
-            room = functools.partial(_room_after, self._room(conn), 0, {})
+            room = functools.partial(self._room(conn), {})
             done = self._write_records(conn, records, self.clock(), enqueue_run, room, on_progress)
             if done.inserted and self.dialect == "postgresql":
                 conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, self.queue)))
@@ -293,12 +293,10 @@ class SqlQueue:
         out: list[models.EnqueueResult | errors.QueueFull | errors.InputError] = []
         with self.begin() as conn:
             check = self._room(conn)
-            inserted = 0
-            added: collections.Counter[str] = collections.Counter()
-
+            added: collections.Counter[str] = collections.Counter()  # by the groups admitted
             for records in groups:
                 savepoint = conn.begin_nested()
-                room = functools.partial(_room_after, check, inserted, added)
+                room = functools.partial(check, collections.Counter(added))
                 try:
                     done = self._write_records(conn, records, now, enqueue_run, room, None)
                 except (errors.QueueFull, errors.InputError) as refused:
@@ -306,9 +304,9 @@ class SqlQueue:
                     out.append(refused)
                     continue
                 savepoint.commit()
-                inserted += done.inserted
                 added.update(done.by_tenant)
                 out.append(models.EnqueueResult(done.inserted, done.duplicates))
+            inserted = added.total()
             if inserted and self.dialect == "postgresql":
                 conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, self.queue)))
         logger.info(
@@ -323,7 +321,7 @@ class SqlQueue:
         records: Iterable[models.EnqueueRecord],
         now: float,
         enqueue_run: str | None,
-        room: Callable[[int, Mapping[str, int]], None],
+        room: Callable[[Mapping[str, int]], None],
         on_progress: Callable[[int], None] | None,
     ) -> _Written:
         """Insert ``records`` a chunk at a time in ``conn``'s transaction, repeats and keys
@@ -344,11 +342,11 @@ class SqlQueue:
             rows.append(self._row(rec, now, enqueue_run))
             if len(rows) == chunk:
                 self._write_chunk(conn, rows, bodies, written, dupes, on_progress, added)
-                room(written[1], added)
+                room(added)
                 rows, bodies = [], {}
         if rows:
             self._write_chunk(conn, rows, bodies, written, dupes, on_progress, added)
-            room(written[1], added)
+            room(added)
         return _Written(written[1], tuple(dupes), added)
 
     def _write_chunk(
@@ -376,22 +374,26 @@ class SqlQueue:
             on_progress(written[0])
 
     def _room(self, conn: Connection) -> _Room:
-        """In an enqueue's transaction: a check that raises ``QueueFull`` once the items it
-        inserted so far (``earlier`` of them before this group, ``n`` in it; ``added`` by
-        tenant, all of them) would take the queue past its depth cap (one that never does when
-        the queue has no cap), or, past half the cap, a tenant past its weighted share of it
-        (``admission.over_share``: a flooding tenant cannot take the room of the others)."""
+        """In an enqueue's transaction: a check that raises ``QueueFull`` once the items a
+        group inserted so far (``added``, by tenant), after those of the groups admitted
+        before it in the same transaction (``earlier``), would take the queue past its depth
+        cap (one that never does when the queue has no cap), or, past half the cap, one of the
+        group's tenants past its weighted share of it (``admission.over_share``: a flooding
+        tenant cannot take the room of the others). The earlier groups count as the queue's
+        items: a group is judged as if it were an enqueue of its own after them."""
         cap = admission.max_depth(conn, self.queue)
         if cap is None:
-            return lambda _earlier, _n, _added: None
+            return lambda _earlier, _added: None
         depths = admission.depth_by_tenant(conn, self.queue)
         before = sum(depths.values())
 
-        def check(earlier: int, n: int, added: Mapping[str, int]) -> None:
-            if before + earlier + n > cap:
-                raise admission.queue_full(self.queue, before + earlier, n, cap)
-            if 2 * (before + earlier + n) > cap:
-                admission.over_share(self.queue, cap, depths, added, self.tenant_weights)
+        def check(earlier: Mapping[str, int], added: Mapping[str, int]) -> None:
+            depth, n = before + sum(earlier.values()), sum(added.values())
+            if depth + n > cap:
+                raise admission.queue_full(self.queue, depth, n, cap)
+            if 2 * (depth + n) > cap:
+                now = collections.Counter(depths) + collections.Counter(earlier)
+                admission.over_share(self.queue, cap, now, added, self.tenant_weights)
 
         return check
 
@@ -1533,18 +1535,6 @@ def _claimed_times(
     if not sqlite_claim.needs_times(row):
         return None
     return conn.execute(reads.times, params).one()
-
-
-def _room_after(
-    check: _Room,
-    earlier: int,
-    earlier_added: Mapping[str, int],
-    n: int,
-    added: Mapping[str, int],
-) -> None:
-    """``check`` (``SqlQueue._room``'s) of ``n`` items (``added``, by tenant) written after
-    ``earlier`` (``earlier_added``) in the same transaction."""
-    check(earlier, n, collections.Counter(earlier_added) + collections.Counter(added))
 
 
 def _not_in_ranges(excluded: int) -> str:

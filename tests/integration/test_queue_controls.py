@@ -307,6 +307,23 @@ def test_enqueue_each_admits_or_refuses_each_group_in_order_in_one_transaction(
     assert out[1] == models.EnqueueResult(1, ())
 
 
+def test_enqueue_each_judges_each_group_by_its_own_tenants_share(queue: q.SqlQueue) -> None:
+    """A group is judged as an enqueue of its own after the groups admitted before it: a
+    request of tenant Y is not refused because tenant X's earlier request, admitted while X
+    was alone, is past X's share once Y has items too."""
+    cap(queue, 100)
+    queue.enqueue([rec(f"x{i}", tenant="X") for i in range(40)])
+    out = queue.enqueue_each(
+        [[rec(f"x-more{i}", tenant="X") for i in range(15)], [rec("y", tenant="Y")]]
+    )
+    assert out == [models.EnqueueResult(15, ()), models.EnqueueResult(1, ())]
+    # X is now past its share (55 > 100 / 2): its own next request is refused, Y's is not
+    out = queue.enqueue_each([[rec("x-last", tenant="X")], [rec("y2", tenant="Y")]])
+    assert isinstance(out[0], errors.QueueFull)
+    assert "tenant 'X' is at its share" in str(out[0])
+    assert out[1] == models.EnqueueResult(1, ())
+
+
 def test_enqueue_each_rolls_back_a_large_group_and_writes_the_next(queue: q.SqlQueue) -> None:
     """Groups big enough for PostgreSQL's staging table (COPY, then a move that empties it):
     a refused group's rows leave neither the table nor the stage behind."""
