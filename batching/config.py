@@ -381,11 +381,11 @@ class BatchingPolicy(_Model):
     max_wait_s: float = Field(
         0.01,
         ge=0,
-        description="release when the oldest item has waited this long since it was enqueued; must be below `latency_slo_s`",
+        description="release when the oldest item has waited this long since it was enqueued; must be below `latency_slo_s`; not used with `adaptive` (it goes at once at a free model)",
     )
     length_buckets: tuple[int, ...] = Field(
         (),
-        description="strictly increasing cost edges; a batch never mixes buckets (less padding)",
+        description="strictly increasing cost edges; a batch never mixes buckets (less padding), except with `adaptive` where the model predicts one padded pass sooner for all",
     )
     claim_size: int | None = Field(
         None,
@@ -400,7 +400,7 @@ class BatchingPolicy(_Model):
     )
     adaptive: bool = Field(
         False,
-        description="SLO-adaptive release: go when the model frees up, never past the oldest item's `latency_slo_s` budget (predicted from forward times measured online, seeded by `service_profile`); `max_wait_s` and `max_batch_size` stay upper bounds",
+        description="SLO-adaptive release: go when the model frees up, never past the oldest item's `latency_slo_s` budget (predicted from forward times measured online, seeded by `service_profile`); `max_batch_size` stays an upper bound; other buckets' items join a batch where one padded pass is predicted sooner for all",
     )
 
     @field_validator("length_buckets")

@@ -266,12 +266,20 @@ class Scorer(Generic[D]):
         while not self._stop.is_set() and self._error is None:
             self._wake.clear()  # before looking: a wake-up after this line is not lost
             over = self._claims_over.is_set()
-            flush = over or self._exhausted or self._isolating or self._bulk_ready()
+            flush = over or self._isolating or self._bulk_ready() or self._dry_flush()
             if self._to_forward.empty() and self._dispatch(flush=flush):
                 continue
             if over and self._pending() == 0:
                 return
             self._idle()
+
+    def _dry_flush(self) -> bool:
+        # The last claim found the queue empty: nothing more is coming to wait for, so the
+        # fixed window goes at once. Not with the adaptive rule: it already takes a batch at
+        # once at a free model, and a flush cut the next batch as the forward in flight
+        # started, where the rule lets it grow until that forward ends (the flushed batch
+        # only waited in the hand-off meanwhile, smaller).
+        return self._exhausted and self.controller is None
 
     def _pending(self) -> int:
         with self._batch_lock:

@@ -26,8 +26,9 @@ the batch grows while the model is busy and goes when the model frees up (trigge
 at the predicted end of the forward pass in flight, less the batch's decode time, so decode
 overlaps the forward), and while the commit stage is backed up (a batch released then would
 only wait for it: releasing when its forward would end as the stage frees loses nothing and
-makes one commit of what would have been several); an idle pipeline takes it at once. ``max_wait_s`` and ``max_batch_size``
-stay hard upper bounds, and a batch is cut no larger than the oldest item's budget allows
+makes one commit of what would have been several); an idle pipeline takes it at once.
+``max_batch_size`` stays a hard upper bound (``max_wait_s`` is no trigger: the batcher's
+docstring says why), and a batch is cut no larger than the oldest item's budget allows
 (:meth:`SloController.size_cap`) unless even one item cannot make it (then it is late anyway,
 and a full batch serves the rest fastest).
 

@@ -9,7 +9,8 @@ Policy:
 
 - **Buckets.** Each item goes to the length bucket of its ``cost``: the first edge of
   ``policy.length_buckets`` that is >= cost; items above the last edge go to an overflow bucket,
-  so ``k`` edges make ``k + 1`` buckets (no edges: one bucket). A batch never mixes buckets.
+  so ``k`` edges make ``k + 1`` buckets (no edges: one bucket). A batch mixes buckets only
+  under the adaptive rule (below).
 - **When.** A bucket is *full* when it holds ``max_batch_size`` items or its total cost reaches
   ``max_batch_cost``. Otherwise it is *due* when its oldest item's age, measured from that item's
   ``enqueued_at`` (not from when the batcher saw it), reaches ``max_wait_s``, or at
@@ -51,14 +52,23 @@ every pending block into the buckets, where the rules above decide.
 The batcher never drops items silently: with ``late_policy="score"`` (the default) items past
 their deadline are released like the rest; with ``"expire"`` an item whose deadline falls
 before the predicted finish of the batch it was cut into (now + the predicted service; with
-``adaptive``, the controller's predicted commit time) leaves the batch and waits in :meth:`MicroBatcher.take_late`
-with a reason naming its deadline and the prediction, for the loop to expire (never scored).
+``adaptive``, the controller's predicted commit time) leaves the batch and waits in
+:meth:`MicroBatcher.take_late` with a reason naming its deadline and the prediction, for the
+loop to expire (never scored).
 
 With an ``adaptive`` controller (``batching.policy.adaptive``; ``batching.adaptive``), a bucket
-is due at the earliest of its ``max_wait_s``, its deadline rule (with the controller's
-prediction) and the controller's release time: when the model frees up, never later than the
-oldest item's SLO budget (reasons ``"idle"`` and ``"slo"``); buckets are served in order of
-their oldest item's budget, and a batch is cut no larger than that budget allows. Buckets keep
+is due at the earlier of its deadline rule (with the controller's prediction) and the
+controller's release time: when the model frees up, never later than the oldest item's SLO
+budget (reasons ``"idle"`` and ``"slo"``); buckets are served in order of their oldest item's
+budget, and a batch is cut no larger than that budget allows. ``max_wait_s`` is no trigger
+there: at a free model the rule goes at once, and a batch the window pushed into a busy one
+would only wait behind the forward in flight, smaller than the one the model could take
+when it frees. A batch cut short of its caps takes the items of other buckets (nearest
+first) where the model predicts one padded forward pass no longer than the two it replaces
+and a lower sum of the pending items' completion times, while every item in it stays
+predicted in time (:meth:`MicroBatcher._fill`): at low load one pass serves several
+buckets' few items instead of each bucket waiting its turn; near capacity the buckets fill
+on their own, padding costs more than it saves, and none join. Buckets keep
 their items in sorted lists, lazily deleted: a claim arrives already in bucket order, so an
 ``add`` of k items is O(k) (one merge when it interleaves with what is pending) and a release
 of b items O(b) plus the stale entries it skips, plus O(number of buckets) per decision.
@@ -617,7 +627,7 @@ class MicroBatcher:
             best = min(states, key=lambda s: (not s.ready(now), s.rank, s.index))
             if not (flush or best.ready(now)):
                 return None
-            batch = self._release(best, now, by_length=flush)
+            batch = self._release(best, now, states, by_length=flush)
             if batch is not None:
                 return batch
             # every item of that cut was late (``take_late``): look again
@@ -680,17 +690,21 @@ class MicroBatcher:
     def _state(self, index: int, bucket: _Bucket) -> _Readiness:
         full = self._budget.full(len(bucket), bucket.cost)
         oldest = bucket.oldest_enqueued_at()
-        wait_at = oldest + self._policy.max_wait_s
         n = min(len(bucket), self._policy.max_batch_size)
-        due_at: float = wait_at
+        due_at = math.inf
         trigger: Reason = "wait"
         deadline = bucket.earliest_deadline()
         if deadline is not None:
-            deadline_at = deadline - max(0.0, self._service_time(n, bucket.max_cost()))
-            if deadline_at < due_at:
-                due_at, trigger = deadline_at, "deadline"
+            due_at = deadline - max(0.0, self._service_time(n, bucket.max_cost()))
+            trigger = "deadline"
         if self._adaptive is None:
+            wait_at = oldest + self._policy.max_wait_s
+            if wait_at <= due_at:
+                due_at, trigger = wait_at, "wait"
             return _Readiness(index, full, due_at, trigger, due_at)
+        # No max_wait_s here: the controller goes at once at a free model, and a batch the
+        # window pushed into a busy one would only wait behind the forward in flight, as a
+        # smaller batch than the one the model could take when it frees (design.md).
         due = self._adaptive.due(oldest, n, bucket.max_cost())
         rank = min(due.budget_at, due_at)
         if due.at < due_at:
@@ -709,7 +723,9 @@ class MicroBatcher:
             return self._budget
         return _Budget(cap, self._budget.max_cost)
 
-    def _release(self, state: _Readiness, now: float, *, by_length: bool) -> models.Batch | None:
+    def _release(
+        self, state: _Readiness, now: float, states: Sequence[_Readiness], *, by_length: bool
+    ) -> models.Batch | None:
         bucket = self._buckets[state.index]
         budget = self._cap(bucket, now)
         fair = self._fair if len(bucket.tenants) > 1 else None
@@ -724,6 +740,8 @@ class MicroBatcher:
             fair.charge(collections.Counter(map(models.ITEM_TENANT, items[1:])), now)
         if by_length:
             items.sort(key=lambda item: item.cost)
+        elif self._adaptive is not None and len(items) < budget.max_size:
+            items += self._fill(state.index, items, budget, now, states)
         self._ids.difference_update(map(_ID, items))
         if self._late_policy == "expire" and not self._draining:
             items = self._without_late(items, now)
@@ -735,8 +753,94 @@ class MicroBatcher:
             reason="slo" if capped else self._reason(state, len(items), now),
             formed_at=now,
             stats=batch_stats(items, now, self._policy.max_batch_size),
-            bucket=state.index,
+            bucket=self._bucket_of(max(map(_COST, items))),
         )
+
+    def _fill(
+        self,
+        base: int,
+        items: list[models.WorkItem],
+        budget: _Budget,
+        now: float,
+        states: Sequence[_Readiness],
+    ) -> list[models.WorkItem]:
+        """Adaptive: the items of other buckets (nearest first) that ride in this batch, padded
+        to its longest. A bucket's items join when the model predicts both (see module
+        docstring): one padded forward pass no longer than the two it replaces, and a lower
+        sum of the pending items' completion times (the joining items skip their wait for
+        their bucket's turn; the batch's own items and those of the buckets ahead of that
+        turn wait the longer forward out; those after it skip the joining bucket's forward).
+        And only while the batch is still predicted in time for every item in it: its oldest
+        item's SLO and default deadline by the upper estimate, an item's own deadline by the
+        mean."""
+        ctrl = self._adaptive
+        assert ctrl is not None
+        model = ctrl.model
+        n, cost, total = len(items), max(map(_COST, items)), sum(map(_COST, items))
+        limit_s = min(ctrl.slo_s, self._default_deadline_s or math.inf)
+        due = min(map(_ENQUEUED, items)) + limit_s
+        own = min(filter(None, map(models.ITEM_DEADLINE_AT, items)), default=math.inf)
+        if ctrl.finish_at(now, n, cost, upper=True) > due or ctrl.finish_at(now, n, cost) > own:
+            return []  # already tight: a larger batch would only make it later
+        # each other bucket as it would go on its own: (its turn, its items, its forward)
+        turns = {
+            st.index: (
+                st.rank,
+                len(self._buckets[st.index]),
+                model.predict(
+                    min(len(self._buckets[st.index]), budget.max_size),
+                    self._buckets[st.index].max_cost(),
+                ),
+            )
+            for st in states
+            if st.index != base and self._buckets[st.index]
+        }
+        added: list[models.WorkItem] = []
+        for index in sorted(turns, key=lambda i: (abs(i - base), i)):
+            room = budget.max_size - n
+            left = None if budget.max_cost is None else budget.max_cost - total
+            if room <= 0 or (left is not None and left <= 0):
+                break
+            other = self._buckets[index]
+            fair = self._fair if len(other.tenants) > 1 else None
+            order = None if fair is None else other.fair_order(fair, now, room)
+            seqs = other.cut_in_order(_Budget(room, left), order)
+            taken = [other.items[seq] for seq in seqs]
+            k, k_cost, k_total = len(taken), max(map(_COST, taken)), sum(map(_COST, taken))
+            padded = max(cost, k_cost)
+            t_now, t_alone = model.predict(n, cost), model.predict(k, k_cost)
+            t_merged = model.predict(n + k, padded)
+            rank, _, _ = turns[index]
+            ahead = [v for i, v in turns.items() if i != index and v[0] < rank]
+            after = [v for i, v in turns.items() if i != index and v[0] >= rank]
+            skipped = t_alone if k == len(other) else 0.0  # its turn is gone, not shortened
+            delta = t_merged - t_now
+            waited = t_now + sum(v[2] for v in ahead) + t_alone  # its items' finish, alone
+            change = (
+                k * (t_merged - waited)
+                + (n + sum(v[1] for v in ahead)) * delta
+                + sum(v[1] for v in after) * (delta - skipped)
+            )
+            if (left is not None and k_total > left) or t_merged > t_now + t_alone or change >= 0:
+                continue
+            k_due = min(map(_ENQUEUED, taken)) + limit_s
+            k_own = min(filter(None, map(models.ITEM_DEADLINE_AT, taken)), default=math.inf)
+            if ctrl.finish_at(now, n + k, padded, upper=True) > min(due, k_due) or (
+                ctrl.finish_at(now, n + k, padded) > min(own, k_own)
+            ):
+                continue
+            other.remove(seqs)
+            if fair is not None:
+                fair.charge(collections.Counter(map(models.ITEM_TENANT, taken)), now)
+            added += taken
+            n, cost, total = n + k, padded, total + k_total
+            due, own = min(due, k_due), min(own, k_own)
+            if other:  # what the room left of it: still its own turn
+                left_n = min(len(other), budget.max_size)
+                turns[index] = (rank, len(other), model.predict(left_n, other.max_cost()))
+            else:
+                del turns[index]
+        return added
 
     def _without_late(self, items: list[models.WorkItem], now: float) -> list[models.WorkItem]:
         """``items`` less those predicted to finish after their deadline (kept for
