@@ -55,6 +55,12 @@ class Disconnected(QueueError):
 class QueueFull(QueueError):
     """The queue is at its depth cap; retry later or raise the cap (`batching queue cap`)."""
 
+    def __init__(self, message: str | None = None, *, reason: str = "depth_cap") -> None:
+        """``reason``: ``"depth_cap"`` (the queue is full) or ``"tenant_share"`` (the tenant
+        holds its share of the cap while others wait)."""
+        super().__init__(message)
+        self.reason = reason
+
 
 class LeaseLost(BatchingError):
     """The lease is no longer held; the batch's results are discarded."""

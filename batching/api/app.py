@@ -9,6 +9,10 @@ cap (with ``Retry-After``), 503 the database (or an output) cannot be reached.
 The queue and the outputs are synchronous SQLAlchemy: their calls run in the thread pool, and
 POSTs are enqueued by one writer thread in groups, one transaction each (``writer``); a long
 poll waits on the event loop between reads, holding no thread.
+
+Why it stays one module: it is the one that imports fastapi, and its routes, their error
+answers and the settings they read are one surface, the OpenAPI schema; what is not HTTP
+lives beside it (``writer``, ``wakeup``, ``results``, ``tokens``, ``requests``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -44,6 +48,12 @@ INLINE_BYTES = 64 * 1024
 """A POST body up to this size is parsed on the event loop, a larger one in a thread."""
 
 
+Observe = Callable[[str, str, str, int], None]
+"""Told what each POST did with its items: (queue, tenant, outcome, n), the outcome one of
+``enqueued``, ``duplicate`` (its key already queued), ``shed_depth_cap`` and
+``shed_tenant_share`` (a 429); the CLI counts them (``batching_api_items_total``)."""
+
+
 @dataclass(frozen=True)
 class Settings:
     """What the application is given (the CLI builds it from the config and environment).
@@ -51,7 +61,7 @@ class Settings:
     ``watch``: long polls are answered after the commit that finishes their item
     (``wakeup``), or after ``backstop_s`` at most; without it, every ``poll_s``. POSTs are
     written in groups (``writer``): up to ``group_max_records`` records a transaction,
-    lingering ``group_linger_s`` for more.
+    lingering ``group_linger_s`` for more. ``observe`` hears each POST's outcome.
     """
 
     results: Results
@@ -65,6 +75,7 @@ class Settings:
     backstop_s: float = 0.5
     group_max_records: int = writer.DEFAULT_MAX_RECORDS
     group_linger_s: float = 0.0
+    observe: Observe | None = None
 
 
 class ApiError(Exception):
@@ -250,7 +261,14 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         futures = {k: waiters.register(queue, k) for k in keys}  # before the writer reads
         try:
             post = request.app.state.writer.submit(queue, tenant, records)
-            doc, created = await asyncio.wrap_future(post.answer)
+            try:
+                doc, created = await asyncio.wrap_future(post.answer)
+            except errors.QueueFull as full:
+                _observe(settings, queue, tenant, f"shed_{full.reason}", len(records))
+                raise
+            new = sum(1 for item in doc["items"] if item["created"])
+            _observe(settings, queue, tenant, "enqueued", new)
+            _observe(settings, queue, tenant, "duplicate", len(doc["items"]) - new)
             if futures:
                 final = await _finals(settings, queue, doc["items"], futures, ends)
                 doc = {"items": [_with_result(i, final.get(i["item_key"])) for i in doc["items"]]}
@@ -291,6 +309,11 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (503, "the database or the output cannot be reached"),
     )
 }
+
+
+def _observe(settings: Settings, queue: str, tenant: str, outcome: str, n: int) -> None:
+    if settings.observe is not None and n > 0:
+        settings.observe(queue, tenant, outcome, n)
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:

@@ -45,6 +45,21 @@ def tokens_from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> Any:
     )
 
 
+def application(settings: Any, environment: str) -> Any:
+    """The API's application (``batching.api.app.Settings`` -> FastAPI) with its own
+    ``/metrics``: the items each POST enqueued, found present or shed with 429
+    (``batching_api_items_total``, labelled ``environment``)."""
+    import dataclasses
+
+    from batching.api import app as api_app
+    from batching.metrics.api_items import ApiMetrics
+
+    metrics = ApiMetrics(environment)
+    server = api_app.create_app(dataclasses.replace(settings, observe=metrics.observe))
+    server.mount("/metrics", metrics.asgi_app())
+    return server
+
+
 @app.command("api")
 @handle_errors
 def serve_api(
@@ -96,10 +111,10 @@ def serve_api(
     )
     err.print(
         f"serving {len(known)} token(s) on http://{host}:{port} (database "
-        f"{database.redact(res.db_url)}); docs at /docs",
+        f"{database.redact(res.db_url)}); docs at /docs, metrics at /metrics",
         highlight=False,
     )
     try:
-        api_app.serve(api_app.create_app(settings), host, port)
+        api_app.serve(application(settings, cfg.metrics.environment), host, port)
     finally:
         results.close()

@@ -87,7 +87,8 @@ def over_share(
             raise errors.QueueFull(
                 f"tenant {tenant!r} is at its share of queue {queue!r}'s depth cap ({have} items "
                 f"ready or leased + {n} new > {share:.0f} of cap {cap}, shared by {len(active)} "
-                f"tenants); nothing was enqueued: retry later"
+                f"tenants); nothing was enqueued: retry later",
+                reason="tenant_share",
             )
 
 

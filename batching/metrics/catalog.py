@@ -197,7 +197,22 @@ EXPORTER: tuple[Metric, ...] = (
     Metric("batching_exporter_up", "gauge", ENV, "1 when the last scrape read the database."),
 )
 
-ALL: tuple[Metric, ...] = SCORER + EXPORTER
+API_OUTCOMES = ("enqueued", "duplicate", "shed_depth_cap", "shed_tenant_share")
+"""The ``outcome`` label of ``batching_api_items_total``: new, its key already queued, or
+refused with 429 (the queue at its depth cap, or the tenant at its share of it)."""
+
+API: tuple[Metric, ...] = (
+    Metric(
+        "batching_api_items_total",
+        "counter",
+        (*Q, "outcome"),
+        "Items POSTed to `batching api`, by outcome (enqueued, duplicate, shed_depth_cap, "
+        "shed_tenant_share: refused with 429).",
+    ),
+)
+"""Served by ``batching api`` on its own ``/metrics``."""
+
+ALL: tuple[Metric, ...] = SCORER + EXPORTER + API
 
 
 def by_name() -> dict[str, Metric]:

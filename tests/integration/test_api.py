@@ -20,10 +20,12 @@ import yaml
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from batching.api import app as api_app
 from batching.api import tokens
 from batching.api.results import Results
+from batching.cli import api as api_cli
 from batching.compose import build
 from batching.config import load_config
 from batching.ingress import controls
@@ -237,6 +239,46 @@ def test_a_queue_at_its_depth_cap_answers_429_with_retry_after(config_path: Path
         assert "depth cap" in assert_error(full, 429, "QueueFull")
         assert full.headers["retry-after"] == "7"
         assert capped.post(ITEMS, json=item("a"), headers=A).status_code == 200  # nothing new
+
+
+def test_the_api_counts_what_each_post_did_on_its_own_metrics(config_path: Path) -> None:
+    """``batching api``'s application (the CLI's): enqueued, duplicate and both kinds of 429
+    counted by queue, tenant and outcome, served on /metrics without a token."""
+    cfg = load_config(config_path)
+    res = build.checked(cfg, None, None)
+    results = Results(database.create_engine(res.db_url), res.target)
+    known = tokens.parse(f"{TOKEN_A}=alpha,{TOKEN_B}=beta", "test")
+    app = api_cli.application(api_app.Settings(results, known, poll_s=0.01), "prod")
+    with TestClient(app) as served:
+        controls.set_max_depth(results.engine, "tabular", 4, actor="test", reason=None, now=0.0)
+        assert served.post(ITEMS, json=item("b1"), headers=B).status_code == 201
+        assert (
+            served.post(ITEMS, json={"items": [item("a1"), item("a2")]}, headers=A).status_code
+            == 201
+        )
+        assert served.post(ITEMS, json=item("a1"), headers=A).status_code == 200  # present
+        share = served.post(ITEMS, json=item("a3"), headers=A)  # past alpha's half of 4
+        assert "share" in assert_error(share, 429, "QueueFull")
+        assert served.post(ITEMS, json=item("b2"), headers=B).status_code == 201
+        full = served.post(ITEMS, json={"items": [item("b3"), item("b4")]}, headers=B)
+        assert "depth cap" in assert_error(full, 429, "QueueFull")
+        text = served.get("/metrics").text
+    results.engine.dispose()
+    samples = [
+        s
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "batching_api_items_total"
+    ]
+    assert {(s.labels["environment"], s.labels["queue"]) for s in samples} == {("prod", "tabular")}
+    counted = {(s.labels["tenant"], s.labels["outcome"]): s.value for s in samples}
+    assert counted == {
+        ("beta", "enqueued"): 2.0,
+        ("alpha", "enqueued"): 2.0,
+        ("alpha", "duplicate"): 1.0,
+        ("alpha", "shed_tenant_share"): 1.0,
+        ("beta", "shed_depth_cap"): 2.0,
+    }
 
 
 # -- GET ----------------------------------------------------------------------------------------

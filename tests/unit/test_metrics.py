@@ -77,6 +77,7 @@ CONTRACT: dict[str, set[str]] = {
     "batching_lineage_spool_failing_events": {"environment"},
     "batching_reconcile_findings": E | {"class", "severity"},
     "batching_exporter_up": {"environment"},
+    "batching_api_items_total": Q | {"outcome"},
 }
 HISTOGRAMS = {
     "batching_batch_size_items",
@@ -391,3 +392,17 @@ def test_a_rollouts_batches_are_labelled_by_their_version_and_charge_device_seco
         key("u", "v2"): 1,
     }
     assert samples(rec, "batching_items_dead_total") == {key("t", "v2"): 1}
+
+
+def test_the_api_counts_known_outcomes_only() -> None:
+    from batching.metrics.api_items import ApiMetrics
+
+    metrics = ApiMetrics("test")
+    metrics.observe("q", "a", "shed_depth_cap", 3)
+    metrics.observe("q", "a", "enqueued", 0)  # nothing: no series
+    with pytest.raises(ValueError, match="unknown API outcome 'shed'"):
+        metrics.observe("q", "a", "shed", 1)
+    labels = {"environment": "test", "queue": "q", "tenant": "a"}
+    count = metrics.registry.get_sample_value
+    assert count("batching_api_items_total", labels | {"outcome": "shed_depth_cap"}) == 3.0
+    assert count("batching_api_items_total", labels | {"outcome": "enqueued"}) is None
