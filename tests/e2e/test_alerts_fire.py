@@ -4,7 +4,9 @@
 1. an SLA miss: every item committed late (held back by a paused queue past a tiny SLO), so the miss-ratio and fast-burn alerts fire;
 2. a growing backlog with no scorer: the oldest-ready-age alert goes pending, then firing;
 3. a clean run: items committed in time, no backlog: nothing is pending or firing, while the
-   same targets are up and the committed counter and miss ratio are there (not vacuous).
+   same targets are up and the committed counter and miss ratio are there (not vacuous);
+4. POSTs to ``batching api`` past the queue's depth cap: the API's own /metrics counts the
+   429s, and the shedding alert fires.
 
 The rules are a temporary copy of deployments/monitoring/alerts.yml with every ``for:``
 shortened to 2 s (each ``expr`` exactly as shipped), so pending -> firing takes seconds; the
@@ -16,6 +18,7 @@ posting to a webhook) is tests/e2e/test_prefect_server.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -24,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -227,3 +231,51 @@ def test_a_clean_run_fires_nothing(
     assert batching_alerts(server) == []
     window_s = max(1, int(time.time() - settled))
     assert server.query(f'ALERTS{{alertname=~"Batching.*"}}[{window_s}s]') == []
+
+
+def _is(server: prom.Prometheus, expr: str, value: float) -> bool:
+    return server.value(expr) == value
+
+
+def test_posts_past_the_depth_cap_fire_the_api_shedding_alert(
+    ws: Path,
+    prometheus: Callable[..., prom.Prometheus],
+    spawn: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cfg = config(ws)
+    token = "t" * 24
+    monkeypatch.setenv("BATCHING_API_TOKENS", f"{token}=a")
+    q = queue(ws)
+    controls.set_max_depth(q.engine, "tabular", 5, actor="test", reason=None, now=time.time())
+    q.engine.dispose()
+    port = prom.free_port()
+    spawn("api", "-c", str(cfg), "--port", str(port), cwd=ws)  # no scorer: nothing drains
+    base = f"http://127.0.0.1:{port}"
+    items = f"{base}/v1/queues/tabular/items"
+    auth = {"Authorization": f"Bearer {token}"}
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(up, 60, "batching api to answer")
+    server = prometheus({"batching-api": [f"127.0.0.1:{port}"]}, [fast_rules(ws)])
+    wait_for(server.targets_up, 90, "the API to be scraped")
+    answers = []
+    shed = 'sum(batching_api_items_total{outcome="shed_depth_cap"})'
+    for round_ in (1, 2):  # rate() needs the counter to grow while scraped
+        for k in range(10):
+            body = {"item_key": f"r{round_}-{k}", "payload": {"x": [0.5] * 64}}
+            answers.append(httpx.post(items, json=body, headers=auth, timeout=10).status_code)
+        expected = {1: 5.0, 2: 15.0}[round_]  # the first 5 fill the cap of 5
+        wait_for(functools.partial(_is, server, shed, expected), 30, f"round {round_}'s 429s")
+    assert answers.count(201) == 5
+    assert answers.count(429) == 15
+    pending_then_firing(
+        server,
+        "BatchingApiShedding",
+        {"environment": "e2e", "queue": "tabular", "severity": "page"},
+    )
