@@ -779,7 +779,7 @@ class MicroBatcher:
         n, cost, total = len(items), max(map(_COST, items)), sum(map(_COST, items))
         limit_s = min(ctrl.slo_s, self._default_deadline_s or math.inf)
         due = min(map(_ENQUEUED, items)) + limit_s
-        own = min(filter(None, map(models.ITEM_DEADLINE_AT, items)), default=math.inf)
+        own = _earliest_deadline(items)
         if ctrl.finish_at(now, n, cost, upper=True) > due or ctrl.finish_at(now, n, cost) > own:
             return []  # already tight: a larger batch would only make it later
         # each other bucket as it would go on its own: (its turn, its items, its forward)
@@ -824,7 +824,7 @@ class MicroBatcher:
             if (left is not None and k_total > left) or t_merged > t_now + t_alone or change >= 0:
                 continue
             k_due = min(map(_ENQUEUED, taken)) + limit_s
-            k_own = min(filter(None, map(models.ITEM_DEADLINE_AT, taken)), default=math.inf)
+            k_own = _earliest_deadline(taken)
             if ctrl.finish_at(now, n + k, padded, upper=True) > min(due, k_due) or (
                 ctrl.finish_at(now, n + k, padded) > min(own, k_own)
             ):
@@ -909,6 +909,12 @@ class MicroBatcher:
         if state.full:
             return self._full_reason(n_items)
         return state.trigger if state.due_at <= now else "flush"
+
+
+def _earliest_deadline(items: Iterable[models.WorkItem]) -> float:
+    """The earliest ``deadline_at`` among ``items`` (inf when none has one)."""
+    deadlines = map(models.ITEM_DEADLINE_AT, items)
+    return min((d for d in deadlines if d is not None), default=math.inf)
 
 
 def _utc(at: float) -> str:
