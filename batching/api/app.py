@@ -29,7 +29,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -61,7 +61,8 @@ class Settings:
     ``watch``: long polls are answered after the commit that finishes their item
     (``wakeup``), or after ``backstop_s`` at most; without it, every ``poll_s``. POSTs are
     written in groups (``writer``): up to ``group_max_records`` records a transaction,
-    lingering ``group_linger_s`` for more. ``observe`` hears each POST's outcome.
+    lingering ``group_linger_s`` for more. ``observe`` hears each POST's outcome;
+    ``metrics`` (the exposition and its content type) is served on ``GET /metrics``.
     """
 
     results: Results
@@ -76,6 +77,7 @@ class Settings:
     group_max_records: int = writer.DEFAULT_MAX_RECORDS
     group_linger_s: float = 0.0
     observe: Observe | None = None
+    metrics: Callable[[], tuple[bytes, str]] | None = None
 
 
 class ApiError(Exception):
@@ -229,6 +231,14 @@ def _routes(app: FastAPI, settings: Settings) -> None:
     @app.get("/healthz", summary="The process is up.")
     def healthz() -> dict[str, bool]:
         return {"ok": True}
+
+    if settings.metrics is not None:
+        exposition = settings.metrics
+
+        @app.get("/metrics", include_in_schema=False)
+        def metrics() -> Response:
+            body, content_type = exposition()
+            return Response(body, media_type=content_type)
 
     @app.get("/readyz", summary="The database is reachable and its schema current (else 503).")
     def readyz() -> dict[str, bool]:

@@ -55,9 +55,8 @@ def application(settings: Any, environment: str) -> Any:
     from batching.metrics.api_items import ApiMetrics
 
     metrics = ApiMetrics(environment)
-    server = api_app.create_app(dataclasses.replace(settings, observe=metrics.observe))
-    server.mount("/metrics", metrics.asgi_app())
-    return server
+    counted = dataclasses.replace(settings, observe=metrics.observe, metrics=metrics.exposition)
+    return api_app.create_app(counted)
 
 
 @app.command("api")

@@ -1,13 +1,17 @@
 """What ``batching api`` counts (:data:`catalog.API`): the items each POST enqueued, found
 already queued, or shed with a 429, by queue, tenant and outcome. The API serves them on its
-own ``/metrics`` (:meth:`ApiMetrics.asgi_app`), beside its routes: a 429 happens in the API
+own ``/metrics`` (:meth:`ApiMetrics.exposition`), beside its routes: a 429 happens in the API
 process, before anything reaches the tables the exporter reads."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, make_asgi_app
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from batching.metrics import catalog
 
@@ -36,6 +40,6 @@ class ApiMetrics:
         if n > 0:
             self._items.labels(self.environment, queue, tenant, outcome).inc(n)
 
-    def asgi_app(self) -> Any:
-        """The ``/metrics`` endpoint (Prometheus text format) of these series."""
-        return make_asgi_app(self.registry)
+    def exposition(self) -> tuple[bytes, str]:
+        """These series in the Prometheus text format, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

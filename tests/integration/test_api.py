@@ -262,7 +262,10 @@ def test_the_api_counts_what_each_post_did_on_its_own_metrics(config_path: Path)
         assert served.post(ITEMS, json=item("b2"), headers=B).status_code == 201
         full = served.post(ITEMS, json={"items": [item("b3"), item("b4")]}, headers=B)
         assert "depth cap" in assert_error(full, 429, "QueueFull")
-        text = served.get("/metrics").text
+        scraped = served.get("/metrics", follow_redirects=False)  # at /metrics itself
+        assert scraped.status_code == 200, scraped.headers
+        assert scraped.headers["content-type"].startswith("text/plain")
+        text = scraped.text
     results.engine.dispose()
     samples = [
         s
