@@ -1,7 +1,9 @@
 """Plan-time policy check: does a config meet its latency objective and fit its device? (pure)
 
-Worst-case batches. The batcher never mixes length buckets and counts an item's ``cost`` (its
-token count; 1 for dense inputs) against ``max_batch_cost``. For each bucket the worst batch is
+Worst-case batches. The batcher counts an item's ``cost`` (its token count; 1 for dense
+inputs) against ``max_batch_cost`` and mixes length buckets only under the adaptive rule, then
+with the padded batch (items x its longest cost) within ``max_batch_cost``: a mixed batch is
+never larger than the worst batch below of its longest item's bucket. For each bucket the worst batch is
 the most items the caps allow when every item has the bucket's smallest cost, all padded to the
 bucket's largest length: ``n = min(max_batch_size, max_batch_cost // smallest_cost)`` (at least
 1) at ``length = bucket edge``. The overflow bucket above the last edge, or the single bucket

@@ -772,7 +772,9 @@ class MicroBatcher:
         turn wait the longer forward out; those after it skip the joining bucket's forward).
         And only while the batch is still predicted in time for every item in it: its oldest
         item's SLO and default deadline by the upper estimate, an item's own deadline by the
-        mean."""
+        mean. With ``max_batch_cost``, the padded batch (items x its longest cost) stays within
+        it, so a mixed batch is never larger than the worst batch of its longest item's bucket:
+        what ``batching check`` judged at plan time (latency and device memory)."""
         ctrl = self._adaptive
         assert ctrl is not None
         model = ctrl.model
@@ -821,7 +823,12 @@ class MicroBatcher:
                 + (n + sum(v[1] for v in ahead)) * delta
                 + sum(v[1] for v in after) * (delta - skipped)
             )
-            if (left is not None and k_total > left) or t_merged > t_now + t_alone or change >= 0:
+            if (
+                (left is not None and k_total > left)
+                or (budget.max_cost is not None and (n + k) * padded > budget.max_cost)
+                or t_merged > t_now + t_alone
+                or change >= 0
+            ):
                 continue
             k_due = min(map(_ENQUEUED, taken)) + limit_s
             k_own = _earliest_deadline(taken)

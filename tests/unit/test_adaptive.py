@@ -273,11 +273,15 @@ def test_padding_costs_no_throughput_near_capacity() -> None:
     assert tuned.p99 <= 1.1 * fixed.p99
 
 
-def _two_buckets(slo_s: float, a_s: float = 0.010, b_s: float = 0.001) -> batcher.MicroBatcher:
+def _two_buckets(
+    slo_s: float, a_s: float = 0.010, b_s: float = 0.001, max_batch_cost: int | None = None
+) -> batcher.MicroBatcher:
     """A batcher with buckets of cost <= 1, <= 8 and above, on an idle model that costs
     ``a_s + b_s * n * cost`` (the profile, unmeasured: the cold margin is 25%)."""
     clock = FakeClock(100.0)
-    pol = config.BatchingPolicy(max_batch_size=64, max_wait_s=0.05, length_buckets=[1, 8])
+    pol = config.BatchingPolicy(
+        max_batch_size=64, max_wait_s=0.05, length_buckets=[1, 8], max_batch_cost=max_batch_cost
+    )
     model = adaptive.ServiceModel(lambda n, c: a_s + b_s * n * c, n_ref=64, c_ref=8)
     ctrl = adaptive.SloController(slo_s, model)
     return batcher.MicroBatcher(pol, clock, adaptive=ctrl)
@@ -301,6 +305,17 @@ def test_items_ride_with_another_bucket_when_it_is_sooner_for_all() -> None:
     assert batch.reason == "idle"
     assert batch.bucket == 1
     assert len(b) == 0
+
+
+def test_no_ride_past_the_cost_cap_once_padded() -> None:
+    """The case above, but max_batch_cost 16: their costs add up to 10, padded to 8 they are
+    24, more than the plan-time check's worst batch allows; the cost-8 item goes alone."""
+    b = _two_buckets(slo_s=1.0, b_s=0.0001, max_batch_cost=16)
+    b.add(_items(1, 1, cost=8) + _items(2, 2, cost=1))
+    first = b.poll()
+    assert first is not None
+    assert {item.cost for item in first.items} == {8}
+    assert len(b) == 2
 
 
 def test_no_ride_when_padding_costs_more_than_a_forward_pass() -> None:
