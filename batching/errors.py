@@ -17,6 +17,8 @@ BatchingError
 
 from __future__ import annotations
 
+from typing import Literal
+
 
 class BatchingError(Exception):
     """A batching operation failed."""
@@ -55,7 +57,12 @@ class Disconnected(QueueError):
 class QueueFull(QueueError):
     """The queue is at its depth cap; retry later or raise the cap (`batching queue cap`)."""
 
-    def __init__(self, message: str | None = None, *, reason: str = "depth_cap") -> None:
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        reason: Literal["depth_cap", "tenant_share"] = "depth_cap",
+    ) -> None:
         """``reason``: ``"depth_cap"`` (the queue is full) or ``"tenant_share"`` (the tenant
         holds its share of the cap while others wait)."""
         super().__init__(message)

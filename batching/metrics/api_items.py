@@ -5,17 +5,10 @@ process, before anything reaches the tables the exporter reads."""
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    disable_created_metrics,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from batching.metrics import catalog
-
-disable_created_metrics()  # type: ignore[no-untyped-call]
+from batching.metrics.recorder import make_series
 
 
 class ApiMetrics:
@@ -28,10 +21,7 @@ class ApiMetrics:
     def __init__(self, environment: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.environment = environment
-        m = catalog.by_name()["batching_api_items_total"]
-        self._items = Counter(
-            m.name.removesuffix("_total"), m.help, m.labels, registry=self.registry
-        )
+        self._items = make_series(catalog.by_name()["batching_api_items_total"], self.registry)
 
     def observe(self, queue: str, tenant: str, outcome: str, n: int) -> None:
         """``n`` items of one POST had ``outcome`` (one of :data:`catalog.API_OUTCOMES`)."""

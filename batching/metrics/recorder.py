@@ -35,7 +35,7 @@ class ProcessMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.series: dict[str, Any] = {m.name: _make(m, registry) for m in catalog.SCORER}
+        self.series: dict[str, Any] = {m.name: make_series(m, registry) for m in catalog.SCORER}
         self._folders: dict[int, TenantFolder] = {}
 
     def folder(self, top_n: int) -> TenantFolder:
@@ -44,7 +44,8 @@ class ProcessMetrics:
             return self._folders.setdefault(top_n, TenantFolder(top_n))
 
 
-def _make(m: catalog.Metric, registry: CollectorRegistry) -> Any:
+def make_series(m: catalog.Metric, registry: CollectorRegistry) -> Any:
+    """The ``prometheus_client`` series of catalog entry ``m``, registered in ``registry``."""
     name = m.name.removesuffix("_total") if m.kind == "counter" else m.name
     if m.kind == "counter":
         return Counter(name, m.help, m.labels, registry=registry)
