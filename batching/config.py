@@ -693,7 +693,7 @@ class PipelineConfig(_Model):
     latency_slo_s: float = Field(
         1.0,
         gt=0,
-        description="the objective `batching check` holds the worst case to: `max_wait_s` + a full batch's service time + `commit_interval_s`",
+        description="the objective `batching check` holds the worst case to: `max_wait_s` (none with `adaptive`) + a full batch's service time + `commit_interval_s`",
     )
     service_profile: str | None = Field(
         None,

@@ -35,7 +35,8 @@ def check(config: ConfigOption, db: DbOverride = None, as_json: JsonOption = Fal
     queue's database exists (--db, else the config's), its model route must name only listed
     versions.
 
-    --json prints one document: ok, config, latency_slo_s, max_wait_s, commit_interval_s,
+    --json prints one document: ok, config, latency_slo_s, adaptive, max_wait_s (not counted
+    when adaptive: the rule has no wait window), commit_interval_s,
     worst_case_latency_s, predicted_service_s, worst_batch {n_items, length},
     estimated_memory_bytes, largest_item (null when not known), errors, warnings (lists of
     one-line messages). The exit code is the same as without --json.
@@ -58,9 +59,11 @@ def check(config: ConfigOption, db: DbOverride = None, as_json: JsonOption = Fal
     for w in report.warnings:
         err.print(f"warning: {w}", highlight=False)
     worst = report.worst_batch
+    adaptive = cfg.batching.adaptive
+    window = "adaptive (no wait window)" if adaptive else f"max_wait_s {cfg.batching.max_wait_s:g}"
     if report.worst_case_latency_s is not None and worst is not None:
         out.print(
-            f"{config}: worst case {report.worst_case_latency_s:.3f}s = max_wait_s {cfg.batching.max_wait_s:g}"
+            f"{config}: worst case {report.worst_case_latency_s:.3f}s = {window}"
             f" + service {report.predicted_service_s:.3f}s for {worst.n_items} x {worst.length}"
             + (
                 f" + commit_interval_s {cfg.output.commit_interval_s:g}"
@@ -86,6 +89,7 @@ def check_doc(config: Path, cfg: Any, report: Any) -> dict[str, Any]:
         "ok": report.ok,
         "config": str(config),
         "latency_slo_s": cfg.latency_slo_s,
+        "adaptive": cfg.batching.adaptive,
         "max_wait_s": cfg.batching.max_wait_s,
         "commit_interval_s": cfg.output.commit_interval_s,
         "worst_case_latency_s": report.worst_case_latency_s,

@@ -12,7 +12,9 @@ when it is above the last edge, since the overflow bucket holds such items, else
 edge; with no edges, the profile's longest measured length). Dense models have one length, 1.
 
 Latency. ``worst_case_latency_s = max_wait_s + predicted service time of the slowest worst-case
-batch + output.commit_interval_s`` must not exceed ``latency_slo_s``. A warning is added when, under sustained full load, an
+batch + output.commit_interval_s`` must not exceed ``latency_slo_s``. Under the adaptive rule
+``max_wait_s`` is no trigger (a batch goes at once to a free model, and grows only while the
+model is busy, within the oldest item's budget), so it counts as 0. A warning is added when, under sustained full load, an
 item could also wait for the batch ahead of it (``max(max_wait_s, s) + s`` over the objective).
 
 Memory (kept simple on purpose). A batch's peak device memory is estimated linearly in padded
@@ -238,9 +240,15 @@ def _check_latency(
     return worst, service_s
 
 
+def _window(config: PipelineConfig) -> float:
+    """Seconds an item may wait for its batch to fill: ``max_wait_s``, none under the adaptive
+    rule (``batching.policy.adaptive``), which releases at once to a free model."""
+    return 0.0 if config.batching.adaptive else config.batching.max_wait_s
+
+
 def _waits(config: PipelineConfig) -> float:
     """Seconds an item may wait on purpose: for its batch to fill, then for its group commit."""
-    return config.batching.max_wait_s + config.output.commit_interval_s
+    return _window(config) + config.output.commit_interval_s
 
 
 def _judge_latency(
@@ -251,16 +259,21 @@ def _judge_latency(
     found: list[str],
     warned: list[str],
 ) -> None:
-    wait_s, slo_s = config.batching.max_wait_s, config.latency_slo_s
+    wait_s, slo_s = _window(config), config.latency_slo_s
     commit_s = config.output.commit_interval_s
     shape = f"{worst.n_items} items x {worst.length} length"
     if _waits(config) + service_s > slo_s:
+        window = (
+            "adaptive, no wait window" if config.batching.adaptive else f"max_wait_s {wait_s:g}"
+        )
         linger = f" + commit_interval_s {commit_s:g}" if commit_s else ""
+        levers = ["max_batch_size", "max_batch_cost"]
+        levers += [] if config.batching.adaptive else ["max_wait_s"]
+        levers += ["commit_interval_s"] if commit_s else []
         found.append(
-            f"worst-case latency {_waits(config) + service_s:.4g}s (max_wait_s {wait_s:g} + "
+            f"worst-case latency {_waits(config) + service_s:.4g}s ({window} + "
             f"service {service_s:.4g}s for a full batch of {shape} on {profile.device}{linger}) "
-            f"exceeds latency_slo_s {slo_s:g}; lower max_batch_size / max_batch_cost / "
-            f"max_wait_s{' / commit_interval_s' if commit_s else ''}"
+            f"exceeds latency_slo_s {slo_s:g}; lower {' / '.join(levers)}"
         )
     elif max(wait_s, service_s) + service_s + commit_s > slo_s:
         warned.append(

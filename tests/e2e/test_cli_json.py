@@ -17,6 +17,7 @@ CHECK_KEYS = {
     "ok",
     "config",
     "latency_slo_s",
+    "adaptive",
     "max_wait_s",
     "commit_interval_s",
     "worst_case_latency_s",
@@ -75,6 +76,22 @@ def test_check_json_that_breaks_the_objective_exits_1_with_the_errors(tmp_path: 
     assert doc["ok"] is False
     assert doc["max_wait_s"] == 0.499
     assert any("exceeds latency_slo_s 0.5" in e for e in doc["errors"]), doc["errors"]
+
+
+def test_check_under_the_adaptive_rule_counts_no_wait_window(tmp_path: Path) -> None:
+    """The config above, refused for its window, passes under ``adaptive``: a batch goes at
+    once to a free model there, so ``max_wait_s`` is no part of the worst case."""
+    near = write_config(
+        tmp_path, batching={"max_batch_size": 512, "max_wait_s": 0.499, "adaptive": True}
+    )
+    r = batching("check", "-c", str(near), "--json", cwd=tmp_path)
+    assert r.rc == 0, (r.out, r.err)
+    doc = document(r)
+    assert (doc["ok"], doc["adaptive"], doc["max_wait_s"]) == (True, True, 0.499)
+    assert doc["worst_case_latency_s"] == doc["predicted_service_s"]
+    text = batching("check", "-c", str(near), cwd=tmp_path)
+    assert text.rc == 0, text.err
+    assert "= adaptive (no wait window) + service" in text.out, text.out
 
 
 def test_check_json_on_a_bad_config_is_a_json_error_and_exit_2(tmp_path: Path) -> None:

@@ -66,6 +66,25 @@ def test_refuses_when_wait_plus_full_batch_exceeds_the_slo() -> None:
         report.raise_for_errors()
 
 
+def test_the_adaptive_rule_has_no_wait_window_in_the_worst_case() -> None:
+    """Under ``adaptive`` a batch goes at once to a free model: ``max_wait_s`` is no trigger, so
+    the plan-time worst case is the full batch's service time alone, and a refusal names only
+    the levers that count."""
+    service_s = 0.001 + 1e-5 * 32 * 128
+    fixed = pipeline(slo_s=0.3, max_wait_s=0.28, max_batch_size=32, length_buckets=(128,))
+    assert not policy.check_policy(fixed, tokens_profile(1e-5)).ok
+    adaptive = pipeline(
+        slo_s=0.3, max_wait_s=0.28, max_batch_size=32, length_buckets=(128,), adaptive=True
+    )
+    report = policy.check_policy(adaptive, tokens_profile(1e-5))
+    assert report.ok, report.errors
+    assert report.worst_case_latency_s == pytest.approx(service_s)
+    big = pipeline(slo_s=0.3, max_batch_size=256, length_buckets=(128,), adaptive=True)
+    (message,) = policy.check_policy(big, tokens_profile(1e-5)).errors
+    assert "(adaptive, no wait window + service" in message, message
+    assert message.endswith("lower max_batch_size / max_batch_cost"), message
+
+
 def test_a_commit_interval_counts_toward_the_worst_case() -> None:
     shape: dict[str, Any] = {"max_batch_size": 32, "length_buckets": (32, 64, 128)}
     base = pipeline(**shape)
