@@ -10,9 +10,9 @@ Per rep, alternating (the machine is shared and noisy; ratios are same-rep):
 - in place: ``batching bulk --in-place`` on a fresh SQLite queue (``deployments/tabular.yaml``
   with its queue and output moved to a scratch folder), rows/s over the run's own elapsed
   time (model load excluded) and over the command's wall time (plan, fingerprint, start-up);
-- Ray Data (``--ray-python``: a Python with ``ray[data]``, e.g. the peers' venv, never a
-  project dependency): ``read_parquet`` -> ``map_batches`` (the W1 MLP in an actor, batch
-  2048) -> ``write_parquet``, timed from the read to the written files (``ray.init`` and a
+- Ray Data (``--ray-python``: a Python with ``ray[data]`` and ``safetensors``, e.g. the peers'
+  venv, never a project dependency): ``read_parquet`` -> ``map_batches`` (the W1 MLP in an
+  actor, batch 2048) -> ``write_parquet``, timed from the read to the written files (``ray.init`` and a
   warm-up excluded), in a child process with 2 CPUs.
 
 The input: W1 rows as a ``fixed_size_list<float>[64]`` payload column and an ``item_key``,
@@ -141,10 +141,16 @@ def ray_data(python: str, src: Path, work: Path, ckpt: Path, rows: int) -> dict[
     script.write_text(RAY_SCRIPT)
     done = subprocess.run(
         [python, str(script), str(src), str(work / "ray-out"), str(ckpt)],
-        check=True,
         capture_output=True,
         text=True,
     )
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(
+            f"error: the Ray Data run failed (exit {done.returncode}): {last}; --ray-python "
+            f"{python} needs ray[data], torch and safetensors (`{python} -m pip install "
+            "safetensors`)"
+        )
     seconds = json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
     written = pq.ParquetDataset(str(work / "ray-out")).read(columns=["item_key"]).num_rows
     assert written == rows, (written, rows)
@@ -155,7 +161,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--ray-python", default=None, help="a Python with ray[data] (peers venv)")
+    ap.add_argument(
+        "--ray-python",
+        default=None,
+        help="a Python with ray[data], torch, safetensors (peers venv)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     cfg = load_config(DEPLOY / "tabular.yaml")
