@@ -667,12 +667,14 @@ def start_ours(
     overrides = dict(args.variants[variant])
     api_cpus = overrides.pop("api_cpus", args.api_cpus)  # where the processes run, not config
     scorer_cpus = overrides.pop("scorer_cpus", args.scorer_cpus)
+    api_nice = overrides.pop("api_nice", args.api_nice)
     config, data = write_config(workload, args.configs[workload], run_dir, db_url, overrides)
     cli = [sys.executable, "-m", "batching.cli"]
     env = project_env({"BATCHING_API_TOKENS": ",".join(f"{t}={n}" for n, t in TOKENS.items())})
     subprocess.run([*cli, "init", "--db", db_url], check=True, env=env, capture_output=True)
     port = free_port()
     api_on = ["taskset", "-c", str(api_cpus)] if api_cpus is not None else []
+    api_on += ["nice", "-n", str(int(api_nice))] if api_nice else []
     procs.spawn(
         f"api-{tag}",
         [*api_on, *cli, "api", "-c", str(config), "--db", db_url, "--port", str(port)],
@@ -1283,7 +1285,8 @@ def _progress(row: dict[str, Any]) -> str:
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     """NAME:key=value,key=value (values YAML: true, 0.05, expire); the keys ``api_cpus`` and
-    ``scorer_cpus`` place the variant's processes (taskset -c) instead of setting config."""
+    ``scorer_cpus`` place the variant's processes (taskset -c), and ``api_nice`` lowers the
+    API's CPU priority (nice -n), instead of setting config."""
     name, _, rest = text.partition(":")
     overrides = {}
     for pair in filter(None, rest.split(",")):
@@ -1325,7 +1328,8 @@ def main() -> int:
         action="append",
         type=parse_variant,
         help="NAME:key=value,... config overrides of one run of ours (repeatable; "
-        "default one run of the config as shipped); api_cpus=0,scorer_cpus=1 pin its processes",
+        "default one run of the config as shipped); api_cpus=0,scorer_cpus=1 pin its processes, "
+        "api_nice=10 lowers the API's priority",
     )
     p.add_argument("--config", type=parse_pairs, default={}, help="w2=PATH,w1=PATH")
     p.add_argument(
@@ -1357,6 +1361,12 @@ def main() -> int:
         help="torch threads of our scorer (OMP_NUM_THREADS; default: torch's, the cores)",
     )
     p.add_argument("--api-cpus", help="ours: run the API on these CPUs (taskset -c LIST, e.g. 0)")
+    p.add_argument(
+        "--api-nice",
+        type=int,
+        default=0,
+        help="ours: run the API at this lower CPU priority (nice -n N, 1-19), the scorer first",
+    )
     p.add_argument(
         "--scorer-cpus",
         help="ours: run the scorer on these CPUs (taskset -c LIST, e.g. 1; torch's threads "
