@@ -12,6 +12,10 @@ fair share (``queue.fair_share``); one tenant (the default) is the single-tenant
 ``--w1 N``: instead, N W1 tensor items claimed as the scorer claims them (``columns=True``,
 claims of ``--claim`` items: range leases where a claim is one run of ids) and acked in
 batches of 2,048, with the claims and the acks timed apart: microseconds a row each.
+
+``--unprepared``: PostgreSQL's connections prepare no statement. By default psycopg 3 prepares
+a statement on the server on its sixth execution on a connection, and the queue's verbs
+render the same SQL every time, so they run prepared; this measures what that saves.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psycopg
+import sqlalchemy as sa
 
 from batching import models
 from batching.ingress import ingest
@@ -40,9 +46,25 @@ def _records(n: int, tenants: int = 1) -> list[models.EnqueueRecord]:
     ]
 
 
+UNPREPARED = False
+"""``--unprepared``: PostgreSQL connections prepare nothing (psycopg's ``prepare_threshold``
+None), to measure what the server-side prepared statements psycopg makes by default save."""
+
+
+def _engine(url: str) -> sa.Engine:
+    engine = database.create_engine(url)
+    if UNPREPARED and engine.dialect.name == "postgresql":
+
+        @sa.event.listens_for(engine, "connect")
+        def _unprepared(dbapi_connection: Any, _record: Any) -> None:
+            dbapi_connection.prepare_threshold = None
+
+    return engine
+
+
 def measure(url: str, claim_size: int, n_items: int, tenants: int = 1) -> float:
     """Rows per second to claim and ack ``n_items`` in claims of ``claim_size``."""
-    engine = database.create_engine(url)
+    engine = _engine(url)
     queue = q.SqlQueue(engine, f"bench-{claim_size}")
     queue.migrate()
     queue.enqueue(_records(n_items, tenants))
@@ -60,7 +82,7 @@ def measure_w1(url: str, n_items: int, claim_size: int) -> tuple[float, float]:
     """Microseconds a row to claim (as the scorer does) and to ack ``n_items`` W1 items."""
     with tempfile.TemporaryDirectory() as tmp:
         records = ingest.read_records(workloads.write_w1_parquet(Path(tmp) / "w1.parquet", n_items))
-    engine = database.create_engine(url)
+    engine = _engine(url)
     queue = q.SqlQueue(engine, f"w1-{uuid.uuid4().hex[:8]}")
     queue.migrate()
     queue.enqueue(records)
@@ -105,7 +127,14 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=1, help="tenants the items are spread over")
     parser.add_argument("--w1", type=int, metavar="N", help="N W1 tensor items, as a scorer claims")
     parser.add_argument("--claim", type=int, default=16_384, help="claim size with --w1")
+    parser.add_argument(
+        "--unprepared",
+        action="store_true",
+        help="PostgreSQL: prepare no statement (psycopg prepares a statement on its 6th use)",
+    )
     args = parser.parse_args()
+    global UNPREPARED
+    UNPREPARED = args.unprepared
     if args.w1:
         _w1(args)
         return
