@@ -13,6 +13,9 @@ fair share (``queue.fair_share``); one tenant (the default) is the single-tenant
 claims of ``--claim`` items: range leases where a claim is one run of ids) and acked in
 batches of 2,048, with the claims and the acks timed apart: microseconds a row each.
 
+``--enqueue N``: instead, N W1 tensor items enqueued in one call into an empty queue, then
+the first quarter of them again (every key present), microseconds a row each.
+
 ``--unprepared``: PostgreSQL's connections prepare no statement. By default psycopg 3 prepares
 a statement on the server on its sixth execution on a connection, and the queue's verbs
 render the same SQL every time, so they run prepared; this measures what that saves.
@@ -105,6 +108,27 @@ def measure_w1(url: str, n_items: int, claim_size: int) -> tuple[float, float]:
     return claim_s / n_items * 1e6, ack_s / n_items * 1e6
 
 
+def measure_enqueue(url: str, n_items: int) -> tuple[float, float]:
+    """Microseconds a row to enqueue ``n_items`` W1 tensor items into an empty queue, then to
+    enqueue their first quarter again (every key present: nothing inserted)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        records = ingest.read_records(workloads.write_w1_parquet(Path(tmp) / "w1.parquet", n_items))
+    engine = _engine(url)
+    queue = q.SqlQueue(engine, f"enq-{uuid.uuid4().hex[:8]}")
+    queue.migrate()
+    again = records[: max(1, n_items // 4)]
+    try:
+        started = time.perf_counter()
+        assert queue.enqueue(records).inserted == n_items
+        new_s = time.perf_counter() - started
+        started = time.perf_counter()
+        assert len(queue.enqueue(again).duplicates) == len(again)
+        again_s = time.perf_counter() - started
+    finally:
+        engine.dispose()
+    return new_s / n_items * 1e6, again_s / len(again) * 1e6
+
+
 def _pg_database(admin_url: str) -> tuple[str, str]:
     name = f"batching_bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(admin_url, autocommit=True) as conn:
@@ -128,6 +152,9 @@ def main() -> None:
     parser.add_argument("--w1", type=int, metavar="N", help="N W1 tensor items, as a scorer claims")
     parser.add_argument("--claim", type=int, default=16_384, help="claim size with --w1")
     parser.add_argument(
+        "--enqueue", type=int, metavar="N", help="instead: enqueue N W1 tensor items, µs a row"
+    )
+    parser.add_argument(
         "--unprepared",
         action="store_true",
         help="PostgreSQL: prepare no statement (psycopg prepares a statement on its 6th use)",
@@ -135,6 +162,9 @@ def main() -> None:
     args = parser.parse_args()
     global UNPREPARED
     UNPREPARED = args.unprepared
+    if args.enqueue:
+        _enqueue(args)
+        return
     if args.w1:
         _w1(args)
         return
@@ -159,6 +189,22 @@ def main() -> None:
     print(f"{'database':<12}{'size 1':>10}{'size 64':>10}{'size 512':>10}{'512 / 1':>10}")
     for db, r in rows.items():
         print(f"{db:<12}{r[1]:>10.0f}{r[64]:>10.0f}{r[512]:>10.0f}{r[512] / r[1]:>9.1f}x")
+
+
+def _enqueue(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {"sqlite": measure_enqueue(f"sqlite:///{Path(tmp) / 'enq.db'}", args.enqueue)}
+    if args.pg:
+        name, url = _pg_database(args.pg)
+        try:
+            results["postgresql"] = measure_enqueue(url, args.enqueue)
+        finally:
+            with psycopg.connect(args.pg, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    print(f"W1 tensor items, {args.enqueue:,}, one enqueue each: microseconds a row")
+    print(f"{'database':<12}{'new':>8}{'present':>9}")
+    for db, (new_us, again_us) in results.items():
+        print(f"{db:<12}{new_us:>8.2f}{again_us:>9.2f}")
 
 
 def _w1(args: argparse.Namespace) -> None:
