@@ -29,6 +29,7 @@ import platform
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -191,16 +192,25 @@ def main() -> None:
         print(f"{db:<12}{r[1]:>10.0f}{r[64]:>10.0f}{r[512]:>10.0f}{r[512] / r[1]:>9.1f}x")
 
 
-def _enqueue(args: argparse.Namespace) -> None:
+def _on_each_database(
+    args: argparse.Namespace, measure_one: Callable[[str], tuple[float, float]]
+) -> dict[str, tuple[float, float]]:
+    """``measure_one(url)`` on a scratch SQLite file, then (``--pg``) on a scratch
+    PostgreSQL database dropped afterwards."""
     with tempfile.TemporaryDirectory() as tmp:
-        results = {"sqlite": measure_enqueue(f"sqlite:///{Path(tmp) / 'enq.db'}", args.enqueue)}
+        results = {"sqlite": measure_one(f"sqlite:///{Path(tmp) / 'bench.db'}")}
     if args.pg:
         name, url = _pg_database(args.pg)
         try:
-            results["postgresql"] = measure_enqueue(url, args.enqueue)
+            results["postgresql"] = measure_one(url)
         finally:
             with psycopg.connect(args.pg, autocommit=True) as conn:
                 conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    return results
+
+
+def _enqueue(args: argparse.Namespace) -> None:
+    results = _on_each_database(args, lambda url: measure_enqueue(url, args.enqueue))
     print(f"W1 tensor items, {args.enqueue:,}, one enqueue each: microseconds a row")
     print(f"{'database':<12}{'new':>8}{'present':>9}")
     for db, (new_us, again_us) in results.items():
@@ -208,15 +218,7 @@ def _enqueue(args: argparse.Namespace) -> None:
 
 
 def _w1(args: argparse.Namespace) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        results = {"sqlite": measure_w1(f"sqlite:///{Path(tmp) / 'w1.db'}", args.w1, args.claim)}
-    if args.pg:
-        name, url = _pg_database(args.pg)
-        try:
-            results["postgresql"] = measure_w1(url, args.w1, args.claim)
-        finally:
-            with psycopg.connect(args.pg, autocommit=True) as conn:
-                conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    results = _on_each_database(args, lambda url: measure_w1(url, args.w1, args.claim))
     print(f"W1 tensor items, {args.w1:,}, claims of {args.claim:,}: microseconds a row")
     print(f"{'database':<12}{'claim':>8}{'ack':>8}{'both':>8}")
     for db, (claim_us, ack_us) in results.items():
