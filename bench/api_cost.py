@@ -18,12 +18,13 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from online_bench import free_port  # bench/ is on the path (this script's folder)
 
 from batching.config import load_config
 from batching.model import workloads
@@ -43,12 +44,6 @@ def _payloads(model: str) -> list[str]:
     if model.startswith("w2"):
         return [json.dumps({"tokens": s.tolist()}) for s in workloads.w2_inputs()]
     return [json.dumps({"x": row.tolist()}) for row in workloads.w1_inputs(256)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_ready(port: int, api: subprocess.Popen[bytes]) -> None:
@@ -98,7 +93,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         db = f"sqlite:///{Path(tmp) / 'api.db'}"
         subprocess.run([*cli, "init", "--db", db], check=True, capture_output=True)
-        port = _free_port()
+        port = free_port()
         api = subprocess.Popen(
             [*cli, "api", "-c", str(args.config), "--db", db, "--port", str(port)],
             env=env,
