@@ -16,6 +16,11 @@ batches of 2,048, with the claims and the acks timed apart: microseconds a row e
 ``--enqueue N``: instead, N W1 tensor items enqueued in one call into an empty queue, then
 the first quarter of them again (every key present), microseconds a row each.
 
+``--trickle N``: instead, the CPU a claim costs a scorer below capacity, as it claims after
+every batch and whenever the database changes: N rounds of two items enqueued, a claim of up
+to 64 that takes them (``columns=True``), a claim that finds nothing, the ack. Milliseconds
+of this thread's CPU (``time.thread_time``) a claim of each kind.
+
 ``--unprepared``: PostgreSQL's connections prepare no statement. By default psycopg 3 prepares
 a statement on the server on its sixth execution on a connection, and the queue's verbs
 render the same SQL every time, so they run prepared; this measures what that saves.
@@ -51,7 +56,12 @@ def _records(n: int, tenants: int = 1) -> list[models.EnqueueRecord]:
 
 
 UNPREPARED = False
-"""``--unprepared``: PostgreSQL connections prepare nothing (psycopg's ``prepare_threshold``
+"""``--trickle N``: instead, the CPU a claim costs a scorer below capacity, as it claims after
+every batch and whenever the database changes: N rounds of two items enqueued, a claim of up
+to 64 that takes them (``columns=True``), a claim that finds nothing, the ack. Milliseconds
+of this thread's CPU (``time.thread_time``) a claim of each kind.
+
+``--unprepared``: PostgreSQL connections prepare nothing (psycopg's ``prepare_threshold``
 None), to measure what the server-side prepared statements psycopg makes by default save."""
 
 
@@ -130,6 +140,32 @@ def measure_enqueue(url: str, n_items: int) -> tuple[float, float]:
     return new_s / n_items * 1e6, again_s / len(again) * 1e6
 
 
+def measure_trickle(url: str, rounds: int) -> tuple[float, float]:
+    """CPU milliseconds of a claim that takes two items and of one that finds nothing, as a
+    scorer below capacity makes them (``--trickle``)."""
+    engine = _engine(url)
+    queue = q.SqlQueue(engine, f"trickle-{uuid.uuid4().hex[:8]}")
+    queue.migrate()
+    body = models.Payload(b'{"x":[0.5]}')
+    took_s = empty_s = 0.0
+    try:
+        for i in range(rounds + 20):  # the first 20 warm the statement caches
+            queue.enqueue([models.EnqueueRecord(f"k{i}-{j}", body) for j in range(2)])
+            started = time.thread_time()
+            claim = queue.claim(64, lease_s=60, columns=True)
+            took = time.thread_time() - started
+            started = time.thread_time()
+            assert len(queue.claim(64, lease_s=60, columns=True)) == 0
+            empty = time.thread_time() - started
+            assert len(claim) == 2
+            queue.ack(claim.lease_id, models.item_column(claim.items, "id"))
+            if i >= 20:
+                took_s, empty_s = took_s + took, empty_s + empty
+    finally:
+        engine.dispose()
+    return took_s / rounds * 1e3, empty_s / rounds * 1e3
+
+
 def _pg_database(admin_url: str) -> tuple[str, str]:
     name = f"batching_bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(admin_url, autocommit=True) as conn:
@@ -156,6 +192,12 @@ def main() -> None:
         "--enqueue", type=int, metavar="N", help="instead: enqueue N W1 tensor items, µs a row"
     )
     parser.add_argument(
+        "--trickle",
+        type=int,
+        metavar="N",
+        help="instead: N rounds of a claim of two items and an empty one, CPU ms each",
+    )
+    parser.add_argument(
         "--unprepared",
         action="store_true",
         help="PostgreSQL: prepare no statement (psycopg prepares a statement on its 6th use)",
@@ -168,6 +210,9 @@ def main() -> None:
         return
     if args.w1:
         _w1(args)
+        return
+    if args.trickle:
+        _trickle(args)
         return
     sizes = {1: max(1, args.items // 10), 64: args.items, 512: args.items}
     rows: dict[str, dict[int, float]] = {}
@@ -209,20 +254,30 @@ def _on_each_database(
     return results
 
 
+def _table(title: str, columns: tuple[str, ...], results: dict[str, tuple[float, ...]]) -> None:
+    """Print ``results`` (a row of figures by database) under ``title`` and ``columns``."""
+    print(title)
+    print(f"{'database':<12}" + "".join(f"{c:>9}" for c in columns))
+    for db, figures in results.items():
+        print(f"{db:<12}" + "".join(f"{f:>9.2f}" for f in figures))
+
+
 def _enqueue(args: argparse.Namespace) -> None:
     results = _on_each_database(args, lambda url: measure_enqueue(url, args.enqueue))
-    print(f"W1 tensor items, {args.enqueue:,}, one enqueue each: microseconds a row")
-    print(f"{'database':<12}{'new':>8}{'present':>9}")
-    for db, (new_us, again_us) in results.items():
-        print(f"{db:<12}{new_us:>8.2f}{again_us:>9.2f}")
+    title = f"W1 tensor items, {args.enqueue:,}, one enqueue each: microseconds a row"
+    _table(title, ("new", "present"), dict(results))
 
 
 def _w1(args: argparse.Namespace) -> None:
     results = _on_each_database(args, lambda url: measure_w1(url, args.w1, args.claim))
-    print(f"W1 tensor items, {args.w1:,}, claims of {args.claim:,}: microseconds a row")
-    print(f"{'database':<12}{'claim':>8}{'ack':>8}{'both':>8}")
-    for db, (claim_us, ack_us) in results.items():
-        print(f"{db:<12}{claim_us:>8.2f}{ack_us:>8.2f}{claim_us + ack_us:>8.2f}")
+    title = f"W1 tensor items, {args.w1:,}, claims of {args.claim:,}: microseconds a row"
+    _table(title, ("claim", "ack", "both"), {db: (c, a, c + a) for db, (c, a) in results.items()})
+
+
+def _trickle(args: argparse.Namespace) -> None:
+    results = _on_each_database(args, lambda url: measure_trickle(url, args.trickle))
+    title = f"{args.trickle:,} rounds below capacity: CPU milliseconds a claim"
+    _table(title, ("2 items", "nothing"), dict(results))
 
 
 if __name__ == "__main__":

@@ -491,13 +491,14 @@ def test_a_claims_reap_reads_its_queues_leased_rows_not_the_queue(queue: q.SqlQu
         queue.claim(5, lease_s=30)
     finally:
         sa.event.remove(queue.engine, "before_cursor_execute", keep)
-    ((statement, params),) = seen
-    with queue.engine.connect() as conn:
-        plan = " ".join(
-            str(r[-1]) for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, params)
-        )
-    assert "ix_batching_items_leased" in plan, plan
-    assert "TEMP B-TREE" not in plan, plan
+    assert seen  # the claim looked for lapsed leases (before any reaping, which found none)
+    for statement, params in seen:
+        with queue.engine.connect() as conn:
+            plan = " ".join(
+                str(r[-1]) for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, params)
+            )
+        assert "ix_batching_items_leased" in plan, plan
+        assert "TEMP B-TREE" not in plan, plan
 
 
 def test_migration_8_gives_runs_a_heartbeat_and_leaves_old_runs_alone(
@@ -773,3 +774,43 @@ def test_migration_12_adds_the_lineage_spool_and_sweep_cursors(queue: q.SqlQueue
     assert {"batching_lineage_spool", "batching_sweeps"} <= tables
     assert "reconciled_at" in runs
     assert queue.migrate().applied is False
+
+
+@pytest.mark.parametrize("columns", [False, True], ids=["item-lease", "range-lease"])
+def test_a_claim_with_nothing_to_do_takes_no_write_lock_and_skips_nothing(
+    queue: q.SqlQueue, clock: FakeClock, columns: bool
+) -> None:
+    """Below capacity a scorer claims after every batch and on every change to the database:
+    a claim that finds nothing to do reads, and neither waits for nor holds SQLite's write
+    lock. Once there is something (a lease lapsed), the claim does it."""
+    queue.enqueue([rec("a"), rec("b")])
+    first = queue.claim(5, lease_s=30, columns=columns)  # short of 5: the next one looks first
+    assert len(first) == 2
+    got: list[models.Claim] = []
+    if queue.dialect == "sqlite":
+        with queue.begin():  # a writer holds the lock
+            t = threading.Thread(target=lambda: got.append(queue.claim(5, lease_s=30)))
+            t.start()
+            t.join(timeout=30)
+            assert not t.is_alive(), "an empty claim waited for the write lock"
+    else:
+        got.append(queue.claim(5, lease_s=30))
+    assert len(got[0]) == 0
+    assert not got[0].paused
+    clock.advance(31)  # the first claim's lease lapses: reaped by the next claim
+    again = queue.claim(5, lease_s=30)
+    assert len(again) == 0
+    assert again.suspects
+    by_state = queue.stats().by_state
+    assert (by_state["ready"], by_state["leased"]) == (2, 0)
+
+
+def test_a_claim_still_expires_an_item_past_its_deadline_with_nothing_else_ready(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    queue.enqueue([rec("late", deadline_at=clock() + 5)])
+    clock.advance(10)
+    claim = queue.claim(5, lease_s=30)
+    assert len(claim) == 0
+    assert claim.expired == (("default", 1),)
+    assert queue.stats().by_state["expired"] == 1
