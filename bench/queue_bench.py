@@ -19,7 +19,7 @@ the first quarter of them again (every key present), microseconds a row each.
 ``--trickle N``: instead, the CPU a claim costs a scorer below capacity, as it claims after
 every batch and whenever the database changes: N rounds of two items enqueued, a claim of up
 to 64 that takes them (``columns=True``), a claim that finds nothing, the ack. Milliseconds
-of this thread's CPU (``time.thread_time``) a claim of each kind.
+of this thread's CPU (``time.thread_time``) a claim of each kind, and an ack.
 
 ``--unprepared``: PostgreSQL's connections prepare no statement. By default psycopg 3 prepares
 a statement on the server on its sixth execution on a connection, and the queue's verbs
@@ -59,7 +59,7 @@ UNPREPARED = False
 """``--trickle N``: instead, the CPU a claim costs a scorer below capacity, as it claims after
 every batch and whenever the database changes: N rounds of two items enqueued, a claim of up
 to 64 that takes them (``columns=True``), a claim that finds nothing, the ack. Milliseconds
-of this thread's CPU (``time.thread_time``) a claim of each kind.
+of this thread's CPU (``time.thread_time``) a claim of each kind, and an ack.
 
 ``--unprepared``: PostgreSQL connections prepare nothing (psycopg's ``prepare_threshold``
 None), to measure what the server-side prepared statements psycopg makes by default save."""
@@ -140,14 +140,14 @@ def measure_enqueue(url: str, n_items: int) -> tuple[float, float]:
     return new_s / n_items * 1e6, again_s / len(again) * 1e6
 
 
-def measure_trickle(url: str, rounds: int) -> tuple[float, float]:
-    """CPU milliseconds of a claim that takes two items and of one that finds nothing, as a
-    scorer below capacity makes them (``--trickle``)."""
+def measure_trickle(url: str, rounds: int) -> tuple[float, float, float]:
+    """CPU milliseconds of a claim that takes two items, of one that finds nothing, as a
+    scorer below capacity makes them, and of the two items' ack (``--trickle``)."""
     engine = _engine(url)
     queue = q.SqlQueue(engine, f"trickle-{uuid.uuid4().hex[:8]}")
     queue.migrate()
     body = models.Payload(b'{"x":[0.5]}')
-    took_s = empty_s = 0.0
+    took_s = empty_s = ack_s = 0.0
     try:
         for i in range(rounds + 20):  # the first 20 warm the statement caches
             queue.enqueue([models.EnqueueRecord(f"k{i}-{j}", body) for j in range(2)])
@@ -158,12 +158,14 @@ def measure_trickle(url: str, rounds: int) -> tuple[float, float]:
             assert len(queue.claim(64, lease_s=60, columns=True)) == 0
             empty = time.thread_time() - started
             assert len(claim) == 2
-            queue.ack(claim.lease_id, models.item_column(claim.items, "id"))
+            started = time.thread_time()
+            assert queue.ack(claim.lease_id, models.item_column(claim.items, "id")) == 2
+            acked = time.thread_time() - started
             if i >= 20:
-                took_s, empty_s = took_s + took, empty_s + empty
+                took_s, empty_s, ack_s = took_s + took, empty_s + empty, ack_s + acked
     finally:
         engine.dispose()
-    return took_s / rounds * 1e3, empty_s / rounds * 1e3
+    return took_s / rounds * 1e3, empty_s / rounds * 1e3, ack_s / rounds * 1e3
 
 
 def _pg_database(admin_url: str) -> tuple[str, str]:
@@ -238,7 +240,7 @@ def main() -> None:
 
 
 def _on_each_database(
-    args: argparse.Namespace, measure_one: Callable[[str], tuple[float, float]]
+    args: argparse.Namespace, measure_one: Callable[[str], tuple[float, ...]]
 ) -> dict[str, tuple[float, float]]:
     """``measure_one(url)`` on a scratch SQLite file, then (``--pg``) on a scratch
     PostgreSQL database dropped afterwards."""
@@ -276,8 +278,8 @@ def _w1(args: argparse.Namespace) -> None:
 
 def _trickle(args: argparse.Namespace) -> None:
     results = _on_each_database(args, lambda url: measure_trickle(url, args.trickle))
-    title = f"{args.trickle:,} rounds below capacity: CPU milliseconds a claim"
-    _table(title, ("2 items", "nothing"), dict(results))
+    title = f"{args.trickle:,} rounds below capacity: CPU milliseconds a claim, an ack"
+    _table(title, ("2 items", "nothing", "ack"), dict(results))
 
 
 if __name__ == "__main__":

@@ -814,3 +814,30 @@ def test_a_claim_still_expires_an_item_past_its_deadline_with_nothing_else_ready
     assert len(claim) == 0
     assert claim.expired == (("default", 1),)
     assert queue.stats().by_state["expired"] == 1
+
+
+def test_acks_of_an_item_lease_in_any_shape_are_fenced_and_stamped(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    queue.enqueue([rec(f"k{i}") for i in range(6)])
+    claim = queue.claim(6, lease_s=30)  # per-item leases
+    ids = [i.id for i in claim.items]
+    assert queue.ack("another-lease", ids) == 0  # a stale lease writes nothing
+    assert queue.ack(claim.lease_id, [ids[4], ids[0]], batch_id="b1") == 2  # not one run
+    clock.advance(1)
+    assert queue.ack(claim.lease_id, [ids[2], ids[1], ids[3]], batch_id="b2") == 3  # one run
+    assert queue.ack(claim.lease_id, [ids[1], ids[5]], batch_id="b3") == 1  # one acked already
+    with queue.read() as conn:
+        got = {
+            r.id: (r.state, r.batch_id, r.finished_at, r.lease_id, r.attempts)
+            for r in conn.execute(sa.select(schema.items).where(schema.items.c.id.in_(ids)))
+        }
+    t0 = clock() - 1
+    assert got == {
+        ids[0]: (2, "b1", t0, None, 1),
+        ids[4]: (2, "b1", t0, None, 1),
+        ids[1]: (2, "b2", t0 + 1, None, 1),
+        ids[2]: (2, "b2", t0 + 1, None, 1),
+        ids[3]: (2, "b2", t0 + 1, None, 1),
+        ids[5]: (2, "b3", t0 + 1, None, 1),
+    }
