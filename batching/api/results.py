@@ -114,7 +114,7 @@ class Results:
             SinkError: the output of a done item cannot be read.
         """
         with self.queue(queue).read() as conn:
-            row = conn.execute(_select().where(_T.c.queue == queue, _T.c.item_key == key)).first()
+            row = conn.execute(_VIEWS[False], {"b_queue": queue, "b_keys": [key]}).first()
             return None if row is None else self._with_results(conn, queue, [_view(row)])[0]
 
     def finished(self, queue: str, keys: Sequence[str]) -> dict[str, ItemView]:
@@ -123,9 +123,8 @@ class Results:
         long poll's wake-up costs, however many requests wait)."""
         if not keys:
             return {}
-        terminal = _T.c.state.in_([int(s) for s in TERMINAL])
         with self.queue(queue).read() as conn:
-            views = self._with_results(conn, queue, _views(conn, queue, keys, terminal))
+            views = self._with_results(conn, queue, _views(conn, queue, keys, terminal=True))
         return {v.item_key: v for v in views}
 
     def acked(self) -> int | None:
@@ -307,15 +306,28 @@ def _select() -> sa.Select[Any]:
     return sa.select(_T.c.id, _T.c.item_key, state, _T.c.tenant, _T.c.last_error, _T.c.batch_id)
 
 
+# The items of keys ``b_keys`` in queue ``b_queue``, all (False) or those final (True); built
+# once: building the select (its CASE and EXISTS) and its cache key on every read cost more
+# than the read, and the API reads items on every POST and every commit it waits on.
+_VIEWS = {
+    final: _select().where(
+        _T.c.queue == sa.bindparam("b_queue"),
+        _T.c.item_key.in_(sa.bindparam("b_keys", expanding=True)),
+        *([_T.c.state.in_([int(s) for s in TERMINAL])] if final else []),
+    )
+    for final in (False, True)
+}
+
+
 def _views(
-    conn: Connection, queue: str, keys: Sequence[str], *where: sa.ColumnElement[bool]
+    conn: Connection, queue: str, keys: Sequence[str], *, terminal: bool = False
 ) -> list[ItemView]:
-    """The items of ``keys`` in ``queue`` that exist (and match ``where``), read in chunks."""
+    """The items of ``keys`` in ``queue`` that exist (``terminal``: in a final state), read
+    in chunks."""
     found: list[ItemView] = []
     for start in range(0, len(keys), _CHUNK):
-        chunk = list(keys[start : start + _CHUNK])
-        stmt = _select().where(_T.c.queue == queue, _T.c.item_key.in_(chunk), *where)
-        found.extend(_view(r) for r in conn.execute(stmt))
+        binds = {"b_queue": queue, "b_keys": list(keys[start : start + _CHUNK])}
+        found.extend(_view(r) for r in conn.execute(_VIEWS[terminal], binds))
     return found
 
 
