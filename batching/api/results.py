@@ -225,7 +225,7 @@ class Results:
         is read anyway), by key; a key without a row is absent."""
         version = str(batch.model_version)
         if body is not None:  # committed, not rolled forward yet: the rows it will write
-            return _by_key(outbox.decode(body), version)
+            return _Rows(outbox.decode(body), version)
         kind = str(batch.sink)
         if kind == "sql":
             return self._sql_rows(conn, str(batch.path), queue, version, keys)
@@ -267,7 +267,7 @@ class Results:
         sql = f"SELECT * FROM t WHERE batch_id = {lit(str(batch.batch_id))} AND item_key IN ({listed})"
         uri = str(batch.path or self.target.where)
         table = delta.DeltaSink.read(uri, sql, storage_options=self.target.storage_options)
-        return _by_key(table, str(batch.model_version))
+        return _Rows(table, str(batch.model_version))
 
     def _parquet_rows(self, batch: Row[Any]) -> Mapping[str, dict[str, Any]]:
         import pyarrow.parquet as pq
@@ -287,7 +287,7 @@ class Results:
                 if n == len(looks) and path.exists():
                     raise
                 continue
-            return _by_key(table, str(batch.model_version))
+            return _Rows(table, str(batch.model_version))
         raise errors.SinkError(
             f"batch {batch.batch_id}: its file {final} is missing; run `batching reconcile`"
         )
@@ -306,9 +306,8 @@ def _select() -> sa.Select[Any]:
     return sa.select(_T.c.id, _T.c.item_key, state, _T.c.tenant, _T.c.last_error, _T.c.batch_id)
 
 
-# The items of keys ``b_keys`` in queue ``b_queue``, all (False) or those final (True); built
-# once: building the select (its CASE and EXISTS) and its cache key on every read cost more
-# than the read, and the API reads items on every POST and every commit it waits on.
+# The items of keys ``b_keys`` in queue ``b_queue``, all (False) or final (True); built once:
+# building the select and its cache key on every read (each POST, each commit) cost more.
 _VIEWS = {
     final: _select().where(
         _T.c.queue == sa.bindparam("b_queue"),
@@ -322,8 +321,7 @@ _VIEWS = {
 def _views(
     conn: Connection, queue: str, keys: Sequence[str], *, terminal: bool = False
 ) -> list[ItemView]:
-    """The items of ``keys`` in ``queue`` that exist (``terminal``: in a final state), read
-    in chunks."""
+    """The items of ``keys`` in ``queue`` (``terminal``: in a final state), in chunks."""
     found: list[ItemView] = []
     for start in range(0, len(keys), _CHUNK):
         binds = {"b_queue": queue, "b_keys": list(keys[start : start + _CHUNK])}
@@ -381,11 +379,6 @@ class _Rows(Mapping[str, dict[str, Any]]):
 def _size(rows: Mapping[str, dict[str, Any]]) -> int:
     """Bytes a batch's rows hold, near enough: the table's, or ~1 KiB a row read by key."""
     return rows.nbytes if isinstance(rows, _Rows) else 1024 * len(rows)
-
-
-def _by_key(table: pa.Table, version: str) -> Mapping[str, dict[str, Any]]:
-    """Each key's first row, as JSON values (when asked for)."""
-    return _Rows(table, version)
 
 
 def _json(row: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ def test_the_newest_batches_are_kept_within_the_byte_budget(
     monkeypatch.setattr(results, "CACHED_BYTES", 3 * one)
     res = results.Results(sa.create_engine("sqlite://"), cast(Any, None))
     for i in range(6):
-        res._cache(f"b{i}", "v1", results._by_key(batch_rows(32, 256), "v1"))
+        res._cache(f"b{i}", "v1", results._Rows(batch_rows(32, 256), "v1"))
     kept = [b for b in (f"b{i}" for i in range(6)) if res._cached(b, ["k0"]) is not None]
     assert kept == ["b3", "b4", "b5"]
     version, rows = res._cached("b5", ["k0", "k31"]) or ("", {})
@@ -40,7 +40,7 @@ def test_the_newest_batches_are_kept_within_the_byte_budget(
 def test_one_batch_wider_than_the_budget_is_still_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(results, "CACHED_BYTES", 10)
     res = results.Results(sa.create_engine("sqlite://"), cast(Any, None))
-    res._cache("a", "v1", results._by_key(batch_rows(4, 8), "v1"))
-    res._cache("b", "v1", results._by_key(batch_rows(4, 8), "v1"))
+    res._cache("a", "v1", results._Rows(batch_rows(4, 8), "v1"))
+    res._cache("b", "v1", results._Rows(batch_rows(4, 8), "v1"))
     assert res._cached("a", ["k0"]) is None
     assert res._cached("b", ["k0"]) is not None
