@@ -241,7 +241,7 @@ def main() -> None:
 
 def _on_each_database(
     args: argparse.Namespace, measure_one: Callable[[str], tuple[float, ...]]
-) -> dict[str, tuple[float, float]]:
+) -> dict[str, tuple[float, ...]]:
     """``measure_one(url)`` on a scratch SQLite file, then (``--pg``) on a scratch
     PostgreSQL database dropped afterwards."""
     with tempfile.TemporaryDirectory() as tmp:
