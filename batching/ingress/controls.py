@@ -41,7 +41,6 @@ RANGE_LOCK_SPACE = 7271102  # PostgreSQL: pg_advisory_xact_lock(this, hashtext(q
 _KEY_CHUNK = 1000  # keys per cancel statement (one transaction for all)
 _AUDIT_KEYS = 20  # keys of a cancel listed in its audit row (the count is always there)
 _MAX_DEPTH = 2**62
-CLAIM_SQL = sa.text("SELECT paused, route FROM batching_queue_controls WHERE queue = :queue")
 
 
 @dataclass(frozen=True)
@@ -282,13 +281,6 @@ def lock_ranges(conn: Connection, queue: str, *, exclusive: bool) -> None:
             sa.text(f"SELECT pg_advisory_xact_lock{how}(:space, hashtext(:queue))"),
             {"space": RANGE_LOCK_SPACE, "queue": queue},
         )
-
-
-def for_claim(conn: Connection, queue: str) -> tuple[bool, str | None]:
-    """Whether ``queue`` is paused, and its route (JSON; ``batching.routing``), read in
-    ``conn``'s transaction (a claim's): one key lookup for both."""
-    row = conn.execute(CLAIM_SQL, {"queue": queue}).first()
-    return (False, None) if row is None else (bool(row.paused), row.route)
 
 
 # -- shared with the rollouts (``rollout``): one transaction, one audit row ------------------

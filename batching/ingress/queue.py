@@ -129,9 +129,10 @@ _ONE_TENANT = sa.text(
     " AND state = 0 ORDER BY tenant DESC LIMIT 1)"
 )
 
-# The pieces of the two statements below: whether :queue is paused and its route (as
-# ``controls.for_claim``); whether an item or range lease of it has expired. The literal
-# ``state = 0`` / ``state = 1`` match the partial indexes' predicates.
+# The pieces of the two statements below: whether :queue is paused and its route (its
+# ``batching_queue_controls`` row; none: running, no route); whether an item or range lease
+# of it has expired. The literal ``state = 0`` / ``state = 1`` match the partial indexes'
+# predicates.
 _CONTROL = (
     "(SELECT paused FROM batching_queue_controls WHERE queue = :queue),"
     " (SELECT route FROM batching_queue_controls WHERE queue = :queue)"

@@ -13,7 +13,7 @@ change that does not follow from it (promote without a candidate, a stale ``epoc
 the new route and its ``batching_queue_audit`` row (``rollout-start``, ``promote``,
 ``rollback``, ``auto-rollback``; who, when, why, from, to) and commits both or neither: a
 process killed part way leaves the old route and no row, or the new route and its row.
-Scorers read the route in every claim's transaction (``controls.for_claim``).
+Scorers read the route in every claim's transaction (``queue._LOOK``).
 """
 
 from __future__ import annotations
