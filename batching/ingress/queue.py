@@ -158,6 +158,28 @@ _WORK = sa.text(
 )
 
 
+def _listed(dialect: str, ids: Sequence[int]) -> list[int] | str:
+    """``ids`` as the one value :func:`_in_list` binds: a PostgreSQL array, a JSON array on
+    SQLite."""
+    values = list(map(int, ids))
+    return values if dialect == "postgresql" else orjson.dumps(values).decode()
+
+
+def _in_list(
+    column: sa.ColumnElement[int], dialect: str, value: list[int] | str | None = None
+) -> sa.ColumnElement[bool]:
+    """``column`` is one of a list bound as ONE value (``b_ids``, from :func:`_listed`: an
+    array that PostgreSQL's ANY reads, a JSON array that SQLite's json_each reads): an IN list
+    of 512 binds cost more than the UPDATE it filtered. With ``value``, bound here (a
+    parameter of its own); without, passed as ``b_ids`` when the statement runs."""
+    type_ = postgresql.ARRAY(sa.BigInteger) if dialect == "postgresql" else sa.String()
+    bound = sa.bindparam("b_ids", value, type_=type_, unique=value is not None)
+    if dialect == "postgresql":
+        return column == sa.any_(bound)
+    each = sa.func.json_each(bound).table_valued("value")
+    return column.in_(sa.select(each.c.value))
+
+
 def _is_run(ids: Sequence[int]) -> bool:
     """Whether ``ids`` are one run of consecutive ids, each once (``BETWEEN`` finds them)."""
     return max(ids) - min(ids) + 1 == len(ids) == len(set(ids))
@@ -186,11 +208,8 @@ def _ack_sql(dialect: str, *, ranged: bool, run: bool) -> sa.Update:
     ids: sa.ColumnElement[bool]
     if run:
         ids = _T.c.id.between(sa.bindparam("b_lo"), sa.bindparam("b_hi"))
-    elif dialect == "postgresql":
-        ids = _T.c.id == sa.any_(sa.bindparam("b_ids", type_=postgresql.ARRAY(sa.BigInteger)))
     else:
-        each = sa.func.json_each(sa.bindparam("b_ids", type_=sa.String)).table_valued("value")
-        ids = _T.c.id.in_(sa.select(each.c.value))
+        ids = _in_list(_T.c.id, dialect)
     done: dict[str, Any] = {
         "state": int(models.State.DONE),
         "finished_at": sa.bindparam("b_finished"),
@@ -1154,14 +1173,8 @@ class SqlQueue:
     def _id_in(
         self, ids: Sequence[int], column: sa.ColumnElement[int] = _T.c.id
     ) -> sa.ColumnElement[bool]:
-        """``column`` is one of ``ids``, as ONE bound value (a PostgreSQL array, a JSON array
-        read by SQLite's json_each): an IN list of 512 binds cost more than the UPDATE it
-        filtered."""
-        values = list(map(int, ids))
-        if self.dialect == "postgresql":
-            return column == sa.any_(sa.literal(values, postgresql.ARRAY(sa.BigInteger)))
-        each = sa.func.json_each(sa.literal(orjson.dumps(values).decode())).table_valued("value")
-        return column.in_(sa.select(each.c.value))
+        """``column`` is one of ``ids`` (:func:`_in_list`)."""
+        return _in_list(column, self.dialect, _listed(self.dialect, ids))
 
     def _ack_ids(self, ids: Sequence[int], *, ranged: bool) -> tuple[sa.Update, dict[str, Any]]:
         """The ack's UPDATE for ``ids`` (:func:`_ack_sql`) and their binds: ``b_lo`` and
@@ -1171,9 +1184,7 @@ class SqlQueue:
         mark = _ack_sql(self.dialect, ranged=ranged, run=run)
         if run:
             return mark, {"b_lo": min(ids), "b_hi": max(ids)}
-        values = list(map(int, ids))
-        listed = values if self.dialect == "postgresql" else orjson.dumps(values).decode()
-        return mark, {"b_ids": listed}
+        return mark, {"b_ids": _listed(self.dialect, ids)}
 
     def _ids(self, ids: Sequence[int]) -> sa.ColumnElement[bool]:
         """``id`` is one of ``ids``: ``BETWEEN`` when they are one run (a batch cut from a
