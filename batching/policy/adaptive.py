@@ -19,7 +19,11 @@ committed at ``max(max(t + decode, busy_until) + bound(n, c), commit_until) + ta
 decoded (measured per item), waits for the forward pass in flight (``busy_until``, its
 predicted end), runs, waits for the commits queued before it (commits are serial:
 ``commit_until``), and commits (``tail``, a commit's own time, measured from the later of its
-forward's end and the previous commit's end; EWMAs). With
+forward's end and the previous commit's end; EWMAs). What none of these terms sees (a
+commit's fsync stalling, the cores taken by another process for a while) the controller
+learns from its own record: each released batch's predicted commit (upper estimate) is kept
+and, when the batch commits, how late it ran; the upper estimate adds the second largest of
+the last 64 such misses (:attr:`SloController.slack_s`; 0 while batches commit in time). With
 ``latency_slo_s`` as the p99 target, the oldest item of a bucket has its *budget*: it must be
 released by ``enqueued_at + slo - decode - bound(n, c) - tail`` (trigger ``"slo"``). Before that,
 the batch grows while the model is busy and goes when the model frees up (trigger ``"idle"``:
@@ -55,6 +59,8 @@ _THETA0 = (0.0, 0.0, 0.0, 1.0)  # the prior as is
 _COLD_MARGIN = 0.25  # relative margin before enough errors are seen
 _MIN_ERRORS = 8
 _MAX_ENDS = 1024  # forward ends waiting for their commit
+_MISS_WINDOW = 64  # the recent batches whose commit the slack is learned from
+_MISS_QUANTILE = 0.99  # of their misses: the second largest of 64
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -209,6 +215,10 @@ class SloController:
         self._tail_s: float | None = None
         self._decode_per_item_s: float | None = None
         self._ends: dict[float, float] = {}  # a batch's formed_at -> its forward's end
+        # a batch's formed_at -> its commit as predicted then (upper, without the slack)
+        self._expected: dict[float, float] = {}
+        self._misses: collections.deque[float] = collections.deque(maxlen=_MISS_WINDOW)
+        self._slack_s = 0.0
 
     @classmethod
     def for_policy(
@@ -237,6 +247,14 @@ class SloController:
                 self._ends.clear()
             self._ends[formed_at] = at
 
+    def expect(self, formed_at: float, n_items: int, cost: int) -> None:
+        """A batch of ``n_items`` (cost ``cost``) was released at ``formed_at``: what its
+        commit is predicted to be now, by the upper estimate, is kept for :meth:`committed`
+        to measure the prediction's miss against."""
+        if len(self._expected) >= _MAX_ENDS:  # commits that never came (a failed stage)
+            self._expected.clear()
+        self._expected[formed_at] = self._finish(formed_at, n_items, cost, self.model.bound)
+
     def decoded(self, n_items: int, seconds: float) -> None:
         """The dispatcher decoded ``n_items`` items in ``seconds``."""
         if n_items > 0 and seconds >= 0:
@@ -256,6 +274,12 @@ class SloController:
         self._last_done = max(self._last_done, done_at)
         self._tail_s = _ewma(self._tail_s, max(0.0, tail), self._alpha)
         self.commit_until = done_at + len(self._ends) * self.tail_s
+        expected = self._expected.pop(formed_at, None)
+        if expected is not None:
+            self._misses.append(done_at - expected)
+            if len(self._misses) >= _MIN_ERRORS:
+                ordered = sorted(self._misses)
+                self._slack_s = max(0.0, ordered[int(_MISS_QUANTILE * (len(ordered) - 1))])
 
     # -- predictions -------------------------------------------------------------------------
 
@@ -264,21 +288,33 @@ class SloController:
         """Measured seconds from a forward's end to its commit (EWMA; 0 before any)."""
         return self._tail_s or 0.0
 
+    @property
+    def slack_s(self) -> float:
+        """Seconds the upper estimate adds for the pipeline's own misses: the
+        ``_MISS_QUANTILE`` of how much later than predicted (upper estimate, at release) the
+        recent batches committed; 0 while they commit in time."""
+        return self._slack_s
+
     def lead_s(self, n_items: int) -> float:
         """Predicted decode seconds of ``n_items`` (measured per item; 0 before any)."""
         return (self._decode_per_item_s or 0.0) * n_items
 
     def finish_bound_s(self, n_items: int, cost: int) -> float:
         """Predicted seconds from release to commit on an idle model, with the model's
-        margin: decode + forward (bound) + tail. What the budget is held to."""
-        return self.lead_s(n_items) + self.model.bound(n_items, cost) + self.tail_s
+        margin: decode + forward (bound) + tail, and the slack. What the budget is held to."""
+        return self.lead_s(n_items) + self.model.bound(n_items, cost) + self.tail_s + self.slack_s
 
     def finish_at(self, now: float, n_items: int, cost: int, *, upper: bool = False) -> float:
         """Predicted commit time of a batch released at ``now``: it starts once decoded and
         the forward in flight has ended, then runs and commits. The mean; ``upper``: with the
-        model's margin (:meth:`ServiceModel.bound`), the estimate a p99 objective is held to."""
+        model's margin (:meth:`ServiceModel.bound`) and the pipeline's slack
+        (:attr:`slack_s`), the estimate a p99 objective is held to."""
+        if upper:
+            return self._finish(now, n_items, cost, self.model.bound) + self.slack_s
+        return self._finish(now, n_items, cost, self.model.predict)
+
+    def _finish(self, now: float, n_items: int, cost: int, forward: ServiceTime) -> float:
         start = max(now + self.lead_s(n_items), self.busy_until)
-        forward = self.model.bound if upper else self.model.predict
         return max(start + forward(n_items, cost), self.commit_until) + self.tail_s
 
     def due(self, oldest_enqueued_at: float, n_items: int, cost: int) -> Due:
@@ -298,9 +334,7 @@ class SloController:
         budget_at = oldest_enqueued_at + self.slo_s
 
         def fits(n: int) -> bool:
-            start = max(now + self.lead_s(n), self.busy_until)
-            end = max(start + self.model.bound(n, cost), self.commit_until)
-            return end + self.tail_s <= budget_at
+            return self.finish_at(now, n, cost, upper=True) <= budget_at
 
         if max_items <= 1 or fits(max_items) or not fits(1):
             return max_items

@@ -622,16 +622,24 @@ class MicroBatcher:
             self._settle()
             now = self._clock()
             if self._blocks:
-                return self._cut_block(now)
+                return self._expected(self._cut_block(now))
             states = self._readiness()
             best = min(states, key=lambda s: (not s.ready(now), s.rank, s.index))
             if not (flush or best.ready(now)):
                 return None
             batch = self._release(best, now, states, by_length=flush)
             if batch is not None:
-                return batch
+                return self._expected(batch)
             # every item of that cut was late (``take_late``): look again
         return None
+
+    def _expected(self, batch: models.Batch) -> models.Batch:
+        """``batch``, its predicted commit told to the controller, which learns from the
+        actual one how far its predictions run late (:meth:`SloController.expect`)."""
+        if self._adaptive is not None and not self._draining:
+            cost = max(models.item_column(batch.items, "cost"))  # a block's: one column
+            self._adaptive.expect(batch.formed_at, len(batch), cost)
+        return batch
 
     def take_late(self) -> list[Late]:
         """The items cut out of batches as late since the last call (``late_policy:

@@ -23,6 +23,7 @@ from batching.testing import FakeClock
 
 A_S, B_S = 0.010, 0.001  # the simulated model: 10 ms per batch + 1 ms per item
 COMMIT_S = 0.002  # from the end of a forward pass to its commit
+STALL_S = 0.06  # a stalled commit's extra time (``simulate(stalls=...)``)
 N_MAX = 64
 SLO_S = 0.25
 CAPACITY = N_MAX / (A_S + B_S * N_MAX)  # items/s with full batches (~865)
@@ -75,13 +76,18 @@ def simulate(
     deadlines: bool = False,
     buckets: int = 1,
     padded: bool = False,
+    stalls: float = 0.0,
+    default_deadline_s: float | None = None,
     seed: int = 7,
 ) -> Outcome:
     """Run a trace of arrival times (seconds from 0) through the batcher and the simulated
     server; returns every item's enqueue-to-commit latency. ``buckets``: the items' costs
     take turns over that many length buckets; ``padded``: a batch costs ``B_S`` per item times
-    its longest item's cost over the mean cost (else the cost does not matter)."""
+    its longest item's cost over the mean cost (else the cost does not matter); ``stalls``:
+    the share of commits that take ``STALL_S`` longer (an fsync, a core taken by another
+    process), which no model of the forward pass predicts."""
     rng = random.Random(seed)
+    stall_rng = random.Random(seed + 1)
     clock = FakeClock(0.0)
     edges = list(range(1, buckets))
     pol = config.BatchingPolicy(max_batch_size=N_MAX, max_wait_s=max_wait_s, length_buckets=edges)
@@ -91,7 +97,14 @@ def simulate(
         if adaptive_on
         else None
     )
-    b = batcher.MicroBatcher(pol, clock, profile, adaptive=ctrl, late_policy=late_policy)
+    b = batcher.MicroBatcher(
+        pol,
+        clock,
+        profile,
+        adaptive=ctrl,
+        late_policy=late_policy,
+        default_deadline_s=default_deadline_s,
+    )
     out = Outcome()
     running: tuple[models.Batch, float, float] | None = None  # batch, start, end
     slot: models.Batch | None = None
@@ -138,7 +151,7 @@ def simulate(
             b.add(new)
         if running is not None and running[2] <= clock.now:
             batch, began, end = running
-            done = end + COMMIT_S
+            done = end + COMMIT_S + (STALL_S if stall_rng.random() < stalls else 0.0)
             for item in batch.items:
                 out.latencies.append(done - item.enqueued_at)
                 out.in_slo += done - item.enqueued_at <= SLO_S
@@ -248,6 +261,34 @@ def test_overload_sheds_explicitly_and_keeps_the_admitted_within_slo() -> None:
     assert shed.goodput(DURATION_S) >= late.goodput(DURATION_S)
     # the model stays busy with full batches: throughput near capacity
     assert shed.throughput(DURATION_S) >= 0.8 * CAPACITY
+
+
+def test_overload_with_stalled_commits_holds_the_slo_by_the_learned_slack(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 150% with a tenth of the commits stalled 60 ms (an fsync, a core taken by another
+    process), items the rule judged in time (the SLO as their default deadline, by the
+    upper estimate) commit late unless the controller learns how late its predictions run.
+    With its slack, p99 and goodput stay where they are without stalls; with the slack
+    pinned to 0, the same trace breaks the SLO by a fifth."""
+    trace = poisson(1.5 * CAPACITY, 15.0)
+
+    def run(stalls: float) -> Outcome:
+        out = simulate(
+            trace, adaptive_on=True, late_policy="expire", default_deadline_s=SLO_S, stalls=stalls
+        )
+        assert out.expired
+        assert "default deadline" in out.expired[0].reason
+        return out
+
+    calm, learned = run(0.0), run(0.1)
+    assert calm.p99 <= 1.02 * SLO_S
+    assert learned.p99 <= 1.03 * SLO_S
+    assert learned.goodput(15.0) >= 0.97 * calm.goodput(15.0)
+    monkeypatch.setattr(adaptive.SloController, "slack_s", property(lambda self: 0.0))
+    blind = run(0.1)
+    assert blind.p99 >= 1.15 * SLO_S
+    assert blind.goodput(15.0) < learned.goodput(15.0)
 
 
 def test_buckets_share_a_forward_pass_at_low_load() -> None:
@@ -415,6 +456,38 @@ def test_size_cap_fits_the_oldest_items_budget() -> None:
     assert ctrl.size_cap(100.5, 100.0, 1, 64) == 40
     assert ctrl.size_cap(100.0, 100.0, 1, 64) == 64  # the whole batch fits
     assert ctrl.size_cap(101.5, 100.0, 1, 64) == 64  # late anyway: a full batch
+
+
+def test_slack_is_how_late_recent_commits_ran_against_their_prediction() -> None:
+    """The controller keeps each released batch's predicted commit (upper estimate) and,
+    from the actual commits, learns the 90th percentile of how late they ran: the slack
+    that the upper estimate, the budget and the size cap then add. The mean stays the
+    model's."""
+    ctrl = adaptive.SloController(1.0, adaptive.ServiceModel(lambda n, c: 0.1))
+    upper = ctrl.finish_at(100.0, 4, 1, upper=True)
+    assert upper == pytest.approx(100.0 + 0.1 * 1.25)  # the cold margin, no slack
+    budget = ctrl.due(100.0, 4, 1).budget_at
+    for k in range(20):  # batches that commit 50 ms after their prediction; 2 of them on time
+        formed = 100.0 + k
+        ctrl.expect(formed, 4, 1)
+        predicted = ctrl.finish_at(formed, 4, 1, upper=True) - ctrl.slack_s
+        ctrl.committed(formed, 0.1, predicted + (0.0 if k in (3, 11) else 0.05))
+        ctrl.busy_until = ctrl.commit_until = -math.inf  # each batch alone on the model
+    assert ctrl.slack_s == pytest.approx(0.05)
+    assert ctrl.finish_at(200.0, 4, 1, upper=True) == pytest.approx(
+        200.0 + 0.1 * 1.25 + ctrl.tail_s + 0.05
+    )
+    assert ctrl.finish_at(200.0, 4, 1) == pytest.approx(200.0 + 0.1 + ctrl.tail_s)
+    assert ctrl.due(100.0, 4, 1).budget_at == pytest.approx(budget - ctrl.tail_s - 0.05)
+
+
+def test_slack_is_zero_while_commits_are_in_time() -> None:
+    ctrl = adaptive.SloController(1.0, adaptive.ServiceModel(lambda n, c: 0.1))
+    for k in range(20):
+        ctrl.expect(100.0 + k, 4, 1)
+        ctrl.committed(100.0 + k, 0.1, 100.0 + k + 0.08)  # before the prediction (0.125)
+        ctrl.busy_until = ctrl.commit_until = -math.inf
+    assert ctrl.slack_s == 0.0
 
 
 def test_controller_rejects_a_nonpositive_slo() -> None:
