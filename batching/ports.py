@@ -184,6 +184,10 @@ class ScoreObserver(Protocol):
     def commit_timed(self, seconds: float) -> None:
         """One group commit took ``seconds``."""
 
+    def adaptive_state(self, margin: float, tail_s: float, slack_s: float) -> None:
+        """The adaptive controller after a commit: its forward margin (relative), commit tail
+        and slack (``policy.adaptive.SloController``)."""
+
     def lineage_failed(self, n_events: int) -> None:
         """``n_events`` lineage events were not delivered (spooled or dropped)."""
 
@@ -226,6 +230,9 @@ class NoObserver:
         """Nothing recorded."""
 
     def commit_timed(self, seconds: float) -> None:
+        """Nothing recorded."""
+
+    def adaptive_state(self, margin: float, tail_s: float, slack_s: float) -> None:
         """Nothing recorded."""
 
     def lineage_failed(self, n_events: int) -> None:

@@ -636,6 +636,9 @@ class Scorer(Generic[D]):
             self.stats.add_device_time(job.batch.items, version, job.result.service_s)
             if self.controller is not None:
                 self.controller.committed(job.batch.formed_at, job.result.service_s, self.clock())
+        if self.controller is not None:
+            ctrl = self.controller
+            self.observer.adaptive_state(ctrl.model.margin, ctrl.tail_s, ctrl.slack_s)
         self.observer.commit_timed(time.perf_counter() - started)
         self.observer.heartbeat(self.clock())
 

@@ -137,6 +137,24 @@ SCORER: tuple[Metric, ...] = (
         "The run's last sign of life (group commits and heartbeats).",
     ),
     Metric("batching_run_started_timestamp_seconds", "gauge", E, "When the current run started."),
+    Metric(
+        "batching_adaptive_forward_margin_ratio",
+        "gauge",
+        E,
+        "Adaptive batching: the relative margin its upper estimate adds to a forward pass.",
+    ),
+    Metric(
+        "batching_adaptive_commit_tail_seconds",
+        "gauge",
+        E,
+        "Adaptive batching: measured time from a forward pass's end to its commit.",
+    ),
+    Metric(
+        "batching_adaptive_slack_seconds",
+        "gauge",
+        E,
+        "Adaptive batching: how late recent batches committed against their prediction.",
+    ),
 )
 
 EXPORTER: tuple[Metric, ...] = (

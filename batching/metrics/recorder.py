@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 _lock = threading.Lock()
+_ADAPTIVE = (
+    "batching_adaptive_forward_margin_ratio",
+    "batching_adaptive_commit_tail_seconds",
+    "batching_adaptive_slack_seconds",
+)
 _process: ProcessMetrics | None = None
 
 
@@ -85,7 +90,11 @@ class Recorder:
         self._by_version: dict[str, dict[str, Any]] = {}
         e = (self.env, self.queue)
         s = self.metrics.series
-        self._e = {m.name: s[m.name].labels(*e) for m in catalog.SCORER if m.labels == catalog.E}
+        self._e = {  # the adaptive controller's only once it reports: a fixed run has none
+            m.name: s[m.name].labels(*e)
+            for m in catalog.SCORER
+            if m.labels == catalog.E and m.name not in _ADAPTIVE
+        }
         self._h = self._hv(self.version)
 
     def _hv(self, version: str | None) -> dict[str, Any]:
@@ -207,6 +216,12 @@ class Recorder:
     def commit_timed(self, seconds: float) -> None:
         """One group commit's duration."""
         self._h["batching_commit_seconds"].observe(seconds)
+
+    def adaptive_state(self, margin: float, tail_s: float, slack_s: float) -> None:
+        """The adaptive controller's terms after a commit (the latest write wins)."""
+        s, e = self.metrics.series, (self.env, self.queue)
+        for name, value in zip(_ADAPTIVE, (margin, tail_s, slack_s), strict=True):
+            s[name].labels(*e).set(value)
 
     def lineage_failed(self, n_events: int) -> None:
         """Lineage events not delivered."""

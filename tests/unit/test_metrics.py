@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from batching import config, errors, models, outcomes, ports
+from batching.loop import stats as run_stats
 from batching.metrics import catalog
 from batching.metrics.recorder import ProcessMetrics, Recorder
 from batching.metrics.tenants import TenantFolder, fold, top_tenants
@@ -59,6 +60,9 @@ CONTRACT: dict[str, set[str]] = {
             "batching_run_active",
             "batching_run_heartbeat_timestamp_seconds",
             "batching_run_started_timestamp_seconds",
+            "batching_adaptive_forward_margin_ratio",
+            "batching_adaptive_commit_tail_seconds",
+            "batching_adaptive_slack_seconds",
             "batching_queue_paused",
             "batching_queue_max_depth",
             "batching_queue_age_bound_seconds",
@@ -278,6 +282,7 @@ def test_every_series_carries_the_label_set_the_catalog_names() -> None:
     rec.lineage_failed(1)
     rec.breaker_tripped()
     rec.expired([("t", 1)])
+    rec.adaptive_state(0.2, 0.01, 0.05)
     wanted = {m.name: set(m.labels) for m in catalog.SCORER}
     seen = 0
     for family in rec.metrics.registry.collect():
@@ -309,6 +314,26 @@ def test_the_scorer_reports_to_its_observer_what_its_stats_count() -> None:
     assert sum(samples(rec, "batching_batch_size_items_count").values()) == len(stats.batch_sizes)
     assert sum(samples(rec, "batching_commit_seconds_count").values()) >= 1
     assert list(samples(rec, "batching_run_active").values()) == [0]
+
+
+def test_an_adaptive_scorer_reports_its_controllers_terms_and_a_fixed_one_none() -> None:
+    e = (("environment", "test"), ("queue", "q"))
+    names = (
+        "batching_adaptive_forward_margin_ratio",
+        "batching_adaptive_commit_tail_seconds",
+        "batching_adaptive_slack_seconds",
+    )
+    fixed = rig(keys(10), max_batch_size=4, claim_size=8)
+    fixed.scorer.observer = rec = recorder()
+    fixed.scorer.run(run_stats.RunLimits(until_empty=True))
+    assert all(samples(rec, name) == {} for name in names)
+    tuned = rig(keys(10), max_batch_size=4, claim_size=8, adaptive=True)
+    tuned.scorer.observer = rec = recorder()
+    tuned.scorer.run(run_stats.RunLimits(until_empty=True))
+    ctrl = tuned.scorer.controller
+    assert ctrl is not None
+    want = (ctrl.model.margin, ctrl.tail_s, ctrl.slack_s)
+    assert [samples(rec, name) for name in names] == [{e: value} for value in want]
 
 
 def test_the_scorer_reports_failed_and_released_items() -> None:
