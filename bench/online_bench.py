@@ -23,7 +23,9 @@ request: scheduled, sent and result times, HTTP status, final state. Per point: 
 admitted requests from scheduled arrival to result (a request still open at the cut-off counts
 at its age then, a lower bound, marked ">"), goodput (results within latency_slo_s, per second
 of arrivals), shed at admission (429), expired after admission (late_policy), errors, and
-the CPU each server's processes and the client used per second of the point. The load goes
+the CPU each server's processes and the client used per second of the point; for ours also
+where a done request's time went, joined to its item in the run's database (ingress, enqueue
+to commit, delivery; p50/p99) and how many items committed past the SLO. The load goes
 through a lean asyncio HTTP/1.1 client (httpx costs ~10x its CPU a request, taken from the
 servers on a small machine; --client httpx to compare).
 
@@ -66,6 +68,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+import sqlalchemy as sa
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1010,7 +1013,7 @@ async def drive(run: Run, phase: Phase, target: Target, procs: Procs, ours: Ours
                 arrivals = schedule(
                     pattern, load * ref, shares, run.point_s, f"{key}-{pattern}-{load}"
                 )
-                row = await point(run, target, http, arrivals, f"{tag}-{pattern}-{load}")
+                row = await point(run, target, http, arrivals, f"{tag}-{pattern}-{load}", ours)
                 run.emit(
                     {**base, "kind": "point", "pattern": pattern, "load": load}
                     | {"offered_rps": round(load * ref, 2), "capacity_ref_rps": round(ref, 2)}
@@ -1023,7 +1026,12 @@ async def drive(run: Run, phase: Phase, target: Target, procs: Procs, ours: Ours
 
 
 async def point(
-    run: Run, target: Target, http: Http, arrivals: list[tuple[float, str]], key: str
+    run: Run,
+    target: Target,
+    http: Http,
+    arrivals: list[tuple[float, str]],
+    key: str,
+    ours: Ours | None = None,
 ) -> dict[str, Any]:
     drain_s = min(max(5.0, 3 * target.slo_s, 0.5 * run.point_s), max(1.0, run.left()))
     cpu0, client0 = run.procs.cpu_s(), time.process_time()
@@ -1036,7 +1044,47 @@ async def point(
     row["cpu_busy"] = {k: round((cpu1[k] - cpu0.get(k, 0.0)) / wall, 3) for k in cpu1}
     row["cpu_busy"]["client"] = round((client1 - client0) / wall, 3)
     row["settle_s"] = await settle(run, target, http, f"{key}-settle")
+    if ours is not None:
+        row["split"] = time_split(ours, recs, key, target.slo_s)
     return row
+
+
+def time_split(ours: Ours, recs: list[Req], key: str, slo_s: float) -> dict[str, Any]:
+    """Ours: where each done request's time went, from the run's database (one host, one
+    clock): ingress (sent to the item's enqueue: HTTP and the API's group commit), enqueue to
+    commit (what the scorer's SLO and deadlines cover) and delivery (commit to the result at
+    the client: the long poll's wake-up and read); p50/p99 of each, and how many items the
+    scorer committed more than the SLO after their enqueue."""
+    epoch = time.time() - now()  # perf_counter to epoch seconds
+    engine = sa.create_engine(ours.db_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.text(
+                    "SELECT item_key, enqueued_at, finished_at FROM batching_items"
+                    " WHERE queue = :q AND state = 2 AND item_key LIKE :p"
+                ),
+                {"q": ours.queue, "p": f"{key}-%"},
+            )
+            times = {k: (e, f) for k, e, f in rows}
+    finally:
+        engine.dispose()
+    split: dict[str, list[tuple[float, bool]]] = {"ingress": [], "queue": [], "delivery": []}
+    late = 0
+    for r in recs:
+        found = times.get(f"{key}-{r.i}") if r.state == "done" else None
+        if found is None:
+            continue
+        enqueued, finished = found
+        split["ingress"].append((enqueued - (r.t_sent + epoch), False))
+        split["queue"].append((finished - enqueued, False))
+        split["delivery"].append((r.t_result + epoch - finished, False))
+        late += finished - enqueued > slo_s
+    out: dict[str, Any] = {"committed": len(split["queue"]), "committed_past_slo": late}
+    for name, values in split.items():
+        for q in (50, 99):
+            out[f"{name}_p{q}_s"] = _round(pct(values, q)[0])
+    return out
 
 
 async def settle(run: Run, target: Target, http: Http, key: str) -> float | None:
@@ -1220,6 +1268,27 @@ def render_tables(rows: Iterable[dict[str, Any]]) -> str:
                 f"| {_s(r['p99_s'], r['p99_censored'])} | {r['done_rps']:.1f} "
                 f"| {r['goodput_rps']:.1f} | {r['shed_429']} | {r['expired']} "
                 f"| {r['unfinished']} | {r['error']} |"
+            )
+        out.append("")
+    split = [r for r in points if r.get("split")]
+    if split:
+        out += [
+            "Ours, where a done request's time went (p50 / p99, s; past SLO: items committed "
+            "more than latency_slo_s after their enqueue):",
+            "",
+            "| workload | arrivals | load | system | ingress | enqueue to commit | delivery "
+            "| past SLO |",
+            "|---|---|---:|---|---:|---:|---:|---:|",
+        ]
+        for r in split:
+            f = r["split"]
+            out.append(
+                f"| {r['workload'].upper()} | {r['pattern']} | {r['load']:.0%} | {_label(r)} "
+                + "".join(
+                    f"| {_s(f[f'{n}_p50_s'])} / {_s(f[f'{n}_p99_s'])} "
+                    for n in ("ingress", "queue", "delivery")
+                )
+                + f"| {f['committed_past_slo']} of {f['committed']} |"
             )
         out.append("")
     noisy = [r for r in rows if r["kind"] == "noisy"]
