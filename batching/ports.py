@@ -184,9 +184,9 @@ class ScoreObserver(Protocol):
     def commit_timed(self, seconds: float) -> None:
         """One group commit took ``seconds``."""
 
-    def adaptive_state(self, margin: float, tail_s: float, slack_s: float) -> None:
-        """The adaptive controller after a commit: its forward margin (relative), commit tail
-        and slack (``policy.adaptive.SloController``)."""
+    def adaptive_state(self, terms: Mapping[str, float]) -> None:
+        """The adaptive controller after a commit: ``forward_margin`` (relative),
+        ``commit_tail_s`` and ``slack_s`` (``policy.adaptive.SloController.terms``)."""
 
     def lineage_failed(self, n_events: int) -> None:
         """``n_events`` lineage events were not delivered (spooled or dropped)."""
@@ -232,7 +232,7 @@ class NoObserver:
     def commit_timed(self, seconds: float) -> None:
         """Nothing recorded."""
 
-    def adaptive_state(self, margin: float, tail_s: float, slack_s: float) -> None:
+    def adaptive_state(self, terms: Mapping[str, float]) -> None:
         """Nothing recorded."""
 
     def lineage_failed(self, n_events: int) -> None:

@@ -204,6 +204,8 @@ class Scorer(Generic[D]):
                 self._stages_done.set()
                 threads[2].join()
                 self.stats.finished_at = self.clock()
+                if self.controller is not None:
+                    self.stats.adaptive = self.controller.terms()
                 self.observer.finished(self.stats.finished_at)
         if self._error is not None:
             raise self._error
@@ -637,8 +639,7 @@ class Scorer(Generic[D]):
             if self.controller is not None:
                 self.controller.committed(job.batch.formed_at, job.result.service_s, self.clock())
         if self.controller is not None:
-            ctrl = self.controller
-            self.observer.adaptive_state(ctrl.model.margin, ctrl.tail_s, ctrl.slack_s)
+            self.observer.adaptive_state(self.controller.terms())
         self.observer.commit_timed(time.perf_counter() - started)
         self.observer.heartbeat(self.clock())
 

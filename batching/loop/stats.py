@@ -51,6 +51,7 @@ class RunSummary(TypedDict):
     device_s: float
     device_s_by_tenant: dict[str, float]
     device_s_by_version: dict[str, float]
+    adaptive: NotRequired[dict[str, float]]
     lineage_failures: NotRequired[int]
     attempt: NotRequired[int]
     run_items_committed: NotRequired[int]
@@ -106,6 +107,9 @@ class RunStats:
         default_factory=lambda: dict.fromkeys(("claim", "decode", "forward", "commit"), 0.0)
     )
     finished_at: float | None = None
+    # The adaptive controller's terms at the run's end (``batching.adaptive``; empty without):
+    # forward_margin (relative), commit_tail_s, slack_s (``policy.adaptive.SloController``).
+    adaptive: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def merged(cls, parts: Sequence[RunStats]) -> RunStats:
@@ -123,6 +127,8 @@ class RunStats:
             _add(total.device_s_by_version, p.device_s_by_version)
             for stage, seconds in p.stage_s.items():
                 total.stage_s[stage] = total.stage_s.get(stage, 0.0) + seconds
+            for term, value in p.adaptive.items():  # the most cautious scorer's
+                total.adaptive[term] = max(total.adaptive.get(term, value), value)
         ends = [p.finished_at for p in parts]
         total.finished_at = None if None in ends else max(e for e in ends if e is not None)
         return total
@@ -132,7 +138,7 @@ class RunStats:
         elapsed = max((self.finished_at or time.time()) - self.started_at, 1e-9)
         sizes = sorted(self.batch_sizes)
         lat = sorted(self.latencies_s)
-        return {
+        summary: RunSummary = {
             "items_committed": self.committed,
             "items_failed": self.failed,
             "items_released": self.released,
@@ -163,6 +169,9 @@ class RunStats:
             "device_s_by_tenant": dict(self.device_s_by_tenant),
             "device_s_by_version": dict(self.device_s_by_version),
         }
+        if self.adaptive:
+            summary["adaptive"] = dict(self.adaptive)
+        return summary
 
     def add_device_time(
         self, items: Sequence[models.WorkItem], version: str, seconds: float
@@ -207,6 +216,16 @@ def summary_rows(summary: Mapping[str, object]) -> list[tuple[str, str]]:
         rows.insert(3, ("items scored in isolation", f"{summary['items_isolated']}"))
     if summary.get("items_expired"):  # predicted late, expired unscored (late_policy)
         rows.insert(3, ("items expired (late)", f"{summary['items_expired']}"))
+    terms = summary.get("adaptive")
+    if isinstance(terms, Mapping) and terms:  # why items expired: what the controller added
+        rows.append(
+            (
+                "adaptive: forward margin / commit tail / slack",
+                f"{float(terms.get('forward_margin', 0.0)):.0%} / "
+                f"{float(terms.get('commit_tail_s', 0.0)):.3f} s / "
+                f"{float(terms.get('slack_s', 0.0)):.3f} s",
+            )
+        )
     device = summary.get("device_s_by_tenant")
     if isinstance(device, Mapping) and device:  # the busiest tenants first
         top = sorted(device.items(), key=lambda kv: -float(kv[1]))[:5]

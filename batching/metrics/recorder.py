@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -27,11 +27,11 @@ logger = logging.getLogger(__name__)
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 _lock = threading.Lock()
-_ADAPTIVE = (
-    "batching_adaptive_forward_margin_ratio",
-    "batching_adaptive_commit_tail_seconds",
-    "batching_adaptive_slack_seconds",
-)
+_ADAPTIVE = {  # SloController.terms() -> its gauge
+    "forward_margin": "batching_adaptive_forward_margin_ratio",
+    "commit_tail_s": "batching_adaptive_commit_tail_seconds",
+    "slack_s": "batching_adaptive_slack_seconds",
+}
 _process: ProcessMetrics | None = None
 
 
@@ -93,7 +93,7 @@ class Recorder:
         self._e = {  # the adaptive controller's only once it reports: a fixed run has none
             m.name: s[m.name].labels(*e)
             for m in catalog.SCORER
-            if m.labels == catalog.E and m.name not in _ADAPTIVE
+            if m.labels == catalog.E and m.name not in _ADAPTIVE.values()
         }
         self._h = self._hv(self.version)
 
@@ -217,11 +217,11 @@ class Recorder:
         """One group commit's duration."""
         self._h["batching_commit_seconds"].observe(seconds)
 
-    def adaptive_state(self, margin: float, tail_s: float, slack_s: float) -> None:
+    def adaptive_state(self, terms: Mapping[str, float]) -> None:
         """The adaptive controller's terms after a commit (the latest write wins)."""
         s, e = self.metrics.series, (self.env, self.queue)
-        for name, value in zip(_ADAPTIVE, (margin, tail_s, slack_s), strict=True):
-            s[name].labels(*e).set(value)
+        for term, name in _ADAPTIVE.items():
+            s[name].labels(*e).set(terms[term])
 
     def lineage_failed(self, n_events: int) -> None:
         """Lineage events not delivered."""

@@ -295,6 +295,15 @@ class SloController:
         recent batches committed; 0 while they commit in time."""
         return self._slack_s
 
+    def terms(self) -> dict[str, float]:
+        """What the upper estimate adds, for the run's summary and the metrics: the forward
+        margin (relative), the commit tail and the slack (seconds)."""
+        return {
+            "forward_margin": self.model.margin,
+            "commit_tail_s": self.tail_s,
+            "slack_s": self.slack_s,
+        }
+
     def lead_s(self, n_items: int) -> float:
         """Predicted decode seconds of ``n_items`` (measured per item; 0 before any)."""
         return (self._decode_per_item_s or 0.0) * n_items

@@ -282,7 +282,7 @@ def test_every_series_carries_the_label_set_the_catalog_names() -> None:
     rec.lineage_failed(1)
     rec.breaker_tripped()
     rec.expired([("t", 1)])
-    rec.adaptive_state(0.2, 0.01, 0.05)
+    rec.adaptive_state({"forward_margin": 0.2, "commit_tail_s": 0.01, "slack_s": 0.05})
     wanted = {m.name: set(m.labels) for m in catalog.SCORER}
     seen = 0
     for family in rec.metrics.registry.collect():
@@ -334,6 +334,11 @@ def test_an_adaptive_scorer_reports_its_controllers_terms_and_a_fixed_one_none()
     assert ctrl is not None
     want = (ctrl.model.margin, ctrl.tail_s, ctrl.slack_s)
     assert [samples(rec, name) for name in names] == [{e: value} for value in want]
+    summary = tuned.scorer.stats.summary()
+    assert summary["adaptive"] == ctrl.terms()
+    assert "adaptive" not in fixed.scorer.stats.summary()
+    rows = dict(run_stats.summary_rows(summary))
+    assert rows["adaptive: forward margin / commit tail / slack"].endswith(" s")
 
 
 def test_the_scorer_reports_failed_and_released_items() -> None:
