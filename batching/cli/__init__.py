@@ -17,9 +17,15 @@ import logging
 import os
 import sys
 
+_STOPPABLE = ("score", "bulk")  # commands that stop gracefully on SIGTERM and SIGINT
+
 
 def main() -> None:
     """Console-script entry point."""
+    if sys.argv[1:2] and sys.argv[1] in _STOPPABLE:  # before the imports: they take ~1 s
+        from batching.cli import stop_signal
+
+        stop_signal.install_early()
     from batching.cli import (  # noqa: F401  (register commands)
         api,
         bulk,

@@ -14,6 +14,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from batching.cli import stop_signal
 from batching.cli.common import (
     ConfigOption,
     DbOverride,
@@ -32,7 +33,6 @@ from batching.cli.scoring import (
     _explain_what_is_left,
     _finite,
     _score_workers,
-    _StopOnSignal,
     _where,
     lineage_settings,
     score_doc,
@@ -95,7 +95,7 @@ def bulk(
             "`batching enqueue` and run `batching score`)",
             param_hint="--in-place",
         )
-    stop = _StopOnSignal()
+    stop = stop_signal.handler()
     from batching.cli.metrics import scorer_metrics
     from batching.compose import inplace
     from batching.compose import run as wiring

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
-import signal
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,6 +13,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from batching.cli import stop_signal
 from batching.cli.common import (
     ConfigOption,
     DbOverride,
@@ -127,7 +126,7 @@ def score(
     latency_p99_s, ...), workers (with --workers: index, run_id, failed, error of each) and
     errors (one-line messages). The exit code is the same as without --json.
     """
-    stop = _StopOnSignal()  # first: a signal while the model loads must not kill the run
+    stop = stop_signal.handler()  # first: a signal while the model loads must not kill the run
     from batching.cli.metrics import scorer_metrics, with_metrics_port
     from batching.compose import run as wiring
     from batching.loop import stats as run_stats
@@ -220,57 +219,6 @@ def score_doc(
         ],
         "errors": list(errors),
     }
-
-
-class _StopOnSignal:
-    """SIGTERM and SIGINT, from the start of ``batching score`` to its end, stop the run:
-    once it scores, its scorer stops claiming, commits what is in flight and releases the
-    rest; a signal that comes earlier (config, model load, start-up recovery) is kept, and
-    stops the scorer as soon as it exists, so the run closes in the ledger and in lineage
-    (the signal's default action killed it there: exit -15, a run left ``running``). A
-    second signal before then is not kept: start-up can wait minutes on an unreachable
-    database or lineage backend, and signalling again is how to stop at once (the run is
-    then closed as abandoned by a later one). Workers take ``asked``
-    (``run_workers(stop=...)``; asked before they start, none starts)."""
-
-    def __init__(self) -> None:
-        self.asked = threading.Event()
-        self._scorer: Any = None
-        self._stopping = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-        # At exit the interpreter puts every Python handler back to the default action, and
-        # a signal then killed a run that had finished (exit -15 after its summary); an
-        # ignored signal stays ignored.
-        atexit.register(_ignore_stop_signals)
-
-    def _on_signal(self, signum: int, _frame: Any) -> None:
-        if self._scorer is not None:
-            # A flag first: a burst of signals nested handlers in Event.set until stack overflow
-            if self._stopping:
-                return
-            self._stopping = True
-            self.asked.set()
-            self._scorer.stop()
-            return
-        if not self.asked.is_set():
-            self.asked.set()
-            # os.write, not the console: the main thread may be inside a print of its own
-            os.write(2, b"stopping once start-up is done (signal again to stop now)\n")
-            return
-        default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
-        signal.signal(signum, default)
-        signal.raise_signal(signum)
-
-    def attach(self, scorer: Any) -> None:
-        self._scorer = scorer
-        if self.asked.is_set():
-            scorer.stop()
-
-
-def _ignore_stop_signals() -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
 
 
 def _explain_what_is_left(cfg: Any, db: str | None, summary: Mapping[str, object]) -> None:

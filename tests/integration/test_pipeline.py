@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -754,6 +755,44 @@ def test_sigterm_before_scoring_starts_closes_the_run_and_leaves_the_queue_as_it
     assert "Traceback" not in stderr
     assert {r.state for r in items(sqlite_url).values()} == {models.State.READY}
     assert {r.state for r in runs(sqlite_url)} == {"completed"}, stdout
+
+
+# A stop signal the moment ``batching score`` starts loading its command modules (the first
+# ``import typer``), before the command runs: the crash fuzz once sent SIGTERM 0.53 s after the
+# start, and the default action killed the run there (exit -15).
+_SIGTERM_WHILE_IMPORTING = """
+import builtins, os, signal, sys
+real = builtins.__import__
+def hook(name, *args, **kwargs):
+    if name == "typer" and not getattr(hook, "fired", False):
+        hook.fired = True
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(name, *args, **kwargs)
+builtins.__import__ = hook
+sys.argv = ["batching", *sys.argv[1:]]
+from batching.cli import main
+main()
+"""
+
+
+def test_sigterm_while_the_command_loads_stops_the_run_cleanly(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    path = write_config("tabular.yaml", tmp_path)
+    enqueue(sqlite_url, cfg.load_config(path), w1_records(20, tmp_path))
+    args = ["score", "-c", str(path), "--db", sqlite_url, "--quiet"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_WHILE_IMPORTING, *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "stopping once start-up is done" in proc.stderr
+    assert {r.state for r in items(sqlite_url).values()} == {models.State.READY}
+    assert {r.state for r in runs(sqlite_url)} == {"completed"}, proc.stdout
 
 
 def test_sigterm_while_a_finished_run_exits_still_exits_0(

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from batching.cli import scoring
+from batching.cli import stop_signal
 
 
 class Scorer:
@@ -25,7 +25,7 @@ class Scorer:
 @pytest.fixture
 def handler() -> Iterator[Any]:
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    yield scoring._StopOnSignal()
+    yield stop_signal.handler()
     for sig, old in saved.items():
         signal.signal(sig, old)
 
@@ -49,3 +49,21 @@ def test_a_signal_inside_the_handler_returns_at_once(handler: Any) -> None:
     assert handler.asked.is_set()
     handler._on_signal(signal.SIGTERM, None)
     assert scorer.stops == 1
+
+
+def test_the_command_takes_the_handler_main_installed_once_with_what_it_caught() -> None:
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop_signal.install_early()
+        signal.raise_signal(signal.SIGTERM)  # while the command's modules load
+        early = stop_signal.handler()
+        assert early.asked.is_set()
+        scorer = Scorer()
+        early.attach(scorer)  # the scorer stops as soon as it exists
+        assert scorer.stops == 1
+        fresh = stop_signal.handler()  # taken once: the next command gets its own
+        assert fresh is not early
+        assert not fresh.asked.is_set()
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
