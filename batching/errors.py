@@ -35,6 +35,14 @@ class InputError(BatchingError):
     """An input record is invalid."""
 
 
+class KeyTaken(InputError):
+    """An item key another tenant holds in the queue (the HTTP ingress answers 409)."""
+
+    def __init__(self, key: str, queue: str) -> None:
+        super().__init__(f"item_key {key!r} is taken in queue {queue!r}; use another key")
+        self.key = key
+
+
 class SchemaError(BatchingError):
     """The database schema is not at the expected version; run `batching init`."""
 

@@ -160,47 +160,24 @@ class Writer:
 
     def _write_queue(self, queue: str, posts: list[Post]) -> None:
         """Enqueue ``posts`` (all of ``queue``) in one transaction and answer each."""
-        results = self.results
-        # A request of one item needs no look first: a key another tenant holds is only a
-        # duplicate to the enqueue, and the read that answers finds its owner (``_answer``).
-        # One of several items must be refused before its transaction (all or nothing).
-        single = all(len(p.records) == 1 for p in posts)
-        try:
-            keys = [] if single else [r.item_key for p in posts for r in p.records]
-            present = results.states(queue, keys) if keys else {}
-        except errors.BatchingError as exc:
-            for post in posts:
-                _resolve(post, exc)
-            return
-        owner = {k: v.tenant for k, v in present.items()}
-        accepted: list[Post] = []
-        for post in posts:
-            theirs = [
-                r.item_key
-                for r in post.records
-                if owner.get(r.item_key, post.tenant) != post.tenant
-            ]
-            if theirs:
-                _resolve(post, _taken(theirs[0], queue))
-                continue
-            for r in post.records:
-                owner.setdefault(r.item_key, post.tenant)
-            accepted.append(post)
-        if not accepted:
-            return
-        q = results.queue(queue)
+        # A key another tenant holds is refused inside the transaction (``KeyTaken``): a read
+        # before it could be overtaken by another API process, and a request half written.
+        q = self.results.queue(queue)
         q.max_attempts = self.max_attempts
         run = f"api-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:8]}"
         self.groups += 1
         try:
-            outcomes = q.enqueue_each([p.records for p in accepted], enqueue_run=run)
+            outcomes = q.enqueue_each([p.records for p in posts], enqueue_run=run)
         except errors.BatchingError as exc:
-            for post in accepted:
+            for post in posts:
                 _resolve(post, exc)
             return
         admitted: list[Post] = []
         inserted, duplicates = 0, list[str]()
-        for post, outcome in zip(accepted, outcomes, strict=True):
+        for post, outcome in zip(posts, outcomes, strict=True):
+            if isinstance(outcome, errors.KeyTaken):  # another tenant's key: 409
+                _resolve(post, _taken(outcome.key, queue))
+                continue
             if isinstance(outcome, errors.BatchingError):  # its own 429 (or 422)
                 _resolve(post, outcome)
                 continue

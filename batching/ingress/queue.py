@@ -392,7 +392,10 @@ class SqlQueue:
         refused on its own, in order: a group that would take the queue past its depth cap
         (or its tenant past its share) is rolled back to a savepoint and gets its
         ``QueueFull``, the groups after it still go in while there is room. A key a group
-        sends that an earlier group (or the queue) holds is that group's duplicate.
+        sends that an earlier group (or the queue) holds is that group's duplicate when the
+        holder is the record's own tenant; another tenant's key rolls the group back with
+        ``KeyTaken``, judged inside the transaction, so a request of several items is never
+        half written because another process took one of its keys a moment before.
 
         The HTTP ingress writes the requests waiting at one moment this way: at the cap one
         transaction answers them all, where refusing a group whole and retrying its halves
@@ -412,6 +415,8 @@ class SqlQueue:
                 room = functools.partial(check, collections.Counter(added))
                 try:
                     done = self._write_records(conn, records, now, enqueue_run, room, None)
+                    if done.duplicates:
+                        self._refuse_taken(conn, records, done.duplicates)
                 except (errors.QueueFull, errors.InputError) as refused:
                     savepoint.rollback()
                     out.append(refused)
@@ -427,6 +432,26 @@ class SqlQueue:
             extra={"action": "enqueue", "queue": self.queue, "n_items": inserted},
         )
         return out
+
+    def _refuse_taken(
+        self,
+        conn: Connection,
+        records: Sequence[models.EnqueueRecord],
+        duplicates: Sequence[str],
+    ) -> None:
+        """Raise ``KeyTaken`` when a duplicate of ``records`` is held by another tenant than
+        the record's (read in the writing transaction)."""
+        tenant_of = {r.item_key: r.tenant for r in records}
+        keys = sorted(set(duplicates))
+        for at in range(0, len(keys), 500):  # within every database's bound-parameter limit
+            rows = conn.execute(
+                sa.select(_T.c.item_key, _T.c.tenant).where(
+                    _T.c.queue == self.queue, _T.c.item_key.in_(keys[at : at + 500])
+                )
+            )
+            for key, tenant in rows:
+                if tenant != tenant_of[key]:
+                    raise errors.KeyTaken(key, self.queue)
 
     def _write_records(
         self,

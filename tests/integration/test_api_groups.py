@@ -131,3 +131,41 @@ def test_a_bad_request_fails_alone_and_a_taken_key_is_409_within_a_group(
         assert "taken" in assert_error(z[1], 409, "Conflict")
 
     grouped(config_path, 4, run)
+
+
+def test_the_owner_of_a_key_gets_its_retry_whoever_posts_the_key_first_in_a_group(
+    config_path: Path,
+) -> None:
+    """Another tenant's request for a key, ahead of the owner's retries in one group, is
+    the one refused (409); the owner's retries answer 200 with the item it created."""
+
+    def run(client: TestClient) -> None:
+        assert client.post(ITEMS, json=item("owned"), headers=A).status_code == 201
+        out: dict[str, Any] = {}
+
+        def post(name: str, headers: dict[str, str]) -> None:
+            out[name] = client.post(ITEMS, json=item("owned"), headers=headers)
+
+        writer = client.app.state.writer  # type: ignore[attr-defined]
+        submit, submitted = writer.submit, threading.Event()
+
+        def submit_and_tell(*args: Any) -> Any:
+            post = submit(*args)
+            submitted.set()
+            return post
+
+        writer.submit = submit_and_tell
+        first = threading.Thread(target=post, args=("intruder", B))
+        first.start()
+        assert submitted.wait(30)  # the intruder's request is first in the group
+        retries = [threading.Thread(target=post, args=(f"owner{n}", A)) for n in range(2)]
+        for t in retries:
+            t.start()
+        for t in (first, *retries):
+            t.join()
+        assert "taken" in assert_error(out["intruder"], 409, "Conflict")
+        for name in ("owner0", "owner1"):
+            assert out[name].status_code == 200, out[name].text
+            assert out[name].json()["items"][0]["created"] is False
+
+    grouped(config_path, 3, run)

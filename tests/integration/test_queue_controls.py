@@ -524,3 +524,33 @@ def test_weights_set_the_shares_of_the_cap(db_url: str, clock: FakeClock) -> Non
         weighted.enqueue([rec("a-more", tenant="A")])
     weighted.enqueue([rec(f"b-more{i}", tenant="B") for i in range(5)])  # B up to its 25
     engine.dispose()
+
+
+def test_enqueue_each_refuses_a_group_holding_another_tenants_key_whole(
+    queue: q.SqlQueue,
+) -> None:
+    """Whose key it is, is judged in the writing transaction: a group with a key another
+    tenant holds is rolled back whole with ``KeyTaken`` (none of its other items written),
+    while the owner's own repeat of the key is an ordinary duplicate. A check read before
+    the transaction could be overtaken by another API process, and the request half written."""
+    queue.enqueue([rec("theirs", tenant="B"), rec("mine", tenant="A")])
+    out = queue.enqueue_each(
+        [
+            [rec("new-1", tenant="A"), rec("theirs", tenant="A")],  # refused whole
+            [rec("mine", tenant="A"), rec("new-2", tenant="A")],  # its own key: a duplicate
+            [rec("new-2", tenant="B")],  # taken by the group before, in this transaction
+            [rec("theirs", tenant="B")],
+        ]
+    )
+    assert isinstance(out[0], errors.KeyTaken)
+    assert (out[0].key, str(out[0])) == (
+        "theirs",
+        "item_key 'theirs' is taken in queue 'ctl'; use another key",
+    )
+    assert out[1] == models.EnqueueResult(1, ("mine",))
+    assert isinstance(out[2], errors.KeyTaken)
+    assert out[3] == models.EnqueueResult(0, ("theirs",))
+    with queue.engine.connect() as conn:
+        t = schema.items
+        rows = dict(conn.execute(sa.select(t.c.item_key, t.c.tenant)).all())
+    assert rows == {"theirs": "B", "mine": "A", "new-2": "A"}
