@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -174,7 +175,13 @@ def _handlers(app: FastAPI) -> None:
         if status == 429:
             retry = request.app.state.settings.retry_after_s
             headers = {"Retry-After": str(retry)}
-        return error_response(status, type(exc).__name__, str(exc), headers)
+        message = str(exc)
+        if isinstance(exc, errors.SinkError):  # names the server's files: logged, not sent
+            logger.warning(
+                "output cannot be read", extra={"action": "api_sink_error", "error": message}
+            )
+            message = "the item's output cannot be read now (the API's log says why)"
+        return error_response(status, type(exc).__name__, message, headers)
 
     async def invalid(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
@@ -242,6 +249,13 @@ def _routes(app: FastAPI, settings: Settings) -> None:
 
     @app.get("/readyz", summary="The database is reachable and its schema current (else 503).")
     def readyz() -> dict[str, bool]:
+        # An open connection still reads a SQLite file deleted under it; new items would be
+        # written to that unlinked file and lost with the process.
+        url = settings.results.engine.url
+        database = url.database or ":memory:"
+        sqlite_file = url.get_backend_name() == "sqlite" and database != ":memory:"
+        if sqlite_file and not os.path.exists(database):
+            raise errors.QueueError("the SQLite database file is gone; restore it or re-init")
         settings.results.queue("default").check_schema()
         return {"ok": True}
 
@@ -296,7 +310,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         return settings.results.stats(queue, tenant)
 
     @app.get(
-        "/v1/queues/{queue}/items/{item_key}",
+        "/v1/queues/{queue}/items/{item_key:path}",
         summary="An item's state and committed result; wait_s long-polls until it is final.",
         responses={404: {"description": "no such item"}, **_ERRORS},
     )

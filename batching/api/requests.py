@@ -105,7 +105,7 @@ def _tensor(payload: Any, where: str) -> models.Payload | None:
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_b64"}:
         raise errors.InputError(f"{at} must be an object of dtype, shape and data_b64")
     dtype, shape, data = spec["dtype"], spec["shape"], spec["data_b64"]
-    if dtype not in TENSOR_DTYPES:
+    if not isinstance(dtype, str) or dtype not in TENSOR_DTYPES:
         raise errors.InputError(
             f"{at}.dtype must be one of {', '.join(sorted(TENSOR_DTYPES))}, got {str(dtype)[:40]!r}"
         )

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from batching import errors
 from batching.api.results import ItemView
 
 logger = logging.getLogger(__name__)
@@ -157,17 +158,33 @@ class Waiters:
 
     def _pass(self) -> None:
         for queue, keys in self._snapshot().items():
-            try:
-                found = self._finished(queue, keys)
-            except Exception as exc:  # the waiting requests answer it (503), one line each
+            self._read(queue, keys)
+
+    def _read(self, queue: str, keys: Sequence[str]) -> None:
+        """One read of ``keys``; the items found final answer their requests. A read that
+        fails fails the requests waiting on what failed, not every request of the queue: an
+        output that cannot be read (one batch's file gone) is looked for by halves, so one
+        tenant's broken item never answers another tenant's poll. The database failing
+        fails them all at once (every half would fail the same)."""
+        try:
+            found = self._finished(queue, keys)
+        except errors.QueueError as exc:
+            self._fail(queue, keys, exc)
+            return
+        except Exception as exc:  # the waiting requests answer it (503), one line each
+            if len(keys) == 1:
                 self._fail(queue, keys, exc)
-                continue
-            self.passes += 1
-            with self._lock:
-                ready = [(f, found[k]) for k in found for f in self._waiting.pop((queue, k), ())]
-            for future, view in ready:
-                if not future.cancelled():
-                    future.set_result(view)
+                return
+            half = len(keys) // 2
+            self._read(queue, keys[:half])
+            self._read(queue, keys[half:])
+            return
+        self.passes += 1
+        with self._lock:
+            ready = [(f, found[k]) for k in found for f in self._waiting.pop((queue, k), ())]
+        for future, view in ready:
+            if not future.cancelled():
+                future.set_result(view)
 
     def _fail(self, queue: str, keys: Sequence[str], exc: Exception) -> None:
         """A failed read fails the requests waiting then (503 with its message)."""

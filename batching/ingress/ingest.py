@@ -279,9 +279,15 @@ def _deadline(value: Any, where: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value):
-            raise errors.InputError(f"{where}: deadline must be a finite time, got {value!r}")
-        return float(value)
+        try:
+            seconds = float(value)  # an int too large for a float overflows
+        except OverflowError:
+            seconds = math.inf
+        if not math.isfinite(seconds):
+            raise errors.InputError(
+                f"{where}: deadline must be a finite time (epoch seconds), got {str(value)[:40]}"
+            )
+        return seconds
     if isinstance(value, str):
         try:
             parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))

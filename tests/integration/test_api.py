@@ -197,9 +197,22 @@ def test_a_batch_post_mixes_new_and_present_items_and_tensor_payloads(client: Te
             "dtype must be one of",
         ),
         (
+            {
+                "item_key": "a",
+                "payload": {"tensor": {"dtype": ["float32"], "shape": [1], "data_b64": "AAAAAA=="}},
+            },
+            422,
+            "dtype must be one of",
+        ),
+        (
             {"item_key": "a", "payload": {"x": [1]}, "deadline": "soon"},
             422,
             "deadline must be epoch seconds",
+        ),
+        (
+            {"item_key": "a", "payload": {"x": [1]}, "deadline": 10**400},
+            422,
+            "deadline must be a finite time",
         ),
     ],
 )
@@ -520,6 +533,53 @@ def test_health_readiness_and_the_openapi_schema(client: TestClient, tmp_path: P
     assert "oneOf" in post["requestBody"]["content"]["application/json"]["schema"]
 
 
+def test_an_output_that_cannot_be_read_fails_its_own_polls_only_without_server_paths(
+    config_path: Path, tmp_path: Path
+) -> None:
+    """A done item whose file is gone answers 503, saying nothing of the server's files (the
+    API's log has them); another tenant's long poll, waiting at the same time, is answered
+    by its own item, not by that failure."""
+    rows = workloads.w1_inputs(1)
+    clients = make_client(config_path)
+    client = next(clients)
+    scorer = score_once_enqueued(config_path, 1)
+    assert client.post(ITEMS, json=item("gone", payload={"x": rows[0].tolist()}), headers=A)
+    scorer.join(60)
+    (file,) = (tmp_path / "outputs").rglob("*.parquet")
+    file.unlink()
+    assert client.post(ITEMS, json=item("theirs"), headers=B).status_code == 201
+    polls: dict[str, Any] = {}
+
+    def poll(key: str, headers: dict[str, str], wait_s: float) -> None:
+        polls[key] = client.get(f"{ITEMS}/{key}?wait_s={wait_s}", headers=headers)
+
+    theirs = threading.Thread(target=poll, args=("theirs", B, 1.0))
+    theirs.start()
+    poll("gone", A, 0.5)
+    theirs.join()
+    next(clients, None)  # the client and its engine closed
+    message = assert_error(polls["gone"], 503, "SinkError")
+    assert str(tmp_path) not in message
+    assert ".parquet" not in message
+    assert (polls["theirs"].status_code, polls["theirs"].json()["state"]) == (200, "ready")
+
+
+def test_readyz_is_503_once_the_sqlite_file_is_gone(tmp_path: Path, sqlite_url: str) -> None:
+    """A pooled connection still reads a file deleted under it; ready must not say so."""
+    for c in make_client(write_config(tmp_path, sqlite_url)):
+        assert c.get("/readyz").json() == {"ok": True}
+        for name in ("queue.db", "queue.db-wal", "queue.db-shm"):
+            (tmp_path / name).unlink(missing_ok=True)
+        assert "file is gone" in assert_error(c.get("/readyz"), 503, "QueueError")
+
+
+def test_a_key_with_a_slash_reads_back(client: TestClient) -> None:
+    assert client.post(ITEMS, json=item("tenant/a/b"), headers=A).status_code == 201
+    got = client.get(f"{ITEMS}/tenant%2Fa%2Fb?wait_s=0", headers=A)
+    assert (got.status_code, got.json()["item_key"]) == (200, "tenant/a/b")
+    assert client.get(f"{ITEMS}/tenant/a/b", headers=A).json()["item_key"] == "tenant/a/b"
+
+
 def test_readyz_is_503_when_the_schema_is_not_current(config_path: Path) -> None:
     for c in make_client(config_path):
         engine = c.app.state.settings.results.engine  # type: ignore[attr-defined]
@@ -554,14 +614,15 @@ BODIES = (
 
 
 # A path segment "." or ".." is resolved away by the client, and a "/" splits the segment:
-# those name other routes (a 405), not a bad queue or key.
+# those name other routes (a 405), not a bad queue; a key may hold "/".
 SEGMENT = st.text(min_size=1, max_size=12).filter(lambda s: s not in {".", ".."} and "/" not in s)
+KEY = st.text(min_size=1, max_size=12).filter(lambda s: s not in {".", ".."})  # "/" is a key's
 
 
 @settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(body=BODIES, queue=SEGMENT, key=SEGMENT)
+@given(body=BODIES, queue=SEGMENT, key=KEY)
 def test_no_body_or_path_gets_a_500_and_every_error_is_one_json_line(
     client: TestClient, body: bytes, queue: str, key: str
 ) -> None:

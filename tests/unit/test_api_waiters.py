@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from batching import models
+from batching import errors, models
 from batching.api.results import ItemView
 from batching.api.wakeup import Waiters
 
@@ -26,6 +26,7 @@ class Store:
         self.mark = 0
         self.reads: list[tuple[str, tuple[str, ...]]] = []
         self.fail: Exception | None = None
+        self.broken: set[str] = set()  # keys whose output cannot be read (SinkError)
         self.lock = threading.Lock()
 
     def finished(self, queue: str, keys: Sequence[str]) -> Mapping[str, ItemView]:
@@ -33,6 +34,8 @@ class Store:
             self.reads.append((queue, tuple(sorted(keys))))
             if self.fail is not None:
                 raise self.fail
+            if self.broken.intersection(keys):
+                raise errors.SinkError("batch b1: its file /srv/out/part-b1.parquet is missing")
             return {k: self.final[(queue, k)] for k in keys if (queue, k) in self.final}
 
     def acked(self) -> int:
@@ -147,6 +150,36 @@ def test_a_failed_read_fails_the_requests_waiting_then(store: Store) -> None:
         later = waiters.register("q", "k")
         store.finish("q", "k")
         assert later.result(5).item_key == "k"
+    finally:
+        waiters.close()
+
+
+def test_an_output_that_cannot_be_read_fails_only_the_requests_waiting_on_it(
+    store: Store,
+) -> None:
+    """One batch's file gone fails the polls of its items, not every poll of the queue (other
+    tenants' among them): a failed read is tried again by halves. A database error fails
+    every request waiting then, in one read."""
+    store.broken.add("bad")
+    store.finish("q", "done")
+    waiters = waiters_of(store, backstop_s=0.05)
+    try:
+        waiting = {k: waiters.register("q", k) for k in ("w1", "bad", "done", "w2", "w3")}
+        with pytest.raises(errors.SinkError, match="missing"):
+            waiting["bad"].result(5)
+        assert waiting["done"].result(5).item_key == "done"
+        store.finish("q", "w2")
+        assert waiting["w2"].result(5).item_key == "w2"
+        assert not any(waiting[k].done() for k in ("w1", "w3"))
+
+        with store.lock:
+            reads = len(store.reads)
+            store.fail = errors.QueueError("database is locked")
+        with pytest.raises(errors.QueueError):
+            waiting["w1"].result(5)
+        with pytest.raises(errors.QueueError):
+            waiting["w3"].result(5)
+        assert store.reads[reads] == ("q", ("w1", "w3"))  # one read failed them both
     finally:
         waiters.close()
 
