@@ -61,6 +61,8 @@ _MIN_ERRORS = 8
 _MAX_ENDS = 1024  # forward ends waiting for their commit
 _MISS_WINDOW = 64  # the recent batches whose commit the slack is learned from
 _MISS_QUANTILE = 0.99  # of their misses: the second largest of 64
+_EFFICIENT_TOLERANCE = 0.01  # a smaller batch this close to the best time per item is as good
+_PASS_OVERHEAD_S = 0.001  # the scorer's own work a pass besides the forward (release, hand-offs)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -116,6 +118,7 @@ class ServiceModel:
         self._errors: collections.deque[float] = collections.deque(maxlen=window)
         self._margin = _COLD_MARGIN
         self.n_observed = 0
+        self._efficient: dict[tuple[int, int], int] = {}  # (cost, most items) -> size
 
     def _features(self, n_items: int, cost: int) -> tuple[float, ...]:
         prior = self._prior(n_items, cost) if self._prior is not None else 0.0
@@ -132,6 +135,28 @@ class ServiceModel:
     def bound(self, n_items: int, cost: int) -> float:
         """An upper estimate: the mean times (1 + the recent error margin)."""
         return self.predict(n_items, cost) * (1.0 + self._margin)
+
+    def efficient_size(self, cost: int, max_items: int) -> int:
+        """The batch size (<= ``max_items``) with the least predicted time per item at
+        ``cost``, the forward and ~1 ms of the scorer's own work a pass: the smallest whose
+        time per item is within 1% of the best. Past it a larger batch is slower per item,
+        not faster, and the pass everything behind it waits for is longer (a CPU's
+        transformer on long inputs stops gaining at 8-16 items; a model whose time is
+        ``a + b*n`` keeps gaining, and its size stays ``max_items``). Sizes tried: powers
+        of two, their midpoints, and ``max_items``; recomputed after each measurement."""
+        if max_items <= 1:
+            return max(1, max_items)
+        key = (cost, max_items)
+        size = self._efficient.get(key)
+        if size is None:
+            sizes = sorted(set(_sizes_up_to(max_items)))
+            per_item = [(self.predict(n, cost) + _PASS_OVERHEAD_S) / n for n in sizes]
+            limit = min(per_item) * (1.0 + _EFFICIENT_TOLERANCE)
+            size = next(n for n, t in zip(sizes, per_item, strict=True) if t <= limit)
+            if len(self._efficient) >= _MAX_ENDS:
+                self._efficient.clear()
+            self._efficient[key] = size
+        return size
 
     @property
     def margin(self) -> float:
@@ -154,6 +179,7 @@ class ServiceModel:
             old_x, old_y = self._samples.popleft()
             self._add(old_x, old_y, -1.0)
         self._refit()
+        self._efficient.clear()
         self.n_observed += 1
         if len(self._errors) >= _MIN_ERRORS:
             ordered = sorted(self._errors)
@@ -174,6 +200,17 @@ class ServiceModel:
         ]
         b = [v + lam * t0 for v, t0 in zip(self._xty, _THETA0, strict=True)]
         self._theta = tuple(_solve(a, b))
+
+
+def _sizes_up_to(max_items: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, 16, ... below ``max_items``, and ``max_items``."""
+    sizes, n = [max_items], 1
+    while n < max_items:
+        sizes.append(n)
+        if n >= 2 and n + n // 2 < max_items:
+            sizes.append(n + n // 2)
+        n *= 2
+    return sizes
 
 
 def _ewma(old: float | None, new: float, alpha: float) -> float:
@@ -338,13 +375,15 @@ class SloController:
         return Due(budget_at, "slo", budget_at)
 
     def size_cap(self, now: float, oldest_enqueued_at: float, cost: int, max_items: int) -> int:
-        """The most items (<= ``max_items``) a batch released now may hold so that its oldest
-        item is predicted within the SLO; ``max_items`` when even one item cannot be."""
+        """The most items (<= ``max_items``) a batch released now may hold: no more than the
+        model's most efficient size (:meth:`ServiceModel.efficient_size`), and no more than
+        its oldest item's budget allows, unless even one item cannot make it."""
         budget_at = oldest_enqueued_at + self.slo_s
 
         def fits(n: int) -> bool:
             return self.finish_at(now, n, cost, upper=True) <= budget_at
 
+        max_items = self.model.efficient_size(cost, max_items)
         if max_items <= 1 or fits(max_items) or not fits(1):
             return max_items
         # the largest n that fits (the model grows with n; bisect on a monotone predicate)

@@ -713,7 +713,8 @@ class MicroBatcher:
         # No max_wait_s here: the controller goes at once at a free model, and a batch the
         # window pushed into a busy one would only wait behind the forward in flight, as a
         # smaller batch than the one the model could take when it frees (design.md).
-        due = self._adaptive.due(oldest, n, bucket.max_cost())
+        cost = bucket.max_cost()
+        due = self._adaptive.due(oldest, self._adaptive.model.efficient_size(cost, n), cost)
         rank = min(due.budget_at, due_at)
         if due.at < due_at:
             return _Readiness(index, full, due.at, due.trigger, rank)
@@ -834,6 +835,7 @@ class MicroBatcher:
             if (
                 (left is not None and k_total > left)
                 or (budget.max_cost is not None and (n + k) * padded > budget.max_cost)
+                or n + k > model.efficient_size(padded, self._budget.max_size)
                 or t_merged > t_now + t_alone
                 or change >= 0
             ):

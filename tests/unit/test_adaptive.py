@@ -451,11 +451,47 @@ def test_due_waits_for_the_model_then_the_budget() -> None:
 
 
 def test_size_cap_fits_the_oldest_items_budget() -> None:
-    ctrl = adaptive.SloController(1.0, adaptive.ServiceModel(lambda n, c: 0.01 * n))
-    # bound = 1.25 * 0.01 n; 0.5 s left -> n <= 40
-    assert ctrl.size_cap(100.5, 100.0, 1, 64) == 40
+    ctrl = adaptive.SloController(1.0, adaptive.ServiceModel(lambda n, c: 0.1 + 0.01 * n))
+    # bound = 1.25 * (0.1 + 0.01 n); 0.5 s left -> n <= 30
+    assert ctrl.size_cap(100.5, 100.0, 1, 64) == 30
     assert ctrl.size_cap(100.0, 100.0, 1, 64) == 64  # the whole batch fits
     assert ctrl.size_cap(101.5, 100.0, 1, 64) == 64  # late anyway: a full batch
+
+
+def knee(n: int, cost: int) -> float:
+    """A CPU's transformer on long inputs: each item costs less up to 8 a pass, then more
+    (the batch's activations outgrow the caches); short inputs keep gaining."""
+    growth = 0.1 * (n - 8) if n > 8 and cost >= 8 else 0.0
+    return 0.004 + 0.001 * n * cost / 8 * (1.0 + growth)
+
+
+def test_efficient_size_is_where_time_per_item_stops_falling() -> None:
+    model = adaptive.ServiceModel(knee, n_ref=32, c_ref=8)
+    assert model.efficient_size(8, 32) == 8  # past 8 a pass is slower per item
+    assert model.efficient_size(1, 32) == 32  # short inputs gain to the end
+    assert model.efficient_size(8, 4) == 4
+    assert model.efficient_size(8, 1) == 1
+    # a + b*n keeps gaining: the size stays the largest
+    fixed_cost = adaptive.ServiceModel(lambda n, c: 0.005 + 0.000002 * n, n_ref=2048)
+    assert fixed_cost.efficient_size(1, 2048) == 2048
+    # no fixed cost at all: every size is as good, and the smallest within 1% goes
+    flat = adaptive.ServiceModel(lambda n, c: 0.01 * n, n_ref=64)
+    assert flat.efficient_size(1, 64) == 12  # (0.01 n + 1 ms) / n within 1% of n = 64's
+
+
+def test_a_batch_is_cut_at_the_efficient_size_not_grown_past_it() -> None:
+    """Thirty long items at a free model whose passes stop gaining at 8 go as passes of 8,
+    with time to spare in the SLO: a pass of 30 would be slower per item and hold everything
+    behind it four times as long."""
+    clock = FakeClock(100.0)
+    pol = config.BatchingPolicy(max_batch_size=32, max_wait_s=0.05, length_buckets=[1, 8])
+    ctrl = adaptive.SloController(10.0, adaptive.ServiceModel(knee, n_ref=32, c_ref=8))
+    b = batcher.MicroBatcher(pol, clock, adaptive=ctrl)
+    b.add(_items(1, 30, cost=8) + _items(100, 30, cost=1))
+    sizes = []
+    while (batch := b.poll()) is not None:
+        sizes.append((max(i.cost for i in batch.items), len(batch)))
+    assert sorted(sizes) == [(1, 30), (8, 6), (8, 8), (8, 8), (8, 8)]
 
 
 def test_slack_is_how_late_recent_commits_ran_against_their_prediction() -> None:
