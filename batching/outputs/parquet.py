@@ -340,6 +340,8 @@ class ParquetSink(sinks.FencedSink):
         others = Counter(
             _written_under(r.staging_path) for r, e in zip(rows, elsewhere, strict=True) if e
         )
+        if others and observed.visible:
+            self._refuse_foreign_dataset(rows, batches, elsewhere, others)
         return facts.OutputFacts(
             batches=tuple(b for b, e in zip(batches, elsewhere, strict=True) if not e),
             done=tuple(done),
@@ -592,6 +594,32 @@ class ParquetSink(sinks.FencedSink):
             return False
         root = Path(_written_under(row.staging_path))
         return not _same_folder(root, self.layout.root) and (root / row.path).is_file()
+
+    def _refuse_foreign_dataset(
+        self,
+        rows: Sequence[Any],
+        batches: Sequence[facts.BatchFacts],
+        elsewhere: Sequence[bool],
+        others: Counter[str],
+    ) -> None:
+        """Refuse when the root holds files but not one live batch of the ledger: every one
+        is whole where it was written, another root. This root is then most likely another
+        pipeline's dataset (a wrong ``--output``): its files would read as orphans, and
+        ``--repair`` would set them all aside."""
+        here = [
+            b
+            for r, b, e in zip(rows, batches, elsewhere, strict=True)
+            if not e and r.state in models.LIVE_BATCH_STATES and b.where != "missing"
+        ]
+        if here:
+            return
+        roots = ", ".join(sorted(others)[:3])
+        raise errors.ConfigError(
+            f"none of the ledger's batches of queue {self.fence.queue!r} is under "
+            f"{self.layout.root}: {others.total()} were written under {roots}; its files "
+            "would read as orphans (and --repair would set them aside): check output.path or "
+            "--output"
+        )
 
     def _refuse_empty_dataset(
         self, rows: Sequence[Any], batches: Sequence[facts.BatchFacts]

@@ -21,7 +21,7 @@ from batching.ingress import queue as q
 from batching.outputs import contract as sinks
 from batching.outputs import parquet, parquet_layout
 from batching.outputs import sql as sql_sink
-from batching.store import schema
+from batching.store import database, schema
 from batching.testing import FakeClock
 from tests.integration.test_sinks import Crash, _after, claim, items, ledger, results, scored
 
@@ -574,6 +574,27 @@ def test_batches_written_to_another_dataset_are_not_judged_or_rescored(
     lost = commit(queue, sink, ["d"], clock)
     (root / path_of(queue, lost)).unlink()  # written here, gone: still a missing file
     assert Kind.MISSING_FILE in {f.kind for f in run(queue, root, clock).findings}
+
+
+def test_a_root_holding_none_of_the_ledgers_batches_is_refused_before_any_repair(
+    queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock, tmp_path: Path
+) -> None:
+    """Another pipeline's dataset given as --output: every batch of this ledger is whole in
+    the root it was written to, and the files here are another ledger's. Judged, they were
+    all orphans, and --repair set the other pipeline's whole dataset aside."""
+    commit(queue, sink, ["a", "b"], clock)
+    theirs_engine = database.create_engine(f"sqlite:///{tmp_path / 'theirs.db'}")
+    theirs = q.SqlQueue(theirs_engine, "theirs", clock=clock)
+    theirs.migrate()
+    foreign = tmp_path / "foreign"
+    commit(theirs, parquet.ParquetSink(theirs, foreign), ["x"], clock)
+    files = sorted(foreign.rglob("*.parquet"))
+
+    with pytest.raises(errors.ConfigError, match=r"none of the ledger's batches .* is under"):
+        run(queue, foreign, clock, repair=True)
+    assert sorted(foreign.rglob("*.parquet")) == files  # nothing set aside
+    assert run(queue, root, clock).findings == ()
+    theirs_engine.dispose()
 
 
 def test_outputs_survive_repair_bit_for_bit(
