@@ -338,7 +338,7 @@ class RolloutConfig(_Model):
     shadow_path: str | None = Field(
         None,
         min_length=1,
-        description="a folder (relative to this file's) for the shadow outputs of `rollout start --shadow`: a Parquet dataset of each shadowed item's stable and candidate output, never published (none: `shadow/` beside a local output folder, else `outputs/shadow` beside this file)",
+        description="a folder (relative to this file's) for the shadow outputs of `rollout start --shadow`: a Parquet dataset of each shadowed item's stable and candidate output, never published, so outside the output dataset (`batching check` fails one in it; none: `shadow/` beside a local output folder, else `outputs/shadow` beside this file)",
     )
 
     min_items: int = Field(

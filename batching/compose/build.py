@@ -80,6 +80,12 @@ def resolve(config: cfg.PipelineConfig, db_url: str | None, output: str | None) 
     )
 
 
+def overlaps(folder: Path, other: Path) -> bool:
+    """Whether ``folder`` is ``other``, lies in it or holds it (resolved paths)."""
+    a, b = folder.expanduser().resolve(), other.expanduser().resolve()
+    return a == b or b in a.parents or a in b.parents
+
+
 def output_target(config: cfg.PipelineConfig, output: str | None) -> registry.Target:
     """The config's outputs, ``output`` (``--output``) overriding its location."""
     out = config.output

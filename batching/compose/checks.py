@@ -48,6 +48,13 @@ def check_config(config: cfg.PipelineConfig, db_url: str | None = None) -> polic
     report = policy.check_policy(config, profile)
     routed, unchecked = _route_problems(config, db_url or config.database.url)
     found = [*report.errors, *routed]
+    if config.rollout.shadow_path is not None:
+        from batching.compose import shadow
+
+        try:
+            shadow.folder(config)
+        except errors.ConfigError as exc:
+            found.append(str(exc))
     warned = [*report.warnings, *unchecked]
     held = _largest_checkpoints(config, 3)
     device = profile.device_memory_bytes if profile is not None else None

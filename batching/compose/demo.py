@@ -48,6 +48,13 @@ def run_demo(
         raise errors.ConfigError(f"--sink must be one of {', '.join(SINKS)}, got {sink!r}")
     if workdir.exists() and not workdir.is_dir():
         raise errors.ConfigError(f"{workdir}: not a folder; pass --dir a new or existing folder")
+    db = f"sqlite:///{(workdir / 'demo.db').resolve()}"
+    if (workdir / "demo.db").exists():  # checked before a file is written: never half applied
+        existing = build.open_queue(_config("online.yaml", sink), db)
+        try:
+            existing.migrate()
+        finally:
+            existing.engine.dispose()
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         text_file = workloads.write_lines(
@@ -59,7 +66,6 @@ def run_demo(
             f"{workdir}: cannot write the demo files there ({exc.strerror or errors.one_line(exc)});"
             " pass --dir a new or writable folder"
         ) from None
-    db = f"sqlite:///{(workdir / 'demo.db').resolve()}"
     for name, file in (("online.yaml", text_file), ("tabular.yaml", tab_file)):
         cfg = _config(name, sink)
         queue = build.open_queue(cfg, db, create=True)

@@ -87,6 +87,20 @@ class Report:
         }
 
 
+def _check_side_folder(output: Path, target: registry.Target) -> None:
+    """Refuse an ``output`` that is a file, or that is, holds or lies in the config's own
+    output folder (a Parquet dataset: its replay files would be published beside the real
+    ones)."""
+    if output.exists() and not output.is_dir():
+        raise errors.InputError(f"--output {output} is a file; give a folder for the replay")
+    root = registry.kind_of(target).local_folder(target)
+    if root is not None and build.overlaps(output, root):
+        raise errors.InputError(
+            f"--output {output} overlaps the config's output dataset {root}; replay writes a "
+            "side dataset that is never published: give a folder outside it"
+        )
+
+
 def replay(
     config: cfg.PipelineConfig,
     db_url: str | None,
@@ -109,6 +123,7 @@ def replay(
             f"{', '.join(sorted(config.registry()))})"
         )
     res = build.resolve(config, db_url, None)
+    _check_side_folder(output, res.target)
     queue = build.open_queue(config, res.db_url)
     try:
         queue.check_schema()

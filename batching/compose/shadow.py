@@ -24,6 +24,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from batching import config as cfg
+from batching import errors
 from batching.compose import build
 from batching.loop.routes import ShadowRows
 from batching.outputs import registry
@@ -45,12 +46,17 @@ def folder(config: cfg.PipelineConfig, res: build.Resolved | None = None) -> Pat
     """The config's shadow dataset: ``rollout.shadow_path`` (relative to its file), else
     ``shadow/`` beside a local output folder (``res``'s: after ``--output``), else
     ``outputs/shadow`` beside the file."""
+    res = res or build.resolve(config, None, None)
+    local = registry.kind_of(res.target).local_folder(res.target)
     path = config.resolve(config.rollout.shadow_path)
     if path is None:
-        res = res or build.resolve(config, None, None)
-        local = registry.kind_of(res.target).local_folder(res.target)
         path = local.parent / "shadow" if local is not None else config.resolve("outputs/shadow")
     assert path is not None
+    if local is not None and build.overlaps(path, local):
+        raise errors.ConfigError(
+            f"rollout.shadow_path {path} overlaps the output dataset {local}: shadow outputs "
+            "are never published; give rollout.shadow_path a folder outside it"
+        )
     return path.expanduser().resolve()
 
 

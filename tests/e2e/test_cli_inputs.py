@@ -117,6 +117,20 @@ def test_demo_refuses_a_dir_that_is_a_file_or_cannot_be_made(tmp_path: Path) -> 
     assert one_error_line(r).startswith("error: afile/demo: cannot write the demo files there")
 
 
+def test_demo_refuses_a_folder_whose_demo_db_is_not_a_database_before_writing(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "u"
+    folder.mkdir()
+    (folder / "demo.db").write_text("precious")
+    (folder / "text-requests.jsonl").write_text("mine")
+    r = batching("demo", "--dir", "u", cwd=tmp_path)
+    assert r.rc == 2
+    assert "file is not a database" in one_error_line(r)
+    assert (folder / "text-requests.jsonl").read_text() == "mine"  # nothing overwritten
+    assert sorted(p.name for p in folder.iterdir()) == ["demo.db", "text-requests.jsonl"]
+
+
 # ----------------------------------------------------------------------------- check
 
 

@@ -153,3 +153,13 @@ def test_the_replay_command_says_what_it_found_in_one_line_each(
     assert bad.returncode == 2
     assert bad.stderr.count("\n") == 1
     assert "committed no batch" in bad.stderr
+    for output, says in (
+        (tmp_path / "out", "overlaps the config's output dataset"),  # its own dataset
+        (tmp_path / "out" / "side", "overlaps the config's output dataset"),
+        (path, "is a file; give a folder"),
+    ):
+        refused = subprocess.run([*args, "--output", str(output)], capture_output=True, text=True)
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.count("\n") == 1
+        assert says in refused.stderr
+    assert not list((tmp_path / "out").rglob("replay=*"))  # nothing written into the dataset

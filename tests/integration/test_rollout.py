@@ -701,6 +701,24 @@ def test_the_plan_check_fails_a_config_that_lacks_a_version_its_queue_routes_to(
     assert "routes items to model version 'v2' (candidate)" in problem
 
 
+def test_a_shadow_path_in_the_output_dataset_fails_the_plan_check_and_the_run(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    """Shadow outputs are never published: a shadow_path that is (or lies in) the output
+    dataset would publish them beside the stable ones. The check fails it before merge, and
+    a shadow rollout's run refuses to write there."""
+    data = settings(tmp_path, ckpt)
+    data["rollout"] |= {"shadow_path": str(tmp_path / "out" / "shadow")}
+    config = cfg.load_config(REPO / "deployments" / "tabular.yaml", data)
+    (problem,) = [e for e in checks.check_config(config).errors if "shadow_path" in e]
+    assert "overlaps the output dataset" in problem
+    with pytest.raises(errors.ConfigError, match=r"give rollout\.shadow_path a folder outside"):
+        shadow.folder(config)
+    fine = make_config(tmp_path, ckpt)
+    assert not [e for e in checks.check_config(fine).errors if "shadow_path" in e]
+    assert shadow.folder(fine) == (tmp_path / "shadow").resolve()
+
+
 def test_an_item_the_candidate_failed_counts_as_its_error_after_a_retry_scored_it(
     sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
