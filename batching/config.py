@@ -110,11 +110,13 @@ class QueueConfig(_Model):
     lease_s: float = Field(
         60.0,
         gt=0,
+        le=604_800,  # a week
         description="how long a claim holds its items; heartbeats extend it while the scorer lives",
     )
     heartbeat_s: float | None = Field(
         None,
         gt=0,
+        le=604_800,
         description="how often leases are extended; at most `lease_s / 3` (none: `lease_s / 3`)",
     )
     max_attempts: int = Field(
@@ -126,22 +128,26 @@ class QueueConfig(_Model):
     backoff_base_s: float = Field(
         1.0,
         ge=0,
+        le=86_400,
         description="retry delay after a failure: `min(backoff_max_s, backoff_base_s * 2^(n-1))`, times a jitter in [0.5, 1]",
     )
     backoff_max_s: float = Field(
         600.0,
         ge=0,
+        le=604_800,
         description="the cap on every retry delay",
     )
     poll_s: float = Field(
         0.05,
         gt=0,
+        le=3600,
         description="how often an idle scorer looks for work when nothing wakes it (a NOTIFY on "
         "PostgreSQL, a data_version change on SQLite)",
     )
     idle_poll_max_s: float = Field(
         1.0,
         gt=0,
+        le=3600,
         description="an idle scorer polls less often the longer it finds nothing, up to this: new items still wake it at once; what only time makes ready (a retry's backoff, an expired lease, a resumed queue) waits up to this long",
     )
     late_policy: Literal["score", "expire"] = Field(
@@ -376,6 +382,7 @@ class BatchingPolicy(_Model):
     max_batch_cost: int | None = Field(
         None,
         ge=1,
+        le=2**31 - 1,
         description="release at this total cost (e.g. tokens; an item's `cost`); none: no cost cap",
     )
     max_wait_s: float = Field(
@@ -390,6 +397,7 @@ class BatchingPolicy(_Model):
     claim_size: int | None = Field(
         None,
         ge=1,
+        le=1_048_576,
         description="items per claim statement (none: `4 * max_batch_size`); a multiple of `max_batch_size` lets uniform tensor claims go whole batches at a time",
     )
     max_inflight_batches: int = Field(
@@ -875,6 +883,12 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pi
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise errors.ConfigError(f"{p}:{where} is not valid YAML; fix the syntax") from None
+    except RecursionError:
+        raise errors.ConfigError(f"{p}: nested too deeply to be a config; fix it") from None
+    except TypeError:  # a key that is a list or a mapping (YAML's "? [1, 2]")
+        raise errors.ConfigError(
+            f"{p}: a key that is a list or a mapping; a config's keys are names"
+        ) from None
     if data is None:
         data = {}
     if overrides and isinstance(data, dict):

@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -143,11 +144,41 @@ def _writer(settings: Settings) -> writer.Writer:
     )
 
 
-def serve(app: FastAPI, host: str, port: int) -> None:
-    """Serve ``app`` with uvicorn (one process) until SIGINT or SIGTERM."""
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, bound before the server says it serves.
+
+    Raises:
+        ConfigError: the address cannot be bound (in use, privileged, an unknown host).
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise errors.ConfigError(
+            f"cannot serve on host {host!r} ({reason}); check --host"
+        ) from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise errors.ConfigError(
+            f"cannot serve on {host}:{port} ({exc.strerror or exc}); choose a free port (--port)"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(app: FastAPI, sock: socket.socket) -> None:
+    """Serve ``app`` with uvicorn (one process) on ``sock`` (:func:`bind`) until SIGINT or
+    SIGTERM."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server.run(sockets=[sock])
 
 
 # -- errors -------------------------------------------------------------------------------------

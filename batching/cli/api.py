@@ -108,12 +108,13 @@ def serve_api(
         group_max_records=group_max_records,
         group_linger_s=group_linger_s,
     )
+    sock = api_app.bind(host, port)
     err.print(
         f"serving {len(known)} token(s) on http://{host}:{port} (database "
         f"{database.redact(res.db_url)}); docs at /docs, metrics at /metrics",
         highlight=False,
     )
     try:
-        api_app.serve(application(settings, cfg.metrics.environment), host, port)
+        api_app.serve(application(settings, cfg.metrics.environment), sock)
     finally:
         results.close()

@@ -162,6 +162,11 @@ def _ints(text: str, name: str, most: int) -> list[int]:
         raise errors.ConfigError(f"{name} must list positive integers, got {text!r}")
     if max(values) > most:
         raise errors.ConfigError(f"{name} must be at most {most}, got {max(values)}")
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise errors.ConfigError(
+            f"{name} lists {', '.join(map(str, repeated))} twice; give each value once"
+        )
     return values
 
 

@@ -50,7 +50,9 @@ def init(db: DbOption = DEFAULT_DB) -> None:
 
     from batching.store import database
 
-    result = open_queue(db, create=True).migrate()
+    queue = open_queue(db, create=True)
+    database.check_intact(queue.engine)
+    result = queue.migrate()
     where = database.redact(db)
     if result.applied:
         out.print(

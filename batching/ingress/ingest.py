@@ -180,9 +180,14 @@ def _read_jsonl(p: Path, limits: ItemLimits) -> Iterator[tuple[int, models.Enque
                 continue
             try:
                 obj = json.loads(raw)
+                record = record_from_mapping(obj, where)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise errors.InputError(f"{where}: not valid JSON ({exc}); fix the line") from None
-            yield lineno, record_from_mapping(obj, where)
+            except RecursionError:
+                raise errors.InputError(
+                    f"{where}: nested too deeply; flatten the payload"
+                ) from None
+            yield lineno, record
 
 
 def record_from_mapping(obj: Any, where: str) -> models.EnqueueRecord:

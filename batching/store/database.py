@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sqlite3
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
@@ -189,16 +190,37 @@ def require_database(url: str) -> None:
     )
 
 
+def check_intact(engine: Engine) -> None:
+    """SQLite: ``PRAGMA quick_check`` (``batching init``), so an upgrade never runs on, nor
+    passes, a damaged file. Other databases: nothing (their servers check their pages).
+
+    Raises:
+        QueueError: the file is damaged (the message says what to do).
+    """
+    if engine.dialect.name != "sqlite":
+        return
+    url = engine.url.render_as_string()
+    with translate_errors(url), engine.connect() as conn:
+        found = [str(row[0]) for row in conn.exec_driver_sql("PRAGMA quick_check").all()]
+    if found != ["ok"]:
+        reason = "database disk image is malformed"
+        raise errors.QueueError(
+            f"database {redact(url)}: {reason} ({found[0][:120]}){_hint(reason)}"
+        )
+
+
 @contextlib.contextmanager
 def translate_errors(url: str) -> Iterator[None]:
     """Turn SQLAlchemy errors into ``QueueError`` with the URL redacted (the one place it happens)."""
     try:
         yield
+    except sqlite3.Error as e:  # a raw connection's (the SQLite bulk paths)
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        _refuse_not_a_database(url, reason, e)
+        raise errors.QueueError(f"database {redact(url)}: {reason}{_hint(reason)}") from e
     except exc.DBAPIError as e:
         reason = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
-        for texts, fix in _NOT_A_DATABASE:  # bad input (exit 2), not a database failure
-            if all(t in reason for t in texts):
-                raise errors.ConfigError(f"database {redact(url)}: {reason}; {fix}") from e
+        _refuse_not_a_database(url, reason, e)
         if e.connection_invalidated:  # the pool drops the connection; a new one may work
             raise errors.Disconnected(f"database {redact(url)} connection lost: {reason}") from e
         if isinstance(e, exc.OperationalError):
@@ -206,7 +228,13 @@ def translate_errors(url: str) -> Iterator[None]:
             if any(text in reason for text in _RESTARTING):  # a verb's retry may get through
                 raise errors.Disconnected(message) from e
             raise errors.QueueError(message) from e
-        raise errors.QueueError(f"database {redact(url)}: {reason}") from e
+        raise errors.QueueError(f"database {redact(url)}: {reason}{_hint(reason)}") from e
+
+
+def _refuse_not_a_database(url: str, reason: str, e: Exception) -> None:
+    for texts, fix in _NOT_A_DATABASE:  # bad input (exit 2), not a database failure
+        if all(t in reason for t in texts):
+            raise errors.ConfigError(f"database {redact(url)}: {reason}; {fix}") from e
 
 
 # A server restarting or failing over refuses new connections for a moment (``pg_ctl restart``:
@@ -228,6 +256,11 @@ _NOT_A_DATABASE = (  # a URL that names something else: what to give instead
     (("invalid sslmode value",), "use sslmode=disable, prefer, require, verify-ca or verify-full"),
 )
 _HINTS = (  # what to do about the connection failures users meet first
+    (
+        ("database disk image is malformed",),
+        "the SQLite file is damaged: stop what uses it, restore it from a backup (or "
+        "`sqlite3 FILE .recover`), then run `batching reconcile`",
+    ),
     (('database "', "does not exist"), "create it (createdb), then `batching init --db URL`"),
     (('role "', "does not exist"), "check the user name in the URL (or create that role)"),
     (("Connection refused",), "is the server running? check the host and port"),

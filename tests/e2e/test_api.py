@@ -162,3 +162,24 @@ def test_api_without_good_tokens_exits_2_with_one_line(
     assert r.rc == 2
     assert says in one_error_line(r)
     assert "short" not in r.err.replace("shorter", "")
+
+
+def test_api_on_a_port_in_use_or_an_unknown_host_exits_2_before_saying_it_serves(
+    tmp_path: Path,
+) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    config = write_config(tmp_path)
+    env = {"BATCHING_API_TOKENS": f"{'t' * 24}=acme"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = batching("api", "-c", str(config), "--port", str(port), cwd=tmp_path, env=env)
+    assert r.rc == 2
+    assert one_error_line(r) == (
+        f"error: cannot serve on 127.0.0.1:{port} (Address already in use); "
+        "choose a free port (--port)"
+    )
+    r = batching("api", "-c", str(config), "--host", "999.1.1.1", cwd=tmp_path, env=env)
+    assert r.rc == 2
+    assert one_error_line(r).startswith("error: cannot serve on host '999.1.1.1'")

@@ -207,6 +207,10 @@ MALFORMED = [
     ('{"item_key": 7, "payload": {"x": [1]}}', "item_key must be a non-empty string"),
     ('{"item_key": "bad", "payload": {}, "colour": "red"}', "unknown field(s) colour"),
     ('["not", "an", "object"]', "expected a JSON object"),
+    (
+        '{"item_key": "deep", "payload": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}",
+        "nested too deeply",
+    ),
 ]
 
 

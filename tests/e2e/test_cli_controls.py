@@ -85,3 +85,16 @@ def test_pause_cap_cancel_resume_and_their_audit(tmp_path: Path) -> None:
         ("cancel", getpass.getuser(), "bad file"),
         ("resume", "bob", None),
     ]
+
+
+def test_a_control_on_a_queue_with_no_items_and_no_control_warns_of_a_typo(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(2))
+    assert batching("enqueue", str(jsonl), "--db", DB, "-q", "tab", cwd=tmp_path).rc == 0
+    for args in (("pause", "tba", "--reason", "incident"), ("cap", "atb", "--max-depth", "5")):
+        r = batching("queue", *args, "--db", DB, cwd=tmp_path)
+        assert r.rc == 0, r.err
+        assert f"warning: queue '{args[1]}' has no items and no control yet" in r.err
+        assert "queues in this database: tab" in r.err
+    r = batching("queue", "pause", "tab", "--reason", "incident", "--db", DB, cwd=tmp_path)
+    assert (r.rc, r.err) == (0, "")

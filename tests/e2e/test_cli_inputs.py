@@ -86,6 +86,9 @@ def test_profile_bounds_batch_sizes_and_lengths(tmp_path: Path) -> None:
         r = batching("profile", "-c", TABULAR, option, value, "--out", "p.json", cwd=tmp_path)
         assert r.rc == 2
         assert f"{option} must be at most 65536, got {value.split(',')[1]}" in one_error_line(r)
+    r = batching("profile", "-c", TABULAR, "--batch-sizes", "1,1", "--out", "p.json", cwd=tmp_path)
+    assert r.rc == 2
+    assert "--batch-sizes lists 1 twice; give each value once" in one_error_line(r)
     assert not (tmp_path / "p.json").exists()
 
 
@@ -129,6 +132,32 @@ def test_demo_refuses_a_folder_whose_demo_db_is_not_a_database_before_writing(
     assert "file is not a database" in one_error_line(r)
     assert (folder / "text-requests.jsonl").read_text() == "mine"  # nothing overwritten
     assert sorted(p.name for p in folder.iterdir()) == ["demo.db", "text-requests.jsonl"]
+
+
+# ----------------------------------------------------------------------------- damaged file
+
+
+def test_a_damaged_sqlite_file_is_named_with_what_to_do_by_every_command(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    (tmp_path / "r.jsonl").write_text(
+        "".join(
+            json.dumps({"item_key": f"k{i}", "payload": {"x": [i]}}) + "\n" for i in range(3000)
+        )
+    )
+    assert batching("enqueue", "r.jsonl", "-q", "q", "--db", DB, cwd=tmp_path).rc == 0
+    with (tmp_path / "queue.db").open("r+b") as f:  # pages past the schema's
+        f.seek(8192)
+        f.write(b"\xde\xad" * 3000)
+    for args in (
+        ("enqueue", "r.jsonl", "-q", "other", "--db", DB),
+        ("status", "--db", DB),
+        ("init", "--db", DB),  # not "nothing to do"
+    ):
+        r = batching(*args, cwd=tmp_path)
+        assert r.rc == 1, (args, r.out, r.err)
+        line = one_error_line(r)
+        assert "database disk image is malformed; the SQLite file is damaged" in line, line
+        assert "unexpected" not in line
 
 
 # ----------------------------------------------------------------------------- check

@@ -40,6 +40,18 @@ def test_shipped_configs_load(name: str) -> None:
             {"model": MODEL, "queue": {"lease_s": 30, "heartbeat_s": 20}},
             "heartbeat_s must be <= lease_s / 3 (10)",
         ),
+        (  # past what a database integer or a thread's wait takes: refused at load
+            {"model": MODEL, "batching": {"claim_size": 10**20}},
+            "batching.claim_size: Input should be less than or equal to 1048576",
+        ),
+        (
+            {"model": MODEL, "queue": {"lease_s": 1e11}},
+            "queue.lease_s: Input should be less than or equal to 604800",
+        ),
+        (
+            {"model": MODEL, "queue": {"poll_s": 1e300}},
+            "queue.poll_s: Input should be less than or equal to 3600",
+        ),
         (
             {"model": MODEL, "output": {"table": "x; drop table y"}},
             "output.table: Value error, table must be a SQL identifier",
@@ -99,6 +111,12 @@ def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
     (tmp_path / "twice.yaml").write_text("name: a\nbatching: {}\nname: b\n")
     with pytest.raises(errors.ConfigError, match=r"twice\.yaml: line 3: 'name' is given twice"):
         config.load_config(tmp_path / "twice.yaml")
+    (tmp_path / "deep.yaml").write_text("name: " + "[" * 20_000 + "]" * 20_000 + "\n")
+    with pytest.raises(errors.ConfigError, match=r"deep\.yaml: nested too deeply"):
+        config.load_config(tmp_path / "deep.yaml")
+    (tmp_path / "key.yaml").write_text("? [1, 2]\n: x\n")
+    with pytest.raises(errors.ConfigError, match=r"key\.yaml: a key that is a list or a mapping"):
+        config.load_config(tmp_path / "key.yaml")
     (tmp_path / "u16.yaml").write_text("name: x\n", encoding="utf-16")  # a Windows editor's
     with pytest.raises(errors.ConfigError, match=r"u16\.yaml: not UTF-8 text; save the config"):
         config.load_config(tmp_path / "u16.yaml")
