@@ -35,6 +35,23 @@ from batching import errors, naming
 from batching.redaction import redact_url
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+QUEUE_TABLES = frozenset(
+    {
+        "batching_batches",
+        "batching_items",
+        "batching_items_archive",
+        "batching_lineage_spool",
+        "batching_outbox",
+        "batching_payloads",
+        "batching_queue_audit",
+        "batching_queue_controls",
+        "batching_ranges",
+        "batching_runs",
+        "batching_schema_version",
+        "batching_sweeps",
+    }
+)
+"""The queue's own tables (``store.schema``, less the results table): never an output."""
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _DB_URL = re.compile(r"^(sqlite|postgres|postgresql)(\+\w+)?://")
@@ -477,7 +494,12 @@ class OutputConfig(_Model):
     @classmethod
     def _table(cls, value: str) -> str:
         if not _IDENTIFIER.match(value):
-            raise ValueError("table must be a SQL identifier (letters, digits, _)")
+            raise ValueError(
+                "table must be a SQL identifier (a letter or _, then letters, digits, _; "
+                "at most 63)"
+            )
+        if value.lower() in QUEUE_TABLES:
+            raise ValueError(f"table {value} is one of the queue's own tables; name another")
         return value
 
     @field_validator("url")

@@ -144,9 +144,20 @@ class ServiceProfile:
                 f"{source}: not a version {FORMAT_VERSION} service profile; "
                 "re-run `batching profile`"
             )
+        memory = data.get("device_memory_bytes")
+        if memory is not None and not _count(memory):
+            raise errors.ConfigError(
+                f"{source}: device_memory_bytes must be a whole number of bytes or null, got "
+                f"{str(memory)[:40]!r}; re-run `batching profile`"
+            )
+        points = data.get("points")
+        if not isinstance(points, list):
+            raise errors.ConfigError(
+                f"{source}: points must be a list of measurements; re-run `batching profile`"
+            )
         try:
             return cls(
-                points=tuple(ProfilePoint(**p) for p in data["points"]),
+                points=tuple(_point(p, n) for n, p in enumerate(points)),
                 model_name=str(data["model"]["name"]),
                 model_version=str(data["model"]["version"]),
                 device=str(data["device"]),
@@ -183,6 +194,30 @@ class ServiceProfile:
         if not isinstance(data, dict):
             raise errors.ConfigError(f"{p}: service profile must be a JSON object")
         return cls.from_dict(data, source=str(p))
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _point(data: Any, n: int) -> ProfilePoint:
+    """``points[n]`` of a profile file, its fields' types checked (``ValueError`` naming it)."""
+    fields = {"batch_size", "length", "seconds", "peak_memory_bytes"}
+    if not isinstance(data, dict) or not {"batch_size", "length", "seconds"} <= set(data):
+        raise ValueError(f"points[{n}] must be an object of batch_size, length and seconds")
+    if set(data) - fields:
+        raise ValueError(
+            f"points[{n}] has unknown field(s) {', '.join(sorted(set(data) - fields))}"
+        )
+    size, length, seconds = data["batch_size"], data["length"], data["seconds"]
+    memory = data.get("peak_memory_bytes")
+    if not (_count(size) and _count(length)):
+        raise ValueError(f"points[{n}]: batch_size and length must be whole numbers")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise ValueError(f"points[{n}]: seconds must be a number")
+    if memory is not None and not _count(memory):
+        raise ValueError(f"points[{n}]: peak_memory_bytes must be a whole number or null")
+    return ProfilePoint(size, length, float(seconds), memory)
 
 
 def _validate_points(points: Iterable[ProfilePoint]) -> None:

@@ -57,6 +57,10 @@ def test_shipped_configs_load(name: str) -> None:
             "output.table: Value error, table must be a SQL identifier",
         ),
         (
+            {"model": MODEL, "output": {"table": "batching_items"}},
+            "output.table: Value error, table batching_items is one of the queue's own tables",
+        ),
+        (
             {"model": MODEL, "batching": {"length_buckets": [32, 16]}},
             "length_buckets must be strictly increasing",
         ),
@@ -182,3 +186,9 @@ def test_a_delta_output_keeps_its_storage_options() -> None:
         }
     )
     assert cfg.output.storage_options == {"AWS_REGION": "eu-west-1"}
+
+
+def test_the_queue_tables_a_config_may_not_write_are_the_schemas() -> None:
+    from batching.store import schema
+
+    assert set(schema.metadata.tables) - {"batching_results"} == config.QUEUE_TABLES

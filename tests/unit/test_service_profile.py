@@ -145,6 +145,21 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
         ("[]", "JSON object"),
         ('{"format": "other", "version": 1}', "not a version 1"),
         ('{"format": "batching-service-profile", "version": 1, "points": []}', "invalid"),
+        (
+            '{"format": "batching-service-profile", "version": 1, "points": [], '
+            '"device_memory_bytes": "lots"}',
+            "device_memory_bytes must be a whole number of bytes or null, got 'lots'",
+        ),
+        ('{"format": "batching-service-profile", "version": 1, "points": 3}', "must be a list"),
+        (
+            '{"format": "batching-service-profile", "version": 1, "points": [[1, 16, 0.1]]}',
+            r"points\[0\] must be an object of batch_size, length and seconds",
+        ),
+        (
+            '{"format": "batching-service-profile", "version": 1, "points": '
+            '[{"batch_size": 1, "length": "16", "seconds": 0.1}]}',
+            "batch_size and length must be whole numbers",
+        ),
     ],
 )
 def test_load_errors_say_how_to_fix(tmp_path: Path, content: str | None, match: str) -> None:
