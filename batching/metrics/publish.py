@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import urllib.parse
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,11 +23,13 @@ from prometheus_client import (
     start_http_server,
     write_to_textfile,
 )
+from prometheus_client.exposition import basic_auth_handler, default_handler
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from batching import errors
 from batching.config import PipelineConfig
 from batching.metrics.recorder import process_metrics
+from batching.redaction import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,30 @@ def serve(
     return Server(port, server, thread)
 
 
+def _gateway(url: str) -> tuple[str, Any]:
+    """The Pushgateway URL without its credentials, and the handler that sends them (HTTP
+    basic auth; the client's default handler when the URL has none). Given to the client in
+    the URL, ``user:password@host`` was taken for a host name: no push ever reached a
+    gateway behind basic auth."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return url, default_handler
+    user = urllib.parse.unquote(parts.username)
+    password = urllib.parse.unquote(parts.password or "")
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    bare = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+    def handler(
+        url: str, method: str, timeout: float | None, headers: list[tuple[str, str]], data: bytes
+    ) -> Any:
+        return basic_auth_handler(url, method, timeout, headers, data, user, password)
+
+    return bare, handler
+
+
 def publish_run(config: PipelineConfig, reg: CollectorRegistry | None = None) -> list[str]:
     """Push the run's series to the Pushgateway and/or write the textfile, as configured
     (``metrics.pushgateway_url``, ``metrics.textfile_path``); a failure is logged as a warning
@@ -109,16 +136,18 @@ def publish_run(config: PipelineConfig, reg: CollectorRegistry | None = None) ->
     problems: list[str] = []
     m = config.metrics
     if m.pushgateway_url:
+        gateway, handler = _gateway(m.pushgateway_url)
         try:
             push_to_gateway(
-                m.pushgateway_url,
+                gateway,
                 job=PUSH_JOB,
                 grouping_key={"queue": config.queue.name},
                 registry=reg,
                 timeout=10,
+                handler=handler,
             )
         except OSError as exc:
-            problems.append(f"metrics not pushed to {m.pushgateway_url}: {exc}")
+            problems.append(redact_url(f"metrics not pushed to {m.pushgateway_url}: {exc}"))
     if m.textfile_path:
         path = config.resolve(m.textfile_path)
         try:
