@@ -52,15 +52,25 @@ def reconcile_outputs(
     run_id: str | None,
     since: float | None,
     repair: bool,
+    dataset_lost: bool = False,
 ) -> rc.Report:
-    """Check (and with ``repair``, fix) the queue, ledger and outputs of ``cfg`` in scope.
+    """Check (and with ``repair``, fix) the queue, ledger and outputs of ``cfg`` in scope
+    (``dataset_lost``: judge the ledger's batches though the output holds nothing).
 
     Raises:
         QueueError, SchemaError: the database failed or its schema is not current.
         SinkError: a file could not be listed or moved.
     """
     with _opened(cfg, db_url, output) as (queue, sink):
-        return rc.reconcile(queue, sink, since=since, run_id=run_id, now=time.time(), repair=repair)
+        return rc.reconcile(
+            queue,
+            sink,
+            since=since,
+            run_id=run_id,
+            now=time.time(),
+            repair=repair,
+            dataset_lost=dataset_lost,
+        )
 
 
 @contextmanager
@@ -162,16 +172,23 @@ def check(
     run_id: str | None,
     since: float | None,
     repair: bool,
+    dataset_lost: bool = False,
 ) -> tuple[rc.Report, rc.Report]:
     """Reconcile (and repair, when asked, then check again); publish each findings table.
 
     Returns the report as found and the final one (the same report when not repairing).
     """
-    found = reconcile_outputs(cfg, db_url, output, run_id=run_id, since=since, repair=repair)
+
+    def judged(fix: bool) -> rc.Report:
+        return reconcile_outputs(
+            cfg, db_url, output, run_id=run_id, since=since, repair=fix, dataset_lost=dataset_lost
+        )
+
+    found = judged(repair)
     artifacts.publish_findings(cfg.name, found, "reconcile")
     final = found
     if repair:
-        final = reconcile_outputs(cfg, db_url, output, run_id=run_id, since=since, repair=False)
+        final = judged(False)
         artifacts.publish_findings(cfg.name, final, "after repair")
     get_run_logger().info(
         "reconcile found %s, repaired %d, left %s", found.counts, len(found.repairs), final.counts
@@ -250,6 +267,7 @@ def reconcile(
     settled_s: float = UNRECONCILED_SETTLED_S,
     full: bool = False,
     sweep_max_s: float | None = SWEEP_MAX_S,
+    dataset_lost: bool = False,
 ) -> dict[str, Any]:
     """Reconcile a pipeline's queue and outputs; fail on any critical finding.
 
@@ -267,6 +285,16 @@ def reconcile(
             schedule): bounded in memory, resumable; a sweep that is still going after
             ``sweep_max_s`` stops after its page and the next full run resumes it. Findings
             fail the run as any reconcile's do.
+        dataset_lost: judge the batches in scope even when the output holds no file at all
+            (it was deleted; with ``repair`` their items are scored again), as
+            ``batching reconcile --dataset-lost``. Without it such an output, or one that
+            holds none of the ledger's batches, fails the run and emits
+            ``batching.reconcile.failed``: nothing could be judged.
+
+    Raises:
+        ConfigError: ``window_s`` is not above 0; ``unreconciled`` or ``full`` with another
+            scope; ``upstream_flow_run_id`` names no run of the ledger; the output cannot be
+            judged (above).
 
     Returns:
         The report as found (``found``) and, when repairing, the second pass (``after_repair``);
@@ -278,23 +306,99 @@ def reconcile(
         cfg = settings.load(config or settings.ONLINE, overrides)
         cfg = secrets.with_lineage_api_key(cfg, lineage_api_key_secret)
         db = secrets.db_url(db_url, db_url_secret)
+        _check_scope(window_s, upstream_flow_run_id, unreconciled=unreconciled, full=full)
         if unreconciled:
             return reconcile_unreconciled(cfg, db, output, settled_s=settled_s, repair=repair)
         if full:
             return reconcile_full(cfg, db, output, max_seconds=sweep_max_s, repair=repair)
         since = time.time() - window_s if window_s and not upstream_flow_run_id else None
         res = settings.locations(cfg, db, output)
+        if upstream_flow_run_id:
+            _require_run(cfg, db, upstream_flow_run_id)
         with flow_lineage.reconcile_run(
             cfg, res, run_id, repair=repair, upstream=upstream_flow_run_id
         ) as run:
-            found, final = check(
-                cfg, db, output, run_id=upstream_flow_run_id, since=since, repair=repair
-            )
+            try:
+                found, final = check(
+                    cfg,
+                    db,
+                    output,
+                    run_id=upstream_flow_run_id,
+                    since=since,
+                    repair=repair,
+                    dataset_lost=dataset_lost,
+                )
+            except errors.ConfigError as exc:  # an output that cannot be judged: alert
+                _unjudged(cfg, res.output, upstream_flow_run_id, exc)
+                raise
             run.checked(final)
             if upstream_flow_run_id:
                 mark_reconciled(cfg, db, upstream_flow_run_id)
             judge(cfg, found, final, upstream_flow_run_id)
         return {"found": found.to_dict()} | ({"after_repair": final.to_dict()} if repair else {})
+
+
+def _check_scope(
+    window_s: float | None, upstream: str | None, *, unreconciled: bool, full: bool
+) -> None:
+    """Refuse a scope that would check nothing and still send the heartbeat (a negative
+    window starts in the future), or two scopes of which one would be skipped."""
+    if window_s is not None and not window_s > 0:
+        raise errors.ConfigError(f"window_s must be > 0 seconds, got {window_s!r}")
+    given = [
+        name
+        for name, on in (
+            ("unreconciled", unreconciled),
+            ("full", full),
+            ("upstream_flow_run_id", bool(upstream)),
+            ("window_s", window_s is not None),
+        )
+        if on
+    ]
+    if (unreconciled or full) and len(given) > 1:
+        raise errors.ConfigError(
+            f"{' and '.join(given)} are different scopes: give unreconciled, full, or "
+            "upstream_flow_run_id / window_s (a run's batches, the last seconds)"
+        )
+
+
+def _require_run(cfg: config.PipelineConfig, db_url: str | None, run_id: str) -> None:
+    """Refuse a run id the run ledger does not hold: its reconcile would check nothing and
+    mark it reconciled."""
+    queue = build.open_queue(cfg, settings.db_url(db_url) or cfg.database.url)
+    try:
+        queue.check_schema()
+        if not run_ledger.RunLedger(queue).known(run_id):
+            raise errors.ConfigError(
+                f"upstream_flow_run_id {run_id!r} is no scoring run of the ledger of "
+                f"{redact_url(queue.url)}; give the flow-run id of a score run"
+            )
+    finally:
+        queue.engine.dispose()
+
+
+def _unjudged(
+    cfg: config.PipelineConfig, location: str, upstream: str | None, exc: Exception
+) -> None:
+    """An output reconcile refused to judge (it holds no file, or none of the ledger's
+    batches): the failed event, so the alert that a critical finding raises fires too."""
+    run_id = flow_run_id()
+    events.emit_reconcile(
+        events.RECONCILE_FAILED,
+        cfg.queue.name,
+        {
+            "config": cfg.name,
+            "queue": cfg.queue.name,
+            "location": location,
+            "counts": {},
+            "critical": ["unjudged"],
+            "repairs": 0,
+            "upstream_flow_run_id": upstream,
+            "findings_text": str(exc),
+            "flow_run_id": run_id,
+            "flow_run_url": events.flow_run_url(run_id),
+        },
+    )
 
 
 def reconcile_unreconciled(

@@ -192,10 +192,17 @@ def this_attempt() -> run_record.Attempt:
     return run_record.Attempt(number, retried)
 
 
-def require_workers(workers: int) -> None:
-    """Refuse a worker count below 1 (bad input: the run fails before anything is claimed)."""
+def require_workers(
+    workers: int, max_items: int | None = None, max_seconds: float | None = None
+) -> None:
+    """Refuse a worker count below 1, and limits that would end the run before it claims
+    (bad input: the run fails before anything is claimed, not green with nothing scored)."""
     if workers < 1:
         raise errors.ConfigError(f"workers must be at least 1, got {workers}")
+    if max_items is not None and max_items < 1:
+        raise errors.ConfigError(f"max_items must be at least 1 (or none), got {max_items}")
+    if max_seconds is not None and not max_seconds > 0:
+        raise errors.ConfigError(f"max_seconds must be > 0 (or none), got {max_seconds!r}")
 
 
 @task(name="check-backlog", cache_policy=NO_CACHE)
@@ -393,7 +400,7 @@ def score(
         cfg = secrets.with_lineage_api_key(settings.load(config, overrides), lineage_api_key_secret)
         db = secrets.db_url(db_url, db_url_secret)
         with before_scoring(cfg, db, output):
-            require_workers(workers)
+            require_workers(workers, max_items, max_seconds)
             found = validate_preconditions(cfg, db, output)
         expected = min(found["ready"], max_items or found["ready"])
         limits = run_stats.RunLimits(max_seconds=max_seconds, max_items=max_items)

@@ -179,6 +179,13 @@ class RunLedger:
                 sa.update(schema.runs).where(schema.runs.c.run_id == run_id).values(**values)
             )
 
+    def known(self, run_id: str) -> bool:
+        """Whether the ledger holds the run ``run_id`` (started, whatever became of it)."""
+        r = schema.runs.c
+        with self._queue.read() as conn:
+            found = conn.execute(sa.select(r.run_id).where(r.run_id == run_id).limit(1)).first()
+        return found is not None
+
     def committed(self, run_id: str) -> int:
         """Rows the run and its workers committed, from the batch ledger (0 for a run not on
         record): what decides whether a run's end asks for a reconcile of it."""

@@ -290,3 +290,49 @@ def test_the_full_sweep_finds_a_file_lost_outside_every_window_and_fails(tmp_pat
     swept = reconcile(**pipeline.params(full=True), return_state=True)
     assert swept.is_failed()
     assert "critical findings missing_file" in (swept.message or "")
+
+
+def test_a_scope_that_would_check_nothing_is_refused_not_green(tmp_path: Path) -> None:
+    """A negative window (it starts in the future), a run id no run of the ledger has, and
+    two scopes at once (one was skipped) each ended Completed with the heartbeat event while
+    a file was missing."""
+    pipeline = make_pipeline(tmp_path, 60)
+    assert score(**pipeline.params(), return_state=True).is_completed()
+    sorted(pipeline.output.rglob("*.parquet"))[0].unlink()
+    for params, says in (
+        ({"window_s": -3600}, "window_s must be > 0 seconds, got -3600"),
+        (
+            {"upstream_flow_run_id": "00000000-0000-0000-0000-000000000000"},
+            "is no scoring run of the ledger",
+        ),
+        ({"unreconciled": True, "full": True}, "unreconciled and full are different scopes"),
+    ):
+        state = reconcile(**pipeline.params(**params), return_state=True)
+        assert state.is_failed(), params
+        assert says in (state.message or ""), state.message
+
+
+def test_a_lost_dataset_alerts_and_dataset_lost_judges_it(tmp_path: Path) -> None:
+    """Every file gone: the reconcile cannot judge the output (it would read every batch as
+    lost because of a wrong path as much as a real loss). It fails with the failed event, so
+    the alert fires; dataset_lost=True judges it, and repair scores the items again."""
+    import shutil
+
+    pipeline = make_pipeline(tmp_path, 60)
+    upstream = run_id_of(score(**pipeline.params(), return_state=True))
+    shutil.rmtree(pipeline.output)
+    since = time.time()
+    refused = reconcile(**pipeline.params(upstream_flow_run_id=upstream), return_state=True)
+    assert refused.is_failed()
+    assert "--dataset-lost" in (refused.message or "")
+    (event,) = wait_for(lambda: events_named(events.RECONCILE_FAILED, since), what="the alert")
+    assert (event.payload["critical"], event.payload["upstream_flow_run_id"]) == (
+        ["unjudged"],
+        upstream,
+    )
+    judged = reconcile(**pipeline.params(dataset_lost=True), return_state=True)
+    assert judged.is_failed()
+    assert "critical findings missing_file" in (judged.message or "")
+    fixed = reconcile(**pipeline.params(dataset_lost=True, repair=True), return_state=True)
+    assert fixed.is_completed(), fixed.message
+    assert fixed.result()["found"]["repairs"]

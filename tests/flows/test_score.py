@@ -406,3 +406,17 @@ def test_a_score_run_loads_the_model_once(tmp_path: Any, monkeypatch: pytest.Mon
     assert run.state.is_completed(), run.state.message
     assert run.summary["items_committed"] == 20
     assert loads == ["TorchRunner"]
+
+
+def test_limits_that_would_end_the_run_before_it_claims_are_refused(tmp_path: Any) -> None:
+    """max_items 0 or below, max_seconds 0 or below: the run was green with nothing scored."""
+    pipeline = make_pipeline(tmp_path, 10)
+    for limits, says in (
+        ({"max_items": 0}, "max_items must be at least 1 (or none), got 0"),
+        ({"max_items": -3}, "max_items must be at least 1 (or none), got -3"),
+        ({"max_seconds": -5.0}, "max_seconds must be > 0 (or none), got -5.0"),
+    ):
+        run = run_score(pipeline, **limits)
+        assert run.state.is_failed(), limits
+        assert says in run.state.message
+    assert pipeline.by_state()["ready"] == 10
