@@ -164,7 +164,8 @@ def score_queue(
 @contextmanager
 def run_metrics(cfg: config.PipelineConfig, workers: int) -> Iterator[None]:
     """The run's metrics (``metrics.pushgateway_url`` / ``metrics.textfile_path``): recorded
-    while it runs (by every worker), pushed or written at its end, failed or not."""
+    while it runs (by every worker), pushed every ``publish.PUSH_EVERY_S`` while it runs, and
+    pushed or written at its end, failed or not."""
     m = cfg.metrics
     if not (m.pushgateway_url or m.textfile_path):
         yield
@@ -172,10 +173,12 @@ def run_metrics(cfg: config.PipelineConfig, workers: int) -> Iterator[None]:
     from batching.metrics import publish
 
     with publish.worker_metrics(os.environ, workers > 1) as folder:
+        reg = publish.registry(folder)
         try:
-            yield
+            with publish.pushing(cfg, reg):
+                yield
         finally:
-            for problem in publish.publish_run(cfg, publish.registry(folder)):
+            for problem in publish.publish_run(cfg, reg):
                 get_run_logger().warning(problem)
 
 

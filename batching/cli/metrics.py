@@ -49,7 +49,8 @@ def scorer_metrics(cfg: Any, workers: int) -> Iterator[None]:
             else None
         )
         try:
-            yield
+            with publish.pushing(cfg, reg):
+                yield
         finally:
             for problem in publish.publish_run(cfg, reg):
                 err.print(f"warning: {problem}", highlight=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import threading
 import urllib.parse
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
@@ -128,10 +129,49 @@ def _gateway(url: str) -> tuple[str, Any]:
     return bare, handler
 
 
-def publish_run(config: PipelineConfig, reg: CollectorRegistry | None = None) -> list[str]:
+PUSH_EVERY_S = 30.0
+"""While a run runs, its series are pushed this often (``metrics.pushgateway_url``)."""
+
+
+@contextmanager
+def pushing(
+    config: PipelineConfig, reg: CollectorRegistry, every_s: float = PUSH_EVERY_S
+) -> Iterator[None]:
+    """Push ``reg`` to the Pushgateway every ``every_s`` while the block runs (the caller
+    publishes the run's end with :func:`publish_run`). Pushed only at its end, a run was
+    never seen active: ``BatchingRunNoHeartbeat`` could not fire for a hung short run, nor
+    for one that died (its last push was the previous run's, inactive). A failed push is
+    logged once until one succeeds again, and tried at the next beat."""
+    stop = threading.Event()
+    beat: threading.Thread | None = None
+    if config.metrics.pushgateway_url:
+        push_only = config.model_copy(
+            update={"metrics": config.metrics.model_copy(update={"textfile_path": None})}
+        )
+
+        def run() -> None:
+            failing = False
+            while not stop.wait(every_s):
+                problems = publish_run(push_only, reg, quiet=failing)
+                failing = bool(problems)
+
+        beat = threading.Thread(target=run, name="metrics-push", daemon=True)
+        beat.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if beat is not None:
+            beat.join(timeout=every_s + 15)
+
+
+def publish_run(
+    config: PipelineConfig, reg: CollectorRegistry | None = None, *, quiet: bool = False
+) -> list[str]:
     """Push the run's series to the Pushgateway and/or write the textfile, as configured
     (``metrics.pushgateway_url``, ``metrics.textfile_path``); a failure is logged as a warning
-    and returned as a one-line message, never raised: metrics never fail a run."""
+    (unless ``quiet``) and returned as a one-line message, never raised: metrics never fail
+    a run."""
     reg = reg if reg is not None else registry()
     problems: list[str] = []
     m = config.metrics
@@ -154,6 +194,6 @@ def publish_run(config: PipelineConfig, reg: CollectorRegistry | None = None) ->
             write_to_textfile(str(path), reg)  # a temporary file renamed over it: atomic
         except OSError as exc:
             problems.append(f"metrics not written to {path}: {exc}")
-    for problem in problems:
+    for problem in () if quiet else problems:
         logger.warning(problem, extra={"action": "metrics_publish_failed"})
     return problems
