@@ -531,6 +531,10 @@ def test_health_readiness_and_the_openapi_schema(client: TestClient, tmp_path: P
     } <= set(schema["paths"])
     post = schema["paths"]["/v1/queues/{queue}/items"]["post"]
     assert "oneOf" in post["requestBody"]["content"]["application/json"]["schema"]
+    # the token as a bearer scheme (what a generated client sends), not a header parameter
+    assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert post["security"] == [{"HTTPBearer": []}]
+    assert "authorization" not in {p["name"].lower() for p in post.get("parameters", [])}
 
 
 def test_an_output_that_cannot_be_read_fails_its_own_polls_only_without_server_paths(
