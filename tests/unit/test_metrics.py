@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry
 
 from batching import config, errors, models, outcomes, ports
 from batching.loop import stats as run_stats
@@ -436,89 +436,3 @@ def test_the_api_counts_known_outcomes_only() -> None:
     count = metrics.registry.get_sample_value
     assert count("batching_api_items_total", labels | {"outcome": "shed_depth_cap"}) == 3.0
     assert count("batching_api_items_total", labels | {"outcome": "enqueued"}) is None
-
-
-def test_a_pushgateway_behind_basic_auth_gets_the_push_and_no_message_shows_the_password() -> None:
-    """The URL's user:password go as basic auth, not as part of the host name (the client
-    read ``user:secret@host`` as a host and never reached the gateway); a failed push names
-    the gateway with the password masked."""
-    import base64
-    import http.server
-    import threading
-
-    from batching.metrics import publish
-
-    seen: list[tuple[str, str | None]] = []
-
-    class Gateway(http.server.BaseHTTPRequestHandler):
-        def do_PUT(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            seen.append((self.path, self.headers.get("Authorization")))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Gateway)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        port = server.server_address[1]
-        data = {"model": {"name": "w1-mlp", "version": "v", "sha256": "0" * 64}}
-        cfg = config.parse_config(
-            data | {"metrics": {"pushgateway_url": f"http://pgw:s3cret@127.0.0.1:{port}"}}
-        )
-        assert publish.publish_run(cfg) == []
-    finally:
-        server.shutdown()
-        server.server_close()
-    (path, auth) = seen[0]
-    assert path.startswith("/metrics/job/batching-score/queue/")
-    assert auth == "Basic " + base64.b64encode(b"pgw:s3cret").decode()
-
-    gone = config.parse_config(
-        data | {"metrics": {"pushgateway_url": f"http://pgw:s3cret@127.0.0.1:{port}"}}
-    )
-    (problem,) = publish.publish_run(gone)  # the server is down now
-    assert problem.startswith(f"metrics not pushed to http://pgw:***@127.0.0.1:{port}: ")
-    assert "s3cret" not in problem
-
-
-def test_a_run_is_pushed_while_it_runs_not_only_at_its_end() -> None:
-    """Pushed only at its end, a hung or dead short run never showed as active on the
-    Pushgateway, and BatchingRunNoHeartbeat could not fire for it."""
-    import http.server
-    import threading
-    import time
-
-    from batching.metrics import publish
-
-    bodies: list[bytes] = []
-
-    class Gateway(http.server.BaseHTTPRequestHandler):
-        def do_PUT(self) -> None:
-            bodies.append(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Gateway)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    data = {"model": {"name": "w1-mlp", "version": "v", "sha256": "0" * 64}}
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    cfg = config.parse_config(data | {"metrics": {"pushgateway_url": url}})
-    reg = CollectorRegistry()
-    active = Gauge("batching_run_active", "a run is active", registry=reg)
-    try:
-        with publish.pushing(cfg, reg, every_s=0.05):
-            active.set(1)
-            deadline = time.monotonic() + 10
-            while len(bodies) < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
-        assert len(bodies) >= 2
-        assert b"batching_run_active 1.0" in bodies[-1]
-    finally:
-        server.shutdown()
-        server.server_close()

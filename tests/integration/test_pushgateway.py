@@ -1,0 +1,86 @@
+"""Pushes to a Pushgateway, against a local HTTP server standing in for one (it records each
+PUT): the URL's credentials go as basic auth and never into a message; a run is pushed while
+it runs, not only at its end."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from prometheus_client import CollectorRegistry, Gauge
+
+from batching import config
+from batching.metrics import publish
+
+MODEL = {"model": {"name": "w1-mlp", "version": "v", "sha256": "0" * 64}}
+
+
+@dataclass
+class Gateway:
+    port: int
+    puts: list[tuple[str, str | None, bytes]] = field(default_factory=list)  # path, auth, body
+
+    def config(self, userinfo: str = "") -> config.PipelineConfig:
+        url = f"http://{userinfo}127.0.0.1:{self.port}"
+        return config.parse_config(MODEL | {"metrics": {"pushgateway_url": url}})
+
+
+@pytest.fixture
+def gateway() -> Iterator[Gateway]:
+    found = Gateway(0)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            found.puts.append((self.path, self.headers.get("Authorization"), body))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    found.port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield found
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_pushgateway_behind_basic_auth_gets_the_push_and_no_message_shows_the_password(
+    gateway: Gateway,
+) -> None:
+    """The client read ``user:secret@host`` as a host and never reached the gateway, and a
+    failed push printed the password."""
+    assert publish.publish_run(gateway.config("pgw:s3cret@")) == []
+    ((path, auth, _),) = gateway.puts
+    assert path.startswith("/metrics/job/batching-score/queue/")
+    assert auth == "Basic " + base64.b64encode(b"pgw:s3cret").decode()
+
+    gone = config.parse_config(
+        MODEL | {"metrics": {"pushgateway_url": "http://pgw:s3cret@127.0.0.1:9"}}
+    )  # nothing listens on port 9
+    (problem,) = publish.publish_run(gone)
+    assert problem.startswith("metrics not pushed to http://pgw:***@127.0.0.1:9: ")
+    assert "s3cret" not in problem
+
+
+def test_a_run_is_pushed_while_it_runs_not_only_at_its_end(gateway: Gateway) -> None:
+    """Pushed only at its end, a hung or dead short run never showed as active on the
+    Pushgateway, and BatchingRunNoHeartbeat could not fire for it."""
+    reg = CollectorRegistry()
+    active = Gauge("batching_run_active", "a run is active", registry=reg)
+    with publish.pushing(gateway.config(), reg, every_s=0.05):
+        active.set(1)
+        deadline = time.monotonic() + 10
+        while len(gateway.puts) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert len(gateway.puts) >= 2
+    assert b"batching_run_active 1.0" in gateway.puts[-1][2]
