@@ -267,7 +267,12 @@ QueueName = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[^\x00/
 ItemKey = Annotated[str, Path(min_length=1, max_length=500, pattern=r"^[^\x00]+$")]
 WaitS = Annotated[
     float,
-    Query(ge=0, le=MAX_WAIT_S, description="long poll: answer once final, or after this long"),
+    Query(
+        ge=0,
+        le=MAX_WAIT_S,
+        allow_inf_nan=False,
+        description="long poll: answer once final, or after this long",
+    ),
 ]
 
 

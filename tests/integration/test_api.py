@@ -314,6 +314,8 @@ def test_get_unknown_item_is_404_and_wait_s_is_bounded(client: TestClient) -> No
     assert_error(client.get(f"{ITEMS}/nope", headers=A), 404, "NotFound")
     client.post(ITEMS, json=item("k"), headers=A)
     assert_error(client.get(f"{ITEMS}/k?wait_s=31", headers=A), 422, "InputError")
+    says = assert_error(client.get(f"{ITEMS}/k?wait_s=nan", headers=A), 422, "InputError")
+    assert "finite number" in says, says
     ready = client.get(f"{ITEMS}/k?wait_s=0.05", headers=A)  # nothing scores it: the wait ends
     assert ready.json() == {
         "item_key": "k",
