@@ -142,28 +142,64 @@ def enqueue_shards(
 
 
 def refuse_changed(conn: sa.Connection, queue: str, found: shards.Plan) -> None:
-    """Refuse a plan over a file whose shards are queued under another fingerprint: its rows
-    would be scored twice, once per version of the file.
+    """Refuse a plan whose rows the queue already holds in other shards: each would be scored
+    twice, and every shard (its own key) would still reconcile clean. That is a file queued
+    under another fingerprint (it changed), the same file (fingerprint) queued under another
+    name (given once through its folder, once as a file), or the same file cut into other
+    row groups (another ``--rows-per-shard``).
 
     Raises:
-        InputError: naming the file and both fingerprints.
+        InputError: naming the file, what the queue holds of it, and what to do.
     """
     t = schema.items
-    known = {rel: digest[:16] for rel, digest, _ in found.files}
     q = sa.select(t.c.item_key).where(
         t.c.queue == queue,
         t.c.lane == shards.LANE,
         t.c.item_key.startswith(shards.KEY_PREFIX, autoescape=True),
     )
+    queued: dict[tuple[str, str], set[str]] = {}  # (relpath, digest) -> row-group ranges
     for (key,) in conn.execute(q):
-        rel, _, rest = key.removeprefix(shards.KEY_PREFIX).rpartition("@")
-        was = rest.split(":", 1)[0]
-        if rel in known and known[rel] != was:
+        rel, digest, cut = _parts(key)
+        queued.setdefault((rel, digest), set()).add(cut)
+    if not queued:
+        return
+    names: dict[str, set[str]] = {}  # fingerprint -> the names it is queued under
+    for rel, digest in queued:
+        names.setdefault(digest, set()).add(rel)
+    digests = {rel: digest for rel, digest in queued}
+    planned: dict[tuple[str, str], set[str]] = {}
+    for shard in found.shards:
+        rel, digest, cut = _parts(shard.key)
+        planned.setdefault((rel, digest), set()).add(cut)
+    for (rel, digest), groups in sorted(planned.items()):
+        path = found.root / rel
+        if rel in digests and digests[rel] != digest:
             raise errors.InputError(
-                f"{found.root / rel}: changed since its shards were queued (sha256 {was}... "
-                f"then, {known[rel]}... now); write changed data under a new file name, or "
-                "score it into another queue"
+                f"{path}: changed since its shards were queued (sha256 {digests[rel]}... "
+                f"then, {digest}... now); write changed data under a new file name, or score "
+                "it into another queue"
             )
+        if digest in names and rel not in names[digest]:
+            raise errors.InputError(
+                f"{path}: the same file (sha256 {digest}...) is queued as "
+                f"{', '.join(map(repr, sorted(names[digest])))}; "
+                "give the input as it was given then (the same folder or file), or score it "
+                "into another queue"
+            )
+        held = queued.get((rel, digest))
+        if held is not None and held != groups:
+            raise errors.InputError(
+                f"{path}: its shards are queued cut into other row groups ({len(held)} "
+                f"shard(s), {len(groups)} now); rerun with the --rows-per-shard of that run, "
+                "or score it into another queue"
+            )
+
+
+def _parts(key: str) -> tuple[str, str, str]:
+    """(relpath, fingerprint, row groups) of a shard key; a split shard's are its parent's."""
+    rel, _, rest = key.removeprefix(shards.KEY_PREFIX).rpartition("@")
+    digest, _, groups = rest.partition(":")
+    return rel, digest, groups.split("/", 1)[0]
 
 
 def refuse_shards(queue: q.SqlQueue) -> None:

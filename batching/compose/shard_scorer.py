@@ -293,6 +293,7 @@ class ShardScorer:
         """The shard cannot be read as planned: dead, with the reason (a retry reads the same)."""
         self.queue.fail(claim.lease_id, {item.id: reason}, retry=False)
         self.observer.failed([item], retry=False)
+        self.stats.failed += int(item.cost)  # its rows: the summary says they were refused
         with self._lock:
             self._held.discard(claim.lease_id)
         logger.error(reason, extra={"action": "shard_refused", "item_key": item.item_key})

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -223,7 +224,8 @@ def _delta_files(table: Path) -> tuple[list[Path], str]:
             f"{table}: the table may use deletion vectors (rows deleted without rewriting "
             "their files); run OPTIMIZE/PURGE to rewrite them, or score a copy"
         )
-    files = sorted(Path(u.removeprefix("file://")) for u in uris)
+    # deltalake gives file URIs percent-encoded ("my%20table"): the path is their unquoting
+    files = sorted(Path(urllib.parse.unquote(u.removeprefix("file://"))) for u in uris)
     if not files:
         raise errors.InputError(f"{table}: the Delta table holds no data file")
     return files, str(dt.version())
