@@ -61,7 +61,7 @@ ReasonOption = Annotated[
 ]
 
 
-def _actor(actor: str | None) -> str:
+def acting(actor: str | None) -> str:
     """``--actor``, or the OS user running the command."""
     if actor is not None:
         return actor
@@ -136,7 +136,7 @@ def pause(
 
     q = _open(queue, db, config)
     before = controls.state(q.engine, q.queue)
-    after = controls.pause(q.engine, q.queue, actor=_actor(actor), reason=reason, now=time.time())
+    after = controls.pause(q.engine, q.queue, actor=acting(actor), reason=reason, now=time.time())
     changed = not before.paused
     if as_json:
         emit_json(_doc("pause", q.queue, changed, after))
@@ -169,7 +169,7 @@ def resume(
 
     q = _open(queue, db, config)
     before = controls.state(q.engine, q.queue)
-    after = controls.resume(q.engine, q.queue, actor=_actor(actor), reason=reason, now=time.time())
+    after = controls.resume(q.engine, q.queue, actor=acting(actor), reason=reason, now=time.time())
     if as_json:
         emit_json(_doc("resume", q.queue, before.paused, after))
         return
@@ -212,7 +212,7 @@ def cap(
     q = _open(queue, db, config)
     before = controls.state(q.engine, q.queue)
     after = controls.set_max_depth(
-        q.engine, q.queue, max_depth, actor=_actor(actor), reason=reason, now=time.time()
+        q.engine, q.queue, max_depth, actor=acting(actor), reason=reason, now=time.time()
     )
     with q.read() as conn:
         depth = admission.depth(conn, q.queue)
@@ -270,7 +270,7 @@ def cancel(
         keys=keys,
         tenant=tenant,
         enqueue_run=enqueue_run,
-        actor=_actor(actor),
+        actor=acting(actor),
         reason=reason,
         now=time.time(),
     )

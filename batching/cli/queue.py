@@ -15,6 +15,7 @@ from rich import box
 from rich.table import Table
 
 from batching import errors
+from batching.cli.controls import ActorOption, ReasonOption
 
 if TYPE_CHECKING:
     from batching import models
@@ -311,9 +312,21 @@ def redrive(
         str,
         typer.Option(help="Which items: dead, expired, all (dead and expired) or cancelled."),
     ] = "all",
+    tenant: Annotated[
+        str | None, typer.Option(help="Only this tenant's items (e.g. one cancel taken back).")
+    ] = None,
+    enqueue_run: Annotated[
+        str | None,
+        typer.Option(help="Only the items of this enqueue run (`enq-...`, `batching enqueue`)."),
+    ] = None,
+    actor: ActorOption = None,
+    reason: ReasonOption = None,
 ) -> None:
-    """Move dead and/or expired (or cancelled) items back to ready with fresh attempts."""
+    """Move dead and/or expired (or cancelled) items back to ready with fresh attempts,
+    recorded in the queue's audit (`batching queue audit`) with --actor and --reason."""
     from batching import models
+    from batching.cli.controls import acting
+    from batching.ingress import controls
 
     choices = {
         "dead": (models.State.DEAD,),
@@ -323,9 +336,10 @@ def redrive(
     }
     if only not in choices:
         raise errors.ConfigError(f"--only must be dead, expired, all or cancelled, got {only!r}")
+    who = controls.check_actor(acting(actor))
     q = open_queue(db, queue)
     q.check_schema()
-    n = q.redrive(choices[only])
+    n = q.redrive(choices[only], tenant=tenant, enqueue_run=enqueue_run, actor=who, reason=reason)
     if n == 0:
         warn_unknown_queue(q)
     out.print(f"redrove {n} item(s) in queue {queue!r} back to ready")
@@ -342,13 +356,19 @@ def purge(
     archive: Annotated[
         bool, typer.Option(help="Copy to batching_items_archive before deleting.")
     ] = False,
+    actor: ActorOption = None,
+    reason: ReasonOption = None,
 ) -> None:
     """Remove done and cancelled items older than --older-than (keep at least the reconcile
-    window)."""
+    window); recorded in the queue's audit with --actor and --reason."""
+    from batching.cli.controls import acting
+    from batching.ingress import controls
+
     age_s = parse_duration(older_than, "--older-than")
+    who = controls.check_actor(acting(actor))
     q = open_queue(db, queue)
     q.check_schema()
-    n = q.purge(age_s, archive=archive)
+    n = q.purge(age_s, archive=archive, actor=who, reason=reason)
     if n == 0:
         warn_unknown_queue(q)
     verb = "archived" if archive else "deleted"

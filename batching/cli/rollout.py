@@ -27,7 +27,7 @@ from batching.cli.common import (
     out,
     plain,
 )
-from batching.cli.controls import ActorOption, ReasonRequired, _actor, when
+from batching.cli.controls import ActorOption, ReasonRequired, acting, when
 
 rollout_app = typer.Typer(
     name="rollout",
@@ -115,7 +115,7 @@ def start(
         percent=percent,
         tenants=names,
         shadow=shadow,
-        actor=_actor(actor),
+        actor=acting(actor),
         reason=reason,
     )
     if as_json:
@@ -144,7 +144,7 @@ def promote(
     from batching.compose import rollouts
 
     cfg = load(config)
-    change = rollouts.promote(cfg, db, actor=_actor(actor), reason=reason)
+    change = rollouts.promote(cfg, db, actor=acting(actor), reason=reason)
     _show(cfg.queue.name, change, as_json)
     if not as_json:
         out.print(
@@ -167,7 +167,7 @@ def rollback(
     from batching.compose import rollouts
 
     cfg = load(config)
-    _show(cfg.queue.name, rollouts.rollback(cfg, db, actor=_actor(actor), reason=reason), as_json)
+    _show(cfg.queue.name, rollouts.rollback(cfg, db, actor=acting(actor), reason=reason), as_json)
 
 
 @rollout_app.command()

@@ -1555,15 +1555,28 @@ class SqlQueue:
         ).group_by(_T.c.queue, _T.c.lane, _T.c.tenant)
 
     def redrive(
-        self, states: Sequence[models.State] = (models.State.DEAD, models.State.EXPIRED)
+        self,
+        states: Sequence[models.State] = (models.State.DEAD, models.State.EXPIRED),
+        *,
+        tenant: str | None = None,
+        enqueue_run: str | None = None,
+        actor: str | None = None,
+        reason: str | None = None,
     ) -> int:
         """Move dead and/or expired (or, when asked, cancelled) items back to ready with fresh
-        attempts (deadline cleared)."""
+        attempts (deadline cleared); only ``tenant``'s, or those of ``enqueue_run``, when
+        given (a cancel taken back is one cancel's, not every cancel the queue holds). With
+        ``actor``, recorded in the queue's audit in the same transaction."""
         codes = [int(s) for s in states]
+        where = [_T.c.queue == self.queue, _T.c.state.in_(codes)]
+        if tenant is not None:
+            where.append(_T.c.tenant == tenant)
+        if enqueue_run is not None:
+            where.append(_T.c.enqueue_run == enqueue_run)
         with self.begin() as conn:
             stmt = (
                 sa.update(_T)
-                .where(_T.c.queue == self.queue, _T.c.state.in_(codes))
+                .where(*where)
                 .values(
                     state=int(models.State.READY),
                     attempts=0,
@@ -1575,12 +1588,27 @@ class SqlQueue:
                 )
             )
             n = conn.execute(stmt).rowcount
+            if actor is not None:
+                detail = {
+                    "redriven": n,
+                    "states": [s.name.lower() for s in states],
+                    "tenant": tenant,
+                    "enqueue_run": enqueue_run,
+                }
+                controls.record(conn, self.queue, "redrive", actor, self.clock(), reason, detail)
         logger.info("items redriven", extra={"action": "redrive", "n_items": n})
         return n
 
-    def purge(self, older_than_s: float, *, archive: bool = False) -> int:
+    def purge(
+        self,
+        older_than_s: float,
+        *,
+        archive: bool = False,
+        actor: str | None = None,
+        reason: str | None = None,
+    ) -> int:
         """Delete (or move to ``batching_items_archive``) done and cancelled items finished
-        before now - age."""
+        before now - age; with ``actor``, the purge is recorded in the queue's audit."""
         cutoff = self.clock() - older_than_s
         n = 0
         for code in ("2", "5"):  # done, cancelled: each literal matches its partial index
@@ -1606,6 +1634,10 @@ class SqlQueue:
                     more = len(ids) == _PURGE_CHUNK
                     if ids:
                         n += self._purge_rows(conn, ids, archive=archive)
+        if actor is not None:
+            detail = {"purged": n, "older_than_s": older_than_s, "archived": archive}
+            with self.begin() as conn:
+                controls.record(conn, self.queue, "purge", actor, self.clock(), reason, detail)
         logger.info("items purged", extra={"action": "purge", "n_items": n, "archived": archive})
         return n
 

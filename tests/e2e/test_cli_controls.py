@@ -98,3 +98,37 @@ def test_a_control_on_a_queue_with_no_items_and_no_control_warns_of_a_typo(tmp_p
         assert "queues in this database: tab" in r.err
     r = batching("queue", "pause", "tab", "--reason", "incident", "--db", DB, cwd=tmp_path)
     assert (r.rc, r.err) == (0, "")
+
+
+def test_one_cancel_is_taken_back_by_its_filter_and_redrive_and_purge_are_audited(
+    tmp_path: Path,
+) -> None:
+    """`redrive --only cancelled` took back every cancel the queue held, and neither redrive
+    nor purge was in the audit."""
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    runs = []
+    for name in ("a", "b"):
+        lines = workloads.w1_json_lines(3, prefix=f"{name}-")
+        jsonl = workloads.write_lines(tmp_path / f"{name}.jsonl", lines)
+        r = batching("enqueue", str(jsonl), "--db", DB, "-q", "tab", "--json", cwd=tmp_path)
+        runs.append(str(document(r)["enqueue_run"]))
+    for run in runs:
+        queue("cancel", "tab", "--enqueue-run", run, "--reason", "flood", cwd=tmp_path)
+    args = ("redrive", "--db", DB, "-q", "tab", "--only", "cancelled")
+    r = batching(
+        *args, "--enqueue-run", runs[1], "--actor", "carol", "--reason", "oops", cwd=tmp_path
+    )
+    assert (r.rc, r.out.strip()) == (0, "redrove 3 item(s) in queue 'tab' back to ready")
+    state = document(batching("status", "--db", DB, "-q", "tab", "--json", cwd=tmp_path))
+    assert (state["by_state"]["cancelled"], state["by_state"]["ready"]) == (3, 3)
+    r = batching(
+        "purge", "--db", DB, "-q", "tab", "--older-than", "0s", "--reason", "tidy", cwd=tmp_path
+    )
+    assert r.rc == 0, r.err
+    rows = queue("audit", "tab", cwd=tmp_path)["rows"]
+    tail = [(r["action"], r["actor"], r["reason"], r["detail"]) for r in rows][-2:]  # type: ignore[attr-defined]
+    assert tail[0][:3] == ("redrive", "carol", "oops")
+    assert tail[0][3]["redriven"] == 3
+    assert tail[0][3]["enqueue_run"] == runs[1]
+    assert tail[1][:3] == ("purge", getpass.getuser(), "tidy")
+    assert tail[1][3]["purged"] == 3
