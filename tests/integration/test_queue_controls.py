@@ -466,7 +466,7 @@ def test_a_scorer_paused_mid_run_finishes_its_batches_waits_and_resumes(
     claims nothing (it keeps polling); after the resume it scores the rest, each item once."""
     from tests.integration.test_pipeline import assert_done_once, slow_w1_queue, wait_for_done
 
-    n = 500
+    n = 2000  # a run long enough that a loaded machine cannot finish it before the pause
     path, config = slow_w1_queue(sqlite_url, tmp_path, n)
     proc = score_process(path, "--max-seconds", "300")
     wait_for_done(sqlite_url, 50, proc)
