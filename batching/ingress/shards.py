@@ -224,8 +224,7 @@ def _delta_files(table: Path) -> tuple[list[Path], str]:
             f"{table}: the table may use deletion vectors (rows deleted without rewriting "
             "their files); run OPTIMIZE/PURGE to rewrite them, or score a copy"
         )
-    # deltalake gives file URIs percent-encoded ("my%20table"): the path is their unquoting
-    files = sorted(Path(urllib.parse.unquote(u.removeprefix("file://"))) for u in uris)
+    files = sorted(Path(urllib.parse.unquote(u.removeprefix("file://"))) for u in uris)  # %-encoded
     if not files:
         raise errors.InputError(f"{table}: the Delta table holds no data file")
     return files, str(dt.version())
