@@ -199,15 +199,7 @@ class Writer:
             for post in posts:
                 _resolve(post, exc)
             return
-        for post in posts:
-            theirs = [
-                r.item_key
-                for r in post.records
-                if r.item_key in views and views[r.item_key].tenant != post.tenant
-            ]
-            if theirs:
-                _resolve(post, _taken(theirs[0], queue))
-                continue
+        for post in posts:  # another tenant's key was refused in the transaction (KeyTaken)
             items, any_new = [], False
             for r in post.records:
                 created = r.item_key in new

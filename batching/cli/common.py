@@ -264,14 +264,21 @@ def open_queue(db: str, queue: str = "default", *, create: bool = False, **kwarg
     return q.SqlQueue(database.create_engine(db), queue, **kwargs)
 
 
-def warn_unknown_queue(q: Any) -> None:
+def warn_unknown_queue(q: Any, *, controls_too: bool = False) -> None:
     """Warn that ``q``'s queue has no items, naming those that do: a mistyped ``-q`` would
-    otherwise look like an idle queue (zeros, exit 0)."""
-    names = sorted({g.queue for g in q.stats(all_queues=True).groups})
+    otherwise look like an idle queue (zeros, exit 0). ``controls_too`` (the queue
+    controls): a queue with a control (paused, capped) before any item is known too."""
+    names = {g.queue for g in q.stats(all_queues=True).groups}
+    has = "no items"
+    if controls_too:
+        from batching.ingress import controls
+
+        names |= set(controls.states(q.engine))
+        has = "no items and no control yet"
     if q.queue not in names:
         err.print(
-            f"warning: queue {q.queue!r} has no items; queues in this database: "
-            f"{', '.join(names) or 'none'}",
+            f"warning: queue {q.queue!r} has {has}; queues in this database: "
+            f"{', '.join(sorted(names)) or 'none'}" + (" (a typo?)" if controls_too else ""),
             highlight=False,
         )
 

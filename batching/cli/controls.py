@@ -29,6 +29,7 @@ from batching.cli.common import (
     open_queue,
     out,
     plain,
+    warn_unknown_queue,
 )
 
 queue_app = typer.Typer(
@@ -90,23 +91,8 @@ def _open(queue: str | None, db: str | None, config: Path | None) -> Any:
     url = db or (cfg.database.url if cfg is not None else DEFAULT_DB)
     q = open_queue(url, name)
     q.check_schema()
-    _warn_unknown(q)
+    warn_unknown_queue(q, controls_too=True)
     return q
-
-
-def _warn_unknown(q: Any) -> None:
-    """Warn when the queue has neither items nor a control: a mistyped name (``pause txet``
-    in an incident) would otherwise read as done while the real queue runs on."""
-    from batching.cli.common import err
-    from batching.ingress import controls
-
-    known = {g.queue for g in q.stats(all_queues=True).groups} | set(controls.states(q.engine))
-    if q.queue not in known:
-        err.print(
-            f"warning: queue {q.queue!r} has no items and no control yet; queues in this "
-            f"database: {', '.join(sorted(known)) or 'none'} (a typo?)",
-            highlight=False,
-        )
 
 
 def when(at: float | None) -> str:

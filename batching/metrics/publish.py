@@ -145,15 +145,14 @@ def pushing(
     stop = threading.Event()
     beat: threading.Thread | None = None
     if config.metrics.pushgateway_url:
-        push_only = config.model_copy(
-            update={"metrics": config.metrics.model_copy(update={"textfile_path": None})}
-        )
 
         def run() -> None:
             failing = False
             while not stop.wait(every_s):
-                problems = publish_run(push_only, reg, quiet=failing)
-                failing = bool(problems)
+                problem = _push(config, reg)
+                if problem is not None and not failing:
+                    logger.warning(problem, extra={"action": "metrics_publish_failed"})
+                failing = problem is not None
 
         beat = threading.Thread(target=run, name="metrics-push", daemon=True)
         beat.start()
@@ -165,35 +164,41 @@ def pushing(
             beat.join(timeout=every_s + 15)
 
 
-def publish_run(
-    config: PipelineConfig, reg: CollectorRegistry | None = None, *, quiet: bool = False
-) -> list[str]:
+def _push(config: PipelineConfig, reg: CollectorRegistry) -> str | None:
+    """Push ``reg`` to ``metrics.pushgateway_url``; the failure as one line (the password
+    masked), None when it went."""
+    url = config.metrics.pushgateway_url
+    assert url is not None
+    gateway, handler = _gateway(url)
+    try:
+        push_to_gateway(
+            gateway,
+            job=PUSH_JOB,
+            grouping_key={"queue": config.queue.name},
+            registry=reg,
+            timeout=10,
+            handler=handler,
+        )
+    except OSError as exc:
+        return redact_url(f"metrics not pushed to {url}: {exc}")
+    return None
+
+
+def publish_run(config: PipelineConfig, reg: CollectorRegistry | None = None) -> list[str]:
     """Push the run's series to the Pushgateway and/or write the textfile, as configured
     (``metrics.pushgateway_url``, ``metrics.textfile_path``); a failure is logged as a warning
-    (unless ``quiet``) and returned as a one-line message, never raised: metrics never fail
-    a run."""
+    and returned as a one-line message, never raised: metrics never fail a run."""
     reg = reg if reg is not None else registry()
     problems: list[str] = []
     m = config.metrics
-    if m.pushgateway_url:
-        gateway, handler = _gateway(m.pushgateway_url)
-        try:
-            push_to_gateway(
-                gateway,
-                job=PUSH_JOB,
-                grouping_key={"queue": config.queue.name},
-                registry=reg,
-                timeout=10,
-                handler=handler,
-            )
-        except OSError as exc:
-            problems.append(redact_url(f"metrics not pushed to {m.pushgateway_url}: {exc}"))
+    if m.pushgateway_url and (problem := _push(config, reg)) is not None:
+        problems.append(problem)
     if m.textfile_path:
         path = config.resolve(m.textfile_path)
         try:
             write_to_textfile(str(path), reg)  # a temporary file renamed over it: atomic
         except OSError as exc:
             problems.append(f"metrics not written to {path}: {exc}")
-    for problem in () if quiet else problems:
+    for problem in problems:
         logger.warning(problem, extra={"action": "metrics_publish_failed"})
     return problems
