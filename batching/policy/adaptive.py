@@ -5,9 +5,10 @@ The scoring loop reports what it measures (each forward pass, decode and commit)
 :class:`~batching.policy.batcher.MicroBatcher` asks when to release and how many items.
 
 **The model.** :class:`ServiceModel` predicts the forward seconds ``t(n, c)`` of ``n`` items
-padded to cost ``c`` as ``theta . (1, n, n*c, prior(n, c))`` (sizes and costs scaled), where
+padded to cost ``c`` as ``theta . (1, n, n*c, prior(n, c))`` (each feature in units of a typical
+batch: sizes, costs, and the profile's seconds at that batch), where
 ``prior`` is the service profile (``batching profile``; none: 0). ``theta`` is a ridge
-regression over the last ``window`` measured forwards, shrunk toward ``(0, 0, 0, 1)``: before
+regression over the last ``window`` measured forwards, shrunk toward the profile as is: before
 any measurement the model *is* the profile, and measurements correct it (another machine of
 the same kind, a warm cache, a longer average length) without forgetting the profile's shape
 where nothing was measured. :meth:`ServiceModel.bound` adds a margin: the 90th percentile of
@@ -109,12 +110,20 @@ class ServiceModel:
         self._prior = prior
         self._n_ref = float(max(1, n_ref))
         self._c_ref = float(max(1, c_ref))
+        # The profile's feature is in units of its own typical pass (seconds at the reference
+        # size and cost), like the others are in units of theirs: in seconds, a fast model's
+        # feature was tiny beside the ridge, which then held its coefficient at 1 whatever was
+        # measured, and corrections went to the linear terms (a knee the device does not
+        # have was kept).
+        typical = prior(int(self._n_ref), int(self._c_ref)) if prior is not None else 0.0
+        self._p_ref = typical if math.isfinite(typical) and typical > 0 else 1.0
+        self._theta0 = (*_THETA0[:-1], self._p_ref)
         self._window = window
         self._ridge = ridge
         self._samples: collections.deque[tuple[tuple[float, ...], float]] = collections.deque()
         self._xtx = [[0.0] * _N_FEATURES for _ in range(_N_FEATURES)]
         self._xty = [0.0] * _N_FEATURES
-        self._theta: tuple[float, ...] = _THETA0
+        self._theta: tuple[float, ...] = self._theta0
         self._errors: collections.deque[float] = collections.deque(maxlen=window)
         self._margin = _COLD_MARGIN
         self.n_observed = 0
@@ -123,7 +132,7 @@ class ServiceModel:
     def _features(self, n_items: int, cost: int) -> tuple[float, ...]:
         prior = self._prior(n_items, cost) if self._prior is not None else 0.0
         n = n_items / self._n_ref
-        return (1.0, n, n * max(1, cost) / self._c_ref, max(0.0, prior))
+        return (1.0, n, n * max(1, cost) / self._c_ref, max(0.0, prior) / self._p_ref)
 
     def predict(self, n_items: int, cost: int) -> float:
         """Mean forward seconds of ``n_items`` items padded to ``cost`` (0 for no items)."""
@@ -198,7 +207,7 @@ class ServiceModel:
             [v + (lam if i == j else 0.0) for j, v in enumerate(row)]
             for i, row in enumerate(self._xtx)
         ]
-        b = [v + lam * t0 for v, t0 in zip(self._xty, _THETA0, strict=True)]
+        b = [v + lam * t0 for v, t0 in zip(self._xty, self._theta0, strict=True)]
         self._theta = tuple(_solve(a, b))
 
 

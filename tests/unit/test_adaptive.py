@@ -479,6 +479,36 @@ def test_efficient_size_is_where_time_per_item_stops_falling() -> None:
     assert flat.efficient_size(1, 64) == 12  # (0.01 n + 1 ms) / n within 1% of n = 64's
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.1])
+def test_measurements_overrule_a_knee_the_device_does_not_have(scale: float) -> None:
+    """A profile with its knee at 8 items (a CPU's), then a device that keeps gaining (a
+    GPU's ``a + b*n``): the measurements move the cut to the largest size, whether the
+    profile's passes take tens of milliseconds or a tenth of that (before, the ridge held
+    a fast profile's share whatever was measured, and the cut stayed at 16 of 32)."""
+
+    def profile(n: int, cost: int) -> float:
+        return scale * knee(n, cost)
+
+    model = adaptive.ServiceModel(profile, n_ref=32, c_ref=8)
+    assert model.efficient_size(8, 32) <= 12  # the profile's knee (and the pass's overhead)
+    rng = random.Random(7)
+    for _ in range(96):
+        n = rng.randint(1, 32)
+        model.observe(n, 8, scale * (0.004 + 0.0005 * n))
+    assert model.efficient_size(8, 32) == 32
+    assert model.predict(32, 8) == pytest.approx(scale * (0.004 + 0.0005 * 32), rel=0.05)
+
+
+def test_the_profile_shape_stays_where_nothing_was_measured() -> None:
+    """Forwards measured at one size only, 20% slower than the profile there: the model
+    scales the profile where it was measured and keeps its knee where nothing was."""
+    model = adaptive.ServiceModel(knee, n_ref=32, c_ref=8)
+    for _ in range(64):
+        model.observe(8, 8, 1.2 * knee(8, 8))
+    assert model.predict(8, 8) == pytest.approx(1.2 * knee(8, 8), rel=0.02)
+    assert model.efficient_size(8, 32) == 8
+
+
 def test_a_batch_is_cut_at_the_efficient_size_not_grown_past_it() -> None:
     """Thirty long items at a free model whose passes stop gaining at 8 go as passes of 8,
     with time to spare in the SLO: a pass of 30 would be slower per item and hold everything
