@@ -37,6 +37,16 @@ rollout_app = typer.Typer(
 app.add_typer(rollout_app, name="rollout")
 
 
+ShadowBeside = Annotated[
+    str | None,
+    typer.Option(
+        "--output",
+        help="The scorers' --output, when they were given one: their shadow dataset is beside "
+        "it (unless rollout.shadow_path sets it).",
+    ),
+]
+
+
 def _fmt_s(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f} ms"
 
@@ -103,6 +113,12 @@ def start(
     from batching.compose import rollouts
 
     names = [t.strip() for t in (tenants or "").split(",") if t.strip()]
+    if tenants is not None and not names:
+        raise typer.BadParameter(
+            f"{tenants!r} names no tenant; give TENANT[,TENANT...], or leave --tenants out "
+            "for every tenant",
+            param_hint="--tenants",
+        )
     if percent is None:
         if not names and not shadow:
             raise errors.InputError("give --percent (0-100), --tenants, or --shadow")
@@ -176,6 +192,7 @@ def status(
     config: ConfigOption,
     db: DbOverride = None,
     history: Annotated[int, typer.Option("--history", min=0, help="Route changes shown.")] = 10,
+    output: ShadowBeside = None,
     as_json: JsonOption = False,
 ) -> None:
     """What each version of the rollout did since it began: items, error and dead rate,
@@ -188,7 +205,7 @@ def status(
     from batching.compose import rollouts
 
     cfg = load(config)
-    seen = rollouts.status(cfg, db, history)
+    seen = rollouts.status(cfg, db, history, output)
     if as_json:
         emit_json({"ok": True} | seen.as_dict())
         return
@@ -229,6 +246,11 @@ def status(
                 for k, v in seen.drift.items()
             )
             out.print(plain(f"shadow drift (candidate against stable): {shown}"))
+        elif seen.route is not None and seen.route.shadow:
+            out.print(
+                "shadow drift: nothing shadowed yet (a candidate that fails every shadow "
+                "pass writes nothing either: the scorers' summaries count shadow failures)"
+            )
         verdict = seen.breach or "within the bounds of the config's rollout section"
         out.print(plain(f"guard: {verdict}"))
     for h in seen.history:
@@ -243,6 +265,7 @@ def guard(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Judge only; roll nothing back.")
     ] = False,
+    output: ShadowBeside = None,
     as_json: JsonOption = False,
 ) -> None:
     """Roll the candidate back if it breaches the config's `rollout` bounds (error rate,
@@ -253,7 +276,7 @@ def guard(
     from batching.compose import rollouts
 
     cfg = load(config)
-    seen, change = rollouts.guard(cfg, db, dry_run=dry_run)
+    seen, change = rollouts.guard(cfg, db, dry_run=dry_run, output=output)
     if as_json:
         route = change.after if change else seen.route
         emit_json(
@@ -290,6 +313,14 @@ def replay(
         Path | None,
         typer.Option("--output", help="Side dataset folder (default: outputs/replay)."),
     ] = None,
+    dataset: Annotated[
+        str | None,
+        typer.Option(
+            "--dataset",
+            help="Where the run committed its outputs, when it was given `score --output` "
+            "(default: the config's output).",
+        ),
+    ] = None,
     db: DbOverride = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -304,7 +335,9 @@ def replay(
 
     cfg = load(config)
     folder = output if output is not None else Path("outputs") / "replay"
-    report = replays.replay(cfg, db, run_id, output=folder.resolve(), model_version=model_version)
+    report = replays.replay(
+        cfg, db, run_id, output=folder.resolve(), model_version=model_version, dataset=dataset
+    )
     if as_json:
         emit_json({"ok": True} | report.as_dict())
     else:

@@ -108,6 +108,7 @@ def replay(
     *,
     output: Path,
     model_version: str | None = None,
+    dataset: str | None = None,
 ) -> Report:
     """Replay ``run_id`` into ``output``
     (``<output>/run=<run_id>/replay=<replay run id>/part-<n>.parquet``).
@@ -122,7 +123,7 @@ def replay(
             f"--model-version {model_version!r} is not in the config's registry (it lists "
             f"{', '.join(sorted(config.registry()))})"
         )
-    res = build.resolve(config, db_url, None)
+    res = build.resolve(config, db_url, dataset)
     _check_side_folder(output, res.target)
     queue = build.open_queue(config, res.db_url)
     try:
@@ -138,7 +139,9 @@ def replay(
         report = Report(run_id, lineage.new_run_id(), str(output))
         target = output / f"run={run_id}" / f"replay={report.replay_run_id}"
         target.mkdir(parents=True, exist_ok=True)
-        models_ = versions.ModelSet(config)
+        models_ = versions.ModelSet(
+            config, hint="or replay with --model-version and a version it lists"
+        )
         emitter = build.make_emitter(config, res, engine=queue.engine)
         ctx = _context(config, res, report, target)
         emitter.start(ctx)
@@ -197,6 +200,12 @@ def _original_rows(
             raise errors.SinkError(f"batch {row.batch_id}: ledger path outside the dataset")
         if not path.is_file() and row.staging_path:
             path = Path(row.staging_path)
+        if not path.is_file():
+            raise errors.SinkError(
+                f"batch {row.batch_id}'s output file {row.path} is not in the dataset {root}: "
+                "if the run wrote to another folder (`score --output`), give it with "
+                "--dataset; if the file was removed, `batching reconcile` reports it"
+            )
         table = pq.read_table(path, columns=["item_key", "output"])
     elif row.sink == "sql":
         results = schema.results_table(str(row.path))

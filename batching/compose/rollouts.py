@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from batching import config as cfg
@@ -78,6 +79,7 @@ def start(
             f"{', '.join(sorted(registry))}); add it under model_versions, with its "
             "checkpoint and sha256, and run `batching check`"
         )
+    _verify(config, candidate)
     return _changed(
         config,
         db_url,
@@ -94,6 +96,22 @@ def start(
             now=queue.clock(),
         ),
     )
+
+
+def _verify(config: cfg.PipelineConfig, version: str) -> None:
+    """The candidate's pinned checkpoint, read and deserialized as a scorer will (its file, its
+    sha256, its format, never unpickling code), before any item is routed to it: a candidate
+    that cannot load is refused here, not found by the scorers at the first batch routed to
+    it."""
+    from batching.model import zoo
+
+    spec = config.registry()[version]
+    try:
+        zoo.load_checkpoint(
+            zoo.checkpoint_path(spec.name, spec.checkpoint, Path(config.base_dir)), spec.sha256
+        )
+    except (errors.ConfigError, errors.CheckpointError) as exc:
+        raise errors.InputError(f"model_versions {version!r}: {exc}; nothing changed") from None
 
 
 def promote(
@@ -122,8 +140,11 @@ def rollback(
     )
 
 
-def status(config: cfg.PipelineConfig, db_url: str | None, history: int = 10) -> Status:
-    """The queue's rollout as ``batching rollout status`` shows it."""
+def status(
+    config: cfg.PipelineConfig, db_url: str | None, history: int = 10, output: str | None = None
+) -> Status:
+    """The queue's rollout as ``batching rollout status`` shows it; ``output``: the scorers'
+    ``--output``, beside which their shadow dataset is (``shadow.folder``)."""
     queue = _queue(config, db_url)
     try:
         route = rollout.current(queue.engine, queue.queue)
@@ -139,16 +160,21 @@ def status(config: cfg.PipelineConfig, db_url: str | None, history: int = 10) ->
         queue.engine.dispose()
     drift = None
     if route is not None and route.candidate is not None:
-        drift = shadow.drift(shadow.folder(config), queue.queue, route.candidate, route.since)
+        where = shadow.folder(config, build.resolve(config, db_url, output))
+        drift = shadow.drift(where, queue.queue, route.candidate, route.since)
     return Status(queue.queue, route, stats, truncated, breach, changes, drift)
 
 
 def guard(
-    config: cfg.PipelineConfig, db_url: str | None, *, dry_run: bool = False
+    config: cfg.PipelineConfig,
+    db_url: str | None,
+    *,
+    dry_run: bool = False,
+    output: str | None = None,
 ) -> tuple[Status, rollout.Change | None]:
     """Judge the candidate (``rollout.judge``); roll it back when it breaches the config's
     ``rollout`` bounds (unless ``dry_run``), refused if the route changed meanwhile."""
-    seen = status(config, db_url, history=0)
+    seen = status(config, db_url, history=0, output=output)
     if seen.breach is None or dry_run or seen.route is None:
         return seen, None
     epoch = seen.route.epoch

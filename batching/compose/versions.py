@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from batching import config as cfg
@@ -18,14 +20,35 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class ModelSet:
-    """A runner per model version, by name (the scoring loop's ``runners``)."""
+RETRY_LOAD_S = 60.0
+"""A version that failed to load is not read again for this long: its checkpoint would be
+read and hashed again for every batch routed to it (a large one, on the forward's thread)."""
 
-    def __init__(self, config: cfg.PipelineConfig, first: TorchRunner | None = None) -> None:
+
+class ModelSet:
+    """A runner per model version, by name (the scoring loop's ``runners``).
+
+    A version that cannot be loaded raises, for this call and, without another read, for calls
+    in the next ``RETRY_LOAD_S`` seconds: :class:`~batching.errors.CheckpointError` (not the
+    pinned file), :class:`~batching.errors.ModelError` naming the version (its factory or its
+    warm-up raised), :class:`~batching.errors.ConfigError` (the config does not list it).
+    """
+
+    def __init__(
+        self,
+        config: cfg.PipelineConfig,
+        first: TorchRunner | None = None,
+        *,
+        hint: str = "or roll back with `batching rollout rollback`",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self._loaded: dict[str, TorchRunner] = {}
         if first is not None:  # the run's own, loaded already
             self._loaded[config.model.version] = first
+        self._failed: dict[str, tuple[float, errors.BatchingError]] = {}
+        self._hint = hint
+        self._clock = clock
         self._lock = threading.Lock()
 
     def __call__(self, version: str) -> TorchRunner:
@@ -34,8 +57,17 @@ class ModelSet:
             return runner
         with self._lock:  # one load of a version, whoever asks first
             runner = self._loaded.get(version)
-            if runner is None:
+            if runner is not None:
+                return runner
+            failed = self._failed.get(version)
+            if failed is not None and self._clock() - failed[0] < RETRY_LOAD_S:
+                raise failed[1]
+            try:
                 runner = self._loaded[version] = self._load(version)
+            except errors.BatchingError as exc:
+                self._failed[version] = (self._clock(), exc)
+                raise
+            self._failed.pop(version, None)
         return runner
 
     @property
@@ -52,10 +84,18 @@ class ModelSet:
             raise errors.ConfigError(
                 f"queue {self.config.queue.name!r} routes items to model version {version!r}, "
                 f"which this config does not list (it has {listed}); add it under "
-                "model_versions, or roll back with `batching rollout rollback`"
+                f"model_versions, {self._hint}"
             )
-        runner = TorchRunner.load(spec, base_dir=self.config.base_dir)
-        runner.warmup()
+        try:
+            runner = TorchRunner.load(spec, base_dir=self.config.base_dir)
+            runner.warmup()
+        except errors.CheckpointError:
+            raise
+        except Exception as exc:  # its factory's, its warm-up's: the version's own fault
+            why = " ".join(str(exc).split())
+            if not isinstance(exc, errors.BatchingError):
+                why = errors.one_line(exc)
+            raise errors.ModelError(f"model version {version!r} cannot be loaded: {why}") from exc
         logger.info(
             "model version loaded",
             extra={"action": "model_loaded", "model_version": version, "sha256": runner.checksum},

@@ -150,7 +150,14 @@ def rollback(
 
     def change(before: Route | None) -> Route:
         if before is None or before.candidate is None:
-            raise errors.InputError(f"queue {queue!r} has no candidate to roll back")
+            undo = (
+                ""
+                if before is None
+                else f" ({before.stable} is stable, promoted); to go back to an earlier "
+                "version, start it as the candidate at 100% (`batching rollout start "
+                "--candidate VERSION --percent 100`), then `batching rollout promote`"
+            )
+            raise errors.InputError(f"queue {queue!r} has no candidate to roll back{undo}")
         if expect_epoch is not None and before.epoch != expect_epoch:
             raise errors.InputError(
                 f"queue {queue!r}'s route changed while it was judged (epoch {expect_epoch} "

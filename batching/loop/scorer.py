@@ -380,7 +380,17 @@ class Scorer(Generic[D]):
         for n, part in enumerate(parts):
             started = time.perf_counter()
             try:
-                decoded = self.router.runner_for(part).decode(part.items)
+                runner = self.router.runner_for(part)
+            except (errors.ModelError, errors.CheckpointError) as exc:
+                self._unloadable(part, leases, exc)  # the version's fault: its items fail
+                continue
+            except BaseException:
+                with self._batch_lock:  # back where the shutdown releases them from
+                    for rest in parts[n:]:
+                        self.batcher.add(rest.items)
+                raise
+            try:
+                decoded = runner.decode(part.items)
             except BaseException:
                 with self._batch_lock:  # back where the shutdown releases them from
                     for rest in parts[n:]:
@@ -399,6 +409,32 @@ class Scorer(Generic[D]):
             part = dataclasses.replace(part, pass_id=pass_id)
             self._put(self._to_forward, Dispatched(part, part_leases, decoded))
         return True
+
+    def _unloadable(
+        self, part: models.Batch, leases: dict[int, str], exc: errors.BatchingError
+    ) -> None:
+        """A rollout routed ``part`` to a version that cannot be loaded (a checkpoint not the
+        pinned one, a factory that raises): its items fail as if its forward pass had failed
+        them, recorded against that version, so the rollout's guard sees its error rate and
+        rolls it back, and the other versions' items go on being scored. (Before, the run
+        ended, and every scorer of the queue with it, while the guard saw nothing.)"""
+        version = self.router.version_of(part)
+        reason = f"{errors.one_line(exc)}; the rollout's guard rolls it back"
+        logger.warning(
+            "model version cannot be loaded; its items fail, charged to it",
+            extra={"action": "version_unloadable", "model_version": version, "error": reason},
+        )
+        by_lease: dict[str, list[models.WorkItem]] = {}
+        for item in part.items:
+            by_lease.setdefault(leases[item.id], []).append(item)
+        for lease_id, items in by_lease.items():
+            res = self.queue.fail(
+                lease_id, {i.id: reason for i in items}, retry=True, model_version=version
+            )
+            self.stats.failed += res.retried + res.dead
+            self.observer.failed(items, retry=True, model_version=version)
+            self._forget(lease_id, items)
+        self._claim_wanted.set()
 
     def _expire(self, late: list[Late]) -> None:
         """Expire items the batcher found late (``late_policy: expire``), unscored, each
@@ -475,6 +511,8 @@ class Scorer(Generic[D]):
             shadowed = self.router.shadow(batch, result)  # a rollout's sample, scored aside
             if shadowed is not None:  # its device time is the candidate's
                 self.stats.add_device_time(*shadowed)
+                self.stats.shadowed = self.router.shadowed
+                self.stats.shadow_failed = self.router.shadow_failures
             if controller is not None:
                 controller.forward_done(len(batch), cost, forward_s, self.clock(), batch.formed_at)
                 self._wake.set()  # the model is free: the next batch may go now

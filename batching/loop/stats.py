@@ -52,6 +52,8 @@ class RunSummary(TypedDict):
     device_s_by_tenant: dict[str, float]
     device_s_by_version: dict[str, float]
     adaptive: NotRequired[dict[str, float]]
+    items_shadowed: NotRequired[int]
+    shadow_failed: NotRequired[int]
     lineage_failures: NotRequired[int]
     attempt: NotRequired[int]
     run_items_committed: NotRequired[int]
@@ -59,6 +61,8 @@ class RunSummary(TypedDict):
 
 # RunStats fields that add up across scorers (RunStats.merged).
 _ADDITIVE = (
+    "shadowed",
+    "shadow_failed",
     "committed",
     "failed",
     "released",
@@ -97,6 +101,10 @@ class RunStats:
     bytes_written: int = 0
     breaker_trips: int = 0  # retry storms that stopped the run (``batching.loop.breaker``)
     expired: int = 0  # claimed items expired unscored, predicted late (``late_policy: expire``)
+    # A rollout's shadow sample: stable items the candidate scored aside, and those it failed
+    # (never the run's failure: the stable output commits either way).
+    shadowed: int = 0
+    shadow_failed: int = 0
     reasons: collections.Counter[str] = field(default_factory=collections.Counter)
     by_version: collections.Counter[str] = field(default_factory=collections.Counter)
     # Device seconds (forward time on the run's one device), by tenant (apportioned by cost)
@@ -171,6 +179,9 @@ class RunStats:
         }
         if self.adaptive:
             summary["adaptive"] = dict(self.adaptive)
+        if self.shadowed or self.shadow_failed:
+            summary["items_shadowed"] = self.shadowed
+            summary["shadow_failed"] = self.shadow_failed
         return summary
 
     def add_device_time(
@@ -216,6 +227,13 @@ def summary_rows(summary: Mapping[str, object]) -> list[tuple[str, str]]:
         rows.insert(3, ("items scored in isolation", f"{summary['items_isolated']}"))
     if summary.get("items_expired"):  # predicted late, expired unscored (late_policy)
         rows.insert(3, ("items expired (late)", f"{summary['items_expired']}"))
+    if summary.get("items_shadowed") or summary.get("shadow_failed"):  # a rollout's sample
+        rows.append(
+            (
+                "shadowed: scored aside / failed by the candidate",
+                f"{summary.get('items_shadowed', 0)} / {summary.get('shadow_failed', 0)}",
+            )
+        )
     terms = summary.get("adaptive")
     if isinstance(terms, Mapping) and terms:  # why items expired: what the controller added
         rows.append(

@@ -327,7 +327,7 @@ def _torch_load_weights(data: bytes, path: Path) -> object:
     except pickle.UnpicklingError as exc:
         # The weights-only unpickler names the class it will not build ("Unsupported global");
         # any other complaint (an unknown opcode, a truncated stream) is a damaged file.
-        if "Unsupported global" in str(exc):
+        if "unsupported global" in str(exc).lower():
             raise errors.CheckpointError(
                 f"checkpoint {path} refused: it needs arbitrary unpickling (a pickled module "
                 "or custom object), which can run code; save model.state_dict() with "

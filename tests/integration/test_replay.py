@@ -90,6 +90,25 @@ def test_a_replay_of_a_run_reproduces_its_outputs_bit_for_bit(
     assert mine[-1]["job"]["name"] == f"{config.name}.replay"
 
 
+def test_a_run_scored_into_another_folder_is_replayed_from_it_given_dataset(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    config = make_config(tmp_path)
+    queue = build.open_queue(config, sqlite_url, create=True)
+    queue.migrate()
+    lines = list(workloads.w2_json_lines(40))
+    queue.enqueue([ingest.record_from_mapping(json.loads(x), str(i)) for i, x in enumerate(lines)])
+    queue.engine.dispose()
+    elsewhere = str(tmp_path / "elsewhere")
+    run_id = wiring.run_score(config, db_url=sqlite_url, output=elsewhere).run_id
+    with pytest.raises(errors.SinkError, match=r"is not in the dataset .*give it with --dataset"):
+        replay.replay(config, sqlite_url, run_id, output=tmp_path / "replay")
+    report = replay.replay(
+        config, sqlite_url, run_id, output=tmp_path / "replay", dataset=elsewhere
+    )
+    assert report.items == report.identical == 40
+
+
 def test_a_run_of_two_worker_processes_is_replayed_whole(sqlite_url: str, tmp_path: Path) -> None:
     # each worker numbers its own passes: the ledger's pass ids keep them apart
     config = make_config(tmp_path)

@@ -89,6 +89,10 @@ def build_broken() -> nn.Module:
     return Broken(0.0)
 
 
+def build_unbuildable() -> nn.Module:
+    raise RuntimeError("the candidate's factory cannot build it")
+
+
 def build_v1_slow() -> nn.Module:
     return Slow(OFFSET["v1"])
 
@@ -514,6 +518,73 @@ def test_a_shadow_sample_is_scored_by_both_and_only_the_stable_output_is_publish
     assert drift["ks"] == 1.0  # every candidate score is above every stable one
 
 
+def test_status_finds_the_shadow_of_scorers_given_another_output(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    config = make_config(tmp_path, ckpt)
+    enqueue(sqlite_url, config, [f"item-{i}" for i in range(200)])
+    rollouts.start(
+        config, sqlite_url, candidate="v2", percent=0, shadow=100, actor="o", reason="shadow"
+    )
+    elsewhere = str(tmp_path / "other" / "out")
+    wiring.run_score(config, db_url=sqlite_url, output=elsewhere, limits=RunLimits())
+    assert (tmp_path / "other" / "shadow").is_dir()
+    assert rollouts.status(config, sqlite_url).drift is None  # beside the config's output
+    drift = rollouts.status(config, sqlite_url, output=elsewhere).drift
+    assert drift is not None
+    assert drift["items"] == 200
+    seen, change = rollouts.guard(config, sqlite_url, dry_run=True, output=elsewhere)
+    assert seen.drift == drift
+    assert change is None
+
+
+def test_a_rollback_after_a_promote_says_how_to_go_back(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    config = make_config(tmp_path, ckpt)
+    enqueue(sqlite_url, config, ["a"])
+    rollouts.start(config, sqlite_url, candidate="v2", percent=10, actor="o", reason="r")
+    rollouts.promote(config, sqlite_url, actor="o", reason="good")
+    with pytest.raises(errors.InputError, match=r"v2 is stable.*--candidate VERSION --percent 100"):
+        rollouts.rollback(config, sqlite_url, actor="o", reason="regressed")
+
+
+def test_tenants_that_name_no_tenant_are_refused(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    path = config_file(tmp_path, ckpt)
+    enqueue(sqlite_url, cfg.load_config(path), ["a"])
+    run = subprocess.run(
+        [
+            BATCHING,
+            "rollout",
+            "start",
+            "-c",
+            str(path),
+            "--db",
+            sqlite_url,
+            "--candidate",
+            "v2",
+            "--percent",
+            "5",
+            "--tenants",
+            ",,,",
+            "--reason",
+            "r",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "names no tenant" in run.stderr
+    assert "Traceback" not in run.stderr
+    config = cfg.load_config(path)
+    engine = engine_of(sqlite_url, config)
+    assert rollout.current(engine, config.queue.name) is None
+    engine.dispose()
+
+
 def test_a_failing_shadow_never_fails_the_batch_it_shadows(
     sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
 ) -> None:
@@ -538,7 +609,95 @@ def test_a_failing_shadow_never_fails_the_batch_it_shadows(
     assert len(outputs(tmp_path / "out")) == 500
     assert scorers[0].router.shadow_failures > 0
     assert scorers[0].router.shadowed == 0
+    assert summary["shadow_failed"] == scorers[0].router.shadow_failures  # reported
+    assert summary["items_shadowed"] == 0
     assert rollouts.status(config, sqlite_url).drift is None
+
+
+def test_a_candidate_whose_checkpoint_is_not_the_pinned_one_is_refused_at_start(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    raw = settings(tmp_path, ckpt)
+    raw["model_versions"][0]["sha256"] = "0" * 64
+    config = cfg.load_config(REPO / "deployments" / "tabular.yaml", raw)
+    enqueue(sqlite_url, config, ["a"])
+    with pytest.raises(errors.InputError, match=r"model_versions 'v2'.*sha256.*nothing changed"):
+        rollouts.start(config, sqlite_url, candidate="v2", percent=20, actor="o", reason="r")
+    engine = engine_of(sqlite_url, config)
+    assert rollout.current(engine, config.queue.name) is None
+    engine.dispose()
+
+
+@pytest.mark.parametrize("broken", ["sha256", "factory"])
+def test_a_candidate_that_cannot_load_fails_its_own_items_and_the_stable_ones_commit(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str], broken: str
+) -> None:
+    """Started while it loaded, the candidate's file changes under the scorers (or its factory
+    raises): the run goes on, the stable version's items commit, the candidate's fail charged
+    to it (so the guard rolls it back). Before, the run ended, every run of the queue with it,
+    and the guard saw nothing."""
+    config = make_config(tmp_path, ckpt)
+    keys = [f"item-{i}" for i in range(1000)]
+    enqueue(sqlite_url, config, keys)
+    rollouts.start(config, sqlite_url, candidate="v2", percent=30, actor="o", reason="canary")
+    raw = settings(
+        tmp_path, ckpt, candidate="build_unbuildable" if broken == "factory" else "build_v2"
+    )
+    if broken == "sha256":
+        raw["model_versions"][0]["sha256"] = "0" * 64
+    scoring = cfg.load_config(REPO / "deployments" / "tabular.yaml", raw)
+
+    summary = wiring.run_score(scoring, db_url=sqlite_url, limits=RunLimits()).summary
+
+    rows = outputs(tmp_path / "out")
+    assert {r["model_version"] for r in rows} == {"v1"}
+    seen, _ = rollouts.guard(scoring, sqlite_url, dry_run=True)
+    cand = next(s for s in seen.stats if s.role == "candidate")
+    assert cand.committed == 0
+    assert cand.errors == cand.dead == cand.items > 200  # max_attempts 1: dead at once
+    assert len(rows) + cand.dead == 1000 == summary["items_committed"] + summary["items_failed"]
+    assert seen.breach is not None
+    assert "max_error_rate" in seen.breach
+    engine = engine_of(sqlite_url, scoring)
+    with engine.connect() as conn:
+        errors_ = conn.execute(
+            sa.select(schema.items.c.last_error, schema.items.c.model_version).where(
+                schema.items.c.state == int(models.State.DEAD)
+            )
+        ).all()
+    engine.dispose()
+    assert {v for _, v in errors_} == {"v2"}
+    want = "sha256" if broken == "sha256" else "factory cannot build it"
+    assert all(want in (e or "") and "guard rolls it back" in (e or "") for e, _ in errors_)
+
+
+def test_a_version_that_failed_to_load_is_not_read_again_for_a_while(
+    tmp_path: Path, ckpt: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batching.compose import versions
+
+    config = make_config(tmp_path, ckpt, candidate="build_unbuildable")
+    now = [100.0]
+    models_ = versions.ModelSet(config, clock=lambda: now[0])
+    loads: list[str] = []
+    real = versions.ModelSet._load
+
+    def counted(self: versions.ModelSet, version: str) -> Any:
+        loads.append(version)
+        return real(self, version)
+
+    monkeypatch.setattr(versions.ModelSet, "_load", counted)
+    for _ in range(3):
+        with pytest.raises(
+            errors.ModelError, match=r"'v2' cannot be loaded: model factory .* failed: RuntimeError"
+        ):
+            models_("v2")
+    assert loads == ["v2"]
+    now[0] += versions.RETRY_LOAD_S
+    with pytest.raises(errors.ModelError):
+        models_("v2")
+    assert loads == ["v2", "v2"]
+    assert models_("v1") is models_("v1")  # a version that loads is kept
 
 
 # ----------------------------------------------------------------------------- kills
