@@ -493,12 +493,19 @@ def rekey_results(conn: Connection, table: sa.Table) -> bool:
         return False
     quote = conn.dialect.identifier_preparer.quote
     key = ", ".join(map(quote, RESULTS_KEY))
+    have = [str(c["name"]) for c in inspector.get_columns(table.name)]
+    missing = sorted({c.name for c in table.columns} - set(have))
+    if missing:  # not a results table (another table of that name): never re-keyed
+        raise errors.SchemaError(
+            f"table {table.name} is not a batching results table (it lacks "
+            f"{', '.join(missing)}), so it is left as it is: give output.table (or --output) "
+            "a table of its own"
+        )
     if conn.dialect.name == "postgresql":
         name = pk.get("name")
         drop = f"DROP CONSTRAINT {quote(name)}, " if name else ""
         conn.execute(sa.text(f"ALTER TABLE {quote(table.name)} {drop}ADD PRIMARY KEY ({key})"))
         return True
-    have = [str(c["name"]) for c in inspector.get_columns(table.name)]
     extra = sorted(set(have) - {c.name for c in table.columns})
     if extra:
         raise errors.SchemaError(

@@ -16,7 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 
+from batching import config as cfg
 from batching import errors, models, outcomes
+from batching.compose import build
 from batching.ingress import queue as q
 from batching.outputs import contract as sinks
 from batching.outputs import ledger as batch_ledger
@@ -24,6 +26,7 @@ from batching.outputs import parquet, parquet_layout
 from batching.outputs import sql as sql_sink
 from batching.store import database, schema
 from batching.testing import FakeClock
+from tests.conftest import REPO
 
 DIM = 3
 
@@ -442,6 +445,34 @@ def test_an_old_sqlite_results_table_with_columns_of_its_own_is_refused_not_rebu
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT note, item_key FROM mine")).all() == [(None, "x")]
     engine.dispose()
+
+
+def test_a_table_that_is_not_a_results_table_is_never_rekeyed(
+    queue: q.SqlQueue, clock: FakeClock
+) -> None:
+    """A table of the same name that lacks the results columns (a user's own, the queue's
+    archive) is refused as it is: PostgreSQL's in-place rekey once changed its key (the
+    archive's purge then failed on every row)."""
+    with queue.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "CREATE TABLE legacy (queue VARCHAR(200), model_version VARCHAR(100), "
+                "item_key VARCHAR(500), note TEXT, PRIMARY KEY (item_key))"
+            )
+        )
+    with pytest.raises(errors.SchemaError, match=r"not a batching results table .*output"):
+        sql_sink.SqlSink(queue, "legacy")
+    with queue.engine.connect() as conn:
+        assert sa.inspect(conn).get_pk_constraint("legacy")["constrained_columns"] == ["item_key"]
+
+
+@pytest.mark.parametrize("table", ["batching_items_archive", "BATCHING_ITEMS"])
+def test_output_naming_a_queue_table_is_refused(table: str) -> None:
+    config = cfg.load_config(
+        REPO / "deployments" / "tabular.yaml", {"output": {"kind": "sql", "table": "scores"}}
+    )
+    with pytest.raises(errors.ConfigError, match="one of the queue's own tables"):
+        build.output_target(config, table)
 
 
 def test_sql_commit_with_a_lost_lease_writes_nothing(queue: q.SqlQueue, clock: FakeClock) -> None:
