@@ -159,6 +159,7 @@ def run_score(
         runner = TorchRunner.load(config.model, base_dir=config.base_dir)
         runner.warmup()
         sink = build.open_sink(queue, res, scorer=True)
+        sink.preflight()  # an output that cannot be written fails the run before it claims
         # Expired leases first (a scorer killed with items leased): the sweep below then
         # deletes their staging files rather than keep them as in flight.
         queue.release_expired(this_queue=True)
@@ -224,6 +225,9 @@ def run_score(
                 on_scorer(scorer)
             # its commit stage flushes the sink
             stats = scorer.run(_left(limits or run_stats.RunLimits(), so_far, queue.clock()))
+            refused = sink.unpublished()
+            if refused is not None:  # acked, safe in the outbox, but not where readers look
+                raise errors.SinkError(refused)
         except BaseException as exc:
             done = scorer.stats if scorer is not None else None
             committed = before + (done.committed if done else 0)

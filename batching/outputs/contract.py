@@ -221,6 +221,12 @@ class Sink(Protocol):
         """Record what the sink deferred (the scorer calls it when idle and at the end)."""
         ...
 
+    def unpublished(self) -> str | None:
+        """Why batches this sink committed are still not written to the output at the end of
+        a run (one line: how many, the output's last refusal, what rolls them forward); None
+        when there are none."""
+        ...
+
     # -- life cycle --------------------------------------------------------------------------
 
     def preflight(self) -> None:
@@ -334,6 +340,11 @@ class FencedSink:
     def commit(self: Sink, batch: ScoredBatch) -> outcomes.CommitResult:
         """Stage, record with the ack, publish (:func:`commit`)."""
         return commit(self.fence, self, batch)
+
+    def unpublished(self) -> str | None:
+        """None: a commit publishes, or its publish mark alone waits (recorded at the next
+        commit or ``recover``)."""
+        return None
 
 
 @dataclass

@@ -249,7 +249,17 @@ class DeltaSink(outbox.OutboxSink):
             SinkError: it does not.
         """
         self._ensure_table()
-        self.table().version()
+        table = self.table()
+        with _translated(f"cannot read the Delta table {self._shown}"):
+            partitions = list(table.metadata().partition_columns)
+            names = set(table.schema().to_arrow().names)
+        lacking = [n for n in SCHEMA.names if n not in names]
+        if partitions != PARTITIONS or lacking:
+            raise errors.SinkError(
+                f"the Delta table {self._shown} is not a batching output (partitioned by "
+                f"{partitions or 'nothing'}{', without ' + ', '.join(lacking) if lacking else ''}"
+                "): give output.path a table of its own"
+            )
         if _is_local(self.uri):
             try:
                 with tempfile.TemporaryFile(dir=self.uri):

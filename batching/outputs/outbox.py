@@ -198,6 +198,19 @@ class OutboxSink(sinks.FencedSink, abc.ABC):
         """Write what an earlier failure left queued (the scorer calls it when idle)."""
         self._drain()
 
+    def unpublished(self) -> str | None:
+        """The batches the output refused that still wait (after a last try to write them)."""
+        self._drain()
+        with self._lock:
+            waiting = len(self._queued)
+        if not waiting:
+            return None
+        return (
+            f"the output {self.location} refused {waiting} committed batch(es) ({self._refused});"
+            " their items are acked and their rows wait in the queue's outbox: fix the output, "
+            "then the next run or `batching reconcile --repair` writes them"
+        )
+
     # -- life cycle ------------------------------------------------------------------------
 
     def recover(self) -> outcomes.RecoverResult:
