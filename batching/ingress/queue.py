@@ -527,6 +527,8 @@ class SqlQueue:
 
         def check(earlier: Mapping[str, int], added: Mapping[str, int]) -> None:
             depth, n = before + sum(earlier.values()), sum(added.values())
+            if not n:  # keys present already: a resend adds nothing, even past a lowered cap
+                return
             if depth + n > cap:
                 raise admission.queue_full(self.queue, depth, n, cap)
             if 2 * (depth + n) > cap:
@@ -994,12 +996,25 @@ class SqlQueue:
         params.update(range_lo=lo, range_hi=hi, range_n=n)
         return True
 
-    def _demote(self, conn: Connection, held: sa.ColumnElement[bool]) -> int:
+    def _demote(
+        self, conn: Connection, held: sa.ColumnElement[bool], *, skip_locked: bool = False
+    ) -> int:
         """Turn the range leases matching ``held`` into per-item leases (state leased, an
         attempt counted, the range's lease id and expiry), in ``conn``'s transaction; returns
         the items. Every verb but a whole ack or release does this first, so the rules of a
         per-item lease (fencing, the crash rule, backoff, dead-lettering) apply unchanged.
-        The ranges are deleted first: of two transactions demoting one range, one does."""
+        The ranges are deleted first: of two transactions demoting one range, one does.
+
+        ``skip_locked`` (the reaper's; PostgreSQL): leave a range another transaction holds
+        locked (its ack, or its owner's transaction frozen mid-commit) to a later reap. A
+        blocking delete there waited under the queue's claim lock, so one frozen scorer
+        stopped every scorer of the queue until it resumed."""
+        if skip_locked and self.dialect == "postgresql":
+            free = sa.select(_R.c.id).where(held).with_for_update(skip_locked=True)
+            ids = list(conn.execute(free).scalars())
+            if not ids:
+                return 0
+            held = _R.c.id.in_(ids)
         gone = conn.execute(
             sa.delete(_R)
             .where(held)
@@ -1428,7 +1443,8 @@ class SqlQueue:
         self, conn: Connection, now: float, limit: int, *, this_queue: bool
     ) -> models.ReapResult:
         lapsed = _R.c.lease_expires_at < now
-        self._demote(conn, sa.and_(lapsed, _R.c.queue == self.queue) if this_queue else lapsed)
+        mine = sa.and_(lapsed, _R.c.queue == self.queue) if this_queue else lapsed
+        self._demote(conn, mine, skip_locked=True)
         expired = self._expired(conn, now, limit, this_queue=this_queue)
         released = dead = suspects = 0
         for verdict in crashes.judge(expired):

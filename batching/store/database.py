@@ -15,7 +15,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import exc
@@ -106,7 +106,9 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
             engine = sa.create_engine(parsed, pool_size=4, max_overflow=8)
             sqlite.configure(engine, sqlite_busy_timeout_ms)
             return engine
-        return sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
+        engine = sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
+        sa.event.listen(engine, "connect", _bound_idle_transactions)
+        return engine
     except (ImportError, exc.ArgumentError, TypeError, ValueError) as e:  # no driver, bad options
         raise errors.ConfigError(
             f"database URL {redact(url)!r} cannot be used ({type(e).__name__}: "
@@ -134,6 +136,23 @@ def _parse_url(url: str) -> sa.URL:
             f"database URL {redact(url)!r} is malformed; use sqlite:///FILE or "
             "postgresql://USER@HOST:PORT/DB"
         ) from None
+
+
+IDLE_IN_TRANSACTION_S = 60
+"""PostgreSQL ends a session of ours that sits this long inside a transaction: a process
+frozen mid-transaction (stopped, swapped out, cut off) otherwise holds its row and advisory
+locks, and every scorer of the queue waits behind them, until it resumes or TCP gives up
+(hours). Our transactions wait on nothing but the database; a server or role setting of its
+own is kept."""
+
+
+def _bound_idle_transactions(dbapi_connection: Any, _record: Any) -> None:
+    with dbapi_connection.cursor() as cur:
+        cur.execute("SHOW idle_in_transaction_session_timeout")
+        row = cur.fetchone()
+        if row is not None and str(row[0]) in ("0", "0ms"):
+            cur.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_S}s'")
+    dbapi_connection.commit()
 
 
 # Query options the pysqlite driver takes itself; without uri=true it drops any other (with a

@@ -49,9 +49,9 @@ def states(url: str) -> dict[int, int]:
     engine = database.create_engine(url)
     t = schema.items
     with engine.connect() as conn:
-        found = dict(conn.execute(sa.select(t.c.state, sa.func.count()).group_by(t.c.state)).all())
+        found = conn.execute(sa.select(t.c.state, sa.func.count()).group_by(t.c.state)).all()
     engine.dispose()
-    return {int(k): int(v) for k, v in found.items()}
+    return {int(k): int(v) for k, v in found}
 
 
 def test_a_delta_table_that_is_not_a_batching_output_fails_the_run_before_it_claims(

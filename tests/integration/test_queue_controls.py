@@ -357,6 +357,17 @@ def test_a_cap_passed_in_a_later_chunk_rolls_back_the_chunks_before(queue: q.Sql
         cap(queue, -1)
 
 
+def test_a_resend_is_accepted_past_a_cap_lowered_below_the_depth(queue: q.SqlQueue) -> None:
+    """The runbook lowers a cap below the depth in an incident; producers retrying what is
+    queued already must hear 'present', not 'full' (each told to retry, forever)."""
+    queue.enqueue([rec(k) for k in "abcde"])
+    cap(queue, 3)
+    assert queue.enqueue([rec("a"), rec("b")]).duplicates == ("a", "b")
+    with pytest.raises(errors.QueueFull):
+        queue.enqueue([rec("a"), rec("f")])
+    assert "f" not in states(queue)
+
+
 def test_a_cap_of_zero_closes_intake_and_pause_leaves_enqueue_open(queue: q.SqlQueue) -> None:
     cap(queue, 0)
     with pytest.raises(errors.QueueFull):

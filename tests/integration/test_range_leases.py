@@ -348,3 +348,49 @@ def test_a_range_demoted_before_it_is_read_back_is_still_handed_out(
     assert ranges(queue) == []
     assert queue.ack(first.lease_id, [i.id for i in second.items]) == 4
     assert {r.attempts for r in rows(queue).values() if r.state == 2} == {1}
+
+
+@pytest.mark.postgres
+def test_a_frozen_scorers_locked_range_does_not_stop_the_other_claims(
+    pg_url: str, clock: FakeClock
+) -> None:
+    """A scorer frozen inside its commit (its range row locked, its lease lapsing) cost every
+    other scorer of the queue: their claims' reaper waited on the row, under the queue's
+    claim lock, until it resumed. The reaper now leaves a locked range to a later reap, and
+    PostgreSQL ends a session idle in a transaction past ``IDLE_IN_TRANSACTION_S``."""
+    import concurrent.futures
+
+    engine = database.create_engine(pg_url)
+    queue = q.SqlQueue(engine, "frozen", clock=clock)
+    queue.enqueue([tensor(f"k{i}") for i in range(10)])
+    frozen = queue.claim(6, lease_s=5, columns=True)
+    assert len(ranges(queue)) == 1
+    queue.enqueue([tensor(f"new{i}") for i in range(3)])
+    holder = database.create_engine(pg_url)
+    conn = holder.connect()
+    locked = conn.begin()
+    conn.execute(sa.select(R.c.id).where(R.c.lease_id == frozen.lease_id).with_for_update())
+    clock.advance(10)  # the frozen scorer's lease lapsed
+    other = q.SqlQueue(database.create_engine(pg_url), "frozen", clock=clock)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        claimed = pool.submit(other.claim, 10, lease_s=30).result(timeout=20)
+        assert sorted(i.item_key for i in claimed.items) == [
+            "k6",
+            "k7",
+            "k8",
+            "k9",
+            "new0",
+            "new1",
+            "new2",
+        ]
+    finally:
+        locked.rollback()
+        conn.close()
+        pool.shutdown(wait=True)
+    reaped = other.release_expired(this_queue=True)  # the row is free: reaped as any other
+    assert reaped.released == 6
+    with engine.connect() as c:
+        assert c.execute(sa.text("SHOW idle_in_transaction_session_timeout")).scalar() == "1min"
+    for e in (engine, holder, other.engine):
+        e.dispose()
