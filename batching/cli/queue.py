@@ -67,7 +67,15 @@ def init(db: DbOption = DEFAULT_DB) -> None:
 @handle_errors
 def enqueue(
     file: Annotated[Path, typer.Argument(help="JSONL or Parquet file of records.")],
-    db: DbOption = DEFAULT_DB,
+    db: Annotated[
+        str | None,
+        typer.Option(
+            "--db",
+            envvar="BATCHING_DB_URL",
+            help="Database URL: sqlite:///FILE or postgresql://USER@HOST:PORT/DB. Default: "
+            f"the --config's database.url, else {DEFAULT_DB}.",
+        ),
+    ] = None,
     queue: QueueOption = "default",
     max_attempts: Annotated[
         int, typer.Option(min=1, max=1000, help="Attempts before an item is dead (1-1000).")
@@ -78,7 +86,8 @@ def enqueue(
             "--config",
             "-c",
             help="Pipeline YAML whose model section bounds each item (max_item_tokens, "
-            "max_item_elements, max_item_bytes); default: those settings' defaults.",
+            "max_item_elements, max_item_bytes; default: those settings' defaults) and whose "
+            "database.url is the queue's, unless --db names one.",
         ),
     ] = None,
     quiet: QuietOption = False,
@@ -97,8 +106,12 @@ def enqueue(
     from rich.progress import TextColumn, TimeElapsedColumn
 
     from batching.ingress import ingest
+    from batching.store import database
 
-    limits = ingest.ItemLimits.of(load(config).model) if config is not None else None
+    pipeline = load(config) if config is not None else None
+    limits = ingest.ItemLimits.of(pipeline.model) if pipeline is not None else None
+    if db is None:  # the config's queue, as score -c reads it (not ./batching.db)
+        db = pipeline.database.url if pipeline is not None else DEFAULT_DB
     q = open_queue(db, queue, max_attempts=max_attempts)
     q.check_schema()  # before reading: a large file takes a while
     progress = progress_bar(
@@ -127,7 +140,8 @@ def enqueue(
         emit_json(doc | {"duplicates": list(result.duplicates)})
         return
     out.print(
-        f"{file}: committed {result.inserted} new item(s) to queue {queue!r}; "
+        f"{file}: committed {result.inserted} new item(s) to queue {queue!r} of "
+        f"{database.redact(db)}; "
         f"{len(result.duplicates)} already present (not enqueued again); enqueue run {run}"
     )
     _warn(file, seen)

@@ -91,3 +91,20 @@ def test_check_prints_the_largest_item(tmp_path: Path) -> None:
     r = batching("check", "-c", str(DEPLOYMENTS / "online.yaml"), cwd=tmp_path)
     assert r.rc == 0, r.err
     assert "online.yaml: largest item: up to model.max_item_tokens 16384 tokens" in r.out
+
+
+def test_enqueue_with_a_config_writes_to_its_database_not_the_local_file(tmp_path: Path) -> None:
+    """``-c`` names the queue's database as ``score -c`` reads it; a ./batching.db left by the
+    quickstart once took the items, and the config's scorers never saw them."""
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0  # the config's (queue.db)
+    assert batching("init", cwd=tmp_path).rc == 0  # ./batching.db, the default
+    config = write_config(tmp_path)
+    path = workloads.write_lines(tmp_path / "five.jsonl", workloads.w1_json_lines(5))
+    r = batching("enqueue", str(path), "-q", "tabular", "-c", str(config), cwd=tmp_path)
+    assert r.rc == 0, r.err
+    assert "to queue 'tabular' of sqlite:///queue.db" in r.out
+    assert status(tmp_path)["ready"] == 5  # queue.db
+    local = batching(
+        "status", "--db", "sqlite:///batching.db", "-q", "tabular", "--json", cwd=tmp_path
+    )
+    assert local.json()["by_state"].get("ready", 0) == 0
