@@ -657,7 +657,7 @@ class MetricsConfig(_Model):
     )
     pushgateway_url: str | None = Field(
         None,
-        description="a run pushes its metrics here at its end (`http://host:9091`; `http://user:password@host:9091` sends basic auth, the password masked in every message; grouping key job `batching-score`, queue)",
+        description="a run pushes its metrics here every 30 s and at its end (`http://host:9091`; `http://user:password@host:9091` sends basic auth, the password masked in every message; grouping key job `batching-score`, queue)",
     )
     textfile_path: str | None = Field(
         None,
