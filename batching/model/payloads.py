@@ -61,7 +61,7 @@ def dense_rows(
     blocks = _json_blocks(items, json_rows, dim, failures)
     for dtype, entries in tensors.items():
         raw = np.frombuffer(b"".join(data for _, data in entries), dtype=np.dtype(dtype))
-        blocks.append(([pos for pos, _ in entries], raw.reshape(-1, dim).astype(np.float32)))
+        blocks.append(([pos for pos, _ in entries], _as_float32(raw.reshape(-1, dim))))
     return blocks, failures
 
 
@@ -89,7 +89,14 @@ def _uniform_tensors(
     if reason is not None or set(map(len, data)) != {n_bytes}:
         return None
     raw = np.frombuffer(b"".join(data), dtype=np.dtype(dtype))
-    return list(range(len(items))), raw.reshape(-1, dim).astype(np.float32)
+    return list(range(len(items))), _as_float32(raw.reshape(-1, dim))
+
+
+def _as_float32(raw: npt.NDArray[Any]) -> FloatArray:
+    """``raw`` as float32; a value past its range becomes inf without numpy's warning (the
+    runner fails the row, naming why)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return raw.astype(np.float32)
 
 
 def block_rows(block: models.ItemBlock, dim: int) -> FloatArray | None:
@@ -101,7 +108,7 @@ def block_rows(block: models.ItemBlock, dim: int) -> FloatArray | None:
     if reason is not None or len(first.payload.data) != n_bytes:
         return None
     raw = np.frombuffer(block.data, dtype=np.dtype(dtype))
-    return raw.reshape(len(block), dim).astype(np.float32)
+    return _as_float32(raw.reshape(len(block), dim))
 
 
 def _json_blocks(

@@ -247,8 +247,7 @@ class TorchRunner:
         if isinstance(items, models.ItemBlock) and len(items):
             matrix = payloads.block_rows(items, dim)
             if matrix is not None:
-                inputs = torch.from_numpy(matrix).to(self._dtype)
-                return Decoded(tuple(items.ids), inputs, None, np.ones(len(items), np.int64), {})
+                return _dense_decoded(tuple(items.ids), matrix, {}, self._dtype)
         rows, failures = payloads.dense_rows(items, dim)
         if not failures and len(rows) == 1:  # the common case: one block, every item, in order
             matrix = rows[0][1]
@@ -259,8 +258,7 @@ class TorchRunner:
             for positions, block in rows:
                 matrix[np.searchsorted(ok, positions)] = block
             ids = tuple(items[i].id for i in ok)
-        inputs = torch.from_numpy(matrix).to(self._dtype)
-        return Decoded(ids, inputs, None, np.ones(len(ids), dtype=np.int64), failures)
+        return _dense_decoded(ids, matrix, failures, self._dtype)
 
     def _decode_tokens(self, items: Sequence[models.WorkItem]) -> Decoded:
         seqs: list[IntArray] = []
@@ -631,6 +629,31 @@ def _is_oom(exc: BaseException) -> bool:
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+NOT_FINITE = (
+    "tensor payload holds a value that is not finite as float32 (NaN, inf, or beyond "
+    "+-3.4e38); send finite numbers"
+)
+
+
+def _dense_decoded(
+    ids: tuple[int, ...], matrix: npt.NDArray[np.float32], failures: dict[int, str], dtype: Any
+) -> Decoded:
+    """Dense rows as the model's input; a row that is not finite is its item's failure (its
+    own input, dead at once with the reason), not a NaN output blamed on the forward pass
+    and retried to its last attempt. JSON values were checked as they were read."""
+    finite = np.asarray(np.isfinite(matrix).all(axis=1))
+    if not finite.all():
+        flags: list[bool] = finite.tolist()
+        failures = {
+            **failures,
+            **{i: NOT_FINITE for i, ok in zip(ids, flags, strict=True) if not ok},
+        }
+        ids = tuple(i for i, ok in zip(ids, flags, strict=True) if ok)
+        matrix = matrix[finite]
+    inputs = torch.from_numpy(matrix).to(dtype)
+    return Decoded(ids, inputs, None, np.ones(len(ids), dtype=np.int64), failures)
 
 
 def _collate(seqs: list[IntArray]) -> tuple[torch.Tensor, torch.Tensor, IntArray]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -331,6 +332,34 @@ def test_dense_decode_failures_fail_alone(w1: runner.TorchRunner) -> None:
     assert all("\n" not in reason for reason in result.failures.values())
     alone = w1.score(dense_items(good[1:], start=1)).outputs[1]
     np.testing.assert_allclose(result.outputs[1], alone, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 1e300])
+def test_a_tensor_that_is_not_finite_fails_alone_at_decode_as_its_own_input(
+    w1: runner.TorchRunner, bad: float
+) -> None:
+    """NaN, inf or a float64 past float32 in a tensor payload is the item's own input: it
+    fails at decode (dead at once, with that reason), not as a NaN output blamed on the
+    forward and retried to its last attempt; its batch-mates score as without it."""
+    rows = np.random.default_rng(6).standard_normal((4, 64)).astype(np.float64)
+    rows[2, 7] = bad
+    one_header = [tensor_item(i, r) for i, r in enumerate(rows)]
+    block = models.ItemBlock(
+        one_header[0],
+        [i.id for i in one_header],
+        [i.item_key for i in one_header],
+        [0.0] * 4,
+        [1] * 4,
+        [5] * 4,
+        b"".join(i.payload.data for i in one_header),
+    )
+    batch: Sequence[models.WorkItem]
+    for batch in (one_header, block):
+        result = w1.score(batch)
+        assert set(result.outputs) == {0, 1, 3}
+        assert result.failures == {2: runner.NOT_FINITE}
+    mixed = w1.score([*one_header, tensor_item(9, rows[0].astype(np.float32))])
+    assert mixed.failures == {2: runner.NOT_FINITE}
 
 
 def test_a_tensor_batch_of_one_header_decodes_whole_and_a_bad_length_fails_alone(
