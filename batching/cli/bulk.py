@@ -34,7 +34,9 @@ from batching.cli.scoring import (
     _finite,
     _score_workers,
     _where,
+    exit_if_nothing_succeeded,
     lineage_settings,
+    nothing_succeeded,
     score_doc,
     summary_table,
 )
@@ -167,8 +169,9 @@ def bulk(
             lineage_config=lineage_settings(cfg),
             in_place=scored,
         )
+    failed = nothing_succeeded(outcome.summary)
     if as_json:
-        doc = score_doc(cfg, outcome)
+        doc = score_doc(cfg, outcome, errors=[failed] if failed else [])
         doc["input"] = {
             "rows": found.rows,
             "files": len(found.files),
@@ -181,3 +184,4 @@ def bulk(
         out.print(summary_table(outcome.summary, f"run {outcome.run_id} (in place)"))
         _where(cfg, outcome)
     _explain_what_is_left(cfg, db, outcome.summary)
+    exit_if_nothing_succeeded(failed)

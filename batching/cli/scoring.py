@@ -186,12 +186,32 @@ def score(
             lineage_config=lineage_config,
             model_version=model_version,
         )
+    failed = nothing_succeeded(outcome.summary)
     if as_json:
-        emit_json(score_doc(cfg, outcome))
+        emit_json(score_doc(cfg, outcome, errors=[failed] if failed else []))
     else:
         out.print(summary_table(outcome.summary, f"run {outcome.run_id}"))
         _where(cfg, outcome)
     _explain_what_is_left(cfg, db, outcome.summary)
+    exit_if_nothing_succeeded(failed)
+
+
+def nothing_succeeded(summary: Mapping[str, object]) -> str | None:
+    """Why a run that committed nothing and failed items is a failed run (exit 1), or None.
+    Such a run had exited 0: CI and Prefect showed green while every item was dead-lettered."""
+    failed = int(str(summary.get("items_failed") or 0))
+    if summary.get("items_committed") or not failed:
+        return None
+    return (
+        f"the run committed nothing and {failed} item(s) failed (retried, or dead with their "
+        "reason): `batching reconcile -c CONFIG --json` counts the dead by reason"
+    )
+
+
+def exit_if_nothing_succeeded(message: str | None) -> None:
+    if message is not None:
+        flag(err, "error", message)
+        raise typer.Exit(1)
 
 
 def score_doc(
@@ -305,6 +325,7 @@ def _score_workers(
         flag(err, "error", message)
     if outcome.exit_code:
         raise typer.Exit(outcome.exit_code)
+    exit_if_nothing_succeeded(nothing_succeeded(result.summary))
 
 
 def _show_workers(cfg: Any, result: Any) -> None:

@@ -1,0 +1,63 @@
+"""A run that commits nothing while its items fail is a failed run: ``batching score`` and
+``batching bulk --in-place`` exit 1 and say so (they exited 0, and CI and Prefect showed green
+while every item was dead-lettered)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tests.e2e.test_cli import DB, DEPLOYMENTS, batching, write_config
+
+
+def test_a_score_run_whose_every_item_fails_exits_1(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    config = write_config(tmp_path)
+    path = tmp_path / "bad.jsonl"  # W1 takes 64 numbers: 63 fail at decode, dead at once
+    path.write_text(
+        "".join(
+            json.dumps({"item_key": f"b{i}", "payload": {"x": [0.5] * 63}}) + "\n" for i in range(5)
+        )
+    )
+    assert batching("enqueue", str(path), "-q", "tabular", "-c", str(config), cwd=tmp_path).rc == 0
+    r = batching("score", "-c", str(config), "--json", cwd=tmp_path)
+    assert r.rc == 1, r.err
+    doc = r.json()
+    assert doc["ok"] is False
+    assert doc["summary"]["items_failed"] == 5
+    assert "committed nothing and 5 item(s) failed" in doc["errors"][0]
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"item_key": "g", "payload": {"x": [0.5] * 64}}) + "\n")
+    assert batching("enqueue", str(good), "-q", "tabular", "-c", str(config), cwd=tmp_path).rc == 0
+    assert batching("score", "-c", str(config), cwd=tmp_path).rc == 0
+
+
+def test_a_bulk_in_place_run_of_only_bad_rows_exits_1(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    folder = tmp_path / "input"
+    folder.mkdir()
+    rows = pa.table(
+        {
+            "item_key": [f"r{i}" for i in range(20)],
+            "payload": pa.array([[0.5] * 63] * 20, type=pa.list_(pa.float32(), 63)),
+        }
+    )
+    pq.write_table(rows, folder / "part-0.parquet")
+    config = DEPLOYMENTS / "tabular-inplace.yaml"
+    r = batching(
+        "bulk",
+        str(folder),
+        "-c",
+        str(config),
+        "--in-place",
+        "--db",
+        DB,
+        "--output",
+        str(tmp_path / "out"),
+        cwd=tmp_path,
+    )
+    assert r.rc == 1, (r.out, r.err)
+    assert "committed nothing and 20 item(s) failed" in r.err
