@@ -534,8 +534,30 @@ class Scorer(Generic[D]):
         )
         for ready in step.forward:
             self._put(self._to_commit, ready)
-        if step.trip is not None:
-            self._trip(step.trip)
+        if step.trip is None:
+            return
+        if self._model_works(job.batch):  # a run of poison items, not a broken model
+            logger.warning(
+                "batches failed whole, but the model scores its own probe input: their items "
+                "failed on their own inputs and are charged (no retry storm)",
+                extra={"action": "breaker_probe_passed", "n_batches": len(step.trip.jobs)},
+            )
+            for held in step.trip.jobs:
+                self._put(self._to_commit, held)
+            return
+        self._trip(step.trip)
+
+    def _model_works(self, batch: models.Batch) -> bool:
+        """The runner's own probe (``TorchRunner.healthy``), False without one: before, a run
+        of poison items in a row (more batches of them than ``max_failed_batches``) tripped
+        the breaker at every run, paused the queue and was never charged."""
+        probe = getattr(self.router.runner_for(batch), "healthy", None)
+        if probe is None:
+            return False
+        try:
+            return bool(probe())
+        except Exception:
+            return False
 
     def _trip(self, trip: breaker.Trip[Scored]) -> None:
         """Pause the queue, leave the streak's batches to be released, fail the run: raising

@@ -8,13 +8,14 @@ Failure handling inside ``forward``, per (sub-)batch:
 
 - CUDA out of memory: split in half and retry; the runner remembers the size that was tried
   next (``oom_ceiling``, in padded units) and chunks every later batch to it.
-- the model broke its contract (not one output per input, wrong width): ``ModelError``; every
-  item of that batch fails with the message and ``outcomes.ScoreResult.batch_error`` is set.
-- any other exception: bisect, so a poison item fails alone with the error and its batch-mates
-  still get outputs. When every item of a batch of two or more fails so (no single poison:
-  the model, not an item, is broken), ``ScoreResult.whole_batch_error`` says so, for the
-  scoring loop's retry-storm breaker.
-- non-finite outputs fail just those items.
+- the model broke its contract (not one output per input, wrong width), or raised: bisect,
+  so a poison item fails alone with the message and its batch-mates still get outputs (a
+  contract broken by one item alone sets ``outcomes.ScoreResult.batch_error``). When every
+  item of a batch of two or more fails so (no single poison: the model, not an item, is
+  broken), ``ScoreResult.whole_batch_error`` says so, for the scoring loop's retry-storm
+  breaker, which asks :meth:`TorchRunner.healthy` before it believes it.
+- a row whose output is not finite is scored again alone; only an item whose output is not
+  finite alone fails (and counts as the model's failure for the breaker).
 
 Why it stays one module: it is the only one that imports torch; loading, decoding,
 collating, the forward pass with its OOM split and poison bisection, and measuring a profile
@@ -91,11 +92,13 @@ class _Tally:
     failures: dict[int, str] = field(default_factory=dict)
     batch_error: str | None = None
     n_forward: int = 0
-    model_failed: int = 0  # items failed by a model error (not a non-finite output)
+    model_failed: int = 0  # items failed in the model, alone (an error, or not finite)
     first_error: str | None = None
     n_oom_splits: int = 0
     bisected: bool = False  # a forward failure (not an OOM) split the batch
     poisoned: set[int] = field(default_factory=set)
+    contract_error: str | None = None  # a batch broke the contract, and was bisected
+    contract_alone: int = 0  # items that broke it alone
 
 
 class TorchRunner:
@@ -346,6 +349,8 @@ class TorchRunner:
         tally = _Tally(failures=dict(decoded.failures))
         for start, stop in self._plan(decoded):
             self._run_range(decoded, start, stop, tally)
+        if tally.contract_error is not None and not tally.contract_alone:
+            self._batched_contract_broken(decoded, tally)
         outputs: Mapping[int, FloatArray] = tally.outputs
         if len(tally.chunks) == 1 and not outputs:  # the whole batch, scored at once
             outputs = models.OutputRows(*tally.chunks[0])
@@ -400,18 +405,24 @@ class TorchRunner:
 
     def _run_range(self, decoded: Decoded, start: int, stop: int, tally: _Tally) -> None:
         tally.n_forward += 1
+        contract = False
         try:
             out = self._forward_rows(decoded, start, stop)
-        except errors.ModelError as exc:
-            self._contract_broken(decoded, start, stop, tally, str(exc))
-            return
+        except errors.ModelError as exc:  # a broken contract: one item's (isolate it) or all's
+            oom, reason, contract = False, str(exc), True
         except Exception as exc:  # the model's own error: isolate it below
             oom, reason = _is_oom(exc), errors.one_line(exc)
         else:
-            self._collect(decoded.ids[start:stop], out, tally)
+            self._collect(decoded, start, stop, out, tally)
             return
+        if contract:
+            tally.contract_error = tally.contract_error or reason
         if stop - start == 1:
-            self._item_failed(decoded.ids[start], reason, tally, oom)
+            if contract:
+                tally.contract_alone += 1
+                self._contract_broken(decoded, start, stop, tally, reason)
+            else:
+                self._item_failed(decoded.ids[start], reason, tally, oom)
             return
         mid = (start + stop) // 2
         if oom:
@@ -461,20 +472,43 @@ class TorchRunner:
             return nullcontext()
         return torch.autocast(device_type="cuda", dtype=self._autocast_dtype)
 
-    def _collect(self, ids: Sequence[int], out: FloatArray, tally: _Tally) -> None:
+    def _collect(
+        self, decoded: Decoded, start: int, stop: int, out: FloatArray, tally: _Tally
+    ) -> None:
+        """Keep the finite rows; a row that is not finite is scored again alone before its
+        item is charged (one item's NaN can spread to its batch-mates' rows, through a norm
+        or attention over the batch), and fails only if it is not finite alone either: then
+        it counts as a model failure, so a model that gives NaN for everything (a checkpoint
+        with NaN weights) fails batches whole, as the breaker needs to see."""
+        ids = decoded.ids[start:stop]
         finite = np.asarray(np.isfinite(out).all(axis=1), dtype=np.bool_)
         if finite.all():
             tally.chunks.append((ids, out))
             return
-        for item_id, row, ok in zip(ids, out, finite, strict=True):
-            if ok:
-                tally.outputs[item_id] = row
-            else:
-                tally.failures[item_id] = "model output is not finite (NaN or inf)"
         logger.warning(
             "non-finite outputs",
             extra={"action": "non_finite_output", "n_items": int((~finite).sum())},
         )
+        if stop - start > 1:
+            for offset, (item_id, row, ok) in enumerate(zip(ids, out, finite, strict=True)):
+                if ok:
+                    tally.outputs[item_id] = row
+                else:
+                    self._run_range(decoded, start + offset, start + offset + 1, tally)
+            return
+        tally.failures[ids[0]] = "model output is not finite (NaN or inf), for this item alone"
+        tally.model_failed += 1
+        tally.first_error = tally.first_error or "model output is not finite (NaN or inf)"
+
+    def healthy(self) -> bool:
+        """Whether the model scores synthetic inputs of its own kind, finite: what the
+        breaker asks before it calls a streak of failing batches a broken model rather than a
+        run of poison items (the model works on its own probe, so they failed on theirs)."""
+        try:
+            result = self.forward(self.decode(self.synthetic_items(1, length=8)))
+        except Exception:
+            return False
+        return len(result.outputs) == 1 and not result.failures
 
     def _contract_broken(
         self, decoded: Decoded, start: int, stop: int, tally: _Tally, reason: str
@@ -486,8 +520,25 @@ class TorchRunner:
         tally.batch_error = reason
         for item_id in decoded.ids[start:stop]:
             tally.failures[item_id] = reason
+            if tally.bisected:  # found alone: a poison item, as a raising one would be
+                tally.poisoned.add(item_id)
         tally.model_failed += stop - start
         tally.first_error = tally.first_error or reason
+
+    def _batched_contract_broken(self, decoded: Decoded, tally: _Tally) -> None:
+        """A contract broken by batches but by no item alone (a model that drops a row of any
+        batch past one): the model's fault. Every item the model saw fails with the reason,
+        outputs of the single-item passes included, so the batch fails whole for the breaker
+        rather than scoring item by item at 2n - 1 forward calls a batch unseen."""
+        reason = tally.contract_error or "model broke its contract"
+        tally.chunks.clear()
+        tally.outputs.clear()
+        for item_id in decoded.ids:
+            tally.failures.setdefault(item_id, reason)
+        tally.batch_error = reason
+        tally.model_failed = len(decoded.ids)
+        tally.first_error = reason
+        tally.poisoned.clear()
 
     def _item_failed(self, item_id: int, reason: str, tally: _Tally, oom: bool) -> None:
         if oom:

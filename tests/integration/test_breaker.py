@@ -7,6 +7,7 @@ alone."""
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,45 @@ def build_storm() -> nn.Module:
 
 def build_marked() -> nn.Module:
     return MarkedModel()
+
+
+class ShortModel(StormModel):
+    """Returns one output too few for a batch holding a ``BAD`` row (a broken contract that
+    one item causes)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out = x.sum(dim=1, keepdim=True)
+        return out[1:] if bool((x[:, 0] == BAD).any()) else out
+
+
+class SpreadModel(StormModel):
+    """A ``BAD`` row makes every row of its batch NaN (as a norm over the batch would)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out = x.sum(dim=1, keepdim=True)
+        return out * math.nan if bool((x[:, 0] == BAD).any()) else out
+
+
+class NanModel(StormModel):
+    """NaN for everything: a checkpoint with NaN weights."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x.sum(dim=1, keepdim=True) * math.nan
+
+
+def build_short() -> nn.Module:
+    return ShortModel()
+
+
+def build_spread() -> nn.Module:
+    return SpreadModel()
+
+
+def build_nan() -> nn.Module:
+    return NanModel()
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -140,8 +180,8 @@ def test_a_model_failing_every_batch_trips_the_breaker_without_burning_attempts(
     assert MODEL_ERROR in message
     rows = rows_of(db_url)
     assert {(rows[k].state, rows[k].attempts) for k in keys} == {(models.State.READY, 0)}
-    # three batches bisected (2n - 1 calls each), then nothing more reached the model
-    assert 2 * BATCH - 1 <= watch.calls <= 3 * (2 * BATCH - 1), watch.calls
+    # three batches bisected (2n - 1 calls each), the model's probe, then nothing more
+    assert 2 * BATCH - 1 <= watch.calls <= 3 * (2 * BATCH - 1) + 1, watch.calls
     engine = database.create_engine(db_url)
     paused = controls.state(engine, "tabular")
     (row,) = [a for a in controls.audit(engine, "tabular") if a.action == "pause"]
@@ -183,6 +223,58 @@ def test_a_poison_item_still_fails_alone(
     assert (done.summary["items_committed"], done.summary["items_failed"]) == (BATCH - 1, 1)
     assert done.stats is not None
     assert done.stats.breaker_trips == 0
+    after = rows_of(sqlite_url)
+    assert (after["poison"].state, after["poison"].attempts) == (models.State.READY, 1)
+    assert {after[k].state for k, _ in rows if k != "poison"} == {models.State.DONE}
+
+
+def test_a_run_of_poison_items_longer_than_the_breaker_is_charged_not_a_storm(
+    db_url: str, tmp_path: Path, empty_ckpt: tuple[str, str]
+) -> None:
+    """Four whole batches of poison in a row, then good items: the model scores its own probe
+    input, so the streak is the items' fault; they use an attempt each and the good items
+    commit. Before, the breaker tripped at every run, paused the queue, and charged none."""
+    conf = config("build_marked", empty_ckpt, tmp_path)
+    bad = [(f"bad{i}", BAD) for i in range(4 * BATCH)]
+    good = [(f"ok{i}", 1.0) for i in range(BATCH)]
+    enqueue(db_url, conf, [*bad, *good])
+    done = wiring.run_score(conf, db_url=db_url, output=str(tmp_path / "out"))
+    assert (done.summary["items_committed"], done.summary["items_failed"]) == (BATCH, 4 * BATCH)
+    assert done.stats is not None
+    assert done.stats.breaker_trips == 0
+    engine = database.create_engine(db_url)
+    assert not controls.state(engine, "tabular").paused
+    engine.dispose()
+    rows = rows_of(db_url)
+    assert {(rows[k].state, rows[k].attempts) for k, _ in bad} == {(models.State.READY, 1)}
+    assert {rows[k].state for k, _ in good} == {models.State.DONE}
+
+
+def test_a_model_giving_nan_for_everything_trips_the_breaker(
+    sqlite_url: str, tmp_path: Path, empty_ckpt: tuple[str, str]
+) -> None:
+    conf = config("build_nan", empty_ckpt, tmp_path)
+    keys = [f"k{i}" for i in range(5 * BATCH)]
+    enqueue(sqlite_url, conf, [(k, 1.0) for k in keys])
+    with pytest.raises(errors.RetryStorm, match="not finite"):
+        wiring.run_score(conf, db_url=sqlite_url, output=str(tmp_path / "out"))
+    rows = rows_of(sqlite_url)
+    assert {(rows[k].state, rows[k].attempts) for k in keys} == {(models.State.READY, 0)}
+
+
+@pytest.mark.parametrize("factory", ["build_short", "build_spread"])
+def test_one_items_broken_output_is_charged_to_it_alone(
+    sqlite_url: str, tmp_path: Path, empty_ckpt: tuple[str, str], factory: str
+) -> None:
+    """An item that makes the model return one output too few, or NaN for its whole batch,
+    is found alone and charged; before, every batch-mate used an attempt for it, and came
+    back together to use the next."""
+    conf = config(factory, empty_ckpt, tmp_path)
+    rows = [(f"ok{i}", 1.0) for i in range(BATCH)]
+    rows[5] = ("poison", BAD)
+    enqueue(sqlite_url, conf, rows)
+    done = wiring.run_score(conf, db_url=sqlite_url, output=str(tmp_path / "out"))
+    assert (done.summary["items_committed"], done.summary["items_failed"]) == (BATCH - 1, 1)
     after = rows_of(sqlite_url)
     assert (after["poison"].state, after["poison"].attempts) == (models.State.READY, 1)
     assert {after[k].state for k, _ in rows if k != "poison"} == {models.State.DONE}

@@ -451,7 +451,7 @@ def test_nan_output_marks_only_that_item(probe_ckpt: tuple[Path, str]) -> None:
     result = r.score(dense_items(rows))
     assert set(result.failures) == {1}
     assert set(result.outputs) == {0, 2, 3}
-    assert model.calls == [1, 4]  # no bisection for a NaN
+    assert model.calls == [1, 4, 1]  # no bisection for a NaN: its row again, alone
 
 
 def test_wrong_output_count_fails_the_batch_with_model_error(
