@@ -210,7 +210,40 @@ class WarehouseSqlSink(outbox.OutboxSink):
         self._ensure()  # a repair's roll-forward through a sink opened to be read
         rows = result_rows(table, pending.model_version)
         with self._begin() as conn:
-            return insert_new(conn, self._table, rows)
+            inserted = insert_new(conn, self._table, rows)
+            if inserted < len(rows):  # keys held already: this batch's, or another writer's
+                self._refuse_foreign(conn, rows, pending.batch_id)
+            return inserted
+
+    def _refuse_foreign(self, conn: Connection, rows: list[dict[str, Any]], batch_id: str) -> None:
+        """Raise ``SinkError`` (the insert rolls back) when keys of this batch are held by
+        batches this queue's ledger does not know: another queue database writing the same
+        queue name into this table. Its rows were dropped, its items acked, and reconcile
+        said clean (the keys were there), while readers got the other deployment's scores."""
+        t = self._table
+        others: dict[str, str] = {}
+        for start in range(0, len(rows), _CHUNK):
+            chunk = rows[start : start + _CHUNK]
+            q = sa.select(t.c.item_key, t.c.batch_id).where(
+                t.c.queue == chunk[0]["queue"],
+                t.c.model_version == chunk[0]["model_version"],
+                t.c.item_key.in_([r["item_key"] for r in chunk]),
+                t.c.batch_id != batch_id,
+            )
+            others.update({str(k): str(b) for k, b in conn.execute(q)})
+        if not others:
+            return
+        with self.fence.read() as queue_db:
+            known = set(ledger.states(queue_db, sorted(set(others.values()))))
+        foreign = {k: b for k, b in others.items() if b not in known}
+        if foreign:
+            key, other = next(iter(sorted(foreign.items())))
+            raise errors.SinkError(
+                f"results table {t.name} of {redact_url(self.url)} holds {len(foreign)} of batch "
+                f"{batch_id}'s keys from batches this queue's database does not know (e.g. "
+                f"{key!r} from {other}): another queue database writes queue "
+                f"{rows[0]['queue']!r} into it; give each queue database its own output.table"
+            )
 
     def _begin(self) -> Any:
         return _translated(self.url, self._engine.begin)

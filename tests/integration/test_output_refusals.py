@@ -97,3 +97,24 @@ def test_an_output_that_refuses_writes_fails_the_run_and_the_next_run_writes_its
     report = rc.reconcile(queue, sink, now=queue.clock())
     queue.engine.dispose()
     assert report.clean, json.dumps([f.kind for f in report.findings])
+
+
+def test_a_second_queue_database_writing_the_same_warehouse_table_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Two deployments (two queue databases), one warehouse table, the same queue name and
+    keys: the second one's rows were dropped (the keys were there), its items acked, and
+    its reconcile said clean, while readers got the first one's scores for other inputs."""
+    warehouse = f"sqlite:///{tmp_path / 'warehouse.db'}"
+    config = make_config(tmp_path, {"kind": "sql", "table": "results_wh", "url": warehouse})
+    first, second = (f"sqlite:///{tmp_path / name}" for name in ("a.db", "b.db"))
+    for url in (first, second):
+        enqueue(url, config, 20)  # the same keys, each database its own items
+    wiring.run_score(config, db_url=first, limits=RunLimits())
+    with pytest.raises(errors.SinkError, match=r"another queue database writes queue 'tabular'"):
+        wiring.run_score(config, db_url=second, limits=RunLimits())
+    engine = database.create_engine(warehouse)
+    with engine.connect() as conn:
+        runs = conn.execute(sa.text("SELECT DISTINCT run_id FROM results_wh")).scalars().all()
+    engine.dispose()
+    assert len(runs) == 1  # the first deployment's rows, untouched
