@@ -1003,6 +1003,11 @@ def test_maintain_compacts_a_delta_output_and_says_a_parquet_one_needs_nothing(
     )
     assert bad.rc == 2
     assert "--vacuum-retention must be a duration" in bad.err
+    short = batching(  # refused before anything runs (compaction ran, then vacuum failed)
+        "maintain", "-c", str(delta), "--db", db, "--vacuum-retention", "1h", "--json", cwd=tmp_path
+    )
+    assert short.rc == 2
+    assert "minimum of 168h" in short.err
     parquet = write_config("tabular.yaml", tmp_path)  # the same file, now a Parquet output
     left = batching("maintain", "-c", str(parquet), "--db", db, cwd=tmp_path)
     assert (left.rc, "needs no housekeeping" in left.out) == (0, True)
