@@ -24,13 +24,17 @@ SINKS = ("parquet", "delta", "sql")
 """What the demo can write: a Parquet dataset and a Delta table per queue, or one SQL table."""
 
 
-def _config(name: str, sink: str) -> Any:
+def _config(name: str, sink: str, workdir: Path | None = None) -> Any:
     path = DEPLOYMENTS / name
     if not path.is_file():
         raise errors.ConfigError(
             f"{path}: shipped config not found; run the demo from a clone of the repository"
         )
-    return load_config(path, {"output": {"kind": sink}})
+    overrides: dict[str, Any] = {"output": {"kind": sink}}
+    if workdir is not None:  # in --dir, never beside the shipped config (a table has no folder)
+        events = (workdir / "outputs" / "lineage" / "events.jsonl").resolve()
+        overrides["lineage"] = {"path": str(events)}
+    return load_config(path, overrides)
 
 
 def run_demo(
@@ -67,7 +71,7 @@ def run_demo(
             " pass --dir a new or writable folder"
         ) from None
     for name, file in (("online.yaml", text_file), ("tabular.yaml", tab_file)):
-        cfg = _config(name, sink)
+        cfg = _config(name, sink, workdir)
         queue = build.open_queue(cfg, db, create=True)
         queue.migrate()
         result = queue.enqueue(ingest.read_records(file))

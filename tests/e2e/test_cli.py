@@ -946,6 +946,21 @@ def test_demo_scores_both_workloads_and_shows_committed_outputs(tmp_path: Path) 
     assert any(line.split()[:1] == ["text"] and "40" in line.split() for line in lines)
 
 
+def test_the_sql_demo_keeps_its_lineage_in_its_folder(tmp_path: Path) -> None:
+    """A results table has no folder: the lineage log went beside the shipped configs, into
+    the clone (deployments/outputs/)."""
+    shipped = DEPLOYMENTS / "outputs"
+    existed = shipped.exists()
+    r = batching(
+        "demo", "--dir", "d", "--sink", "sql", "--n-text", "10", "--n-tabular", "20", cwd=tmp_path
+    )
+    assert r.rc == 0, r.err
+    events = tmp_path / "d" / "outputs" / "lineage" / "events.jsonl"
+    assert f"lineage events: {events}" in r.out
+    assert len(events.read_text().splitlines()) >= 4  # START and COMPLETE of two runs
+    assert shipped.exists() == existed
+
+
 @pytest.mark.parametrize("name", ["", "q" * 201])
 def test_a_queue_name_no_config_could_use_is_refused(tmp_path: Path, name: str) -> None:
     assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
