@@ -1,4 +1,5 @@
-"""SIGTERM and SIGINT for the commands that stop gracefully (``score``, ``bulk``): the handler,
+"""SIGTERM, SIGINT and SIGHUP for the commands that stop gracefully (``score``, ``bulk``): the
+handler,
 light enough that :func:`batching.cli.main` installs it before the command's imports.
 
 Those imports (typer, SQLAlchemy, torch) take most of a second; a signal in that window used
@@ -11,12 +12,16 @@ only.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import threading
 from typing import Any
 
 _early: StopOnSignal | None = None
+# SIGHUP too: a scorer whose terminal or SSH session went away died with its items leased
+# (released only when the lease ran out, and charged as a crash's); it stops as on SIGTERM.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def install_early() -> None:
@@ -34,7 +39,7 @@ def handler() -> StopOnSignal:
 
 
 class StopOnSignal:
-    """SIGTERM and SIGINT, from the start of ``batching score`` to its end, stop the run:
+    """SIGTERM, SIGINT and SIGHUP, from the start of ``batching score`` to its end, stop the run:
     once it scores, its scorer stops claiming, commits what is in flight and releases the
     rest; a signal that comes earlier (config, model load, start-up recovery) is kept, and
     stops the scorer as soon as it exists, so the run closes in the ledger and in lineage
@@ -48,7 +53,7 @@ class StopOnSignal:
         self.asked = threading.Event()
         self._scorer: Any = None
         self._stopping = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
         # At exit the interpreter puts every Python handler back to the default action, and
         # a signal then killed a run that had finished (exit -15 after its summary); an
@@ -67,7 +72,8 @@ class StopOnSignal:
         if not self.asked.is_set():
             self.asked.set()
             # os.write, not the console: the main thread may be inside a print of its own
-            os.write(2, b"stopping once start-up is done (signal again to stop now)\n")
+            with contextlib.suppress(OSError):  # a hung-up terminal
+                os.write(2, b"stopping once start-up is done (signal again to stop now)\n")
             return
         default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
         signal.signal(signum, default)
@@ -80,5 +86,5 @@ class StopOnSignal:
 
 
 def _ignore_stop_signals() -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)

@@ -595,13 +595,18 @@ def outlive_leases(lease_s: float) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_mid_run_loses_nothing_and_charges_no_attempt(
-    sqlite_url: str, tmp_path: Path, score_process: Callable[..., subprocess.Popen[Any]]
+    sqlite_url: str,
+    tmp_path: Path,
+    score_process: Callable[..., subprocess.Popen[Any]],
+    sig: signal.Signals,
 ) -> None:
+    """SIGHUP too (a scorer whose terminal went away died with its items leased)."""
     path, config = slow_w1_queue(sqlite_url, tmp_path, N_SIGNAL)
     proc = score_process(path)
     wait_for_done(sqlite_url, 200, proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr
