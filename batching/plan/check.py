@@ -106,6 +106,13 @@ def check_policy(
             f"{-(-size // claim)} claim transactions, each a write that waits for the others; "
             "leave claim_size unset for 4 batches' worth"
         )
+    if config.queue.late_policy == "expire" and not config.batching.adaptive:
+        warned.append(
+            "queue.late_policy expire judges an item late by its batch's own service time "
+            "alone: it still commits some items past their deadline (the forward in flight "
+            "and the commit are not counted); set batching.adaptive: true, whose prediction "
+            "counts both"
+        )
     longest = _longest(config, profile, max_length, dense, warned)
     shapes = worst_batches(config, longest, dense=dense)
     latency = _check_latency(config, profile, shapes, found, warned)

@@ -235,3 +235,22 @@ def test_a_default_deadline_below_the_worst_case_is_a_warning() -> None:
     )
     quiet = policy.check_policy(at_slo, tokens_profile(1e-5))
     assert not any("default_deadline_s" in w for w in quiet.warnings)
+
+
+def test_expire_without_the_adaptive_rule_is_warned() -> None:
+    """``late_policy: expire`` on the fixed rule judges by a batch's own service time only,
+    and commits some items past their deadline (found by a review): the check says so."""
+
+    def with_queue(adaptive: bool) -> config.PipelineConfig:
+        return config.parse_config(
+            {
+                "model": {"name": "w2-text", "version": "v1", "sha256": SHA},
+                "batching": {"max_wait_s": 0.05, "adaptive": adaptive},
+                "queue": {"late_policy": "expire"},
+            }
+        )
+
+    fixed = policy.check_policy(with_queue(False), tokens_profile(1e-5))
+    assert any("set batching.adaptive: true" in w for w in fixed.warnings)
+    adaptive = policy.check_policy(with_queue(True), tokens_profile(1e-5))
+    assert not any("late_policy" in w for w in adaptive.warnings)
