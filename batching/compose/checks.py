@@ -55,7 +55,7 @@ def check_config(config: cfg.PipelineConfig, db_url: str | None = None) -> polic
             shadow.folder(config)
         except errors.ConfigError as exc:
             found.append(str(exc))
-    warned = [*report.warnings, *unchecked]
+    warned = [*report.warnings, *unchecked, *_ignored_output_settings(config.output)]
     held = _largest_checkpoints(config, 3)
     device = profile.device_memory_bytes if profile is not None else None
     if held and device and held + (report.estimated_memory_bytes or 0) > device:
@@ -66,6 +66,21 @@ def check_config(config: cfg.PipelineConfig, db_url: str | None = None) -> polic
             "version and the route's two; list fewer versions or smaller ones"
         )
     return replace(report, errors=tuple(found), warnings=tuple(warned))
+
+
+def _ignored_output_settings(output: cfg.OutputConfig) -> list[str]:
+    """Settings of another output kind the config sets, which this kind ignores (a config
+    copied from another kind's: the rows go elsewhere than it says)."""
+    ignored = {
+        "path": output.kind == "sql",
+        "table": output.kind != "sql",
+    }
+    return [
+        f"output.{name} is ignored by kind {output.kind} (rows go to "
+        f"{output.table if output.kind == 'sql' else output.path}); remove it"
+        for name, ignored_here in ignored.items()
+        if ignored_here and name in output.model_fields_set
+    ]
 
 
 def _route_problems(config: cfg.PipelineConfig, db_url: str) -> tuple[list[str], list[str]]:

@@ -448,6 +448,21 @@ def test_check_passes_on_every_shipped_config(tmp_path: Path) -> None:
         assert r.out.rstrip().endswith(": ok")
 
 
+def test_check_names_an_output_setting_its_kind_ignores(tmp_path: Path) -> None:
+    """A copy of tabular.yaml switched to kind sql kept output.path: the rows went to
+    batching_results, and nothing said the path was ignored."""
+    import yaml
+
+    data = yaml.safe_load((DEPLOYMENTS / "tabular.yaml").read_text())
+    data["output"] = {"kind": "sql", "path": "outputs/zzz"}
+    data["service_profile"] = str(DEPLOYMENTS / data["service_profile"])
+    path = tmp_path / "sql.yaml"
+    path.write_text(yaml.safe_dump(data))
+    r = batching("check", "-c", str(path), cwd=tmp_path)
+    assert r.rc == 0, r.err
+    assert "output.path is ignored by kind sql (rows go to batching_results)" in r.out + r.err
+
+
 def test_check_on_the_prefect_deployment_file_says_which_file_to_give(tmp_path: Path) -> None:
     r = batching("check", "-c", str(DEPLOYMENTS / "prefect.yaml"), cwd=tmp_path)
     assert r.rc == 2
