@@ -634,13 +634,14 @@ def test_a_run_that_scores_nothing_says_why(tmp_path: Path) -> None:
 
 
 def test_an_until_empty_run_says_when_items_wait_out_a_retry_backoff(tmp_path: Path) -> None:
-    """A NaN input gives a NaN score: the item fails and waits out its backoff, which an
-    until-empty run does not wait for. Before, it exited 0 saying nothing of it."""
+    """An input the model overflows on gives an inf score (a NaN input is refused at decode,
+    dead at once): the item fails and waits out its backoff, which an until-empty run does
+    not wait for. Before, it exited 0 saying nothing of it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = pa.array([[0.1] * 64, [float("nan")] * 64], type=pa.list_(pa.float32()))
-    pq.write_table(pa.table({"item_key": ["ok", "nan"], "payload": rows}), tmp_path / "r.parquet")
+    rows = pa.array([[0.1] * 64, [3e38] * 64], type=pa.list_(pa.float32()))
+    pq.write_table(pa.table({"item_key": ["ok", "big"], "payload": rows}), tmp_path / "r.parquet")
     assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
     assert batching("enqueue", "r.parquet", "--db", DB, "-q", "tabular", cwd=tmp_path).rc == 0
     config = write_config(tmp_path, queue={"backoff_base_s": 120})  # still waiting at the end
