@@ -31,8 +31,10 @@ class ScoreResult:
     ``whole_batch_error``: set (to the first model error) when the forward pass failed for
     the batch as a whole: two or more items reached the model and every one of them failed
     in it with an error (bisection found no item that fails beside batch-mates that score;
-    non-finite outputs do not count). The retry-storm breaker (``batching.loop.breaker``)
-    counts such batches.
+    an output counts when not finite even alone). The retry-storm breaker
+    (``batching.loop.breaker``) counts such batches. ``model_at_fault``: the model broke its
+    contract for batches but for no item alone (it drops a row of any batch past one): the
+    model's fault whatever a probe of one item says.
     ``n_oom_splits``: sub-batches split in half after a CUDA OOM; ``poisoned``: the failed items
     a bisection isolated (each failed alone while its batch-mates scored).
     """
@@ -48,6 +50,7 @@ class ScoreResult:
     whole_batch_error: str | None = None
     n_oom_splits: int = 0
     poisoned: frozenset[int] = frozenset()
+    model_at_fault: bool = False
 
 
 @dataclass(frozen=True, slots=True)

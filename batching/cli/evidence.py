@@ -313,8 +313,9 @@ def maintain(
     vacuum_retention: Annotated[
         str | None,
         typer.Option(
-            help="Keep files a table version of the last DURATION needs (at least 7d / "
-            "168h, delta-rs's minimum); default: the table's own retention (7 days)."
+            help="Keep files a table version of the last DURATION needs (at least the "
+            "table's own retention, 7 days unless set; refused before any step runs); "
+            "default: the table's own retention."
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
@@ -327,12 +328,6 @@ def maintain(
     retention_s = (
         parse_duration(vacuum_retention, "--vacuum-retention") if vacuum_retention else None
     )
-    if retention_s is not None and retention_s < 168 * 3600:  # before any step runs
-        raise typer.BadParameter(
-            f"{vacuum_retention} is under delta-rs's minimum of 168h (7d): a reader of a "
-            "version still in use would lose its files; give 168h or more",
-            param_hint="--vacuum-retention",
-        )
     from batching.compose import build
 
     res = build.resolve(cfg, db, output)

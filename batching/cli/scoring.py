@@ -316,7 +316,10 @@ def _score_workers(
             highlight=False,
         )
     if as_json:
-        emit_json(score_doc(cfg, result, outcome.reports, outcome.errors()))
+        failed = [] if outcome.exit_code else [nothing_succeeded(result.summary)]
+        emit_json(
+            score_doc(cfg, result, outcome.reports, [*outcome.errors(), *filter(None, failed)])
+        )
     else:
         _show_workers(cfg, result)
     if not outcome.exit_code:

@@ -19,9 +19,20 @@ import threading
 from typing import Any
 
 _early: StopOnSignal | None = None
-# SIGHUP too: a scorer whose terminal or SSH session went away died with its items leased
-# (released only when the lease ran out, and charged as a crash's); it stops as on SIGTERM.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _stop_signals() -> tuple[signal.Signals, ...]:
+    """SIGTERM, SIGINT, and SIGHUP unless the process ignores it (``nohup``: a scorer started
+    so keeps running past its terminal) or the platform has none. With the default action, a
+    scorer whose terminal or SSH session went away died with its items leased (released only
+    when the lease ran out, and charged as a crash's); it stops as on SIGTERM."""
+    hangup = getattr(signal, "SIGHUP", None)
+    if hangup is None or signal.getsignal(hangup) is signal.SIG_IGN:
+        return (signal.SIGTERM, signal.SIGINT)
+    return (signal.SIGTERM, signal.SIGINT, hangup)
+
+
+STOP_SIGNALS = _stop_signals()
 
 
 def install_early() -> None:

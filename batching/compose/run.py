@@ -42,7 +42,7 @@ from batching.loop.workers import (
     worker_job_name,
 )
 from batching.outputs import contract as sinks
-from batching.store import sqlite
+from batching.store import database, sqlite
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ def run_score(
 
     try:
         queue = build.open_queue(config, res.db_url)
+        database.bound_idle_transactions(queue.engine)  # a frozen scorer's locks: 60 s at most
         queue.check_schema()
         emitter.spool = build.make_spool(queue.engine, emitter.config)  # a database that works
         from batching.model.runner import TorchRunner  # torch: only what scores loads it
@@ -391,6 +392,7 @@ def run_score_workers(
     flush = evidence.start_lineage_flush(config, res, lineage_config)  # earlier runs' events
     try:
         queue = build.open_queue(config, res.db_url)
+        database.bound_idle_transactions(queue.engine)  # a frozen scorer's locks: 60 s at most
         queue.check_schema()
         emitter.spool = build.make_spool(queue.engine, emitter.config)  # a database that works
         sink = build.open_sink(queue, res, read_only=True)  # its dataset, for lineage

@@ -382,7 +382,12 @@ class Scorer(Generic[D]):
             try:
                 runner = self.router.runner_for(part)
             except (errors.ModelError, errors.CheckpointError) as exc:
-                self._unloadable(part, leases, exc)  # the version's fault: its items fail
+                if not self.router.is_candidate(part):  # the stable one: the run stops
+                    with self._batch_lock:
+                        for rest in parts[n:]:
+                            self.batcher.add(rest.items)
+                    raise
+                self._unloadable(part, leases, exc)  # the candidate's fault: its items fail
                 continue
             except BaseException:
                 with self._batch_lock:  # back where the shutdown releases them from
@@ -413,11 +418,13 @@ class Scorer(Generic[D]):
     def _unloadable(
         self, part: models.Batch, leases: dict[int, str], exc: errors.BatchingError
     ) -> None:
-        """A rollout routed ``part`` to a version that cannot be loaded (a checkpoint not the
-        pinned one, a factory that raises): its items fail as if its forward pass had failed
-        them, recorded against that version, so the rollout's guard sees its error rate and
-        rolls it back, and the other versions' items go on being scored. (Before, the run
-        ended, and every scorer of the queue with it, while the guard saw nothing.)"""
+        """A rollout routed ``part`` to its candidate, which cannot be loaded (a checkpoint not
+        the pinned one, a factory that raises): its items fail as if its forward pass had
+        failed them, recorded against that version, so the rollout's guard sees its error rate
+        and rolls it back, and the stable version's items go on being scored (before, the run
+        ended, and every scorer of the queue with it, while the guard saw nothing). A stable
+        version that cannot load still stops the run, its items given back: no guard judges
+        it, and every item of the queue would be charged."""
         version = self.router.version_of(part)
         reason = f"{errors.one_line(exc)}; the rollout's guard rolls it back"
         logger.warning(
@@ -536,7 +543,7 @@ class Scorer(Generic[D]):
             self._put(self._to_commit, ready)
         if step.trip is None:
             return
-        if self._model_works(job.batch):  # a run of poison items, not a broken model
+        if self._model_works(job.batch, step.trip.jobs):  # poison items, not a broken model
             logger.warning(
                 "batches failed whole, but the model scores its own probe input: their items "
                 "failed on their own inputs and are charged (no retry storm)",
@@ -547,10 +554,14 @@ class Scorer(Generic[D]):
             return
         self._trip(step.trip)
 
-    def _model_works(self, batch: models.Batch) -> bool:
+    def _model_works(self, batch: models.Batch, streak: Sequence[Scored]) -> bool:
         """The runner's own probe (``TorchRunner.healthy``), False without one: before, a run
         of poison items in a row (more batches of them than ``max_failed_batches``) tripped
-        the breaker at every run, paused the queue and was never charged."""
+        the breaker at every run, paused the queue and was never charged. False too when a
+        batch of the streak showed the model at fault (a contract every batch breaks and no
+        item alone: a probe of one item passes it)."""
+        if any(job.result.model_at_fault for job in streak):
+            return False
         probe = getattr(self.router.runner_for(batch), "healthy", None)
         if probe is None:
             return False

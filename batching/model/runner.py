@@ -349,7 +349,8 @@ class TorchRunner:
         tally = _Tally(failures=dict(decoded.failures))
         for start, stop in self._plan(decoded):
             self._run_range(decoded, start, stop, tally)
-        if tally.contract_error is not None and not tally.contract_alone:
+        by_batches = tally.contract_error is not None and not tally.contract_alone
+        if by_batches:
             self._batched_contract_broken(decoded, tally)
         outputs: Mapping[int, FloatArray] = tally.outputs
         if len(tally.chunks) == 1 and not outputs:  # the whole batch, scored at once
@@ -375,6 +376,7 @@ class TorchRunner:
             n_oom_splits=tally.n_oom_splits,
             # a batch failing as a whole is the model's fault, not its items' (the breaker's)
             poisoned=frozenset() if whole else frozenset(tally.poisoned),
+            model_at_fault=by_batches,
         )
 
     def score(self, items: Sequence[models.WorkItem]) -> outcomes.ScoreResult:

@@ -286,12 +286,26 @@ class DeltaSink(outbox.OutboxSink):
         retention needs (``vacuum_retention_h``, default the table's: 7 days), clean the log.
 
         Returns what each step did.
+
+        Raises:
+            ConfigError: ``vacuum_retention_h`` is under the table's minimum retention
+                (checked by a dry run before any step runs).
         """
+        hours = None if vacuum_retention_h is None else round(vacuum_retention_h)
+        if hours is not None:
+            try:
+                self.table().vacuum(retention_hours=hours, dry_run=True)
+            except Exception as exc:  # delta-rs's refusal, in its words
+                if "retention" not in str(exc).lower():
+                    raise
+                raise errors.ConfigError(
+                    f"--vacuum-retention {hours}h: {' '.join(str(exc).split())}; give the "
+                    "table's minimum or more (nothing was done)"
+                ) from None
         with _translated(f"cannot maintain the Delta table {self._shown}"):
             compacted = self.table().optimize.compact()
             dt = self.table()
             dt.create_checkpoint()
-            hours = None if vacuum_retention_h is None else round(vacuum_retention_h)
             removed = dt.vacuum(retention_hours=hours, dry_run=False)
             self.table().cleanup_metadata()
         return {

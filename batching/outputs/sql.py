@@ -255,7 +255,8 @@ class WarehouseSqlSink(outbox.OutboxSink):
             SinkError: it does not.
         """
         with _translated(self.url, self._engine.connect) as conn:
-            conn.execute(sa.select(sa.func.count()).select_from(self._table).limit(1))
+            # a row, not a count: LIMIT applies after the aggregate (a scan of the table)
+            conn.execute(sa.select(sa.literal(1)).select_from(self._table).limit(1))
 
     def describe(self) -> sinks.SinkDescription:
         namespace, name = naming.sql_dataset_id(self.url, self.table_name)

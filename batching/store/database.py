@@ -106,9 +106,7 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
             engine = sa.create_engine(parsed, pool_size=4, max_overflow=8)
             sqlite.configure(engine, sqlite_busy_timeout_ms)
             return engine
-        engine = sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
-        sa.event.listen(engine, "connect", _bound_idle_transactions)
-        return engine
+        return sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
     except (ImportError, exc.ArgumentError, TypeError, ValueError) as e:  # no driver, bad options
         raise errors.ConfigError(
             f"database URL {redact(url)!r} cannot be used ({type(e).__name__}: "
@@ -139,11 +137,20 @@ def _parse_url(url: str) -> sa.URL:
 
 
 IDLE_IN_TRANSACTION_S = 60
-"""PostgreSQL ends a session of ours that sits this long inside a transaction: a process
-frozen mid-transaction (stopped, swapped out, cut off) otherwise holds its row and advisory
-locks, and every scorer of the queue waits behind them, until it resumes or TCP gives up
-(hours). Our transactions wait on nothing but the database; a server or role setting of its
-own is kept."""
+"""PostgreSQL ends a scorer's session that sits this long inside a transaction
+(:func:`bound_idle_transactions`): a scorer frozen mid-transaction (stopped, swapped out, cut
+off) otherwise holds its row and advisory locks, and every scorer of the queue waits behind
+them, until it resumes or TCP gives up (hours). A scorer's transactions wait on nothing but
+the database; an enqueue's does (it reads its file inside it, minutes for a large one), so
+only scorers set it. A server or role setting of its own is kept."""
+
+
+def bound_idle_transactions(engine: sa.Engine) -> None:
+    """Every new PostgreSQL connection of ``engine`` (a scorer's) sets
+    ``IDLE_IN_TRANSACTION_S`` unless the server or role set a timeout; call it before the
+    engine first connects. Nothing on SQLite (one writer lock, no session to end)."""
+    if engine.dialect.name == "postgresql":
+        sa.event.listen(engine, "connect", _bound_idle_transactions)
 
 
 def _bound_idle_transactions(dbapi_connection: Any, _record: Any) -> None:

@@ -29,6 +29,16 @@ def test_a_score_run_whose_every_item_fails_exits_1(tmp_path: Path) -> None:
     assert doc["ok"] is False
     assert doc["summary"]["items_failed"] == 5
     assert "committed nothing and 5 item(s) failed" in doc["errors"][0]
+    path.write_text(
+        "".join(
+            json.dumps({"item_key": f"w{i}", "payload": {"x": [0.5] * 63}}) + "\n" for i in range(6)
+        )
+    )
+    assert batching("enqueue", str(path), "-q", "tabular", "-c", str(config), cwd=tmp_path).rc == 0
+    workers = batching("score", "-c", str(config), "--workers", "2", "--json", cwd=tmp_path)
+    assert workers.rc == 1, workers.err
+    assert workers.json()["ok"] is False
+    assert any("committed nothing" in e for e in workers.json()["errors"])
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps({"item_key": "g", "payload": {"x": [0.5] * 64}}) + "\n")
     assert batching("enqueue", str(good), "-q", "tabular", "-c", str(config), cwd=tmp_path).rc == 0

@@ -91,8 +91,22 @@ class NanModel(StormModel):
         return x.sum(dim=1, keepdim=True) * math.nan
 
 
+class BatchShortModel(StormModel):
+    """Drops the last output of any batch past one item, and scores one item alone right:
+    a broken batched model that a probe of one item cannot see."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out = x.sum(dim=1, keepdim=True)
+        return out[:-1] if len(out) > 1 else out
+
+
 def build_short() -> nn.Module:
     return ShortModel()
+
+
+def build_batch_short() -> nn.Module:
+    return BatchShortModel()
 
 
 def build_spread() -> nn.Module:
@@ -278,3 +292,18 @@ def test_one_items_broken_output_is_charged_to_it_alone(
     after = rows_of(sqlite_url)
     assert (after["poison"].state, after["poison"].attempts) == (models.State.READY, 1)
     assert {after[k].state for k, _ in rows if k != "poison"} == {models.State.DONE}
+
+
+def test_a_model_breaking_every_batch_but_no_item_alone_trips_the_breaker(
+    sqlite_url: str, tmp_path: Path, empty_ckpt: tuple[str, str]
+) -> None:
+    """Its probe of one item passes, but the streak's batches showed the model at fault: the
+    breaker trips and charges nothing (a review found the probe let it dead-letter the
+    queue)."""
+    conf = config("build_batch_short", empty_ckpt, tmp_path)
+    keys = [f"k{i}" for i in range(5 * BATCH)]
+    enqueue(sqlite_url, conf, [(k, 1.0) for k in keys])
+    with pytest.raises(errors.RetryStorm, match="outputs for"):
+        wiring.run_score(conf, db_url=sqlite_url, output=str(tmp_path / "out"))
+    rows = rows_of(sqlite_url)
+    assert {(rows[k].state, rows[k].attempts) for k in keys} == {(models.State.READY, 0)}

@@ -595,6 +595,32 @@ def outlive_leases(lease_s: float) -> None:
 
 
 @pytest.mark.slow
+def test_a_scorer_started_under_nohup_keeps_scoring_past_a_hangup(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """``nohup batching score ... &`` over SSH: the hangup at logout is ignored, as nohup
+    asks (a review found the SIGHUP handler overrode it and the scorer stopped)."""
+    path, _ = slow_w1_queue(sqlite_url, tmp_path, N_SIGNAL)
+    batching = str(Path(sys.executable).with_name("batching"))
+    proc = subprocess.Popen(
+        ["nohup", batching, "score", "-c", str(path), "--db", sqlite_url, "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+    try:
+        wait_for_done(sqlite_url, 200, proc)
+        proc.send_signal(signal.SIGHUP)
+        wait_for_done(sqlite_url, 600, proc)  # asserts it is still running while it waits
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_mid_run_loses_nothing_and_charges_no_attempt(
     sqlite_url: str,

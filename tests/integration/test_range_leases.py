@@ -361,6 +361,7 @@ def test_a_frozen_scorers_locked_range_does_not_stop_the_other_claims(
     import concurrent.futures
 
     engine = database.create_engine(pg_url)
+    database.bound_idle_transactions(engine)  # as a scorer's
     queue = q.SqlQueue(engine, "frozen", clock=clock)
     queue.enqueue([tensor(f"k{i}") for i in range(10)])
     frozen = queue.claim(6, lease_s=5, columns=True)
@@ -390,7 +391,10 @@ def test_a_frozen_scorers_locked_range_does_not_stop_the_other_claims(
         pool.shutdown(wait=True)
     reaped = other.release_expired(this_queue=True)  # the row is free: reaped as any other
     assert reaped.released == 6
+    shown = sa.text("SHOW idle_in_transaction_session_timeout")
     with engine.connect() as c:
-        assert c.execute(sa.text("SHOW idle_in_transaction_session_timeout")).scalar() == "1min"
+        assert c.execute(shown).scalar() == "1min"
+    with holder.connect() as c:  # not a scorer's (an enqueue reads its file in its transaction)
+        assert c.execute(shown).scalar() == "0"
     for e in (engine, holder, other.engine):
         e.dispose()

@@ -671,6 +671,27 @@ def test_a_candidate_that_cannot_load_fails_its_own_items_and_the_stable_ones_co
     assert all(want in (e or "") and "guard rolls it back" in (e or "") for e, _ in errors_)
 
 
+def test_a_promoted_version_that_cannot_load_stops_the_run_and_charges_nothing(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    """Only a candidate's unloadable part fails charged to it: a stable version (promoted)
+    that cannot load has no guard to roll it back, and failing its items dead-lettered the
+    queue (found by a review)."""
+    config = make_config(tmp_path, ckpt, candidate="build_unbuildable")
+    keys = [f"item-{i}" for i in range(50)]
+    enqueue(sqlite_url, config, keys)
+    rollouts.start(config, sqlite_url, candidate="v2", percent=100, actor="o", reason="r")
+    rollouts.promote(config, sqlite_url, actor="o", reason="r")
+    with pytest.raises(errors.ModelError, match="'v2' cannot be loaded"):
+        wiring.run_score(config, db_url=sqlite_url, limits=RunLimits())
+    engine = engine_of(sqlite_url, config)
+    with engine.connect() as conn:
+        t = schema.items
+        found = conn.execute(sa.select(t.c.state, t.c.attempts).distinct()).all()
+    engine.dispose()
+    assert found == [(int(models.State.READY), 0)]
+
+
 def test_a_version_that_failed_to_load_is_not_read_again_for_a_while(
     tmp_path: Path, ckpt: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
