@@ -123,6 +123,8 @@ def check_policy(
         int(device_bytes * memory_fraction) if device_bytes else None
     )
     largest = largest_item(config, profile, budget, dense, warned)
+    if not dense and profile is not None and max_length is None:
+        _check_longest_item(config, profile, found, warned)
     return PolicyReport(
         errors=tuple(found),
         warnings=tuple(warned),
@@ -164,6 +166,43 @@ def largest_item(
             "refuses them (the scorer fails them dead)"
         )
     return f"{low} tokens (memory budget {budget / 2**20:.1f} MiB; model.max_item_tokens {limit})"
+
+
+def _check_longest_item(
+    config: PipelineConfig, profile: ServiceProfile, found: list[str], warned: list[str]
+) -> None:
+    """One item as long as ``model.max_item_tokens`` lets in, alone, against the objective.
+
+    The buckets' worst batches stop at the profile's longest measured length; an item past it
+    is still accepted at enqueue and scored, and its time is not measured. Past that length it
+    is estimated as growing with the square of the length (attention: W2 measured ~2 s for one
+    item of 3,000 tokens on a 2-core CPU, where its 128-token time is 15 ms), an estimate on the
+    cautious side. An item that cannot meet the objective even alone fails the check: lower
+    ``max_item_tokens`` so enqueue refuses it, or profile up to it."""
+    limit, measured = config.model.max_item_tokens, profile.lengths[-1]
+    if limit <= measured:
+        return
+    one = profile.predict(1, measured)
+    estimate = one * (limit / measured) ** 2
+    budget = config.latency_slo_s - _waits(config)
+    if estimate <= budget:
+        warned.append(
+            f"items up to model.max_item_tokens {limit} tokens are accepted, past the profile's "
+            f"longest measured length {measured}: one alone is estimated at {estimate:.3g}s "
+            "(the square of the length); profile up to it to know"
+        )
+        return
+    allowed = (
+        max(measured, int(measured * (max(budget, 0.0) / one) ** 0.5)) if one > 0 else measured
+    )
+    found.append(
+        f"model.max_item_tokens {limit} lets in items that miss latency_slo_s "
+        f"{config.latency_slo_s:g} alone: one of {limit} tokens is estimated at {estimate:.3g}s "
+        f"({one * 1e3:.3g} ms at the profile's longest measured length {measured}, growing with "
+        f"the square of the length); set model.max_item_tokens to about {allowed} (enqueue "
+        f"then refuses longer ones), or profile up to {limit} tokens with `batching profile "
+        "--lengths`"
+    )
 
 
 def worst_batches(config: PipelineConfig, longest: int, *, dense: bool) -> tuple[WorstBatch, ...]:
@@ -240,6 +279,13 @@ def _check_latency(
             f"{model.name} {model.version}; re-run `batching profile`"
         )
         return None
+    measured_on = profile.device.split(" ")[0].split(":")[0]  # "cuda:0 (H100)" -> "cuda"
+    if model.device != "auto" and measured_on in ("cpu", "cuda") and measured_on != model.device:
+        warned.append(
+            f"service profile was measured on {profile.device}, the config runs on "
+            f"model.device {model.device}: its times are another device's; re-run "
+            "`batching profile` where the model runs"
+        )
     worst, service_s = max(
         ((s, profile.predict(s.n_items, s.length)) for s in shapes), key=lambda pair: pair[1]
     )

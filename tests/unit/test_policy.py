@@ -14,9 +14,10 @@ SHA = "a" * 64
 
 
 def pipeline(slo_s: float = 1.0, **batching: Any) -> config.PipelineConfig:
+    # items no longer than the profile below measures (longer ones: their own test)
     return config.parse_config(
         {
-            "model": {"name": "w2-text", "version": "v1", "sha256": SHA},
+            "model": {"name": "w2-text", "version": "v1", "sha256": SHA, "max_item_tokens": 128},
             "batching": {"max_wait_s": 0.05, **batching},
             "latency_slo_s": slo_s,
         }
@@ -254,3 +255,45 @@ def test_expire_without_the_adaptive_rule_is_warned() -> None:
     assert any("set batching.adaptive: true" in w for w in fixed.warnings)
     adaptive = policy.check_policy(with_queue(True), tokens_profile(1e-5))
     assert not any("late_policy" in w for w in adaptive.warnings)
+
+
+def test_an_item_that_misses_the_objective_alone_fails_the_check() -> None:
+    """``max_item_tokens`` let in items the profile never measured: the check said ok for a
+    config whose 3,000-token items took ~2 s alone against a 1 s objective (a review)."""
+
+    def with_limit(tokens: int, slo_s: float) -> config.PipelineConfig:
+        model = {"name": "w2-text", "version": "v1", "sha256": SHA, "max_item_tokens": tokens}
+        return config.parse_config(
+            {
+                "model": model,
+                "batching": {"max_wait_s": 0.05, "length_buckets": [32, 64, 128]},
+                "latency_slo_s": slo_s,
+            }
+        )
+
+    profile = tokens_profile(1e-5)  # measured up to 128 tokens
+    long = policy.check_policy(with_limit(16384, 1.0), profile)
+    assert not long.ok
+    (error,) = [e for e in long.errors if "max_item_tokens" in e]
+    assert "set model.max_item_tokens to about" in error
+    bulk = policy.check_policy(with_limit(16384, 600.0), profile)
+    assert bulk.ok, bulk.errors
+    assert any("past the profile's longest measured length 128" in w for w in bulk.warnings)
+    measured = policy.check_policy(with_limit(128, 1.0), profile)
+    assert measured.ok, measured.errors
+    assert not any("max_item_tokens" in w for w in measured.warnings)
+
+
+def test_a_profile_of_another_device_is_warned() -> None:
+    """A GPU's profile (fifty times faster) passed the check of a config that runs on the
+    CPU (a review): the check says whose times they are."""
+    cpu = config.parse_config(
+        {
+            "model": {"name": "w2-text", "version": "v1", "sha256": SHA, "device": "cpu"},
+            "batching": {"max_wait_s": 0.05},
+        }
+    )
+    on_gpu = policy.check_policy(cpu, tokens_profile(1e-5, device="cuda:0 (NVIDIA H100)"))
+    assert any("measured on cuda:0 (NVIDIA H100)" in w for w in on_gpu.warnings)
+    on_cpu = policy.check_policy(cpu, tokens_profile(1e-5, device="cpu (2 threads)"))
+    assert not any("measured on" in w for w in on_cpu.warnings)
