@@ -272,6 +272,20 @@ def run_score(
         observer.lineage_failed(emitter.failures)
 
 
+def claiming_a_share(config: cfg.PipelineConfig, n: int) -> cfg.PipelineConfig:
+    """The config each of ``n`` workers scores with: a claim of its share of the config's
+    claim (never under a full batch). A worker claiming the whole ``claim_size`` took a
+    backlog of that size as one range lease, and the others found nothing and ended: one
+    worker scored while they idled (found by a review with the shipped bulk and tabular
+    configs), and its death left the backlog leased for ``lease_s``."""
+    policy = config.batching
+    share = max(policy.max_batch_size, policy.effective_claim_size // max(1, n))
+    if n <= 1 or share >= policy.effective_claim_size:
+        return config
+    batching = policy.model_copy(update={"claim_size": share})
+    return config.model_copy(update={"batching": batching})
+
+
 def pinned(
     config: cfg.PipelineConfig, version: str | None
 ) -> tuple[cfg.PipelineConfig, routing.Pin | None]:
@@ -392,7 +406,6 @@ def run_score_workers(
     flush = evidence.start_lineage_flush(config, res, lineage_config)  # earlier runs' events
     try:
         queue = build.open_queue(config, res.db_url)
-        database.bound_idle_transactions(queue.engine)  # a frozen scorer's locks: 60 s at most
         queue.check_schema()
         emitter.spool = build.make_spool(queue.engine, emitter.config)  # a database that works
         sink = build.open_sink(queue, res, read_only=True)  # its dataset, for lineage
@@ -430,7 +443,7 @@ def run_score_workers(
                 _in_process(original, model_version=model_version, in_place=in_place, **each)
                 if in_process
                 else _spawned(
-                    original,
+                    claiming_a_share(original, n),
                     n,
                     model_version=model_version,
                     in_place=in_place,
