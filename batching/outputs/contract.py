@@ -18,12 +18,14 @@ commit is composed from the two by :func:`commit`, the one place the protocol li
 So the database decides: a crash before step 2 commits leaves no ledger row (the items are
 re-scored once their lease expires); after it, a ledger row that rolls forward into exactly one
 visible copy. Each sink also answers what reconcile and the flows need of its output: its
-``preflight`` (can it be written), its facts (see :mod:`batching.facts`), its repairs.
+``preflight`` (can it be written), ``unpublished`` (is all of a run in it), its facts
+(:mod:`batching.facts`), its repairs. Sinks: :mod:`~batching.outputs.parquet`,
+:mod:`~batching.outputs.sql` (another database's through :mod:`~batching.outputs.outbox`),
+:mod:`~batching.outputs.delta` (through the outbox); :mod:`batching.outputs.registry` opens the
+one a config names. OS and pyarrow errors become ``SinkError`` in :func:`translate_errors` only.
 
-Sinks: ``parquet`` (:mod:`batching.outputs.parquet`), ``sql`` (:mod:`batching.outputs.sql`; in another
-database through :mod:`batching.outputs.outbox`) and ``delta`` (:mod:`batching.outputs.delta`, through the
-outbox too); :mod:`batching.outputs.registry` opens the one a config names. OS and pyarrow errors
-become ``errors.SinkError`` in :func:`translate_errors` only.
+Why it stays one module: the batch a sink commits, the protocol every sink answers and the
+commit that composes it are one contract; apart, each would be read against the others.
 """
 
 from __future__ import annotations
@@ -222,9 +224,7 @@ class Sink(Protocol):
         ...
 
     def unpublished(self) -> str | None:
-        """Why batches this sink committed are still not written to the output at the end of
-        a run (one line: how many, the output's last refusal, what rolls them forward); None
-        when there are none."""
+        """At a run's end: why committed batches are not in the output yet (one line), or None."""
         ...
 
     # -- life cycle --------------------------------------------------------------------------
@@ -342,8 +342,7 @@ class FencedSink:
         return commit(self.fence, self, batch)
 
     def unpublished(self) -> str | None:
-        """None: a commit publishes, or its publish mark alone waits (recorded at the next
-        commit or ``recover``)."""
+        """None: a commit publishes (a deferred publish mark is recorded later)."""
         return None
 
 
