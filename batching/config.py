@@ -306,7 +306,7 @@ class ModelSpec(_Model):
         16384,
         ge=1,
         le=2**24,
-        description="the most token ids in one item (a `tokens` list, an integer tensor); `batching enqueue` refuses a file with a longer item and the scorer fails one dead at once; `batching check` says how long an item the device can take",
+        description="the most token ids in one item (a `tokens` list, an integer tensor); `batching enqueue` refuses a file with a longer item and the scorer fails one dead at once; `batching check` says how long an item the device can take, and fails a limit that lets in items missing `latency_slo_s` alone",
     )
     max_item_elements: int = Field(
         1_048_576,

@@ -90,7 +90,7 @@ def test_an_item_past_the_models_token_limit_refuses_the_file(tmp_path: Path) ->
 def test_check_prints_the_largest_item(tmp_path: Path) -> None:
     r = batching("check", "-c", str(DEPLOYMENTS / "online.yaml"), cwd=tmp_path)
     assert r.rc == 0, r.err
-    assert "online.yaml: largest item: up to model.max_item_tokens 16384 tokens" in r.out
+    assert "online.yaml: largest item: up to model.max_item_tokens 1024 tokens" in r.out
 
 
 def test_enqueue_with_a_config_writes_to_its_database_not_the_local_file(tmp_path: Path) -> None:
