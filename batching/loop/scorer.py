@@ -380,21 +380,13 @@ class Scorer(Generic[D]):
         for n, part in enumerate(parts):
             started = time.perf_counter()
             try:
-                runner = self.router.runner_for(part)
-            except (errors.ModelError, errors.CheckpointError) as exc:
-                if not self.router.is_candidate(part):  # the stable one: the run stops
-                    with self._batch_lock:
-                        for rest in parts[n:]:
-                            self.batcher.add(rest.items)
-                    raise
-                self._unloadable(part, leases, exc)  # the candidate's fault: its items fail
-                continue
-            except BaseException:
-                with self._batch_lock:  # back where the shutdown releases them from
-                    for rest in parts[n:]:
-                        self.batcher.add(rest.items)
-                raise
-            try:
+                try:
+                    runner = self.router.runner_for(part)
+                except (errors.ModelError, errors.CheckpointError) as exc:
+                    if not self.router.is_candidate(part):  # the stable one: the run stops
+                        raise
+                    self._unloadable(part, leases, exc)  # the candidate's fault: its items fail
+                    continue
                 decoded = runner.decode(part.items)
             except BaseException:
                 with self._batch_lock:  # back where the shutdown releases them from

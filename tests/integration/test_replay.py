@@ -46,14 +46,14 @@ def make_config(tmp_path: Path, **overrides: Any) -> cfg.PipelineConfig:
     return cfg.load_config(REPO / "deployments" / "online.yaml", settings | overrides)
 
 
-def scored_run(url: str, config: cfg.PipelineConfig, n: int) -> str:
+def scored_run(url: str, config: cfg.PipelineConfig, n: int, output: str | None = None) -> str:
     queue = build.open_queue(config, url, create=True)
     queue.migrate()
     lines = list(workloads.w2_json_lines(n))
     records = [ingest.record_from_mapping(json.loads(line), str(i)) for i, line in enumerate(lines)]
     assert queue.enqueue(records).inserted == n
     queue.engine.dispose()
-    outcome = wiring.run_score(config, db_url=url, limits=RunLimits())
+    outcome = wiring.run_score(config, db_url=url, output=output, limits=RunLimits())
     assert outcome.summary["items_committed"] == n
     return outcome.run_id
 
@@ -94,13 +94,8 @@ def test_a_run_scored_into_another_folder_is_replayed_from_it_given_dataset(
     sqlite_url: str, tmp_path: Path
 ) -> None:
     config = make_config(tmp_path)
-    queue = build.open_queue(config, sqlite_url, create=True)
-    queue.migrate()
-    lines = list(workloads.w2_json_lines(40))
-    queue.enqueue([ingest.record_from_mapping(json.loads(x), str(i)) for i, x in enumerate(lines)])
-    queue.engine.dispose()
     elsewhere = str(tmp_path / "elsewhere")
-    run_id = wiring.run_score(config, db_url=sqlite_url, output=elsewhere).run_id
+    run_id = scored_run(sqlite_url, config, 40, output=elsewhere)
     with pytest.raises(errors.SinkError, match=r"is not in the dataset .*give it with --dataset"):
         replay.replay(config, sqlite_url, run_id, output=tmp_path / "replay")
     report = replay.replay(
