@@ -21,7 +21,6 @@ from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 import typer
 import typer.exceptions as typer_exceptions
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import Progress, ProgressColumn
 from rich.text import Text
 
@@ -99,7 +98,7 @@ class DataConsole(Console):
     (a tenant ``[/]``, a key ``:smile:``, a path ``.[delta]``), never markup or emoji codes,
     which Rich would read, drop or fail on after the work was done; control characters in them
     are printed as escapes, not acted on by the terminal. ``flag`` styles the one word that
-    should be red (its message escaped)."""
+    should be red (its message a plain Text)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(markup=False, emoji=False, **kwargs)
@@ -115,7 +114,10 @@ err = DataConsole(stderr=True, soft_wrap=True)
 
 def flag(console: Console, label: str, message: str) -> None:
     """``label: message`` with the label in red and the message printed as it is."""
-    console.print(f"[red]{label}:[/red] {escape(message)}", markup=True, highlight=False)
+    # A Text, never markup: rich's escape() leaves "\\[" with no closing bracket as it is, and
+    # its markup then printed "[" (a backslash lost from a file name, found by hypothesis)
+    text = Text.assemble((f"{label}:", "red"), " ", shown(message, keep_newlines=True))
+    console.print(text, highlight=False)
 
 
 QuietOption = Annotated[
