@@ -136,6 +136,12 @@ class QueueConfig(_Model):
         le=604_800,
         description="how often leases are extended; at most `lease_s / 3` (none: `lease_s / 3`)",
     )
+    forward_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        le=604_800,
+        description="the longest one forward pass may run (checked each heartbeat): past it the scorer stops extending the batch's lease, asks the model to score its own probe input, and stops the run; a model that passes the probe hung on the batch's inputs (several items: the crash rule finds which; one item scored alone: it fails, charged); one that fails it is at fault (its items go back unused and, with `breaker.pause_queue`, the queue is paused). Restart the scorer: its hung pass cannot be cancelled",
+    )
     max_attempts: int = Field(
         5,
         ge=1,

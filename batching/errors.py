@@ -94,6 +94,11 @@ class RetryStorm(BatchingError):
     stopped, released its items without using an attempt and paused the queue."""
 
 
+class ForwardHung(BatchingError):
+    """A forward pass ran past `queue.forward_timeout_s`: the run stopped and left its batch to
+    the crash rule; restart the scorer (a hung pass cannot be cancelled in its process)."""
+
+
 class SinkError(BatchingError):
     """The output could not be committed."""
 

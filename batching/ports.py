@@ -194,6 +194,9 @@ class ScoreObserver(Protocol):
     def breaker_tripped(self) -> None:
         """The retry-storm breaker stopped the run."""
 
+    def forward_hung(self) -> None:
+        """A forward pass ran past ``queue.forward_timeout_s``: the watchdog stopped the run."""
+
     def finished(self, at: float) -> None:
         """The run ended (done, stopped or failed): no longer active."""
 
@@ -239,6 +242,9 @@ class NoObserver:
         """Nothing recorded."""
 
     def breaker_tripped(self) -> None:
+        """Nothing recorded."""
+
+    def forward_hung(self) -> None:
         """Nothing recorded."""
 
     def finished(self, at: float) -> None:

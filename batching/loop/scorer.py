@@ -50,7 +50,7 @@ from typing import Generic, TypeVar
 
 from batching import errors, models, ports, routing, tenant_share
 from batching.config import PipelineConfig
-from batching.loop import breaker
+from batching.loop import breaker, watchdog
 from batching.loop.routes import Router, ShadowRows
 from batching.loop.stages import END, D, Dispatched, End, LeasePart, Scored, by_lease, has_deadline
 from batching.loop.stats import Progress, RunLimits, RunStats
@@ -157,6 +157,11 @@ class Scorer(Generic[D]):
         self._stranded: list[Dispatched[D] | Scored] = []
         self.stats = RunStats(started_at=clock())
         self.breaker: breaker.Breaker[Scored] = breaker.Breaker(config.breaker)
+        # A pass that never returns: found by the heartbeat (``watchdog``), settled at the end.
+        self._watch: watchdog.ForwardWatch[Dispatched[D]] = watchdog.ForwardWatch(
+            config.queue.forward_timeout_s
+        )
+        self._isolated: set[str] = set()  # leases of isolation rounds (``crashes``)
         self.pause_queue = pause_queue
         self._paused = False  # a claim found the queue paused (``models.Claim.paused``)
 
@@ -196,9 +201,11 @@ class Scorer(Generic[D]):
                 self._release_pending()
             finally:  # a failed release still ends the stages and the heartbeats
                 self._put(self._to_forward, END)
-                for t in threads[:2]:
-                    t.join()
+                while threads[0].is_alive() and self._watch.hung is None:
+                    threads[0].join(0.2)  # a hung pass never returns (``watchdog``)
+                threads[1].join()
                 self._release_stranded()
+                self._settle_hung()
                 self._settle()
                 self._stop.set()
                 self._stages_done.set()
@@ -348,6 +355,7 @@ class Scorer(Generic[D]):
         if claim.isolated:
             self.stats.isolated += len(claim.items)
             self._isolating = bool(claim.items)
+            self._isolated.add(claim.lease_id)
         else:
             self._isolating = claim.suspects
         if not claim.items:
@@ -504,7 +512,10 @@ class Scorer(Generic[D]):
                 cost = max(models.item_column(batch.items, "cost"))
                 controller.forward_started(len(batch), cost, self.clock())
             started = time.perf_counter()
+            self._watch.started(job)
             result = self.router.runner_for(batch).forward(job.decoded)
+            if self._watch.finished():  # declared hung meanwhile: settled by the watchdog
+                return
             forward_s = time.perf_counter() - started
             self.stats.stage_s["forward"] += forward_s
             shadowed = self.router.shadow(batch, result)  # a rollout's sample, scored aside
@@ -567,23 +578,25 @@ class Scorer(Generic[D]):
         here stops the claims, and the shutdown releases all the run holds (``run``)."""
         self.stats.breaker_trips += 1
         self.observer.breaker_tripped()
-        queue_name = self.config.queue.name
-        why: str | None = (
-            "no pause was wired in"
-            if self.config.breaker.pause_queue
-            else "breaker.pause_queue is false"
-        )
-        if self.pause_queue is not None:
-            reason = f"retry storm: {len(trip.sizes)} batches in a row failed: {trip.error}"
-            try:
-                self.pause_queue(reason[:500])
-                why = None
-            except Exception as exc:  # still stop: the release must not wait on the pause
-                why = f"pausing it failed: {errors.one_line(exc, 120)}"
-                logger.warning("queue not paused", extra={"action": "pause_failed"}, exc_info=True)
+        why = self._pause(f"retry storm: {len(trip.sizes)} batches in a row failed: {trip.error}")
         with self._lock:
             self._stranded.extend(trip.jobs)
-        raise errors.RetryStorm(trip.message(queue_name, why))
+        raise errors.RetryStorm(trip.message(self.config.queue.name, why))
+
+    def _pause(self, reason: str) -> str | None:
+        """Pause the queue (``breaker.pause_queue``); None when paused, else why not."""
+        if self.pause_queue is None:
+            return (
+                "no pause was wired in"
+                if self.config.breaker.pause_queue
+                else "breaker.pause_queue is false"
+            )
+        try:
+            self.pause_queue(reason[:500])
+        except Exception as exc:  # still stop: the release must not wait on the pause
+            logger.warning("queue not paused", extra={"action": "pause_failed"}, exc_info=True)
+            return f"pausing it failed: {errors.one_line(exc, 120)}"
+        return None
 
     def _settle_when_idle(self) -> None:
         """The forward stage is idle: once the run holds nothing but the held batches and no
@@ -799,6 +812,7 @@ class Scorer(Generic[D]):
         missed: set[str] = set()
         while not self._stages_done.wait(interval):
             self.observer.heartbeat(self.clock())
+            self._watch_forward()
             with self._lock:
                 leases = list(self._leases)
             empty = {
@@ -814,6 +828,98 @@ class Scorer(Generic[D]):
                     extra={"action": "lease_lost", "lease_id": lease_id},
                 )
             missed = empty
+
+    def _watch_forward(self) -> None:
+        """Stop the run when the pass in flight is past ``forward_timeout_s`` (``watchdog``).
+        Its lease is still extended until the shutdown settles the batch."""
+        job = self._watch.overdue()
+        if job is None:
+            return
+        logger.error(
+            "forward pass hung: past queue.forward_timeout_s; stopping the run",
+            extra={
+                "action": "forward_hung",
+                "n_items": len(job.batch),
+                "ran_s": round(self._watch.ran_s, 1),
+                "timeout_s": self._watch.timeout_s,
+            },
+        )
+        self.observer.forward_hung()
+        if self._error is None:  # the message is completed once the batch is settled
+            self._error = errors.ForwardHung(self._hung_message(job, None))
+        self._stop.set()
+        self._wake.set()
+
+    def _settle_hung(self) -> None:
+        """Settle the batch of a hung pass by the model's probe (``watchdog.fate``), once the
+        rest of the run is released: its lease then holds that batch alone."""
+        job = self._watch.hung
+        if job is None:
+            return
+        batch = job.batch
+        limit = self._watch.timeout_s
+        check = getattr(self.router.runner_for(batch), "healthy", None)
+        works = watchdog.probe(check, min(limit, watchdog.PROBE_S))
+        ids_by_lease: dict[str, list[int]] = {}
+        for item_id, lease_id in job.leases.items():
+            ids_by_lease.setdefault(lease_id, []).append(item_id)
+        isolated = all(lease_id in self._isolated for lease_id in ids_by_lease)
+        fate = watchdog.fate(works, len(batch), isolated=isolated)
+        not_paused = None
+        try:
+            for lease_id, ids in ids_by_lease.items():
+                if fate is watchdog.Fate.CHARGE:
+                    reason = (
+                        f"forward pass hung on this item, scored alone: past "
+                        f"queue.forward_timeout_s ({limit:g} s) while the model scored its "
+                        "own probe input"
+                    )
+                    res = self.queue.fail(
+                        lease_id,
+                        dict.fromkeys(ids, reason),
+                        model_version=self.router.version_of(batch),
+                    )
+                    self.stats.failed += res.retried + res.dead
+                elif fate is watchdog.Fate.CRASH:
+                    # End the lease now: the next claim's reaper judges it as a lost worker's
+                    self.queue.heartbeat(lease_id, -self.config.queue.lease_s)
+                else:
+                    self.stats.released += self.queue.release(lease_id, ids)
+            if fate is watchdog.Fate.MODEL:
+                not_paused = self._pause(
+                    f"forward pass hung past queue.forward_timeout_s ({limit:g} s) and the "
+                    "model failed its own probe input"
+                )
+        except errors.QueueError:
+            logger.warning(
+                "the hung batch was not settled; its lease runs out by itself",
+                extra={"action": "hung_settle_failed"},
+                exc_info=True,
+            )
+        self._error = errors.ForwardHung(self._hung_message(job, fate, not_paused))
+
+    def _hung_message(
+        self, job: Dispatched[D], fate: watchdog.Fate | None, not_paused: str | None = None
+    ) -> str:
+        head = (
+            f"a forward pass of {len(job.batch)} item(s) ran {self._watch.ran_s:.0f} s, past "
+            f"queue.forward_timeout_s ({self._watch.timeout_s:g} s); the run stopped"
+        )
+        tail = "restart the scorer (a hung pass cannot be cancelled in its process)"
+        if fate is watchdog.Fate.CHARGE:
+            return f"{head}. The model scores its own probe input, so this item hung it: failed, an attempt charged; {tail}"
+        if fate is watchdog.Fate.CRASH:
+            return f"{head}. The model scores its own probe input, so an input hung it: the batch's lease was ended and the next claim scores its items in isolation rounds to find which; {tail}"
+        if fate is watchdog.Fate.MODEL:
+            name = self.config.queue.name
+            where = (
+                f"and queue {name!r} is paused (`batching queue resume {name} --reason ...` "
+                "once the model is fixed)"
+                if not_paused is None
+                else f"and the queue was not paused ({not_paused})"
+            )
+            return f"{head}. The model failed (or did not finish) its own probe input: the model or the device is at fault; the batch went back without using an attempt {where}; {tail}"
+        return f"{head}; {tail}"
 
     def _release_pending(self) -> None:
         pending = self.batcher.drain() if self._stop.is_set() or self._error is not None else []

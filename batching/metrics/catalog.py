@@ -97,6 +97,12 @@ SCORER: tuple[Metric, ...] = (
         H,
         "Runs stopped by the retry-storm breaker.",
     ),
+    Metric(
+        "batching_forward_hangs_total",
+        "counter",
+        H,
+        "Runs stopped by the forward-pass watchdog (a pass past queue.forward_timeout_s).",
+    ),
     Metric("batching_batches_total", "counter", H, "Batches through the commit stage."),
     Metric("batching_batch_size_items", "histogram", H, "Items per batch.", _SIZE),
     Metric("batching_batch_cost", "histogram", H, "Cost units per batch.", _SIZE),

@@ -232,6 +232,10 @@ class Recorder:
         """The breaker stopped the run."""
         self._h["batching_breaker_trips_total"].inc()
 
+    def forward_hung(self) -> None:
+        """The forward-pass watchdog stopped the run."""
+        self._h["batching_forward_hangs_total"].inc()
+
     def expired(self, by_tenant: Sequence[tuple[str, int]]) -> None:
         """Items a claim expired before scoring (their deadline passed): ``(tenant, n)``."""
         for tenant, n in by_tenant:

@@ -14,8 +14,9 @@ edge; with no edges, the profile's longest measured length). Dense models have o
 Latency. ``worst_case_latency_s = max_wait_s + predicted service time of the slowest worst-case
 batch + output.commit_interval_s`` must not exceed ``latency_slo_s``. Under the adaptive rule
 ``max_wait_s`` is no trigger (a batch goes at once to a free model, and grows only while the
-model is busy, within the oldest item's budget), so it counts as 0. A warning is added when, under sustained full load, an
-item could also wait for the batch ahead of it (``max(max_wait_s, s) + s`` over the objective).
+model is busy, within the oldest item's budget), so it counts as 0. A warning: under full load
+an item could also wait for the batch ahead (``max(max_wait_s, s) + s`` over the objective).
+The watchdog's ``queue.forward_timeout_s`` must hold one such batch (a warning: under four).
 
 Memory (kept simple on purpose). A batch's peak device memory is estimated linearly in padded
 units (items x length; items for dense models): from the peak memory recorded in the service
@@ -290,7 +291,19 @@ def _check_latency(
         ((s, profile.predict(s.n_items, s.length)) for s in shapes), key=lambda pair: pair[1]
     )
     _judge_latency(config, profile, worst, service_s, found, warned)
+    _judge_watchdog(config, service_s, found, warned)
     return worst, service_s
+
+
+def _judge_watchdog(config: PipelineConfig, s: float, found: list[str], warned: list[str]) -> None:
+    """A full batch's pass ``s`` against the watchdog (``queue.forward_timeout_s``), room for 4:
+    one pass also bisects a failing batch and splits one out of memory, several in one."""
+    if (timeout_s := config.queue.forward_timeout_s) < 4 * s:
+        (found if s >= timeout_s else warned).append(
+            f"queue.forward_timeout_s {timeout_s:g} is within 4x of a full batch's predicted "
+            f"service {s:.4g}s: a slow pass (a bisected poison item, an out-of-memory split) "
+            f"would be stopped as hung; raise it to at least {4 * s:.4g}"
+        )
 
 
 def _window(config: PipelineConfig) -> float:

@@ -6,6 +6,8 @@ HOW ``exit``: ``os._exit(3)`` in the model, as a native library that gives up wo
 a real segmentation fault (a read of address 0), the kernel's doing; ``kill``: SIGKILL, as an
 OOM kill takes a process. None of them runs a ``finally``: the lease is simply left to expire.
 The death comes in ``decode``, when the batch holding KEY is on its way to the forward pass.
+HOW ``hang``: the process lives, but the forward pass of a batch holding KEY never returns
+(the model's own probe input, which holds no KEY, still scores).
 KEY ``x0=V``: the batch holding a dense row whose first value is V (rows scored in place
 have no key of their own).
 """
@@ -16,6 +18,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +29,31 @@ def die(how: str) -> None:
     if how == "segv":
         ctypes.string_at(0)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang_on(key: str) -> None:
+    """The forward pass of any batch holding item ``key`` loops forever (a model caught in
+    its own loop by one input); the ids are marked at decode, where keys are known."""
+    from batching import models
+    from batching.model import runner
+
+    decode, forward = runner.TorchRunner.decode, runner.TorchRunner.forward
+    marked: set[int] = set()
+
+    def marking_decode(self: runner.TorchRunner, items: Sequence[Any]) -> Any:
+        keys = models.item_column(items, "item_key")
+        marked.update(
+            i for i, k in zip(models.item_column(items, "id"), keys, strict=True) if k == key
+        )
+        return decode(self, items)
+
+    def hanging_forward(self: runner.TorchRunner, decoded: Any) -> Any:
+        while marked.intersection(decoded.ids):
+            time.sleep(0.05)
+        return forward(self, decoded)
+
+    runner.TorchRunner.decode = marking_decode  # type: ignore[method-assign]
+    runner.TorchRunner.forward = hanging_forward  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -46,7 +74,10 @@ def main() -> None:
             die(how)
         return decode(self, items)
 
-    runner.TorchRunner.decode = dying_decode  # type: ignore[method-assign]
+    if how == "hang":
+        hang_on(key)
+    else:
+        runner.TorchRunner.decode = dying_decode  # type: ignore[method-assign]
     from batching.cli import main as batching
 
     sys.argv = ["batching", *sys.argv[sep + 1 :]]

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,20 @@ LEASE_S = 1.0
 MAX_ATTEMPTS = 2
 DIE_ON = Path(__file__).with_name("die_on.py")
 KILLER = "w1-57"
+
+
+def the_killer_died_alone(url: str, tmp_path: Path) -> Any:
+    """KILLER's row, dead after its attempts; every other item committed once, uncharged."""
+    rows = items(url)
+    states = Counter(models.State(r.state).name for r in rows.values())
+    assert states == Counter(DONE=N - 1, DEAD=1), states
+    killer = rows[KILLER]
+    assert killer.state == models.State.DEAD
+    assert killer.attempts == MAX_ATTEMPTS
+    good = [r for k, r in rows.items() if k != KILLER]
+    assert max(r.attempts for r in good) == 1, "a good item was charged for its batch-mate"
+    assert set(dataset(tmp_path / "outputs")) == set(rows) - {KILLER}
+    return killer
 
 
 @pytest.mark.slow
@@ -53,14 +68,48 @@ def test_an_item_that_kills_its_scorer_dies_alone_and_its_batch_mates_commit(
     else:
         pytest.fail(f"still dying after {deaths} runs")
 
-    rows = items(sqlite_url)
-    states = Counter(models.State(r.state).name for r in rows.values())
-    assert states == Counter(DONE=N - 1, DEAD=1), states
-    killer = rows[KILLER]
-    assert killer.state == models.State.DEAD
+    killer = the_killer_died_alone(sqlite_url, tmp_path)
     assert killer.last_error == crashes.KILLER
-    assert killer.attempts == MAX_ATTEMPTS
-    good = [r for k, r in rows.items() if k != KILLER]
-    assert max(r.attempts for r in good) == 1, "a good item was charged for its batch-mate"
-    assert set(dataset(tmp_path / "outputs")) == set(rows) - {KILLER}
     assert 3 <= deaths <= 9
+
+
+@pytest.mark.slow
+def test_an_item_that_hangs_the_forward_pass_dies_alone_and_its_batch_mates_commit(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    # The process lives and its heartbeats would keep the lease forever: the watchdog stops
+    # the run past forward_timeout_s and ends the lease at once (no wait for it to run out).
+    path = write_config(
+        "tabular.yaml",
+        tmp_path,
+        batching={"max_batch_size": 8, "claim_size": 32, "max_wait_s": 0.01},
+        queue={
+            "lease_s": 1.5,
+            "forward_timeout_s": 1.0,
+            "max_attempts": MAX_ATTEMPTS,
+            "backoff_base_s": 0.01,
+        },
+    )
+    config = cfg.load_config(path)
+    records = [replace(r, max_attempts=MAX_ATTEMPTS) for r in w1_records(N, tmp_path)]
+    enqueue(sqlite_url, config, records)
+    score = [sys.executable, str(DIE_ON), KILLER, "hang", "--"]
+    score += ["score", "-c", str(path), "--db", sqlite_url, "--quiet", "--until-empty"]
+    hangs = []
+    for _ in range(10):  # a batch of <= 8: rounds of 4, 2, then 2 hangs alone (charged)
+        proc = subprocess.run(
+            score, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
+        )
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert "past queue.forward_timeout_s (1 s)" in proc.stderr, proc.stderr[-2000:]
+        hangs.append(proc.stderr)
+    else:
+        pytest.fail(f"still hanging after {len(hangs)} runs")
+
+    killer = the_killer_died_alone(sqlite_url, tmp_path)
+    assert killer.last_error.startswith("forward pass hung on this item, scored alone")
+    assert 3 <= len(hangs) <= 6, [h[-300:] for h in hangs]
+    assert "isolation rounds to find which" in hangs[0]
+    assert "so this item hung it: failed, an attempt charged" in hangs[-1]

@@ -45,6 +45,7 @@ CONTRACT: dict[str, set[str]] = {
             "batching_lease_losses_total",
             "batching_lineage_emit_failures_total",
             "batching_breaker_trips_total",
+            "batching_forward_hangs_total",
             "batching_batches_total",
             "batching_batch_size_items",
             "batching_batch_cost",
@@ -281,6 +282,7 @@ def test_every_series_carries_the_label_set_the_catalog_names() -> None:
     rec.commit_timed(0.01)
     rec.lineage_failed(1)
     rec.breaker_tripped()
+    rec.forward_hung()
     rec.expired([("t", 1)])
     rec.adaptive_state({"forward_margin": 0.2, "commit_tail_s": 0.01, "slack_s": 0.05})
     wanted = {m.name: set(m.labels) for m in catalog.SCORER}

@@ -297,3 +297,23 @@ def test_a_profile_of_another_device_is_warned() -> None:
     assert any("measured on cuda:0 (NVIDIA H100)" in w for w in on_gpu.warnings)
     on_cpu = policy.check_policy(cpu, tokens_profile(1e-5, device="cpu (2 threads)"))
     assert not any("measured on" in w for w in on_cpu.warnings)
+
+
+@pytest.mark.parametrize(("timeout_s", "fails"), [(0.2, True), (1.0, False), (2.0, None)])
+def test_a_forward_timeout_near_a_full_pass_is_refused_or_warned(
+    timeout_s: float, fails: bool | None
+) -> None:
+    # a full batch of 64 x 128 is predicted at 0.3287 s (interpolated from the profile)
+    cfg = pipeline(slo_s=60.0, max_batch_size=64, length_buckets=(128,))
+    cfg = cfg.model_copy(
+        update={"queue": cfg.queue.model_copy(update={"forward_timeout_s": timeout_s})}
+    )
+    report = policy.check_policy(cfg, tokens_profile(4e-5))
+    said = [m for m in (*report.errors, *report.warnings) if "forward_timeout_s" in m]
+    if fails is None:  # 2 s holds more than 4 passes
+        assert said == []
+        return
+    (message,) = said
+    assert (message in report.errors) is fails
+    assert message.startswith(f"queue.forward_timeout_s {timeout_s:g} is within 4x of a full ")
+    assert message.endswith("raise it to at least 1.315")
