@@ -76,10 +76,24 @@ def enqueue(
             f"the --config's database.url, else {DEFAULT_DB}.",
         ),
     ] = None,
-    queue: QueueOption = "default",
+    queue: Annotated[
+        str | None,
+        typer.Option(
+            "--queue",
+            "-q",
+            help="Queue name. Default: the --config's queue.name, else default.",
+            callback=queue_name,
+        ),
+    ] = None,
     max_attempts: Annotated[
-        int, typer.Option(min=1, max=1000, help="Attempts before an item is dead (1-1000).")
-    ] = 5,
+        int | None,
+        typer.Option(
+            min=1,
+            max=1000,
+            help="Attempts before an item is dead (1-1000). Default: the --config's "
+            "queue.max_attempts, else 5.",
+        ),
+    ] = None,
     config: Annotated[
         Path | None,
         typer.Option(
@@ -87,7 +101,8 @@ def enqueue(
             "-c",
             help="Pipeline YAML whose model section bounds each item (max_item_tokens, "
             "max_item_elements, max_item_bytes; default: those settings' defaults) and whose "
-            "database.url is the queue's, unless --db names one.",
+            "database.url, queue.name and queue.max_attempts are the defaults of --db, -q and "
+            "--max-attempts.",
         ),
     ] = None,
     quiet: QuietOption = False,
@@ -110,8 +125,14 @@ def enqueue(
 
     pipeline = load(config) if config is not None else None
     limits = ingest.ItemLimits.of(pipeline.model) if pipeline is not None else None
-    if db is None:  # the config's queue, as score -c reads it (not ./batching.db)
+    # The config's queue, as score -c reads it: before, -c enqueued to queue 'default', and
+    # `score -c` of the same file found nothing to score
+    if db is None:
         db = pipeline.database.url if pipeline is not None else DEFAULT_DB
+    if queue is None:
+        queue = pipeline.queue.name if pipeline is not None else "default"
+    if max_attempts is None:
+        max_attempts = pipeline.queue.max_attempts if pipeline is not None else 5
     q = open_queue(db, queue, max_attempts=max_attempts)
     q.check_schema()  # before reading: a large file takes a while
     progress = progress_bar(
