@@ -153,6 +153,24 @@ def queue_name(value: str | None) -> str | None:
 
 
 QueueOption = Annotated[str, typer.Option("--queue", "-q", help="Queue name.", callback=queue_name)]
+ConfigQueueOption = Annotated[
+    str | None,
+    typer.Option(
+        "--queue",
+        "-q",
+        help="Queue name. Default: the --config's queue.name, else default.",
+        callback=queue_name,
+    ),
+]
+AttemptsOption = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        max=1000,
+        help="Attempts before an item is dead (1-1000). Default: the --config's "
+        "queue.max_attempts, else 5.",
+    ),
+]
 
 
 ConfigOption = Annotated[

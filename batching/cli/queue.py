@@ -16,11 +16,14 @@ from rich.table import Table
 
 from batching import errors
 from batching.cli.controls import ActorOption, ReasonOption
+from batching.config import QueueConfig
 
 if TYPE_CHECKING:
     from batching import models
 from batching.cli.common import (
     DEFAULT_DB,
+    AttemptsOption,
+    ConfigQueueOption,
     DbOption,
     JsonOption,
     QueueOption,
@@ -76,24 +79,8 @@ def enqueue(
             f"the --config's database.url, else {DEFAULT_DB}.",
         ),
     ] = None,
-    queue: Annotated[
-        str | None,
-        typer.Option(
-            "--queue",
-            "-q",
-            help="Queue name. Default: the --config's queue.name, else default.",
-            callback=queue_name,
-        ),
-    ] = None,
-    max_attempts: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            max=1000,
-            help="Attempts before an item is dead (1-1000). Default: the --config's "
-            "queue.max_attempts, else 5.",
-        ),
-    ] = None,
+    queue: ConfigQueueOption = None,
+    max_attempts: AttemptsOption = None,
     config: Annotated[
         Path | None,
         typer.Option(
@@ -125,14 +112,10 @@ def enqueue(
 
     pipeline = load(config) if config is not None else None
     limits = ingest.ItemLimits.of(pipeline.model) if pipeline is not None else None
-    # The config's queue, as score -c reads it: before, -c enqueued to queue 'default', and
-    # `score -c` of the same file found nothing to score
-    if db is None:
-        db = pipeline.database.url if pipeline is not None else DEFAULT_DB
-    if queue is None:
-        queue = pipeline.queue.name if pipeline is not None else "default"
-    if max_attempts is None:
-        max_attempts = pipeline.queue.max_attempts if pipeline is not None else 5
+    # -c names the queue as score -c reads it (before: queue 'default', which it never saw)
+    qc = pipeline.queue if pipeline is not None else QueueConfig()
+    db = (pipeline.database.url if pipeline is not None else DEFAULT_DB) if db is None else db
+    queue, max_attempts = queue or qc.name, max_attempts or qc.max_attempts
     q = open_queue(db, queue, max_attempts=max_attempts)
     q.check_schema()  # before reading: a large file takes a while
     progress = progress_bar(
