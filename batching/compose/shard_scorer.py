@@ -31,7 +31,7 @@ from batching import errors, models, ports
 from batching.compose.inplace import shard_table
 from batching.ingress import queue as q
 from batching.ingress import shards
-from batching.loop import breaker
+from batching.loop import breaker, watchdog
 from batching.loop import stats as run_stats
 from batching.model import rows as rows_
 from batching.outputs import contract as sinks
@@ -81,6 +81,13 @@ class ShardScorer:
         self._lock = threading.Lock()
         self._lease_s = config.queue.lease_s
         self._suspects = False  # the last plain claim found none, and lost workers' shards wait
+        # A pass that never returns (``loop.watchdog``): found and settled by the heartbeat
+        self._watch: watchdog.ForwardWatch[object] = watchdog.ForwardWatch(
+            config.queue.forward_timeout_s
+        )
+        self._scoring: _Fetched | None = None  # the shard in the model
+        self._hung: errors.ForwardHung | None = None
+        self._main = threading.get_ident()
 
     def stop(self) -> None:
         """Claim nothing more; the shard being scored still commits."""
@@ -101,6 +108,7 @@ class ShardScorer:
         # (while it commits): read beside the forward, the reader took the model's cores
         # (1M W1 rows on 2 cores: 237k and 265k rows/s against 260k and 290k, alternated).
         early = self.runner.device.type != "cpu"
+        self._main = threading.get_ident()
         beat = threading.Thread(target=self._heartbeat, name="shard-heartbeat", daemon=True)
         beat.start()
         self.observer.started(time.time())
@@ -146,6 +154,10 @@ class ShardScorer:
                 committing = None if job is None else commits.submit(self._commit, *job)
             if committing is not None:
                 committing.result()
+        except (watchdog.Abandoned, errors.ForwardHung):
+            if self._hung is None:
+                raise
+            raise self._hung from None
         finally:
             self._give_back(ahead)
             reads.shutdown()
@@ -218,12 +230,15 @@ class ShardScorer:
         assert table is not None
         item = claim.items[0]
         b = self.config.batching
+        self._scoring = got
         scored = rows_.score_rows(
             runner=self.runner,
             payload=table.column("payload"),
             max_batch=b.max_batch_size,
             max_cost=b.max_batch_cost,
+            watch=self._watch,
         )
+        self._scoring = None
         self.stats.stage_s["forward"] += scored.service_s
         if scored.whole_error is not None:  # the model failed, not the rows
             self._release_failed(claim, item, scored)
@@ -327,18 +342,15 @@ class ShardScorer:
     def _trip(self, trip: breaker.Trip[Any]) -> NoReturn:
         self.stats.breaker_trips += 1
         self.observer.breaker_tripped()
-        why: str | None = "breaker.pause_queue is false"
-        if self.pause_queue is not None:
-            try:
-                self.pause_queue(f"retry storm: a shard failed whole: {trip.error}"[:500])
-                why = None
-            except Exception as exc:  # still stop
-                why = f"pausing it failed: {errors.one_line(exc, 120)}"
+        reason = f"retry storm: a shard failed whole: {trip.error}"
+        why = breaker.pause(self.pause_queue, self.config.breaker, reason)
         raise errors.RetryStorm(trip.message(self.queue.queue, why))
 
     def _heartbeat(self) -> None:
         every = self.config.queue.effective_heartbeat_s
         while not self._done.wait(every):
+            if self._watch.overdue() is not None:
+                self._settle_hung()
             with self._lock:
                 held = list(self._held)
             self.observer.heartbeat(time.time())
@@ -347,3 +359,39 @@ class ShardScorer:
                     self.queue.heartbeat(lease, self._lease_s)
                 except errors.QueueError:
                     logger.warning("heartbeat failed", extra={"action": "heartbeat_failed"})
+
+    def _settle_hung(self) -> None:
+        """The pass in flight is past ``forward_timeout_s``: settle its shard by the model's
+        probe (``watchdog.fate``; a shard is one item whose isolation splits it), stop the
+        run and interrupt the main thread, which scores it (``loop.watchdog``)."""
+        got, limit = self._scoring, self._watch.timeout_s
+        if got is None or got.shard is None:
+            return
+        claim, item, n = got.claim, got.claim.items[0], got.shard.rows
+        logger.error(
+            "forward pass hung: past queue.forward_timeout_s; stopping the run",
+            extra={"action": "forward_hung", "item_key": item.item_key, "n_items": n},
+        )
+        self.observer.forward_hung()
+        self._stop.set()
+        works = watchdog.probe(getattr(self.runner, "healthy", None), min(limit, watchdog.PROBE_S))
+        fate = watchdog.fate(works, n, isolated=claim.isolated)
+        with self._lock:
+            self._held.discard(claim.lease_id)  # not extended, not released at the end
+        not_paused = None
+        try:
+            if fate is watchdog.Fate.CHARGE:
+                self.queue.fail(claim.lease_id, {item.id: watchdog.charge_reason(limit)})
+                self.observer.failed([item], retry=True)
+            elif fate is watchdog.Fate.CRASH:  # ended now: the next claim splits it
+                self.queue.heartbeat(claim.lease_id, -self._lease_s)
+            else:
+                self.queue.release(claim.lease_id)
+                reason = watchdog.pause_reason(limit)
+                not_paused = breaker.pause(self.pause_queue, self.config.breaker, reason)
+        except errors.QueueError:
+            logger.warning("the hung shard was not settled; its lease runs out", exc_info=True)
+        self._hung = errors.ForwardHung(
+            watchdog.message(self._watch.ran_s, limit, n, fate, self.queue.queue, not_paused)
+        )
+        watchdog.interrupt(self._main)

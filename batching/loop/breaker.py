@@ -37,11 +37,12 @@ scorer's forward stage feeds it in forward order and does what each :class:`Step
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from batching import outcomes
+from batching import errors, outcomes
 from batching.config import BreakerConfig
 
 J = TypeVar("J")
@@ -145,3 +146,21 @@ class Breaker(Generic[J]):
         held = tuple(self._held)
         self._held, self._sizes = [], []
         return held
+
+
+def pause(
+    pause_queue: Callable[[str], object] | None, config: BreakerConfig, reason: str
+) -> str | None:
+    """Pause the queue as a trip (or a hung pass the model's probe blames on the model)
+    asks; None when paused, else why not (the message tells the operator). A failed pause is
+    logged and still lets the run stop: its release must not wait on it."""
+    if pause_queue is None:
+        return "no pause was wired in" if config.pause_queue else "breaker.pause_queue is false"
+    try:
+        pause_queue(reason[:500])
+    except Exception as exc:
+        logging.getLogger(__name__).warning(
+            "queue not paused", extra={"action": "pause_failed"}, exc_info=True
+        )
+        return f"pausing it failed: {errors.one_line(exc, 120)}"
+    return None

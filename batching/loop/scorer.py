@@ -162,6 +162,7 @@ class Scorer(Generic[D]):
             config.queue.forward_timeout_s
         )
         self._isolated: set[str] = set()  # leases of isolation rounds (``crashes``)
+        self._forward_thread: int | None = None
         self.pause_queue = pause_queue
         self._paused = False  # a claim found the queue paused (``models.Claim.paused``)
 
@@ -500,6 +501,7 @@ class Scorer(Generic[D]):
     # -- forward and commit ------------------------------------------------------------------
 
     def _forward_loop(self) -> None:
+        self._forward_thread = threading.get_ident()
         while True:
             job = self._get(self._to_forward, on_idle=self._settle_when_idle)
             self._wake.set()  # the forward stage is free: the dispatcher may decode the next
@@ -578,25 +580,14 @@ class Scorer(Generic[D]):
         here stops the claims, and the shutdown releases all the run holds (``run``)."""
         self.stats.breaker_trips += 1
         self.observer.breaker_tripped()
-        why = self._pause(f"retry storm: {len(trip.sizes)} batches in a row failed: {trip.error}")
+        why = breaker.pause(
+            self.pause_queue,
+            self.config.breaker,
+            f"retry storm: {len(trip.sizes)} batches in a row failed: {trip.error}",
+        )
         with self._lock:
             self._stranded.extend(trip.jobs)
         raise errors.RetryStorm(trip.message(self.config.queue.name, why))
-
-    def _pause(self, reason: str) -> str | None:
-        """Pause the queue (``breaker.pause_queue``); None when paused, else why not."""
-        if self.pause_queue is None:
-            return (
-                "no pause was wired in"
-                if self.config.breaker.pause_queue
-                else "breaker.pause_queue is false"
-            )
-        try:
-            self.pause_queue(reason[:500])
-        except Exception as exc:  # still stop: the release must not wait on the pause
-            logger.warning("queue not paused", extra={"action": "pause_failed"}, exc_info=True)
-            return f"pausing it failed: {errors.one_line(exc, 120)}"
-        return None
 
     def _settle_when_idle(self) -> None:
         """The forward stage is idle: once the run holds nothing but the held batches and no
@@ -845,8 +836,18 @@ class Scorer(Generic[D]):
             },
         )
         self.observer.forward_hung()
+        if self._forward_thread is not None:  # a pass hung in Python code ends here
+            watchdog.interrupt(self._forward_thread)
         if self._error is None:  # the message is completed once the batch is settled
-            self._error = errors.ForwardHung(self._hung_message(job, None))
+            self._error = errors.ForwardHung(
+                watchdog.message(
+                    self._watch.ran_s,
+                    self._watch.timeout_s,
+                    len(job.batch),
+                    None,
+                    self.config.queue.name,
+                )
+            )
         self._stop.set()
         self._wake.set()
 
@@ -869,14 +870,9 @@ class Scorer(Generic[D]):
         try:
             for lease_id, ids in ids_by_lease.items():
                 if fate is watchdog.Fate.CHARGE:
-                    reason = (
-                        f"forward pass hung on this item, scored alone: past "
-                        f"queue.forward_timeout_s ({limit:g} s) while the model scored its "
-                        "own probe input"
-                    )
                     res = self.queue.fail(
                         lease_id,
-                        dict.fromkeys(ids, reason),
+                        dict.fromkeys(ids, watchdog.charge_reason(limit)),
                         model_version=self.router.version_of(batch),
                     )
                     self.stats.failed += res.retried + res.dead
@@ -886,9 +882,8 @@ class Scorer(Generic[D]):
                 else:
                     self.stats.released += self.queue.release(lease_id, ids)
             if fate is watchdog.Fate.MODEL:
-                not_paused = self._pause(
-                    f"forward pass hung past queue.forward_timeout_s ({limit:g} s) and the "
-                    "model failed its own probe input"
+                not_paused = breaker.pause(
+                    self.pause_queue, self.config.breaker, watchdog.pause_reason(limit)
                 )
         except errors.QueueError:
             logger.warning(
@@ -896,30 +891,11 @@ class Scorer(Generic[D]):
                 extra={"action": "hung_settle_failed"},
                 exc_info=True,
             )
-        self._error = errors.ForwardHung(self._hung_message(job, fate, not_paused))
-
-    def _hung_message(
-        self, job: Dispatched[D], fate: watchdog.Fate | None, not_paused: str | None = None
-    ) -> str:
-        head = (
-            f"a forward pass of {len(job.batch)} item(s) ran {self._watch.ran_s:.0f} s, past "
-            f"queue.forward_timeout_s ({self._watch.timeout_s:g} s); the run stopped"
-        )
-        tail = "restart the scorer (a hung pass cannot be cancelled in its process)"
-        if fate is watchdog.Fate.CHARGE:
-            return f"{head}. The model scores its own probe input, so this item hung it: failed, an attempt charged; {tail}"
-        if fate is watchdog.Fate.CRASH:
-            return f"{head}. The model scores its own probe input, so an input hung it: the batch's lease was ended and the next claim scores its items in isolation rounds to find which; {tail}"
-        if fate is watchdog.Fate.MODEL:
-            name = self.config.queue.name
-            where = (
-                f"and queue {name!r} is paused (`batching queue resume {name} --reason ...` "
-                "once the model is fixed)"
-                if not_paused is None
-                else f"and the queue was not paused ({not_paused})"
+        self._error = errors.ForwardHung(
+            watchdog.message(
+                self._watch.ran_s, limit, len(batch), fate, self.config.queue.name, not_paused
             )
-            return f"{head}. The model failed (or did not finish) its own probe input: the model or the device is at fault; the batch went back without using an attempt {where}; {tail}"
-        return f"{head}; {tail}"
+        )
 
     def _release_pending(self) -> None:
         pending = self.batcher.drain() if self._stop.is_set() or self._error is not None else []
@@ -992,6 +968,8 @@ class Scorer(Generic[D]):
     def _guard(self, target: Callable[[], None]) -> None:
         try:
             target()
+        except watchdog.Abandoned:  # the watchdog unwound a hung pass: the run is stopping
+            return
         except BaseException as exc:
             logger.exception("scoring stage failed", extra={"action": "stage_failed"})
             self._error = exc

@@ -19,12 +19,16 @@ thread and bounded, since a device that hangs hangs the probe too):
   the items. They go back without using an attempt and the queue is paused (as the
   retry-storm breaker does); charging them would dead-letter the queue one timeout at a time.
 
-The pass itself runs on until the process ends; the thread's result, if it ever comes, is
-dropped (:meth:`ForwardWatch.finished`). The run fails with ``ForwardHung``: restart it.
+The hung thread is interrupted (:func:`interrupt`: :class:`Abandoned` raised in it at its
+next Python instruction), so a pass hung in Python code ends; one hung in native code (a
+CUDA kernel, a C extension's loop) runs on until the process ends, and its result, if it
+ever comes, is dropped (:meth:`ForwardWatch.finished`). The run fails with ``ForwardHung``:
+restart it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import threading
 import time
@@ -78,6 +82,72 @@ class ForwardWatch(Generic[J]):
                 return None
             self.hung, self.ran_s = job, ran
             return job
+
+
+class Abandoned(BaseException):
+    """Raised by the watchdog in the thread of a hung pass. A ``BaseException``: a model's
+    ``except Exception`` (or the runner's bisection) must not take it for the model's own."""
+
+
+def interrupt(thread_id: int) -> bool:
+    """Raise :class:`Abandoned` in thread ``thread_id`` at its next Python instruction
+    (CPython's ``PyThreadState_SetAsyncExc``); True when such a thread was found."""
+    set_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    return int(set_exc(ctypes.c_ulong(thread_id), ctypes.py_object(Abandoned))) == 1
+
+
+def charge_reason(timeout_s: float) -> str:
+    """The ``last_error`` of an item charged for hanging a pass alone (``Fate.CHARGE``)."""
+    return (
+        f"forward pass hung on this item, scored alone: past queue.forward_timeout_s "
+        f"({timeout_s:g} s) while the model scored its own probe input"
+    )
+
+
+def pause_reason(timeout_s: float) -> str:
+    """The queue's pause reason when the model failed its probe (``Fate.MODEL``)."""
+    return (
+        f"forward pass hung past queue.forward_timeout_s ({timeout_s:g} s) and the model "
+        "failed its own probe input"
+    )
+
+
+def message(
+    ran_s: float,
+    timeout_s: float,
+    n_items: int,
+    fate: Fate | None,
+    queue: str,
+    not_paused: str | None = None,
+) -> str:
+    """The one-line ``ForwardHung`` message. ``not_paused``: why the queue was not paused
+    (``Fate.MODEL``), None when it was."""
+    head = (
+        f"a forward pass of {n_items} item(s) ran {ran_s:.0f} s, past "
+        f"queue.forward_timeout_s ({timeout_s:g} s); the run stopped"
+    )
+    tail = "restart the scorer (a pass hung in native code runs on until its process ends)"
+    probed = "The model scores its own probe input, so"
+    if fate is Fate.CHARGE:
+        return f"{head}. {probed} this item hung it: failed, an attempt charged; {tail}"
+    if fate is Fate.CRASH:
+        return (
+            f"{head}. {probed} an input hung it: the batch's lease was ended and the next "
+            f"claim scores its items in isolation rounds to find which; {tail}"
+        )
+    if fate is Fate.MODEL:
+        where = (
+            f"and queue {queue!r} is paused (`batching queue resume {queue} --reason ...` "
+            "once the model is fixed)"
+            if not_paused is None
+            else f"and the queue was not paused ({not_paused})"
+        )
+        return (
+            f"{head}. The model failed (or did not finish) its own probe input: the model or "
+            f"the device is at fault; the batch went back without using an attempt {where}; "
+            f"{tail}"
+        )
+    return f"{head}; {tail}"
 
 
 def probe(check: Callable[[], bool] | None, within_s: float) -> bool | None:

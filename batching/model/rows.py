@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import pyarrow as pa
 
-from batching import models
+from batching import errors, models
 
 if TYPE_CHECKING:
     from batching.model.runner import TorchRunner
@@ -34,10 +34,23 @@ class Scored:
     whole_failed: int  # micro-batches of two or more rows that failed whole in the model
 
 
+class PassWatch(Protocol):
+    """Told of each pass (``batching.loop.watchdog.ForwardWatch``)."""
+
+    def started(self, job: Sequence[models.WorkItem]) -> None: ...
+
+    def finished(self) -> bool: ...
+
+
 def score_rows(
-    runner: TorchRunner, payload: pa.ChunkedArray, max_batch: int, max_cost: int | None
+    runner: TorchRunner,
+    payload: pa.ChunkedArray,
+    max_batch: int,
+    max_cost: int | None,
+    watch: PassWatch | None = None,
 ) -> Scored:
-    """Score a shard's payload column in micro-batches; a failing row fails alone."""
+    """Score a shard's payload column in micro-batches; a failing row fails alone. ``watch``
+    times each pass; one it declared hung raises ``ForwardHung`` when it returns at last."""
     items = _work_items(payload, runner)
     n = len(items)
     order = list(range(n))
@@ -50,7 +63,11 @@ def score_rows(
     real = padded = 0
     errs: list[str] = []
     for chunk in _cut(items, order, max_batch, max_cost):
+        if watch is not None:
+            watch.started(chunk)
         result = runner.score(chunk)
+        if watch is not None and watch.finished():
+            raise errors.ForwardHung("a pass returned after the watchdog declared it hung")
         sizes.append(len(chunk))
         service += result.service_s
         real, padded = real + result.real_tokens, padded + result.padded_tokens

@@ -6,8 +6,8 @@ HOW ``exit``: ``os._exit(3)`` in the model, as a native library that gives up wo
 a real segmentation fault (a read of address 0), the kernel's doing; ``kill``: SIGKILL, as an
 OOM kill takes a process. None of them runs a ``finally``: the lease is simply left to expire.
 The death comes in ``decode``, when the batch holding KEY is on its way to the forward pass.
-HOW ``hang``: the process lives, but the forward pass of a batch holding KEY never returns
-(the model's own probe input, which holds no KEY, still scores).
+HOW ``hang``: the process lives, but the forward pass of a batch holding KEY (or the row
+``x0=V``) never returns (the model's own probe input, which holds neither, still scores).
 KEY ``x0=V``: the batch holding a dense row whose first value is V (rows scored in place
 have no key of their own).
 """
@@ -48,7 +48,11 @@ def hang_on(key: str) -> None:
         return decode(self, items)
 
     def hanging_forward(self: runner.TorchRunner, decoded: Any) -> Any:
-        while marked.intersection(decoded.ids):
+        if key.startswith("x0="):  # a dense row whose first value is this (rows in place)
+            hangs = bool((decoded.inputs[:, 0] == float(key[3:])).any())
+        else:
+            hangs = bool(marked.intersection(decoded.ids))
+        while hangs:
             time.sleep(0.05)
         return forward(self, decoded)
 

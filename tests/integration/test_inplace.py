@@ -346,11 +346,16 @@ def test_plan_cuts_whole_row_groups(tmp_path: Path) -> None:
 DIE_ON = Path(__file__).with_name("die_on.py")
 
 
-def test_a_row_that_kills_its_scorer_costs_only_itself(sqlite_url: str, tmp_path: Path) -> None:
-    """A row whose scoring kills the process (os._exit, no finally): each run dies, the
-    shard that held it is split in halves on its next claim until the row is alone, which is
-    charged until dead; every other row is committed exactly once, and reconcile is clean."""
-    conf, c = config_file(tmp_path, sqlite_url, {"lease_s": 0.6, "max_attempts": 2})
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_row_that_kills_its_scorer_costs_only_itself(
+    how: str, sqlite_url: str, tmp_path: Path
+) -> None:
+    """A row whose scoring kills the process (os._exit, no finally), or hangs its forward
+    pass (the watchdog stops the run): the shard that held it is split in halves on its next
+    claim until the row is alone, which is charged until dead; every other row is committed
+    exactly once, and reconcile is clean."""
+    queue = {"lease_s": 0.6, "max_attempts": 2, "forward_timeout_s": 1.0}
+    conf, c = config_file(tmp_path, sqlite_url, queue)
     x = workloads.w1_inputs(64)
     x[37, 0] = 1234.5  # the poison row
     folder = tmp_path / "in"
@@ -361,7 +366,7 @@ def test_a_row_that_kills_its_scorer_costs_only_itself(sqlite_url: str, tmp_path
         sys.executable,
         str(DIE_ON),
         "x0=1234.5",
-        "exit",
+        how,
         "--",
         *bulk_args(folder, conf, sqlite_url),
     ]
@@ -371,9 +376,12 @@ def test_a_row_that_kills_its_scorer_costs_only_itself(sqlite_url: str, tmp_path
         runs.append(done.returncode)
         if done.returncode == 0:
             break
-        time.sleep(0.7)  # the dead run's lease runs out
+        if how == "hang":  # the watchdog ended the lease: the next run takes it at once
+            assert "past queue.forward_timeout_s (1 s)" in done.stderr, done.stderr[-2000:]
+        else:
+            time.sleep(0.7)  # the dead run's lease runs out
     assert runs[-1] == 0, runs
-    assert runs.count(3) >= 6, runs  # it died each time the row was in flight
+    assert runs.count(3 if how == "exit" else 1) >= 6, runs  # each time the row was in flight
     engine = build.open_queue(c, sqlite_url).engine
     t = schema.items
     with engine.connect() as conn:

@@ -84,6 +84,8 @@ class HangingRunner:
 
     works: bool = True
     probe_hangs: bool = False
+    spins: bool = False  # hang in Python code (a loop), not in a native wait
+    abandoned: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
     batches: list[list[str]] = field(default_factory=list)
     returned: list[list[str]] = field(default_factory=list)
@@ -95,7 +97,15 @@ class HangingRunner:
         keys = [i.item_key for i in items]
         self.batches.append(keys)
         if any(i.payload.data == b"hang" for i in items):
-            self.release.wait()
+            try:
+                if not self.spins:
+                    self.release.wait()  # native: the watchdog's interrupt waits for it
+                while self.spins and not self.release.is_set():
+                    time.sleep(0.01)
+                keys.append("the interrupt never came")
+            except watchdog.Abandoned:
+                self.abandoned.set()
+                raise
         self.returned.append(keys)
         outputs = {i.id: np.ones(1, np.float32) for i in items}
         return outcomes.ScoreResult(outputs, {}, 0.0, len(items), len(items))
@@ -160,7 +170,9 @@ def test_a_hung_batch_goes_to_the_crash_rule_and_nobody_is_charged(make: Any) ->
     assert message.startswith("a forward pass of 4 item(s) ran ")
     assert "past queue.forward_timeout_s (0.3 s)" in message
     assert "isolation rounds to find which" in message
-    assert message.endswith("restart the scorer (a hung pass cannot be cancelled in its process)")
+    assert message.endswith(
+        "restart the scorer (a pass hung in native code runs on until its process ends)"
+    )
     hung = ["k0", "k1", "k2", "k3"]
     assert r.runner.batches[0] == hung
     # The hung batch's lease is over now: the next claim's reaper refunds it, suspects all.
@@ -174,11 +186,11 @@ def test_a_hung_batch_goes_to_the_crash_rule_and_nobody_is_charged(make: Any) ->
     # The rest went back unused or committed; nobody was charged.
     for k in ("k4", "k5", "k6", "k7"):
         assert state(r, k) in {(models.State.READY, 0), (models.State.DONE, 1)}
-    r.runner.release.set()  # the hung pass returns at last: its result is dropped
-    deadline = time.monotonic() + 5
-    while hung not in r.runner.returned and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert hung in r.runner.returned
+    # Hung in a native wait, the pass gets the watchdog's interrupt once the wait returns
+    assert not r.runner.abandoned.is_set()
+    r.runner.release.set()
+    assert r.runner.abandoned.wait(5)
+    assert hung not in r.runner.returned
     assert not set(r.outputs.rows) & set(hung)
 
 
@@ -220,3 +232,13 @@ def test_a_pass_within_the_timeout_is_left_alone(make: Any) -> None:
     stats = r.scorer.run()
     assert stats.committed == 8
     assert r.scorer._watch.hung is None
+
+
+def test_a_pass_hung_in_python_code_is_interrupted_and_its_thread_ends(make: Any) -> None:
+    r = make(records(8, hang=1))
+    r.runner.spins = True
+    with pytest.raises(errors.ForwardHung):
+        r.scorer.run()
+    assert r.runner.abandoned.wait(5), "the hung pass was not interrupted"
+    assert ["k0", "k1", "k2", "k3"] not in r.runner.returned
+    assert r.scorer.stats.committed + r.scorer.stats.released == 4  # k4..k7, none charged
