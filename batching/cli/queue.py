@@ -16,7 +16,6 @@ from rich.table import Table
 
 from batching import errors
 from batching.cli.controls import ActorOption, ReasonOption
-from batching.config import QueueConfig
 
 if TYPE_CHECKING:
     from batching import models
@@ -107,13 +106,14 @@ def enqueue(
     """
     from rich.progress import TextColumn, TimeElapsedColumn
 
+    from batching import config as cfg
     from batching.ingress import ingest
     from batching.store import database
 
     pipeline = load(config) if config is not None else None
     limits = ingest.ItemLimits.of(pipeline.model) if pipeline is not None else None
     # -c names the queue as score -c reads it (before: queue 'default', which it never saw)
-    qc = pipeline.queue if pipeline is not None else QueueConfig()
+    qc = pipeline.queue if pipeline is not None else cfg.QueueConfig()
     db = (pipeline.database.url if pipeline is not None else DEFAULT_DB) if db is None else db
     queue, max_attempts = queue or qc.name, max_attempts or qc.max_attempts
     q = open_queue(db, queue, max_attempts=max_attempts)

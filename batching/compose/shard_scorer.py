@@ -10,12 +10,17 @@ and this one committed while the next is scored; a heartbeat thread keeps the le
 A shard whose every row failed is the model's fault, not the rows': it goes back to the queue
 under the usual attempt rule. A shard whose file changed or vanished is dead with that
 reason. A lost worker's shard is split in two (``shards.split``), claimed with nothing else
-in flight.
+in flight. A forward pass runs on a thread of its own, watched like the scoring loop's
+(``loop.watchdog``): one that never returns is settled and stops the run.
+
+Why it stays one module: the claim-ahead, scoring, commit and heartbeat threads share the
+shards held (``_held``) under one lock; the code that takes it stays together.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import logging
 import threading
 import time
@@ -87,7 +92,7 @@ class ShardScorer:
         )
         self._scoring: _Fetched | None = None  # the shard in the model
         self._hung: errors.ForwardHung | None = None
-        self._main = threading.get_ident()
+        self._settled = threading.Event()  # the watchdog settled a hung shard (``_hung``)
 
     def stop(self) -> None:
         """Claim nothing more; the shard being scored still commits."""
@@ -108,7 +113,6 @@ class ShardScorer:
         # (while it commits): read beside the forward, the reader took the model's cores
         # (1M W1 rows on 2 cores: 237k and 265k rows/s against 260k and 290k, alternated).
         early = self.runner.device.type != "cpu"
-        self._main = threading.get_ident()
         beat = threading.Thread(target=self._heartbeat, name="shard-heartbeat", daemon=True)
         beat.start()
         self.observer.started(time.time())
@@ -154,10 +158,6 @@ class ShardScorer:
                 committing = None if job is None else commits.submit(self._commit, *job)
             if committing is not None:
                 committing.result()
-        except (watchdog.Abandoned, errors.ForwardHung):
-            if self._hung is None:
-                raise
-            raise self._hung from None
         finally:
             self._give_back(ahead)
             reads.shutdown()
@@ -231,12 +231,17 @@ class ShardScorer:
         item = claim.items[0]
         b = self.config.batching
         self._scoring = got
-        scored = rows_.score_rows(
-            runner=self.runner,
-            payload=table.column("payload"),
-            max_batch=b.max_batch_size,
-            max_cost=b.max_batch_cost,
-            watch=self._watch,
+        scored = watchdog.on_thread(
+            self._settled,
+            self._hung_error,
+            functools.partial(
+                rows_.score_rows,
+                runner=self.runner,
+                payload=table.column("payload"),
+                max_batch=b.max_batch_size,
+                max_cost=b.max_batch_cost,
+                watch=self._watch,
+            ),
         )
         self._scoring = None
         self.stats.stage_s["forward"] += scored.service_s
@@ -350,7 +355,7 @@ class ShardScorer:
         every = self.config.queue.effective_heartbeat_s
         while not self._done.wait(every):
             if self._watch.overdue() is not None:
-                self._settle_hung()
+                self._hung_found()
             with self._lock:
                 held = list(self._held)
             self.observer.heartbeat(time.time())
@@ -360,38 +365,48 @@ class ShardScorer:
                 except errors.QueueError:
                     logger.warning("heartbeat failed", extra={"action": "heartbeat_failed"})
 
-    def _settle_hung(self) -> None:
-        """The pass in flight is past ``forward_timeout_s``: settle its shard by the model's
-        probe (``watchdog.fate``; a shard is one item whose isolation splits it), stop the
-        run and interrupt the main thread, which scores it (``loop.watchdog``)."""
-        got, limit = self._scoring, self._watch.timeout_s
+    def _hung_error(self) -> errors.ForwardHung:
+        return self._hung or errors.ForwardHung("a forward pass was declared hung")
+
+    def _hung_found(self) -> None:
+        """The pass in flight is past ``forward_timeout_s`` (``loop.watchdog``): its shard is
+        no longer extended nor released by this run, its thread is interrupted, and the
+        shard is settled on a thread of its own (the probe must not hold the heartbeats)."""
+        got = self._scoring
         if got is None or got.shard is None:
             return
-        claim, item, n = got.claim, got.claim.items[0], got.shard.rows
         logger.error(
             "forward pass hung: past queue.forward_timeout_s; stopping the run",
-            extra={"action": "forward_hung", "item_key": item.item_key, "n_items": n},
+            extra={"action": "forward_hung", "item_key": got.claim.items[0].item_key},
         )
         self.observer.forward_hung()
         self._stop.set()
-        works = watchdog.probe(getattr(self.runner, "healthy", None), min(limit, watchdog.PROBE_S))
-        fate = watchdog.fate(works, n, isolated=claim.isolated)
         with self._lock:
-            self._held.discard(claim.lease_id)  # not extended, not released at the end
-        not_paused = None
+            self._held.discard(got.claim.lease_id)
+        self._watch.interrupt()
+        threading.Thread(target=self._settle_hung, args=(got,), daemon=True).start()
+
+    def _settle_hung(self, got: _Fetched) -> None:
+        """Settle a hung shard by the model's probe (``watchdog.fate``: a shard is one item,
+        which isolation splits), then let the scoring thread stop the run."""
+        claim, item, limit = got.claim, got.claim.items[0], self._watch.timeout_s
+        n = got.shard.rows if got.shard is not None else 1
         try:
-            if fate is watchdog.Fate.CHARGE:
-                self.queue.fail(claim.lease_id, {item.id: watchdog.charge_reason(limit)})
+            works = watchdog.probe(
+                getattr(self.runner, "healthy", None), min(limit, watchdog.PROBE_S)
+            )
+            settled = watchdog.settle(
+                self.queue,
+                watchdog.fate(works, n, isolated=claim.isolated),
+                {claim.lease_id: [item.id]},
+                timeout_s=limit,
+                lease_s=self._lease_s,
+                model_version=self.outputs.model_version,
+                pause=functools.partial(breaker.pause, self.pause_queue, self.config.breaker),
+            )
+            if settled.failed:
                 self.observer.failed([item], retry=True)
-            elif fate is watchdog.Fate.CRASH:  # ended now: the next claim splits it
-                self.queue.heartbeat(claim.lease_id, -self._lease_s)
-            else:
-                self.queue.release(claim.lease_id)
-                reason = watchdog.pause_reason(limit)
-                not_paused = breaker.pause(self.pause_queue, self.config.breaker, reason)
-        except errors.QueueError:
-            logger.warning("the hung shard was not settled; its lease runs out", exc_info=True)
-        self._hung = errors.ForwardHung(
-            watchdog.message(self._watch.ran_s, limit, n, fate, self.queue.queue, not_paused)
-        )
-        watchdog.interrupt(self._main)
+            message = watchdog.message(self._watch.ran_s, limit, n, self.queue.queue, settled)
+            self._hung = errors.ForwardHung(message)
+        finally:
+            self._settled.set()

@@ -162,7 +162,6 @@ class Scorer(Generic[D]):
             config.queue.forward_timeout_s
         )
         self._isolated: set[str] = set()  # leases of isolation rounds (``crashes``)
-        self._forward_thread: int | None = None
         self.pause_queue = pause_queue
         self._paused = False  # a claim found the queue paused (``models.Claim.paused``)
 
@@ -204,13 +203,19 @@ class Scorer(Generic[D]):
                 self._put(self._to_forward, END)
                 while threads[0].is_alive() and self._watch.hung is None:
                     threads[0].join(0.2)  # a hung pass never returns (``watchdog``)
+                    if not threads[2].is_alive():  # no heartbeat left to watch it
+                        self._watch_forward()
                 threads[1].join()
+                if self._error is not None:  # the forward stage is gone: nothing settles these
+                    with self._lock:
+                        self._stranded.extend(self.breaker.settle())
                 self._release_stranded()
-                self._settle_hung()
+                fate = self._judge_hung()  # the probe, while the heartbeats go on
                 self._settle()
                 self._stop.set()
                 self._stages_done.set()
                 threads[2].join()
+                self._settle_hung(fate)  # after the last heartbeat: an ended lease stays so
                 self.stats.finished_at = self.clock()
                 if self.controller is not None:
                     self.stats.adaptive = self.controller.terms()
@@ -501,7 +506,6 @@ class Scorer(Generic[D]):
     # -- forward and commit ------------------------------------------------------------------
 
     def _forward_loop(self) -> None:
-        self._forward_thread = threading.get_ident()
         while True:
             job = self._get(self._to_forward, on_idle=self._settle_when_idle)
             self._wake.set()  # the forward stage is free: the dispatcher may decode the next
@@ -836,66 +840,55 @@ class Scorer(Generic[D]):
             },
         )
         self.observer.forward_hung()
-        if self._forward_thread is not None:  # a pass hung in Python code ends here
-            watchdog.interrupt(self._forward_thread)
+        self._watch.interrupt()  # a pass hung in Python code ends here
         if self._error is None:  # the message is completed once the batch is settled
             self._error = errors.ForwardHung(
-                watchdog.message(
-                    self._watch.ran_s,
-                    self._watch.timeout_s,
-                    len(job.batch),
-                    None,
-                    self.config.queue.name,
-                )
+                watchdog.message(self._watch.ran_s, self._watch.timeout_s, len(job.batch), "", None)
             )
         self._stop.set()
         self._wake.set()
 
-    def _settle_hung(self) -> None:
-        """Settle the batch of a hung pass by the model's probe (``watchdog.fate``), once the
-        rest of the run is released: its lease then holds that batch alone."""
+    def _judge_hung(self) -> watchdog.Fate | None:
+        """The fate of a hung pass's batch by the model's probe (``watchdog.fate``)."""
         job = self._watch.hung
         if job is None:
-            return
-        batch = job.batch
-        limit = self._watch.timeout_s
+            return None
+        batch, limit = job.batch, self._watch.timeout_s
         check = getattr(self.router.runner_for(batch), "healthy", None)
         works = watchdog.probe(check, min(limit, watchdog.PROBE_S))
+        isolated = all(lease_id in self._isolated for lease_id in set(job.leases.values()))
+        candidate = self.router.is_candidate(batch)
+        return watchdog.fate(works, len(batch), isolated=isolated, candidate=candidate)
+
+    def _settle_hung(self, fate: watchdog.Fate | None) -> None:
+        """Apply the fate, once the rest of the run is released (the batch's leases then
+        hold it alone) and the heartbeats are over (none extends an ended lease again)."""
+        job = self._watch.hung
+        if job is None or fate is None:
+            return
+        batch, limit = job.batch, self._watch.timeout_s
         ids_by_lease: dict[str, list[int]] = {}
         for item_id, lease_id in job.leases.items():
             ids_by_lease.setdefault(lease_id, []).append(item_id)
-        isolated = all(lease_id in self._isolated for lease_id in ids_by_lease)
-        fate = watchdog.fate(works, len(batch), isolated=isolated)
-        not_paused = None
-        try:
-            for lease_id, ids in ids_by_lease.items():
-                if fate is watchdog.Fate.CHARGE:
-                    res = self.queue.fail(
-                        lease_id,
-                        dict.fromkeys(ids, watchdog.charge_reason(limit)),
-                        model_version=self.router.version_of(batch),
-                    )
-                    self.stats.failed += res.retried + res.dead
-                elif fate is watchdog.Fate.CRASH:
-                    # End the lease now: the next claim's reaper judges it as a lost worker's
-                    self.queue.heartbeat(lease_id, -self.config.queue.lease_s)
-                else:
-                    self.stats.released += self.queue.release(lease_id, ids)
-            if fate is watchdog.Fate.MODEL:
-                not_paused = breaker.pause(
-                    self.pause_queue, self.config.breaker, watchdog.pause_reason(limit)
-                )
-        except errors.QueueError:
-            logger.warning(
-                "the hung batch was not settled; its lease runs out by itself",
-                extra={"action": "hung_settle_failed"},
-                exc_info=True,
-            )
-        self._error = errors.ForwardHung(
-            watchdog.message(
-                self._watch.ran_s, limit, len(batch), fate, self.config.queue.name, not_paused
-            )
+        version = self.router.version_of(batch)
+        settled = watchdog.settle(
+            self.queue,
+            fate,
+            ids_by_lease,
+            timeout_s=limit,
+            lease_s=self.config.queue.lease_s,
+            model_version=version,
+            pause=functools.partial(breaker.pause, self.pause_queue, self.config.breaker),
         )
+        self.stats.failed += settled.failed
+        self.stats.released += settled.released
+        if settled.failed:
+            self.observer.failed(list(batch.items), retry=True, model_version=version)
+        if self._error is None or isinstance(self._error, errors.ForwardHung):
+            name = self.config.queue.name
+            self._error = errors.ForwardHung(
+                watchdog.message(self._watch.ran_s, limit, len(batch), name, settled)
+            )
 
     def _release_pending(self) -> None:
         pending = self.batcher.drain() if self._stop.is_set() or self._error is not None else []

@@ -7,7 +7,8 @@ a real segmentation fault (a read of address 0), the kernel's doing; ``kill``: S
 OOM kill takes a process. None of them runs a ``finally``: the lease is simply left to expire.
 The death comes in ``decode``, when the batch holding KEY is on its way to the forward pass.
 HOW ``hang``: the process lives, but the forward pass of a batch holding KEY (or the row
-``x0=V``) never returns (the model's own probe input, which holds neither, still scores).
+``x0=V``) never returns, waiting in native code as a stuck kernel would (the model's own
+probe input, which holds neither, still scores).
 KEY ``x0=V``: the batch holding a dense row whose first value is V (rows scored in place
 have no key of their own).
 """
@@ -18,7 +19,7 @@ import ctypes
 import os
 import signal
 import sys
-import time
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,8 +53,8 @@ def hang_on(key: str) -> None:
             hangs = bool((decoded.inputs[:, 0] == float(key[3:])).any())
         else:
             hangs = bool(marked.intersection(decoded.ids))
-        while hangs:
-            time.sleep(0.05)
+        if hangs:  # in native code (a lock never released), where no interrupt lands
+            threading.Event().wait()
         return forward(self, decoded)
 
     runner.TorchRunner.decode = marking_decode  # type: ignore[method-assign]

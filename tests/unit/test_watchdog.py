@@ -56,6 +56,34 @@ def test_a_pass_is_declared_hung_once_past_the_timeout() -> None:
 )
 def test_fate(works: bool | None, n: int, isolated: bool, expected: Fate) -> None:
     assert watchdog.fate(works, n, isolated=isolated) is expected
+    # a rollout candidate at fault is charged (the guard rolls it back), never paused for
+    candidate = Fate.CANDIDATE if expected is Fate.MODEL else expected
+    assert watchdog.fate(works, n, isolated=isolated, candidate=True) is candidate
+
+
+def test_an_interrupt_reaches_only_a_pass_still_in_flight() -> None:
+    watch: watchdog.ForwardWatch[str] = watchdog.ForwardWatch(0.0)
+    assert watch.interrupt() is False  # nothing hung
+    watch.started("a")
+    assert watch.overdue() == "a"
+    assert watch.finished() is True
+    assert watch.interrupt() is False  # the thread moved on: it must not get Abandoned
+
+
+def test_on_thread_lets_the_caller_go_once_a_native_hang_is_settled() -> None:
+    settled, never = threading.Event(), threading.Event()
+    hung = errors.ForwardHung("hung")
+    threading.Timer(0.2, settled.set).start()
+    with pytest.raises(errors.ForwardHung, match="hung"):
+        watchdog.on_thread(settled, lambda: hung, never.wait)
+    never.set()
+
+
+def test_on_thread_returns_or_raises_what_the_work_did() -> None:
+    settled = threading.Event()
+    assert watchdog.on_thread(settled, lambda: errors.ForwardHung("x"), lambda: 7) == 7
+    with pytest.raises(ZeroDivisionError):
+        watchdog.on_thread(settled, lambda: errors.ForwardHung("x"), lambda: 1 // 0)
 
 
 def test_probe_answers_false_when_it_raises_or_never_answers() -> None:
@@ -80,7 +108,8 @@ def test_probe_answers_false_when_it_raises_or_never_answers() -> None:
 @dataclass
 class HangingRunner:
     """A batch holding an item with payload ``b"hang"`` never returns from ``forward`` (until
-    ``release``); ``healthy`` is the model's probe, answering ``works`` (or hanging too)."""
+    ``release``), one of ``b"fail"`` items fails whole; ``healthy`` is the model's probe,
+    answering ``works`` (or hanging too)."""
 
     works: bool = True
     probe_hangs: bool = False
@@ -107,8 +136,12 @@ class HangingRunner:
                 self.abandoned.set()
                 raise
         self.returned.append(keys)
-        outputs = {i.id: np.ones(1, np.float32) for i in items}
-        return outcomes.ScoreResult(outputs, {}, 0.0, len(items), len(items))
+        bad = {i.id for i in items if i.payload.data == b"fail"}  # whole: the breaker holds it
+        outputs = {i.id: np.ones(1, np.float32) for i in items if i.id not in bad}
+        whole = "RuntimeError: boom" if len(items) > 1 and len(bad) == len(items) else None
+        failures = dict.fromkeys(bad, "RuntimeError: boom")
+        n = len(items)
+        return outcomes.ScoreResult(outputs, failures, 0.0, n, n, whole_batch_error=whole)
 
     def healthy(self) -> bool:
         if self.probe_hangs:
@@ -242,3 +275,46 @@ def test_a_pass_hung_in_python_code_is_interrupted_and_its_thread_ends(make: Any
     assert r.runner.abandoned.wait(5), "the hung pass was not interrupted"
     assert ["k0", "k1", "k2", "k3"] not in r.runner.returned
     assert r.scorer.stats.committed + r.scorer.stats.released == 4  # k4..k7, none charged
+
+
+def test_breaker_held_batches_go_back_unused_after_a_hang(make: Any) -> None:
+    # A whole-failed batch the breaker holds (its failures undecided) when the next batch
+    # hangs: the forward stage that would settle it is gone; it is released, not left leased.
+    r = make([*[(f"f{i}", b"fail") for i in range(4)], *records(4, hang=0)])
+    with pytest.raises(errors.ForwardHung):
+        r.scorer.run()
+    for k in ("f0", "f1", "f2", "f3"):
+        row = r.queue.item(k)
+        assert (row.state, row.attempts, row.lease_id) == (models.State.READY, 0, None)
+
+
+class RefusingQueue(InMemoryQueue):
+    """The database refuses every settle of a hung batch."""
+
+    def release(self, lease_id: str, ids: Sequence[int] | None = None) -> int:
+        raise errors.QueueError("database is locked")
+
+    def heartbeat(self, lease_id: str, lease_s: float) -> int:
+        if lease_s < 0:
+            raise errors.QueueError("database is locked")
+        return super().heartbeat(lease_id, lease_s)
+
+
+@pytest.mark.parametrize("works", [True, False])
+def test_a_refused_settle_says_so_and_still_pauses_a_broken_model(works: bool) -> None:
+    queue = RefusingQueue("q1", clock=FakeClock())
+    pauses: list[str] = []
+
+    def pause(reason: str) -> None:
+        pauses.append(reason)
+
+    fate = watchdog.fate(works, 4, isolated=False)
+    settled = watchdog.settle(
+        queue, fate, {"lease-1": [1, 2, 3, 4]}, timeout_s=9, lease_s=60, model_version="v1",
+        pause=lambda reason: pause(reason),
+    )  # fmt: skip
+    assert settled.done is False
+    text = watchdog.message(12.0, 9, 4, "q1", settled)
+    assert "The database refused to settle the batch: its lease runs out by itself" in text
+    assert ("is paused" in text) is (not works)
+    assert pauses == ([] if works else [watchdog.pause_reason(9)])
