@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -88,7 +89,7 @@ def enqueue(
             help="Pipeline YAML whose model section bounds each item (max_item_tokens, "
             "max_item_elements, max_item_bytes; default: those settings' defaults) and whose "
             "database.url, queue.name and queue.max_attempts are the defaults of --db, -q and "
-            "--max-attempts.",
+            "--max-attempts (and queue.lane that of a record without a lane).",
         ),
     ] = None,
     quiet: QuietOption = False,
@@ -124,7 +125,7 @@ def enqueue(
         TimeElapsedColumn(),
         quiet=quiet,
     )
-    seen = _Seen(time.time())
+    seen = _Seen(time.time(), qc.lane)
     run = enqueue_run_id(seen.now)
     try:
         with progress:
@@ -165,16 +166,17 @@ def enqueue_run_id(now: float) -> str:
 
 
 class _Seen:
-    """What enqueue reports of the records streamed past it: how many, how many late."""
+    """What enqueue reports of the records streamed past it: how many, how many late; a
+    record without a lane gets ``lane`` (the --config's queue.lane, which its scorers claim)."""
 
-    def __init__(self, now: float) -> None:
-        self.now, self.n, self.late = now, 0, 0
+    def __init__(self, now: float, lane: str | None = None) -> None:
+        self.now, self.n, self.late, self.lane = now, 0, 0, lane
 
     def count(self, records: Iterator[models.EnqueueRecord]) -> Iterator[models.EnqueueRecord]:
         for record in records:
             self.n += 1
             self.late += record.deadline_at is not None and record.deadline_at <= self.now
-            yield record
+            yield replace(record, lane=self.lane) if self.lane and not record.lane else record
 
 
 def _warn(file: Path, seen: _Seen) -> None:

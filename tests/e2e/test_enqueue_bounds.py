@@ -111,12 +111,12 @@ def test_enqueue_with_a_config_writes_to_its_database_not_the_local_file(tmp_pat
 
 
 def test_enqueue_with_a_config_writes_to_its_queue_with_its_attempts(tmp_path: Path) -> None:
-    """Without -q, ``-c`` names the queue as ``score -c`` does: it once went to queue
-    'default', and ``score -c`` of the same config found nothing to score."""
+    """Without -q, ``-c`` names the queue (and a record's lane) as ``score -c`` claims them:
+    it once went to queue 'default', and ``score -c`` of the same config found nothing."""
     import sqlite3
 
     assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
-    config = write_config(tmp_path, queue={"max_attempts": 2})
+    config = write_config(tmp_path, queue={"max_attempts": 2, "lane": "gpu"})
     path = workloads.write_lines(tmp_path / "five.jsonl", workloads.w1_json_lines(5))
     r = batching("enqueue", str(path), "-c", str(config), cwd=tmp_path)
     assert r.rc == 0, r.err
@@ -126,9 +126,10 @@ def test_enqueue_with_a_config_writes_to_its_queue_with_its_attempts(tmp_path: P
     assert batching("enqueue", str(other), "-c", str(config), *flags, cwd=tmp_path).rc == 0
     with sqlite3.connect(tmp_path / "queue.db") as conn:
         rows = conn.execute(
-            "SELECT queue, max_attempts, count(*) FROM batching_items GROUP BY 1, 2 ORDER BY 1"
+            "SELECT queue, lane, max_attempts, count(*) FROM batching_items "
+            "GROUP BY 1, 2, 3 ORDER BY 1"
         ).fetchall()
-    assert rows == [("side", 7, 2), ("tabular", 2, 5)]
+    assert rows == [("side", "gpu", 7, 2), ("tabular", "gpu", 2, 5)]  # the lane it claims
     score = batching("score", "-c", str(config), "--quiet", "--json", cwd=tmp_path)
     assert score.rc == 0, score.err
     assert score.json()["summary"]["items_committed"] == 5
