@@ -93,6 +93,8 @@ class ShardScorer:
         self._scoring: _Fetched | None = None  # the shard in the model
         self._hung: errors.ForwardHung | None = None
         self._settled = threading.Event()  # the watchdog settled a hung shard (``_hung``)
+        self._probing: set[str] = set()  # its lease, while the probe decides its fate
+        self._beating = threading.Lock()  # held by the heartbeat while it extends leases
 
     def stop(self) -> None:
         """Claim nothing more; the shard being scored still commits."""
@@ -356,14 +358,15 @@ class ShardScorer:
         while not self._done.wait(every):
             if self._watch.overdue() is not None:
                 self._hung_found()
-            with self._lock:
-                held = list(self._held)
             self.observer.heartbeat(time.time())
-            for lease in held:
-                try:
-                    self.queue.heartbeat(lease, self._lease_s)
-                except errors.QueueError:
-                    logger.warning("heartbeat failed", extra={"action": "heartbeat_failed"})
+            with self._beating:  # a hung shard's settle waits for the beat to finish
+                with self._lock:
+                    held = [*self._held, *self._probing]
+                for lease in held:
+                    try:
+                        self.queue.heartbeat(lease, self._lease_s)
+                    except errors.QueueError:
+                        logger.warning("heartbeat failed", extra={"action": "heartbeat_failed"})
 
     def _hung_error(self) -> errors.ForwardHung:
         return self._hung or errors.ForwardHung("a forward pass was declared hung")
@@ -381,8 +384,9 @@ class ShardScorer:
         )
         self.observer.forward_hung()
         self._stop.set()
-        with self._lock:
+        with self._lock:  # not released by this run; extended while the probe runs
             self._held.discard(got.claim.lease_id)
+            self._probing.add(got.claim.lease_id)
         self._watch.interrupt()
         threading.Thread(target=self._settle_hung, args=(got,), daemon=True).start()
 
@@ -395,6 +399,8 @@ class ShardScorer:
             works = watchdog.probe(
                 getattr(self.runner, "healthy", None), min(limit, watchdog.PROBE_S)
             )
+            with self._beating, self._lock:  # no heartbeat extends it once it is settled
+                self._probing.discard(claim.lease_id)
             settled = watchdog.settle(
                 self.queue,
                 watchdog.fate(works, n, isolated=claim.isolated),
@@ -405,6 +411,7 @@ class ShardScorer:
                 pause=functools.partial(breaker.pause, self.pause_queue, self.config.breaker),
             )
             if settled.failed:
+                self.stats.failed += int(item.cost)  # its rows
                 self.observer.failed([item], retry=True)
             message = watchdog.message(self._watch.ran_s, limit, n, self.queue.queue, settled)
             self._hung = errors.ForwardHung(message)

@@ -48,7 +48,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
-from batching import errors, models, ports, routing, tenant_share
+from batching import errors, models, outcomes, ports, routing, tenant_share
 from batching.config import PipelineConfig
 from batching.loop import breaker, watchdog
 from batching.loop.routes import Router, ShadowRows
@@ -162,6 +162,8 @@ class Scorer(Generic[D]):
             config.queue.forward_timeout_s
         )
         self._isolated: set[str] = set()  # leases of isolation rounds (``crashes``)
+        self._in_flight: tuple[object, bool] = (runner, False)  # the pass's runner, candidate?
+        self._shadow_hung = False  # a shadow pass hung: no more shadowing this run
         self.pause_queue = pause_queue
         self._paused = False  # a claim found the queue paused (``models.Claim.paused``)
 
@@ -518,13 +520,19 @@ class Scorer(Generic[D]):
                 cost = max(models.item_column(batch.items, "cost"))
                 controller.forward_started(len(batch), cost, self.clock())
             started = time.perf_counter()
+            runner = self.router.runner_for(batch)
+            # what ran it, for the watchdog's probe: the route may change while it hangs
+            self._in_flight = (runner, self.router.is_candidate(batch))
             self._watch.started(job)
-            result = self.router.runner_for(batch).forward(job.decoded)
-            if self._watch.finished():  # declared hung meanwhile: settled by the watchdog
+            try:
+                result = runner.forward(job.decoded)
+            finally:  # a pass that raised is no pass in flight
+                hung = self._watch.finished()
+            if hung:  # declared hung meanwhile: settled by the watchdog
                 return
             forward_s = time.perf_counter() - started
             self.stats.stage_s["forward"] += forward_s
-            shadowed = self.router.shadow(batch, result)  # a rollout's sample, scored aside
+            shadowed = self._shadow(batch, result)  # a rollout's sample, scored aside
             if shadowed is not None:  # its device time is the candidate's
                 self.stats.add_device_time(*shadowed)
                 self.stats.shadowed = self.router.shadowed
@@ -533,6 +541,33 @@ class Scorer(Generic[D]):
                 controller.forward_done(len(batch), cost, forward_s, self.clock(), batch.formed_at)
                 self._wake.set()  # the model is free: the next batch may go now
             self._hand_on(Scored(job.batch, job.leases, result))
+
+    def _shadow(
+        self, batch: models.Batch, result: outcomes.ScoreResult
+    ) -> tuple[Sequence[models.WorkItem], str, float] | None:
+        """The router's shadow pass, bounded by ``forward_timeout_s``: a candidate that hangs
+        on it is left behind (a daemon thread), counted as failed, and shadowing stops for
+        the run; the batch commits as scored, as after any shadow failure."""
+        if self._shadow_hung:
+            return None
+        box: list[tuple[Sequence[models.WorkItem], str, float] | None] = []
+        thread = threading.Thread(
+            target=lambda: box.append(self.router.shadow(batch, result)),
+            name="shadow",
+            daemon=True,
+        )
+        thread.start()
+        thread.join(self._watch.timeout_s)
+        if box:
+            return box[0]
+        self._shadow_hung = True
+        self.router.shadow_failures += len(batch)
+        logger.error(
+            "shadow pass hung past queue.forward_timeout_s; shadowing stops for this run, the "
+            "batch commits as scored (roll the candidate back: `batching rollout rollback`)",
+            extra={"action": "shadow_hung", "n_items": len(batch)},
+        )
+        return None
 
     # -- retry-storm breaker (``breaker``) ------------------------------------------------------
 
@@ -572,12 +607,8 @@ class Scorer(Generic[D]):
         if any(job.result.model_at_fault for job in streak):
             return False
         probe = getattr(self.router.runner_for(batch), "healthy", None)
-        if probe is None:
-            return False
-        try:
-            return bool(probe())
-        except Exception:
-            return False
+        within = min(self._watch.timeout_s, watchdog.PROBE_S)  # a stuck device hangs it too
+        return watchdog.probe(probe, within) is True
 
     def _trip(self, trip: breaker.Trip[Scored]) -> None:
         """Pause the queue, leave the streak's batches to be released, fail the run: raising
@@ -854,10 +885,9 @@ class Scorer(Generic[D]):
         if job is None:
             return None
         batch, limit = job.batch, self._watch.timeout_s
-        check = getattr(self.router.runner_for(batch), "healthy", None)
-        works = watchdog.probe(check, min(limit, watchdog.PROBE_S))
+        runner, candidate = self._in_flight
+        works = watchdog.probe(getattr(runner, "healthy", None), min(limit, watchdog.PROBE_S))
         isolated = all(lease_id in self._isolated for lease_id in set(job.leases.values()))
-        candidate = self.router.is_candidate(batch)
         return watchdog.fate(works, len(batch), isolated=isolated, candidate=candidate)
 
     def _settle_hung(self, fate: watchdog.Fate | None) -> None:
@@ -965,5 +995,6 @@ class Scorer(Generic[D]):
             return
         except BaseException as exc:
             logger.exception("scoring stage failed", extra={"action": "stage_failed"})
-            self._error = exc
+            if not isinstance(self._error, errors.ForwardHung):  # why the run stopped
+                self._error = exc
             self._stop.set()

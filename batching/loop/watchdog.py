@@ -172,11 +172,13 @@ def fate(works: bool | None, n_items: int, *, isolated: bool, candidate: bool = 
 @dataclass(frozen=True, slots=True)
 class Settled:
     """What :func:`settle` did: ``done`` False when the database refused (the lease then
-    runs out by itself and the crash rule judges it); ``not_paused``: why the queue was not
+    runs out by itself and the crash rule judges it); ``lost``: the lease held none of the
+    batch any more (another scorer's reaper took it); ``not_paused``: why the queue was not
     paused (``Fate.MODEL``), None otherwise."""
 
     fate: Fate
     done: bool
+    lost: bool
     not_paused: str | None
     failed: int
     released: int
@@ -195,7 +197,7 @@ def settle(
     """Apply ``fate`` to a hung batch (its item ids by lease; nothing else of the run still
     leased under them), and pause the queue for ``MODEL`` (``pause``: None when paused,
     else why not), even when the database refused the rest."""
-    failed = released = 0
+    failed = released = ended = 0
     done = True
     try:
         for lease_id, ids in ids_by_lease.items():
@@ -204,7 +206,7 @@ def settle(
                 res = queue.fail(lease_id, dict.fromkeys(ids, reason), model_version=model_version)
                 failed += res.retried + res.dead
             elif fate is Fate.CRASH:  # ended now: the next claim's reaper judges it
-                queue.heartbeat(lease_id, -lease_s)
+                ended += queue.heartbeat(lease_id, -lease_s)
             else:
                 released += queue.release(lease_id, ids)
     except errors.QueueError:
@@ -215,7 +217,8 @@ def settle(
             exc_info=True,
         )
     not_paused = pause(pause_reason(timeout_s)) if fate is Fate.MODEL else None
-    return Settled(fate, done, not_paused, failed, released)
+    lost = done and not (failed or released or ended)
+    return Settled(fate, done, lost, not_paused, failed, released)
 
 
 def charge_reason(timeout_s: float, fate: Fate = Fate.CHARGE) -> str:
@@ -251,7 +254,12 @@ def message(
     if settled is None:
         return f"{head}; {tail}"
     said = ""
-    if not settled.done:
+    if settled.lost:
+        said = (
+            ". The batch's lease was already gone (another scorer's claim took it back as a "
+            "lost worker's, for the crash rule to judge)"
+        )
+    elif not settled.done:
         said = (
             ". The database refused to settle the batch: its lease runs out by itself and "
             "the next claim judges it as a lost worker's"

@@ -63,11 +63,16 @@ def score_rows(
     real = padded = 0
     errs: list[str] = []
     for chunk in _cut(items, order, max_batch, max_cost):
-        if watch is not None:
+        if watch is None:
+            result = runner.score(chunk)
+        else:
             watch.started(chunk)
-        result = runner.score(chunk)
-        if watch is not None and watch.finished():
-            raise errors.ForwardHung("a pass returned after the watchdog declared it hung")
+            try:
+                result = runner.score(chunk)
+            finally:  # a pass that raised is no pass in flight
+                hung = watch.finished()
+            if hung:
+                raise errors.ForwardHung("a pass returned after the watchdog declared it hung")
         sizes.append(len(chunk))
         service += result.service_s
         real, padded = real + result.real_tokens, padded + result.padded_tokens

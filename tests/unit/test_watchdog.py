@@ -318,3 +318,30 @@ def test_a_refused_settle_says_so_and_still_pauses_a_broken_model(works: bool) -
     assert "The database refused to settle the batch: its lease runs out by itself" in text
     assert ("is paused" in text) is (not works)
     assert pauses == ([] if works else [watchdog.pause_reason(9)])
+
+
+def test_a_pass_that_raises_leaves_no_flight_to_be_declared_hung(make: Any) -> None:
+    # Left in flight, a pass that raised was declared hung later in a slow shutdown: a
+    # false page, an interrupt sent to a dead thread's id, a fate applied to its batch.
+    r = make(records(4, hang=None))
+
+    def boom(items: list[models.WorkItem]) -> outcomes.ScoreResult:
+        raise RuntimeError("CUDA error")
+
+    r.runner.forward = boom
+    with pytest.raises(RuntimeError):
+        r.scorer.run()
+    r.scorer._watch.timeout_s = 0.0
+    assert r.scorer._watch.overdue() is None
+    assert r.pauses == []
+
+
+def test_a_lease_already_taken_back_is_said_so() -> None:
+    queue = InMemoryQueue("q1", clock=FakeClock())  # the lease holds nothing any more
+    for fate in (Fate.CRASH, Fate.CHARGE, Fate.MODEL):
+        settled = watchdog.settle(
+            queue, fate, {"gone": [1]}, timeout_s=9, lease_s=60, model_version=None,
+            pause=lambda reason: None,
+        )  # fmt: skip
+        assert (settled.done, settled.lost) == (True, True)
+        assert "lease was already gone" in watchdog.message(12.0, 9, 1, "q1", settled)
