@@ -140,7 +140,7 @@ class QueueConfig(_Model):
         300.0,
         gt=0,
         le=604_800,
-        description="the longest one forward pass may run (checked each heartbeat): past it the scorer stops extending the batch's lease, asks the model to score its own probe input, and stops the run; a model that passes the probe hung on the batch's inputs (several items: the crash rule finds which; one item scored alone: it fails, charged); one that fails it is at fault (its items go back unused and, with `breaker.pause_queue`, the queue is paused). Restart the scorer: its hung pass cannot be cancelled",
+        description="the longest one forward pass may run (checked each heartbeat): past it the scorer stops extending the batch's lease, asks the model to score its own probe input, and stops the run; a model that passes the probe hung on the batch's inputs (several items: the crash rule finds which; one item scored alone: it fails, charged); one that fails it is at fault (its items go back unused and, with `breaker.pause_queue`, the queue is paused; a rollout candidate's fail, charged to it). Restart the scorer: a pass hung in native code runs on until its process ends",
     )
     max_attempts: int = Field(
         5,
