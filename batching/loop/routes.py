@@ -134,6 +134,19 @@ class Router(Generic[D]):
             return self.runner
         return self._runners(batch.model_version)
 
+    def shadows(self, batch: models.Batch) -> bool:
+        """Whether the route shadows ``batch`` (a stable batch of a rollout in shadow mode)."""
+        route = self._route
+        return not (
+            self.pinned
+            or self._shadow_out is None
+            or self._runners is None
+            or route is None
+            or route.candidate is None
+            or not route.shadow
+            or batch.model_version != route.stable
+        )
+
     def shadow(
         self, batch: models.Batch, result: outcomes.ScoreResult
     ) -> tuple[Sequence[models.WorkItem], str, float] | None:
@@ -142,16 +155,10 @@ class Router(Generic[D]):
         the candidate's pass used of the device (items, version, seconds), None when there
         was none. A failure here is logged and counted; the batch commits as scored either
         way."""
-        route = self._route
-        if (
-            self.pinned
-            or self._shadow_out is None
-            or self._runners is None
-            or route is None
-            or route.candidate is None
-            or not route.shadow
-            or batch.model_version != route.stable
-        ):
+        route, runners, shadow_out = self._route, self._runners, self._shadow_out
+        if route is None or route.candidate is None or runners is None or shadow_out is None:
+            return None
+        if not self.shadows(batch):
             return None
         outputs = result.outputs
         items = tuple(i for i in batch.items if i.id in outputs and route.shadowed(i.item_key))
@@ -159,13 +166,13 @@ class Router(Generic[D]):
             return None
         took = 0.0
         try:
-            runner = self._runners(route.candidate)
+            runner = runners(route.candidate)
             scored = runner.forward(runner.decode(items))
             took = scored.service_s
             both = [i for i in items if i.id in scored.outputs]
             self.shadow_failures += len(items) - len(both)
             if both:
-                self._shadow_out(
+                shadow_out(
                     ShadowRows(
                         route.stable,
                         route.candidate,

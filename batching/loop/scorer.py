@@ -548,7 +548,7 @@ class Scorer(Generic[D]):
         """The router's shadow pass, bounded by ``forward_timeout_s``: a candidate that hangs
         on it is left behind (a daemon thread), counted as failed, and shadowing stops for
         the run; the batch commits as scored, as after any shadow failure."""
-        if self._shadow_hung:
+        if self._shadow_hung or not self.router.shadows(batch):  # no thread a batch for nothing
             return None
         box: list[tuple[Sequence[models.WorkItem], str, float] | None] = []
         thread = threading.Thread(
