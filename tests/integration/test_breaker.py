@@ -264,13 +264,23 @@ def test_a_run_of_poison_items_longer_than_the_breaker_is_charged_not_a_storm(
     assert {rows[k].state for k, _ in good} == {models.State.DONE}
 
 
-def test_a_model_giving_nan_for_everything_trips_the_breaker(
-    sqlite_url: str, tmp_path: Path, empty_ckpt: tuple[str, str]
+@pytest.mark.parametrize(
+    ("factory", "error"),
+    [
+        ("build_nan", "not finite"),  # NaN for everything
+        # Its probe of one item passes, but the streak's batches showed the model at fault:
+        # the breaker trips and charges nothing (a review found the probe let it dead-letter
+        # the queue).
+        ("build_batch_short", "outputs for"),
+    ],
+)
+def test_a_model_broken_for_every_batch_trips_the_breaker_and_charges_nothing(
+    sqlite_url: str, tmp_path: Path, empty_ckpt: tuple[str, str], factory: str, error: str
 ) -> None:
-    conf = config("build_nan", empty_ckpt, tmp_path)
+    conf = config(factory, empty_ckpt, tmp_path)
     keys = [f"k{i}" for i in range(5 * BATCH)]
     enqueue(sqlite_url, conf, [(k, 1.0) for k in keys])
-    with pytest.raises(errors.RetryStorm, match="not finite"):
+    with pytest.raises(errors.RetryStorm, match=error):
         wiring.run_score(conf, db_url=sqlite_url, output=str(tmp_path / "out"))
     rows = rows_of(sqlite_url)
     assert {(rows[k].state, rows[k].attempts) for k in keys} == {(models.State.READY, 0)}
@@ -292,18 +302,3 @@ def test_one_items_broken_output_is_charged_to_it_alone(
     after = rows_of(sqlite_url)
     assert (after["poison"].state, after["poison"].attempts) == (models.State.READY, 1)
     assert {after[k].state for k, _ in rows if k != "poison"} == {models.State.DONE}
-
-
-def test_a_model_breaking_every_batch_but_no_item_alone_trips_the_breaker(
-    sqlite_url: str, tmp_path: Path, empty_ckpt: tuple[str, str]
-) -> None:
-    """Its probe of one item passes, but the streak's batches showed the model at fault: the
-    breaker trips and charges nothing (a review found the probe let it dead-letter the
-    queue)."""
-    conf = config("build_batch_short", empty_ckpt, tmp_path)
-    keys = [f"k{i}" for i in range(5 * BATCH)]
-    enqueue(sqlite_url, conf, [(k, 1.0) for k in keys])
-    with pytest.raises(errors.RetryStorm, match="outputs for"):
-        wiring.run_score(conf, db_url=sqlite_url, output=str(tmp_path / "out"))
-    rows = rows_of(sqlite_url)
-    assert {(rows[k].state, rows[k].attempts) for k in keys} == {(models.State.READY, 0)}
