@@ -373,8 +373,9 @@ class ShardScorer:
 
     def _hung_found(self) -> None:
         """The pass in flight is past ``forward_timeout_s`` (``loop.watchdog``): its shard is
-        no longer extended nor released by this run, its thread is interrupted, and the
-        shard is settled on a thread of its own (the probe must not hold the heartbeats)."""
+        no longer released by this run (only extended, until the probe decided its fate), its
+        thread is interrupted, and it is settled on a thread of its own (the probe must not
+        hold the heartbeats)."""
         got = self._scoring
         if got is None or got.shard is None:
             return
