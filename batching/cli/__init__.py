@@ -1,8 +1,8 @@
 """The ``batching`` command line. Exit codes: 0 ok, 1 failed, 2 bad usage or bad input.
 
 One module per group of commands, each registering on the one Typer app of
-:mod:`batching.cli.common`: :mod:`~batching.cli.queue` (init, enqueue, status, redrive,
-purge), :mod:`~batching.cli.controls` (queue pause, resume, cancel, cap, audit),
+:mod:`batching.cli.common`: :mod:`~batching.cli.queue` (init, enqueue, redrive, purge),
+:mod:`~batching.cli.status` (status), :mod:`~batching.cli.controls` (queue pause, resume, cancel, cap, audit),
 :mod:`~batching.cli.scoring` (score, demo), :mod:`~batching.cli.bulk` (bulk --in-place), :mod:`~batching.cli.plan` (check,
 profile), :mod:`~batching.cli.evidence` (lineage, reconcile, maintain),
 :mod:`~batching.cli.metrics` (metrics serve), :mod:`~batching.cli.api` (api),
@@ -16,16 +16,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import typer
 
 _STOPPABLE = ("score", "bulk")  # commands that stop gracefully on SIGTERM and SIGINT
 
 
-def main() -> None:
-    """Console-script entry point."""
-    if sys.argv[1:2] and sys.argv[1] in _STOPPABLE:  # before the imports: they take ~1 s
-        from batching.cli import stop_signal
-
-        stop_signal.install_early()
+def register() -> typer.Typer:
+    """The one Typer app with every command registered on it."""
     from batching.cli import (  # noqa: F401  (register commands)
         api,
         bulk,
@@ -36,8 +36,22 @@ def main() -> None:
         queue,
         rollout,
         scoring,
+        status,
     )
-    from batching.cli.common import app, run_json
+    from batching.cli.common import app
+
+    return app
+
+
+def main() -> None:
+    """Console-script entry point."""
+    if sys.argv[1:2] and sys.argv[1] in _STOPPABLE:  # before the imports: they take ~1 s
+        from batching.cli import stop_signal
+
+        stop_signal.install_early()
+    from batching.cli.common import run_json
+
+    app = register()
     from batching.logs import configure_logging
 
     configure_logging(logging.DEBUG if os.environ.get("BATCHING_DEBUG") else logging.WARNING)

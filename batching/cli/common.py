@@ -194,6 +194,38 @@ def load(config: Path) -> Any:
     return load_config(config)
 
 
+ConfigDbOption = Annotated[
+    str | None,
+    typer.Option(
+        "--db",
+        envvar="BATCHING_DB_URL",
+        help="Database URL: sqlite:///FILE or postgresql://USER@HOST:PORT/DB. Default: the "
+        f"--config's database.url, else {DEFAULT_DB}.",
+        show_default=False,
+    ),
+]
+TargetOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="Pipeline YAML: its database.url and queue.name are the defaults of --db and -q.",
+    ),
+]
+
+
+def target(db: str | None, queue: str | None, config: Path | None) -> tuple[str, str]:
+    """The database URL and queue a command acts on: ``--db`` and ``-q`` as given, else the
+    config's ``database.url`` and ``queue.name`` (as ``score -c`` reads them), else the
+    defaults. A bad config fails here, before anything is opened."""
+    from batching import config as cfg
+
+    pipeline = load(config) if config is not None else None
+    url = db if db is not None else pipeline.database.url if pipeline else DEFAULT_DB
+    name = queue if queue is not None else (pipeline.queue if pipeline else cfg.QueueConfig()).name
+    return url, name
+
+
 JsonOption = Annotated[
     bool,
     typer.Option(

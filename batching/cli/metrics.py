@@ -73,8 +73,10 @@ def serve(
     addr: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
     db: DbOverride = None,
 ) -> None:
-    """Serve the gauges read from the tables at each scrape: queue depth by state, oldest
-    ready age, expired leases, pause and depth cap, the lineage spool, the last reconcile.
+    """Serve the gauges, read from the tables at each scrape, over HTTP for Prometheus.
+
+    Queue depth by state, oldest ready age, expired leases, pause and depth cap, the
+    lineage spool, the last reconcile.
 
     Runs until SIGTERM or Ctrl-C. A database that fails at scrape time shows as
     batching_exporter_up 0; the exporter keeps serving.

@@ -195,8 +195,10 @@ def status(
     output: ShadowBeside = None,
     as_json: JsonOption = False,
 ) -> None:
-    """What each version of the rollout did since it began: items, error and dead rate,
-    latency p50/p99 (enqueue to commit), SLA misses; the guard's verdict; the latest changes.
+    """What each version of the rollout did since it began, and the guard's verdict.
+
+    Per version: items, error and dead rate, latency p50/p99 (enqueue to commit), SLA
+    misses; then the guard's verdict and the latest changes.
 
     With --shadow: the drift of the shadowed items' outputs (mean and max absolute
     difference; cosine similarity for vectors, KS and PSI for scalars).
@@ -268,9 +270,10 @@ def guard(
     output: ShadowBeside = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Roll the candidate back if it breaches the config's `rollout` bounds (error rate,
-    p99 latency, p99 against the stable version's). Run it on a schedule (the
-    `rollout-guard` deployment does, every minute).
+    """Roll the candidate back if it breaches the config's `rollout` bounds.
+
+    The bounds: error rate, p99 latency, p99 against the stable version's. Run it on a
+    schedule (the `rollout-guard` deployment does, every minute).
 
     Exit 0 whether or not it rolled back; --json: breach, rolled_back, route."""
     from batching.compose import rollouts
@@ -324,8 +327,10 @@ def replay(
     db: DbOverride = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Score again exactly the items a past run committed, in the same forward passes,
-    into a side dataset, and diff against what the run committed.
+    """Score a past run's items again, in the same forward passes, and diff the outputs.
+
+    The items the run committed are scored into a side dataset and compared with what the run
+    committed.
 
     The same checkpoint on the same device (CPU) gives every item identical; another version
     gives a drift report. Items purged since are named and skipped. Exit 1 when an item of

@@ -158,6 +158,39 @@ def test_init_twice_then_nothing_to_do(tmp_path: Path) -> None:
     assert "nothing to do" in second.out
 
 
+def test_queue_commands_with_a_config_act_on_its_database_and_queue(tmp_path: Path) -> None:
+    """``-c`` is read as ``score -c`` reads it: the config's database and queue, unless --db
+    or -q say otherwise. ``status -c`` once failed (no such option) during an incident."""
+    config = write_config(tmp_path)
+    first = batching("init", "-c", str(config), cwd=tmp_path)
+    assert first.rc == 0, first.err
+    assert "sqlite:///queue.db: schema upgraded" in first.out
+    path = workloads.write_lines(tmp_path / "three.jsonl", workloads.w1_json_lines(3))
+    assert batching("enqueue", str(path), "-c", str(config), cwd=tmp_path).rc == 0
+
+    seen = batching("status", "-c", str(config), "--json", cwd=tmp_path)
+    assert seen.rc == 0, seen.err
+    assert seen.json()["by_state"]["ready"] == 3
+    assert {g["queue"] for g in seen.json()["groups"]} == {"tabular"}
+    other = batching("status", "-c", str(config), "-q", "side", "--json", cwd=tmp_path)
+    assert other.json()["by_state"]["ready"] == 0
+    assert "queue 'side' has no items; queues in this database: tabular" in other.err
+
+    redrive = batching("redrive", "-c", str(config), cwd=tmp_path)
+    assert (redrive.rc, redrive.out.strip()) == (
+        0,
+        "redrove 0 item(s) in queue 'tabular' back to ready",
+    )
+    purge = batching("purge", "-c", str(config), "--older-than", "0s", cwd=tmp_path)
+    assert purge.rc == 0, purge.err
+    assert "from queue 'tabular'" in purge.out
+    assert not (tmp_path / "batching.db").exists()  # the default file was never the target
+
+    missing = batching("status", "-c", str(tmp_path / "nope.yaml"), cwd=tmp_path)
+    assert missing.rc == 2
+    assert "nope.yaml: cannot read config" in one_error_line(missing)
+
+
 def test_enqueue_jsonl_and_parquet_reports_duplicates(tmp_path: Path) -> None:
     assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
     jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(5))

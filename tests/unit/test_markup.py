@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from batching.cli import common, evidence, findings_view
-from batching.cli.queue import status_table
+from batching.cli.status import status_table
 from batching.evidence.findings import Finding, Kind, Repair, Report, Severity
 from batching.models import LaneStats, QueueStats
 
