@@ -4,6 +4,8 @@ commits once, without an attempt charged for a batch-mate (``batching.crashes``)
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -16,6 +18,9 @@ import pytest
 
 from batching import config as cfg
 from batching import crashes, models
+from batching.ingress import ingest
+from batching.model import workloads, zoo
+from tests.e2e.test_cli import BATCHING
 from tests.integration.test_pipeline import dataset, enqueue, items, w1_records, write_config
 
 N = 60
@@ -113,3 +118,61 @@ def test_an_item_that_hangs_the_forward_pass_dies_alone_and_its_batch_mates_comm
     assert 3 <= len(hangs) <= 6, [h[-300:] for h in hangs]
     assert "isolation rounds to find which" in hangs[0]
     assert "so this item hung it: failed, an attempt charged" in hangs[-1]
+
+
+@pytest.mark.slow
+def test_a_hang_in_one_of_several_workers_dies_alone_and_the_run_ends(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """``score --workers 2``: the worker whose pass hangs stops past forward_timeout_s and its
+    process ends, though its forward thread never returns (the run would otherwise wait for
+    it for good); the other worker scores on. The hang is in the model (a factory), as
+    spawned workers build it."""
+    from tests.integration import hang_model
+
+    shipped = zoo.BUILTINS["w1-mlp"]
+    path = write_config(
+        "tabular.yaml",
+        tmp_path,
+        model={
+            "name": "tests.integration.hang_model:build",
+            "checkpoint": str(shipped.checkpoint_path),
+        },
+        batching={"max_batch_size": 8, "claim_size": 16, "max_wait_s": 0.01},
+        queue={
+            "lease_s": 1.5,
+            "forward_timeout_s": 1.0,
+            "max_attempts": MAX_ATTEMPTS,
+            "backoff_base_s": 0.01,
+        },
+    )
+    config = cfg.load_config(path)
+    lines = [json.loads(line) for line in workloads.w1_json_lines(N)]
+    lines[57]["payload"]["x"][0] = hang_model.HANG_AT  # KILLER's row
+    source = workloads.write_lines(tmp_path / "w1.jsonl", (json.dumps(r) for r in lines))
+    records = [replace(r, max_attempts=MAX_ATTEMPTS) for r in ingest.read_records(source)]
+    enqueue(sqlite_url, config, records)
+    score = [BATCHING, "score", "-c", str(path), "--db", sqlite_url, "--quiet", "--until-empty"]
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).parents[2])}
+    hangs = []
+    for _ in range(10):
+        proc = subprocess.run(
+            [*score, "--workers", "2"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert "past queue.forward_timeout_s (1 s)" in proc.stderr, proc.stderr[-2000:]
+        hangs.append(proc.stderr)
+    else:
+        pytest.fail(f"still hanging after {len(hangs)} runs")
+
+    killer = the_killer_died_alone(sqlite_url, tmp_path)
+    assert killer.last_error.startswith("forward pass hung on this item, scored alone")
+    assert 3 <= len(hangs) <= 6, [h[-300:] for h in hangs]
