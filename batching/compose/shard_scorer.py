@@ -323,7 +323,9 @@ class ShardScorer:
     def _release_failed(
         self, claim: models.Claim, item: models.WorkItem, scored: rows_.Scored
     ) -> None:
-        """Every row failed: the model's fault, not the rows'. With the breaker on and at
+        """Every row failed: the model's fault, not the rows' (or every row refused, the
+        config's: the wrong model for the data), never a file of errors committed as the
+        shard's output, which would mark the data scored for good. With the breaker on and at
         least ``breaker.max_failed_batches`` micro-batches failed whole, the run trips: the
         shard goes back unchanged (no attempt used), the queue pauses and the run fails with
         ``RetryStorm``, as the scoring loop's breaker does. Else the shard is retried under

@@ -83,7 +83,14 @@ def score_rows(
     row_errors: list[str | None] = [None] * n
     for i, reason in failures.items():
         row_errors[i] = reason
-    whole = errs[-1] if n > 0 and len(failures) == n and errs else None
+    whole = None
+    if n > 0 and len(failures) == n:  # not one row scored: not the shard's output
+        # Refused one by one (a payload the model cannot read: the wrong model for the data,
+        # most often), a file of errors committed as the shard's output would mark the data
+        # scored for good; failing the shard leaves a dead item to redrive once it is fixed.
+        whole = (
+            errs[-1] if errs else f"every row of the shard was refused, the first: {row_errors[0]}"
+        )
     return Scored(out, row_errors, len(failures), sizes, service, real, padded, whole, len(errs))
 
 

@@ -513,6 +513,35 @@ def test_a_model_failing_every_row_sends_the_shard_back(sqlite_url: str, tmp_pat
     assert not list((tmp_path / "out").rglob("*.parquet"))
 
 
+def test_a_shard_whose_every_row_is_refused_is_not_committed(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """Every row the wrong width for the model (the wrong model for the data, most often):
+    no file of errors is committed as the shard's output, which would mark the data scored
+    for good. The shard fails under the attempt rule, is dead with the first row's reason,
+    and a redrive brings it back once the config is fixed."""
+    c = config(tmp_path, max_attempts=2, backoff_base_s=0.01)
+    migrate(sqlite_url, c)
+    (tmp_path / "in").mkdir()
+    payload = pa.FixedSizeListArray.from_arrays(pa.array(np.ones(40 * 63, np.float32)), 63)
+    pq.write_table(pa.table({"payload": payload}), tmp_path / "in" / "narrow.parquet")
+    found, _ = inplace.enqueue_shards(c, sqlite_url, tmp_path / "in")
+    for _ in range(2):
+        outcome = wiring.run_score(
+            c, db_url=sqlite_url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(found)
+        )
+        assert outcome.summary["items_committed"] == 0
+        time.sleep(0.05)  # past the retry backoff
+    row = the_shard(sqlite_url, c)
+    assert (row.state, row.attempts) == (3, 2)
+    assert row.last_error.startswith("every row of the shard was refused, the first: ")
+    assert "(64,)" in row.last_error
+    assert not list((tmp_path / "out").rglob("*.parquet"))
+    queue = build.open_queue(c, sqlite_url)
+    assert queue.redrive() == 1
+    queue.engine.dispose()
+
+
 def test_a_shard_failing_batch_after_batch_trips_the_breaker(
     sqlite_url: str, tmp_path: Path
 ) -> None:
