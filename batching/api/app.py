@@ -81,6 +81,7 @@ class Settings:
     group_linger_s: float = 0.0
     observe: Observe | None = None
     metrics: Callable[[], tuple[bytes, str]] | None = None
+    queue: str | None = None  # the one queue served (the config's); None: any (tests)
 
 
 class ApiError(Exception):
@@ -264,6 +265,24 @@ def _tenant(
 
 Tenant = Annotated[str, Depends(_tenant)]
 QueueName = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[^\x00/]+$")]
+
+
+def _served(request: Request, queue: QueueName, _tenant: Tenant) -> str:
+    """The path's queue, when it is the one this API serves (its config's ``queue.name``:
+    its item limits, its output read back); else 404, after the token is checked. Any other
+    queue's items were enqueued and never read back (the wrong output), or never scored."""
+    served = request.app.state.settings.queue
+    if served is not None and queue != served:
+        raise ApiError(
+            404,
+            "NotFound",
+            f"queue {queue!r} is not served here: this API serves {served!r} (its config's "
+            "queue.name); use the API started with that queue's config",
+        )
+    return queue
+
+
+Served = Annotated[str, Depends(_served)]
 ItemKey = Annotated[str, Path(min_length=1, max_length=500, pattern=r"^[^\x00]+$")]
 WaitS = Annotated[
     float,
@@ -317,7 +336,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         responses={200: {"description": "every item was already present"}, **_ERRORS},
     )
     async def post_items(
-        request: Request, queue: QueueName, tenant: Tenant, wait_s: WaitS = 0.0
+        request: Request, queue: Served, tenant: Tenant, wait_s: WaitS = 0.0
     ) -> JSONResponse:
         ends = time.monotonic() + wait_s
         raw = await _read_body(request, settings.max_body_bytes)
@@ -351,7 +370,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         summary="The queue's depth by state for the token's tenant, as `batching status --json`.",
         responses=_ERRORS,
     )
-    def get_queue(queue: QueueName, tenant: Tenant) -> dict[str, Any]:
+    def get_queue(queue: Served, tenant: Tenant) -> dict[str, Any]:
         return settings.results.stats(queue, tenant)
 
     @app.get(
@@ -360,7 +379,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         responses={404: {"description": "no such item"}, **_ERRORS},
     )
     async def get_item(
-        request: Request, queue: QueueName, item_key: ItemKey, tenant: Tenant, wait_s: WaitS = 0.0
+        request: Request, queue: Served, item_key: ItemKey, tenant: Tenant, wait_s: WaitS = 0.0
     ) -> JSONResponse:
         view = await _wait(settings, request.app.state.waiters, queue, item_key, tenant, wait_s)
         return JSONResponse(view.doc())

@@ -107,6 +107,7 @@ def serve_api(
         retry_after_s=retry_after_s,
         group_max_records=group_max_records,
         group_linger_s=group_linger_s,
+        queue=cfg.queue.name,
     )
     sock = api_app.bind(host, port)
     err.print(

@@ -300,6 +300,23 @@ def test_the_api_counts_what_each_post_did_on_its_own_metrics(config_path: Path)
 # -- GET ----------------------------------------------------------------------------------------
 
 
+def test_a_queue_other_than_the_configs_is_not_served(config_path: Path) -> None:
+    """The API reads results back through its config's output and checks items against its
+    config's limits: a POST to another queue once answered 201 and its result could never be
+    read (the wrong dataset, a 503 naming a 'missing' file), or was never scored."""
+    for served in make_client(config_path, queue="tabular"):
+        other = served.post("/v1/queues/text/items", json=item("o1"), headers=A)
+        message = assert_error(other, 404, "NotFound")
+        assert message == (
+            "queue 'text' is not served here: this API serves 'tabular' (its config's "
+            "queue.name); use the API started with that queue's config"
+        )
+        assert_error(served.get("/v1/queues/text/items/o1", headers=A), 404, "NotFound")
+        assert_error(served.get("/v1/queues/text", headers=A), 404, "NotFound")
+        assert_error(served.post("/v1/queues/text/items", json=item("o1")), 401)  # token first
+        assert served.post(ITEMS, json=item("t1"), headers=A).status_code == 201
+
+
 def test_queue_stats_count_the_tokens_tenant_only(client: TestClient) -> None:
     client.post(ITEMS, json={"items": [item("a1"), item("a2")]}, headers=A)
     client.post(ITEMS, json=item("b1"), headers=B)
