@@ -299,7 +299,11 @@ def _keys(key: list[str] | None, keys_file: Path | None) -> list[str] | None:
 @handle_errors
 def audit(
     queue: Annotated[
-        str | None, typer.Argument(help="Queue name (default: every queue).", show_default=False)
+        str | None,
+        typer.Argument(
+            help="Queue name (default: the --config's queue.name, else every queue).",
+            show_default=False,
+        ),
     ] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="The latest N actions.")] = 50,
     db: DbOverride = None,
@@ -315,6 +319,7 @@ def audit(
     cfg = load(config) if config is not None else None
     q = open_queue(db or (cfg.database.url if cfg is not None else DEFAULT_DB))
     q.check_schema()
+    queue = queue or (cfg.queue.name if cfg is not None else None)  # as every control reads -c
     rows = controls.audit(q.engine, queue, limit)
     if as_json:
         emit_json({"ok": True, "rows": [asdict(r) for r in rows]})
