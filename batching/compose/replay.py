@@ -33,6 +33,7 @@ from batching import errors, models, naming
 from batching.compose import build, versions
 from batching.evidence import lineage
 from batching.ingress import queue as q
+from batching.ingress import shards
 from batching.loop.stages import INEXACT
 from batching.outputs import ledger, outbox, registry
 from batching.store import schema
@@ -135,6 +136,13 @@ def replay(
                     f"run {run_id} committed no batch in queue {queue.queue!r} of "
                     f"{queue.url}; check the run id (`batching status`, the lineage log)"
                 )
+            if _scored_in_place(conn, rows):
+                raise errors.InputError(
+                    f"run {run_id} scored input shards in place (`batching bulk --in-place`), "
+                    "whose rows are not queue items: replay scores queue items only; to score "
+                    "the dataset again, run `batching bulk --in-place` with another queue.name "
+                    "and output"
+                )
             originals = {r.batch_id: _original_rows(conn, r, res.target) for r in rows}
         report = Report(run_id, lineage.new_run_id(), str(output))
         target = output / f"run={run_id}" / f"replay={report.replay_run_id}"
@@ -181,6 +189,14 @@ def _run_batches(conn: Connection, queue: str, run_id: str) -> list[Any]:
         .order_by(_B.c.committed_at, _B.c.batch_id)
     )
     return list(conn.execute(stmt))
+
+
+def _scored_in_place(conn: Connection, rows: Sequence[Any]) -> bool:
+    """Whether the batches ``rows`` committed input shards (``bulk --in-place``)."""
+    t = schema.items
+    ids = [r.batch_id for r in rows[:500]]  # a run scores shards or items, never both
+    found = sa.select(t.c.id).where(t.c.batch_id.in_(ids), t.c.lane == shards.LANE).limit(1)
+    return conn.execute(found).first() is not None
 
 
 def _original_rows(

@@ -161,6 +161,10 @@ def test_every_row_scored_once_and_reconciled(db_url: str, tmp_path: Path) -> No
     )
     assert rerun.summary["items_committed"] == 0
     assert outputs(tmp_path / "out").num_rows == 3000
+    from batching.compose import replay
+
+    with pytest.raises(errors.InputError, match="scored input shards in place"):
+        replay.replay(c, db_url, outcome.run_id, output=tmp_path / "replayed")
 
 
 def test_lineage_names_the_input_and_its_version(sqlite_url: str, tmp_path: Path) -> None:
