@@ -39,7 +39,8 @@ class ModelSet:
         config: cfg.PipelineConfig,
         first: TorchRunner | None = None,
         *,
-        hint: str = "or roll back with `batching rollout rollback`",
+        hint: str = "or, if it is a rollout's candidate, roll it back with `batching rollout "
+        "rollback`",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -84,7 +85,8 @@ class ModelSet:
             raise errors.ConfigError(
                 f"queue {self.config.queue.name!r} routes items to model version {version!r}, "
                 f"which this config does not list (it has {listed}); add it under "
-                f"model_versions, {self._hint}"
+                f"model_versions (a version promoted since: make it the config's model), "
+                f"{self._hint}"
             )
         try:
             runner = TorchRunner.load(spec, base_dir=self.config.base_dir)

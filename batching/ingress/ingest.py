@@ -146,7 +146,8 @@ def check_limits(record: models.EnqueueRecord, limits: ItemLimits, where: str) -
             raise errors.InputError(
                 f"{where}: item {record.item_key!r} holds {n} {name}, over the limit of {most} "
                 f"(model.max_item_{setting}); split the item, or raise the limit in the "
-                "config's model section and pass it: `batching enqueue --config FILE`"
+                "config's model section (read by `batching enqueue --config` and "
+                "`batching api`) if the model and the latency objective allow it"
             )
 
 

@@ -721,6 +721,22 @@ def test_a_version_that_failed_to_load_is_not_read_again_for_a_while(
     assert models_("v1") is models_("v1")  # a version that loads is kept
 
 
+def test_a_version_the_config_does_not_list_names_both_ways_out(
+    tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    """After a promote the queue's stable version may be one an older config does not list:
+    'roll back' alone was advice that failed there (no candidate to roll back)."""
+    from batching.compose import versions
+
+    models_ = versions.ModelSet(make_config(tmp_path, ckpt))
+    with pytest.raises(errors.ConfigError) as found:
+        models_("v9")
+    assert str(found.value).endswith(
+        "add it under model_versions (a version promoted since: make it the config's model), "
+        "or, if it is a rollout's candidate, roll it back with `batching rollout rollback`"
+    )
+
+
 # ----------------------------------------------------------------------------- kills
 
 
