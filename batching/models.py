@@ -351,13 +351,32 @@ class LaneStats:
     tenant: str
     ready: int = 0
     leased: int = 0
-    done: int = 0
+    done: int | None = 0  # None: not counted (``SqlQueue.stats(done=False)``)
     dead: int = 0
     expired: int = 0
     cancelled: int = 0
     expired_leases: int = 0
     oldest_ready_age_s: float | None = None
     backoff: int = 0  # ready items not due yet: waiting out a retry's backoff
+
+    @staticmethod
+    def merge(a: LaneStats, b: LaneStats) -> LaneStats:
+        """The counts of one group read in two parts (``SqlQueue.stats``: a state at a time)."""
+        ages = [x for x in (a.oldest_ready_age_s, b.oldest_ready_age_s) if x is not None]
+        return LaneStats(
+            a.queue,
+            a.lane,
+            a.tenant,
+            ready=a.ready + b.ready,
+            leased=a.leased + b.leased,
+            done=None if a.done is None or b.done is None else a.done + b.done,
+            dead=a.dead + b.dead,
+            expired=a.expired + b.expired,
+            cancelled=a.cancelled + b.cancelled,
+            expired_leases=a.expired_leases + b.expired_leases,
+            oldest_ready_age_s=max(ages) if ages else None,
+            backoff=a.backoff + b.backoff,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,9 +390,11 @@ class QueueStats:
     backoff: int = 0  # ready items not due yet: waiting out a retry's backoff
 
     @classmethod
-    def of(cls, groups: tuple[LaneStats, ...]) -> QueueStats:
-        """The totals of these (queue, lane, tenant) rows."""
-        by_state = {s.name.lower(): sum(getattr(g, s.name.lower()) for g in groups) for s in State}
+    def of(cls, groups: tuple[LaneStats, ...], *, done: bool = True) -> QueueStats:
+        """The totals of these (queue, lane, tenant) rows; without ``done`` (not counted),
+        ``by_state`` has no ``done``."""
+        names = [s.name.lower() for s in State if done or s is not State.DONE]
+        by_state = {n: sum(getattr(g, n) or 0 for g in groups) for n in names}
         ages = [g.oldest_ready_age_s for g in groups if g.oldest_ready_age_s is not None]
         return cls(
             by_state=by_state,

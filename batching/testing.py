@@ -402,17 +402,19 @@ class InMemoryQueue:
 
     # -- operations --------------------------------------------------------------------------
 
-    def stats(self, *, all_queues: bool = False) -> models.QueueStats:
-        """Counts by state, oldest ready age and expired leases, per (queue, lane, tenant)."""
+    def stats(self, *, all_queues: bool = False, done: bool = True) -> models.QueueStats:
+        """Counts by state, oldest ready age and expired leases, per (queue, lane, tenant);
+        without ``done``, done items are not counted (None), as ``SqlQueue.stats``."""
         now = self.clock()
         groups: dict[tuple[str, str, str], list[ItemRow]] = {}
         with self._store.lock:
             rows = list(self._store.rows.values() if all_queues else self._mine())
         for row in rows:
-            key = (row.item.queue, row.item.lane, row.item.tenant)
-            groups.setdefault(key, []).append(row)
+            if done or row.state is not models.State.DONE:
+                key = (row.item.queue, row.item.lane, row.item.tenant)
+                groups.setdefault(key, []).append(row)
         return models.QueueStats.of(
-            tuple(_lane_stats(k, v, now) for k, v in sorted(groups.items()))
+            tuple(_lane_stats(k, v, now, done) for k, v in sorted(groups.items())), done=done
         )
 
     def redrive(
@@ -453,7 +455,9 @@ class InMemoryQueue:
         return list(self._store.archive)
 
 
-def _lane_stats(key: tuple[str, str, str], rows: list[ItemRow], now: float) -> models.LaneStats:
+def _lane_stats(
+    key: tuple[str, str, str], rows: list[ItemRow], now: float, done: bool = True
+) -> models.LaneStats:
     count = {s: sum(1 for r in rows if r.state is s) for s in models.State}
     ready = [r for r in rows if r.state is models.State.READY]
     expired = sum(
@@ -470,7 +474,7 @@ def _lane_stats(key: tuple[str, str, str], rows: list[ItemRow], now: float) -> m
         tenant=key[2],
         ready=count[models.State.READY],
         leased=count[models.State.LEASED],
-        done=count[models.State.DONE],
+        done=count[models.State.DONE] if done else None,
         dead=count[models.State.DEAD],
         expired=count[models.State.EXPIRED],
         cancelled=count[models.State.CANCELLED],

@@ -21,6 +21,12 @@ every batch and whenever the database changes: N rounds of two items enqueued, a
 to 64 that takes them (``columns=True``), a claim that finds nothing, the ack. Milliseconds
 of this thread's CPU (``time.thread_time``) a claim of each kind, and an ack.
 
+``--stats N``: instead, how long ``batching status`` and a metrics scrape take to count a
+queue table of N done items and 750 live ones (1,000 enqueued: 500 ready, 250 leased, 250
+done; then the done rows copied up to N): milliseconds, the median of three, for the live states alone
+(``stats(done=False)``: what a scrape, a score flow's precondition and a run's closing note
+read) and for every state (``stats()``, which reads each done item).
+
 ``--unprepared``: PostgreSQL's connections prepare no statement. By default psycopg 3 prepares
 a statement on the server on its sixth execution on a connection, and the queue's verbs
 render the same SQL every time, so they run prepared; this measures what that saves.
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import platform
 import tempfile
 import time
@@ -45,7 +52,7 @@ from batching import models
 from batching.ingress import ingest
 from batching.ingress import queue as q
 from batching.model import workloads
-from batching.store import database
+from batching.store import database, schema
 
 
 def _records(n: int, tenants: int = 1) -> list[models.EnqueueRecord]:
@@ -117,6 +124,46 @@ def measure_w1(url: str, n_items: int, claim_size: int) -> tuple[float, float]:
         gc.unfreeze()
     engine.dispose()
     return claim_s / n_items * 1e6, ack_s / n_items * 1e6
+
+
+def measure_stats(url: str, n_done: int) -> tuple[float, float]:
+    """Milliseconds to count the states of a queue of ``n_done`` done items and 750 live
+    ones: the live states alone (NaN where ``stats`` cannot leave done out), and all."""
+    engine = _engine(url)
+    queue = q.SqlQueue(engine, "stats")
+    queue.migrate()
+    queue.enqueue(_records(1000, tenants=4))
+    claim = queue.claim(500, lease_s=600)
+    queue.ack(claim.lease_id, [i.id for i in claim.items[:250]])
+    t = schema.items
+    cols = [c for c in t.c if c.name != "id"]
+    with engine.begin() as conn:
+        have, k = 250, 0
+        while have < n_done:
+            k += 1
+            copied = [c + f"-{k}" if c.name == "item_key" else c for c in cols]
+            step = min(have, n_done - have)  # every done row, copied (rowcount is -1 on psycopg)
+            more = sa.select(*copied).where(t.c.state == 2).limit(step)
+            conn.execute(t.insert().from_select([c.name for c in cols], more))
+            have += step
+        if engine.dialect.name == "postgresql":
+            conn.execute(sa.text("ANALYZE batching_items"))
+
+    def ms(count: Callable[[], Any]) -> float:
+        took = []
+        for _ in range(3):
+            started = time.perf_counter()
+            count()
+            took.append((time.perf_counter() - started) * 1e3)
+        return sorted(took)[1]
+
+    try:
+        live = ms(lambda: queue.stats(all_queues=True, done=False))
+    except TypeError:  # a version before stats(done=...)
+        live = math.nan
+    whole = ms(lambda: queue.stats(all_queues=True))
+    engine.dispose()
+    return live, whole
 
 
 def measure_enqueue(url: str, n_items: int) -> tuple[float, float]:
@@ -200,6 +247,12 @@ def main() -> None:
         help="instead: N rounds of a claim of two items and an empty one, CPU ms each",
     )
     parser.add_argument(
+        "--stats",
+        type=int,
+        metavar="N",
+        help="instead: ms to count a queue of N done items (live states alone, and all)",
+    )
+    parser.add_argument(
         "--unprepared",
         action="store_true",
         help="PostgreSQL: prepare no statement (psycopg prepares a statement on its 6th use)",
@@ -212,6 +265,11 @@ def main() -> None:
         return
     if args.w1:
         _w1(args)
+        return
+    if args.stats:
+        results = _on_each_database(args, lambda url: measure_stats(url, args.stats))
+        title = f"{args.stats:,} done items, 750 live: milliseconds to count them"
+        _table(title, ("live", "all"), results)
         return
     if args.trickle:
         _trickle(args)

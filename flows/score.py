@@ -104,7 +104,7 @@ def validate_preconditions(
     queue = build.open_queue(cfg, res.db_url)
     try:
         queue.check_schema()
-        ready = queue.stats().by_state.get("ready", 0)
+        ready = queue.stats(done=False).by_state.get("ready", 0)
         build.open_sink(queue, res).preflight()
     finally:
         queue.engine.dispose()
@@ -222,7 +222,7 @@ def check_backlog(cfg: config.PipelineConfig, db_url: str | None) -> dict[str, A
             if controls.state(queue.engine, cfg.queue.name).paused:
                 get_run_logger().warning("queue paused: no backlog event; resume it to score")
                 return None
-            payload = events.backlog(cfg, queue.stats())
+            payload = events.backlog(cfg, queue.stats(done=False))
         finally:
             queue.engine.dispose()
     except errors.QueueError:  # after a scoring run that succeeded: not a reason to fail it

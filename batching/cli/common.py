@@ -320,7 +320,7 @@ def warn_unknown_queue(q: Any, *, controls_too: bool = False) -> None:
     """Warn that ``q``'s queue has no items, naming those that do: a mistyped ``-q`` would
     otherwise look like an idle queue (zeros, exit 0). ``controls_too`` (the queue
     controls): a queue with a control (paused, capped) before any item is known too."""
-    names = {g.queue for g in q.stats(all_queues=True).groups}
+    names = set(q.queue_names())
     has = "no items"
     if controls_too:
         from batching.ingress import controls

@@ -12,7 +12,16 @@ from typing import Annotated, Any
 
 import typer
 
-from batching.cli.common import ConfigOption, DbOverride, app, err, handle_errors, load, out
+from batching.cli.common import (
+    ConfigOption,
+    DbOverride,
+    app,
+    err,
+    handle_errors,
+    load,
+    out,
+    parse_duration,
+)
 
 DEFAULT_EXPORTER_PORT = 9465
 
@@ -72,11 +81,19 @@ def serve(
     ] = DEFAULT_EXPORTER_PORT,
     addr: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
     db: DbOverride = None,
+    done_every: Annotated[
+        str,
+        typer.Option(
+            help="Count the done items at most this often (90s, 5m): a count reads every one "
+            "of them, so it runs beside the scrapes, never in one."
+        ),
+    ] = "5m",
 ) -> None:
     """Serve the gauges, read from the tables at each scrape, over HTTP for Prometheus.
 
     Queue depth by state, oldest ready age, expired leases, pause and depth cap, the
-    lineage spool, the last reconcile.
+    lineage spool, the last reconcile. Done items are counted in the background (--done-every);
+    their series appear once the first count has finished.
 
     Runs until SIGTERM or Ctrl-C. A database that fails at scrape time shows as
     batching_exporter_up 0; the exporter keeps serving.
@@ -84,9 +101,11 @@ def serve(
     from batching.compose import build
     from batching.metrics import exporter, publish
 
+    every_s = parse_duration(done_every, "--done-every")
     cfg = load(config)
     queue = build.open_queue(cfg, build.resolve(cfg, db, None).db_url)
-    server = publish.serve(port, exporter.exporter_registry(cfg, queue), addr=addr, option="--port")
+    registry = exporter.exporter_registry(cfg, queue, done_every_s=every_s)
+    server = publish.serve(port, registry, addr=addr, option="--port")
     out.print(f"serving metrics on http://{addr}:{port}/metrics", highlight=False)
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

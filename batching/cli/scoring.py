@@ -258,7 +258,7 @@ def _explain_what_is_left(cfg: Any, db: str | None, summary: Mapping[str, object
                 f"scorers claim nothing from it until `batching queue resume {queue.queue}`",
                 highlight=False,
             )
-        stats = queue.stats()
+        stats = queue.stats(done=False)
         if stats.backoff:
             err.print(
                 f"note: {stats.backoff} item(s) of queue {queue.queue!r} are waiting out a "

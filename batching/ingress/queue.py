@@ -1528,17 +1528,30 @@ class SqlQueue:
     # -- operations --------------------------------------------------------------------------
 
     @database.reconnecting
-    def stats(self, *, all_queues: bool = False) -> models.QueueStats:
-        """Counts by state, oldest ready age and expired leases, per (queue, lane, tenant)."""
+    def stats(self, *, all_queues: bool = False, done: bool = True) -> models.QueueStats:
+        """Counts by state, oldest ready age and expired leases, per (queue, lane, tenant).
+
+        Each state is counted through its own partial index, in one snapshot, so the cost
+        follows the items still live (ready, leased, dead, expired, cancelled). ``done``: the
+        done items too, which reads every one of them (one scan of the table, ~1 s a million
+        rows on SQLite here); without it their counts are None and ``by_state`` has no
+        ``done``: what a metrics scrape, a flow's precondition or a note after a run asks.
+        """
         now = self.clock()
+        parts = (*_LIVE_PARTS, _DONE_PART) if done else _LIVE_PARTS
+        merged: dict[tuple[str, str, str], models.LaneStats] = {}
         with self.read() as conn:
             held = schema.held_by_ranges(conn)
             lapsed = None if held is None else schema.held_by_ranges(conn, lapsed_at=now)
             q = self._stats_query(now, held, lapsed)
             if not all_queues:
                 q = q.where(_T.c.queue == self.queue)
-            rows = conn.execute(q.order_by(_T.c.queue, _T.c.lane, _T.c.tenant)).all()
-        return models.QueueStats.of(tuple(_lane_stats(r, now) for r in rows))
+            for part in parts:
+                for r in conn.execute(q.where(part)):
+                    g = _lane_stats(r, now, done)
+                    key = (g.queue, g.lane, g.tenant)
+                    merged[key] = g if key not in merged else models.LaneStats.merge(merged[key], g)
+        return models.QueueStats.of(tuple(merged[k] for k in sorted(merged)), done=done)
 
     def _stats_query(
         self,
@@ -1569,6 +1582,28 @@ class SqlQueue:
                 "backoff"
             ),
         ).group_by(_T.c.queue, _T.c.lane, _T.c.tenant)
+
+    @database.reconnecting
+    def queue_names(self) -> list[str]:
+        """Every queue that has an item, in order: a seek a queue by the key index (queue,
+        item_key), not a read of every row."""
+        names: list[str] = []
+        first = sa.select(sa.func.min(_T.c.queue))
+        with self.read() as conn:
+            name = conn.execute(first).scalar()
+            while name is not None:
+                names.append(str(name))
+                name = conn.execute(first.where(_T.c.queue > name)).scalar()
+        return names
+
+    @database.reconnecting
+    def done_counts(self) -> dict[tuple[str, str, str], int]:
+        """Done items by (queue, lane, tenant), every queue's: what ``stats(done=True)`` adds
+        to the live counts, and as costly (a read of every done item)."""
+        q = sa.select(_T.c.queue, _T.c.lane, _T.c.tenant, sa.func.count()).where(_DONE_PART)
+        with self.read() as conn:
+            rows = conn.execute(q.group_by(_T.c.queue, _T.c.lane, _T.c.tenant)).all()
+        return {(r[0], r[1], r[2]): int(r[3]) for r in rows}
 
     def redrive(
         self,
@@ -1793,14 +1828,28 @@ def _shape(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(v) for v in json.loads(text)) if text else None
 
 
-def _lane_stats(r: Any, now: float) -> models.LaneStats:
+def _state_in(*codes: int) -> sa.ColumnElement[bool]:
+    """``state`` is one of ``codes``, written as literals: SQLite uses a partial index only
+    where the query's terms match its WHERE clause as written, and a bound value never does."""
+    listed: list[sa.ColumnElement[Any]] = [sa.literal_column(str(c)) for c in codes]
+    return _T.c.state == listed[0] if len(listed) == 1 else _T.c.state.in_(listed)
+
+
+# ``stats`` counts a state at a time, each through its partial index (ready; leased; dead
+# and expired; cancelled), so what it reads is the live items; done items, the bulk of an
+# old queue, only when asked (6.4M of them: 6.2 s a count on SQLite, as one query did always).
+_LIVE_PARTS = (_state_in(0), _state_in(1), _state_in(3, 4), _state_in(5))
+_DONE_PART = _state_in(2)
+
+
+def _lane_stats(r: Any, now: float, done: bool = True) -> models.LaneStats:
     return models.LaneStats(
         queue=r.queue,
         lane=r.lane,
         tenant=r.tenant,
         ready=int(r.ready or 0),
         leased=int(r.leased or 0),
-        done=int(r.done or 0),
+        done=int(r.done or 0) if done else None,
         dead=int(r.dead or 0),
         expired=int(r.expired or 0),
         cancelled=int(r.cancelled or 0),

@@ -164,7 +164,12 @@ SCORER: tuple[Metric, ...] = (
 )
 
 EXPORTER: tuple[Metric, ...] = (
-    Metric("batching_queue_items", "gauge", (*Q, "state"), "Items in the queue table by state."),
+    Metric(
+        "batching_queue_items",
+        "gauge",
+        (*Q, "state"),
+        "Items in the queue table by state (done: counted every --done-every, 5 min by default).",
+    ),
     Metric(
         "batching_queue_oldest_ready_age_seconds",
         "gauge",

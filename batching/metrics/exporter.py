@@ -3,7 +3,10 @@ they are right even when no scorer runs.
 
 * the queue table (``SqlQueue.stats(all_queues=True)``, as ``batching status --json``): items by
   state, oldest ready age and expired leases per queue and tenant (top N tenants by items,
-  the rest as ``other``);
+  the rest as ``other``). The live states are read at each scrape, through their partial
+  indexes; done items are counted in the background, at most every ``done_every_s``
+  (:class:`DoneCounts`): that count reads every done item, seconds for ten million, and a
+  scrape that waited for it would time out on an old queue;
 * the queue controls (``batching queue pause``, ``cap``): paused, depth cap;
 * the config: the queue's age bound (``backlog_alert_age_s``), ``latency_slo_s``,
   ``latency_objective``;
@@ -17,8 +20,10 @@ exporter keeps serving.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -43,6 +48,78 @@ RECONCILE_PREFIX = reconcile_result.PREFIX
 """``batching_sweeps`` rows named this plus the queue hold the last reconcile's result."""
 
 
+DONE_EVERY_S = 300.0
+"""How often the exporter counts the done items by default (``metrics serve --done-every``)."""
+
+
+class DoneCounts:
+    """The done items by (queue, lane, tenant), counted on a thread of their own, at most
+    every ``every_s``, never inside a scrape: a scrape returns the last count finished (none
+    before the first) and starts the next when it is due."""
+
+    def __init__(
+        self, queue: SqlQueue, every_s: float = DONE_EVERY_S, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.queue, self.every_s, self.clock = queue, every_s, clock
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str, str], int] | None = None
+        self._started_at: float | None = None
+        self._running: threading.Thread | None = None
+
+    def latest(self, now_too: bool = False) -> dict[tuple[str, str, str], int] | None:
+        """The last finished count (None before the first); starts a count when due, or
+        ``now_too`` (a queue appeared that no count has seen)."""
+        with self._lock:
+            now = self.clock()
+            due = now_too or self._started_at is None or now - self._started_at >= self.every_s
+            if due and self._running is None:
+                self._started_at = now
+                self._running = threading.Thread(target=self._count, name="done-count", daemon=True)
+                self._running.start()
+            return self._counts
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait for the count in progress, if any; True when none is left running."""
+        with self._lock:
+            running = self._running
+        if running is not None:
+            running.join(timeout_s)
+        return not (running is not None and running.is_alive())
+
+    def _count(self) -> None:
+        try:
+            counts = self.queue.done_counts()
+        except Exception as exc:  # the next due scrape tries again; the live gauges go on
+            logger.warning(
+                "metrics could not count the done items",
+                extra={"action": "metrics_done_count_failed", "error": str(exc)},
+            )
+            counts = None
+        with self._lock:
+            if counts is not None:
+                self._counts = counts
+            self._running = None
+
+
+def filled(
+    stats: models.QueueStats,
+    counts: dict[tuple[str, str, str], int] | None,
+    seen: set[tuple[str, str, str]],
+) -> models.QueueStats:
+    """``stats`` of the live states (``done=False``) with the done ``counts`` filled in (None:
+    none finished yet), and a group of zeros for each (queue, lane, tenant) in ``seen`` or
+    ``counts`` that has no live item now: a drained queue shows ``ready 0``, as when one
+    query counted every state, rather than no series at all."""
+    groups = {(g.queue, g.lane, g.tenant): g for g in stats.groups}
+    for key in (seen | (counts or {}).keys()) - groups.keys():
+        groups[key] = models.LaneStats(*key, done=None)
+    rows = tuple(
+        groups[k] if counts is None else dataclasses.replace(groups[k], done=counts.get(k, 0))
+        for k in sorted(groups)
+    )
+    return models.QueueStats.of(rows, done=counts is not None)
+
+
 def _family(name: str) -> GaugeMetricFamily:
     """An empty gauge family with the catalog's help and labels."""
     m = catalog.by_name()[name]
@@ -59,12 +136,18 @@ class TableCollector(Collector):
     """
 
     def __init__(
-        self, config: PipelineConfig, queue: SqlQueue, clock: Callable[[], float] = time.time
+        self,
+        config: PipelineConfig,
+        queue: SqlQueue,
+        clock: Callable[[], float] = time.time,
+        done_every_s: float = DONE_EVERY_S,
     ) -> None:
         self.config = config
         self.queue = queue
         self.clock = clock
         self.env = config.metrics.environment
+        self.done = DoneCounts(queue, done_every_s, clock)
+        self._seen: set[tuple[str, str, str]] = set()  # every group ever shown
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """Every table gauge, then ``batching_exporter_up``."""
@@ -85,7 +168,11 @@ class TableCollector(Collector):
 
     def _read(self) -> Iterator[GaugeMetricFamily]:
         now = self.clock()
-        stats = self.queue.stats(all_queues=True)
+        live = self.queue.stats(all_queues=True, done=False)
+        known = {k[0] for k in self._seen} | {g.queue for g in live.groups}
+        new = not set(self.queue.queue_names()) <= known  # its items done between scrapes
+        stats = filled(live, self.done.latest(now_too=new), self._seen)
+        self._seen.update((g.queue, g.lane, g.tenant) for g in stats.groups)
         queues = sorted({g.queue for g in stats.groups} | {self.config.queue.name})
         yield from self._queue_gauges(stats)
         yield from self._controls(queues)
@@ -96,7 +183,7 @@ class TableCollector(Collector):
     def _queue_gauges(self, stats: models.QueueStats) -> Iterator[GaugeMetricFamily]:
         volume: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         for g in stats.groups:
-            volume[g.queue][g.tenant] += sum(getattr(g, s, 0) for s in catalog.QUEUE_STATES)
+            volume[g.queue][g.tenant] += sum(getattr(g, s) or 0 for s in catalog.QUEUE_STATES)
         keep = {q: top_tenants(v, self.config.metrics.top_tenants) for q, v in volume.items()}
         items: dict[tuple[str, str], dict[str, int]] = defaultdict(
             lambda: dict.fromkeys(catalog.QUEUE_STATES, 0)
@@ -106,15 +193,17 @@ class TableCollector(Collector):
         for g in stats.groups:
             key = (g.queue, fold(g.tenant, keep[g.queue]))
             for s in catalog.QUEUE_STATES:
-                items[key][s] += getattr(g, s, 0)
+                items[key][s] += getattr(g, s) or 0
             age[key] = max(age[key], g.oldest_ready_age_s or 0.0)
             leases[key] += g.expired_leases
         f_items = _family("batching_queue_items")
         f_age = _family("batching_queue_oldest_ready_age_seconds")
         f_leases = _family("batching_queue_expired_leases")
+        counted = "done" in stats.by_state  # not before the first count has finished
         for (q, tenant), counts in sorted(items.items()):
             for s, n in counts.items():
-                f_items.add_metric([self.env, q, tenant, s], n)
+                if s != "done" or counted:
+                    f_items.add_metric([self.env, q, tenant, s], n)
             f_age.add_metric([self.env, q, tenant], age[(q, tenant)])
             f_leases.add_metric([self.env, q, tenant], leases[(q, tenant)])
         yield from (f_items, f_age, f_leases)
@@ -193,9 +282,12 @@ class TableCollector(Collector):
 
 
 def exporter_registry(
-    config: PipelineConfig, queue: SqlQueue, clock: Callable[[], float] = time.time
+    config: PipelineConfig,
+    queue: SqlQueue,
+    clock: Callable[[], float] = time.time,
+    done_every_s: float = DONE_EVERY_S,
 ) -> CollectorRegistry:
     """A registry holding only the :class:`TableCollector` (no process metrics)."""
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(TableCollector(config, queue, clock))
+    reg.register(TableCollector(config, queue, clock, done_every_s))
     return reg

@@ -184,6 +184,16 @@ sa.Index(
     postgresql_where=_CANCELLED,
     sqlite_where=_CANCELLED,
 )
+# Dead and expired items by queue (migration 17): what the live counts of ``SqlQueue.stats``
+# read without stepping through every done item; written only when an item fails or expires.
+_FAILED = sa.text("state IN (3, 4)")
+sa.Index(
+    "ix_batching_items_failed",
+    items.c.queue,
+    items.c.state,
+    postgresql_where=_FAILED,
+    sqlite_where=_FAILED,
+)
 _HAS_BATCH = sa.text("batch_id IS NOT NULL")
 sa.Index(
     "ix_batching_items_batch",
@@ -621,6 +631,12 @@ def _v16(conn: Connection) -> None:
     ranges.create(conn, checkfirst=True)
 
 
+def _v17(conn: Connection) -> None:
+    for index in items.indexes:
+        if index.name == "ix_batching_items_failed":
+            index.create(conn, checkfirst=True)
+
+
 def _add_column(conn: Connection, table: str, column: str, sql_type: str) -> None:
     if column not in {c["name"] for c in sa.inspect(conn).get_columns(table)}:
         conn.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}"))
@@ -648,6 +664,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         _v15,
     ),
     Migration(16, "range leases: one row leases a run of ready items", _v16),
+    Migration(17, "dead and expired items indexed by queue, for counts without a full scan", _v17),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

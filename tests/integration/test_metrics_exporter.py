@@ -17,7 +17,7 @@ from batching.evidence import reconcile_result
 from batching.evidence.findings import Finding, Kind, Report, Severity
 from batching.ingress import controls
 from batching.ingress.queue import SqlQueue
-from batching.metrics.exporter import exporter_registry
+from batching.metrics.exporter import TableCollector, exporter_registry
 from batching.store import database, schema
 from batching.testing import FakeClock
 
@@ -79,7 +79,14 @@ def q1(db_url: str, clock: FakeClock) -> Iterator[SqlQueue]:
 
 
 def test_queue_gauges_equal_status_and_tenants_fold(q1: SqlQueue) -> None:
-    found = scrape(cfg(top_tenants=2), q1)
+    collector = TableCollector(cfg(top_tenants=2), q1, q1.clock)
+    list(collector.collect())  # starts the count of done items
+    assert collector.done.wait(30)
+    found = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in collector.collect()
+        for s in family.samples
+    }
     stats = q1.stats(all_queues=True)
     for queue in ("q1", "q2"):
         want: dict[str, int] = {}
@@ -99,6 +106,49 @@ def test_queue_gauges_equal_status_and_tenants_fold(q1: SqlQueue) -> None:
     assert pick(found, "batching_exporter_up") == {
         ("batching_exporter_up", (("environment", "it"),)): 1.0
     }
+
+
+def done_by_queue(collector: TableCollector) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for family in collector.collect():
+        for s in family.samples:
+            if s.name == "batching_queue_items" and s.labels["state"] == "done":
+                found[s.labels["queue"]] = found.get(s.labels["queue"], 0.0) + s.value
+    return found
+
+
+def test_done_items_are_counted_beside_the_scrapes_not_in_them(
+    q1: SqlQueue, clock: FakeClock
+) -> None:
+    """A count of done items reads every one of them (seconds for millions), so a scrape
+    returns the last count finished and starts the next when due; the live states are read
+    at each scrape."""
+    acked = q1.claim(2, lease_s=60)
+    q1.ack(acked.lease_id, [i.id for i in acked.items])
+    collector = TableCollector(cfg(), q1, clock, done_every_s=60)
+    assert done_by_queue(collector) == {}  # the first count has only just started
+    assert collector.done.wait(30)
+    assert done_by_queue(collector) == {"q1": 2.0, "q2": 0.0}
+    more = q1.claim(1, lease_s=600)
+    q1.ack(more.lease_id, [i.id for i in more.items])
+    assert done_by_queue(collector) == {"q1": 2.0, "q2": 0.0}  # not due: the last count
+    q2 = SqlQueue(q1.engine, "q2", clock=clock)
+    drained = q2.claim(10, lease_s=60)
+    q2.ack(drained.lease_id, [i.id for i in drained.items])  # q2 has no live item now
+    found = {
+        (s.labels["queue"], s.labels["state"]): s.value
+        for family in collector.collect()
+        for s in family.samples
+        if s.name == "batching_queue_items"
+    }
+    assert (found[("q2", "ready")], found[("q2", "done")]) == (0.0, 0.0)  # shown, not gone
+    ready = pick(scrape(cfg(), q1), "batching_queue_items", queue="q1", state="ready")
+    assert sum(ready.values()) == q1.stats().by_state["ready"]  # live: this scrape's
+    clock.advance(61)
+    done_by_queue(collector)  # due: starts a count
+    assert collector.done.wait(30)
+    assert done_by_queue(collector) == {"q1": 3.0, "q2": 2.0}
+    assert q1.stats().by_state["done"] == 3
 
 
 def test_objectives_come_from_the_config(q1: SqlQueue) -> None:

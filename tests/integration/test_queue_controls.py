@@ -565,3 +565,37 @@ def test_enqueue_each_refuses_a_group_holding_another_tenants_key_whole(
         t = schema.items
         rows = dict(conn.execute(sa.select(t.c.item_key, t.c.tenant)).all())
     assert rows == {"theirs": "B", "mine": "A", "new-2": "A"}
+
+
+# ----------------------------------------------------------------------------- migration 17
+
+
+def test_migration_17_indexes_failed_items_and_counts_stay_the_same(queue: q.SqlQueue) -> None:
+    """Dead and expired items get a partial index, so the live counts (a scrape's) never
+    read the done items; counts of a v16 database with items of every kind are unchanged."""
+    queue.enqueue([rec("a"), rec("b"), rec("c")])
+    dead = queue.claim(1, lease_s=30)
+    queue.fail(dead.lease_id, {dead.items[0].id: "boom"}, retry=False)
+    done = queue.claim(1, lease_s=30)
+    queue.ack(done.lease_id, [done.items[0].id])
+    before = queue.stats()
+    with queue.engine.begin() as conn:  # rewind to version 16
+        conn.execute(sa.text("DROP INDEX ix_batching_items_failed"))
+        conn.execute(schema.schema_version.delete().where(schema.schema_version.c.version >= 17))
+    with pytest.raises(errors.SchemaError, match=f"version 16, expected {schema.SCHEMA_VERSION}"):
+        queue.check_schema()
+
+    result = queue.migrate()
+    assert (result.from_version, result.to_version) == (16, schema.SCHEMA_VERSION)
+    assert queue.migrate().applied is False
+    with queue.engine.connect() as conn:
+        names = {ix["name"] for ix in sa.inspect(conn).get_indexes("batching_items")}
+    assert "ix_batching_items_failed" in names
+    assert queue.stats() == before
+    assert queue.stats(done=False).by_state == {
+        "ready": 1,
+        "leased": 0,
+        "dead": 1,
+        "expired": 0,
+        "cancelled": 0,
+    }

@@ -7,6 +7,7 @@ What only a SQL queue has (migrations, transactions, plans, claim read-backs) is
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -335,6 +336,48 @@ def test_stats_counts_states_ages_and_expired_leases(queue: Queue, clock: FakeCl
     assert stats.oldest_ready_age_s == pytest.approx(40)
     assert {g.tenant for g in stats.groups} == {"t1", "t2"}
     assert claim.lease_id
+
+
+def test_stats_without_done_are_the_live_counts_of_every_state(
+    queue: Queue, clock: FakeClock
+) -> None:
+    """``done=False`` (a scrape, a flow's precondition): the same counts, read a state at a
+    time, with done not counted (None, not 0) and a group of done items only left out."""
+    other = sibling(queue, "other")
+    queue.enqueue([rec(f"r{i}", tenant="t1") for i in range(4)] + [rec("x", tenant="t2")])
+    other.enqueue([rec("o1", tenant="t3")])
+    clock.advance(5)
+    acked = queue.claim(2, lease_s=60)  # t1's first two: done
+    queue.ack(acked.lease_id, [i.id for i in acked.items])
+    failed = queue.claim(1, lease_s=60)
+    queue.fail(failed.lease_id, {failed.items[0].id: "boom"}, retry=False)  # dead
+    queue.claim(1, lease_s=5)  # leased, its lease lapses below
+    finished = other.claim(1, lease_s=60)
+    other.ack(finished.lease_id, [i.id for i in finished.items])  # queue other: done only
+    clock.advance(10)
+    whole, live = queue.stats(all_queues=True), queue.stats(all_queues=True, done=False)
+    assert whole.by_state == {
+        "ready": 1,
+        "leased": 1,
+        "done": 3,
+        "dead": 1,
+        "expired": 0,
+        "cancelled": 0,
+    }
+    assert live.by_state == {k: v for k, v in whole.by_state.items() if k != "done"}
+    assert (live.expired_leases, live.oldest_ready_age_s) == (1, whole.oldest_ready_age_s)
+    assert {g.queue for g in whole.groups} == {"contract", "other"}
+    states = ("ready", "leased", "dead", "expired", "cancelled")
+    with_live = [g for g in whole.groups if any(getattr(g, s) for s in states)]
+    assert "other" not in {g.queue for g in with_live}  # its one item is done
+    assert live.groups == tuple(dataclasses.replace(g, done=None) for g in with_live)
+    assert queue.stats(done=False).by_state == {
+        "ready": 1,
+        "leased": 1,
+        "dead": 1,
+        "expired": 0,
+        "cancelled": 0,
+    }
 
 
 def test_redrive_and_purge(queue: Queue, clock: FakeClock) -> None:
