@@ -22,7 +22,6 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -41,6 +40,7 @@ from batching.api import requests, tokens, wakeup, writer
 from batching.api.results import TERMINAL, ItemView, Results
 from batching.ingress import ingest
 from batching.ingress.watch import CommitWatch
+from batching.store import database
 
 logger = logging.getLogger(__name__)
 
@@ -313,13 +313,8 @@ def _routes(app: FastAPI, settings: Settings) -> None:
 
     @app.get("/readyz", summary="The database is reachable and its schema current (else 503).")
     def readyz() -> dict[str, bool]:
-        # An open connection still reads a SQLite file deleted under it; new items would be
-        # written to that unlinked file and lost with the process.
-        url = settings.results.engine.url
-        database = url.database or ":memory:"
-        sqlite_file = url.get_backend_name() == "sqlite" and database != ":memory:"
-        if sqlite_file and not os.path.exists(database):
-            raise errors.QueueError("the SQLite database file is gone; restore it or re-init")
+        # New items would otherwise be written to an unlinked file and lost with the process.
+        database.require_file_still_there(settings.results.engine)
         settings.results.queue("default").check_schema()
         return {"ok": True}
 

@@ -40,7 +40,7 @@ from batching.ingress import controls
 from batching.ingress.queue import SqlQueue
 from batching.metrics import catalog
 from batching.metrics.tenants import fold, top_tenants
-from batching.store import schema
+from batching.store import database, schema
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +168,7 @@ class TableCollector(Collector):
 
     def _read(self) -> Iterator[GaugeMetricFamily]:
         now = self.clock()
+        database.require_file_still_there(self.queue.engine)  # else: old figures, up 1
         live = self.queue.stats(all_queues=True, done=False)
         known = {k[0] for k in self._seen} | {g.queue for g in live.groups}
         new = not set(self.queue.queue_names()) <= known  # its items done between scrapes

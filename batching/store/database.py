@@ -216,6 +216,23 @@ def require_database(url: str) -> None:
     )
 
 
+def require_file_still_there(engine: Engine) -> None:
+    """A SQLite engine's file is where it was opened. An open connection still reads a file
+    moved or deleted under it, so a long-lived reader (the API, the metrics exporter) would
+    answer from a database nobody writes any more, and a writer would write where nobody reads.
+
+    Raises:
+        QueueError: the file is gone from its path.
+    """
+    if engine.dialect.name != "sqlite":
+        return
+    path = _sqlite_file(engine.url)
+    if path is not None and not path.exists():
+        raise errors.QueueError(  # no path: /readyz answers anyone
+            "the SQLite database file is gone from its path; restore it or run `batching init`"
+        )
+
+
 def check_intact(engine: Engine) -> None:
     """SQLite: ``PRAGMA quick_check`` (``batching init``), so an upgrade never runs on, nor
     passes, a damaged file. Other databases: nothing (their servers check their pages).

@@ -7,6 +7,7 @@ lineage spool and the last reconcile show, and a database that fails at scrape t
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -215,3 +216,30 @@ def test_a_database_failing_at_scrape_time_shows_up_0_and_does_not_raise() -> No
     finally:
         broken.engine.dispose()
     assert found == {("batching_exporter_up", (("environment", "it"),)): 0.0}
+
+
+def test_a_sqlite_file_moved_under_the_exporter_shows_up_0(
+    sqlite_url: str, clock: FakeClock, tmp_path: Path
+) -> None:
+    """Its open connection still read the moved file: the old figures, and up 1, while the
+    scorers wrote a new file at the path (or nothing)."""
+    queue = workload(sqlite_url, clock)
+    collector = TableCollector(cfg(), queue, clock)
+    try:
+        assert pick(scrape_of(collector), "batching_exporter_up") == {UP: 1.0}
+        path = Path(queue.engine.url.database or "")
+        path.rename(tmp_path / "moved.db")
+        assert scrape_of(collector) == {UP: 0.0}
+    finally:
+        queue.engine.dispose()
+
+
+UP = ("batching_exporter_up", (("environment", "it"),))
+
+
+def scrape_of(collector: TableCollector) -> dict[Key, float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in collector.collect()
+        for s in family.samples
+    }
