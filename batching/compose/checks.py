@@ -18,22 +18,25 @@ from batching.plan import check as policy
 def check_config(config: cfg.PipelineConfig, db_url: str | None = None) -> policy.PolicyReport:
     """Plan-time policy check against the config's measured service profile, after the pinned
     checkpoint of every version the registry lists (``model`` and ``model_versions``: its file
-    and sha256; a wrong digest fails here, before merge, not at the first score or the first
-    batch a rollout routes to it; nothing is deserialized).
+    and sha256, read as a scorer reads it, never unpickling code, and fitted to the model
+    built on the meta device, which holds no weights; a wrong digest, a file that does not
+    load or does not fit fails here, before merge, not at the first score or the first batch
+    a rollout routes to it).
 
     The queue's route is read from ``db_url`` (else the config's database) when it exists.
 
     Raises:
         ConfigError: ``model.name`` is neither built in nor a factory (before, the check
             blamed the service profile and advised ``batching profile``, which failed too).
-        CheckpointError: no checkpoint for a factory, a missing file, or another sha256.
+        CheckpointError: no checkpoint for a factory, a missing file, another sha256, a
+            file that does not deserialize, or one whose names or shapes are not the model's.
     """
     from batching.model import zoo
 
     for version, spec in config.registry().items():  # every version that may run
         try:
             path = zoo.checkpoint_path(spec.name, spec.checkpoint, Path(config.base_dir))
-            zoo.read_pinned(path, spec.sha256)
+            zoo.check_fits(spec.name, zoo.load_checkpoint(path, spec.sha256), path)
         except (errors.ConfigError, errors.CheckpointError) as exc:
             if version == config.model.version:
                 raise

@@ -356,14 +356,34 @@ def _as_state_dict(obj: object, path: Path) -> dict[str, torch.Tensor]:
     return obj
 
 
-def load_state(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
-    """Copy ``state`` into ``model`` (strict names and shapes; dtypes are converted).
+def check_fits(name: str, state: dict[str, torch.Tensor], path: Path) -> bool:
+    """Whether ``state`` loads into model ``name`` (strict names and shapes), the model built
+    on the meta device: no memory for its weights and none computed. False when its factory
+    cannot be built there (it computes on its tensors): not checked, the scorer's load will.
 
     Raises:
         CheckpointError: names or shapes do not match the model.
     """
     try:
-        model.load_state_dict(state, strict=True)
+        with torch.device("meta"):
+            model, _ = build(name)
+    except Exception:
+        return False
+    load_state(model, state, path, assign=True)  # meta parameters take the file's tensors
+    return True
+
+
+def load_state(
+    model: nn.Module, state: dict[str, torch.Tensor], path: Path, *, assign: bool = False
+) -> None:
+    """Copy ``state`` into ``model`` (strict names and shapes; dtypes are converted), or
+    with ``assign`` make its tensors the model's.
+
+    Raises:
+        CheckpointError: names or shapes do not match the model.
+    """
+    try:
+        model.load_state_dict(state, strict=True, assign=assign)
     except RuntimeError as exc:
         raise errors.CheckpointError(
             f"checkpoint {path} does not fit the model ({_one_line(exc, 400)}); "

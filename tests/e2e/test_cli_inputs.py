@@ -107,6 +107,29 @@ def test_a_failing_model_factory_is_one_line(tmp_path: Path) -> None:
     assert "model factory 'mymod:boom' failed: RuntimeError: no weights" in one_error_line(r)
 
 
+def test_check_refuses_a_pinned_checkpoint_that_cannot_load(tmp_path: Path) -> None:
+    """The sha256 pins the bytes, not that they load: a file of garbage, pinned by its own
+    digest, and W1's checkpoint named as W2's model both passed ``check`` and failed at the
+    first ``score``, though check is the step that runs before merge."""
+    from batching.model import zoo
+
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"garbage\n")
+    sha = hashlib.sha256(garbage.read_bytes()).hexdigest()
+    model = {"checkpoint": "garbage.safetensors", "sha256": sha}
+    r = batching("check", "-c", str(write_config(tmp_path, model=model)), cwd=tmp_path)
+    assert r.rc == 2
+    assert "garbage.safetensors is not valid safetensors" in one_error_line(r)
+
+    w1 = zoo.BUILTINS["w1-mlp"].checkpoint_path
+    wrong = {"name": "w2-text", "checkpoint": str(w1)}
+    wrong["sha256"] = hashlib.sha256(w1.read_bytes()).hexdigest()
+    r = batching("check", "-c", str(write_config(tmp_path, model=wrong)), cwd=tmp_path)
+    assert r.rc == 2
+    assert "does not fit the model" in one_error_line(r)
+    assert batching("check", "-c", str(write_config(tmp_path)), cwd=tmp_path).rc == 0
+
+
 # ----------------------------------------------------------------------------- demo
 
 
