@@ -65,13 +65,16 @@ class DoneCounts:
         self._counts: dict[tuple[str, str, str], int] | None = None
         self._started_at: float | None = None
         self._running: threading.Thread | None = None
+        self._failed = False  # the last count raised
 
     def latest(self, now_too: bool = False) -> dict[tuple[str, str, str], int] | None:
         """The last finished count (None before the first); starts a count when due, or
-        ``now_too`` (a queue appeared that no count has seen)."""
+        ``now_too`` (a queue appeared that no count has seen) unless the last count failed:
+        a count that keeps failing is tried every ``every_s``, not at every scrape."""
         with self._lock:
             now = self.clock()
-            due = now_too or self._started_at is None or now - self._started_at >= self.every_s
+            due = self._started_at is None or now - self._started_at >= self.every_s
+            due = due or (now_too and not self._failed)
             if due and self._running is None:
                 self._started_at = now
                 self._running = threading.Thread(target=self._count, name="done-count", daemon=True)
@@ -98,7 +101,7 @@ class DoneCounts:
         with self._lock:
             if counts is not None:
                 self._counts = counts
-            self._running = None
+            self._failed, self._running = counts is None, None
 
 
 def filled(
@@ -118,6 +121,9 @@ def filled(
         for k in sorted(groups)
     )
     return models.QueueStats.of(rows, done=counts is not None)
+
+
+_LIVE_STATES = tuple(s for s in catalog.QUEUE_STATES if s != "done")
 
 
 def _family(name: str) -> GaugeMetricFamily:
@@ -148,6 +154,7 @@ class TableCollector(Collector):
         self.env = config.metrics.environment
         self.done = DoneCounts(queue, done_every_s, clock)
         self._seen: set[tuple[str, str, str]] = set()  # every group ever shown
+        self._reading = threading.Lock()  # scrapes may come on several threads at once
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """Every table gauge, then ``batching_exporter_up``."""
@@ -170,10 +177,11 @@ class TableCollector(Collector):
         now = self.clock()
         database.require_file_still_there(self.queue.engine)  # else: old figures, up 1
         live = self.queue.stats(all_queues=True, done=False)
-        known = {k[0] for k in self._seen} | {g.queue for g in live.groups}
-        new = not set(self.queue.queue_names()) <= known  # its items done between scrapes
-        stats = filled(live, self.done.latest(now_too=new), self._seen)
-        self._seen.update((g.queue, g.lane, g.tenant) for g in stats.groups)
+        with self._reading:
+            known = {k[0] for k in self._seen} | {g.queue for g in live.groups}
+            new = not set(self.queue.queue_names()) <= known  # its items done between scrapes
+            stats = filled(live, self.done.latest(now_too=new), self._seen)
+            self._seen.update((g.queue, g.lane, g.tenant) for g in stats.groups)
         queues = sorted({g.queue for g in stats.groups} | {self.config.queue.name})
         yield from self._queue_gauges(stats)
         yield from self._controls(queues)
@@ -184,7 +192,9 @@ class TableCollector(Collector):
     def _queue_gauges(self, stats: models.QueueStats) -> Iterator[GaugeMetricFamily]:
         volume: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         for g in stats.groups:
-            volume[g.queue][g.tenant] += sum(getattr(g, s) or 0 for s in catalog.QUEUE_STATES)
+            # Ranked by the live states, read fresh at each scrape: with the done count (a few
+            # minutes old, absent at first) the top tenants flipped when a count landed.
+            volume[g.queue][g.tenant] += sum(getattr(g, s) for s in _LIVE_STATES)
         keep = {q: top_tenants(v, self.config.metrics.top_tenants) for q, v in volume.items()}
         items: dict[tuple[str, str], dict[str, int]] = defaultdict(
             lambda: dict.fromkeys(catalog.QUEUE_STATES, 0)

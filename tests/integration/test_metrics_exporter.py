@@ -99,7 +99,7 @@ def test_queue_gauges_equal_status_and_tenants_fold(q1: SqlQueue) -> None:
             got = pick(found, "batching_queue_items", queue=queue, state=state)
             assert sum(got.values()) == n, (queue, state)
     tenants = {dict(k[1])["tenant"] for k in pick(found, "batching_queue_items", queue="q1")}
-    assert tenants == {"a", "b", "other"}  # top 2 by items: a (6), b (3); c folds
+    assert tenants == {"a", "b", "other"}  # top 2 by live items: a (6), b (3); c folds
     expired = pick(found, "batching_queue_expired_leases", queue="q1")
     assert sum(expired.values()) == stats.expired_leases == 2
     ages = pick(found, "batching_queue_oldest_ready_age_seconds", queue="q1")
@@ -150,6 +150,58 @@ def test_done_items_are_counted_beside_the_scrapes_not_in_them(
     assert collector.done.wait(30)
     assert done_by_queue(collector) == {"q1": 3.0, "q2": 2.0}
     assert q1.stats().by_state["done"] == 3
+
+
+def test_a_failing_done_count_is_tried_every_done_every_not_at_each_scrape(
+    q1: SqlQueue, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue of done items the exporter has never shown starts a count at once; when that
+    count fails (a statement timeout on a long scan), it is not started again at every
+    scrape: the scan the live counts avoid, 15 s apart, for good."""
+    counts: list[int] = []
+
+    def failing() -> dict[tuple[str, str, str], int]:
+        counts.append(1)
+        raise RuntimeError("canceling statement due to statement timeout")
+
+    monkeypatch.setattr(q1, "done_counts", failing)
+    other = SqlQueue(q1.engine, "q3", clock=clock)
+    other.enqueue(records("z", 1, "z"))
+    done = other.claim(1, lease_s=60)
+    other.ack(done.lease_id, [i.id for i in done.items])  # q3: done items only
+    collector = TableCollector(cfg(), q1, clock, done_every_s=300)
+    for _ in range(10):
+        assert pick(scrape_of(collector), "batching_exporter_up") == {UP: 1.0}
+        assert collector.done.wait(30)
+        clock.advance(15)
+    assert len(counts) == 1  # 150 s: the first count only
+    clock.advance(300)
+    scrape_of(collector)
+    assert collector.done.wait(30)
+    assert len(counts) == 2
+
+
+def test_top_tenants_are_ranked_by_live_items_as_each_scrape_reads_them(
+    db_url: str, clock: FakeClock
+) -> None:
+    """Ranked with the done count (absent at first, minutes old later), the top tenant
+    flipped when a count landed and its series went stale."""
+    queue = SqlQueue(database.create_engine(db_url), "q1", clock=clock)
+    queue.enqueue(records("a", 20, "a"))
+    claim = queue.claim(19, lease_s=60)
+    assert queue.ack(claim.lease_id, [i.id for i in claim.items]) == 19
+    queue.enqueue(records("b", 3, "b"))
+    collector = TableCollector(cfg(top_tenants=1), queue, clock)
+    try:
+        shown = []
+        for _ in range(2):
+            found = scrape_of(collector)
+            tenants = {dict(k[1])["tenant"] for k in pick(found, "batching_queue_items")}
+            shown.append(tenants)
+            assert collector.done.wait(30)
+        assert shown == [{"b", "other"}, {"b", "other"}]  # b: 3 ready; a: 1 ready, 19 done
+    finally:
+        queue.engine.dispose()
 
 
 def test_objectives_come_from_the_config(q1: SqlQueue) -> None:
