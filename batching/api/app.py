@@ -328,7 +328,11 @@ def _routes(app: FastAPI, settings: Settings) -> None:
                 "content": {"application/json": {"schema": requests.BODY_SCHEMA}},
             }
         },
-        responses={200: {"description": "every item was already present"}, **_ERRORS},
+        responses={
+            200: {"description": "every item was already present"},
+            404: {"description": _NOT_SERVED},
+            **_ERRORS,
+        },
     )
     async def post_items(
         request: Request, queue: Served, tenant: Tenant, wait_s: WaitS = 0.0
@@ -363,7 +367,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
     @app.get(
         "/v1/queues/{queue}",
         summary="The queue's depth by state for the token's tenant, as `batching status --json`.",
-        responses=_ERRORS,
+        responses={404: {"description": _NOT_SERVED}, **_ERRORS},
     )
     def get_queue(queue: Served, tenant: Tenant) -> dict[str, Any]:
         return settings.results.stats(queue, tenant)
@@ -371,7 +375,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
     @app.get(
         "/v1/queues/{queue}/items/{item_key:path}",
         summary="An item's state and committed result; wait_s long-polls until it is final.",
-        responses={404: {"description": "no such item"}, **_ERRORS},
+        responses={404: {"description": f"no such item, or {_NOT_SERVED}"}, **_ERRORS},
     )
     async def get_item(
         request: Request, queue: Served, item_key: ItemKey, tenant: Tenant, wait_s: WaitS = 0.0
@@ -380,6 +384,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         return JSONResponse(view.doc())
 
 
+_NOT_SERVED = "a queue this API does not serve (only its config's queue.name)"
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"description": what}
     for code, what in (

@@ -554,6 +554,12 @@ def test_health_readiness_and_the_openapi_schema(client: TestClient, tmp_path: P
     assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     assert post["security"] == [{"HTTPBearer": []}]
     assert "authorization" not in {p["name"].lower() for p in post.get("parameters", [])}
+    for path, verb in (
+        ("/v1/queues/{queue}/items", "post"),
+        ("/v1/queues/{queue}", "get"),
+        ("/v1/queues/{queue}/items/{item_key}", "get"),
+    ):  # a queue other than the config's is a 404: a generated client knows it
+        assert "does not serve" in schema["paths"][path][verb]["responses"]["404"]["description"]
 
 
 def test_an_output_that_cannot_be_read_fails_its_own_polls_only_without_server_paths(
