@@ -85,12 +85,14 @@ def score_rows(
         row_errors[i] = reason
     whole = None
     if n > 0 and len(failures) == n:  # not one row scored: not the shard's output
-        # Refused one by one (a payload the model cannot read: the wrong model for the data,
-        # most often), a file of errors committed as the shard's output would mark the data
-        # scored for good; failing the shard leaves a dead item to redrive once it is fixed.
-        whole = (
-            errs[-1] if errs else f"every row of the shard was refused, the first: {row_errors[0]}"
-        )
+        # Refused one by one, every row of several (a payload the model cannot read: the
+        # wrong model for the data, most often), a file of errors committed as the shard's
+        # output would mark the data scored for good; failing the shard leaves a dead item to
+        # redrive once it is fixed. A shard of one row is that row's: it fails alone.
+        if errs:
+            whole = errs[-1]
+        elif n > 1:
+            whole = f"every row of the shard was refused, the first: {row_errors[0]}"
     return Scored(out, row_errors, len(failures), sizes, service, real, padded, whole, len(errs))
 
 

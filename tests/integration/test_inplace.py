@@ -546,6 +546,28 @@ def test_a_shard_whose_every_row_is_refused_is_not_committed(
     queue.engine.dispose()
 
 
+def test_a_shard_of_one_refused_row_commits_it_as_that_rows_error(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """One row, refused: the row's own fault, as it would be among others (a dead shard
+    would stay dead however often it is redriven)."""
+    c = config(tmp_path)
+    migrate(sqlite_url, c)
+    (tmp_path / "in").mkdir()
+    pq.write_table(
+        pa.table({"payload": [json.dumps({"x": [1.0, 2.0]})]}), tmp_path / "in" / "one.parquet"
+    )
+    found, _ = inplace.enqueue_shards(c, sqlite_url, tmp_path / "in")
+    outcome = wiring.run_score(
+        c, db_url=sqlite_url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(found)
+    )
+    assert (outcome.summary["items_committed"], outcome.summary["items_failed"]) == (0, 1)
+    table = outputs(tmp_path / "out")
+    assert table.num_rows == 1
+    assert "64" in table.column("error")[0].as_py()
+    assert the_shard(sqlite_url, c).state == 2  # done: its one row answered, with its error
+
+
 def test_a_shard_failing_batch_after_batch_trips_the_breaker(
     sqlite_url: str, tmp_path: Path
 ) -> None:
