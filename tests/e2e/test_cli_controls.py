@@ -88,6 +88,7 @@ def test_pause_cap_cancel_resume_and_their_audit(tmp_path: Path) -> None:
     assert queue("pause", "side", "--reason", "drill", cwd=tmp_path)["changed"] is True
     every = queue("audit", cwd=tmp_path)["rows"]
     assert isinstance(every, list)
+    assert isinstance(rows, list)
     assert len(every) == len(rows) + 1  # every queue's
     by_config = queue("audit", "-c", str(config), cwd=tmp_path)["rows"]  # its queue's alone
     assert by_config == rows  # once every queue's: -c names the queue, as for every control
