@@ -337,12 +337,11 @@ class ShardScorer:
             with self._lock:
                 self._held.discard(claim.lease_id)
             self._trip(breaker.Trip((), tuple(scored.sizes), reason))
-        result = self.queue.fail(claim.lease_id, {item.id: reason})
+        self.queue.fail(claim.lease_id, {item.id: reason})
         self.observer.failed([item], retry=True)
         with self._lock:
             self._held.discard(claim.lease_id)
-        if result.dead:
-            self.stats.failed += int(item.cost)  # its rows
+        self.stats.failed += int(item.cost)  # its rows, retried or dead, as a failed item counts
         logger.error(
             "every row of a shard failed; the shard goes back to the queue",
             extra={"action": "shard_failed", "item_key": item.item_key, "error": reason},
