@@ -114,6 +114,13 @@ def _translated(what: str) -> Iterator[None]:
         raise errors.SinkError(f"{what}: {redact_url(str(exc))}") from exc
 
 
+_FILE_FIX = (
+    "; a data file the table lists is gone or damaged: move a damaged one out of the table's "
+    "folder, then `batching maintain -c CONFIG` takes the files that are gone out of the table "
+    "and `batching reconcile -c CONFIG --repair` scores their items again"
+)
+
+
 def sql_literal(value: str) -> str:
     """``value`` as a SQL string literal for a delta-rs predicate."""
     return "'" + value.replace("'", "''") + "'"
@@ -303,12 +310,22 @@ class DeltaSink(outbox.OutboxSink):
                     "table's minimum or more (nothing was done)"
                 ) from None
         with _translated(f"cannot maintain the Delta table {self._shown}"):
+            # A file the log lists that is gone can be read by no one, so nothing compacts:
+            # its entry goes (a commit of its own, in the table's history), and the next
+            # reconcile finds its items without an output, which --repair scores again.
+            gone = self.table().repair(dry_run=False).get("files_removed", [])
+            if gone:
+                logger.warning(
+                    "files gone from the Delta table taken out of its log",
+                    extra={"action": "delta_missing_files", "n_files": len(gone)},
+                )
             compacted = self.table().optimize.compact()
             dt = self.table()
             dt.create_checkpoint()
             removed = dt.vacuum(retention_hours=hours, dry_run=False)
             self.table().cleanup_metadata()
         return {
+            "missing_files_dropped": len(gone),
             "files_added": compacted.get("numFilesAdded", 0),
             "files_removed": compacted.get("numFilesRemoved", 0),
             "checkpoint_version": dt.version(),
@@ -422,7 +439,15 @@ class DeltaSink(outbox.OutboxSink):
         shown = redact_url(uri)
         with _translated(f"cannot read the Delta table {shown}"):
             table = DeltaTable(uri, storage_options=dict(storage_options or {}) or None)
-            return pa.table(QueryBuilder().register("t", table).execute(sql).read_all())
+            try:
+                return pa.table(QueryBuilder().register("t", table).execute(sql).read_all())
+            except (DeltaError, OSError, pa.ArrowException):
+                raise
+            except Exception as exc:  # DataFusion's own, a plain Exception: a file it read
+                raise errors.SinkError(
+                    f"cannot read the Delta table {shown}: {redact_url(' '.join(str(exc).split()))}"
+                    f"{_FILE_FIX if 'parquet' in str(exc).lower() else ''}"
+                ) from exc
 
     def _query(self, sql: str) -> pa.Table:
         return self.read(self.uri, sql, storage_options=self.storage_options)

@@ -505,6 +505,37 @@ def test_delta_housekeeping_compacts_checkpoints_and_vacuums(
     assert reconcile(queue, table, clock).findings == ()
 
 
+def test_a_delta_data_file_lost_is_named_then_maintain_and_repair_score_its_items_again(
+    queue: q.SqlQueue, table: delta.DeltaSink, clock: FakeClock
+) -> None:
+    """A file the log lists is gone: every read of the table fails. It was 'an unexpected
+    Exception ... (a bug)' from reconcile, --repair and maintain alike, with no way back."""
+    lost = scored(claim(queue, ["a", "b"]), clock)
+    table.commit(lost)
+    kept = scored(claim(queue, ["c"]), clock)
+    table.commit(kept)
+    (gone,) = [f for f in Path(table.uri).rglob("*.parquet") if "_delta_log" not in str(f)][:1]
+    gone.unlink()
+    with pytest.raises(errors.SinkError) as failed:
+        reconcile(queue, table, clock)
+    message = str(failed.value)
+    assert message.startswith(f"cannot read the Delta table {table.uri}: ")
+    assert "`batching maintain -c CONFIG` takes the files that are gone out of the table" in message
+    assert "\n" not in message
+    assert table.maintain()["missing_files_dropped"] == 1
+    report = reconcile(queue, table, clock)
+    assert [(f.kind, f.severity) for f in report.findings] == [
+        (Kind.MISSING_FILE, Severity.CRITICAL)
+    ]
+    reconcile(queue, table, clock, repair=True)
+    again = queue.claim(10, lease_s=30)
+    first = {i.item_key for i in again.items}
+    assert first in ({"a", "b"}, {"c"})  # the file of whichever batch was removed
+    table.commit(scored(again, clock))
+    assert reconcile(queue, table, clock).findings == ()
+    assert sorted(r["item_key"] for r in delta_rows(table.uri)) == ["a", "b", "c"]
+
+
 def test_reconcile_of_another_delta_location_says_so_and_creates_nothing(
     queue: q.SqlQueue, table: delta.DeltaSink, clock: FakeClock, tmp_path: Path
 ) -> None:
