@@ -78,6 +78,22 @@ def test_an_item_that_kills_its_scorer_dies_alone_and_its_batch_mates_commit(
     assert 3 <= deaths <= 9
 
 
+def hung_runs(score: list[str], cwd: Path, env: dict[str, str] | None = None) -> list[str]:
+    """Run ``score`` until it exits 0 (at most 10 times): each run before stops with the
+    watchdog's ForwardHung (exit 1, its one line); returns those runs' stderr."""
+    hangs: list[str] = []
+    for _ in range(10):
+        proc = subprocess.run(
+            score, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+        if proc.returncode == 0:
+            return hangs
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert "past queue.forward_timeout_s (1 s)" in proc.stderr, proc.stderr[-2000:]
+        hangs.append(proc.stderr)
+    pytest.fail(f"still hanging after {len(hangs)} runs")
+
+
 @pytest.mark.slow
 def test_an_item_that_hangs_the_forward_pass_dies_alone_and_its_batch_mates_commit(
     sqlite_url: str, tmp_path: Path
@@ -100,18 +116,7 @@ def test_an_item_that_hangs_the_forward_pass_dies_alone_and_its_batch_mates_comm
     enqueue(sqlite_url, config, records)
     score = [sys.executable, str(DIE_ON), KILLER, "hang", "--"]
     score += ["score", "-c", str(path), "--db", sqlite_url, "--quiet", "--until-empty"]
-    hangs = []
-    for _ in range(10):  # a batch of <= 8: rounds of 4, 2, then 2 hangs alone (charged)
-        proc = subprocess.run(
-            score, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
-        )
-        if proc.returncode == 0:
-            break
-        assert proc.returncode == 1, proc.stderr[-2000:]
-        assert "past queue.forward_timeout_s (1 s)" in proc.stderr, proc.stderr[-2000:]
-        hangs.append(proc.stderr)
-    else:
-        pytest.fail(f"still hanging after {len(hangs)} runs")
+    hangs = hung_runs(score, tmp_path)  # a batch of <= 8: rounds of 4, 2, then 2 alone
 
     killer = the_killer_died_alone(sqlite_url, tmp_path)
     assert killer.last_error.startswith("forward pass hung on this item, scored alone")
@@ -154,24 +159,7 @@ def test_a_hang_in_one_of_several_workers_dies_alone_and_the_run_ends(
     enqueue(sqlite_url, config, records)
     score = [BATCHING, "score", "-c", str(path), "--db", sqlite_url, "--quiet", "--until-empty"]
     env = os.environ | {"PYTHONPATH": str(Path(__file__).parents[2])}
-    hangs = []
-    for _ in range(10):
-        proc = subprocess.run(
-            [*score, "--workers", "2"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        if proc.returncode == 0:
-            break
-        assert proc.returncode == 1, proc.stderr[-2000:]
-        assert "past queue.forward_timeout_s (1 s)" in proc.stderr, proc.stderr[-2000:]
-        hangs.append(proc.stderr)
-    else:
-        pytest.fail(f"still hanging after {len(hangs)} runs")
+    hangs = hung_runs([*score, "--workers", "2"], tmp_path, env)
 
     killer = the_killer_died_alone(sqlite_url, tmp_path)
     assert killer.last_error.startswith("forward pass hung on this item, scored alone")

@@ -499,19 +499,24 @@ def the_shard(url: str, c: cfg.PipelineConfig) -> Any:
     return row
 
 
+def failed_twice(url: str, c: cfg.PipelineConfig, found: Any) -> Any:
+    """Two runs of the shard, each committing nothing (its two attempts); its row after."""
+    for _ in range(2):
+        outcome = wiring.run_score(
+            c, db_url=url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(found)
+        )
+        assert outcome.summary["items_committed"] == 0
+        time.sleep(0.05)  # past the retry backoff
+    return the_shard(url, c)
+
+
 def test_a_model_failing_every_row_sends_the_shard_back(sqlite_url: str, tmp_path: Path) -> None:
     """Every forward pass fails (a broken device), in one micro-batch: not the rows' fault,
     so no file of errors is committed; the shard goes back to the queue with its attempt
     counted, and is dead with the model's error once its attempts run out."""
     c = storm_config(tmp_path, sqlite_url, max_batch_size=2048)
     found, _ = inplace.enqueue_shards(c, sqlite_url, tmp_path / "in")
-    for _ in range(2):
-        outcome = wiring.run_score(
-            c, db_url=sqlite_url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(found)
-        )
-        assert outcome.summary["items_committed"] == 0
-        time.sleep(0.05)  # past the retry backoff
-    row = the_shard(sqlite_url, c)
+    row = failed_twice(sqlite_url, c, found)
     assert (row.state, row.attempts) == (3, 2)
     assert "illegal memory access" in row.last_error
     assert not list((tmp_path / "out").rglob("*.parquet"))
@@ -530,13 +535,7 @@ def test_a_shard_whose_every_row_is_refused_is_not_committed(
     payload = pa.FixedSizeListArray.from_arrays(pa.array(np.ones(40 * 63, np.float32)), 63)
     pq.write_table(pa.table({"payload": payload}), tmp_path / "in" / "narrow.parquet")
     found, _ = inplace.enqueue_shards(c, sqlite_url, tmp_path / "in")
-    for _ in range(2):
-        outcome = wiring.run_score(
-            c, db_url=sqlite_url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(found)
-        )
-        assert outcome.summary["items_committed"] == 0
-        time.sleep(0.05)  # past the retry backoff
-    row = the_shard(sqlite_url, c)
+    row = failed_twice(sqlite_url, c, found)
     assert (row.state, row.attempts) == (3, 2)
     assert row.last_error.startswith("every row of the shard was refused, the first: ")
     assert "(64,)" in row.last_error
