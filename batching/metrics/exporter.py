@@ -2,8 +2,8 @@
 they are right even when no scorer runs.
 
 * the queue table (``SqlQueue.stats(all_queues=True)``, as ``batching status --json``): items by
-  state, oldest ready age and expired leases per queue and tenant (top N tenants by items,
-  the rest as ``other``). The live states are read at each scrape, through their partial
+  state, oldest ready age and expired leases per queue and tenant (top N tenants by items not
+  done, the rest as ``other``). The live states are read at each scrape, through their partial
   indexes; done items are counted in the background, at most every ``done_every_s``
   (:class:`DoneCounts`): that count reads every done item, seconds for ten million, and a
   scrape that waited for it would time out on an old queue;
