@@ -78,6 +78,16 @@ def test_an_item_that_kills_its_scorer_dies_alone_and_its_batch_mates_commit(
     assert 3 <= deaths <= 9
 
 
+# The watchdog's tests: a pass is stopped 1 s in, and the lease (1.5 s) is ended by the
+# watchdog, not left to run out; retries come back at once.
+HANG_QUEUE = {
+    "lease_s": 1.5,
+    "forward_timeout_s": 1.0,
+    "max_attempts": MAX_ATTEMPTS,
+    "backoff_base_s": 0.01,
+}
+
+
 def hung_runs(score: list[str], cwd: Path, env: dict[str, str] | None = None) -> list[str]:
     """Run ``score`` until it exits 0 (at most 10 times): each run before stops with the
     watchdog's ForwardHung (exit 1, its one line); returns those runs' stderr."""
@@ -104,12 +114,7 @@ def test_an_item_that_hangs_the_forward_pass_dies_alone_and_its_batch_mates_comm
         "tabular.yaml",
         tmp_path,
         batching={"max_batch_size": 8, "claim_size": 32, "max_wait_s": 0.01},
-        queue={
-            "lease_s": 1.5,
-            "forward_timeout_s": 1.0,
-            "max_attempts": MAX_ATTEMPTS,
-            "backoff_base_s": 0.01,
-        },
+        queue=HANG_QUEUE,
     )
     config = cfg.load_config(path)
     records = [replace(r, max_attempts=MAX_ATTEMPTS) for r in w1_records(N, tmp_path)]
@@ -144,12 +149,7 @@ def test_a_hang_in_one_of_several_workers_dies_alone_and_the_run_ends(
             "checkpoint": str(shipped.checkpoint_path),
         },
         batching={"max_batch_size": 8, "claim_size": 16, "max_wait_s": 0.01},
-        queue={
-            "lease_s": 1.5,
-            "forward_timeout_s": 1.0,
-            "max_attempts": MAX_ATTEMPTS,
-            "backoff_base_s": 0.01,
-        },
+        queue=HANG_QUEUE,
     )
     config = cfg.load_config(path)
     lines = [json.loads(line) for line in workloads.w1_json_lines(N)]
