@@ -1585,7 +1585,7 @@ class SqlQueue:
 
     @database.reconnecting
     def queue_names(self) -> list[str]:
-        """Every queue that has an item, in order: a seek a queue by the key index (queue,
+        """Every queue that has an item, in order: one seek per queue on the key index (queue,
         item_key), not a read of every row."""
         names: list[str] = []
         first = sa.select(sa.func.min(_T.c.queue))
