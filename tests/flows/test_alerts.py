@@ -83,7 +83,9 @@ def test_a_reconcile_alert_reaches_the_webhook_in_words_with_the_flow_run_url(
     """Through the real automation: Prefect renders the template and POSTs it. Before, the body
     was ``Critical findings ['lost_write', ...] ... (counts {'lost_write': 2, ...})``."""
     alerts.create(webhook)
-    pipeline = make_pipeline(tmp_path, 100, batching={"max_batch_size": 25, "claim_size": 50})
+    # A file a batch (nothing waits to be committed with another): one is deleted, three stay.
+    one_file_a_batch = {"max_batch_size": 25, "claim_size": 50, "max_inflight_batches": 1}
+    pipeline = make_pipeline(tmp_path, 100, batching=one_file_a_batch)
     upstream = run_id_of(score(**pipeline.params(), return_state=True))
     sorted(pipeline.output.rglob("*.parquet"))[0].unlink()
     failed = reconcile(**pipeline.params(upstream_flow_run_id=upstream), return_state=True)
