@@ -34,6 +34,15 @@ Policy:
   that buckets, which take turns by it, keep taking turns. Blocks of different tenants go to
   the buckets for it. One tenant: the order above, nothing ranked. A flush cuts by length as
   below, items of one cost in the fair order.
+- **Light tenants first (``fair`` and ``adaptive``).** A tenant whose recent arrivals (items
+  over weight, decayed with a 2 s half-life) are at most a quarter of the heaviest tenant's is
+  *light*. While a light tenant has an item pending, the next batch goes from the ready
+  bucket of its oldest item instead of the buckets' turn, and light items of shorter buckets
+  ride in it (padded to its length, within ``max_batch_size`` and the padded
+  ``max_batch_cost``; the flood's items make room). A pass serves one bucket and a flood fills
+  them all, so a light item otherwise waited for its bucket's turn behind the flood. Not when
+  the most urgent bucket's budget is spent: it goes, or its items would be late. Tenants of
+  one rate are never light, and their batches are as without the rule.
 - **Who (bulk, ``flush=True`` and ``drain``).** The batch is built around the bucket's most
   urgent item (the anchor) and filled with the items nearest to it in cost, then sorted by cost.
   Many pending items therefore give full, length-sorted batches with little padding, while the
@@ -84,10 +93,11 @@ import bisect
 import collections
 import datetime
 import functools
+import heapq
 import itertools
 import math
 import operator
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
@@ -112,6 +122,9 @@ class Late:
 
 
 _Entry = TypeVar("_Entry", bound=tuple[Any, ...])
+_LIGHT_RATIO = 4  # a tenant is light while it sends at most 1/4 of the heaviest's rate
+_LIGHT_HALF_LIFE_S = 2.0  # of the tenants' arrival counts
+_LIGHT_FORGET = 0.01  # a tenant's count below this is dropped (gone quiet)
 _COMPACT_SLACK = 64  # stale entries tolerated before a rebuild, beyond 2x live items
 # The per-item work below runs as map/zip over items with models' field getters (C calls),
 # not as a Python step per item (the batcher held ~22% of a W1 run's GIL time that way).
@@ -393,6 +406,18 @@ class _Bucket:
         ranked.sort()
         return [entry[-1] for _, _, entry in ranked]
 
+    def seqs_of(self, tenants: Collection[str]) -> list[int]:
+        """The live seqs of ``tenants``' items, in the bucket's order (priority, deadline,
+        age): a few, since they are the light tenants' (:meth:`MicroBatcher._light_turn`)."""
+        if self._by_tenant is None:  # one tenant here
+            if not any(t in tenants for t in self.tenants):
+                return []
+            return list(self._order.live_seqs(self.items))
+        mine = [
+            self._by_tenant[t].live_entries(self.items) for t in tenants if t in self._by_tenant
+        ]
+        return [entry[-1] for entry in heapq.merge(*mine)]
+
     def cut_by_length(self, budget: _Budget, order: Sequence[int] | None = None) -> list[int]:
         """Take the most urgent item, then the items nearest to it in cost, within the budget;
         items of one cost in ``order`` (live seqs, e.g. :meth:`fair_order`) when given."""
@@ -526,6 +551,8 @@ class MicroBatcher:
         self._ids: set[int] = set()
         self._seq = itertools.count()
         self._bucket_of = functools.partial(bisect.bisect_left, self._edges)  # bucket_index
+        self._arrivals: dict[str, float] = {}  # tenant -> decayed items added (_light_tenants)
+        self._arrivals_at = -math.inf
 
     def __len__(self) -> int:
         """Number of pending items."""
@@ -602,6 +629,8 @@ class MicroBatcher:
 
     def _add_items(self, batch: list[models.WorkItem]) -> None:
         self._check_new(batch)
+        if self._fair is not None and self._adaptive is not None:
+            self._count_arrivals(batch)
         seqs = list(itertools.islice(self._seq, len(batch)))
         indexes = list(map(self._bucket_of, map(_COST, batch)))
         for index, group_seqs, group_items in _grouped(indexes, seqs, batch):
@@ -627,7 +656,10 @@ class MicroBatcher:
             best = min(states, key=lambda s: (not s.ready(now), s.rank, s.index))
             if not (flush or best.ready(now)):
                 return None
-            batch = self._release(best, now, states, by_length=flush)
+            riders: list[tuple[float, int, int]] = []
+            if not flush and self._adaptive is not None and self._fair is not None:
+                best, riders = self._light_turn(best, states, now)
+            batch = self._release(best, now, states, by_length=flush, riders=riders)
             if batch is not None:
                 return self._expected(batch)
             # every item of that cut was late (``take_late``): look again
@@ -733,20 +765,30 @@ class MicroBatcher:
         return _Budget(cap, self._budget.max_cost)
 
     def _release(
-        self, state: _Readiness, now: float, states: Sequence[_Readiness], *, by_length: bool
+        self,
+        state: _Readiness,
+        now: float,
+        states: Sequence[_Readiness],
+        *,
+        by_length: bool,
+        riders: Sequence[tuple[float, int, int]] = (),
     ) -> models.Batch | None:
         bucket = self._buckets[state.index]
-        budget = self._cap(bucket, now)
+        budget = cut = self._cap(bucket, now)
+        riders = riders[: budget.max_size - 1]  # room for one item of its own at least
+        if riders:
+            ride_cost = sum(self._buckets[i].items[q].cost for _, i, q in riders)
+            left = None if budget.max_cost is None else max(0, budget.max_cost - ride_cost)
+            cut = _Budget(budget.max_size - len(riders), left)
         fair = self._fair if len(bucket.tenants) > 1 else None
-        order = None if fair is None else bucket.fair_order(fair, now, budget.max_size)
-        if by_length:
-            seqs = bucket.cut_by_length(budget, order)
-        else:
-            seqs = bucket.cut_in_order(budget, order)
+        order = None if fair is None else bucket.fair_order(fair, now, cut.max_size)
+        seqs = (bucket.cut_by_length if by_length else bucket.cut_in_order)(cut, order)
         items = bucket.remove(seqs)
         if fair is not None:  # the lead item out of turn, the rest by their tags
             fair.charge_aside(items[0].tenant, now)
             fair.charge(collections.Counter(map(models.ITEM_TENANT, items[1:])), now)
+        if riders:
+            items += self._ride(riders, items, budget, now)
         if by_length:
             items.sort(key=lambda item: item.cost)
         elif self._adaptive is not None and len(items) < budget.max_size:
@@ -764,6 +806,90 @@ class MicroBatcher:
             stats=batch_stats(items, now, self._policy.max_batch_size),
             bucket=self._bucket_of(max(map(_COST, items))),
         )
+
+    def _light_tenants(self) -> set[str]:
+        """Tenants with items pending whose recent arrivals (items over weight, decayed over
+        ``_LIGHT_HALF_LIFE_S``) are at most 1/``_LIGHT_RATIO`` of the heaviest tenant's:
+        those a flood would otherwise queue. By arrivals, not backlog: tenants of one rate
+        are never light, whatever their momentary backlogs."""
+        assert self._fair is not None
+        pending = {t for bucket in self._buckets for t in bucket.tenants}
+        if len(self._arrivals) < 2 or not pending:
+            return set()
+        rate = {t: n / self._fair.weight(t) for t, n in self._arrivals.items()}
+        heaviest = max(rate.values())
+        return {t for t in pending if rate.get(t, 0.0) * _LIGHT_RATIO <= heaviest}
+
+    def _count_arrivals(self, items: Sequence[models.WorkItem]) -> None:
+        """Add ``items`` to the tenants' decayed arrival counts (fair share only)."""
+        now = self._clock()
+        decay = 0.5 ** (max(0.0, now - self._arrivals_at) / _LIGHT_HALF_LIFE_S)
+        self._arrivals_at = now
+        counts = collections.Counter(map(models.ITEM_TENANT, items))
+        arrivals = {t: n * decay for t, n in self._arrivals.items()}
+        for tenant, n in counts.items():
+            arrivals[tenant] = arrivals.get(tenant, 0.0) + n
+        self._arrivals = {t: n for t, n in arrivals.items() if n >= _LIGHT_FORGET}
+
+    def _light_turn(
+        self, best: _Readiness, states: Sequence[_Readiness], now: float
+    ) -> tuple[_Readiness, list[tuple[float, int, int]]]:
+        """Adaptive with fair share: light tenants first. While a tenant's backlog is a small
+        part of another's (:meth:`_light_tenants`), the batch goes from the ready bucket of
+        its oldest item rather than by the buckets' turn, and the light items of shorter
+        buckets ride in it (they pad to its length; a flood's items make room for them).
+        Without it a pass serves one bucket, a flood fills every bucket, and a light tenant's
+        item waited for its bucket's turn behind the flood like any other. Not while the
+        most urgent bucket's budget is spent: that bucket goes (its items would be late).
+        Returns the bucket to release and the riders, (enqueued_at, bucket, seq) oldest first.
+        """
+        if best.rank <= now:
+            return best, []
+        light = self._light_tenants()
+        if not light:
+            return best, []
+        held = [(st, self._buckets[st.index].seqs_of(light)) for st in states]
+        held = [(st, seqs) for st, seqs in held if seqs]
+        turn: tuple[float, _Readiness] | None = None
+        for st, seqs in held:
+            items = self._buckets[st.index].items
+            oldest = min(items[q].enqueued_at for q in seqs)
+            if st.ready(now) and (turn is None or oldest < turn[0]):
+                turn = (oldest, st)
+        if turn is None:
+            return best, []
+        state = turn[1]
+        riders = [
+            (self._buckets[st.index].items[q].enqueued_at, st.index, q)
+            for st, seqs in held
+            if st.index < state.index
+            for q in seqs
+        ]
+        riders.sort()
+        return state, riders
+
+    def _ride(
+        self,
+        riders: Sequence[tuple[float, int, int]],
+        items: list[models.WorkItem],
+        budget: _Budget,
+        now: float,
+    ) -> list[models.WorkItem]:
+        """Take ``riders`` (light items of shorter buckets) out of their buckets for the
+        batch of ``items``: as many as keep the padded batch within ``max_batch_cost``."""
+        padded = max(map(_COST, items))
+        room = len(riders)
+        if budget.max_cost is not None:
+            room = min(room, max(0, budget.max_cost // max(1, padded) - len(items)))
+        by_bucket: dict[int, list[int]] = collections.defaultdict(list)
+        for _, index, seq in riders[:room]:
+            by_bucket[index].append(seq)
+        rode: list[models.WorkItem] = []
+        for index, seqs in by_bucket.items():
+            rode += self._buckets[index].remove(seqs)
+        if rode and self._fair is not None:
+            self._fair.charge(collections.Counter(map(models.ITEM_TENANT, rode)), now)
+        return rode
 
     def _fill(
         self,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from batching import config, models, tenant_share, testing
-from batching.policy import batcher
+from batching.policy import adaptive, batcher
 
 _PAYLOAD = models.Payload(b"", models.PayloadFormat.TENSOR, "float32", (2,))
 _ids = itertools.count(1)
@@ -193,3 +193,191 @@ def test_many_tenants_every_item_once_and_aging_bounds_the_wait(seed: int) -> No
 
 def _pending(b: batcher.MicroBatcher) -> list[models.WorkItem]:
     return [i for bucket in b._buckets for i in bucket.items.values()]
+
+
+# --- light tenants first (adaptive) ------------------------------------------------------------
+
+
+def light_batcher(
+    clock: testing.FakeClock, slo_s: float = 10.0, **pol: Any
+) -> batcher.MicroBatcher:
+    """Adaptive and fair, buckets <= 10, 20, 30 and above, on an idle model that costs
+    ``10 ms + 1 ms * n * cost / 10``: padding costs more than a pass saves, so the controller
+    merges no buckets on its own (``_fill``) and only the light-tenant rule mixes them."""
+    policy = config.BatchingPolicy(
+        **{"max_batch_size": 8, "max_wait_s": 0.05, "length_buckets": [10, 20, 30], **pol}
+    )
+    model = adaptive.ServiceModel(lambda n, c: 0.010 + 0.0001 * n * c, n_ref=8, c_ref=30)
+    return batcher.MicroBatcher(
+        policy,
+        clock,
+        adaptive=adaptive.SloController(slo_s, model),
+        fair=tenant_share.FairShare(),
+    )
+
+
+def flood_and_quiet(b: batcher.MicroBatcher) -> tuple[models.WorkItem, models.WorkItem]:
+    """A flood of 40 items in each bucket (the oldest), then one quiet item of cost 25 and,
+    younger still, one of cost 5. Returns the quiet items."""
+    for cost in (5, 15, 25, 35):
+        b.add(items("flood", 40, 995.0, cost=cost))
+    long_one, short_one = items("quiet", 1, 998.0, cost=25), items("quiet", 1, 999.0, cost=5)
+    b.add(long_one + short_one)
+    return long_one[0], short_one[0]
+
+
+def test_a_light_tenant_goes_next_and_its_shorter_items_ride_along() -> None:
+    clock = new_clock()
+    b = light_batcher(clock)
+    long_one, short_one = flood_and_quiet(b)
+    batch = b.poll()
+    assert batch is not None
+    assert batch.bucket == 2  # the quiet tenant's oldest item's bucket, not the flood's turn
+    assert long_one in batch.items
+    assert short_one in batch.items  # rode in from the cost-5 bucket, padded to 25
+    assert tenants(batch) == {"flood": 6, "quiet": 2}  # the flood made room: 8 in all
+    # no light item pending: the buckets' own turn again (the longest is the most urgent)
+    after = b.poll()
+    assert after is not None
+    assert after.bucket == 3
+    assert tenants(after) == {"flood": 8}
+
+
+def test_tenants_of_one_rate_keep_the_buckets_turns() -> None:
+    clock = new_clock()
+    b = light_batcher(clock)
+    for cost in (5, 15, 25):
+        b.add(items("a", 20, 995.0 + cost / 100, cost=cost))
+        b.add(items("b", 20, 995.0 + cost / 100, cost=cost))
+    assert b._light_tenants() == set()
+    first = b.poll()
+    assert first is not None
+    assert first.bucket == 0
+    assert tenants(first) == {"a": 4, "b": 4}
+
+
+def test_a_bucket_whose_budget_is_spent_keeps_its_turn() -> None:
+    """SLO 5 s: the flood's oldest items (995.0) are past their budget at 1000, so the most
+    urgent of their buckets (the longest: its pass is the longest) goes first, light tenant
+    or not."""
+    clock = new_clock()
+    b = light_batcher(clock, slo_s=5.0)
+    flood_and_quiet(b)
+    batch = b.poll()
+    assert batch is not None
+    assert batch.bucket == 3
+    assert tenants(batch) == {"flood": 8}
+
+
+def test_riders_keep_the_padded_batch_within_the_cost_cap() -> None:
+    """max_batch_cost 150: the cost-25 bucket's cut leaves room for one rider of the two
+    quiet cost-5 items once the batch is padded to 25 (6 x 25 = 150)."""
+    clock = new_clock()
+    b = light_batcher(clock, max_batch_cost=150)
+    for cost in (5, 25):
+        b.add(items("flood", 40, 995.0, cost=cost))
+    b.add(items("quiet", 1, 998.0, cost=25) + items("quiet", 2, 999.0, cost=5))
+    batch = b.poll()
+    assert batch is not None
+    assert len(batch) * max(i.cost for i in batch.items) <= 150
+    assert tenants(batch) == {"flood": 4, "quiet": 2}
+    assert sorted(i.cost for i in batch.items if i.tenant == "quiet") == [5, 25]
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_light_tenants_every_item_once_within_the_caps(seed: int) -> None:
+    rng = random.Random(seed)
+    clock = new_clock()
+    max_cost = rng.choice([None, 120, 400])
+    b = light_batcher(clock, max_batch_size=rng.choice([2, 5, 8]), max_batch_cost=max_cost)
+    rates = {"flood": 0.9, "t1": 0.1, "t2": 0.05, "t3": 0.3}
+    added: set[int] = set()
+    released: list[int] = []
+    for _ in range(300):
+        for tenant, p in rates.items():
+            if rng.random() < p:
+                claim = items(tenant, rng.randint(1, 12), clock.now, cost=rng.randint(1, 40))
+                b.add(claim)
+                added.update(i.id for i in claim)
+        clock.now += 0.01
+        batch = b.poll(flush=rng.random() < 0.05)
+        if batch is None:
+            continue
+        released.extend(i.id for i in batch.items)
+        assert len(batch) <= b._policy.max_batch_size
+        if max_cost is not None and len(batch) > 1:
+            assert len(batch) * max(i.cost for i in batch.items) <= max_cost or (
+                len({b._bucket_of(i.cost) for i in batch.items}) == 1  # a bucket's own cut
+            )
+    released.extend(i.id for batch in b.drain() for i in batch.items)
+    assert sorted(released) == sorted(added)
+
+
+def _trace_p99s(seed: int) -> dict[str, float]:
+    """A flood at ~75% of capacity and three quiet tenants at 1/10 of its rate each, their
+    items added as they arrive, through one simulated server whose pass costs 5 ms plus
+    0.07 ms a token of its padded batch (W2's shape: lengths 8-128, 8 buckets). Returns the
+    quiet tenants' and the flood's p99, arrival to the end of their pass."""
+    rng = random.Random(seed)
+    clock = new_clock()
+    policy = config.BatchingPolicy(
+        max_batch_size=32, max_wait_s=0.05, length_buckets=[16, 32, 48, 64, 80, 96, 112]
+    )
+    model = adaptive.ServiceModel(lambda n, c: 0.005 + 0.00007 * n * c, n_ref=32, c_ref=112)
+    ctrl = adaptive.SloController(1.0, model)
+    b = batcher.MicroBatcher(policy, clock, adaptive=ctrl, fair=tenant_share.FairShare())
+    rates = {"flood": 120.0, "q1": 12.0, "q2": 12.0, "q3": 12.0}
+    arrivals = sorted(
+        (clock.now + t, tenant)
+        for tenant, rate in rates.items()
+        for t in itertools.accumulate(rng.expovariate(rate) for _ in range(int(rate * 30)))
+    )
+    waits: dict[str, list[float]] = collections.defaultdict(list)
+    busy_until, i = clock.now, 0
+    for _ in range(100 * len(arrivals)):
+        if i >= len(arrivals) and not len(b):
+            break
+        due = b.next_deadline() if len(b) else None
+        nxt = min(
+            arrivals[i][0] if i < len(arrivals) else float("inf"),
+            max(busy_until, due) if due is not None else float("inf"),
+        )
+        clock.now = max(clock.now, nxt)
+        while i < len(arrivals) and arrivals[i][0] <= clock.now:
+            at, tenant = arrivals[i]
+            b.add(
+                [
+                    models.WorkItem(
+                        next(_ids), f"t{i}", _PAYLOAD, at, tenant=tenant, cost=rng.randint(8, 128)
+                    )
+                ]
+            )
+            i += 1
+        if clock.now < busy_until:
+            continue
+        batch = b.poll()
+        if batch is None:
+            continue
+        cost = max(item.cost for item in batch.items)
+        ctrl.forward_started(len(batch), cost, clock.now)
+        took = 0.005 + 0.00007 * len(batch) * cost
+        busy_until = clock.now + took
+        ctrl.forward_done(len(batch), cost, took, busy_until, batch.formed_at)
+        ctrl.committed(batch.formed_at, took, busy_until)
+        for item in batch.items:
+            waits["flood" if item.tenant == "flood" else "quiet"].append(
+                busy_until - item.enqueued_at
+            )
+    else:
+        pytest.fail("the simulation did not finish")
+    return {k: sorted(v)[int(0.99 * len(v))] for k, v in waits.items()}
+
+
+def test_light_tenants_wait_less_than_the_flood_beside_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    light = _trace_p99s(seed=3)
+    monkeypatch.setattr(batcher, "_LIGHT_RATIO", float("inf"))  # nobody is ever light
+    plain = _trace_p99s(seed=3)
+    assert light["quiet"] < 0.75 * plain["quiet"], (light, plain)  # 0.21 against 0.38 s
+    assert light["quiet"] < 0.5 * light["flood"], light
