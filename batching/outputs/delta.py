@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import tempfile
 import time
@@ -298,15 +299,20 @@ class DeltaSink(outbox.OutboxSink):
             ConfigError: ``vacuum_retention_h`` is under the table's minimum retention
                 (checked by a dry run before any step runs).
         """
-        hours = None if vacuum_retention_h is None else round(vacuum_retention_h)
+        # delta-rs takes whole hours: rounded up, so a vacuum never keeps less than asked
+        # (30 min rounded to 0 h would drop every file no current version needs).
+        hours = None if vacuum_retention_h is None else math.ceil(vacuum_retention_h)
         if hours is not None:
             try:
                 self.table().vacuum(retention_hours=hours, dry_run=True)
             except Exception as exc:  # delta-rs's refusal, in its words
                 if "retention" not in str(exc).lower():
                     raise
+                asked = f"{vacuum_retention_h:g}h" + (
+                    "" if hours == vacuum_retention_h else f" (rounded up to {hours}h)"
+                )
                 raise errors.ConfigError(
-                    f"--vacuum-retention {hours}h: {' '.join(str(exc).split())}; give the "
+                    f"--vacuum-retention {asked}: {' '.join(str(exc).split())}; give the "
                     "table's minimum or more (nothing was done)"
                 ) from None
         with _translated(f"cannot maintain the Delta table {self._shown}"):

@@ -1073,6 +1073,12 @@ def test_maintain_compacts_a_delta_output_and_says_a_parquet_one_needs_nothing(
     assert short.rc == 2
     assert "--vacuum-retention 1h" in short.err
     assert "nothing was done" in short.err
+    # whole hours for delta-rs, rounded up: a vacuum never keeps less than it was asked to
+    half = batching(
+        "maintain", "-c", str(delta), "--db", db, "--vacuum-retention", "30m", cwd=tmp_path
+    )
+    assert half.rc == 2
+    assert "--vacuum-retention 0.5h (rounded up to 1h)" in half.err
     parquet = write_config("tabular.yaml", tmp_path)  # the same file, now a Parquet output
     left = batching("maintain", "-c", str(parquet), "--db", db, cwd=tmp_path)
     assert (left.rc, "needs no housekeeping" in left.out) == (0, True)
