@@ -367,6 +367,9 @@ def _routes(app: FastAPI, settings: Settings) -> None:
     @app.get(
         "/v1/queues/{queue}",
         summary="The queue's depth by state for the token's tenant, as `batching status --json`.",
+        description="The live states are read at each request; `done` is the last background "
+        "count of the queue's done items, at most 10 s old (`done_counted_at`: epoch seconds "
+        "when it started). The first read waits for the first count.",
         responses={404: {"description": _NOT_SERVED}, **_ERRORS},
     )
     def get_queue(queue: Served, tenant: Tenant) -> dict[str, Any]:

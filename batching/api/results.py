@@ -4,6 +4,9 @@ version, state), and the row is read from there: a SQL results table by key, a D
 key and batch, a Parquet file by key. A batch recorded but not yet rolled forward (the outbox
 of a Delta or warehouse table, a Parquet file still in staging) is read from where it waits:
 it is committed, so the client gets the row the output will hold.
+
+Why it stays one module: every read here goes through the same item views and the same
+per-batch cache of output rows, and the queue read beside them shares the engine and lock.
 """
 
 from __future__ import annotations
@@ -25,12 +28,17 @@ from sqlalchemy.engine import Connection, Engine, Row
 
 from batching import errors, models
 from batching.ingress import queue as q
+from batching.ingress.done_counts import DoneCounts, filled
 from batching.ingress.watch import SqliteChanges
 from batching.outputs import contract as sinks
 from batching.outputs import ledger, outbox, registry
 from batching.store import database, schema
 
 logger = logging.getLogger(__name__)
+
+API_DONE_EVERY_S = 10.0
+"""How often the queue read (``GET /v1/queues/{queue}``) counts the queue's done items."""
+_FIRST_COUNT_WAIT_S = 30.0
 _T = schema.items
 TERMINAL = frozenset(
     {models.State.DONE, models.State.DEAD, models.State.EXPIRED, models.State.CANCELLED}
@@ -97,6 +105,7 @@ class Results:
         self._batches: collections.OrderedDict[str, tuple[str, Mapping[str, dict[str, Any]]]] = (
             collections.OrderedDict()
         )
+        self._done: dict[str, DoneCounts] = {}  # queue -> its done items, counted apart
 
     def queue(self, name: str) -> q.SqlQueue:
         return q.SqlQueue(self.engine, name, tenant_weights=self.tenant_weights)
@@ -142,14 +151,29 @@ class Results:
     def stats(self, queue: str, tenant: str) -> dict[str, Any]:
         """``batching status --json`` of ``queue`` for ``tenant``'s items only: by_state,
         oldest_ready_age_s, expired_leases, groups (by lane), backoff; and the queue's
-        control: paused and max_depth (its depth counts every tenant's items)."""
+        control: paused and max_depth (its depth counts every tenant's items).
+
+        The live states are read now; the done items are the last background count, at
+        most ``API_DONE_EVERY_S`` old (``done_counted_at``: when it started): that count
+        reads every done item of the queue, seconds for millions, and a client polling its
+        queue made one per request. The first read waits for the first count (up to
+        ``_FIRST_COUNT_WAIT_S``; past it ``done`` is absent until one finishes)."""
         from batching.ingress import controls
 
         q = self.queue(queue)
-        mine = tuple(g for g in q.stats().groups if g.tenant == tenant)
+        with self._lock:
+            done = self._done.get(queue)
+            if done is None:
+                done = self._done[queue] = DoneCounts(q, API_DONE_EVERY_S, all_queues=False)
+        live = q.stats(done=False)
+        counts = done.latest()
+        if counts is None and done.wait(_FIRST_COUNT_WAIT_S):
+            counts = done.latest()
+        mine = tuple(g for g in filled(live, counts, set()).groups if g.tenant == tenant)
         held = controls.states(self.engine).get(queue, controls.QueueControl(queue))
-        return dataclasses.asdict(models.QueueStats.of(mine)) | {
+        return dataclasses.asdict(models.QueueStats.of(mine, done=counts is not None)) | {
             "tenant": tenant,
+            "done_counted_at": done.counted_at if counts is not None else None,
             "paused": held.paused,
             "max_depth": held.max_depth,
         }

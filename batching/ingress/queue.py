@@ -1597,10 +1597,13 @@ class SqlQueue:
         return names
 
     @database.reconnecting
-    def done_counts(self) -> dict[tuple[str, str, str], int]:
-        """Done items by (queue, lane, tenant), every queue's: what ``stats(done=True)`` adds
-        to the live counts, and as costly (a read of every done item)."""
+    def done_counts(self, *, all_queues: bool = True) -> dict[tuple[str, str, str], int]:
+        """Done items by (queue, lane, tenant), every queue's (``all_queues``) or this one's:
+        what ``stats(done=True)`` adds to the live counts, and as costly (a read of every
+        done item)."""
         q = sa.select(_T.c.queue, _T.c.lane, _T.c.tenant, sa.func.count()).where(_DONE_PART)
+        if not all_queues:
+            q = q.where(_T.c.queue == self.queue)
         with self.read() as conn:
             rows = conn.execute(q.group_by(_T.c.queue, _T.c.lane, _T.c.tenant)).all()
         return {(r[0], r[1], r[2]): int(r[3]) for r in rows}

@@ -20,7 +20,6 @@ exporter keeps serving.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -37,6 +36,7 @@ from batching import models
 from batching.config import PipelineConfig
 from batching.evidence import reconcile_result, spool
 from batching.ingress import controls
+from batching.ingress.done_counts import DoneCounts, filled
 from batching.ingress.queue import SqlQueue
 from batching.metrics import catalog
 from batching.metrics.tenants import fold, top_tenants
@@ -50,77 +50,6 @@ RECONCILE_PREFIX = reconcile_result.PREFIX
 
 DONE_EVERY_S = 300.0
 """How often the exporter counts the done items by default (``metrics serve --done-every``)."""
-
-
-class DoneCounts:
-    """The done items by (queue, lane, tenant), counted on a thread of their own, at most
-    every ``every_s``, never inside a scrape: a scrape returns the last count finished (none
-    before the first) and starts the next when it is due."""
-
-    def __init__(
-        self, queue: SqlQueue, every_s: float = DONE_EVERY_S, clock: Callable[[], float] = time.time
-    ) -> None:
-        self.queue, self.every_s, self.clock = queue, every_s, clock
-        self._lock = threading.Lock()
-        self._counts: dict[tuple[str, str, str], int] | None = None
-        self._started_at: float | None = None
-        self._running: threading.Thread | None = None
-        self._failed = False  # the last count raised
-
-    def latest(self, now_too: bool = False) -> dict[tuple[str, str, str], int] | None:
-        """The last finished count (None before the first); starts a count when due, or
-        ``now_too`` (a queue appeared that no count has seen) unless the last count failed:
-        a count that keeps failing is tried every ``every_s``, not at every scrape."""
-        with self._lock:
-            now = self.clock()
-            due = self._started_at is None or now - self._started_at >= self.every_s
-            due = due or (now_too and not self._failed)
-            if due and self._running is None:
-                self._started_at = now
-                self._running = threading.Thread(target=self._count, name="done-count", daemon=True)
-                self._running.start()
-            return self._counts
-
-    def wait(self, timeout_s: float) -> bool:
-        """Wait for the count in progress, if any; True when none is left running."""
-        with self._lock:
-            running = self._running
-        if running is not None:
-            running.join(timeout_s)
-        return not (running is not None and running.is_alive())
-
-    def _count(self) -> None:
-        try:
-            counts = self.queue.done_counts()
-        except Exception as exc:  # the next due scrape tries again; the live gauges go on
-            logger.warning(
-                "metrics could not count the done items",
-                extra={"action": "metrics_done_count_failed", "error": str(exc)},
-            )
-            counts = None
-        with self._lock:
-            if counts is not None:
-                self._counts = counts
-            self._failed, self._running = counts is None, None
-
-
-def filled(
-    stats: models.QueueStats,
-    counts: dict[tuple[str, str, str], int] | None,
-    seen: set[tuple[str, str, str]],
-) -> models.QueueStats:
-    """``stats`` of the live states (``done=False``) with the done ``counts`` filled in (None:
-    none finished yet), and a group of zeros for each (queue, lane, tenant) in ``seen`` or
-    ``counts`` that has no live item now: a drained queue shows ``ready 0``, as when one
-    query counted every state, rather than no series at all."""
-    groups = {(g.queue, g.lane, g.tenant): g for g in stats.groups}
-    for key in (seen | (counts or {}).keys()) - groups.keys():
-        groups[key] = models.LaneStats(*key, done=None)
-    rows = tuple(
-        groups[k] if counts is None else dataclasses.replace(groups[k], done=counts.get(k, 0))
-        for k in sorted(groups)
-    )
-    return models.QueueStats.of(rows, done=counts is not None)
 
 
 _LIVE_STATES = tuple(s for s in catalog.QUEUE_STATES if s != "done")

@@ -23,12 +23,14 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from batching.api import app as api_app
+from batching.api import results as results_module
 from batching.api import tokens
 from batching.api.results import Results
 from batching.cli import api as api_cli
 from batching.compose import build
 from batching.config import load_config
 from batching.ingress import controls
+from batching.ingress.queue import SqlQueue
 from batching.model import workloads
 from batching.store import database
 from tests.conftest import REPO
@@ -325,6 +327,35 @@ def test_queue_stats_count_the_tokens_tenant_only(client: TestClient) -> None:
     assert [g["tenant"] for g in mine["groups"]] == ["alpha"]
     assert client.get("/v1/queues/tabular", headers=B).json()["by_state"]["ready"] == 1
     assert_error(client.get("/v1/queues/tabular"), 401)
+
+
+def test_queue_stats_count_done_items_in_the_background_not_per_request(
+    config_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[dict[str, Any]] = []
+    real = SqlQueue.done_counts
+
+    def counted(self: SqlQueue, **kwargs: Any) -> dict[tuple[str, str, str], int]:
+        calls.append(kwargs)
+        return real(self, **kwargs)
+
+    monkeypatch.setattr(SqlQueue, "done_counts", counted)
+    rows = workloads.w1_inputs(3)
+    body = {"items": [item(f"d{i}", payload={"x": r.tolist()}) for i, r in enumerate(rows)]}
+    for client in make_client(config_path):
+        first = client.get("/v1/queues/tabular", headers=A).json()
+        assert first["by_state"]["done"] == 0  # the first read waits for the first count
+        assert first["done_counted_at"] is not None
+        assert client.post(ITEMS, json=body, headers=A).status_code == 201
+        score_once_enqueued(config_path, 3).join(60)
+        again = client.get("/v1/queues/tabular", headers=A).json()
+        assert again["by_state"]["ready"] == 0  # the live states: read now
+        assert again["by_state"]["done"] == 0  # the count of the first read, under 10 s old
+        assert again["done_counted_at"] == first["done_counted_at"]
+        assert calls == [{"all_queues": False}]  # one count for both reads, this queue's
+    monkeypatch.setattr(results_module, "API_DONE_EVERY_S", 0.0)
+    for client in make_client(config_path):  # a new API: its first read counts again
+        assert client.get("/v1/queues/tabular", headers=A).json()["by_state"]["done"] == 3
 
 
 def test_get_unknown_item_is_404_and_wait_s_is_bounded(client: TestClient) -> None:

@@ -160,7 +160,7 @@ def test_a_failing_done_count_is_tried_every_done_every_not_at_each_scrape(
     scrape: the scan the live counts avoid, 15 s apart, for good."""
     counts: list[int] = []
 
-    def failing() -> dict[tuple[str, str, str], int]:
+    def failing(**_: object) -> dict[tuple[str, str, str], int]:
         counts.append(1)
         raise RuntimeError("canceling statement due to statement timeout")
 
