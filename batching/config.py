@@ -184,7 +184,7 @@ class QueueConfig(_Model):
     )
     fair_share: bool = Field(
         True,
-        description="each claim, and then each batch cut from what was claimed, splits across the tenants by weight (`tenant_weights`), priority and deadline order kept within a tenant, so one tenant's flood cannot starve another; with `batching.adaptive`, a tenant sending a quarter or less of the heaviest tenant's rate goes first, its items riding in the next pass; false: one order across tenants (priority, deadline, age)",
+        description="each claim, and then each batch cut from what was claimed, splits across the tenants by weight (`tenant_weights`), priority and deadline order kept within a tenant, so one tenant's flood cannot starve another; with `batching.adaptive`, a tenant sending a quarter or less of the heaviest tenant's rate (items over weight) goes first, its items riding in the next pass, while such tenants together send at most a third of the items; false: one order across tenants (priority, deadline, age)",
     )
     tenant_weights: dict[str, float] = Field(
         default_factory=dict,

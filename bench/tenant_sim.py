@@ -21,7 +21,8 @@ bench's adaptive variant). Capacity is the simulated drain rate of a standing ba
 Runs, as the bench's: the three quiet tenants ``alone`` at 0.9/13 of capacity each,
 ``with_noisy`` (a fourth at 10x each of them, 90% in all), and ``even`` (the same 90% over four
 tenants). It prints the quiet tenants' p50/p99, their ratio with the noisy tenant over alone
-(the issue's target: <= 1.25), and the throughput of each run. Usage::
+(the issue's target: <= 1.25), and the throughput of each run. Percentiles are of the items
+scored; those expired (``late_policy``) or shed are counted apart. Usage::
 
     python bench/tenant_sim.py [--seconds 60] [--seeds 3] [--low-water N]
 
@@ -232,7 +233,7 @@ def simulate(
 
 
 def capacity(seed: int) -> float:
-    """Items a second with a standing backlog: 20 s of arrivals at twice the real rate."""
+    """Items a second with a standing backlog: 10 s of arrivals at about three times it."""
     trace = arrivals({"x": 600.0}, 10.0, seed)
     res = simulate(trace, None, seed=seed)
     return res.done() / res.end_s  # the backlog lasts the whole run; expired items left early

@@ -19,8 +19,8 @@ Policy:
   conservative estimate). A bucket is ready when full or due.
 - **Which bucket.** Among ready buckets the one with the earliest due time releases first, so an
   overdue bucket goes before a full bucket that is not yet due, and under overload buckets are
-  served oldest-first (nothing starves across buckets). ``flush=True`` releases the most urgent
-  bucket even when none is ready.
+  served oldest-first (nothing starves across buckets; with light tenants, nothing past its
+  SLO budget). ``flush=True`` releases the most urgent bucket even when none is ready.
 - **Who (online).** Within a bucket items are cut in order of priority (higher first), then
   deadline (earliest first, none last), then ``enqueued_at``. The cut stops at the first item
   that would break the size or cost cap; the first item always fits, so an item costlier than
@@ -34,15 +34,19 @@ Policy:
   that buckets, which take turns by it, keep taking turns. Blocks of different tenants go to
   the buckets for it. One tenant: the order above, nothing ranked. A flush cuts by length as
   below, items of one cost in the fair order.
-- **Light tenants first (``fair`` and ``adaptive``).** A tenant whose recent arrivals (items
-  over weight, decayed with a 2 s half-life) are at most a quarter of the heaviest tenant's is
-  *light*. While a light tenant has an item pending, the next batch goes from the ready
-  bucket of its oldest item instead of the buckets' turn, and light items of shorter buckets
-  ride in it (padded to its length, within ``max_batch_size`` and the padded
-  ``max_batch_cost``; the flood's items make room). A pass serves one bucket and a flood fills
-  them all, so a light item otherwise waited for its bucket's turn behind the flood. Not when
-  the most urgent bucket's budget is spent: it goes, or its items would be late. Tenants of
-  one rate are never light, and their batches are as without the rule.
+- **Light tenants first (``fair`` and ``adaptive``).** A tenant with items pending is
+  *light* while its recent arrivals (items over weight, decayed with a 2 s half-life) are at
+  most a quarter of the heaviest pending tenant's, and all tenants of such a rate together
+  send at most a third of the arrivals (many small tenants are the load, not a flood's
+  victims). While a light tenant has an item pending, the next batch goes from the ready
+  bucket of its most urgent item instead of by the buckets' turn; that bucket's light items
+  lead its cut, and light items of shorter buckets ride in it (padded to its length, within
+  ``max_batch_size`` and the padded ``max_batch_cost``, while every item stays predicted in
+  time, as ``_fill`` requires; the flood's items make room). A pass serves one bucket and a
+  flood fills them all, so a light item otherwise waited for its bucket's turn behind the
+  flood. Not when the most urgent bucket's budget would be spent before the light pass is
+  through: it goes. Tenants of one rate are never light, and their batches are as without
+  the rule; so, across buckets, nothing starves past a bucket's SLO budget.
 - **Who (bulk, ``flush=True`` and ``drain``).** The batch is built around the bucket's most
   urgent item (the anchor) and filled with the items nearest to it in cost, then sorted by cost.
   Many pending items therefore give full, length-sorted batches with little padding, while the
@@ -97,7 +101,7 @@ import heapq
 import itertools
 import math
 import operator
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
@@ -123,6 +127,7 @@ class Late:
 
 _Entry = TypeVar("_Entry", bound=tuple[Any, ...])
 _LIGHT_RATIO = 4  # a tenant is light while it sends at most 1/4 of the heaviest's rate
+_LIGHT_SHARE = 1 / 3  # ... and the light tenants together at most this share of arrivals
 _LIGHT_HALF_LIFE_S = 2.0  # of the tenants' arrival counts
 _LIGHT_FORGET = 0.01  # a tenant's count below this is dropped (gone quiet)
 _COMPACT_SLACK = 64  # stale entries tolerated before a rebuild, beyond 2x live items
@@ -406,17 +411,23 @@ class _Bucket:
         ranked.sort()
         return [entry[-1] for _, _, entry in ranked]
 
-    def seqs_of(self, tenants: Collection[str]) -> list[int]:
-        """The live seqs of ``tenants``' items, in the bucket's order (priority, deadline,
-        age): a few, since they are the light tenants' (:meth:`MicroBatcher._light_turn`)."""
+    def entries_of(
+        self, tenants: Collection[str], most: int
+    ) -> list[tuple[int, float, float, int]]:
+        """The first ``most`` live entries (-priority, deadline, enqueued_at, seq) of
+        ``tenants``' items, in the bucket's order (:meth:`MicroBatcher._light_turn`)."""
         if self._by_tenant is None:  # one tenant here
             if not any(t in tenants for t in self.tenants):
                 return []
-            return list(self._order.live_seqs(self.items))
-        mine = [
-            self._by_tenant[t].live_entries(self.items) for t in tenants if t in self._by_tenant
-        ]
-        return [entry[-1] for entry in heapq.merge(*mine)]
+            self._order.top(self.items)
+            return list(itertools.islice(self._order.live_entries(self.items), most))
+        mine = []
+        for tenant in tenants:
+            ordered = self._by_tenant.get(tenant)
+            if ordered is not None:
+                ordered.top(self.items)  # past the released front (riders leave from it)
+                mine.append(itertools.islice(ordered.live_entries(self.items), most))
+        return list(itertools.islice(heapq.merge(*mine), most))
 
     def cut_by_length(self, budget: _Budget, order: Sequence[int] | None = None) -> list[int]:
         """Take the most urgent item, then the items nearest to it in cost, within the budget;
@@ -570,11 +581,19 @@ class MicroBatcher:
             ValueError: an item id is already pending (or repeated), or an item's cost is < 0.
                 Nothing is added in that case.
         """
-        if isinstance(items, models.ItemBlock) and self._take_block(items):
-            return
+        if isinstance(items, models.ItemBlock):
+            if self._fair is not None and self._adaptive is not None and len(items):
+                self._count_arrivals({items.template.tenant: len(items)})
+            if self._take_block(items):
+                return
+            items = list(items)
+        else:
+            items = list(items)
+            if self._fair is not None and self._adaptive is not None and items:
+                self._count_arrivals(collections.Counter(map(models.ITEM_TENANT, items)))
         if self._blocks:  # items of another kind: every pending item goes to the buckets
             self._spill()
-        self._add_items(list(items))
+        self._add_items(items)
 
     def _take_block(self, block: models.ItemBlock) -> bool:
         """Keep ``block`` whole if it can be cut as it stands: no bucket holds an item, it falls
@@ -629,8 +648,6 @@ class MicroBatcher:
 
     def _add_items(self, batch: list[models.WorkItem]) -> None:
         self._check_new(batch)
-        if self._fair is not None and self._adaptive is not None:
-            self._count_arrivals(batch)
         seqs = list(itertools.islice(self._seq, len(batch)))
         indexes = list(map(self._bucket_of, map(_COST, batch)))
         for index, group_seqs, group_items in _grouped(indexes, seqs, batch):
@@ -656,10 +673,11 @@ class MicroBatcher:
             best = min(states, key=lambda s: (not s.ready(now), s.rank, s.index))
             if not (flush or best.ready(now)):
                 return None
-            riders: list[tuple[float, int, int]] = []
+            light: set[str] = set()
+            riders: list[tuple[tuple[int, float, float, int], int]] = []
             if not flush and self._adaptive is not None and self._fair is not None:
-                best, riders = self._light_turn(best, states, now)
-            batch = self._release(best, now, states, by_length=flush, riders=riders)
+                best, light, riders = self._light_turn(best, states, now)
+            batch = self._release(best, now, states, by_length=flush, light=light, riders=riders)
             if batch is not None:
                 return self._expected(batch)
             # every item of that cut was late (``take_late``): look again
@@ -771,17 +789,26 @@ class MicroBatcher:
         states: Sequence[_Readiness],
         *,
         by_length: bool,
-        riders: Sequence[tuple[float, int, int]] = (),
+        light: Collection[str] = (),
+        riders: Sequence[tuple[tuple[int, float, float, int], int]] = (),
     ) -> models.Batch | None:
         bucket = self._buckets[state.index]
         budget = cut = self._cap(bucket, now)
-        riders = riders[: budget.max_size - 1]  # room for one item of its own at least
+        fair = self._fair if len(bucket.tenants) > 1 else None
+        order = None if fair is None else bucket.fair_order(fair, now, budget.max_size)
+        own = [e[-1] for e in bucket.entries_of(light, budget.max_size)] if light else []
+        leading = set(own)
+        if own and order is not None:  # the lead, then the light tenants' items here
+            leading.add(order[0])
+            order = [order[0], *(q for q in own if q != order[0])] + [
+                q for q in order if q not in leading
+            ]
+        # the turn's own light items (and its lead) first, then riders
+        riders = riders[: max(0, budget.max_size - max(1, len(leading)))]
         if riders:
-            ride_cost = sum(self._buckets[i].items[q].cost for _, i, q in riders)
+            ride_cost = sum(self._buckets[i].items[e[-1]].cost for e, i in riders)
             left = None if budget.max_cost is None else max(0, budget.max_cost - ride_cost)
             cut = _Budget(budget.max_size - len(riders), left)
-        fair = self._fair if len(bucket.tenants) > 1 else None
-        order = None if fair is None else bucket.fair_order(fair, now, cut.max_size)
         seqs = (bucket.cut_by_length if by_length else bucket.cut_in_order)(cut, order)
         items = bucket.remove(seqs)
         if fair is not None:  # the lead item out of turn, the rest by their tags
@@ -789,6 +816,7 @@ class MicroBatcher:
             fair.charge(collections.Counter(map(models.ITEM_TENANT, items[1:])), now)
         if riders:
             items += self._ride(riders, items, budget, now)
+        taken = len(items)
         if by_length:
             items.sort(key=lambda item: item.cost)
         elif self._adaptive is not None and len(items) < budget.max_size:
@@ -798,7 +826,7 @@ class MicroBatcher:
             items = self._without_late(items, now)
             if not items:
                 return None
-        capped = budget is not self._budget and len(seqs) >= budget.max_size
+        capped = budget is not self._budget and taken >= budget.max_size
         return models.Batch(
             items=tuple(items),
             reason="slo" if capped else self._reason(state, len(items), now),
@@ -808,24 +836,34 @@ class MicroBatcher:
         )
 
     def _light_tenants(self) -> set[str]:
-        """Tenants with items pending whose recent arrivals (items over weight, decayed over
-        ``_LIGHT_HALF_LIFE_S``) are at most 1/``_LIGHT_RATIO`` of the heaviest tenant's:
-        those a flood would otherwise queue. By arrivals, not backlog: tenants of one rate
-        are never light, whatever their momentary backlogs."""
+        """The tenants with items pending that a flood would otherwise queue: each sends at
+        most 1/``_LIGHT_RATIO`` of the heaviest pending tenant's rate (items over weight,
+        decayed with a ``_LIGHT_HALF_LIFE_S`` half-life), and together at most
+        ``_LIGHT_SHARE`` of all arrivals. By arrivals, not backlog: tenants of one rate are
+        never light; none when no heavier tenant has items pending (a flood gone quiet, or
+        served), nor when many small tenants together are the load (favouring them all
+        would pad most passes and make the flood late: found by review)."""
         assert self._fair is not None
         pending = {t for bucket in self._buckets for t in bucket.tenants}
-        if len(self._arrivals) < 2 or not pending:
+        if len(pending) < 2 or not self._arrivals:
             return set()
-        rate = {t: n / self._fair.weight(t) for t, n in self._arrivals.items()}
-        heaviest = max(rate.values())
+        weight = self._fair.weight
+        rate = {t: n / weight(t) for t, n in self._arrivals.items()}
+        heaviest = max(rate.get(t, 0.0) for t in pending)
+        if heaviest <= 0:
+            return set()
+        # the share of every tenant of a light rate, pending or not: those with items
+        # pending at one moment are a few of many small tenants
+        small = sum(n for t, n in self._arrivals.items() if rate[t] * _LIGHT_RATIO <= heaviest)
+        if small > _LIGHT_SHARE * sum(self._arrivals.values()):
+            return set()
         return {t for t in pending if rate.get(t, 0.0) * _LIGHT_RATIO <= heaviest}
 
-    def _count_arrivals(self, items: Sequence[models.WorkItem]) -> None:
-        """Add ``items`` to the tenants' decayed arrival counts (fair share only)."""
-        now = self._clock()
-        decay = 0.5 ** (max(0.0, now - self._arrivals_at) / _LIGHT_HALF_LIFE_S)
+    def _count_arrivals(self, counts: Mapping[str, int]) -> None:
+        """Add ``counts`` (items a tenant) to the tenants' decayed arrival counts."""
+        now = max(self._clock(), self._arrivals_at)  # a clock stepped back decays nothing
+        decay = 0.5 ** ((now - self._arrivals_at) / _LIGHT_HALF_LIFE_S)
         self._arrivals_at = now
-        counts = collections.Counter(map(models.ITEM_TENANT, items))
         arrivals = {t: n * decay for t, n in self._arrivals.items()}
         for tenant, n in counts.items():
             arrivals[tenant] = arrivals.get(tenant, 0.0) + n
@@ -833,57 +871,79 @@ class MicroBatcher:
 
     def _light_turn(
         self, best: _Readiness, states: Sequence[_Readiness], now: float
-    ) -> tuple[_Readiness, list[tuple[float, int, int]]]:
-        """Adaptive with fair share: light tenants first. While a tenant's backlog is a small
-        part of another's (:meth:`_light_tenants`), the batch goes from the ready bucket of
-        its oldest item rather than by the buckets' turn, and the light items of shorter
-        buckets ride in it (they pad to its length; a flood's items make room for them).
-        Without it a pass serves one bucket, a flood fills every bucket, and a light tenant's
-        item waited for its bucket's turn behind the flood like any other. Not while the
-        most urgent bucket's budget is spent: that bucket goes (its items would be late).
-        Returns the bucket to release and the riders, (enqueued_at, bucket, seq) oldest first.
-        """
+    ) -> tuple[_Readiness, set[str], list[tuple[tuple[int, float, float, int], int]]]:
+        """Adaptive with fair share: light tenants first (:meth:`_light_tenants`). The batch
+        goes from the ready bucket holding a light tenant's most urgent item (priority,
+        deadline, age) instead of by the buckets' turn; that bucket's light items lead its
+        cut, and the light items of shorter buckets ride in it (they pad to its length;
+        the flood's items make room; :meth:`_ride` keeps it in time). A pass serves one
+        bucket and a flood fills them all, so a light item otherwise waited for its
+        bucket's turn behind the flood. Not when the most urgent bucket's budget would be
+        spent before the light pass is through: that bucket goes, or its items would be
+        late. Returns the bucket to release, the light tenants, and the riders as
+        (bucket entry, bucket index) in the buckets' order."""
         if best.rank <= now:
-            return best, []
+            return best, set(), []
         light = self._light_tenants()
         if not light:
-            return best, []
-        held = [(st, self._buckets[st.index].seqs_of(light)) for st in states]
-        held = [(st, seqs) for st, seqs in held if seqs]
-        turn: tuple[float, _Readiness] | None = None
-        for st, seqs in held:
-            items = self._buckets[st.index].items
-            oldest = min(items[q].enqueued_at for q in seqs)
-            if st.ready(now) and (turn is None or oldest < turn[0]):
-                turn = (oldest, st)
+            return best, set(), []
+        most = self._budget.max_size
+        held = [(st, self._buckets[st.index].entries_of(light, most)) for st in states]
+        turn = min(
+            ((entries[0], st) for st, entries in held if entries and st.ready(now)),
+            default=None,
+            key=lambda pair: pair[0],
+        )
         if turn is None:
-            return best, []
+            return best, set(), []
         state = turn[1]
-        riders = [
-            (self._buckets[st.index].items[q].enqueued_at, st.index, q)
-            for st, seqs in held
-            if st.index < state.index
-            for q in seqs
-        ]
-        riders.sort()
-        return state, riders
+        bucket = self._buckets[state.index]
+        n = min(len(bucket), most)
+        if best.index != state.index and best.rank < now + self._adaptive_bound(n, bucket):
+            return best, set(), []
+        riders = sorted(
+            (entry, st.index) for st, entries in held if st.index < state.index for entry in entries
+        )
+        return state, light, riders
+
+    def _adaptive_bound(self, n: int, bucket: _Bucket) -> float:
+        """The controller's upper estimate of a forward of ``n`` of ``bucket``'s items."""
+        assert self._adaptive is not None
+        return self._adaptive.finish_bound_s(n, bucket.max_cost())
 
     def _ride(
         self,
-        riders: Sequence[tuple[float, int, int]],
+        riders: Sequence[tuple[tuple[int, float, float, int], int]],
         items: list[models.WorkItem],
         budget: _Budget,
         now: float,
     ) -> list[models.WorkItem]:
-        """Take ``riders`` (light items of shorter buckets) out of their buckets for the
-        batch of ``items``: as many as keep the padded batch within ``max_batch_cost``."""
+        """Take ``riders`` (light items of shorter buckets), in order, out of their buckets
+        for the batch of ``items``: while the padded batch stays within ``max_batch_cost``
+        and, as :meth:`_fill` requires of a merge, every item in it stays predicted in time
+        (its oldest item's SLO and default deadline by the upper estimate, an item's own
+        deadline by the mean)."""
+        ctrl = self._adaptive
+        assert ctrl is not None
         padded = max(map(_COST, items))
         room = len(riders)
         if budget.max_cost is not None:
             room = min(room, max(0, budget.max_cost // max(1, padded) - len(items)))
+        limit_s = min(ctrl.slo_s, self._default_deadline_s or math.inf)
+        due = min(map(_ENQUEUED, items)) + limit_s
+        own = _earliest_deadline(items)
         by_bucket: dict[int, list[int]] = collections.defaultdict(list)
-        for _, index, seq in riders[:room]:
-            by_bucket[index].append(seq)
+        n = len(items)
+        for entry, index in riders[:room]:
+            item = self._buckets[index].items[entry[-1]]
+            k_due = min(due, item.enqueued_at + limit_s)
+            k_own = own if item.deadline_at is None else min(own, item.deadline_at)
+            if ctrl.finish_at(now, n + 1, padded, upper=True) > k_due or (
+                ctrl.finish_at(now, n + 1, padded) > k_own
+            ):
+                break
+            by_bucket[index].append(entry[-1])
+            n, due, own = n + 1, k_due, k_own
         rode: list[models.WorkItem] = []
         for index, seqs in by_bucket.items():
             rode += self._buckets[index].remove(seqs)

@@ -199,7 +199,11 @@ def _pending(b: batcher.MicroBatcher) -> list[models.WorkItem]:
 
 
 def light_batcher(
-    clock: testing.FakeClock, slo_s: float = 10.0, **pol: Any
+    clock: testing.FakeClock,
+    slo_s: float = 10.0,
+    late_policy: batcher.LatePolicy = "score",
+    default_deadline_s: float | None = None,
+    **pol: Any,
 ) -> batcher.MicroBatcher:
     """Adaptive and fair, buckets <= 10, 20, 30 and above, on an idle model that costs
     ``10 ms + 1 ms * n * cost / 10``: padding costs more than a pass saves, so the controller
@@ -213,6 +217,8 @@ def light_batcher(
         clock,
         adaptive=adaptive.SloController(slo_s, model),
         fair=tenant_share.FairShare(),
+        late_policy=late_policy,
+        default_deadline_s=default_deadline_s,
     )
 
 
@@ -282,6 +288,100 @@ def test_riders_keep_the_padded_batch_within_the_cost_cap() -> None:
     assert len(batch) * max(i.cost for i in batch.items) <= 150
     assert tenants(batch) == {"flood": 4, "quiet": 2}
     assert sorted(i.cost for i in batch.items if i.tenant == "quiet") == [5, 25]
+
+
+def test_the_turns_own_light_item_and_priority_come_before_riders() -> None:
+    """The quiet tenant's most urgent item (priority 9, cost 25) chose its bucket: it is in
+    the batch, not crowded out by the five short riders; with room for three riders, the
+    priority-5 one goes before older ones."""
+    clock = new_clock()
+    b = light_batcher(clock, max_batch_size=4)
+    for cost in (5, 25):
+        b.add(items("flood", 40, 995.0, cost=cost))
+    long_one = items("quiet", 1, 999.0, cost=25, priority=9)
+    urgent = items("quiet", 1, 999.0, cost=5, priority=5)
+    b.add(long_one + items("quiet", 4, 998.5, cost=5) + urgent)
+    batch = b.poll()
+    assert batch is not None
+    assert batch.bucket == 2
+    assert long_one[0] in batch.items
+    assert urgent[0] in batch.items
+    assert tenants(batch) == {"quiet": 4}  # it leads its bucket, then three of five riders
+
+
+def test_riders_that_would_make_the_turns_item_late_stay_behind() -> None:
+    """A quiet item whose own deadline the batch meets only at its present size: the short
+    quiet items that would ride wait for their own turn, and it is not expired."""
+    clock = new_clock()
+    b = light_batcher(clock, late_policy="expire")
+    ctrl = b._adaptive
+    assert ctrl is not None
+    for cost in (5, 15, 35):
+        b.add(items("flood", 40, 995.0, cost=cost))
+    deadline = ctrl.finish_at(clock.now, 2, 25) + 0.0001  # the lead and it, no more
+    urgent = models.WorkItem(
+        next(_ids), "u", _PAYLOAD, 998.0, tenant="quiet", cost=25, deadline_at=deadline
+    )
+    b.add([urgent, *items("quiet", 7, 999.0, cost=5)])
+    batch = b.poll()
+    assert batch is not None
+    assert urgent in batch.items
+    assert b.take_late() == []
+    assert all(i.cost == 25 for i in batch.items)
+
+
+def test_no_light_turn_that_would_spend_the_most_urgent_buckets_budget() -> None:
+    """The flood's cost-35 bucket must go within 5 ms; a light pass first would take longer,
+    so it goes, and nothing of the flood is expired."""
+    clock = new_clock()
+    b = light_batcher(clock, slo_s=1.0, late_policy="expire", default_deadline_s=1.0)
+    ctrl = b._adaptive
+    assert ctrl is not None
+    oldest = clock.now - 1.0 + ctrl.finish_bound_s(8, 35) + 0.005
+    b.add(items("flood", 8, oldest, cost=35))
+    b.add(items("flood", 40, clock.now - 0.5, cost=15))
+    b.add(items("quiet", 8, clock.now - 0.1, cost=25))
+    batch = b.poll()
+    assert batch is not None
+    assert batch.bucket == 3
+    assert tenants(batch) == {"flood": 8}
+    assert b.take_late() == []
+
+
+def test_no_tenant_is_light_without_a_heavier_one_pending_or_among_many_small_ones() -> None:
+    clock = new_clock()
+    b = light_batcher(clock)
+    b.add(items("flood", 80, 999.0, cost=15))
+    while b.poll(flush=True):  # the flood is served: nothing of it pending
+        pass
+    b.add(items("a", 3, 999.5, cost=5) + items("b", 3, 999.5, cost=25))
+    assert b._light_tenants() == set()
+    many = light_batcher(clock)  # six tenants at 1/10 of the flood each: 6/16 of arrivals
+    many.add(items("flood", 100, 999.0, cost=15))
+    for k in range(6):
+        many.add(items(f"q{k}", 10, 999.5, cost=5))
+    assert many._light_tenants() == set()
+    few = light_batcher(clock)  # three of them: 3/13
+    few.add(items("flood", 100, 999.0, cost=15))
+    for k in range(3):
+        few.add(items(f"q{k}", 10, 999.5, cost=5))
+    assert few._light_tenants() == {"q0", "q1", "q2"}
+
+
+def test_a_flood_of_blocks_counts_as_arrivals() -> None:
+    def block(tenant: str, n: int) -> models.ItemBlock:
+        template = models.WorkItem(0, "", _PAYLOAD, 0.0, tenant=tenant, cost=15)
+        ids = list(itertools.islice(_ids, n))
+        data = b"".join(i.to_bytes(8, "little") for i in ids)
+        return models.ItemBlock(
+            template, ids, [f"k{i}" for i in ids], [999.0] * n, [1] * n, [5] * n, data
+        )
+
+    clock = new_clock()
+    b = light_batcher(clock)
+    b.add(block("flood", 64))
+    b.add(items("quiet", 2, 999.5, cost=25))
+    assert b._light_tenants() == {"quiet"}
 
 
 @pytest.mark.parametrize("seed", range(50))
