@@ -511,6 +511,18 @@ class _Readiness:
         return min(self.due_at, now) if self.full else self.due_at
 
 
+@dataclass(frozen=True, slots=True)
+class _LightTurn:
+    """The bucket to release, and with light tenants first (:meth:`MicroBatcher._light_turn`)
+    the light tenants, the riders ((bucket index, seq) in the buckets' order), and the time
+    the pass must be through by (the most urgent bucket's budget; inf when it is this one)."""
+
+    state: _Readiness
+    light: frozenset[str] = frozenset()
+    riders: tuple[tuple[int, int], ...] = ()
+    hold: float = math.inf
+
+
 class MicroBatcher:
     """Forms micro-batches from claimed items under a ``BatchingPolicy`` (see module docstring).
 
@@ -581,19 +593,14 @@ class MicroBatcher:
             ValueError: an item id is already pending (or repeated), or an item's cost is < 0.
                 Nothing is added in that case.
         """
-        if isinstance(items, models.ItemBlock):
-            if self._fair is not None and self._adaptive is not None and len(items):
-                self._count_arrivals({items.template.tenant: len(items)})
-            if self._take_block(items):
-                return
-            items = list(items)
-        else:
-            items = list(items)
-            if self._fair is not None and self._adaptive is not None and items:
-                self._count_arrivals(collections.Counter(map(models.ITEM_TENANT, items)))
+        if isinstance(items, models.ItemBlock) and self._take_block(items):
+            self._count_arrivals({items.template.tenant: len(items)})
+            return
+        items = list(items)
         if self._blocks:  # items of another kind: every pending item goes to the buckets
             self._spill()
         self._add_items(items)
+        self._count_arrivals(collections.Counter(map(models.ITEM_TENANT, items)))
 
     def _take_block(self, block: models.ItemBlock) -> bool:
         """Keep ``block`` whole if it can be cut as it stands: no bucket holds an item, it falls
@@ -673,11 +680,10 @@ class MicroBatcher:
             best = min(states, key=lambda s: (not s.ready(now), s.rank, s.index))
             if not (flush or best.ready(now)):
                 return None
-            light: set[str] = set()
-            riders: list[tuple[tuple[int, float, float, int], int]] = []
+            turn = _LightTurn(best)
             if not flush and self._adaptive is not None and self._fair is not None:
-                best, light, riders = self._light_turn(best, states, now)
-            batch = self._release(best, now, states, by_length=flush, light=light, riders=riders)
+                turn = self._light_turn(best, states, now)
+            batch = self._release(turn.state, now, states, by_length=flush, turn=turn)
             if batch is not None:
                 return self._expected(batch)
             # every item of that cut was late (``take_late``): look again
@@ -789,13 +795,14 @@ class MicroBatcher:
         states: Sequence[_Readiness],
         *,
         by_length: bool,
-        light: Collection[str] = (),
-        riders: Sequence[tuple[tuple[int, float, float, int], int]] = (),
+        turn: _LightTurn | None = None,
     ) -> models.Batch | None:
         bucket = self._buckets[state.index]
         budget = cut = self._cap(bucket, now)
         fair = self._fair if len(bucket.tenants) > 1 else None
         order = None if fair is None else bucket.fair_order(fair, now, budget.max_size)
+        light = turn.light if turn is not None else frozenset()
+        riders: Sequence[tuple[int, int]] = turn.riders if turn is not None else ()
         own = [e[-1] for e in bucket.entries_of(light, budget.max_size)] if light else []
         leading = set(own)
         if own and order is not None:  # the lead, then the light tenants' items here
@@ -806,7 +813,7 @@ class MicroBatcher:
         # the turn's own light items (and its lead) first, then riders
         riders = riders[: max(0, budget.max_size - max(1, len(leading)))]
         if riders:
-            ride_cost = sum(self._buckets[i].items[e[-1]].cost for e, i in riders)
+            ride_cost = sum(self._buckets[i].items[q].cost for i, q in riders)
             left = None if budget.max_cost is None else max(0, budget.max_cost - ride_cost)
             cut = _Budget(budget.max_size - len(riders), left)
         seqs = (bucket.cut_by_length if by_length else bucket.cut_in_order)(cut, order)
@@ -815,11 +822,17 @@ class MicroBatcher:
             fair.charge_aside(items[0].tenant, now)
             fair.charge(collections.Counter(map(models.ITEM_TENANT, items[1:])), now)
         if riders:
-            items += self._ride(riders, items, budget, now)
+            assert turn is not None
+            items += self._board(riders, items, budget, now, turn.hold)
+            # rows kept for riders that did not board go back to this bucket's own items
+            rest = order if order is not None else bucket._order.live_seqs(bucket.items)
+            left_here = (q for q in rest if q in bucket.items)
+            again = [(state.index, q) for q in itertools.islice(left_here, budget.max_size)]
+            items += self._board(again, items, budget, now, turn.hold)
         taken = len(items)
         if by_length:
             items.sort(key=lambda item: item.cost)
-        elif self._adaptive is not None and len(items) < budget.max_size:
+        elif self._adaptive is not None and len(items) < budget.max_size and not riders:
             items += self._fill(state.index, items, budget, now, states)
         self._ids.difference_update(map(_ID, items))
         if self._late_policy == "expire" and not self._draining:
@@ -860,7 +873,10 @@ class MicroBatcher:
         return {t for t in pending if rate.get(t, 0.0) * _LIGHT_RATIO <= heaviest}
 
     def _count_arrivals(self, counts: Mapping[str, int]) -> None:
-        """Add ``counts`` (items a tenant) to the tenants' decayed arrival counts."""
+        """Add ``counts`` (items a tenant, once added) to the tenants' decayed arrival
+        counts; only where :meth:`_light_tenants` reads them (fair share, adaptive)."""
+        if self._fair is None or self._adaptive is None or not counts:
+            return
         now = max(self._clock(), self._arrivals_at)  # a clock stepped back decays nothing
         decay = 0.5 ** ((now - self._arrivals_at) / _LIGHT_HALF_LIFE_S)
         self._arrivals_at = now
@@ -869,87 +885,95 @@ class MicroBatcher:
             arrivals[tenant] = arrivals.get(tenant, 0.0) + n
         self._arrivals = {t: n for t, n in arrivals.items() if n >= _LIGHT_FORGET}
 
-    def _light_turn(
-        self, best: _Readiness, states: Sequence[_Readiness], now: float
-    ) -> tuple[_Readiness, set[str], list[tuple[tuple[int, float, float, int], int]]]:
+    def _light_turn(self, best: _Readiness, states: Sequence[_Readiness], now: float) -> _LightTurn:
         """Adaptive with fair share: light tenants first (:meth:`_light_tenants`). The batch
         goes from the ready bucket holding a light tenant's most urgent item (priority,
         deadline, age) instead of by the buckets' turn; that bucket's light items lead its
         cut, and the light items of shorter buckets ride in it (they pad to its length;
-        the flood's items make room; :meth:`_ride` keeps it in time). A pass serves one
+        the flood's items make room; :meth:`_board` keeps it in time). A pass serves one
         bucket and a flood fills them all, so a light item otherwise waited for its
         bucket's turn behind the flood. Not when the most urgent bucket's budget would be
         spent before the light pass is through: that bucket goes, or its items would be
-        late. Returns the bucket to release, the light tenants, and the riders as
-        (bucket entry, bucket index) in the buckets' order."""
-        if best.rank <= now:
-            return best, set(), []
+        late; and riders board only while that budget holds (``hold``)."""
         light = self._light_tenants()
         if not light:
-            return best, set(), []
+            return _LightTurn(best)
         most = self._budget.max_size
         held = [(st, self._buckets[st.index].entries_of(light, most)) for st in states]
-        turn = min(
+        pick = min(
             ((entries[0], st) for st, entries in held if entries and st.ready(now)),
             default=None,
             key=lambda pair: pair[0],
         )
-        if turn is None:
-            return best, set(), []
-        state = turn[1]
-        bucket = self._buckets[state.index]
-        n = min(len(bucket), most)
-        if best.index != state.index and best.rank < now + self._adaptive_bound(n, bucket):
-            return best, set(), []
-        riders = sorted(
-            (entry, st.index) for st, entries in held if st.index < state.index for entry in entries
-        )
-        return state, light, riders
+        if pick is None:
+            return _LightTurn(best)
+        state = pick[1]
+        hold = math.inf
+        if state.index != best.index:
+            bucket = self._buckets[state.index]
+            if best.rank < now + self._adaptive_bound(min(len(bucket), most), bucket):
+                return _LightTurn(best)
+            hold = best.rank
+        riders = [
+            (index, entry[-1])
+            for entry, index in sorted(
+                (entry, st.index)
+                for st, entries in held
+                if st.index < state.index
+                for entry in entries
+            )
+        ]
+        return _LightTurn(state, frozenset(light), tuple(riders), hold)
 
     def _adaptive_bound(self, n: int, bucket: _Bucket) -> float:
         """The controller's upper estimate of a forward of ``n`` of ``bucket``'s items."""
         assert self._adaptive is not None
         return self._adaptive.finish_bound_s(n, bucket.max_cost())
 
-    def _ride(
+    def _board(
         self,
-        riders: Sequence[tuple[tuple[int, float, float, int], int]],
+        candidates: Iterable[tuple[int, int]],
         items: list[models.WorkItem],
         budget: _Budget,
         now: float,
+        hold: float,
     ) -> list[models.WorkItem]:
-        """Take ``riders`` (light items of shorter buckets), in order, out of their buckets
-        for the batch of ``items``: while the padded batch stays within ``max_batch_cost``
-        and, as :meth:`_fill` requires of a merge, every item in it stays predicted in time
-        (its oldest item's SLO and default deadline by the upper estimate, an item's own
-        deadline by the mean)."""
+        """Take ``candidates`` ((bucket index, seq), in order) out of their buckets for the
+        batch of ``items`` while each fits: no longer than the batch's padded cost, within
+        ``max_batch_size`` and the padded ``max_batch_cost``, the pass through before
+        ``hold`` (the most urgent bucket's budget) by the upper estimate, and, as
+        :meth:`_fill` requires of a merge, every item in it still predicted in time (its
+        oldest item's SLO and default deadline by the upper estimate, an item's own
+        deadline by the mean). Stops at the first that does not fit."""
         ctrl = self._adaptive
         assert ctrl is not None
         padded = max(map(_COST, items))
-        room = len(riders)
-        if budget.max_cost is not None:
-            room = min(room, max(0, budget.max_cost // max(1, padded) - len(items)))
         limit_s = min(ctrl.slo_s, self._default_deadline_s or math.inf)
         due = min(map(_ENQUEUED, items)) + limit_s
         own = _earliest_deadline(items)
-        by_bucket: dict[int, list[int]] = collections.defaultdict(list)
         n = len(items)
-        for entry, index in riders[:room]:
-            item = self._buckets[index].items[entry[-1]]
+        by_bucket: dict[int, list[int]] = collections.defaultdict(list)
+        for index, seq in candidates:
+            item = self._buckets[index].items[seq]
             k_due = min(due, item.enqueued_at + limit_s)
             k_own = own if item.deadline_at is None else min(own, item.deadline_at)
-            if ctrl.finish_at(now, n + 1, padded, upper=True) > k_due or (
-                ctrl.finish_at(now, n + 1, padded) > k_own
+            if (
+                item.cost > padded
+                or n + 1 > budget.max_size
+                or (budget.max_cost is not None and (n + 1) * padded > budget.max_cost)
+                or now + ctrl.finish_bound_s(n + 1, padded) > hold
+                or ctrl.finish_at(now, n + 1, padded, upper=True) > k_due
+                or ctrl.finish_at(now, n + 1, padded) > k_own
             ):
                 break
-            by_bucket[index].append(entry[-1])
+            by_bucket[index].append(seq)
             n, due, own = n + 1, k_due, k_own
-        rode: list[models.WorkItem] = []
+        boarded: list[models.WorkItem] = []
         for index, seqs in by_bucket.items():
-            rode += self._buckets[index].remove(seqs)
-        if rode and self._fair is not None:
-            self._fair.charge(collections.Counter(map(models.ITEM_TENANT, rode)), now)
-        return rode
+            boarded += self._buckets[index].remove(seqs)
+        if boarded and self._fair is not None:
+            self._fair.charge(collections.Counter(map(models.ITEM_TENANT, boarded)), now)
+        return boarded
 
     def _fill(
         self,

@@ -310,24 +310,78 @@ def test_the_turns_own_light_item_and_priority_come_before_riders() -> None:
 
 
 def test_riders_that_would_make_the_turns_item_late_stay_behind() -> None:
-    """A quiet item whose own deadline the batch meets only at its present size: the short
-    quiet items that would ride wait for their own turn, and it is not expired."""
+    """A quiet item whose own deadline a batch of two meets and one of three does not: one
+    short quiet item rides, the other six wait for their own turn, and it is not expired."""
     clock = new_clock()
     b = light_batcher(clock, late_policy="expire")
     ctrl = b._adaptive
     assert ctrl is not None
     for cost in (5, 15, 35):
         b.add(items("flood", 40, 995.0, cost=cost))
-    deadline = ctrl.finish_at(clock.now, 2, 25) + 0.0001  # the lead and it, no more
+    deadline = ctrl.finish_at(clock.now, 2, 25) + 0.00001
+    assert deadline < ctrl.finish_at(clock.now, 3, 25)
     urgent = models.WorkItem(
         next(_ids), "u", _PAYLOAD, 998.0, tenant="quiet", cost=25, deadline_at=deadline
     )
     b.add([urgent, *items("quiet", 7, 999.0, cost=5)])
     batch = b.poll()
     assert batch is not None
+    assert batch.bucket == 2
     assert urgent in batch.items
+    assert sorted(i.cost for i in batch.items) == [5, 25]
     assert b.take_late() == []
-    assert all(i.cost == 25 for i in batch.items)
+
+
+def test_riders_board_only_while_the_most_urgent_buckets_budget_holds() -> None:
+    """The flood's cost-15 bucket must go 2 ms after a one-item light pass of cost 35 would
+    end: the light item goes alone, its seven short riders stay behind, and the flood's
+    bucket goes next with nothing expired (seven riders made the pass outlast that budget)."""
+    clock = new_clock()
+    b = light_batcher(clock, slo_s=1.0, late_policy="expire", default_deadline_s=1.0)
+    ctrl = b._adaptive
+    assert ctrl is not None
+    size = ctrl.model.efficient_size(15, 8)
+    budget = ctrl.finish_bound_s(size, 15) + ctrl.finish_bound_s(1, 35) + 0.002
+    b.add(items("flood", 100, clock.now - 1.0 + budget, cost=15))
+    b.add(items("quiet", 1, clock.now - 0.01, cost=35, priority=1))
+    b.add(items("quiet", 7, clock.now - 0.01, cost=5))
+    first = b.poll()
+    assert first is not None
+    assert tenants(first) == {"quiet": 1}
+    clock.now += ctrl.finish_bound_s(1, 35)
+    second = b.poll()
+    assert second is not None
+    assert tenants(second) == {"flood": 8}
+    assert b.take_late() == []
+
+
+def test_rows_kept_for_riders_that_cannot_board_go_to_the_buckets_own_items() -> None:
+    """Seven short quiet items whose deadline no pass padded to 25 with a second item meets
+    (the model busy for 100 ms): none boards, and the rows kept for them go to the cost-25
+    bucket's flood items, a full batch rather than one item."""
+    clock = new_clock()
+    b = light_batcher(clock)
+    ctrl = b._adaptive
+    assert ctrl is not None
+    for cost in (5, 25):
+        b.add(items("flood", 40, 995.0, cost=cost))
+    long_one = items("quiet", 1, 999.0, cost=25, priority=1)
+    b.add(long_one)
+    ctrl.forward_started(8, 35, clock.now + 0.1 - ctrl.model.predict(8, 35))  # busy 100 ms
+    deadline = (ctrl.finish_at(clock.now, 1, 25) + ctrl.finish_at(clock.now, 2, 25)) / 2
+    b.add(
+        [
+            models.WorkItem(
+                next(_ids), f"r{k}", _PAYLOAD, 999.5, tenant="quiet", cost=5, deadline_at=deadline
+            )
+            for k in range(7)
+        ]
+    )
+    batch = b.poll()
+    assert batch is not None
+    assert batch.bucket == 2
+    assert long_one[0] in batch.items
+    assert tenants(batch) == {"quiet": 1, "flood": 7}
 
 
 def test_no_light_turn_that_would_spend_the_most_urgent_buckets_budget() -> None:
@@ -381,6 +435,9 @@ def test_a_flood_of_blocks_counts_as_arrivals() -> None:
     b = light_batcher(clock)
     b.add(block("flood", 64))
     b.add(items("quiet", 2, 999.5, cost=25))
+    assert b._light_tenants() == {"quiet"}
+    with pytest.raises(ValueError, match="already pending"):  # refused: nothing counted
+        b.add([b._buckets[2].items[next(iter(b._buckets[2].items))]] * 1000)
     assert b._light_tenants() == {"quiet"}
 
 
