@@ -704,25 +704,29 @@ async def drain_capacity(
     ours: Ours, http: Http, seconds: float, key_prefix: str
 ) -> tuple[float, int]:
     """Items/s the scorer commits with its queue never empty: POST items in chunks of 256
-    (``{"items": [...]}``) to keep ``ours.backlog`` ready, read the tenant's items not yet
-    final (ready and leased: GET /v1/queues/{queue}, whose done count is up to 10 s old)
-    every 0.25 s, rate of those finished over the last ``seconds`` (the first 2 s warm the
-    batcher). Returns (items/s, items posted)."""
+    (``{"items": [...]}``) to keep ``ours.backlog`` ready, read the tenant's live states
+    every 0.25 s (GET /v1/queues/{queue}: its done count may be a poll old, its live states
+    are read now), rate of those committed over the last ``seconds`` (the first 2 s warm the
+    batcher): posted, less those still ready or leased, less those that ended dead, expired
+    or cancelled. Returns (items/s, items posted)."""
     tenant = QUIET[0]
     auth = {"Authorization": f"Bearer {TOKENS[tenant]}"}
     url = f"{ours.base}/v1/queues/{ours.queue}"
 
-    async def unfinished() -> int:
+    async def live() -> tuple[int, int]:
+        """(ready + leased, dead + expired + cancelled) of the tenant's items."""
         r = await http.get(url, headers=auth)
         r.raise_for_status()
         by_state = r.json()["by_state"]
-        return int(by_state["ready"]) + int(by_state["leased"])
+        failed = sum(int(by_state[s]) for s in ("dead", "expired", "cancelled"))
+        return int(by_state["ready"]) + int(by_state["leased"]), failed
 
-    before = await unfinished()
+    open_at_start, failed_at_start = await live()
     posted, samples = 0, []
     start = now()
     while now() < start + 2.0 + seconds:
-        count = before + posted - await unfinished()  # finished since the start
+        still_open, failed = await live()  # committed since the start:
+        count = open_at_start + posted - still_open - (failed - failed_at_start)
         samples.append((now(), count))
         while posted - count < ours.backlog:
             items = ",".join(

@@ -367,9 +367,11 @@ def _routes(app: FastAPI, settings: Settings) -> None:
     @app.get(
         "/v1/queues/{queue}",
         summary="The queue's depth by state for the token's tenant, as `batching status --json`.",
-        description="The live states are read at each request; `done` is the last background "
-        "count of the queue's done items, at most 10 s old (`done_counted_at`: epoch seconds "
-        "when it started). The first read waits for the first count.",
+        description="The live states are read at each request; `done` is the last count of "
+        "the queue's done items, made in the background when a read finds it 10 s old "
+        "(`done_counted_at`: epoch seconds when it started; a client polling every few "
+        "seconds sees one about 10 s old at most). Reads in the API's first 30 s wait for the "
+        "first count; after that `done` is absent until one has landed.",
         responses={404: {"description": _NOT_SERVED}, **_ERRORS},
     )
     def get_queue(queue: Served, tenant: Tenant) -> dict[str, Any]:

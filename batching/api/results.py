@@ -16,6 +16,7 @@ import dataclasses
 import datetime as dt
 import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 API_DONE_EVERY_S = 10.0
 """How often the queue read (``GET /v1/queues/{queue}``) counts the queue's done items."""
 _FIRST_COUNT_WAIT_S = 30.0
+_monotonic = time.monotonic  # the first count's wait (a test's clock)
 _T = schema.items
 TERMINAL = frozenset(
     {models.State.DONE, models.State.DEAD, models.State.EXPIRED, models.State.CANCELLED}
@@ -106,6 +108,7 @@ class Results:
             collections.OrderedDict()
         )
         self._done: dict[str, DoneCounts] = {}  # queue -> its done items, counted apart
+        self._first_count_by: dict[str, float] = {}  # queue -> monotonic end of the first wait
 
     def queue(self, name: str) -> q.SqlQueue:
         return q.SqlQueue(self.engine, name, tenant_weights=self.tenant_weights)
@@ -153,11 +156,12 @@ class Results:
         oldest_ready_age_s, expired_leases, groups (by lane), backoff; and the queue's
         control: paused and max_depth (its depth counts every tenant's items).
 
-        The live states are read now; the done items are the last background count, at
-        most ``API_DONE_EVERY_S`` old (``done_counted_at``: when it started): that count
-        reads every done item of the queue, seconds for millions, and a client polling its
-        queue made one per request. The first read waits for the first count (up to
-        ``_FIRST_COUNT_WAIT_S``; past it ``done`` is absent until one finishes)."""
+        The live states are read now; ``done`` is the last count of the queue's done items,
+        made in the background when a read finds it ``API_DONE_EVERY_S`` old
+        (``done_counted_at``: when it started): that count reads every done item of the
+        queue, seconds for millions, and a client polling its queue made one per request.
+        Reads in the first ``_FIRST_COUNT_WAIT_S`` of the API's life wait for the first count
+        to land; after that ``done`` is absent until one has."""
         from batching.ingress import controls
 
         q = self.queue(queue)
@@ -165,15 +169,17 @@ class Results:
             done = self._done.get(queue)
             if done is None:
                 done = self._done[queue] = DoneCounts(q, API_DONE_EVERY_S, all_queues=False)
+                self._first_count_by[queue] = _monotonic() + _FIRST_COUNT_WAIT_S
+            first_by = self._first_count_by[queue]
         live = q.stats(done=False)
-        counts = done.latest()
-        if counts is None and done.wait(_FIRST_COUNT_WAIT_S):
-            counts = done.latest()
+        counts, counted_at = done.latest_at()
+        if counts is None and done.wait(max(0.0, first_by - _monotonic())):
+            counts, counted_at = done.latest_at()
         mine = tuple(g for g in filled(live, counts, set()).groups if g.tenant == tenant)
         held = controls.states(self.engine).get(queue, controls.QueueControl(queue))
         return dataclasses.asdict(models.QueueStats.of(mine, done=counts is not None)) | {
             "tenant": tenant,
-            "done_counted_at": done.counted_at if counts is not None else None,
+            "done_counted_at": counted_at if counts is not None else None,
             "paused": held.paused,
             "max_depth": held.max_depth,
         }

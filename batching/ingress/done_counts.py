@@ -45,6 +45,13 @@ class DoneCounts:
         """The last finished count (None before the first); starts a count when due, or
         ``now_too`` (a queue appeared that no count has seen) unless the last count failed:
         a count that keeps failing is tried every ``every_s``, not at every scrape."""
+        return self.latest_at(now_too)[0]
+
+    def latest_at(
+        self, now_too: bool = False
+    ) -> tuple[dict[tuple[str, str, str], int] | None, float | None]:
+        """:meth:`latest` and when that count started (None before the first), read
+        together: a count finishing in between cannot pair one count with another's time."""
         with self._lock:
             now = self.clock()
             due = self._started_at is None or now - self._started_at >= self.every_s
@@ -53,7 +60,7 @@ class DoneCounts:
                 self._started_at = now
                 self._running = threading.Thread(target=self._count, name="done-count", daemon=True)
                 self._running.start()
-            return self._counts
+            return self._counts, self.counted_at
 
     def wait(self, timeout_s: float) -> bool:
         """Wait for the count in progress, if any; True when none is left running."""
@@ -70,7 +77,11 @@ class DoneCounts:
         except Exception as exc:  # the next due read tries again; the live states go on
             logger.warning(
                 "could not count the done items",
-                extra={"action": "done_count_failed", "error": str(exc)},
+                extra={
+                    "action": "done_count_failed",
+                    "queue": None if self.all_queues else self.queue.queue,
+                    "error": str(exc),
+                },
             )
             counts = None
         with self._lock:

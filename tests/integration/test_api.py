@@ -30,6 +30,7 @@ from batching.cli import api as api_cli
 from batching.compose import build
 from batching.config import load_config
 from batching.ingress import controls
+from batching.ingress.done_counts import DoneCounts
 from batching.ingress.queue import SqlQueue
 from batching.model import workloads
 from batching.store import database
@@ -356,6 +357,49 @@ def test_queue_stats_count_done_items_in_the_background_not_per_request(
     monkeypatch.setattr(results_module, "API_DONE_EVERY_S", 0.0)
     for client in make_client(config_path):  # a new API: its first read counts again
         assert client.get("/v1/queues/tabular", headers=A).json()["by_state"]["done"] == 3
+
+
+def test_only_the_apis_first_reads_wait_for_the_first_done_count(
+    config_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    real = SqlQueue.done_counts
+
+    def blocked(self: SqlQueue, **kwargs: Any) -> dict[tuple[str, str, str], int]:
+        release.wait(60)
+        return real(self, **kwargs)
+
+    waits: list[float] = []
+    real_wait = DoneCounts.wait
+
+    def recorded(self: DoneCounts, timeout_s: float) -> bool:
+        waits.append(timeout_s)
+        return real_wait(self, 0.0)  # the count is blocked: as if the wait ran out
+
+    clock = [1000.0]
+    monkeypatch.setattr(SqlQueue, "done_counts", blocked)
+    monkeypatch.setattr(DoneCounts, "wait", recorded)
+    monkeypatch.setattr(results_module, "_monotonic", lambda: clock[0])
+    try:
+        for client in make_client(config_path):
+            first = client.get("/v1/queues/tabular", headers=A).json()
+            assert "done" not in first["by_state"]  # none landed within the first wait
+            assert first["done_counted_at"] is None
+            clock[0] += 31.0  # past the API's first 30 s: a read no longer waits
+            assert "done" not in client.get("/v1/queues/tabular", headers=A).json()["by_state"]
+            assert waits == [30.0, 0.0]
+            release.set()
+            monkeypatch.setattr(DoneCounts, "wait", real_wait)
+            for done in results_of(client).values():
+                assert done.wait(30)
+            assert client.get("/v1/queues/tabular", headers=A).json()["by_state"]["done"] == 0
+    finally:
+        release.set()
+
+
+def results_of(client: TestClient) -> dict[str, DoneCounts]:
+    """The API's done counts by queue."""
+    return client.app.state.settings.results._done  # type: ignore[attr-defined,no-any-return]
 
 
 def test_get_unknown_item_is_404_and_wait_s_is_bounded(client: TestClient) -> None:
