@@ -110,19 +110,21 @@ def test_an_aged_tenant_goes_first_whatever_its_weight() -> None:
     assert tenants(b.poll()) == {"heavy": 4}
 
 
-def test_blocks_of_two_tenants_are_cut_fairly() -> None:
-    def block(tenant: str, n: int) -> models.ItemBlock:
-        template = models.WorkItem(0, "", _PAYLOAD, 0.0, tenant=tenant, cost=2)
-        ids = list(itertools.islice(_ids, n))
-        data = b"".join(i.to_bytes(8, "little") for i in ids)
-        return models.ItemBlock(
-            template, ids, [f"k{i}" for i in ids], [900.0] * n, [1] * n, [5] * n, data
-        )
+def block(tenant: str, n: int, enqueued_at: float, cost: int) -> models.ItemBlock:
+    """A uniform claim of ``n`` of ``tenant``'s items (one cost, all enqueued at once)."""
+    template = models.WorkItem(0, "", _PAYLOAD, 0.0, tenant=tenant, cost=cost)
+    ids = list(itertools.islice(_ids, n))
+    data = b"".join(i.to_bytes(8, "little") for i in ids)
+    return models.ItemBlock(
+        template, ids, [f"k{i}" for i in ids], [enqueued_at] * n, [1] * n, [5] * n, data
+    )
 
+
+def test_blocks_of_two_tenants_are_cut_fairly() -> None:
     clock = new_clock()
     b = fair_batcher(clock)
-    b.add(block("flood", 800))
-    b.add(block("quiet", 8))
+    b.add(block("flood", 800, 900.0, cost=2))
+    b.add(block("quiet", 8, 900.0, cost=2))
     assert tenants(b.poll()) == {"flood": 4, "quiet": 4}
 
 
@@ -423,17 +425,9 @@ def test_no_tenant_is_light_without_a_heavier_one_pending_or_among_many_small_on
 
 
 def test_a_flood_of_blocks_counts_as_arrivals() -> None:
-    def block(tenant: str, n: int) -> models.ItemBlock:
-        template = models.WorkItem(0, "", _PAYLOAD, 0.0, tenant=tenant, cost=15)
-        ids = list(itertools.islice(_ids, n))
-        data = b"".join(i.to_bytes(8, "little") for i in ids)
-        return models.ItemBlock(
-            template, ids, [f"k{i}" for i in ids], [999.0] * n, [1] * n, [5] * n, data
-        )
-
     clock = new_clock()
     b = light_batcher(clock)
-    b.add(block("flood", 64))
+    b.add(block("flood", 64, 999.0, cost=15))
     b.add(items("quiet", 2, 999.5, cost=25))
     assert b._light_tenants() == {"quiet"}
     with pytest.raises(ValueError, match="already pending"):  # refused: nothing counted
