@@ -600,7 +600,8 @@ class MicroBatcher:
         if self._blocks:  # items of another kind: every pending item goes to the buckets
             self._spill()
         self._add_items(items)
-        self._count_arrivals(collections.Counter(map(models.ITEM_TENANT, items)))
+        if self._fair is not None and self._adaptive is not None:
+            self._count_arrivals(collections.Counter(map(models.ITEM_TENANT, items)))
 
     def _take_block(self, block: models.ItemBlock) -> bool:
         """Keep ``block`` whole if it can be cut as it stands: no bucket holds an item, it falls
