@@ -912,7 +912,9 @@ class MicroBatcher:
         hold = math.inf
         if state.index != best.index:
             bucket = self._buckets[state.index]
-            if best.rank < now + self._adaptive_bound(min(len(bucket), most), bucket):
+            assert self._adaptive is not None
+            pass_s = self._adaptive.finish_bound_s(min(len(bucket), most), bucket.max_cost())
+            if best.rank < now + pass_s:
                 return _LightTurn(best)
             hold = best.rank
         riders = [
@@ -925,11 +927,6 @@ class MicroBatcher:
             )
         ]
         return _LightTurn(state, frozenset(light), tuple(riders), hold)
-
-    def _adaptive_bound(self, n: int, bucket: _Bucket) -> float:
-        """The controller's upper estimate of a forward of ``n`` of ``bucket``'s items."""
-        assert self._adaptive is not None
-        return self._adaptive.finish_bound_s(n, bucket.max_cost())
 
     def _board(
         self,
