@@ -34,6 +34,7 @@ from typing import Any
 
 from batching import errors, models
 from batching.api.results import ItemView, Results
+from batching.store import database
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +169,9 @@ class Writer:
         self.groups += 1
         try:
             outcomes = q.enqueue_each([p.records for p in posts], enqueue_run=run)
+            # SQLite: committed to the file at its path, not to one deleted or moved under
+            # this process's connection (written where no scorer reads, lost with it): 503
+            database.require_file_still_there(self.results.engine)
         except errors.BatchingError as exc:
             for post in posts:
                 _resolve(post, exc)

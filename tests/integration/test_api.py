@@ -675,6 +675,10 @@ def test_readyz_is_503_once_the_sqlite_file_is_gone(tmp_path: Path, sqlite_url: 
         for name in ("queue.db", "queue.db-wal", "queue.db-shm"):
             (tmp_path / name).unlink(missing_ok=True)
         assert "file is gone" in assert_error(c.get("/readyz"), 503, "QueueError")
+        # and an enqueue is not acknowledged: it went to the unlinked file, lost with the
+        # process; the client retries (idempotent on item_key) once the file is back
+        lost = c.post(ITEMS, json=item("unlinked"), headers=A)
+        assert "file is gone" in assert_error(lost, 503, "QueueError")
 
 
 def test_a_key_with_a_slash_reads_back(client: TestClient) -> None:
