@@ -38,7 +38,7 @@ FIX = (
     "the password to the worker (PGPASSWORD or ~/.pgpass)"
 )
 _SECRET_KEY = re.compile(
-    r"(?i)(?<!_)(passw(or)?d|pwd|secret|token|api_?key)$|_(passw(or)?d|pwd|token|api_?key)$"
+    r"(?i)(?<!_)(passw(or)?d|pwd|secret|tokens?|api_?key)$|_(passw(or)?d|pwd|tokens?|api_?key)$"
 )
 """A key whose value is a credential; ``*_secret`` keys name a Secret block, not a value."""
 _BLOCK_REF = re.compile(r"\{\{\s*prefect\.blocks\.secret\.")
@@ -179,7 +179,10 @@ def check_prefect_yaml(path: Path, env: Mapping[str, str] = os.environ) -> list[
             )
             continue
         filled = _ENV_REF.sub(lambda m: env.get(m.group(1), ""), leaf)
-        if has_password(filled) or (_SECRET_KEY.search(key) and filled):
+        if _SECRET_KEY.search(key) and filled:  # the value itself: never shown
+            written = f" ({leaf.strip()!r} as filled here)" if _ENV_REF.search(leaf) else ""
+            problems.append(f"{where}: a credential value{written}; {FIX}")
+        elif has_password(filled):
             problems.append(f"{where}: {redact_url(filled)!r} holds a password; {FIX}")
     return problems
 

@@ -239,6 +239,40 @@ def test_a_prefect_yaml_that_would_store_a_password_is_refused(
     assert "s3cret" not in err
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "env"),
+    [
+        ("PGPASSWORD", "hunter2", {}),
+        ("OPENLINEAGE_API_KEY", "olkey123456", {}),
+        ("PGPASSWORD", "{{ $PGPASSWORD }}", {"PGPASSWORD": "hunter2"}),
+        ("BATCHING_API_TOKENS", "olkey123456-0123456789=acme", {}),
+    ],
+)
+def test_a_credential_under_its_own_key_is_refused_and_never_printed(
+    tmp_path: Path,
+    key: str,
+    value: str,
+    env: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    text = PREFECT_YAML.read_text(encoding="utf-8").replace(
+        "        # BATCHING_DB_URL: postgresql+psycopg://scorer@db:5432/scoring",
+        f'        {key}: "{value}"',
+    )
+    path = tmp_path / "prefect.yaml"
+    path.write_text(text, encoding="utf-8")
+    for name, secret in env.items():
+        monkeypatch.setenv(name, secret)
+    with pytest.raises(SystemExit) as exited:
+        secrets.main([str(path)])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert f"job_variables.env.{key}: a credential value" in err
+    assert "hunter2" not in err
+    assert "olkey123456" not in err
+
+
 def test_a_prefect_yaml_that_cannot_be_read_exits_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
