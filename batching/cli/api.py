@@ -11,7 +11,15 @@ from typing import Annotated, Any
 import typer
 
 from batching import errors
-from batching.cli.common import ConfigOption, DbOverride, app, err, handle_errors, load
+from batching.cli.common import (
+    ConfigOption,
+    DbOverride,
+    OutputOverride,
+    app,
+    err,
+    handle_errors,
+    load,
+)
 
 TOKENS_ENV = "BATCHING_API_TOKENS"
 TOKENS_FILE_ENV = "BATCHING_API_TOKENS_FILE"
@@ -64,6 +72,7 @@ def application(settings: Any, environment: str) -> Any:
 def serve_api(
     config: ConfigOption,
     db: DbOverride = None,
+    output: OutputOverride = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
     max_body_bytes: Annotated[
@@ -85,7 +94,7 @@ def serve_api(
     Tokens come from BATCHING_API_TOKENS (TOKEN=TENANT pairs, comma-separated) or
     BATCHING_API_TOKENS_FILE (one pair a line); each token enqueues and reads as its tenant
     only. Items are held to the config's model.max_item_* limits; results are read from the
-    config's output. See docs/howto/http.md.
+    config's output (or --output: the one the scorers were given). See docs/howto/http.md.
     """
     from batching.api import app as api_app
     from batching.api.results import Results
@@ -95,7 +104,7 @@ def serve_api(
 
     known = tokens_from_env()
     cfg = load(config)
-    res = build.checked(cfg, db, None)
+    res = build.checked(cfg, db, output)  # the scorers' --output: results are read there
     results = Results(database.create_engine(res.db_url), res.target, cfg.queue.tenant_weights)
     results.queue(cfg.queue.name).check_schema()
     settings = api_app.Settings(
