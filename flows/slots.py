@@ -53,7 +53,7 @@ def gpu_slot(name: str | None, wait_s: float | None = None) -> Iterator[None]:
             "gpu_slot is set but CUDA_VISIBLE_DEVICES is not: the slot does not choose a device",
             extra={"action": "gpu_slot_without_device", "gpu_slot": name},
         )
-    logger.info("waiting for GPU slot", extra={"action": "gpu_slot_wait", "gpu_slot": name})
+    logger.info("taking GPU slot", extra={"action": "gpu_slot_wait", "gpu_slot": name})
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(

@@ -492,6 +492,8 @@ async def _finals(
     pending = [
         asyncio.wrap_future(futures[i["item_key"]]) for i in items if i["item_key"] not in final
     ]
+    for wrapped in pending:  # its error is read below from the future it wraps, not from it
+        wrapped.add_done_callback(_retrieved)
     if pending:
         await asyncio.wait(pending, timeout=max(0.0, ends - time.monotonic()))
     for item in items:
@@ -499,6 +501,13 @@ async def _finals(
         if item["item_key"] not in final and future.done() and not future.cancelled():
             final[item["item_key"]] = future.result()
     return final
+
+
+def _retrieved(wrapped: asyncio.Future[Any]) -> None:
+    """Mark a wrapper's exception retrieved: else asyncio logs "Future exception was never
+    retrieved" with a traceback for every item whose result could not be read."""
+    if not wrapped.cancelled():
+        wrapped.exception()
 
 
 def _with_result(item: dict[str, Any], view: ItemView | None) -> dict[str, Any]:

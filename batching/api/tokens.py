@@ -49,11 +49,13 @@ def parse(text: str, source: str) -> Tokens:
             none; the message names the entry by its position, never the token.
     """
     pairs: dict[str, str] = {}
-    entries = [e.strip() for line in text.splitlines() for e in line.split(",")]
-    for n, entry in enumerate((e for e in entries if e and not e.startswith("#")), start=1):
+    lines = text.splitlines()
+    entries = [(k, e.strip()) for k, line in enumerate(lines, 1) for e in line.split(",")]
+    kept = ((k, e) for k, e in entries if e and not e.startswith("#"))
+    for n, (line, entry) in enumerate(kept, start=1):
         token, sep, tenant = entry.partition("=")
         token, tenant = token.strip(), tenant.strip()
-        where = f"{source}: entry {n}"
+        where = f"{source}: entry {n}" + (f" (line {line})" if len(lines) > 1 else "")
         if not sep or not token or not tenant:
             raise errors.ConfigError(f"{where} is not token=tenant; write each as TOKEN=TENANT")
         if len(token) < MIN_TOKEN_CHARS:

@@ -244,9 +244,19 @@ def _text(value: str, name: str, where: str) -> str:
     return value
 
 
+def _as_json(value: Any) -> str:
+    """``value`` as the JSON a request or a line would spell it (``true``, not ``True``);
+    else as Python writes it. At most 80 characters."""
+    try:
+        shown = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
 def _int(value: Any, name: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise errors.InputError(f"{where}: {name} must be an integer, got {value!r}")
+        raise errors.InputError(f"{where}: {name} must be an integer, got {_as_json(value)}")
     if abs(value) > 2**31 - 1:
         raise errors.InputError(
             f"{where}: {name} {value} is out of range; give an integer of at most {2**31 - 1}"
@@ -304,7 +314,8 @@ def _deadline(value: Any, where: str) -> float | None:
                 parsed = parsed.replace(tzinfo=dt.UTC)
             return parsed.timestamp()
     raise errors.InputError(
-        f"{where}: deadline must be epoch seconds or ISO 8601 (2026-01-31T12:00:00Z), got {value!r}"
+        f"{where}: deadline must be epoch seconds or ISO 8601 (2026-01-31T12:00:00Z), got"
+        f" {_as_json(value)}"
     )
 
 

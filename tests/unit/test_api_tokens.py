@@ -33,6 +33,7 @@ def test_tokens_parse_commas_and_lines_and_each_is_bound_to_its_tenant() -> None
         (f"{T1}=", "entry 1 is not token=tenant"),
         ("short=acme", "shorter than 16 characters"),
         (f"{T1}=a,{T1}=b", "entry 2: the token repeats an earlier entry"),
+        (f"# tokens\n{T1}", "entry 1 (line 2) is not token=tenant"),  # a file: by its line
         (f"{T1}={'x' * 201}", "the tenant must be at most 200 characters"),
     ],
 )

@@ -7,12 +7,13 @@ pass had failed. Refused at decode, the item is dead at once and its batch-mates
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
 import pytest
 
-from batching import models
+from batching import errors, models
 from batching.model import payloads
 
 
@@ -83,3 +84,18 @@ def test_negative_padding_and_out_of_vocabulary_ids_are_refused(
     assert message is not None
     assert reason in message
     assert "[1, 100)" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("priority", True, "priority must be an integer, got true"),
+        ("priority", "high", 'priority must be an integer, got "high"'),
+        ("deadline", [1], "ISO 8601 (2026-01-31T12:00:00Z), got [1]"),
+    ],
+)
+def test_a_bad_field_is_shown_as_json_spells_it(field: str, value: object, says: str) -> None:
+    from batching.ingress import ingest
+
+    with pytest.raises(errors.InputError, match=re.escape(says)):
+        ingest.record_from_mapping({"item_key": "k", "payload": {}, field: value}, "items[0]")
