@@ -207,6 +207,29 @@ def test_the_shipped_prefect_yaml_holds_no_credential(capsys: pytest.CaptureFixt
     assert "no credentials found" in capsys.readouterr().out
 
 
+def refused(
+    tmp_path: Path,
+    line: str,
+    env: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> str:
+    """``python -m flows.secrets`` on the shipped prefect.yaml with ``line`` in place of its
+    commented BATCHING_DB_URL and ``env`` set: it exits 1; returns what it printed."""
+    text = PREFECT_YAML.read_text(encoding="utf-8").replace(
+        "        # BATCHING_DB_URL: postgresql+psycopg://scorer@db:5432/scoring", f"        {line}"
+    )
+    assert text != PREFECT_YAML.read_text(encoding="utf-8")
+    path = tmp_path / "prefect.yaml"
+    path.write_text(text, encoding="utf-8")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exited:
+        secrets.main([str(path)])
+    assert exited.value.code == 1
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("env_value", "env"),
     [
@@ -222,19 +245,8 @@ def test_a_prefect_yaml_that_would_store_a_password_is_refused(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    text = PREFECT_YAML.read_text(encoding="utf-8").replace(
-        "        # BATCHING_DB_URL: postgresql+psycopg://scorer@db:5432/scoring",
-        f'        BATCHING_DB_URL: "{env_value}"',
-    )
-    assert text != PREFECT_YAML.read_text(encoding="utf-8")
-    path = tmp_path / "prefect.yaml"
-    path.write_text(text, encoding="utf-8")
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    with pytest.raises(SystemExit) as exited:
-        secrets.main([str(path)])
-    assert exited.value.code == 1
-    err = capsys.readouterr().err
+    line = f'BATCHING_DB_URL: "{env_value}"'
+    err = refused(tmp_path, line, env, capsys, monkeypatch)
     assert "prefect.yaml.definitions.work_pool.job_variables.env.BATCHING_DB_URL" in err
     assert "s3cret" not in err
 
@@ -256,18 +268,7 @@ def test_a_credential_under_its_own_key_is_refused_and_never_printed(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    text = PREFECT_YAML.read_text(encoding="utf-8").replace(
-        "        # BATCHING_DB_URL: postgresql+psycopg://scorer@db:5432/scoring",
-        f'        {key}: "{value}"',
-    )
-    path = tmp_path / "prefect.yaml"
-    path.write_text(text, encoding="utf-8")
-    for name, secret in env.items():
-        monkeypatch.setenv(name, secret)
-    with pytest.raises(SystemExit) as exited:
-        secrets.main([str(path)])
-    assert exited.value.code == 1
-    err = capsys.readouterr().err
+    err = refused(tmp_path, f'{key}: "{value}"', env, capsys, monkeypatch)
     assert f"job_variables.env.{key}: a credential value" in err
     assert "hunter2" not in err
     assert "olkey123456" not in err
