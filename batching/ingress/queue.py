@@ -1236,7 +1236,14 @@ class SqlQueue:
 
     @database.reconnecting
     def heartbeat(self, lease_id: str, lease_s: float) -> int:
-        """Extend the lease; returns rows extended (0: the lease was lost, stop and write nothing)."""
+        """Extend the lease; returns rows extended (0: the lease was lost, stop and write nothing).
+
+        Raises:
+            QueueError: SQLite: the database file is gone from its path (deleted or moved
+                under this process's connections, which would go on claiming and acking in
+                a file nobody reads, beside outputs no ledger there records).
+        """
+        database.require_file_still_there(self.engine)
         expires = self.clock() + lease_s
         with self.begin() as conn:  # the ranges first, as every verb locks them
             ranged = conn.execute(

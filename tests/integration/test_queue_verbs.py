@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from batching import crashes, models
+from batching import crashes, errors, models
 from batching.ingress import queue as q
 from batching.store import database, schema
 from batching.testing import FakeClock, InMemoryQueue
@@ -166,6 +167,23 @@ def test_stale_lease_can_never_ack(queue: Queue, clock: FakeClock) -> None:
     assert queue.ack(second.lease_id, ids) == 1
     assert queue.ack(second.lease_id, ids) == 0
     assert row(queue, "a").state == models.State.DONE
+
+
+def test_a_heartbeat_on_a_sqlite_file_gone_from_its_path_stops_the_run(
+    sqlite_url: str, clock: FakeClock
+) -> None:
+    """A scorer's pooled connection would go on claiming and acking in the unlinked file;
+    its heartbeat says so instead (the scorer stops with this one line)."""
+    queue = q.SqlQueue(database.create_engine(sqlite_url), "gone", clock=clock)
+    queue.enqueue([rec("a")])
+    claim = queue.claim(1, lease_s=10)
+    assert queue.heartbeat(claim.lease_id, 10) == 1
+    path = Path(sa.make_url(sqlite_url).database or "")
+    for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        name.unlink(missing_ok=True)
+    with pytest.raises(errors.QueueError, match="file is gone from its path"):
+        queue.heartbeat(claim.lease_id, 10)
+    queue.engine.dispose()
 
 
 def test_heartbeat_keeps_lease_from_reaper(queue: Queue, clock: FakeClock) -> None:
