@@ -321,8 +321,9 @@ class ParquetSink(sinks.FencedSink):
 
         Raises:
             ConfigError: the root holds no file and no live batch in scope has its file
-                anywhere: a wrong ``output.path`` would read as every file lost (``--repair``
-                would rescore them all). ``dataset_lost`` judges them anyway.
+                here: a wrong ``output.path`` would read as every file lost (``--repair``
+                would rescore them all). ``dataset_lost`` judges them anyway: those written
+                under this root, not those whole under the root they were written to.
         """
         with sinks.translate_errors(f"cannot read {self.layout.root}"):
             batches = tuple(self._check_batch(r) for r in rows)
@@ -332,9 +333,10 @@ class ParquetSink(sinks.FencedSink):
             self._refuse_empty_dataset(rows, batches)
         # A batch missing here but whole in the root it was written to (another config's
         # output.path, or --output) is that dataset's: judged here it read as a missing file,
-        # and --repair scored its items again, into this dataset. ``dataset_lost`` judges them.
+        # and --repair scored its items again, into this dataset. With ``dataset_lost`` too:
+        # this root's dataset was lost, not that one (which --repair then doubled).
         elsewhere = [
-            not dataset_lost and b.where == "missing" and self._kept_elsewhere(r)
+            b.where == "missing" and self._kept_elsewhere(r)
             for r, b in zip(rows, batches, strict=True)
         ]
         others = Counter(
@@ -633,13 +635,26 @@ class ParquetSink(sinks.FencedSink):
         if not live or any(b.where != "missing" for _, b in live):
             return
         root = self.layout.root
-        roots = sorted({_written_under(r.staging_path) for r, _ in live if r.staging_path})
-        elsewhere = [r for r in roots if r != str(root)]
-        where = f" (written under {', '.join(elsewhere[:3])})" if elsewhere else ""
+        away = Counter(
+            _written_under(r.staging_path)
+            for r, _ in live
+            if r.staging_path and not _same_folder(Path(_written_under(r.staging_path)), root)
+        )
+        here, roots = len(live) - away.total(), ", ".join(sorted(away)[:3])
+        queue = self.fence.queue
+        if here:
+            found = (
+                f"but the ledger has {here} committed batch(es) of queue {queue!r} written there"
+            )
+            found += f" ({away.total()} more written under {roots})" if away else ""
+        else:
+            found = (
+                f"and none of the ledger's {away.total()} committed batch(es) of queue {queue!r} "
+                f"was written there (written under {roots})"
+            )
         raise errors.ConfigError(
-            f"no Parquet files under {root}, but the ledger has {len(live)} committed "
-            f"batch(es) of queue {self.fence.queue!r}{where}: check output.path or --output; if "
-            "the dataset was deleted, reconcile with --dataset-lost to judge (and with --repair "
+            f"no Parquet files under {root}, {found}: check output.path or --output; if the "
+            "dataset was deleted, reconcile with --dataset-lost to judge (and with --repair "
             "requeue) them"
         )
 

@@ -576,6 +576,34 @@ def test_batches_written_to_another_dataset_are_not_judged_or_rescored(
     assert Kind.MISSING_FILE in {f.kind for f in run(queue, root, clock).findings}
 
 
+def test_a_lost_dataset_judges_only_the_batches_written_under_it(
+    queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock, tmp_path: Path
+) -> None:
+    """One run scored with --output other, the rest into the config's root; other is
+    deleted. Its refusal counts its own batch, and --dataset-lost --repair requeues that
+    batch's items only: before, every batch of the ledger was judged missing there, the
+    done items of the intact root were requeued and scored again (doubled for readers)."""
+    other_root = tmp_path / "other"
+    commit(queue, sink, ["a", "b"], clock)
+    commit(queue, sink, ["c"], clock)
+    commit(queue, parquet.ParquetSink(queue, other_root), ["x", "y"], clock)
+    shutil.rmtree(other_root)
+
+    with pytest.raises(errors.ConfigError) as refused:
+        run(queue, other_root, clock, repair=True)
+    assert "has 1 committed batch(es) of queue" in str(refused.value)
+    assert f"(2 more written under {root})" in str(refused.value)
+    report = run(queue, other_root, clock, repair=True, dataset_lost=True)
+
+    missing = [f for f in report.findings if f.kind is Kind.MISSING_FILE]
+    assert [sorted(f.item_keys) for f in missing] == [["x", "y"]]
+    states = {k: r.state for k, r in items(queue).items()}
+    assert states == dict.fromkeys("abc", models.State.DONE) | dict.fromkeys(
+        "xy", models.State.READY
+    )
+    assert run(queue, root, clock).findings == ()  # the intact root: as it was
+
+
 def test_a_root_holding_none_of_the_ledgers_batches_is_refused_before_any_repair(
     queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock, tmp_path: Path
 ) -> None:
