@@ -164,7 +164,9 @@ def promote(
     _show(cfg.queue.name, change, as_json)
     if not as_json:
         out.print(
-            f"set model.version to {change.after.stable!r} in the config when you next edit it"
+            f"when you next edit the config, make {change.after.stable!r} its model: move that"
+            " whole model_versions entry (name, checkpoint, sha256, dtype) into model, and list"
+            " the old model under model_versions; a version's name must keep its weights"
         )
 
 

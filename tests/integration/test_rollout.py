@@ -796,6 +796,9 @@ def test_a_promote_killed_inside_its_transaction_leaves_the_old_route_and_no_rec
         check=False,
     )
     assert done.returncode == 0, done.stderr
+    # the next edit: v2's whole entry becomes the model (renaming model.version would give
+    # v1's weights v2's name on every output)
+    assert "move that whole model_versions entry" in " ".join(done.stdout.split())
     after = rollout.current(engine, config.queue.name)
     assert after is not None
     assert (after.stable, after.candidate) == ("v2", None)
