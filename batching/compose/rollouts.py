@@ -100,16 +100,15 @@ def start(
 
 def _verify(config: cfg.PipelineConfig, version: str) -> None:
     """The candidate's pinned checkpoint, read and deserialized as a scorer will (its file, its
-    sha256, its format, never unpickling code), before any item is routed to it: a candidate
-    that cannot load is refused here, not found by the scorers at the first batch routed to
-    it."""
+    sha256, its format, never unpickling code), and fitted to its model (whose factory must
+    import), before any item is routed to it: a candidate that cannot load is refused here,
+    not found by the scorers at the first batch routed to it."""
     from batching.model import zoo
 
     spec = config.registry()[version]
     try:
-        zoo.load_checkpoint(
-            zoo.checkpoint_path(spec.name, spec.checkpoint, Path(config.base_dir)), spec.sha256
-        )
+        path = zoo.checkpoint_path(spec.name, spec.checkpoint, Path(config.base_dir))
+        zoo.check_fits(spec.name, zoo.load_checkpoint(path, spec.sha256), path)
     except (errors.ConfigError, errors.CheckpointError) as exc:
         raise errors.InputError(f"model_versions {version!r}: {exc}; nothing changed") from None
 

@@ -35,7 +35,7 @@ import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 from safetensors import SafetensorError
@@ -185,7 +185,12 @@ def check_name(name: str) -> None:
         )
 
 
-def _call_factory(name: str) -> nn.Module:
+def _factory(name: str) -> Callable[[], Any]:
+    """The factory ``package.module:function`` names, imported, not called.
+
+    Raises:
+        ConfigError: it cannot be imported (naming the error and the fix).
+    """
     module_name, _, attr = name.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
@@ -194,6 +199,13 @@ def _call_factory(name: str) -> nn.Module:
             f"model factory {name!r} cannot be imported ({type(exc).__name__}: {exc}); "
             "check the name and that its package is installed"
         ) from None
+    if not callable(factory):
+        raise errors.ConfigError(f"model factory {name!r} is not a function; name one")
+    return cast("Callable[[], Any]", factory)
+
+
+def _call_factory(name: str) -> nn.Module:
+    factory = _factory(name)
     try:
         model = factory()
     except Exception as exc:  # the user's code: one line, not their traceback
@@ -362,8 +374,12 @@ def check_fits(name: str, state: dict[str, torch.Tensor], path: Path) -> bool:
     cannot be built there (it computes on its tensors): not checked, the scorer's load will.
 
     Raises:
+        ConfigError: ``name`` is a factory that cannot be imported (a check that passed it
+            let every item routed to it go dead at the first score).
         CheckpointError: names or shapes do not match the model.
     """
+    if name not in BUILTINS:
+        _factory(name)
     try:
         with torch.device("meta"):
             model, _ = build(name)

@@ -107,6 +107,23 @@ def test_a_failing_model_factory_is_one_line(tmp_path: Path) -> None:
     assert "model factory 'mymod:boom' failed: RuntimeError: no weights" in one_error_line(r)
 
 
+def test_check_refuses_a_listed_version_whose_factory_cannot_be_imported(tmp_path: Path) -> None:
+    """A factory that cannot be built on the meta device is left to the scorer's load; one
+    that cannot even be imported passed ``check`` and ``rollout start`` too, and every item
+    routed to it went dead at the first score."""
+    from safetensors.torch import save_file
+
+    save_file({}, tmp_path / "empty.safetensors")
+    sha = hashlib.sha256((tmp_path / "empty.safetensors").read_bytes()).hexdigest()
+    nope = {"name": "mypkg.models:nope", "version": "v2", "checkpoint": "empty.safetensors"}
+    config = write_config(tmp_path, model_versions=[nope | {"sha256": sha}])
+    r = batching("check", "-c", str(config), cwd=tmp_path)
+    assert r.rc == 2
+    line = one_error_line(r)
+    assert "model_versions 'v2': model factory 'mypkg.models:nope' cannot be imported" in line
+    assert "check the name and that its package is installed" in line
+
+
 def test_check_refuses_a_pinned_checkpoint_that_cannot_load(tmp_path: Path) -> None:
     """The sha256 pins the bytes, not that they load: a file of garbage, pinned by its own
     digest, and W1's checkpoint named as W2's model both passed ``check`` and failed at the

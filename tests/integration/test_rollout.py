@@ -614,14 +614,21 @@ def test_a_failing_shadow_never_fails_the_batch_it_shadows(
     assert rollouts.status(config, sqlite_url).drift is None
 
 
-def test_a_candidate_whose_checkpoint_is_not_the_pinned_one_is_refused_at_start(
-    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("sha256", "0" * 64, r"model_versions 'v2'.*sha256.*nothing changed"),
+        ("name", "mypkg.models:nope", r"model_versions 'v2'.*cannot be imported.*nothing changed"),
+    ],
+)
+def test_a_candidate_whose_checkpoint_or_factory_is_wrong_is_refused_at_start(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str], field: str, value: str, says: str
 ) -> None:
     raw = settings(tmp_path, ckpt)
-    raw["model_versions"][0]["sha256"] = "0" * 64
+    raw["model_versions"][0][field] = value
     config = cfg.load_config(REPO / "deployments" / "tabular.yaml", raw)
     enqueue(sqlite_url, config, ["a"])
-    with pytest.raises(errors.InputError, match=r"model_versions 'v2'.*sha256.*nothing changed"):
+    with pytest.raises(errors.InputError, match=says):
         rollouts.start(config, sqlite_url, candidate="v2", percent=20, actor="o", reason="r")
     engine = engine_of(sqlite_url, config)
     assert rollout.current(engine, config.queue.name) is None
