@@ -79,7 +79,9 @@ def print_report(report: Report) -> None:
     requeued = sum(r.n_items for r in report.repairs if r.action == "requeue")
     if requeued:
         out.print(
-            f"{requeued} item(s) requeued: `batching score` scores them again", highlight=False
+            f"{requeued} item(s) requeued: `batching score` scores them again (input shards"
+            " of `bulk --in-place`: run that bulk command again)",
+            highlight=False,
         )
 
 
