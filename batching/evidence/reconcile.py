@@ -20,6 +20,7 @@ the repairs read and change the same scope of the queue and the ledger, in one o
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -417,11 +418,37 @@ def reconcile(
             # they are leftovers: moved now, not by a second --repair.
             left = [f for f in find() if f.kind is Kind.ORPHAN_FILE]
             repairs += tuple(_Repairer(queue, sink, now).run(left))
+    if repairs:
+        _restart_sweep(queue, sink)
     location = sink.describe()["location"]
     report = Report(sink.kind, location, now, since, run_id, findings, repairs)
     _log(report)
     reconcile_result.remember(queue, report)
     return report
+
+
+def sweep_name(queue: str, sink: sinks.Sink) -> str:
+    """A full sweep's name in ``batching_sweeps``: one per queue and output location."""
+    name = f"{queue}|{sink.kind}|{sink.describe()['location']}"
+    if len(name) <= 300:
+        return name
+    return f"{name[:280]}#{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+
+
+def _restart_sweep(queue: ports.ReconcilePort, sink: sinks.Sink) -> None:
+    """A repair changed what an unfinished full sweep of this output has checked: its pages
+    so far (and the findings it carries from them) are stale, so its next run starts over.
+    Resumed, it reported a file the repair had requeued and the queue had scored again as
+    still missing (critical, exit 1), and counted the items of the pages before twice."""
+    name = sweep_name(queue.queue, sink)
+    unfinished = sa.and_(schema.sweeps.c.name == name, schema.sweeps.c.finished_at.is_(None))
+    with queue.begin() as conn:
+        gone = conn.execute(schema.sweeps.delete().where(unfinished)).rowcount
+    if gone:
+        logger.info(
+            "a repair changed what the full sweep had checked: its next run starts over",
+            extra={"action": "sweep_restart", "sweep": name},
+        )
 
 
 def _log(report: Report) -> None:

@@ -41,7 +41,6 @@ finding above info records ``reconciled_at`` on the runs it covered
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -97,14 +96,6 @@ class Progress:
         return dataclasses.asdict(self)
 
 
-def sweep_name(queue: str, sink: sinks.Sink) -> str:
-    """The sweep's name in ``batching_sweeps``: one per queue and output location."""
-    name = f"{queue}|{sink.kind}|{sink.describe()['location']}"
-    if len(name) <= 300:
-        return name
-    return f"{name[:280]}#{hashlib.sha256(name.encode()).hexdigest()[:16]}"
-
-
 def sweep(
     queue: ports.ReconcilePort,
     sink: sinks.Sink,
@@ -148,7 +139,7 @@ def sweep(
     """
     if page_size < 1 or item_page_size < 1:
         raise ValueError("page_size and item_page_size must be at least 1")
-    name = sweep_name(queue.queue, sink)
+    name = rc.sweep_name(queue.queue, sink)
     rc.fresh_statistics(queue)
     state, carried = _start(queue, name, now, restart=restart)
     walker = pages.Walker(queue, sink, now, state, dataset_lost, page_size, item_page_size)
@@ -314,4 +305,4 @@ def _log(report: Report, progress: Progress) -> None:
         logger.info("sweep page(s) clean", extra=extra)
 
 
-__all__ = ["ITEM_PAGE_SIZE", "PAGE_SIZE", "Progress", "mark_runs_reconciled", "sweep", "sweep_name"]
+__all__ = ["ITEM_PAGE_SIZE", "PAGE_SIZE", "Progress", "mark_runs_reconciled", "sweep"]

@@ -159,6 +159,31 @@ def test_a_sweep_stopped_part_way_resumes_after_its_cursor(
     assert (one.sweep["pages_now"], one.sweep["finished"]) == (1, False), "a page at least"
 
 
+def test_a_repair_between_two_pages_of_a_sweep_starts_it_over(
+    queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
+) -> None:
+    """A sweep stops after its first page, which found a file lost; a plain --repair requeues
+    it and the queue scores it again. Resumed, the sweep carried the finding (critical, exit
+    1, for a file that is back) and counted the first page's items twice; it starts over."""
+    batches = []
+    for n in range(6):
+        batches.append(commit(queue, sink, [f"k{n}"], clock))
+        clock.advance(1)
+    (root / path_of(queue, batches[0])).unlink()
+    first = swept(queue, root, clock, page_size=2, max_pages=1, restart=True)
+    assert [f.kind for f in first.findings] == [Kind.MISSING_FILE]
+    assert first.sweep is not None
+    assert not first.sweep["finished"]
+
+    run(queue, root, clock, repair=True)  # requeues k0 ...
+    commit(queue, sink, ["k0"], clock)  # ... and it is scored again
+    rest = swept(queue, root, clock, page_size=2)
+    assert rest.findings == ()
+    assert rest.sweep is not None
+    assert rest.sweep["finished"]
+    assert rest.sweep["items"] == 6
+
+
 def test_a_sweep_stopped_in_the_files_phase_resumes_there(
     queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
 ) -> None:
@@ -233,11 +258,11 @@ def test_sweep_repair_fixes_page_by_page_and_a_clean_sweep_marks_runs_reconciled
 
 
 def test_names_are_per_queue_and_output(queue: q.SqlQueue, root: Path, tmp_path: Path) -> None:
-    a = sw.sweep_name("q1", parquet.ParquetSink(queue, root, create=False))
-    b = sw.sweep_name("q1", parquet.ParquetSink(queue, tmp_path / "other", create=False))
-    c = sw.sweep_name("q2", parquet.ParquetSink(queue, root, create=False))
+    a = rc.sweep_name("q1", parquet.ParquetSink(queue, root, create=False))
+    b = rc.sweep_name("q1", parquet.ParquetSink(queue, tmp_path / "other", create=False))
+    c = rc.sweep_name("q2", parquet.ParquetSink(queue, root, create=False))
     assert len({a, b, c}) == 3
-    assert len(sw.sweep_name("q" * 400, sql_sink.SqlSink(queue, create=False))) <= 300
+    assert len(rc.sweep_name("q" * 400, sql_sink.SqlSink(queue, create=False))) <= 300
 
 
 def test_done_items_without_a_ledger_row_are_found_across_id_pages(
