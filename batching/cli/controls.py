@@ -310,7 +310,8 @@ def audit(
     config: ConfigOpt = None,
     as_json: JsonOption = False,
 ) -> None:
-    """The recorded control actions (pause, resume, cap, cancel): when, who, why, what.
+    """The recorded control actions (pause, resume, cap, cancel, redrive, purge, and the
+    rollout's start, promote, rollback): when, who, why, what.
 
     --json: ok, rows (id, queue, action, actor, at, reason, detail), oldest first."""
     from batching.cli.common import DEFAULT_DB
