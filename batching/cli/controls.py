@@ -310,8 +310,9 @@ def audit(
     config: ConfigOpt = None,
     as_json: JsonOption = False,
 ) -> None:
-    """The recorded control actions (pause, resume, cap, cancel, redrive, purge, and the
-    rollout's start, promote, rollback): when, who, why, what.
+    """Recorded control actions (pause to purge, rollouts): when, who, why, what.
+
+    Pause, resume, cap, cancel, redrive, purge, and a rollout's start, promote, rollback.
 
     --json: ok, rows (id, queue, action, actor, at, reason, detail), oldest first."""
     from batching.cli.common import DEFAULT_DB
