@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.progress import (
@@ -184,4 +184,26 @@ def bulk(
         out.print(summary_table(outcome.summary, f"run {outcome.run_id} (in place)"))
         _where(cfg, outcome)
     _explain_what_is_left(cfg, db, outcome.summary)
+    _say_dead_shards(cfg, db)
     exit_if_nothing_succeeded(failed)
+
+
+def _say_dead_shards(cfg: Any, db: str | None) -> None:
+    """A note when the queue holds dead input shards: their rows have no output (the input
+    changed or went missing after planning, a corrupt page), and only the run's log and its
+    failed count said so."""
+    from batching.compose import build
+
+    queue = build.open_queue(cfg, build.resolve(cfg, db, None).db_url)
+    try:
+        dead = queue.stats(done=False).by_state.get("dead", 0)
+    finally:
+        queue.engine.dispose()
+    if dead:
+        err.print(
+            f"note: {dead} input shard(s) of queue {queue.queue!r} are dead: their rows have no "
+            f"output; `batching status -q {queue.queue}` and the run's log say why; once the "
+            "input is as planned, `batching redrive -c CONFIG --reason ...` and this command "
+            "again score them",
+            highlight=False,
+        )

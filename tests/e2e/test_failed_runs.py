@@ -71,3 +71,36 @@ def test_a_bulk_in_place_run_of_only_bad_rows_exits_1(tmp_path: Path) -> None:
     )
     assert r.rc == 1, (r.out, r.err)
     assert "committed nothing and 20 item(s) failed" in r.err
+
+
+def test_a_bulk_in_place_run_that_leaves_dead_shards_says_so(tmp_path: Path) -> None:
+    """A shard whose data cannot be read (a corrupt page behind a valid footer) goes dead and
+    its rows get no output; the run still committed the rest (exit 0), and only its log and
+    failed count said so. It ends with a note naming the dead shards and what to do."""
+    import numpy as np
+
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    folder = tmp_path / "input"
+    folder.mkdir()
+    rng = np.random.default_rng(7)
+    for name, n in (("part-0", 200), ("part-1", 50)):
+        rows = pa.table(
+            {
+                "item_key": [f"{name}-{i}" for i in range(n)],
+                "payload": pa.array(
+                    rng.random((n, 64), dtype=np.float32).tolist(), type=pa.list_(pa.float32(), 64)
+                ),
+            }
+        )
+        pq.write_table(rows, folder / f"{name}.parquet", row_group_size=100)
+    broken = folder / "part-0.parquet"
+    data = bytearray(broken.read_bytes())
+    for k in range(200, 1200):  # inside the first row group's pages; the footer stays valid
+        data[k] ^= 0x5A
+    broken.write_bytes(bytes(data))
+    config = DEPLOYMENTS / "tabular-inplace.yaml"
+    out = str(tmp_path / "out")
+    r = batching("bulk", str(folder), "-c", str(config), "--in-place", "--db", DB, "--output", out,
+                 cwd=tmp_path)  # fmt: skip
+    assert r.rc == 0, (r.out, r.err)
+    assert "input shard(s) of queue 'tabular-shards' are dead: their rows have no output" in r.err
