@@ -153,7 +153,7 @@ def rollback(
             undo = (
                 ""
                 if before is None
-                else f" ({before.stable} is stable, promoted); to go back to an earlier "
+                else f" ({before.stable} is the stable version); to go back to an earlier "
                 "version, start it as the candidate at 100% (`batching rollout start "
                 "--candidate VERSION --percent 100`), then `batching rollout promote`"
             )

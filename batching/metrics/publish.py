@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import socket
 import tempfile
 import threading
 import urllib.parse
@@ -97,6 +98,11 @@ def serve(
     try:
         server, thread = start_http_server(port, addr=addr, registry=reg)
     except OSError as exc:
+        if isinstance(exc, socket.gaierror):  # the address, not the port
+            raise errors.ConfigError(
+                f"cannot serve metrics on address {addr!r} ({exc.strerror or exc}); give an "
+                "address of this host (0.0.0.0: all of them)"
+            ) from None
         raise errors.ConfigError(
             f"cannot serve metrics on port {port} ({exc.strerror or exc}); "
             f"choose a free port ({option})"

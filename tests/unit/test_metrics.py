@@ -438,3 +438,18 @@ def test_the_api_counts_known_outcomes_only() -> None:
     count = metrics.registry.get_sample_value
     assert count("batching_api_items_total", labels | {"outcome": "shed_depth_cap"}) == 3.0
     assert count("batching_api_items_total", labels | {"outcome": "enqueued"}) is None
+
+
+def test_serving_on_a_port_in_use_or_an_address_not_here_names_which() -> None:
+    import socket
+
+    from batching.metrics import publish
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(errors.ConfigError, match=rf"on port {port} .*choose a free port"):
+            publish.serve(port, CollectorRegistry(), addr="127.0.0.1")
+    with pytest.raises(errors.ConfigError, match=r"on address '999\.1\.1\.1' .*of this host"):
+        publish.serve(0, CollectorRegistry(), addr="999.1.1.1")
