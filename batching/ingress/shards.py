@@ -175,7 +175,9 @@ def plan(
     elif src.is_file():
         files, root = [src], src.parent
     else:
-        raise errors.InputError(f"{src}: no such file or folder; give a Parquet file or folder")
+        raise errors.InputError(
+            f"{src}: no such file or folder; give a Parquet file or folder, or a Delta table"
+        )
     shards: list[Shard] = []
     listed: list[tuple[str, str, int]] = []
     types: set[str] = set()

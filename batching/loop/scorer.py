@@ -360,6 +360,7 @@ class Scorer(Generic[D]):
         self.router.observe(claim.route)
         if claim.expired:  # its transaction expired items past their deadline first
             self.observer.expired(claim.expired)
+            self.stats.expired += sum(n for _, n in claim.expired)  # as the metric counts
         if claim.isolated:
             self.stats.isolated += len(claim.items)
             self._isolating = bool(claim.items)

@@ -100,7 +100,9 @@ class RunStats:
     padded_tokens: int = 0
     bytes_written: int = 0
     breaker_trips: int = 0  # retry storms that stopped the run (``batching.loop.breaker``)
-    expired: int = 0  # claimed items expired unscored, predicted late (``late_policy: expire``)
+    # items expired unscored: predicted late once claimed (``late_policy: expire``), or past
+    # their deadline when this run's claim found them (the claim's transaction expired them)
+    expired: int = 0
     # A rollout's shadow sample: stable items the candidate scored aside, and those it failed
     # (never the run's failure: the stable output commits either way).
     shadowed: int = 0
@@ -225,7 +227,7 @@ def summary_rows(summary: Mapping[str, object]) -> list[tuple[str, str]]:
     ]
     if summary.get("items_isolated"):  # suspects of a lost worker, scored alone
         rows.insert(3, ("items scored in isolation", f"{summary['items_isolated']}"))
-    if summary.get("items_expired"):  # predicted late, expired unscored (late_policy)
+    if summary.get("items_expired"):  # expired unscored: late, or past their deadline
         rows.insert(3, ("items expired (late)", f"{summary['items_expired']}"))
     if summary.get("items_shadowed") or summary.get("shadow_failed"):  # a rollout's sample
         rows.append(

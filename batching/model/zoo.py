@@ -310,8 +310,9 @@ def read_pinned(path: Path, sha256: str) -> bytes:
     if actual != sha256.lower():
         raise errors.CheckpointError(
             f"checkpoint {path} has sha256 {actual} but the config pins {sha256.lower()}; "
-            "restore the pinned file, or if this file is the one to run set model.sha256 to "
-            "its digest and bump model.version"
+            "restore the pinned file, or if this file is the one to run set the sha256 that "
+            "pins it (model.sha256, or its model_versions entry's) to its digest and give it "
+            "a new version"
         )
     return data
 

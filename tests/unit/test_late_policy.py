@@ -224,3 +224,25 @@ def test_with_the_controller_a_default_deadline_is_held_to_the_upper_estimate() 
     (taken,) = b.take_late()
     assert taken.item.id == by_default.id
     assert "(now + 0.125 s predicted for a batch of 2)" in taken.reason
+
+
+def test_the_run_summary_counts_what_its_claims_expired() -> None:
+    """An item past its deadline when a claim finds it is expired by the claim's transaction;
+    the metric counted it and the run's summary (``score --json``) said 0."""
+    from batching.loop.scorer import Scorer
+    from batching.loop.stats import RunLimits
+    from batching.testing import InMemoryQueue, MemoryOutputs
+    from tests.unit.test_testing import DoubleIt
+
+    clock = FakeClock()
+    queue = InMemoryQueue("q", clock=clock)
+    overdue = models.EnqueueRecord("late", models.Payload(b'{"x": [1]}'), deadline_at=clock() + 1)
+    queue.enqueue([overdue, models.EnqueueRecord("ok", models.Payload(b'{"x": [2]}'))])
+    clock.advance(5)
+    cfg = config.PipelineConfig(
+        model=config.ModelSpec(name="fake", version="v1", sha256="0" * 64),
+        batching=config.BatchingPolicy(max_batch_size=8, max_wait_s=0.0),
+        queue=config.QueueConfig(poll_s=0.001),
+    )
+    stats = Scorer(cfg, queue, DoubleIt(), MemoryOutputs(queue), clock=clock).run(RunLimits())
+    assert (stats.committed, stats.summary()["items_expired"]) == (1, 1)
