@@ -175,9 +175,7 @@ def plan(
     elif src.is_file():
         files, root = [src], src.parent
     else:
-        raise errors.InputError(
-            f"{src}: no such file or folder; give a Parquet file or folder, or a Delta table"
-        )
+        raise errors.InputError(f"{src}: no such file or folder; give a Parquet or Delta input")
     shards: list[Shard] = []
     listed: list[tuple[str, str, int]] = []
     types: set[str] = set()

@@ -23,6 +23,9 @@ no arguments and returns a ``torch.nn.Module``. The module declares how it is fe
 Checkpoints are pinned by sha256 and never unpickle code: ``.safetensors`` files, or ``.pt`` /
 ``.pth`` / ``.bin`` state dicts read with ``torch.load(..., weights_only=True)``. The file is read
 once; the bytes that were hashed are the bytes that are loaded.
+
+Why it stays one module: a name, the model it builds and the checkpoint pinned for it are one
+contract; ``check`` and the scorer's load go through the same three steps here.
 """
 
 from __future__ import annotations
