@@ -164,7 +164,14 @@ def running_pushgateway(folder: Path) -> Iterator[str]:
     log = folder / "pushgateway.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [binary, f"--web.listen-address=127.0.0.1:{port}"],
+            # its own persistence file: Debian's build defaults to one shared by every
+            # Pushgateway on the host (/var/lib/prometheus/pushgateway.data), so a test's
+            # gateway started with the groups any other gateway there had been pushed
+            [
+                binary,
+                f"--web.listen-address=127.0.0.1:{port}",
+                f"--persistence.file={folder / 'pushgateway.data'}",
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
         )

@@ -545,7 +545,9 @@ def test_a_rollback_after_a_promote_says_how_to_go_back(
     enqueue(sqlite_url, config, ["a"])
     rollouts.start(config, sqlite_url, candidate="v2", percent=10, actor="o", reason="r")
     rollouts.promote(config, sqlite_url, actor="o", reason="good")
-    with pytest.raises(errors.InputError, match=r"v2 is stable.*--candidate VERSION --percent 100"):
+    with pytest.raises(
+        errors.InputError, match=r"v2 is the stable version.*--candidate VERSION --percent 100"
+    ):
         rollouts.rollback(config, sqlite_url, actor="o", reason="regressed")
 
 
