@@ -72,9 +72,11 @@ def test_http_in_result_out_with_the_scorer_killed_in_between(tmp_path: Path) ->
     env.pop("BATCHING_DB_URL", None)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    api = start([BATCHING, "api", "-c", str(config), "--port", str(port)], tmp_path, env)
+    # not the config's output: the API reads results where the scorers were told to write
+    output = ["--output", str(tmp_path / "http-out")]
+    api = start([BATCHING, "api", "-c", str(config), "--port", str(port), *output], tmp_path, env)
     victim_key = f"http-{N_ITEMS * 2 // 3}"
-    score = ["score", "-c", str(config), "--quiet", "--max-seconds", "240"]
+    score = ["score", "-c", str(config), "--quiet", "--max-seconds", "240", *output]
     procs = [api]
     try:
         wait_for(lambda: _up(base, api), 60, "the API to answer /healthz")
@@ -119,7 +121,8 @@ def test_http_in_result_out_with_the_scorer_killed_in_between(tmp_path: Path) ->
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
 
-    files = sorted((tmp_path / "outputs").rglob("*.parquet"))
+    assert not (tmp_path / "outputs").exists()
+    files = sorted((tmp_path / "http-out").rglob("*.parquet"))
     written = [r for f in files for r in pq.read_table(f).to_pylist()]
     counts = Counter(r["item_key"] for r in written)
     assert set(counts) == set(posted)  # none lost
