@@ -49,12 +49,10 @@ def main() -> None:
         from batching.cli import stop_signal
 
         stop_signal.install_early()
-    from batching.cli.common import run_json
+    from batching.cli.common import run
 
     app = register()
     from batching.logs import configure_logging
 
     configure_logging(logging.DEBUG if os.environ.get("BATCHING_DEBUG") else logging.WARNING)
-    if "--json" in sys.argv[1:]:
-        run_json(app)
-    app()
+    run(app, as_json="--json" in sys.argv[1:])

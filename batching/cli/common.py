@@ -281,18 +281,26 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-def run_json(command_line: typer.Typer) -> NoReturn:
-    """Run ``command_line`` for a ``--json`` call: as ``command_line()`` does, but a usage
-    error, which the command line itself raises before any command runs (an unknown option,
-    a value of the wrong type), is also a JSON error document (``kind`` ``UsageError``)."""
+def run(command_line: typer.Typer, *, as_json: bool) -> NoReturn:
+    """Run ``command_line`` as ``command_line()`` does, except that a usage error, which the
+    command line raises before any command runs (an unknown option, a missing argument, a
+    value of the wrong type), is ONE line on stderr naming the fix, not Click's usage box;
+    with ``as_json`` (``--json``) also a JSON error document (``kind`` ``UsageError``)."""
     try:
         code = command_line(standalone_mode=False)
     except typer_exceptions.TyperException as exc:
-        show = getattr(exc, "show", None)
-        if show is not None:
-            show()  # the usage message on stderr, as without --json
-        emit_json(error_doc("UsageError", exc.format_message(), exc.exit_code))
-        sys.exit(exc.exit_code)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare group: its help is the answer
+            exc.show()  # type: ignore[attr-defined]
+            sys.exit(2)
+        # Typer's vendored Click exceptions; TyperException is the one public name for them
+        message = " ".join(exc.format_message().split())
+        code = getattr(exc, "exit_code", 2)
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see `{ctx.command_path if ctx is not None else 'batching'} --help`)"
+        flag(err, "error", f"{message}{hint}")
+        if as_json:
+            emit_json(error_doc("UsageError", message, code))
+        sys.exit(code)
     except typer_exceptions.Abort:
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)

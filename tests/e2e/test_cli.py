@@ -127,6 +127,23 @@ def test_help_lists_every_command_and_each_command_has_help(tmp_path: Path) -> N
     assert "Usage: batching" in bare.out + bare.err
 
 
+def test_a_usage_error_is_one_line_naming_the_help_to_read(tmp_path: Path) -> None:
+    for args, says in (
+        (("score", "--bogus"), "No such option: --bogus (see `batching score --help`)"),
+        (("enqueue",), "Missing argument 'file'. (see `batching enqueue --help`)"),
+        (("queue", "bogus"), "No such command 'bogus'. (see `batching queue --help`)"),
+        (("score", "--max-seconds", "nan"), "Invalid value for '--max-seconds'"),
+        (("queue", "pause", "--db"), "Option '--db' requires an argument."),
+    ):
+        r = batching(*args, cwd=tmp_path)
+        assert (r.rc, r.out) == (2, ""), (args, r.out)
+        [line] = r.err.strip().splitlines()
+        assert line.startswith("error: "), (args, line)
+        assert says in line, (args, line)
+    bare = batching("rollout", cwd=tmp_path)  # a bare group: its help, as before
+    assert (bare.rc, "Usage: batching rollout" in bare.out + bare.err) == (2, True)
+
+
 def test_version_prints_the_installed_version(tmp_path: Path) -> None:
     from importlib.metadata import version
 

@@ -173,5 +173,8 @@ def test_an_option_the_command_line_refuses_is_a_json_error_too(tmp_path: Path) 
             2,
         )
         assert says in doc["error"]["message"]
-        assert "Usage: " in r.err  # the usage message, as without --json
+        [line] = r.err.strip().splitlines()  # one line on stderr, as without --json
+        assert line.startswith("error: "), line
+        assert says in line, line
+        assert line.endswith(" --help`)"), line
     assert batching("check", "--help", "--json", cwd=tmp_path).rc == 0
