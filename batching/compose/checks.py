@@ -87,29 +87,36 @@ def _ignored_output_settings(output: cfg.OutputConfig) -> list[str]:
 
 
 def _route_problems(config: cfg.PipelineConfig, db_url: str) -> tuple[list[str], list[str]]:
-    """The queue's current route against the registry: errors, and a warning when the
-    database cannot be read (at plan time there may be none yet: nothing is routed then)."""
-    from batching.ingress import rollout
+    """The queue's current route and its pinned versions (``version_pins``) against the
+    registry: errors, and a warning when the database cannot be read (at plan time there may
+    be none yet: nothing is routed or pinned then)."""
+    from batching.ingress import rollout, version_pins
 
     try:
         queue = open_queue(config, db_url)
     except errors.ConfigError:  # no database file yet
         return [], []
+    listed = config.registry()
     try:
         route = rollout.current(queue.engine, queue.queue)
+        queue.check_schema()
+        with queue.engine.connect() as conn:
+            relabelled = version_pins.conflicts(conn, queue.queue, listed)
     except (errors.QueueError, errors.SchemaError) as exc:  # unreachable, or not migrated
-        return [], [f"the queue's model route not checked: {errors.one_line(exc)}"]
+        return [], [f"the queue's model route and versions not checked: {errors.one_line(exc)}"]
     finally:
         queue.engine.dispose()
     if route is None:
-        return [], []
-    listed = config.registry()
+        return relabelled, []
     return [
-        f"queue {queue.queue!r} routes items to model version {version!r} ({role}), which "
-        "model and model_versions do not list: a scorer with this config would fail at its "
-        "first such batch; list it, or roll the rollout back"
-        for version, role in zip(route.versions, ("stable", "candidate"), strict=False)
-        if version not in listed
+        *relabelled,
+        *(
+            f"queue {queue.queue!r} routes items to model version {version!r} ({role}), which "
+            "model and model_versions do not list: a scorer with this config would fail at "
+            "its first such batch; list it, or roll the rollout back"
+            for version, role in zip(route.versions, ("stable", "candidate"), strict=False)
+            if version not in listed
+        ),
     ], []
 
 

@@ -15,9 +15,11 @@ the original run and the result.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,6 +146,7 @@ def replay(
                     "and output"
                 )
             originals = {r.batch_id: _original_rows(conn, r, res.target) for r in rows}
+            threads = _cpu_threads(conn, {r.run_id for r in rows})
         report = Report(run_id, lineage.new_run_id(), str(output))
         target = output / f"run={run_id}" / f"replay={report.replay_run_id}"
         target.mkdir(parents=True, exist_ok=True)
@@ -155,17 +158,19 @@ def replay(
         emitter.start(ctx)
         try:
             passes = _passes(queue, rows, originals, report)
-            for n, (pass_id, version, items, original) in enumerate(passes):
-                version = model_version or version
-                runner = models_(version)
-                scored = runner.forward(runner.decode(items))
-                differing = report.differing
-                _compare(items, scored.outputs, original, report)
-                if pass_id.endswith(INEXACT):
-                    report.inexact += len(items)
-                    report.differing_inexact += report.differing - differing
-                _write(target / f"part-{n:06d}.parquet", items, scored.outputs, version)
-                report.model_versions[version] = report.model_versions.get(version, 0) + len(items)
+            with _threads_as_scored(threads):
+                for n, (pass_id, version, items, original) in enumerate(passes):
+                    version = model_version or version
+                    runner = models_(version)
+                    scored = runner.forward(runner.decode(items))
+                    differing = report.differing
+                    _compare(items, scored.outputs, original, report)
+                    if pass_id.endswith(INEXACT):
+                        report.inexact += len(items)
+                        report.differing_inexact += report.differing - differing
+                    _write(target / f"part-{n:06d}.parquet", items, scored.outputs, version)
+                    count = report.model_versions.get(version, 0) + len(items)
+                    report.model_versions[version] = count
             emitter.complete(_context(config, res, report, target))
         except BaseException as exc:
             emitter.fail(ctx, exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
@@ -175,6 +180,33 @@ def replay(
     finally:
         queue.engine.dispose()
     return report
+
+
+def _cpu_threads(conn: Connection, run_ids: set[str]) -> int | None:
+    """The CPU threads the runs that committed the batches scored with (``score --workers``
+    gives each worker its share of the cores), when they recorded it and agree."""
+    r = schema.runs
+    found = conn.execute(sa.select(r.c.summary).where(r.c.run_id.in_(sorted(run_ids)))).scalars()
+    threads = {json.loads(s).get("cpu_threads") for s in found if s}
+    return threads.pop() if len(threads) == 1 else None
+
+
+@contextlib.contextmanager
+def _threads_as_scored(threads: int | None) -> Iterator[None]:
+    """torch's CPU threads set to ``threads`` while the passes are replayed: on CPU the
+    reduction order of a pass, so its bits, depends on them (a run of two workers scored
+    with one thread each)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _run_batches(conn: Connection, queue: str, run_id: str) -> list[Any]:

@@ -22,7 +22,7 @@ from batching import errors
 from batching.compose import build, shadow
 from batching.evidence import lineage
 from batching.ingress import queue as q
-from batching.ingress import rollout
+from batching.ingress import rollout, version_pins
 from batching.routing import Route
 
 GUARD_ACTOR = "guard"
@@ -80,10 +80,13 @@ def start(
             "checkpoint and sha256, and run `batching check`"
         )
     _verify(config, candidate)
-    return _changed(
-        config,
-        db_url,
-        lambda queue: rollout.start(
+
+    def begin(queue: q.SqlQueue) -> rollout.Change:
+        with queue.engine.connect() as conn:  # the candidate's name, if it labelled outputs
+            relabelled = version_pins.conflicts(conn, queue.queue, {candidate: registry[candidate]})
+        if relabelled:
+            raise errors.InputError(f"{relabelled[0]}; nothing changed")
+        return rollout.start(
             queue.engine,
             queue.queue,
             stable=config.model.version,
@@ -94,8 +97,9 @@ def start(
             actor=actor,
             reason=reason,
             now=queue.clock(),
-        ),
-    )
+        )
+
+    return _changed(config, db_url, begin)
 
 
 def _verify(config: cfg.PipelineConfig, version: str) -> None:

@@ -30,7 +30,7 @@ from batching import errors, models, ports, routing
 from batching.compose import build, evidence, inplace, shadow, shard_scorer, versions
 from batching.compose import record as run_record
 from batching.evidence import lineage
-from batching.ingress import controls
+from batching.ingress import controls, version_pins
 from batching.ingress import queue as q
 from batching.loop import scorer as pipeline
 from batching.loop import stats as run_stats
@@ -150,11 +150,14 @@ def run_score(
             **kw,
         )
 
+    queue: q.SqlQueue | None = None
     try:
         queue = build.open_queue(config, res.db_url)
         database.bound_idle_transactions(queue.engine)  # a frozen scorer's locks: 60 s at most
         queue.check_schema()
         emitter.spool = build.make_spool(queue.engine, emitter.config)  # a database that works
+        pin_version = _version_pinner(queue, run_id)
+        pin_version(config.model)  # a version name is a promise about its outputs
         from batching.model.runner import TorchRunner  # torch: only what scores loads it
 
         runner = TorchRunner.load(config.model, base_dir=config.base_dir)
@@ -178,6 +181,8 @@ def run_score(
     except Exception as exc:  # a precondition failed: the run is still on record as failed
         run_record.record_failed_start(emitter, context(), exc, attempt)
         _stop(flush)
+        if queue is not None:  # its pool is not left open until GC
+            queue.engine.dispose()
         raise
     before = so_far.items_committed if so_far else 0  # by the run's earlier attempts
     record = run_record.Record(runs, emitter, ctx, attempt, config.queue.effective_heartbeat_s)
@@ -215,7 +220,7 @@ def run_score(
                     wait_for_work=waiter.wait,
                     pause_queue=_breaker_pause(config, queue, run_id),
                     observer=observer,
-                    runners=versions.ModelSet(config, runner),
+                    runners=versions.ModelSet(config, runner, pin=pin_version),
                     shadow_out=shadow.ShadowWriter(
                         shadow.folder(config, res), config.queue.name, run_id
                     ),
@@ -250,6 +255,8 @@ def run_score(
         if stats.by_version and ctx.model is not None:  # a rollout split the items
             by_version = dict(stats.by_version)
             record.ctx = replace(record.ctx, model=replace(ctx.model, versions=by_version))
+        # the CPU threads of its passes: a replay on CPU needs them to give the same bits
+        result["cpu_threads"] = runner.cpu_threads
         record.complete([out.with_version(evidence.output_version(queue, sink, run_id))], result)
         queue.engine.dispose()
         result["lineage_failures"] = emitter.failures
@@ -270,6 +277,15 @@ def run_score(
         record.stop()
         _stop(flush)
         observer.lineage_failed(emitter.failures)
+
+
+def _version_pinner(queue: q.SqlQueue, run_id: str) -> Callable[[cfg.ModelSpec], None]:
+    """Pins a version's identity for ``queue`` as this run first runs it (``version_pins``)."""
+
+    def pin(spec: cfg.ModelSpec) -> None:
+        version_pins.pin(queue.engine, queue.queue, spec, run_id=run_id, now=queue.clock())
+
+    return pin
 
 
 def claiming_a_share(config: cfg.PipelineConfig, n: int) -> cfg.PipelineConfig:

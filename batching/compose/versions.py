@@ -30,7 +30,7 @@ class ModelSet:
 
     A version that cannot be loaded raises, for this call and, without another read, for calls
     in the next ``RETRY_LOAD_S`` seconds: :class:`~batching.errors.CheckpointError` (not the
-    pinned file), :class:`~batching.errors.ModelError` naming the version (its factory or its
+    pinned file, or another identity than its outputs were labelled with: ``pin``), :class:`~batching.errors.ModelError` naming the version (its factory or its
     warm-up raised), :class:`~batching.errors.ConfigError` (the config does not list it).
     """
 
@@ -42,8 +42,10 @@ class ModelSet:
         hint: str = "or, if it is a rollout's candidate, roll it back with `batching rollout "
         "rollback`",
         clock: Callable[[], float] = time.monotonic,
+        pin: Callable[[cfg.ModelSpec], None] | None = None,
     ) -> None:
         self.config = config
+        self._pin = pin
         self._loaded: dict[str, TorchRunner] = {}
         if first is not None:  # the run's own, loaded already
             self._loaded[config.model.version] = first
@@ -88,6 +90,8 @@ class ModelSet:
                 f"model_versions (a version promoted since: make it the config's model), "
                 f"{self._hint}"
             )
+        if self._pin is not None:  # the version's identity, as its outputs were labelled
+            self._pin(spec)
         try:
             runner = TorchRunner.load(spec, base_dir=self.config.base_dir)
             runner.warmup()

@@ -23,9 +23,9 @@ class RunLimits:
 
 class RunSummary(TypedDict):
     """A run's summary (``RunStats.summary``): what the CLI's closing table, the Prefect
-    summary artifact and the run ledger show. The last three keys are added by the run's
-    owner: lineage events not delivered, and for a retried run its attempt and the items every
-    attempt committed."""
+    summary artifact and the run ledger show. The last four keys are added by the run's
+    owner: lineage events not delivered, its CPU threads, and for a retried run its attempt
+    and the items every attempt committed."""
 
     items_committed: int
     items_failed: int
@@ -55,6 +55,7 @@ class RunSummary(TypedDict):
     items_shadowed: NotRequired[int]
     shadow_failed: NotRequired[int]
     lineage_failures: NotRequired[int]
+    cpu_threads: NotRequired[int]  # torch's, on CPU: a replay scores with as many
     attempt: NotRequired[int]
     run_items_committed: NotRequired[int]
 

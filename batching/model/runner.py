@@ -200,6 +200,12 @@ class TorchRunner:
         return self.spec.sha256
 
     @property
+    def cpu_threads(self) -> int:
+        """torch's CPU threads in this process (on CPU, the passes' reduction order, so their
+        bits, depend on it)."""
+        return int(torch.get_num_threads())
+
+    @property
     def oom_ceiling(self) -> int | None:
         """Largest sub-batch, in padded units (rows; rows x length for tokens), after a CUDA OOM.
 

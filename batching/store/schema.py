@@ -382,6 +382,22 @@ queue_audit = sa.Table(
 the transaction of the change it records."""
 sa.Index("ix_batching_queue_audit_queue", queue_audit.c.queue, queue_audit.c.id)
 
+model_versions = sa.Table(
+    "batching_model_versions",
+    metadata,
+    sa.Column("queue", sa.String(200), primary_key=True),
+    sa.Column("version", sa.String(100), primary_key=True),
+    sa.Column("name", sa.String(500), nullable=False),
+    sa.Column("sha256", sa.String(64), nullable=False),
+    sa.Column("dtype", sa.String(16), nullable=False),
+    sa.Column("autocast", sa.String(16), nullable=False),
+    sa.Column("first_run_id", sa.String(64), nullable=False),
+    sa.Column("first_at", sa.Float, nullable=False),
+)
+"""What each model version of a queue was when it first scored (migration 18; its model,
+checkpoint digest, dtype, autocast): outputs are keyed by version, so a config that gives a
+version another identity is refused (``batching.ingress.version_pins``)."""
+
 sa.Index(
     "ix_batching_runs_parent",
     runs.c.parent_run_id,
@@ -637,6 +653,10 @@ def _v17(conn: Connection) -> None:
             index.create(conn, checkfirst=True)
 
 
+def _v18(conn: Connection) -> None:
+    model_versions.create(conn, checkfirst=True)
+
+
 def _add_column(conn: Connection, table: str, column: str, sql_type: str) -> None:
     if column not in {c["name"] for c in sa.inspect(conn).get_columns(table)}:
         conn.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}"))
@@ -665,6 +685,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(16, "range leases: one row leases a run of ready items", _v16),
     Migration(17, "dead and expired items indexed by queue, for counts without a full scan", _v17),
+    Migration(18, "each model version's identity, pinned when it first scores", _v18),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

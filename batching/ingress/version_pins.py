@@ -1,0 +1,112 @@
+"""What each model version of a queue was when it first scored (migration 18).
+
+Outputs are keyed by model version: its Parquet partition, the SQL sink's key, the ledger,
+lineage. A version's name is therefore a promise about what scored the rows under it. A config
+edit can keep the name and break the promise: another checkpoint under the old name, or the
+same weights in another dtype (a promoted candidate copied into ``model`` without its
+``dtype`` line scored fp32 items labelled with a bf16 version). Nothing downstream could tell.
+
+So the first time a version runs for a queue, its identity (the model's name or factory, the
+checkpoint's sha256, the dtype, the autocast setting) is pinned in ``batching_model_versions``,
+and once outputs are committed under it, a run, or a routed batch, whose config gives the name
+another identity is refused before it claims, naming what changed and the fix (a new version
+name). Before the first commit the pin follows the config: nothing is labelled yet. ``batching check`` reports the same at plan time, read-only. The device is not part of
+the identity: the same weights on a CPU or a GPU are the same version.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from batching import errors
+from batching.store import schema
+
+if TYPE_CHECKING:
+    from batching.config import ModelSpec
+
+IDENTITY = ("name", "sha256", "dtype", "autocast")
+"""The settings of a ``ModelSpec`` that decide what its outputs are."""
+
+_P = schema.model_versions
+
+
+def identity(spec: ModelSpec) -> dict[str, str]:
+    """``spec``'s identity: the settings that decide its outputs."""
+    return {key: str(getattr(spec, key)) for key in IDENTITY}
+
+
+def pin(engine: Engine, queue: str, spec: ModelSpec, *, run_id: str, now: float) -> None:
+    """Pin ``spec``'s identity as its version's for ``queue``, unless one is pinned already
+    that outputs were committed under; a pin nothing was committed under (a run that found
+    the queue empty, a config fixed before its first batch) moves to ``spec``.
+
+    Raises:
+        CheckpointError: the version is pinned with another identity and has outputs.
+    """
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
+        mine = {"first_run_id": run_id, "first_at": now, **identity(spec)}
+        conn.execute(
+            insert(_P)
+            .values(queue=queue, version=spec.version, **mine)
+            .on_conflict_do_nothing(index_elements=["queue", "version"])
+        )
+        where = (_P.c.queue == queue, _P.c.version == spec.version)
+        row = conn.execute(sa.select(_P).where(*where)).one()
+        problem = _differs(queue, spec, row._mapping)
+        if problem is not None and not _committed(conn, queue, spec.version):
+            conn.execute(sa.update(_P).where(*where).values(**mine))
+            return
+    if problem is not None:
+        raise errors.CheckpointError(problem)
+
+
+def conflicts(conn: Connection, queue: str, specs: Mapping[str, ModelSpec]) -> list[str]:
+    """One message for each of ``specs`` (by version) that ``queue`` pinned with another
+    identity and committed outputs under; read-only (``batching check``)."""
+    rows = conn.execute(
+        sa.select(_P).where(_P.c.queue == queue, _P.c.version.in_(sorted(specs)))
+    ).all()
+    found = [(row.version, _differs(queue, specs[row.version], row._mapping)) for row in rows]
+    return [
+        problem
+        for version, problem in found
+        if problem is not None and _committed(conn, queue, version)
+    ]
+
+
+def _committed(conn: Connection, queue: str, version: str) -> bool:
+    """Whether the ledger holds a batch of ``version`` for ``queue`` (read only when an
+    identity differs: the ledger has no index by version)."""
+    b = schema.batches
+    found = sa.select(b.c.batch_id).where(b.c.queue == queue, b.c.model_version == version)
+    return conn.execute(found.limit(1)).first() is not None
+
+
+def _differs(queue: str, spec: ModelSpec, pinned: Mapping[Any, Any]) -> str | None:
+    now = identity(spec)
+    changed = [key for key in IDENTITY if str(pinned[key]) != now[key]]
+    if not changed:
+        return None
+    then = ", ".join(f"{key} {_short(key, pinned[key])}" for key in changed)
+    given = ", ".join(f"{key} {_short(key, now[key])}" for key in changed)
+    when = datetime.datetime.fromtimestamp(float(str(pinned["first_at"])), datetime.UTC)
+    return (
+        f"model version {spec.version!r} of queue {queue!r} first scored with {then} (run "
+        f"{pinned['first_run_id']}, {when:%Y-%m-%d %H:%M} UTC), and this config gives it "
+        f"{given}: outputs are keyed by version, so these settings need a version name of "
+        "their own (a new `version` in model or model_versions)"
+    )
+
+
+def _short(key: str, value: object) -> str:
+    text = str(value)
+    return f"{text[:12]}..." if key == "sha256" else text
