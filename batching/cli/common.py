@@ -344,13 +344,20 @@ def warn_unknown_queue(q: Any, *, controls_too: bool = False) -> None:
 
 
 def parse_duration(text: str, name: str) -> float:
-    """``90s``/``30m``/``12h``/``7d`` (or plain seconds) to seconds; ``ConfigError`` otherwise."""
+    """``90s``/``30m``/``12h``/``7d`` to seconds; ``ConfigError`` otherwise. The unit is
+    required: a bare ``7`` was taken as seconds, and ``purge --older-than 7`` from an operator
+    who meant days deleted nearly every done item (found by a review)."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    body, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    text = text.strip()
+    body, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "")
     try:
         value = float(body)
     except ValueError:
         value = math.nan
+    if not unit and math.isfinite(value):
+        raise errors.ConfigError(
+            f"{name} {text} needs a unit: write {text}s, {text}m, {text}h or {text}d"
+        )
     if not math.isfinite(value):  # nan and inf parse as floats; nan compared as "older"
         raise errors.ConfigError(
             f"{name} must be a duration like 90s, 30m, 12h or 7d, got {text!r}"

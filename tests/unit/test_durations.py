@@ -9,7 +9,8 @@ from batching.cli.common import parse_duration
 
 
 @pytest.mark.parametrize(
-    ("text", "seconds"), [("90s", 90), ("30m", 1800), ("12h", 43200), ("7d", 604800), ("2.5", 2.5)]
+    ("text", "seconds"),
+    [("90s", 90), ("30m", 1800), ("12h", 43200), ("7d", 604800), ("2.5s", 2.5), (" 1d ", 86400)],
 )
 def test_a_duration_in_seconds(text: str, seconds: float) -> None:
     assert parse_duration(text, "--older-than") == seconds
@@ -25,3 +26,11 @@ def test_what_is_not_a_finite_duration_is_refused(text: str) -> None:
 def test_a_negative_duration_is_refused() -> None:
     with pytest.raises(errors.ConfigError, match="must not be negative"):
         parse_duration("-1d", "--older-than")
+
+
+@pytest.mark.parametrize("text", ["7", "0", "2.5", " 30 "])
+def test_a_number_without_its_unit_is_refused(text: str) -> None:
+    """`purge --older-than 7` meant days to its operator and purged everything older than
+    seven seconds."""
+    with pytest.raises(errors.ConfigError, match=r"--older-than .* needs a unit: write .*s, .*d"):
+        parse_duration(text, "--older-than")
