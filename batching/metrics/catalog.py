@@ -215,7 +215,7 @@ EXPORTER: tuple[Metric, ...] = (
         "batching_reconcile_last_run_timestamp_seconds",
         "gauge",
         E,
-        "When a reconcile of the queue last ran.",
+        "When a reconcile of the queue last ran (never: when its first committing run ended).",
     ),
     Metric(
         "batching_reconcile_last_clean_timestamp_seconds",

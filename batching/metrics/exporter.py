@@ -202,6 +202,13 @@ class TableCollector(Collector):
                     sweeps.c.name.like(f"{RECONCILE_PREFIX}%")
                 )
             ).all()
+            # A queue never reconciled shows when its first committing run ended (reconcile
+            # owed since): without a series, BatchingReconcileStale never fired for it.
+            owed = conn.execute(
+                sa.select(runs.c.queue, sa.func.min(runs.c.finished_at))
+                .where(runs.c.n_batches > 0, runs.c.finished_at.is_not(None))
+                .group_by(runs.c.queue)
+            ).all()
         f_find = _family("batching_reconcile_findings")
         f_last, f_clean = (
             _family("batching_reconcile_last_run_timestamp_seconds"),
@@ -216,6 +223,8 @@ class TableCollector(Collector):
                 f_find.add_metric([self.env, q, f["class"], f["severity"]], float(f["count"]))
             if result.get("last_clean_at") is not None:
                 f_clean.add_metric([self.env, q], float(result["last_clean_at"]))
+        for q, first in owed:
+            last.setdefault(q, float(first))
         for q, at in sorted(last.items()):
             f_last.add_metric([self.env, q], at)
         yield from (f_find, f_last, f_clean)

@@ -295,3 +295,76 @@ def scrape_of(collector: TableCollector) -> dict[Key, float]:
         for family in collector.collect()
         for s in family.samples
     }
+
+
+def findings_of(found: dict[Key, float]) -> dict[str, float]:
+    return {dict(k[1])["class"]: v for k, v in pick(found, "batching_reconcile_findings").items()}
+
+
+def test_a_narrower_clean_reconcile_does_not_clear_what_it_did_not_look_at(
+    q1: SqlQueue, clock: FakeClock
+) -> None:
+    """A review: the whole-queue reconcile found a missing file; the clean reconcile of
+    another run (the trigger after every run) cleared the page with the file still missing."""
+    e = (("environment", "it"), ("queue", "q1"))
+    lost = Finding(Kind.MISSING_FILE, Severity.CRITICAL, "gone", count=1)
+    reconcile_result.remember(q1, report(clock() - 100))  # clean
+    reconcile_result.remember(q1, report(clock() - 50, lost))  # the whole queue: a lost file
+
+    def scoped(at: float, since: float | None, run_id: str | None, *found: Finding) -> None:
+        reconcile_result.remember(q1, Report("parquet", "out", at, since, run_id, found))
+
+    scoped(clock() - 40, None, "another-run")  # clean, but of one other run
+    scoped(clock() - 30, clock() - 3600, None)  # clean, but of the last hour only
+    found = scrape(cfg(), q1)
+    assert findings_of(found) == {"missing_file": 1.0}
+    assert found[("batching_reconcile_last_clean_timestamp_seconds", e)] == clock() - 100
+    assert found[("batching_reconcile_last_run_timestamp_seconds", e)] == clock() - 30
+
+    dup = Finding(Kind.DUPLICATE, Severity.CRITICAL, "twice", count=2)
+    scoped(clock() - 20, None, "another-run", dup)  # a run's own finding adds to those kept
+    assert findings_of(scrape(cfg(), q1)) == {"missing_file": 1.0, "duplicate": 2.0}
+    scoped(clock() - 10, None, "another-run")  # that run clean again: the lost file stays
+    assert findings_of(scrape(cfg(), q1)) == {"missing_file": 1.0, "duplicate": 2.0}
+
+    reconcile_result.remember(q1, report(clock() - 5))  # the whole queue, clean: cleared
+    found = scrape(cfg(), q1)
+    assert findings_of(found) == {}
+    assert found[("batching_reconcile_last_clean_timestamp_seconds", e)] == clock() - 5
+
+
+def test_a_window_clears_what_a_window_it_covers_found(q1: SqlQueue, clock: FakeClock) -> None:
+    lost = Finding(Kind.MISSING_FILE, Severity.CRITICAL, "gone", count=1)
+    now = clock()
+    reconcile_result.remember(q1, Report("parquet", "out", now - 50, now - 3600, None, (lost,)))
+    reconcile_result.remember(q1, Report("parquet", "out", now - 40, now - 1800, None, ()))
+    assert findings_of(scrape(cfg(), q1)) == {"missing_file": 1.0}  # a later window: kept
+    reconcile_result.remember(q1, Report("parquet", "out", now - 30, now - 7200, None, ()))
+    assert findings_of(scrape(cfg(), q1)) == {}  # a wider window looked again: cleared
+
+
+def test_a_queue_never_reconciled_shows_since_when_a_reconcile_is_owed(
+    q1: SqlQueue, clock: FakeClock
+) -> None:
+    """Without a series BatchingReconcileStale (time() - last run > 2 h) never fired for a
+    queue whose reconcile never ran (found by a review)."""
+    e = (("environment", "it"), ("queue", "q1"))
+    key = ("batching_reconcile_last_run_timestamp_seconds", e)
+    assert key not in scrape(cfg(), q1)  # nothing committed: nothing owed
+    runs = schema.runs
+    with q1.engine.begin() as conn:
+        for run_id, ended, batches in (("r1", clock() - 900, 3), ("r0", clock() - 2000, 0)):
+            conn.execute(
+                runs.insert().values(
+                    run_id=run_id,
+                    flow="score",
+                    queue="q1",
+                    state="completed",
+                    started_at=ended - 60,
+                    finished_at=ended,
+                    n_batches=batches,
+                )
+            )
+    assert scrape(cfg(), q1)[key] == clock() - 900  # the first run that committed
+    reconcile_result.remember(q1, report(clock() - 10))
+    assert scrape(cfg(), q1)[key] == clock() - 10
