@@ -663,7 +663,13 @@ class MetricsConfig(_Model):
     )
     pushgateway_url: str | None = Field(
         None,
-        description="a run pushes its metrics here every 30 s and at its end (`http://host:9091`; `http://user:password@host:9091` sends basic auth, the password masked in every message; grouping key job `batching-score`, queue)",
+        description="a run pushes its metrics here as it starts, every 30 s and at its end (`http://host:9091`; `http://user:password@host:9091` sends basic auth, the password masked in every message; grouping key job `batching-score`, queue, environment, instance)",
+    )
+    instance: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="the `instance` of this scorer's Pushgateway group: each run replaces its group's series, so scorers that run at once need their own (e.g. `gpu-0`); none: the host's name",
     )
     textfile_path: str | None = Field(
         None,

@@ -58,7 +58,12 @@ def check_config(config: cfg.PipelineConfig, db_url: str | None = None) -> polic
             shadow.folder(config)
         except errors.ConfigError as exc:
             found.append(str(exc))
-    warned = [*report.warnings, *unchecked, *_ignored_output_settings(config.output)]
+    warned = [
+        *report.warnings,
+        *unchecked,
+        *_ignored_output_settings(config.output),
+        *_unwritable_metrics_file(config),
+    ]
     held = _largest_checkpoints(config, 3)
     device = profile.device_memory_bytes if profile is not None else None
     if held and device and held + (report.estimated_memory_bytes or 0) > device:
@@ -69,6 +74,18 @@ def check_config(config: cfg.PipelineConfig, db_url: str | None = None) -> polic
             "version and the route's two; list fewer versions or smaller ones"
         )
     return replace(report, errors=tuple(found), warnings=tuple(warned))
+
+
+def _unwritable_metrics_file(config: cfg.PipelineConfig) -> list[str]:
+    """``metrics.textfile_path`` in a folder that does not exist: every run would end with a
+    warning and write nothing (node_exporter's collector reads a folder, made by its owner)."""
+    path = config.resolve(config.metrics.textfile_path)
+    if path is None or path.parent.is_dir():
+        return []
+    return [
+        f"metrics.textfile_path: folder {path.parent} does not exist, so no run can write its "
+        "metrics there; create it (node_exporter's --collector.textfile.directory)"
+    ]
 
 
 def _ignored_output_settings(output: cfg.OutputConfig) -> list[str]:

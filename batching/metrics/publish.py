@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 PUSH_JOB = "batching-score"
-"""The Pushgateway grouping key's job; with the queue, a run replaces the last one's series."""
+"""The Pushgateway grouping key's job; with :func:`grouping_key`, a run replaces the last
+one's series."""
 
 
 @contextmanager
@@ -147,18 +148,24 @@ def pushing(
     publishes the run's end with :func:`publish_run`). Pushed only at its end, a run was
     never seen active: ``BatchingRunNoHeartbeat`` could not fire for a hung short run, nor
     for one that died (its last push was the previous run's, inactive). A failed push is
-    logged once until one succeeds again, and tried at the next beat."""
+    logged once until one succeeds again, and tried at the next beat.
+
+    The first push is at once: a process starts its counters at zero, and a run whose
+    counters replaced the last run's only when they were already higher was read by
+    Prometheus as a continuation (``rate`` undercounted it) rather than a reset."""
     stop = threading.Event()
     beat: threading.Thread | None = None
     if config.metrics.pushgateway_url:
 
         def run() -> None:
             failing = False
-            while not stop.wait(every_s):
+            while True:  # at once, then every every_s
                 problem = _push(config, reg)
                 if problem is not None and not failing:
                     logger.warning(problem, extra={"action": "metrics_publish_failed"})
                 failing = problem is not None
+                if stop.wait(every_s):
+                    return
 
         beat = threading.Thread(target=run, name="metrics-push", daemon=True)
         beat.start()
@@ -168,6 +175,17 @@ def pushing(
         stop.set()
         if beat is not None:
             beat.join(timeout=every_s + 15)
+
+
+def grouping_key(config: PipelineConfig) -> dict[str, str]:
+    """The Pushgateway group of this scorer's runs (with the job, :data:`PUSH_JOB`): a run
+    replaces its group's series. Keyed by the queue alone, two environments sharing a gateway,
+    or two scorers of one queue, replaced each other's (found by a review)."""
+    return {
+        "queue": config.queue.name,
+        "environment": config.metrics.environment,
+        "instance": config.metrics.instance or socket.gethostname(),
+    }
 
 
 def _push(config: PipelineConfig, reg: CollectorRegistry) -> str | None:
@@ -180,7 +198,7 @@ def _push(config: PipelineConfig, reg: CollectorRegistry) -> str | None:
         push_to_gateway(
             gateway,
             job=PUSH_JOB,
-            grouping_key={"queue": config.queue.name},
+            grouping_key=grouping_key(config),
             registry=reg,
             timeout=10,
             handler=handler,
@@ -192,8 +210,9 @@ def _push(config: PipelineConfig, reg: CollectorRegistry) -> str | None:
 
 def publish_run(config: PipelineConfig, reg: CollectorRegistry | None = None) -> list[str]:
     """Push the run's series to the Pushgateway and/or write the textfile, as configured
-    (``metrics.pushgateway_url``, ``metrics.textfile_path``); a failure is logged as a warning
-    and returned as a one-line message, never raised: metrics never fail a run."""
+    (``metrics.pushgateway_url``, ``metrics.textfile_path``); a failure is returned as a
+    one-line message for the caller to report (the CLI prints it, a flow logs it), never
+    raised: metrics never fail a run. (Logged here too, every failure showed twice.)"""
     reg = reg if reg is not None else registry()
     problems: list[str] = []
     m = config.metrics
@@ -205,6 +224,4 @@ def publish_run(config: PipelineConfig, reg: CollectorRegistry | None = None) ->
             write_to_textfile(str(path), reg)  # a temporary file renamed over it: atomic
         except OSError as exc:
             problems.append(f"metrics not written to {path}: {exc}")
-    for problem in problems:
-        logger.warning(problem, extra={"action": "metrics_publish_failed"})
     return problems

@@ -513,6 +513,29 @@ def test_check_names_an_output_setting_its_kind_ignores(tmp_path: Path) -> None:
     assert "output.path is ignored by kind sql (rows go to batching_results)" in r.out + r.err
 
 
+def test_check_names_a_metrics_file_no_run_can_write_and_a_run_warns_once(
+    tmp_path: Path,
+) -> None:
+    """A review: metrics.textfile_path in a folder that does not exist passed check, and
+    every run printed the same warning twice and wrote nothing."""
+    import yaml
+
+    data = yaml.safe_load((DEPLOYMENTS / "tabular.yaml").read_text())
+    data["metrics"] = {"textfile_path": "metrics/batching.prom"}
+    data["service_profile"] = str(DEPLOYMENTS / data["service_profile"])
+    data["output"] = {"kind": "parquet", "path": str(tmp_path / "out")}
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(data))
+    r = batching("check", "-c", str(path), cwd=tmp_path)
+    assert r.rc == 0, r.err
+    assert f"folder {tmp_path / 'metrics'} does not exist" in r.out + r.err
+    db = f"sqlite:///{tmp_path / 'm.db'}"
+    assert batching("init", "--db", db, cwd=tmp_path).rc == 0
+    run = batching("score", "-c", str(path), "--db", db, "--quiet", cwd=tmp_path)
+    assert run.rc == 0, run.err
+    assert run.err.count("metrics not written to") == 1, run.err
+
+
 def test_check_on_the_prefect_deployment_file_says_which_file_to_give(tmp_path: Path) -> None:
     r = batching("check", "-c", str(DEPLOYMENTS / "prefect.yaml"), cwd=tmp_path)
     assert r.rc == 2

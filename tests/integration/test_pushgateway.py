@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import http.server
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -61,7 +62,7 @@ def test_a_pushgateway_behind_basic_auth_gets_the_push_and_no_message_shows_the_
     failed push printed the password."""
     assert publish.publish_run(gateway.config("pgw:s3cret@")) == []
     ((path, auth, _),) = gateway.puts
-    assert path.startswith("/metrics/job/batching-score/queue/")
+    assert path.startswith("/metrics/job/batching-score/environment/default/instance/")
     assert auth == "Basic " + base64.b64encode(b"pgw:s3cret").decode()
 
     gone = config.parse_config(
@@ -84,3 +85,35 @@ def test_a_run_is_pushed_while_it_runs_not_only_at_its_end(gateway: Gateway) -> 
             time.sleep(0.01)
     assert len(gateway.puts) >= 2
     assert b"batching_run_active 1.0" in gateway.puts[-1][2]
+
+
+def test_environments_and_scorers_sharing_a_gateway_keep_their_own_groups(
+    gateway: Gateway,
+) -> None:
+    """Keyed by job and queue alone, staging's run replaced prod's series on a shared
+    gateway, and two scorers of one queue replaced each other's (found by a review)."""
+    url = f"http://127.0.0.1:{gateway.port}"
+    for environment, instance in (("prod", None), ("staging", None), ("prod", "gpu-1")):
+        metrics: dict[str, object] = {"pushgateway_url": url, "environment": environment}
+        if instance is not None:
+            metrics["instance"] = instance
+        assert publish.publish_run(config.parse_config(MODEL | {"metrics": metrics})) == []
+    host = socket.gethostname()
+    assert [path for path, _, _ in gateway.puts] == [
+        f"/metrics/job/batching-score/environment/prod/instance/{host}/queue/default",
+        f"/metrics/job/batching-score/environment/staging/instance/{host}/queue/default",
+        "/metrics/job/batching-score/environment/prod/instance/gpu-1/queue/default",
+    ]
+
+
+def test_a_run_is_pushed_as_it_starts(gateway: Gateway) -> None:
+    """Its counters start at zero: pushed at once, Prometheus sees the reset from the last
+    run's values; pushed first when already past them, it read a continuation and rate()
+    undercounted the run."""
+    reg = CollectorRegistry()
+    Gauge("batching_run_active", "a run is active", registry=reg)
+    with publish.pushing(gateway.config(), reg, every_s=3600):
+        deadline = time.monotonic() + 10
+        while not gateway.puts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(gateway.puts) == 1
