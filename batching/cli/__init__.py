@@ -40,7 +40,30 @@ def register() -> typer.Typer:
     )
     from batching.cli.common import app
 
+    _unwrap_help(app)
     return app
+
+
+def _unwrap_help(command_line: typer.Typer) -> None:
+    """Join each help paragraph's hard-wrapped lines: Typer keeps a docstring's single line
+    breaks, so on a terminal narrower than the source each line wrapped again, ragged, in
+    mid-sentence (found by a review)."""
+    import inspect
+    import re
+
+    def unwrap(text: str | None) -> str | None:
+        if not text:
+            return text
+        paragraphs = inspect.cleandoc(text).split("\n\n")
+        listed = re.compile(r"^\s|^([-*]|\d+\.) ", re.MULTILINE)  # lists, indented blocks
+        return "\n\n".join(p if listed.search(p) else " ".join(p.split("\n")) for p in paragraphs)
+
+    for info in command_line.registered_commands:
+        info.help = unwrap(info.help or (info.callback.__doc__ if info.callback else None))
+    for group in command_line.registered_groups:
+        group.help = unwrap(group.help) if isinstance(group.help, str) else group.help
+        if group.typer_instance is not None:
+            _unwrap_help(group.typer_instance)
 
 
 def main() -> None:
