@@ -107,6 +107,12 @@ class PolicyError(BatchingError):
     """The batching policy breaks the latency objective or the device budget."""
 
 
+class Incomplete(BatchingError):
+    """A bulk run over a dataset ended with rows still without output (dead, leased,
+    waiting out a backoff): the dataset is not scored whole; the message says why and what
+    to do."""
+
+
 # Bad input rather than a failure: the CLI exits 2 for these, 1 for every other BatchingError.
 USAGE_ERRORS: tuple[type[BatchingError], ...] = (
     ConfigError,

@@ -11,7 +11,7 @@ from typing import Any
 
 from prefect import flow
 
-from batching import config
+from batching import config, errors
 from batching.compose import build, inplace
 from batching.ingress import ingest
 from batching.loop import stats as run_stats
@@ -118,6 +118,10 @@ def bulk(
         limits = run_stats.RunLimits(max_seconds=max_seconds)
         with slots.gpu_slot(gpu_slot, gpu_slot_wait_s):
             outcome = score_queue(cfg, db, output, limits, expected, workers, in_place=source)
+        if source is not None and source.plan is not None and max_seconds is None:
+            left = inplace.left_of(cfg, db or cfg.database.url, source.plan)
+            if left.rows:  # the dataset is not scored whole: the flow run fails, saying why
+                raise errors.Incomplete(left.describe(source.plan.rows, cfg.queue.name))
         return {
             "enqueued": enqueued["inserted"],
             "duplicates": enqueued["duplicates"],

@@ -19,11 +19,11 @@ from batching.cli.common import (
     ConfigOption,
     DbOverride,
     JsonOption,
-    OutputOverride,
     QuietOption,
     app,
     emit_json,
     err,
+    flag,
     handle_errors,
     load,
     out,
@@ -64,7 +64,12 @@ def bulk(
         typer.Option(min=1, help="Rows a shard holds at least (whole row groups)."),
     ] = 65_536,
     db: DbOverride = None,
-    output: OutputOverride = None,
+    output: Annotated[
+        str | None,
+        typer.Option(
+            "--output", help="Output folder (in place writes Parquet); overrides the config's."
+        ),
+    ] = None,
     max_seconds: Annotated[
         float | None,
         typer.Option(min=0.001, callback=_finite, help="Stop claiming shards after S seconds."),
@@ -141,6 +146,12 @@ def bulk(
 
     limits = run_stats.RunLimits(until_empty=True, max_seconds=max_seconds)
     scored = inplace.InPlace.of(found)
+
+    def left() -> list[str]:  # after the run: the dataset's rows still without output
+        early = max_seconds is not None or stop.asked.is_set()
+        problem = _rows_left(cfg, db_url, found, stopped_early=early)
+        return [problem] if problem else []
+
     if workers > 1:
         with progress, scorer_metrics(cfg, workers):
             _score_workers(
@@ -156,6 +167,7 @@ def bulk(
                 stop=stop.asked,
                 as_json=as_json,
                 in_place=scored,
+                more_errors=left,
             )
         return
     with progress, scorer_metrics(cfg, 1):
@@ -170,8 +182,9 @@ def bulk(
             in_place=scored,
         )
     failed = nothing_succeeded(outcome.summary)
+    incomplete = left()
     if as_json:
-        doc = score_doc(cfg, outcome, errors=[failed] if failed else [])
+        doc = score_doc(cfg, outcome, errors=[*filter(None, [failed]), *incomplete])
         doc["input"] = {
             "rows": found.rows,
             "files": len(found.files),
@@ -184,26 +197,24 @@ def bulk(
         out.print(summary_table(outcome.summary, f"run {outcome.run_id} (in place)"))
         _where(cfg, outcome)
     _explain_what_is_left(cfg, db, outcome.summary)
-    _say_dead_shards(cfg, db)
     exit_if_nothing_succeeded(failed)
+    for problem in incomplete:
+        flag(err, "error", problem)
+        raise typer.Exit(1)
 
 
-def _say_dead_shards(cfg: Any, db: str | None) -> None:
-    """A note when the queue holds dead input shards: their rows have no output (the input
-    changed or went missing after planning, a corrupt page), and only the run's log and its
-    failed count said so."""
-    from batching.compose import build
+def _rows_left(cfg: Any, db_url: str, found: Any, *, stopped_early: bool) -> str | None:
+    """The dataset's rows without output after the run, by why, as an error (a run that
+    stopped before it was done, by --max-seconds or a signal, prints it as a note and returns
+    None). Before, a rerun after a SIGKILL exited 0 while a dead scorer's shard of 65,536 rows
+    stayed leased, and dead shards too: nothing told a job the dataset was incomplete."""
+    from batching.compose import inplace
 
-    queue = build.open_queue(cfg, build.resolve(cfg, db, None).db_url)
-    try:
-        dead = queue.stats(done=False).by_state.get("dead", 0)
-    finally:
-        queue.engine.dispose()
-    if dead:
-        err.print(
-            f"note: {dead} input shard(s) of queue {queue.queue!r} are dead: their rows have no "
-            f"output; `batching status -q {queue.queue}` and the run's log say why; once the "
-            "input is as planned, `batching redrive -c CONFIG --reason ...` and this command "
-            "again score them",
-            highlight=False,
-        )
+    left = inplace.left_of(cfg, db_url, found)
+    if not left.rows:
+        return None
+    message = left.describe(found.rows, cfg.queue.name)
+    if stopped_early:
+        err.print(f"note: {message}", highlight=False)
+        return None
+    return message

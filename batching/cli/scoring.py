@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -301,12 +301,21 @@ def _where(cfg: Any, outcome: Any) -> None:
 
 
 def _score_workers(
-    cfg: Any, n: int, *, stop: threading.Event, as_json: bool, **kwargs: Any
+    cfg: Any,
+    n: int,
+    *,
+    stop: threading.Event,
+    as_json: bool,
+    more_errors: Callable[[], list[str]] | None = None,
+    **kwargs: Any,
 ) -> None:
+    """Run ``n`` workers and report them; ``more_errors``: the caller's own findings after
+    the run (``bulk``: rows without output), errors of the run's like the workers'."""
     from batching.compose import run as wiring
 
     result = wiring.run_score_workers(cfg, n, stop=stop, **kwargs)
     outcome = result.workers
+    more = more_errors() if more_errors is not None else []
     if stop.is_set() and not outcome.reports:
         err.print("note: stopped by a signal before the workers started; nothing was claimed")
     elif len(outcome.reports) < n:
@@ -318,7 +327,9 @@ def _score_workers(
     if as_json:
         failed = [] if outcome.exit_code else [nothing_succeeded(result.summary)]
         emit_json(
-            score_doc(cfg, result, outcome.reports, [*outcome.errors(), *filter(None, failed)])
+            score_doc(
+                cfg, result, outcome.reports, [*outcome.errors(), *filter(None, failed), *more]
+            )
         )
     else:
         _show_workers(cfg, result)
@@ -329,6 +340,9 @@ def _score_workers(
     if outcome.exit_code:
         raise typer.Exit(outcome.exit_code)
     exit_if_nothing_succeeded(nothing_succeeded(result.summary))
+    for message in more:
+        flag(err, "error", message)
+        raise typer.Exit(1)
 
 
 def _show_workers(cfg: Any, result: Any) -> None:

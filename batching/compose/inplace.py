@@ -9,10 +9,12 @@ no output and its ``error``.
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -86,6 +88,7 @@ class InPlace:
     (its version: :attr:`shards.Plan.version`), for the run's lineage."""
 
     dataset: lineage.DatasetRef | None = None
+    plan: shards.Plan | None = None  # what was planned: whose rows are left after a run
 
     @classmethod
     def of(cls, found: shards.Plan) -> InPlace:
@@ -99,7 +102,7 @@ class InPlace:
             size_bytes=found.size_bytes,
             version=found.version,
         )
-        return cls(ref)
+        return cls(ref, found)
 
     def context(self, ctx: lineage.RunContext) -> lineage.RunContext:
         """The run's lineage: the input dataset beside the queue, the output's own columns."""
@@ -130,15 +133,156 @@ def enqueue_shards(
             "give in-place runs a config with output.kind: parquet (the folder: output.path or --output)"
         )
     found = shards.plan(source, rows_per_shard, on_bytes)
+    _refuse_other_width(config, found)
     queue = build.open_queue(config, db_url)
     try:
         queue.check_schema()
         with queue.engine.connect() as conn:
             refuse_changed(conn, queue.queue, found)
+            _refuse_scored_by_another_version(conn, queue.queue, found, config.model.version)
         result = queue.enqueue(shards.records(found.shards, tenant))
     finally:
         queue.engine.dispose()
     return found, result
+
+
+def _refuse_other_width(config: cfg.PipelineConfig, found: shards.Plan) -> None:
+    """Refuse rows of another length than the model takes: each shard would fail whole, after
+    every retry and its backoff, across several runs (found by a review)."""
+    from batching.model import zoo
+
+    if found.payload_width is None:
+        return
+    info = zoo.shape_of(config.model.name)
+    if info is None or info.input_kind != "dense" or info.input_dim in (None, found.payload_width):
+        return
+    raise errors.InputError(
+        f"{found.source}: payload rows hold {found.payload_width} numbers and model "
+        f"{config.model.name!r} takes {info.input_dim}; give it the dataset it scores, or a "
+        "config whose model takes these rows"
+    )
+
+
+@dataclass(frozen=True)
+class Left:
+    """The rows of a plan without output after a run, by why: their shard is dead, ready
+    (waiting out a retry backoff, or not reached), leased (by a scorer, a dead one's until
+    ``lease_until``) or cancelled by an operator. A shard split in two is its halves."""
+
+    dead: int = 0
+    ready: int = 0
+    leased: int = 0
+    cancelled: int = 0
+    lease_until: float | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.dead + self.ready + self.leased + self.cancelled
+
+    def describe(self, total: int, queue: str) -> str:
+        """One line: how many of ``total`` rows have no output yet, by why, and what to do."""
+        parts = []
+        if self.leased:
+            until = datetime.datetime.fromtimestamp(self.lease_until or 0, datetime.UTC)
+            parts.append(
+                f"{self.leased:,} in shards leased by a scorer until {until:%H:%M:%S} UTC (a "
+                "dead scorer's come back then: run again after it)"
+            )
+        if self.dead:
+            parts.append(
+                f"{self.dead:,} in dead shards (`batching status -c CONFIG` and the run's log "
+                "say why; once the input is as planned, `batching redrive -c CONFIG --reason "
+                "...` and another run score them)"
+            )
+        if self.ready:
+            parts.append(
+                f"{self.ready:,} in shards waiting out a retry backoff or not reached (run again)"
+            )
+        if self.cancelled:
+            parts.append(
+                f"{self.cancelled:,} in shards an operator cancelled (`batching queue audit "
+                f"{queue}`)"
+            )
+        return f"{self.rows:,} of {total:,} input rows have no output yet: {'; '.join(parts)}"
+
+
+def left_of(config: cfg.PipelineConfig, db_url: str, found: shards.Plan) -> Left:
+    """What of ``found`` has no output yet in the config's queue (:class:`Left`)."""
+    queue = build.open_queue(config, db_url)
+    try:
+        with queue.read() as conn:
+            mine = _plan_items(conn, queue.queue, found)
+            spans = conn.execute(
+                sa.select(
+                    schema.ranges.c.lo, schema.ranges.c.hi, schema.ranges.c.lease_expires_at
+                ).where(schema.ranges.c.queue == queue.queue)
+            ).all()
+    finally:
+        queue.engine.dispose()
+    counts = dict.fromkeys(("dead", "ready", "leased", "cancelled"), 0)
+    until: list[float] = []
+    for row in mine:
+        held = [at for lo, hi, at in spans if lo <= row.id <= hi]  # a range lease: still ready
+        state = models.State(row.state)
+        if held or state is models.State.LEASED:
+            counts["leased"] += row.cost
+            until.append(held[0] if held else row.lease_expires_at)
+        elif state in (models.State.DEAD, models.State.EXPIRED):
+            counts["dead"] += row.cost
+        elif state is models.State.READY:
+            counts["ready"] += row.cost
+        elif state is models.State.CANCELLED and not (row.last_error or "").startswith("split"):
+            counts["cancelled"] += row.cost
+    return Left(**counts, lease_until=max(until) if until else None)
+
+
+def _plan_items(conn: sa.Connection, queue: str, found: shards.Plan) -> list[Any]:
+    """The queue's items of ``found``'s shards, their split halves included."""
+    t = schema.items
+    roots = {s.key for s in found.shards}
+    found_rows = conn.execute(
+        sa.select(
+            t.c.id,
+            t.c.item_key,
+            t.c.state,
+            t.c.cost,
+            t.c.lease_expires_at,
+            t.c.last_error,
+            t.c.batch_id,
+        ).where(t.c.queue == queue, t.c.lane == shards.LANE)
+    ).all()
+    return [r for r in found_rows if _root(r.item_key) in roots]
+
+
+def _root(key: str) -> str:
+    """The planned shard a key is, or is a split half of (``<parent>/0/1...``)."""
+    head, _, groups = key.rpartition(":")
+    return f"{head}:{groups.split('/', 1)[0]}"
+
+
+def _refuse_scored_by_another_version(
+    conn: sa.Connection, queue: str, found: shards.Plan, version: str
+) -> None:
+    """Refuse to plan a dataset whose shards another model version scored in this queue: the
+    shard keys name the input, not the version, so a run with a new version found them all
+    "already queued", scored nothing and exited 0 (found by a review)."""
+    done = [
+        r.batch_id
+        for r in _plan_items(conn, queue, found)
+        if r.state == int(models.State.DONE) and r.batch_id
+    ]
+    b = schema.batches
+    others: set[str] = set()
+    for i in range(0, len(done), 500):
+        chunk = done[i : i + 500]
+        found_versions = sa.select(b.c.model_version).where(b.c.batch_id.in_(chunk)).distinct()
+        others.update(v for v in conn.execute(found_versions).scalars() if v != version)
+    if others:
+        raise errors.InputError(
+            f"{found.source}: queue {queue!r} holds shards of this dataset scored by model "
+            f"version(s) {', '.join(map(repr, sorted(others)))}; a queue scores a dataset once, "
+            f"so score it with {version!r} into a queue (queue.name) and output of its own"
+        )
 
 
 def refuse_changed(conn: sa.Connection, queue: str, found: shards.Plan) -> None:

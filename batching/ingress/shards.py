@@ -138,6 +138,7 @@ class Plan:
     version: str
     payload_type: str
     source: Path  # what was given: a file, a folder, a Delta table (the lineage dataset)
+    payload_width: int | None = None  # numbers a row, when the files' lists are fixed-size
 
     @property
     def rows(self) -> int:
@@ -179,6 +180,7 @@ def plan(
     shards: list[Shard] = []
     listed: list[tuple[str, str, int]] = []
     types: set[str] = set()
+    widths: set[int] = set()
     total = sum(p.stat().st_size for p in files if p.is_file())
     hashed = 0
 
@@ -190,8 +192,10 @@ def plan(
 
     for path in files:
         rel = path.relative_to(root).as_posix()
-        meta, payload_type = _footer(path)
+        meta, payload_type, width = _footer(path)
         types.add(payload_type)
+        if width is not None:
+            widths.add(width)
         digest, size, mtime = fingerprint(path, progress)
         listed.append((rel, digest, meta.num_rows))
         shards.extend(_cut(path, rel, (digest, size, mtime), meta, rows_per_shard))
@@ -200,8 +204,15 @@ def plan(
             f"{src}: payload columns differ between files ({', '.join(sorted(types))}); "
             "give one dataset of one payload type"
         )
+    if len(widths) > 1:  # a shard of the other width fails whole, after every retry
+        raise errors.InputError(
+            f"{src}: payload lists differ in length between files "
+            f"({', '.join(map(str, sorted(widths)))} numbers a row); give one dataset of "
+            "one payload shape"
+        )
     version = table_version or hashlib.sha256(json.dumps(listed).encode()).hexdigest()
-    return Plan(root, tuple(shards), tuple(listed), version, types.pop(), src)
+    width = widths.pop() if widths else None
+    return Plan(root, tuple(shards), tuple(listed), version, types.pop(), src, width)
 
 
 def _delta_files(table: Path) -> tuple[list[Path], str]:
@@ -230,7 +241,8 @@ def _delta_files(table: Path) -> tuple[list[Path], str]:
     return files, str(dt.version())
 
 
-def _footer(path: Path) -> tuple[pq.FileMetaData, str]:
+def _footer(path: Path) -> tuple[pq.FileMetaData, str, int | None]:
+    """The file's footer, its payload type, and its lists' length when they are fixed-size."""
     try:
         meta = pq.read_metadata(path)
         schema_ = meta.schema.to_arrow_schema()
@@ -243,12 +255,13 @@ def _footer(path: Path) -> tuple[pq.FileMetaData, str]:
         )
     kind = schema_.field("payload").type
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
-        return meta, "JSON text"
+        return meta, "JSON text", None
     listed = pa.types.is_list(kind) or pa.types.is_large_list(kind)
-    if (listed or pa.types.is_fixed_size_list(kind)) and (
+    fixed = pa.types.is_fixed_size_list(kind)
+    if (listed or fixed) and (
         pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)
-    ):
-        return meta, "list of numbers"  # a fixed-size list may read back as a list
+    ):  # a fixed-size list may read back as a list: the same type, its length kept apart
+        return meta, "list of numbers", kind.list_size if fixed else None
     raise errors.InputError(f"{path}: payload column is {kind}; give lists of numbers or JSON text")
 
 

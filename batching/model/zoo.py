@@ -372,6 +372,22 @@ def _as_state_dict(obj: object, path: Path) -> dict[str, torch.Tensor]:
     return obj
 
 
+def shape_of(name: str) -> ModelInfo | None:
+    """What model ``name`` takes and gives, built on the meta device (no weights, nothing
+    computed); None when it cannot be built there (its factory computes on its tensors).
+
+    Raises:
+        ConfigError: ``name`` is neither built in nor an importable factory.
+    """
+    if name not in BUILTINS:
+        _factory(name)
+    try:
+        with torch.device("meta"):
+            return build(name)[1]
+    except Exception:
+        return None
+
+
 def check_fits(name: str, state: dict[str, torch.Tensor], path: Path) -> bool:
     """Whether ``state`` loads into model ``name`` (strict names and shapes), the model built
     on the meta device: no memory for its weights and none computed. False when its factory
