@@ -330,6 +330,8 @@ class AbandonedRun:
     parent_run_id: str | None
     error: str
     orphan: bool = False  # a worker whose parent run is not running either: none closes it
+    committed: int = 0  # rows it (and its workers) committed, from the batch ledger
+    output: tuple[str, ...] | None = None  # its output dataset: lineage's namespace, name
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,14 +95,22 @@ class InPlace:
         """The input dataset of a plan, named by its path: the file, folder or table given."""
         ns, name = naming.file_dataset_id(found.source)
         ref = lineage.DatasetRef(
-            ns,
-            name,
-            (("payload", found.payload_type),),
-            row_count=found.rows,
-            size_bytes=found.size_bytes,
-            version=found.version,
+            ns, name, (("payload", found.payload_type),), version=found.version
         )
         return cls(ref, found)
+
+    def read(self, ctx: lineage.RunContext, rows: int) -> lineage.RunContext:
+        """``ctx`` with the input dataset's statistics: the rows this run read (scored or
+        refused), not the dataset's (OpenLineage's inputStatistics are what a run read; every
+        run reported the whole dataset, a rerun that read nothing included). The bytes read
+        are not known: a shard is read by its row groups."""
+        if self.dataset is None:
+            return ctx
+        mine = (self.dataset.namespace, self.dataset.name)
+        inputs = tuple(
+            d.with_stats(rows) if (d.namespace, d.name) == mine else d for d in ctx.inputs
+        )
+        return replace(ctx, inputs=inputs)
 
     def context(self, ctx: lineage.RunContext) -> lineage.RunContext:
         """The run's lineage: the input dataset beside the queue, the output's own columns."""

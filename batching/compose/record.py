@@ -209,7 +209,13 @@ def fail_abandoned(
             )
         else:
             continue
-        emitter.fail(dead, errors.BatchingError(run.error), outputs=[])
+        # What it committed, into the output it recorded (before, a killed run's committed
+        # rows were in no event); a run from before schema 18 recorded none.
+        outputs = []
+        if run.output is not None:
+            namespace, name = run.output
+            outputs = [lineage.DatasetRef(namespace, name, row_count=run.committed)]
+        emitter.fail(dead, errors.BatchingError(run.error), outputs=outputs)
 
 
 def ledger_start(
@@ -231,6 +237,7 @@ def ledger_start(
         model_sha256=checksum,
         parent_run_id=parent_run_id,
         resume=attempt.number > 1,
+        output=(ctx.outputs[0].namespace, ctx.outputs[0].name) if ctx.outputs else None,
     )
     return runs, so_far
 

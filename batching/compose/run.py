@@ -239,6 +239,8 @@ def run_score(
             committed = before + (done.committed if done else 0)
             summary: Mapping[str, Any] = done.summary() if done else {}
             out = ctx.outputs[0].with_stats(committed)
+            if in_place is not None:
+                record.ctx = in_place.read(record.ctx, done.committed + done.failed if done else 0)
             record.fail(
                 exc, [out.with_version(evidence.output_version(queue, sink, run_id))], summary
             )
@@ -248,10 +250,13 @@ def run_score(
             gc.unfreeze()
             waiter.close()
         result = stats.summary()
-        # The bytes are this attempt's only: a retry reports the rows alone.
-        size = stats.bytes_written if so_far is None else None
+        # The bytes are this attempt's only: a retry reports the rows alone; a sink that
+        # does not know them (SQL, Delta: written by its roll-forward) reports none, not 0.
+        size = (stats.bytes_written or None) if so_far is None else None
         out = ctx.outputs[0].with_stats(before + stats.committed, size)
         record.ctx = with_costs(ctx, result)
+        if in_place is not None:
+            record.ctx = in_place.read(record.ctx, stats.committed + stats.failed)
         if stats.by_version and ctx.model is not None:  # a rollout split the items
             by_version = dict(stats.by_version)
             record.ctx = replace(record.ctx, model=replace(ctx.model, versions=by_version))
@@ -480,13 +485,16 @@ def run_score_workers(
         )
         summary = result.summary
         stats = outcome.stats()
-        size = stats.bytes_written if stats and so_far is None else None  # a retry: rows alone
+        size = (stats.bytes_written or None) if stats and so_far is None else None  # see above
         out_ds = ctx.outputs[0].with_stats(before + summary["items_committed"], size)
         out_ds = out_ds.with_version(evidence.output_version(queue, sink, run_id))
         for report in (r for r in outcome.reports if r.died):
             run_record.close_dead_worker(emitter, runs, ctx, report)
         error = outcome.error()
         record.ctx = with_costs(ctx, summary)
+        if in_place is not None:
+            read = summary["items_committed"] + summary["items_failed"]
+            record.ctx = in_place.read(record.ctx, read)
         if error is None:
             record.complete([out_ds], summary)
         else:

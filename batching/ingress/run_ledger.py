@@ -49,8 +49,11 @@ class RunLedger:
         model_sha256: str | None = None,
         parent_run_id: str | None = None,
         resume: bool = False,
+        output: tuple[str, str] | None = None,
     ) -> models.RunSoFar | None:
         """Record a run as ``running``; ``parent_run_id``: the run this one is a worker of.
+
+        ``output``: its output dataset (lineage's namespace and name).
 
         A run id already on record restarts its row, unless ``resume`` (a retry of the run:
         a Prefect task retry reuses the flow run's id): then the row keeps when the run
@@ -68,6 +71,7 @@ class RunLedger:
             "config_hash": config_hash,
             "model_version": model_version,
             "model_sha256": model_sha256,
+            "output": json.dumps(output) if output is not None else None,
             "state": "running",
             "heartbeat_at": now,
             "finished_at": None,
@@ -116,25 +120,31 @@ class RunLedger:
         )
         with self._queue.begin() as conn:
             rows = conn.execute(
-                sa.select(r.run_id, r.flow, r.parent_run_id, r.heartbeat_at).where(stale)
+                sa.select(r.run_id, r.flow, r.parent_run_id, r.heartbeat_at, r.output).where(stale)
             ).all()
             closed = []
             for row in rows:
                 when = datetime.fromtimestamp(row.heartbeat_at, UTC).isoformat(timespec="seconds")
-                error = f"abandoned: no heartbeat since {when} (its process died)"
+                committed = _committed_rows(conn, row.run_id)  # it never reported them
+                error = (
+                    f"abandoned: no heartbeat since {when} (its process died), "
+                    f"{committed} row(s) committed"
+                )
                 n = conn.execute(
                     sa.update(schema.runs)
                     .where(r.run_id == row.run_id, stale)
-                    .values(
-                        state="failed",
-                        finished_at=now,
-                        error=error,
-                        n_items=_committed_rows(conn, row.run_id),  # it never reported them
-                    )
+                    .values(state="failed", finished_at=now, error=error, n_items=committed)
                 ).rowcount
                 if n:
                     closed.append(
-                        models.AbandonedRun(row.run_id, row.flow, row.parent_run_id, error)
+                        models.AbandonedRun(
+                            row.run_id,
+                            row.flow,
+                            row.parent_run_id,
+                            error,
+                            committed=committed,
+                            output=tuple(json.loads(row.output)) if row.output else None,
+                        )
                     )
             # A worker whose parent is not running either (closed just now, or ended) has no
             # one left to close it in lineage.

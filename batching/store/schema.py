@@ -314,6 +314,9 @@ runs = sa.Table(
     # When a reconcile last checked the run's batches (migration 12): a run that committed
     # items and was never reconciled is one no trigger reached.
     sa.Column("reconciled_at", sa.Float),
+    # Its output dataset as lineage names it (migration 18; JSON [namespace, name], no
+    # credentials), so the FAIL of a run that died names the dataset its rows went to.
+    sa.Column("output", sa.Text),
 )
 lineage_spool = sa.Table(
     "batching_lineage_spool",
@@ -655,6 +658,7 @@ def _v17(conn: Connection) -> None:
 
 def _v18(conn: Connection) -> None:
     model_versions.create(conn, checkfirst=True)
+    _add_column(conn, runs.name, "output", "TEXT")
 
 
 def _add_column(conn: Connection, table: str, column: str, sql_type: str) -> None:
@@ -685,7 +689,11 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(16, "range leases: one row leases a run of ready items", _v16),
     Migration(17, "dead and expired items indexed by queue, for counts without a full scan", _v17),
-    Migration(18, "each model version's identity, pinned when it first scores", _v18),
+    Migration(
+        18,
+        "each model version's identity, pinned when it first scores; runs record their output",
+        _v18,
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -185,6 +185,15 @@ def test_lineage_names_the_input_and_its_version(sqlite_url: str, tmp_path: Path
     out = events[-1]["outputs"][0]
     names = [f["name"] for f in out["facets"]["schema"]["fields"]]
     assert {"input_file", "input_row", "output", "error"} <= set(names)
+    # what this run read, not the dataset: a rerun that found it all scored read nothing (a
+    # review: every run reported the whole dataset)
+    assert "inputStatistics" not in events[0]["inputs"][-1].get("inputFacets", {})
+    assert data["inputFacets"]["inputStatistics"]["rowCount"] == 600
+    assert out["outputFacets"]["outputStatistics"]["rowCount"] == 600
+    wiring.run_score(c, db_url=sqlite_url, limits=UNTIL_EMPTY, in_place=inplace.InPlace.of(found))
+    again = lineage_log.read_events(tmp_path / "lineage" / "events.jsonl")[-1]
+    read = {i["name"]: i for i in again["inputs"]}[data["name"]]
+    assert read["inputFacets"]["inputStatistics"]["rowCount"] == 0
 
 
 def test_a_changed_file_is_refused_not_half_scored(sqlite_url: str, tmp_path: Path) -> None:

@@ -680,13 +680,19 @@ def test_sigkill_mid_run_then_restart_and_reconcile_lose_nothing(
     assert dead.state == "failed"
     assert dead.error.startswith("abandoned: no heartbeat since ")
     assert restart.events_path is not None
-    ended = [
-        e["eventType"]
-        for e in lineage_log.read_events(restart.events_path)
-        if e["run"]["runId"] == killed
+    killed_events = [
+        e for e in lineage_log.read_events(restart.events_path) if e["run"]["runId"] == killed
     ]
+    ended = [e["eventType"] for e in killed_events]
     assert ended[0] == "START"
     assert ended[-1] == "FAIL"
+    # the rows it committed before it died, in its output (a review: in no event before)
+    (fail_out,) = killed_events[-1]["outputs"]
+    (start_out,) = killed_events[0]["outputs"]
+    assert (fail_out["namespace"], fail_out["name"]) == (start_out["namespace"], start_out["name"])
+    committed = fail_out["outputFacets"]["outputStatistics"]["rowCount"]
+    assert committed == dead.n_items >= 200
+    assert f"{committed} row(s) committed" in dead.error
     report = reconcile(config, sqlite_url, root)
     assert report.clean, json.dumps(report.to_dict())[:2000]
     out = assert_done_once(sqlite_url, root, {f"w1-{i}" for i in range(N_SIGNAL)})
