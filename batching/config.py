@@ -41,6 +41,7 @@ QUEUE_TABLES = frozenset(
         "batching_items",
         "batching_items_archive",
         "batching_lineage_spool",
+        "batching_model_versions",
         "batching_outbox",
         "batching_payloads",
         "batching_queue_audit",
@@ -521,7 +522,8 @@ class OutputConfig(_Model):
     @field_validator("storage_options")
     @classmethod
     def _no_credentials(cls, value: dict[str, str]) -> dict[str, str]:
-        secret = sorted(k for k in value if _CREDENTIAL.search(k))
+        # by key, or in a value (a password in an endpoint URL, a presigned signature)
+        secret = sorted(k for k, v in value.items() if _CREDENTIAL.search(k) or redact_url(v) != v)
         if secret:
             raise ValueError(
                 f"{', '.join(secret)}: a credential does not belong in a config file; remove "

@@ -20,7 +20,8 @@ from typing import Any
 _USERINFO = re.compile(r"(?P<head>[A-Za-z][\w+.\-]*://[^:/]*):[\s\S]*@")
 _BARE_USERINFO = re.compile(r"(?<![\w.+\-:%])(?P<head>[\w.\-%]+):(?!//)\S*@")  # user:pass@host
 _SPACE = r"[ \t\n\r\f\v]"  # what libpq takes for a space (C isspace)
-_SECRET_WORD = r"(?:passw(?:or)?d|pwd|secret|token|api_?key)"
+# signature, sig: a presigned S3 URL's X-Amz-Signature, an Azure SAS token's sig
+_SECRET_WORD = r"(?:passw(?:or)?d|pwd|secret|token|api_?key|signature|sig)"
 _SECRET_PAIR = re.compile(
     # a URL query's pair: the value runs to the next '&' (a raw space is part of it)
     rf"(?i)(?<=[?&])(?P<qkey>[\w-]*{_SECRET_WORD})=(?P<qvalue>[^&\n]*)"

@@ -15,11 +15,10 @@ the original run and the result.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,7 +157,9 @@ def replay(
         emitter.start(ctx)
         try:
             passes = _passes(queue, rows, originals, report)
-            with _threads_as_scored(threads):
+            from batching.model.runner import cpu_threads  # torch: only when it replays
+
+            with cpu_threads(threads):
                 for n, (pass_id, version, items, original) in enumerate(passes):
                     version = model_version or version
                     runner = models_(version)
@@ -189,24 +190,6 @@ def _cpu_threads(conn: Connection, run_ids: set[str]) -> int | None:
     found = conn.execute(sa.select(r.c.summary).where(r.c.run_id.in_(sorted(run_ids)))).scalars()
     threads = {json.loads(s).get("cpu_threads") for s in found if s}
     return threads.pop() if len(threads) == 1 else None
-
-
-@contextlib.contextmanager
-def _threads_as_scored(threads: int | None) -> Iterator[None]:
-    """torch's CPU threads set to ``threads`` while the passes are replayed: on CPU the
-    reduction order of a pass, so its bits, depends on them (a run of two workers scored
-    with one thread each)."""
-    import torch
-
-    before = torch.get_num_threads()
-    if threads is None or threads == before:
-        yield
-        return
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _run_batches(conn: Connection, queue: str, run_id: str) -> list[Any]:

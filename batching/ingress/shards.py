@@ -11,6 +11,10 @@ over a file that changed since its shards were queued is refused (``compose.inpl
 
 100M input rows cost 100M model rows and a few thousand queue rows: every guarantee of the
 queue (fencing, attempts, exactly-once commit, reconcile) then holds per shard.
+
+Why it stays one module: the plan, the key, the split into halves and the read all do the
+same row arithmetic (row groups, ``first_row``, ``skip``, ``rows``) on :class:`Shard`; apart,
+a change to one could silently read other rows than the key names.
 """
 
 from __future__ import annotations

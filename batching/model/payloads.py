@@ -192,6 +192,8 @@ def _json_field(data: bytes, key: str) -> tuple[object, str | None]:
         doc = orjson.loads(data)
     except ValueError as exc:
         return None, f"payload is not valid JSON ({errors.one_line(exc, 120)})"
+    if doc is None:  # a null row of a dataset's payload column, too
+        return None, f'payload is null: give it a value ({{"{key}": ...}}, or a list)'
     if not isinstance(doc, dict):
         return None, f'payload must be a JSON object with "{key}", got {_describe(doc)}'
     if key not in doc:

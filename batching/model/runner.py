@@ -24,12 +24,13 @@ share the device, the dtype and the model's contract checks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -795,3 +796,19 @@ class _PeakBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def _free(self, key: int) -> None:
         self.now -= self.live.pop(key, 0)
+
+
+@contextlib.contextmanager
+def cpu_threads(threads: int | None) -> Iterator[None]:
+    """torch's CPU threads set to ``threads`` in the block (None: as they are). On CPU a
+    pass's reduction order, so its bits, depends on them: a replay of a run of two workers,
+    one thread each, needs one."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -42,6 +42,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -112,7 +113,13 @@ def _translated(what: str) -> Iterator[None]:
     try:
         yield
     except (DeltaError, OSError, pa.ArrowException) as exc:
-        raise errors.SinkError(f"{what}: {redact_url(str(exc))}") from exc
+        # object-store errors come as several lines with terminal colour codes ("\x1b[31m↳"):
+        # one line, plain (found by a review)
+        plain = " ".join(_ANSI.sub("", str(exc)).replace("↳", "").split())
+        raise errors.SinkError(f"{what}: {redact_url(plain)}") from exc
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 _FILE_FIX = (

@@ -164,6 +164,13 @@ def test_identifier_check() -> None:
             "give s3://bucket/path",
         ),
         ({"kind": "delta", "path": "az://box/t?sig=s3cr3t"}, r"'az://box/t\?\.\.\.' carries"),
+        (  # in a value too (a review: an endpoint URL with a password passed check)
+            {
+                "kind": "delta",
+                "storage_options": {"AWS_ENDPOINT_URL": "http://u:s3cr3t@minio:9000"},
+            },
+            "AWS_ENDPOINT_URL: a credential does not belong in a config file",
+        ),
     ],
 )
 def test_output_settings_of_another_kind_or_secrets_are_refused(

@@ -99,3 +99,21 @@ def test_a_bad_field_is_shown_as_json_spells_it(field: str, value: object, says:
 
     with pytest.raises(errors.InputError, match=re.escape(says)):
         ingest.record_from_mapping({"item_key": "k", "payload": {}, field: value}, "items[0]")
+
+
+def test_a_null_payload_is_named_null() -> None:
+    """A null row of an in-place dataset's list column read 'payload must be a JSON object
+    with "x", got NoneType' (a review)."""
+    _, failures = payloads.dense_rows([item(1, None)], 3)
+    assert failures[1] == 'payload is null: give it a value ({"x": ...}, or a list)'
+
+
+def test_an_object_store_error_is_one_plain_line() -> None:
+    from batching.outputs import delta
+
+    raw = "Generic S3 error: Error after 10 retries\n\x1b[31m↳\x1b[0m Connection refused"
+    with pytest.raises(errors.SinkError) as caught, delta._translated("cannot open the table"):
+        raise OSError(raw)
+    assert str(caught.value) == (
+        "cannot open the table: Generic S3 error: Error after 10 retries Connection refused"
+    )

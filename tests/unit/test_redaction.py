@@ -105,7 +105,16 @@ def test_an_unquoted_libpq_password_is_masked(password: str) -> None:
         ("host=h password='a b' user=u", "host=h password='***' user=u"),
         ("host=h password=a\\ b user=u", "host=h password=*** user=u"),
         ('{"password": "a \\" b", "user": "u"}', '{"password": "***", "user": "u"}'),
+        (
+            "s3://b/k?X-Amz-Signature=s3cr3t&X-Amz-Date=1",
+            "s3://b/k?X-Amz-Signature=***&X-Amz-Date=1",
+        ),
+        (
+            "https://a.blob.core.windows.net/c?sv=2020&sig=s3cr3t",
+            "https://a.blob.core.windows.net/c?sv=2020&sig=***",
+        ),
         ("http://marquez:5000/api https://sqlalche.me/e/20", None),  # nothing to mask
+        ("the design: a signed commit", None),
         ("postgresql://u@h:5432/db", None),
     ],
 )
