@@ -196,6 +196,7 @@ def bulk(
     else:
         out.print(summary_table(outcome.summary, f"run {outcome.run_id} (in place)"))
         _where(cfg, outcome)
+    stop.say_stopped(outcome.summary)
     _explain_what_is_left(cfg, db, outcome.summary)
     exit_if_nothing_succeeded(failed)
     for problem in incomplete:

@@ -192,6 +192,7 @@ def score(
     else:
         out.print(summary_table(outcome.summary, f"run {outcome.run_id}"))
         _where(cfg, outcome)
+    stop.say_stopped(outcome.summary)
     _explain_what_is_left(cfg, db, outcome.summary)
     exit_if_nothing_succeeded(failed)
 

@@ -62,6 +62,7 @@ class StopOnSignal:
 
     def __init__(self) -> None:
         self.asked = threading.Event()
+        self.caught: str | None = None  # the first stop signal's name (SIGTERM, ...)
         self._scorer: Any = None
         self._stopping = False
         for sig in STOP_SIGNALS:
@@ -72,6 +73,7 @@ class StopOnSignal:
         atexit.register(_ignore_stop_signals)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.caught = self.caught or signal.Signals(signum).name
         if self._scorer is not None:
             # A flag first: a burst of signals nested handlers in Event.set until stack overflow
             if self._stopping:
@@ -94,6 +96,19 @@ class StopOnSignal:
         self._scorer = scorer
         if self.asked.is_set():
             scorer.stop()
+
+    def say_stopped(self, summary: Any) -> None:
+        """A note on stderr when a signal stopped the run: its summary alone looked like a run
+        that had finished (found by a review)."""
+        if self.caught is None:
+            return
+        released = int(summary.get("items_released") or 0)
+        with contextlib.suppress(OSError):
+            os.write(
+                2,
+                f"note: stopped by {self.caught}: batches in flight were committed, {released} "
+                "item(s) given back unspent; run again to score the rest\n".encode(),
+            )
 
 
 def _ignore_stop_signals() -> None:

@@ -638,6 +638,7 @@ def test_sigterm_mid_run_loses_nothing_and_charges_no_attempt(
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr
     assert "items released" in stdout
+    assert f"note: stopped by {sig.name}: batches in flight were committed" in stderr
 
     rows = items(sqlite_url)
     states = Counter(models.State(r.state) for r in rows.values())
