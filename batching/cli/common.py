@@ -324,10 +324,12 @@ def open_queue(db: str, queue: str = "default", *, create: bool = False, **kwarg
     return q.SqlQueue(database.create_engine(db), queue, **kwargs)
 
 
-def warn_unknown_queue(q: Any, *, controls_too: bool = False) -> None:
+def warn_unknown_queue(q: Any, *, controls_too: bool = False, refuse: str | None = None) -> None:
     """Warn that ``q``'s queue has no items, naming those that do: a mistyped ``-q`` would
     otherwise look like an idle queue (zeros, exit 0). ``controls_too`` (the queue
-    controls): a queue with a control (paused, capped) before any item is known too."""
+    controls): a queue with a control (paused, capped) before any item is known too.
+    ``refuse``: raise ``InputError`` instead, naming this flag as the way to go on (a pause
+    or a cap of a typo applied to a queue nobody uses, and the real one went on unpaused)."""
     names = set(q.queue_names())
     has = "no items"
     if controls_too:
@@ -336,11 +338,15 @@ def warn_unknown_queue(q: Any, *, controls_too: bool = False) -> None:
         names |= set(controls.states(q.engine))
         has = "no items and no control yet"
     if q.queue not in names:
-        err.print(
-            f"warning: queue {q.queue!r} has {has}; queues in this database: "
-            f"{', '.join(sorted(names)) or 'none'}" + (" (a typo?)" if controls_too else ""),
-            highlight=False,
+        said = (
+            f"queue {q.queue!r} has {has}; queues in this database: "
+            f"{', '.join(sorted(names)) or 'none'}" + (" (a typo?)" if controls_too else "")
         )
+        if refuse is not None:
+            raise errors.InputError(
+                f"{said}; nothing changed: to control a queue before its first item, add {refuse}"
+            )
+        err.print(f"warning: {said}", highlight=False)
 
 
 def parse_duration(text: str, name: str) -> float:

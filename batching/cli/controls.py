@@ -75,9 +75,20 @@ def acting(actor: str | None) -> str:
         return f"uid:{os.getuid()}"
 
 
-def _open(queue: str | None, db: str | None, config: Path | None) -> Any:
+NewOption = Annotated[
+    bool,
+    typer.Option(
+        "--new", help="The queue has no item yet: control it anyway (else refused as a typo)."
+    ),
+]
+
+
+def _open(
+    queue: str | None, db: str | None, config: Path | None, *, new: bool | None = None
+) -> Any:
     """The ``SqlQueue`` the command acts on, its schema checked: ``--db`` or the config's
-    database (or the default file), QUEUE or the config's queue name."""
+    database (or the default file), QUEUE or the config's queue name. ``new`` (a pause, a
+    cap): False refuses a queue with no items and no control, True allows it; None warns."""
     from batching.cli.common import DEFAULT_DB
 
     cfg = load(config) if config is not None else None
@@ -91,7 +102,8 @@ def _open(queue: str | None, db: str | None, config: Path | None) -> Any:
     url = db or (cfg.database.url if cfg is not None else DEFAULT_DB)
     q = open_queue(url, name)
     q.check_schema()
-    warn_unknown_queue(q, controls_too=True)
+    if not new:  # --new: the user said it has no item yet
+        warn_unknown_queue(q, controls_too=True, refuse="--new" if new is False else None)
     return q
 
 
@@ -110,6 +122,7 @@ def pause(
     actor: ActorOption = None,
     db: DbOverride = None,
     config: ConfigOpt = None,
+    new: NewOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Pause a queue: scorers stop claiming from it; batches in flight finish.
@@ -120,7 +133,7 @@ def pause(
     --json: ok, action, queue, changed (false: it was paused already), control."""
     from batching.ingress import controls
 
-    q = _open(queue, db, config)
+    q = _open(queue, db, config, new=new)
     before = controls.state(q.engine, q.queue)
     after = controls.pause(q.engine, q.queue, actor=acting(actor), reason=reason, now=time.time())
     changed = not before.paused
@@ -183,6 +196,7 @@ def cap(
     actor: ActorOption = None,
     db: DbOverride = None,
     config: ConfigOpt = None,
+    new: NewOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Cap a queue's depth: enqueues past --max-depth items are refused (backpressure).
@@ -195,7 +209,7 @@ def cap(
 
     if (max_depth is None) == (not no_cap):
         raise errors.InputError("give one of --max-depth N or --no-cap")
-    q = _open(queue, db, config)
+    q = _open(queue, db, config, new=new)
     before = controls.state(q.engine, q.queue)
     after = controls.set_max_depth(
         q.engine, q.queue, max_depth, actor=acting(actor), reason=reason, now=time.time()

@@ -85,7 +85,7 @@ def test_pause_cap_cancel_resume_and_their_audit(tmp_path: Path) -> None:
         ("cancel", getpass.getuser(), "bad file"),
         ("resume", "bob", None),
     ]
-    assert queue("pause", "side", "--reason", "drill", cwd=tmp_path)["changed"] is True
+    assert queue("pause", "side", "--reason", "drill", "--new", cwd=tmp_path)["changed"] is True
     every = queue("audit", cwd=tmp_path)["rows"]
     assert isinstance(every, list)
     assert isinstance(rows, list)
@@ -94,17 +94,29 @@ def test_pause_cap_cancel_resume_and_their_audit(tmp_path: Path) -> None:
     assert by_config == rows  # once every queue's: -c names the queue, as for every control
 
 
-def test_a_control_on_a_queue_with_no_items_and_no_control_warns_of_a_typo(tmp_path: Path) -> None:
+def test_a_pause_or_cap_of_a_queue_with_no_items_and_no_control_is_refused_as_a_typo(
+    tmp_path: Path,
+) -> None:
+    """A review: `queue pause tabb` warned and paused a queue nobody uses (its alert then
+    fired for it) while the real queue, in an incident, went on unpaused; exit 0."""
     assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
     jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(2))
     assert batching("enqueue", str(jsonl), "--db", DB, "-q", "tab", cwd=tmp_path).rc == 0
     for args in (("pause", "tba", "--reason", "incident"), ("cap", "atb", "--max-depth", "5")):
         r = batching("queue", *args, "--db", DB, cwd=tmp_path)
-        assert r.rc == 0, r.err
-        assert f"warning: queue '{args[1]}' has no items and no control yet" in r.err
+        assert r.rc == 2, r.err
+        assert f"error: queue '{args[1]}' has no items and no control yet" in r.err
         assert "queues in this database: tab" in r.err
+        assert "(a typo?); nothing changed" in r.err
+        assert "add --new" in r.err
+        assert queue("audit", args[1], cwd=tmp_path)["rows"] == []
+        new = batching("queue", *args, "--new", "--db", DB, cwd=tmp_path)
+        assert (new.rc, new.err) == (0, "")
     r = batching("queue", "pause", "tab", "--reason", "incident", "--db", DB, cwd=tmp_path)
     assert (r.rc, r.err) == (0, "")
+    resumed = batching("queue", "resume", "tbb", "--db", DB, cwd=tmp_path)  # resume: a warning
+    assert resumed.rc == 0
+    assert "warning: queue 'tbb' has no items and no control yet" in resumed.err
 
 
 def test_one_cancel_is_taken_back_by_its_filter_and_redrive_and_purge_are_audited(
