@@ -324,6 +324,24 @@ def open_queue(db: str, queue: str = "default", *, create: bool = False, **kwarg
     return q.SqlQueue(database.create_engine(db), queue, **kwargs)
 
 
+def warn_unknown_tenant(q: Any, tenant: str | None, states: tuple[str, ...]) -> None:
+    """After a control matched nothing: warn when ``tenant`` has no item of ``states`` in
+    ``q``'s queue, naming the tenants that have (a mistyped --tenant matched nothing, and
+    said only "0 item(s)", exit 0; found by a review)."""
+    if tenant is None:
+        return
+    groups = q.stats(done=False).groups
+    having = sorted({g.tenant for g in groups if any(getattr(g, s, 0) for s in states)})
+    if tenant not in having:
+        err.print(
+            f"warning: queue {q.queue!r} has no {' or '.join(states)} item of tenant "
+            f"{tenant!r}; tenants that have: {', '.join(having[:10]) or 'none'}"
+            + (", ..." if len(having) > 10 else "")
+            + " (a typo?)",
+            highlight=False,
+        )
+
+
 def warn_unknown_queue(q: Any, *, controls_too: bool = False, refuse: str | None = None) -> None:
     """Warn that ``q``'s queue has no items, naming those that do: a mistyped ``-q`` would
     otherwise look like an idle queue (zeros, exit 0). ``controls_too`` (the queue

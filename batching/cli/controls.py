@@ -30,6 +30,7 @@ from batching.cli.common import (
     out,
     plain,
     warn_unknown_queue,
+    warn_unknown_tenant,
 )
 
 queue_app = typer.Typer(
@@ -286,6 +287,8 @@ def cancel(
         )
         return
     out.print(f"cancelled {result.cancelled} ready item(s) of queue {q.queue!r}")
+    if not (result.cancelled or result.in_flight):
+        warn_unknown_tenant(q, tenant, ("ready", "leased"))
     if result.in_flight:
         out.print(
             f"{result.in_flight} matching item(s) are in flight (leased): left to finish; "

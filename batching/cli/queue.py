@@ -37,6 +37,7 @@ from batching.cli.common import (
     shown,
     target,
     warn_unknown_queue,
+    warn_unknown_tenant,
 )
 
 if TYPE_CHECKING:
@@ -229,6 +230,7 @@ def redrive(
     n = q.redrive(choices[only], tenant=tenant, enqueue_run=enqueue_run, actor=who, reason=reason)
     if n == 0:
         warn_unknown_queue(q)
+        warn_unknown_tenant(q, tenant, tuple(s.name.lower() for s in choices[only]))
     out.print(f"redrove {n} item(s) in queue {queue!r} back to ready")
 
 

@@ -119,6 +119,30 @@ def test_a_pause_or_cap_of_a_queue_with_no_items_and_no_control_is_refused_as_a_
     assert "warning: queue 'tbb' has no items and no control yet" in resumed.err
 
 
+def test_a_tenant_filter_that_matches_no_tenant_warns_of_a_typo(tmp_path: Path) -> None:
+    """A review: `queue cancel --tenant evli` (and `redrive --tenant`) said 0 item(s), exit
+    0, and nothing hinted at the typo."""
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(2))
+    assert batching("enqueue", str(jsonl), "--db", DB, "-q", "tab", cwd=tmp_path).rc == 0
+    cancel = ("queue", "cancel", "tab", "--reason", "flood", "--db", DB)
+    r = batching(*cancel, "--tenant", "evli", cwd=tmp_path)
+    assert r.rc == 0, r.err
+    tenant = "default"  # the W1 lines' tenant
+    assert r.err.strip() == (
+        "warning: queue 'tab' has no ready or leased item of tenant 'evli'; tenants that "
+        f"have: {tenant} (a typo?)"
+    )
+    redrive = ("redrive", "--db", DB, "-q", "tab", "--only", "cancelled", "--reason", "undo")
+    assert (
+        "tenants that have: none (a typo?)"
+        in batching(*redrive, "--tenant", "evli", cwd=tmp_path).err
+    )
+    assert batching(*cancel, "--tenant", tenant, cwd=tmp_path).err == ""  # it matched
+    again = batching(*redrive, "--tenant", tenant, cwd=tmp_path)
+    assert (again.rc, again.err) == (0, "")
+
+
 def test_one_cancel_is_taken_back_by_its_filter_and_redrive_and_purge_are_audited(
     tmp_path: Path,
 ) -> None:
