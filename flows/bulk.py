@@ -15,7 +15,7 @@ from batching import config, errors
 from batching.compose import build, inplace
 from batching.ingress import ingest
 from batching.loop import stats as run_stats
-from flows import logs, secrets, settings, slots
+from flows import credentials, logs, settings, slots
 from flows.score import (
     before_scoring,
     flow_run_id,
@@ -102,9 +102,11 @@ def bulk(
         ``enqueued`` and ``duplicates`` counts, then the run summary.
     """
     with logs.to_prefect(flow_run_id()):
-        secrets.refuse_passwords(db_url=db_url, output=output, overrides=overrides)
-        cfg = secrets.with_lineage_api_key(settings.load(config, overrides), lineage_api_key_secret)
-        db = secrets.db_url(db_url, db_url_secret)
+        credentials.refuse_passwords(db_url=db_url, output=output, overrides=overrides)
+        cfg = credentials.with_lineage_api_key(
+            settings.load(config, overrides), lineage_api_key_secret
+        )
+        db = credentials.db_url(db_url, db_url_secret)
         with before_scoring(cfg, db, output):
             require_workers(workers)
             found = validate_preconditions(cfg, db, output)

@@ -14,7 +14,7 @@ from prefect import flow, get_run_logger
 
 from batching import config
 from batching.compose import build
-from flows import logs, secrets, settings
+from flows import credentials, logs, settings
 from flows.score import flow_run_id, retrying_task
 
 
@@ -61,9 +61,9 @@ def maintain(
         What each step did; empty when the output needs no housekeeping.
     """
     with logs.to_prefect(flow_run_id()):
-        secrets.refuse_passwords(db_url=db_url, output=output, overrides=overrides)
+        credentials.refuse_passwords(db_url=db_url, output=output, overrides=overrides)
         cfg = settings.load(config or settings.ONLINE, overrides)
-        db = secrets.db_url(db_url, db_url_secret)
+        db = credentials.db_url(db_url, db_url_secret)
         done = maintain_outputs(cfg, db, output, vacuum_retention_h)
         get_run_logger().info(
             "maintained the %s output: %s", cfg.output.kind, done or "nothing to do"

@@ -34,7 +34,7 @@ from batching.ingress import queue as q
 from batching.ingress import run_ledger
 from batching.outputs import contract as sinks
 from batching.redaction import redact_url
-from flows import artifacts, events, logs, secrets, settings
+from flows import artifacts, credentials, events, logs, settings
 from flows import lineage as flow_lineage
 from flows.score import flow_run_id, retrying_task
 
@@ -302,10 +302,10 @@ def reconcile(
     """
     run_id = flow_run_id()
     with logs.to_prefect(run_id):
-        secrets.refuse_passwords(db_url=db_url, output=output, overrides=overrides)
+        credentials.refuse_passwords(db_url=db_url, output=output, overrides=overrides)
         cfg = settings.load(config or settings.ONLINE, overrides)
-        cfg = secrets.with_lineage_api_key(cfg, lineage_api_key_secret)
-        db = secrets.db_url(db_url, db_url_secret)
+        cfg = credentials.with_lineage_api_key(cfg, lineage_api_key_secret)
+        db = credentials.db_url(db_url, db_url_secret)
         _check_scope(window_s, upstream_flow_run_id, unreconciled=unreconciled, full=full)
         if unreconciled:
             return reconcile_unreconciled(cfg, db, output, settled_s=settled_s, repair=repair)

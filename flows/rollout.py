@@ -17,7 +17,7 @@ from prefect.events import emit_event
 from batching.compose import rollouts
 from batching.config import PipelineConfig
 from batching.ingress.rollout import Change
-from flows import events, logs, secrets, settings
+from flows import credentials, events, logs, settings
 from flows.score import flow_run_id, retrying_task
 
 ROLLED_BACK = "batching.rollout.rolled_back"
@@ -65,9 +65,9 @@ def rollout_guard(
         The rollout status (route, versions, guard) and whether it rolled back.
     """
     with logs.to_prefect(flow_run_id()):
-        secrets.refuse_passwords(db_url=db_url, overrides=overrides)
+        credentials.refuse_passwords(db_url=db_url, overrides=overrides)
         cfg = settings.load(config or settings.ONLINE, overrides)
-        db = secrets.db_url(db_url, db_url_secret)
+        db = credentials.db_url(db_url, db_url_secret)
         seen, change = judge_rollout(cfg, db, dry_run)
         publish_status(cfg.name, seen)
         logger = get_run_logger()

@@ -23,7 +23,7 @@ Completed run that committed more items past ``latency_slo_s`` than its latency 
 allows emits ``batching.run.sla_missed`` (:func:`emit_sla_missed`); a run the retry-storm
 breaker stopped emits ``batching.breaker.tripped``, and ``batching.queue.paused`` when it
 paused the queue (:func:`report_breaker`).
-Credentials come from Secret blocks named in parameters (:mod:`flows.secrets`); a parameter
+Credentials come from Secret blocks named in parameters (:mod:`flows.credentials`); a parameter
 holding a password is refused before anything runs.
 """
 
@@ -49,7 +49,7 @@ from batching.compose import run as app
 from batching.ingress import controls, run_ledger
 from batching.loop import stats as run_stats
 from batching.redaction import redact_url
-from flows import artifacts, events, logs, secrets, settings, slots
+from flows import artifacts, credentials, events, logs, settings, slots
 from flows import lineage as flow_lineage
 
 P = ParamSpec("P")
@@ -265,7 +265,7 @@ def report_breaker(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -
     cfg = settings.load(params["config"], params.get("overrides"))  # it loaded for the run
     events.emit_breaker_tripped(cfg, str(storm), run_id, run_id)
     try:
-        db = secrets.db_url(params.get("db_url"), params.get("db_url_secret"))
+        db = credentials.db_url(params.get("db_url"), params.get("db_url_secret"))
         queue = build.open_queue(cfg, settings.db_url(db) or cfg.database.url)
         try:
             control = controls.state(queue.engine, cfg.queue.name)
@@ -318,9 +318,11 @@ def report_run_end(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -
     params = run_parameters(flow, flow_run)
     run_id = str(flow_run.id)
     try:
-        secrets.refuse_passwords(**{p: params.get(p) for p in ("db_url", "output", "overrides")})
+        credentials.refuse_passwords(
+            **{p: params.get(p) for p in ("db_url", "output", "overrides")}
+        )
         cfg = settings.load(params["config"], params.get("overrides"))
-        db = secrets.db_url(params.get("db_url"), params.get("db_url_secret"))
+        db = credentials.db_url(params.get("db_url"), params.get("db_url_secret"))
         queue = build.open_queue(cfg, settings.db_url(db) or cfg.database.url)
         try:
             committed = run_ledger.RunLedger(queue).committed(run_id)
@@ -399,9 +401,11 @@ def score(
         and under ``sla_missed`` the SLA-missed event payload (None within the objective).
     """
     with logs.to_prefect(flow_run_id()):
-        secrets.refuse_passwords(db_url=db_url, output=output, overrides=overrides)
-        cfg = secrets.with_lineage_api_key(settings.load(config, overrides), lineage_api_key_secret)
-        db = secrets.db_url(db_url, db_url_secret)
+        credentials.refuse_passwords(db_url=db_url, output=output, overrides=overrides)
+        cfg = credentials.with_lineage_api_key(
+            settings.load(config, overrides), lineage_api_key_secret
+        )
+        db = credentials.db_url(db_url, db_url_secret)
         with before_scoring(cfg, db, output):
             require_workers(workers, max_items, max_seconds)
             found = validate_preconditions(cfg, db, output)

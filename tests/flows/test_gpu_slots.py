@@ -20,7 +20,7 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
 
 from batching.model import workloads
-from flows import secrets
+from flows import credentials
 from flows.bulk import bulk
 from flows.score import score
 from tests.flows.support import REPO, make_pipeline
@@ -109,4 +109,4 @@ def test_the_gpu_deployments_give_each_slot_one_device_and_store_no_secret() -> 
         )
     assert all(len(found) == 1 for found in devices.values()), devices
     assert len({next(iter(found)) for found in devices.values()}) == len(devices)
-    assert secrets.check_prefect_yaml(GPU_YAML, env={}) == []
+    assert credentials.check_prefect_yaml(GPU_YAML, env={}) == []

@@ -160,3 +160,14 @@ def test_a_long_module_says_why_it_stays_one_module() -> None:
         if "stays one module" not in doc:
             unexplained.append(f"{name}: {text.count(chr(10))} lines")
     assert unexplained == []
+
+
+def test_no_flows_module_is_named_like_a_standard_library_one() -> None:
+    """Prefect loads a deployment's entrypoint with its folder (flows/) first on sys.path, and
+    the scorer processes a flow run spawns inherit it: flows/secrets.py hid the standard
+    library's ``secrets``, pydantic's import of it failed, and every ``workers`` > 1 run from
+    a deployment died (found by a review)."""
+    import sys
+
+    names = {p.stem for p in (REPO / "flows").glob("*.py")}
+    assert names & set(sys.stdlib_module_names) == set()

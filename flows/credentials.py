@@ -14,7 +14,7 @@ the run) and copied into the runs its events trigger; so is a deployment's job v
 * a run whose parameters hold a password (``db_url``, ``output``, any string under
   ``overrides``) is refused when it starts: :func:`refuse_passwords`;
 * a ``prefect.yaml`` that would store one is refused before ``prefect deploy``:
-  ``python -m flows.secrets deployments/prefect.yaml`` (:func:`check_prefect_yaml`).
+  ``python -m flows.credentials deployments/prefect.yaml`` (:func:`check_prefect_yaml`).
 """
 
 from __future__ import annotations
@@ -188,9 +188,9 @@ def check_prefect_yaml(path: Path, env: Mapping[str, str] = os.environ) -> list[
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command line: ``python -m flows.secrets [PREFECT_YAML]``; exit 1 when a finding."""
+    """Command line: ``python -m flows.credentials [PREFECT_YAML]``; exit 1 when a finding."""
     parser = argparse.ArgumentParser(
-        prog="python -m flows.secrets",
+        prog="python -m flows.credentials",
         description="Check a prefect.yaml for credentials before `prefect deploy` stores them.",
     )
     parser.add_argument(

@@ -26,7 +26,7 @@ from batching.compose import build
 from batching.config import load_config
 from batching.ingress import ingest, run_ledger
 from batching.model import workloads
-from flows import deployments, events, secrets
+from flows import credentials, deployments, events
 from flows.bulk import bulk
 from flows.maintain import maintain
 from flows.reconcile import reconcile
@@ -202,8 +202,8 @@ def test_db_url_and_db_url_secret_together_are_refused() -> None:
 
 
 def test_the_shipped_prefect_yaml_holds_no_credential(capsys: pytest.CaptureFixture[str]) -> None:
-    assert secrets.check_prefect_yaml(PREFECT_YAML, env={}) == []
-    secrets.main([str(PREFECT_YAML)])
+    assert credentials.check_prefect_yaml(PREFECT_YAML, env={}) == []
+    credentials.main([str(PREFECT_YAML)])
     assert "no credentials found" in capsys.readouterr().out
 
 
@@ -214,7 +214,7 @@ def refused(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> str:
-    """``python -m flows.secrets`` on the shipped prefect.yaml with ``line`` in place of its
+    """``python -m flows.credentials`` on the shipped prefect.yaml with ``line`` in place of its
     commented BATCHING_DB_URL and ``env`` set: it exits 1; returns what it printed."""
     text = PREFECT_YAML.read_text(encoding="utf-8").replace(
         "        # BATCHING_DB_URL: postgresql+psycopg://scorer@db:5432/scoring", f"        {line}"
@@ -225,7 +225,7 @@ def refused(
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(SystemExit) as exited:
-        secrets.main([str(path)])
+        credentials.main([str(path)])
     assert exited.value.code == 1
     return capsys.readouterr().err
 
@@ -278,7 +278,7 @@ def test_a_prefect_yaml_that_cannot_be_read_exits_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        secrets.main([str(tmp_path / "missing.yaml")])
+        credentials.main([str(tmp_path / "missing.yaml")])
     assert exited.value.code == 2
     assert "not a readable prefect.yaml" in capsys.readouterr().err
 
@@ -286,11 +286,11 @@ def test_a_prefect_yaml_that_cannot_be_read_exits_2(
 def test_api_tokens_come_from_a_secret_block_bound_to_their_tenants() -> None:
     token = f"tok-{uuid.uuid4().hex}"
     name = save_secret(f"{token}=acme, {'z' * 20}=globex")
-    known = secrets.api_tokens(name)
+    known = credentials.api_tokens(name)
     assert (known.tenant_of(token), known.tenant_of("z" * 20), len(known)) == ("acme", "globex", 2)
     with pytest.raises(errors.ConfigError, match="api_tokens_secret: no Prefect Secret block"):
-        secrets.api_tokens(f"missing-{uuid.uuid4().hex[:8]}")
+        credentials.api_tokens(f"missing-{uuid.uuid4().hex[:8]}")
     bad = save_secret("short=acme")
     with pytest.raises(errors.ConfigError, match="entry 1: the token is shorter") as caught:
-        secrets.api_tokens(bad)
+        credentials.api_tokens(bad)
     assert "short=" not in str(caught.value)
