@@ -107,18 +107,20 @@ def bulk(
             settings.load(config, overrides), lineage_api_key_secret
         )
         db = credentials.db_url(db_url, db_url_secret)
-        with before_scoring(cfg, db, output):
-            require_workers(workers)
-            found = validate_preconditions(cfg, db, output)
-            source: inplace.InPlace | None = None
-            if in_place:
-                source, enqueued = enqueue_shards(cfg, db, input_path, rows_per_shard)
-                expected = enqueued["rows"]  # rows, not shards
-            else:
-                enqueued = enqueue_input(cfg, db, input_path)
-                expected = found["ready"] + enqueued["inserted"]
-        limits = run_stats.RunLimits(max_seconds=max_seconds)
+        # The slot first: a run that cannot have it (none by that name, or held past
+        # gpu_slot_wait_s) queued its file anyway, for whichever scorer came next (a review).
         with slots.gpu_slot(gpu_slot, gpu_slot_wait_s):
+            with before_scoring(cfg, db, output):
+                require_workers(workers)
+                found = validate_preconditions(cfg, db, output)
+                source: inplace.InPlace | None = None
+                if in_place:
+                    source, enqueued = enqueue_shards(cfg, db, input_path, rows_per_shard)
+                    expected = enqueued["rows"]  # rows, not shards
+                else:
+                    enqueued = enqueue_input(cfg, db, input_path)
+                    expected = found["ready"] + enqueued["inserted"]
+            limits = run_stats.RunLimits(max_seconds=max_seconds)
             outcome = score_queue(cfg, db, output, limits, expected, workers, in_place=source)
         if source is not None and source.plan is not None and max_seconds is None:
             left = inplace.left_of(cfg, db or cfg.database.url, source.plan)

@@ -70,6 +70,7 @@ def gpu_slot(name: str | None, wait_s: float | None = None) -> Iterator[None]:
             require_slot(name)  # deleted since the check: say so, with the fix
             raise
         logger.info("holding GPU slot", extra={"action": "gpu_slot_held", "gpu_slot": name})
+        _warn_without_cuda(name)
         held.callback(
             logger.info,
             "GPU slot released",
@@ -105,3 +106,18 @@ def _missing(name: str) -> str:
         f"gpu_slot {name!r} is not a Prefect global concurrency limit;"
         f" create it once: `prefect gcl create {name} --limit 1`"
     )
+
+
+def _warn_without_cuda(name: str) -> None:
+    """A slot held on a host where torch sees no CUDA device: a model with ``device: auto``
+    scores on the CPU, and nothing said so (found by a review)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        logger.warning(
+            "holding GPU slot %s but no CUDA device visible (CUDA_VISIBLE_DEVICES=%s): a model "
+            "with device auto scores on the CPU; device cuda makes the run fail instead",
+            name,
+            os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+            extra={"action": "gpu_slot_without_cuda", "gpu_slot": name},
+        )

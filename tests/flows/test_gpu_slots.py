@@ -45,6 +45,23 @@ def test_a_slot_that_does_not_exist_fails_the_run_with_the_command_that_creates_
     assert pipeline.by_state()["ready"] == 10  # nothing claimed
 
 
+def test_a_bulk_run_that_cannot_have_its_slot_queues_nothing(tmp_path: Path, slot: str) -> None:
+    """A review: a bulk run with a missing slot, or one held past gpu_slot_wait_s, failed
+    after it had queued its file, which the online scorer on another GPU then took."""
+    pipeline = make_pipeline(tmp_path, 0)
+    params = pipeline.params(
+        input_path=str(workloads.write_w1_parquet(tmp_path / "in.parquet", 50))
+    )
+    missing = bulk(**params, gpu_slot="gpu-nowhere-0", return_state=True)
+    assert missing.is_failed()
+    assert "`prefect gcl create gpu-nowhere-0 --limit 1`" in str(missing.message)
+    with concurrency(slot, occupy=1, strict=True):  # another run on this GPU
+        taken = bulk(**params, gpu_slot=slot, gpu_slot_wait_s=1.0, return_state=True)
+    assert taken.is_failed()
+    assert f"gpu_slot {slot!r} stayed taken for 1 s" in str(taken.message)
+    assert sum(pipeline.by_state().values()) == 0  # nothing queued
+
+
 def test_a_slot_that_lets_two_runs_in_is_refused(tmp_path: Path) -> None:
     name = f"gpu-test-{uuid.uuid4().hex[:8]}"
     with get_client(sync_client=True) as client:
@@ -82,7 +99,7 @@ def test_a_run_waits_for_its_slot_then_scores(tmp_path: Path, slot: str, flow: s
     with concurrency(slot, occupy=1, strict=True):
         thread = threading.Thread(target=lambda: states.append(run(**params, return_state=True)))
         thread.start()
-        time.sleep(4.0)  # past its preconditions (and the bulk run's enqueue): waiting
+        time.sleep(4.0)  # waiting for the slot (a bulk run before its enqueue)
         assert thread.is_alive()
         assert pipeline.by_state()["done"] == 0  # nothing scored on a GPU in use
     thread.join(120)
@@ -110,3 +127,21 @@ def test_the_gpu_deployments_give_each_slot_one_device_and_store_no_secret() -> 
     assert all(len(found) == 1 for found in devices.values()), devices
     assert len({next(iter(found)) for found in devices.values()}) == len(devices)
     assert credentials.check_prefect_yaml(GPU_YAML, env={}) == []
+
+
+def test_a_slot_held_where_torch_sees_no_gpu_says_so(
+    slot: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A review: on a host without a GPU, a slot run scored on the CPU and only a structured
+    extra of 'model loaded' said so."""
+    import logging
+
+    import torch
+
+    from flows import slots
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a CUDA device")
+    with caplog.at_level(logging.WARNING, logger="flows.slots"), slots.gpu_slot(slot):
+        pass
+    assert any("no CUDA device visible" in r.getMessage() for r in caplog.records)
