@@ -159,6 +159,15 @@ def finding_rows(findings: Sequence[rc.Finding]) -> list[dict[str, Any]]:
     ]
 
 
+def _not_judged(report: rc.Report) -> str:
+    """The queue's items the reconcile did not judge (not done), when there are any: a clean
+    verdict beside a killed run's items still leased read as all scored (a review)."""
+    if not report.not_done or not any(report.not_done):
+        return ""
+    leased, ready = report.not_done
+    return f" Not judged yet: {leased} item(s) leased, {ready} ready (not done)."
+
+
 def publish_findings(name: str, report: rc.Report, title: str) -> UUID:
     """Create the reconcile findings table artifact; returns its id."""
     verdict = "clean" if report.clean else "ok (warnings only)" if report.ok else "CRITICAL"
@@ -170,6 +179,7 @@ def publish_findings(name: str, report: rc.Report, title: str) -> UUID:
         create_table_artifact(
             table=rows,
             key=artifact_key(name, "reconcile"),
-            description=f"{title}: {verdict} on `{report.location}`; repairs: {repairs}.",
+            description=f"{title}: {verdict} on `{report.location}`; repairs: {repairs}."
+            + _not_judged(report),
         )
     )

@@ -321,6 +321,10 @@ def report_run_end(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -
         credentials.refuse_passwords(
             **{p: params.get(p) for p in ("db_url", "output", "overrides")}
         )
+    except errors.BatchingError:  # the run was refused for it before it started: said there
+        log.info("the run was refused before it started: nothing to reconcile")
+        return
+    try:
         cfg = settings.load(params["config"], params.get("overrides"))
         db = credentials.db_url(params.get("db_url"), params.get("db_url_secret"))
         queue = build.open_queue(cfg, settings.db_url(db) or cfg.database.url)
@@ -381,7 +385,9 @@ def score(
             config's. A URL with a password is refused (the API would store it): name a
             Secret block in ``db_url_secret``, or give the worker ``PGPASSWORD`` / ``~/.pgpass``.
         output: output folder (Parquet) or table (SQL); default the config's.
-        max_seconds: stop claiming after this long (checked between micro-batches).
+        max_seconds: stop claiming after this long (checked between micro-batches). The run
+            also ends as soon as the queue is empty, unlike ``batching score --max-seconds``,
+            which waits for new work until then: the schedule starts the next run.
         max_items: stop after claiming this many items (shared out between workers).
         workers: scorer processes side by side (``batching score --workers``); each is a
             child lineage job ``<name>.worker-<i>`` of this flow run's.

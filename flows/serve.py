@@ -1,7 +1,8 @@
 """Serve every deployment from this process, no work pool needed: ``python -m flows.serve``.
 
 Run it from the repository root against a Prefect server (``PREFECT_API_URL``). It registers
-the score, score-nightly, reconcile, bulk and maintain deployments with their schedules and triggers,
+the score, score-nightly, reconcile, bulk, maintain and rollout-guard deployments with their
+schedules and triggers,
 then polls for their runs and executes each in a subprocess (at most ``--limit`` at a time)
 until Ctrl-C or SIGTERM, which pauses the schedules. Triggers stay registered (they are automations): delete
 them with ``prefect automation delete`` when the deployments go.

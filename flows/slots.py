@@ -64,7 +64,9 @@ def gpu_slot(name: str | None, wait_s: float | None = None) -> Iterator[None]:
         except TimeoutError:
             raise errors.ConfigError(
                 f"gpu_slot {name!r} stayed taken for {wait_s:g} s (gpu_slot_wait_s): another"
-                f" run holds it; `prefect gcl inspect {name}` shows it"
+                f" run holds it (`prefect gcl inspect {name}`: active_slots); a holder that was"
+                f" killed frees it when its lease runs out, {LEASE_S / 60:g} min after its last"
+                " renewal"
             ) from None
         except ConcurrencySlotAcquisitionError:
             require_slot(name)  # deleted since the check: say so, with the fix

@@ -280,12 +280,9 @@ def reconcile(
         report = check(now=now, repair=repair)
         # What a repair left: the same check again, repairing nothing (its exit code counts).
         after = check(now=time.time(), repair=False) if repair else None
-        states = queue.stats(done=False).by_state
     finally:
         queue.engine.dispose()
-    findings_view.show(
-        report, after, as_json=as_json, pending=(states.get("leased", 0), states.get("ready", 0))
-    )
+    findings_view.show(report, after, as_json=as_json)
 
 
 def _check_run(queue: Any, run: str, db_url: str) -> None:

@@ -23,26 +23,19 @@ _NOT_REPAIRED = frozenset({"sla_miss", "other_dataset", "unsafe_path"})
 _SHOW_KEYS = 5
 
 
-def show(
-    report: Report,
-    after: Report | None,
-    *,
-    as_json: bool,
-    pending: tuple[int, int] | None = None,
-) -> None:
-    """Print a report (and what a repair left); exit 1 unless clean. ``pending``: the queue's
-    items leased and ready, not judged (not done yet): said beside the verdict, since a
-    "clean" with a dead scorer's shard still leased read as the whole dataset scored."""
+def show(report: Report, after: Report | None, *, as_json: bool) -> None:
+    """Print a report (and what a repair left); exit 1 unless clean. The queue's items not
+    done (``Report.not_done``) are said beside the verdict: a "clean" with a dead scorer's
+    shard still leased read as the whole dataset scored."""
     if as_json:
         doc = report.to_dict() | ({"after_repair": after.to_dict()} if after else {})
-        if pending is not None:
-            doc["not_done"] = {"leased": pending[0], "ready": pending[1]}
         sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
     else:
         print_report(report)
         if after is not None:
             out.print("after repair:", highlight=False)
             print_report(after)
+        pending = (after or report).not_done
         if pending is not None and any(pending):
             out.print(
                 f"not judged yet: {pending[0]} item(s) leased and {pending[1]} ready (not "

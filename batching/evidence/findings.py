@@ -36,6 +36,9 @@ unsafe_path            critical  a live ledger row names a path outside the data
 
 :func:`classify` is pure: gathering (I/O) and repair live in :mod:`batching.evidence.reconcile`, so the
 classification is unit-tested on hand-made :class:`Facts`.
+
+Why it stays one module: the table above, the severities the report's verdicts read and the
+rules that assign them are one contract; apart, a class's severity would drift from its rule.
 """
 
 from __future__ import annotations
@@ -175,6 +178,9 @@ class Report:
     findings: tuple[Finding, ...]
     repairs: tuple[Repair, ...] = ()
     sweep: Mapping[str, Any] | None = None
+    # The queue's items not done when it was judged, (leased, ready): not findings, not judged
+    # (a dead scorer's are leased until their lease expires); None: not counted.
+    not_done: tuple[int, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -199,18 +205,26 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
-        return {
-            "ok": self.ok,
-            "clean": self.clean,
-            "output_kind": self.output_kind,
-            "location": self.location,
-            "now": self.now,
-            "since": self.since,
-            "run_id": self.run_id,
-            "counts": self.counts,
-            "findings": [f.to_dict() for f in self.findings],
-            "repairs": [r.to_dict() for r in self.repairs],
-        } | ({"sweep": dict(self.sweep)} if self.sweep is not None else {})
+        return (
+            {
+                "ok": self.ok,
+                "clean": self.clean,
+                "output_kind": self.output_kind,
+                "location": self.location,
+                "now": self.now,
+                "since": self.since,
+                "run_id": self.run_id,
+                "counts": self.counts,
+                "findings": [f.to_dict() for f in self.findings],
+                "repairs": [r.to_dict() for r in self.repairs],
+            }
+            | ({"sweep": dict(self.sweep)} if self.sweep is not None else {})
+            | (
+                {"not_done": {"leased": self.not_done[0], "ready": self.not_done[1]}}
+                if self.not_done is not None
+                else {}
+            )
+        )
 
 
 # ----------------------------------------------------------------------------- classification

@@ -170,7 +170,15 @@ def sweep(
     progress = _progress(name, state, pages_now)
     location = sink.describe()["location"]
     report = Report(
-        sink.kind, location, now, None, None, findings, tuple(repairs), progress.to_dict()
+        sink.kind,
+        location,
+        now,
+        None,
+        None,
+        findings,
+        tuple(repairs),
+        progress.to_dict(),
+        not_done=rc.not_done(queue),
     )
     _log(report, progress)
     return report

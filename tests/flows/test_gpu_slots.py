@@ -142,6 +142,6 @@ def test_a_slot_held_where_torch_sees_no_gpu_says_so(
 
     if torch.cuda.is_available():
         pytest.skip("this host has a CUDA device")
-    with caplog.at_level(logging.WARNING, logger="flows.slots"), slots.gpu_slot(slot):
+    with caplog.at_level(logging.WARNING, logger="batching.flows.slots"), slots.gpu_slot(slot):
         pass
     assert any("no CUDA device visible" in r.getMessage() for r in caplog.records)

@@ -397,6 +397,12 @@ def test_a_run_that_leaves_rows_without_output_says_why_and_exits_1(
     )
     assert judged.returncode == 0, judged.stderr  # what is done is consistent ...
     assert "not judged yet: 1 item(s) leased and 0 ready" in judged.stdout  # ... and it says so
+    swept = subprocess.run(
+        [BATCHING, "reconcile", "-c", str(conf), "--db", sqlite_url, "--full", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert json.loads(swept.stdout)["not_done"] == {"leased": 1, "ready": 0}, swept.stderr
     limited = subprocess.run([*cmd, "--max-seconds", "60"], capture_output=True, text=True)
     assert limited.returncode == 0, limited.stderr  # it asked to stop early: a note
     assert "note: 1,000 of 4,000 input rows" in " ".join(limited.stderr.split())
