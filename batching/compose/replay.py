@@ -157,9 +157,9 @@ def replay(
         emitter.start(ctx)
         try:
             passes = _passes(queue, rows, originals, report)
-            from batching.model.runner import cpu_threads  # torch: only when it replays
+            from batching.model.runner import torch_threads  # torch: only when it replays
 
-            with cpu_threads(threads):
+            with torch_threads(threads):
                 for n, (pass_id, version, items, original) in enumerate(passes):
                     version = model_version or version
                     runner = models_(version)

@@ -190,25 +190,24 @@ class TableCollector(Collector):
     def _reconcile(self, queues: list[str]) -> Iterator[GaugeMetricFamily]:
         runs, sweeps = schema.runs, schema.sweeps
         with self.queue.read() as conn:
-            last_runs = dict(
-                conn.execute(
-                    sa.select(runs.c.queue, sa.func.max(runs.c.reconciled_at)).group_by(
-                        runs.c.queue
-                    )
-                ).all()
-            )
+            # One pass over the runs: when each queue was last reconciled, and when its first
+            # committing run ended (a queue never reconciled shows that: reconcile owed since;
+            # without a series, BatchingReconcileStale never fired for it).
+            committed = sa.and_(runs.c.n_batches > 0, runs.c.finished_at.is_not(None))
+            per_queue = conn.execute(
+                sa.select(
+                    runs.c.queue,
+                    sa.func.max(runs.c.reconciled_at),
+                    sa.func.min(sa.case((committed, runs.c.finished_at))),
+                ).group_by(runs.c.queue)
+            ).all()
             results = conn.execute(
                 sa.select(sweeps.c.name, sweeps.c.finished_at, sweeps.c.progress).where(
                     sweeps.c.name.like(f"{RECONCILE_PREFIX}%")
                 )
             ).all()
-            # A queue never reconciled shows when its first committing run ended (reconcile
-            # owed since): without a series, BatchingReconcileStale never fired for it.
-            owed = conn.execute(
-                sa.select(runs.c.queue, sa.func.min(runs.c.finished_at))
-                .where(runs.c.n_batches > 0, runs.c.finished_at.is_not(None))
-                .group_by(runs.c.queue)
-            ).all()
+        last_runs = {q: reconciled for q, reconciled, _ in per_queue}
+        owed = [(q, first) for q, _, first in per_queue if first is not None]
         f_find = _family("batching_reconcile_findings")
         f_last, f_clean = (
             _family("batching_reconcile_last_run_timestamp_seconds"),

@@ -799,7 +799,7 @@ class _PeakBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 @contextlib.contextmanager
-def cpu_threads(threads: int | None) -> Iterator[None]:
+def torch_threads(threads: int | None) -> Iterator[None]:
     """torch's CPU threads set to ``threads`` in the block (None: as they are). On CPU a
     pass's reduction order, so its bits, depends on them: a replay of a run of two workers,
     one thread each, needs one."""
