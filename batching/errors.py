@@ -107,6 +107,11 @@ class PolicyError(BatchingError):
     """The batching policy breaks the latency objective or the device budget."""
 
 
+class NothingSucceeded(BatchingError):
+    """A scoring run failed items and committed none (each dead with its reason, or retried
+    later): a run to look at, not a green one; the message says where the reasons are."""
+
+
 class Incomplete(BatchingError):
     """A bulk run over a dataset ended with rows still without output (dead, leased,
     waiting out a backoff): the dataset is not scored whole; the message says why and what

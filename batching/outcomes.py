@@ -94,3 +94,16 @@ def by_cost(items: Sequence[models.WorkItem], seconds: float) -> dict[str, float
         shares[tenant] = shares.get(tenant, 0.0) + max(int(cost), 1)
     total = sum(shares.values())
     return {t: seconds * c / total for t, c in shares.items()} if total else {}
+
+
+def nothing_succeeded(summary: Mapping[str, object]) -> str | None:
+    """Why a run that committed nothing and failed items is a failed run, or None: the
+    CLI exits 1 and the flows fail with it (``errors.NothingSucceeded``). Such a run had
+    ended green while every item was dead-lettered."""
+    failed = int(str(summary.get("items_failed") or 0))
+    if summary.get("items_committed") or not failed:
+        return None
+    return (
+        f"the run committed nothing and {failed} item(s) failed (retried, or dead with their "
+        "reason): `batching reconcile -c CONFIG --json` counts the dead by reason"
+    )

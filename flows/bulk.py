@@ -18,6 +18,7 @@ from batching.loop import stats as run_stats
 from flows import credentials, logs, settings, slots
 from flows.score import (
     before_scoring,
+    fail_if_nothing_succeeded,
     flow_run_id,
     report_run_end,
     require_workers,
@@ -122,6 +123,7 @@ def bulk(
                     expected = found["ready"] + enqueued["inserted"]
             limits = run_stats.RunLimits(max_seconds=max_seconds)
             outcome = score_queue(cfg, db, output, limits, expected, workers, in_place=source)
+        fail_if_nothing_succeeded(outcome.summary)
         if source is not None and source.plan is not None and max_seconds is None:
             left = inplace.left_of(cfg, db or cfg.database.url, source.plan)
             if left.rows:  # the dataset is not scored whole: the flow run fails, saying why

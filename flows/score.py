@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
 
@@ -42,7 +42,7 @@ from prefect.context import TaskRunContext
 from prefect.logging.loggers import flow_run_logger
 from prefect.tasks import Task, exponential_backoff
 
-from batching import config, errors
+from batching import config, errors, outcomes
 from batching.compose import build, checks, inplace
 from batching.compose import record as run_record
 from batching.compose import run as app
@@ -193,6 +193,15 @@ def this_attempt() -> run_record.Attempt:
         return number <= retries and is_transient(exc)
 
     return run_record.Attempt(number, retried)
+
+
+def fail_if_nothing_succeeded(summary: Mapping[str, object]) -> None:
+    """Fail the flow run, as ``batching score`` exits 1, when the run failed items and
+    committed none: such a run ended Completed, green on every dashboard, while each of its
+    items went dead (``outcomes.nothing_succeeded``). Before the backlog check: a backlog
+    event would start another run to fail the same way."""
+    if (why := outcomes.nothing_succeeded(summary)) is not None:
+        raise errors.NothingSucceeded(why)
 
 
 def require_workers(
@@ -419,6 +428,7 @@ def score(
         limits = run_stats.RunLimits(max_seconds=max_seconds, max_items=max_items)
         with slots.gpu_slot(gpu_slot, gpu_slot_wait_s):
             outcome = score_queue(cfg, db, output, limits, expected, workers, model_version)
+        fail_if_nothing_succeeded(outcome.summary)
         backlog = check_backlog(cfg, db)
         stats = outcome.workers.stats()
         sla = events.sla_missed(cfg, flow_run_id(), stats.latencies_s if stats else ())

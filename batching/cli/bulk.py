@@ -36,10 +36,10 @@ from batching.cli.scoring import (
     _where,
     exit_if_nothing_succeeded,
     lineage_settings,
-    nothing_succeeded,
     score_doc,
     summary_table,
 )
+from batching.outcomes import nothing_succeeded
 
 
 @app.command()

@@ -31,6 +31,7 @@ from batching.cli.common import (
     progress_bar,
     warn_unknown_queue,
 )
+from batching.outcomes import nothing_succeeded
 
 
 def lineage_settings(cfg: Any) -> Any:
@@ -195,18 +196,6 @@ def score(
     stop.say_stopped(outcome.summary)
     _explain_what_is_left(cfg, db, outcome.summary)
     exit_if_nothing_succeeded(failed)
-
-
-def nothing_succeeded(summary: Mapping[str, object]) -> str | None:
-    """Why a run that committed nothing and failed items is a failed run (exit 1), or None.
-    Such a run had exited 0: CI and Prefect showed green while every item was dead-lettered."""
-    failed = int(str(summary.get("items_failed") or 0))
-    if summary.get("items_committed") or not failed:
-        return None
-    return (
-        f"the run committed nothing and {failed} item(s) failed (retried, or dead with their "
-        "reason): `batching reconcile -c CONFIG --json` counts the dead by reason"
-    )
 
 
 def exit_if_nothing_succeeded(message: str | None) -> None:

@@ -15,6 +15,7 @@ from referencing import Registry
 
 from batching import errors
 from batching.evidence import lineage
+from batching.ingress import ingest
 from batching.ingress import queue as q
 from flows.score import score
 from tests import olspec
@@ -420,3 +421,25 @@ def test_limits_that_would_end_the_run_before_it_claims_are_refused(tmp_path: An
         assert run.state.is_failed(), limits
         assert says in run.state.message
     assert pipeline.by_state()["ready"] == 10
+
+
+def test_a_run_whose_every_item_fails_fails_the_flow_run_as_the_cli_exits_1(
+    tmp_path: Any,
+) -> None:
+    pipeline = make_pipeline(tmp_path, 0)
+    bad = tmp_path / "bad.jsonl"  # W1 takes 64 numbers: 63 fail at decode, dead at once
+    bad.write_text(
+        "".join(
+            json.dumps({"item_key": f"b{i}", "payload": {"x": [0.5] * 63}}) + "\n" for i in range(5)
+        )
+    )
+    queue = pipeline.queue()
+    try:
+        queue.enqueue(ingest.read_records(bad))
+    finally:
+        queue.engine.dispose()
+    run = run_score(pipeline)
+    assert run.state.is_failed()  # it ended Completed, green, with every item dead
+    with pytest.raises(errors.NothingSucceeded, match="committed nothing and 5 item"):
+        run.state.result()
+    assert pipeline.by_state()["dead"] == 5
