@@ -1936,8 +1936,13 @@ class Waiter:
 
                 url = self._engine.url.set(drivername="postgresql")
                 dsn = url.render_as_string(hide_password=False)
-                self._conn = psycopg.connect(dsn, autocommit=True)
-                self._conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                conn = psycopg.connect(dsn, autocommit=True)
+                try:
+                    conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                except BaseException:  # closed here, not left for the collector to find open
+                    conn.close()
+                    raise
+                self._conn = conn
             return self._conn
 
     def close(self, *, stopping: bool = True) -> None:

@@ -265,7 +265,11 @@ class CommitWatch:
 
         url = self._engine.url.set(drivername="postgresql")
         conn = psycopg.connect(url.render_as_string(hide_password=False), autocommit=True)
-        conn.execute(f"LISTEN {DONE_CHANNEL}")
+        try:
+            conn.execute(f"LISTEN {DONE_CHANNEL}")
+        except BaseException:  # closed here, not left for the collector to find open
+            conn.close()
+            raise
         return conn
 
     def _consume(self) -> None:
