@@ -125,8 +125,8 @@ class TorchRunner:
 
         Raises:
             CheckpointError: missing file, sha256 mismatch, unsafe or unfitting checkpoint.
-            ConfigError: unknown model name, unimportable or failing factory, no CUDA when asked.
-            ModelError: the factory returned something unusable.
+            ConfigError: unknown model name, unimportable or failing factory, one that
+                returned something unusable, no CUDA when asked.
         """
         started = time.perf_counter()
         path = zoo.checkpoint_path(spec.name, spec.checkpoint, Path(base_dir))

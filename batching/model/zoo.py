@@ -169,9 +169,9 @@ def build(name: str) -> tuple[nn.Module, ModelInfo]:
     """Construct a model by built-in name or ``package.module:function`` factory.
 
     Raises:
-        ConfigError: the name is neither built in nor an importable factory, or the factory
-            raised.
-        ModelError: the factory did not return an ``nn.Module`` or declares a bad input kind.
+        ConfigError: the name is neither built in nor an importable factory, the factory
+            raised or did not return an ``nn.Module``, or the module declares a bad input
+            kind (the user's code, bad input like the config: ``describe``).
     """
     check_name(name)
     model = BUILTINS[name].factory() if name in BUILTINS else _call_factory(name)
@@ -216,7 +216,7 @@ def _call_factory(name: str) -> nn.Module:
             f"model factory {name!r} failed: {errors.one_line(exc)}; fix the factory or model.name"
         ) from None
     if not isinstance(model, nn.Module):
-        raise errors.ModelError(
+        raise errors.ConfigError(
             f"model factory {name!r} returned {type(model).__name__}, expected a torch.nn.Module"
         )
     return model
@@ -226,19 +226,21 @@ def describe(model: nn.Module, name: str = "model") -> ModelInfo:
     """Read a module's ``batching_*`` declarations, inferring what is missing (see module doc).
 
     Raises:
-        ModelError: ``batching_input`` is not dense/tokens, or a dense model's input length
-            cannot be found.
+        ConfigError: ``batching_input`` is not dense/tokens, a ``batching_*`` length is not
+            a positive int, or a dense model's input length cannot be found.
     """
     kind = getattr(model, "batching_input", "dense")
     if kind not in INPUT_KINDS:
-        raise errors.ModelError(f"{name}: batching_input must be 'dense' or 'tokens', got {kind!r}")
+        raise errors.ConfigError(
+            f"{name}: batching_input must be 'dense' or 'tokens', got {kind!r}"
+        )
     output_dim = _declared_int(model, "batching_output_dim")
     if kind == "tokens":
         vocab = _declared_int(model, "batching_vocab_size") or _first_embedding_size(model)
         return ModelInfo("tokens", None, vocab, output_dim)
     input_dim = _declared_int(model, "batching_input_dim") or _first_linear_in(model)
     if input_dim is None:
-        raise errors.ModelError(
+        raise errors.ConfigError(
             f"{name}: cannot tell the input length of this dense model; "
             "set batching_input_dim on the module"
         )
@@ -250,7 +252,7 @@ def _declared_int(model: nn.Module, attr: str) -> int | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise errors.ModelError(f"{attr} must be a positive int, got {value!r}")
+        raise errors.ConfigError(f"{attr} must be a positive int, got {value!r}")
     return value
 
 

@@ -92,10 +92,21 @@ def test_profile_bounds_batch_sizes_and_lengths(tmp_path: Path) -> None:
     assert not (tmp_path / "p.json").exists()
 
 
-def test_a_failing_model_factory_is_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            "raise RuntimeError('no weights')",
+            "model factory 'mymod:boom' failed: RuntimeError: no weights",
+        ),
+        # the user's code as well: exit 2, as when it raises (it exited 1)
+        ("return None", "model factory 'mymod:boom' returned NoneType, expected a torch.nn.Module"),
+    ],
+)
+def test_a_failing_model_factory_is_one_line(tmp_path: Path, body: str, message: str) -> None:
     from safetensors.torch import save_file
 
-    (tmp_path / "mymod.py").write_text("def boom():\n    raise RuntimeError('no weights')\n")
+    (tmp_path / "mymod.py").write_text(f"def boom():\n    {body}\n")
     save_file({}, tmp_path / "empty.safetensors")
     sha = hashlib.sha256((tmp_path / "empty.safetensors").read_bytes()).hexdigest()
     model = {"name": "mymod:boom", "version": "v1", "checkpoint": "empty.safetensors"}
@@ -103,8 +114,8 @@ def test_a_failing_model_factory_is_one_line(tmp_path: Path) -> None:
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
     r = batching("profile", "-c", str(config), "--out", "p.json", cwd=tmp_path,
                  env={"PYTHONPATH": path})  # fmt: skip
-    assert r.rc == 2
-    assert "model factory 'mymod:boom' failed: RuntimeError: no weights" in one_error_line(r)
+    assert r.rc == 2, r.err
+    assert message in one_error_line(r)
 
 
 def test_check_refuses_a_listed_version_whose_factory_cannot_be_imported(tmp_path: Path) -> None:
