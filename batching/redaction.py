@@ -20,8 +20,12 @@ from typing import Any
 _USERINFO = re.compile(r"(?P<head>[A-Za-z][\w+.\-]*://[^:/]*):[\s\S]*@")
 _BARE_USERINFO = re.compile(r"(?<![\w.+\-:%])(?P<head>[\w.\-%]+):(?!//)\S*@")  # user:pass@host
 _SPACE = r"[ \t\n\r\f\v]"  # what libpq takes for a space (C isspace)
-# signature, sig: a presigned S3 URL's X-Amz-Signature, an Azure SAS token's sig
-_SECRET_WORD = r"(?:passw(?:or)?d|pwd|secret|token|api_?key|signature|sig)"
+# signature, sig: a presigned S3 URL's X-Amz-Signature, an Azure SAS token's sig; the keys
+# object stores take (an Azure connection string's AccountKey=, azure_storage_master_key)
+_SECRET_WORD = (
+    r"(?:passw(?:or)?d|pwd|secret|token|api_?key|signature|sig"
+    r"|(?:access|account|master|private)_?key|certificate|connection_?string)"
+)
 _SECRET_PAIR = re.compile(
     # a URL query's pair: the value runs to the next '&' (a raw space is part of it)
     rf"(?i)(?<=[?&])(?P<qkey>[\w-]*{_SECRET_WORD})=(?P<qvalue>[^&\n]*)"

@@ -171,6 +171,17 @@ def test_identifier_check() -> None:
             },
             "AWS_ENDPOINT_URL: a credential does not belong in a config file",
         ),
+        (  # Azure's account key, by name and inside a connection string (a security review)
+            {"kind": "delta", "storage_options": {"azure_storage_master_key": "s3cr3t"}},
+            "azure_storage_master_key: a credential does not belong",
+        ),
+        (
+            {
+                "kind": "delta",
+                "storage_options": {"AZURE_STORAGE_CONN": "AccountName=a;AccountKey=s3cr3t"},
+            },
+            "AZURE_STORAGE_CONN: a credential does not belong",
+        ),
     ],
 )
 def test_output_settings_of_another_kind_or_secrets_are_refused(
@@ -199,3 +210,20 @@ def test_the_queue_tables_a_config_may_not_write_are_the_schemas() -> None:
     from batching.store import schema
 
     assert set(schema.metadata.tables) - {"batching_results"} == config.QUEUE_TABLES
+
+
+def test_the_config_hash_cannot_test_a_guess_of_a_password() -> None:
+    """``configHash`` goes out in lineage beside the masked settings: a hash of the unmasked
+    ones let anyone holding an event test password guesses offline (a security review)."""
+
+    def hashed(password: str) -> str:
+        url = f"postgresql://scorer:{password}@db:5432/scoring"
+        return config.parse_config({"model": MODEL, "database": {"url": url}}).config_hash()
+
+    assert (
+        hashed("s3cretPW")
+        == hashed("another")
+        != config.parse_config(
+            {"model": MODEL, "database": {"url": "postgresql://scorer@db:5432/other"}}
+        ).config_hash()
+    )

@@ -113,6 +113,11 @@ def test_an_unquoted_libpq_password_is_masked(password: str) -> None:
             "https://a.blob.core.windows.net/c?sv=2020&sig=s3cr3t",
             "https://a.blob.core.windows.net/c?sv=2020&sig=***",
         ),
+        (
+            "DefaultEndpointsProtocol=https;AccountName=a;AccountKey=s3cr3t",
+            "DefaultEndpointsProtocol=https;AccountName=a;AccountKey=***",
+        ),
+        ('{"azure_storage_master_key": "s3cr3t"}', '{"azure_storage_master_key": "***"}'),
         ("http://marquez:5000/api https://sqlalche.me/e/20", None),  # nothing to mask
         ("the design: a signed commit", None),
         ("postgresql://u@h:5432/db", None),
