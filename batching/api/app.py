@@ -197,6 +197,19 @@ _STATUS: tuple[tuple[type[Exception], int], ...] = (
 )
 
 
+def _hidden(exc: Exception) -> str | None:
+    """What a client is told instead of ``exc``'s message, when that names the server's side
+    (its files; its database's host, port and name, on /readyz to anyone: a security
+    review); None to send the message (a refusal at the depth cap says what to do)."""
+    if isinstance(exc, errors.SinkError):
+        return "the item's output cannot be read now"
+    if isinstance(exc, errors.SchemaError):
+        return "the queue database's schema is not this API's version"
+    if isinstance(exc, errors.QueueError) and not isinstance(exc, errors.QueueFull):
+        return "the queue database is unavailable now"
+    return None
+
+
 def _handlers(app: FastAPI) -> None:
     async def api_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
@@ -209,11 +222,10 @@ def _handlers(app: FastAPI) -> None:
             retry = request.app.state.settings.retry_after_s
             headers = {"Retry-After": str(retry)}
         message = str(exc)
-        if isinstance(exc, errors.SinkError):  # names the server's files: logged, not sent
-            logger.warning(
-                "output cannot be read", extra={"action": "api_sink_error", "error": message}
-            )
-            message = "the item's output cannot be read now (the API's log says why)"
+        hidden = _hidden(exc)
+        if hidden is not None:  # names the server's files or database: logged, not sent
+            logger.warning(hidden, extra={"action": "api_unavailable", "error": message})
+            message = f"{hidden} (the API's log says why)"
         return error_response(status, type(exc).__name__, message, headers)
 
     async def invalid(_request: Request, exc: Exception) -> JSONResponse:

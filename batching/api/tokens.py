@@ -38,7 +38,9 @@ class Tokens:
 
 def parse(text: str, source: str) -> Tokens:
     """Tokens from ``token=tenant`` entries separated by commas or new lines (blank entries
-    and ``#`` comment lines skipped).
+    and ``#`` comment lines skipped). The tenant follows the LAST ``=``: a base64 token ends
+    in ``=`` padding (split at the first, such a token was refused and a shorter one bound to
+    a tenant named ``==acme``, without a word); so a tenant cannot hold ``=``.
 
     Args:
         text: the entries.
@@ -53,7 +55,7 @@ def parse(text: str, source: str) -> Tokens:
     entries = [(k, e.strip()) for k, line in enumerate(lines, 1) for e in line.split(",")]
     kept = ((k, e) for k, e in entries if e and not e.startswith("#"))
     for n, (line, entry) in enumerate(kept, start=1):
-        token, sep, tenant = entry.partition("=")
+        token, sep, tenant = entry.rpartition("=")
         token, tenant = token.strip(), tenant.strip()
         where = f"{source}: entry {n}" + (f" (line {line})" if len(lines) > 1 else "")
         if not sep or not token or not tenant:

@@ -46,7 +46,15 @@ def tokens_from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> Any:
             raise errors.ConfigError(
                 f"{TOKENS_FILE_ENV}: cannot read {file} ({reason}); name a readable file"
             ) from None
-        return tokens.parse(text, file)
+        known = tokens.parse(text, file)
+        if os.name == "posix" and Path(file).stat().st_mode & 0o077:
+            err.print(
+                f"warning: {TOKENS_FILE_ENV} {file} can be read by other users (mode "
+                f"{Path(file).stat().st_mode & 0o777:o}); its tokens let them enqueue and read "
+                f"as their tenants: chmod 600 {file}",
+                highlight=False,
+            )
+        return known
     raise errors.ConfigError(
         f"no API tokens: set {TOKENS_ENV}=TOKEN=TENANT[,TOKEN=TENANT...] or {TOKENS_FILE_ENV}"
         "=FILE (one TOKEN=TENANT a line)"

@@ -5,6 +5,7 @@ never holds a token."""
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,15 @@ def test_tokens_parse_commas_and_lines_and_each_is_bound_to_its_tenant() -> None
     assert known.tenant_of("t" * 19) is None
     assert known.tenant_of(T1 + "x") is None
     assert known.tenant_of("") is None
+
+
+def test_a_base64_token_keeps_its_padding() -> None:
+    """The tenant follows the last ``=`` (a review: split at the first, the real token was
+    refused and a shorter one bound to a tenant named ``==acme``)."""
+    token = base64.b64encode(b"A" * 16).decode()  # ends in "=="
+    known = tokens.parse(f"{token}=acme", "BATCHING_API_TOKENS")
+    assert known.tenant_of(token) == "acme"
+    assert known.tenant_of(token.rstrip("=")) is None
 
 
 @pytest.mark.parametrize(
@@ -100,3 +110,18 @@ def test_an_item_past_the_limits_is_refused_with_the_files_message() -> None:
         errors.InputError, match=r"body: item 'k' holds 5 numbers, over the limit of 4"
     ):
         requests.records({"item_key": "k", "payload": {"x": [1, 2, 3, 4, 5]}}, "a", small)
+
+
+def test_a_tokens_file_others_can_read_is_warned_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from batching.cli import api
+
+    file = tmp_path / "tokens.txt"
+    file.write_text(f"{T1}=acme\n")
+    file.chmod(0o644)
+    assert api.tokens_from_env({"BATCHING_API_TOKENS_FILE": str(file)}).tenant_of(T1) == "acme"
+    assert "can be read by other users (mode 644)" in capsys.readouterr().err
+    file.chmod(0o600)
+    api.tokens_from_env({"BATCHING_API_TOKENS_FILE": str(file)})
+    assert capsys.readouterr().err == ""
