@@ -54,12 +54,15 @@ def pin(engine: Engine, queue: str, spec: ModelSpec, *, run_id: str, now: float)
         else:
             from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
         mine = {"first_run_id": run_id, "first_at": now, **identity(spec)}
-        conn.execute(
+        new = conn.execute(  # a row back when inserted (rowcount: -1 on psycopg)
             insert(_P)
             .values(queue=queue, version=spec.version, **mine)
             .on_conflict_do_nothing(index_elements=["queue", "version"])
-        )
+            .returning(_P.c.version)
+        ).first()
         where = (_P.c.queue == queue, _P.c.version == spec.version)
+        if new is not None and (earlier := _history(conn, queue, spec)) is not None:
+            conn.execute(sa.update(_P).where(*where).values(**earlier))
         row = conn.execute(sa.select(_P).where(*where)).one()
         problem = _differs(queue, spec, row._mapping)
         if problem is not None and not _committed(conn, queue, spec.version):
@@ -75,12 +78,42 @@ def conflicts(conn: Connection, queue: str, specs: Mapping[str, ModelSpec]) -> l
     rows = conn.execute(
         sa.select(_P).where(_P.c.queue == queue, _P.c.version.in_(sorted(specs)))
     ).all()
-    found = [(row.version, _differs(queue, specs[row.version], row._mapping)) for row in rows]
+    pins: dict[str, Mapping[Any, Any]] = {row.version: row._mapping for row in rows}
+    for version in sorted(set(specs) - set(pins)):  # an upgraded queue's history, if any
+        if (earlier := _history(conn, queue, specs[version])) is not None:
+            pins[version] = earlier
+    found = [(version, _differs(queue, specs[version], pin)) for version, pin in pins.items()]
     return [
         problem
         for version, problem in found
         if problem is not None and _committed(conn, queue, version)
     ]
+
+
+def _history(conn: Connection, queue: str, spec: ModelSpec) -> dict[str, Any] | None:
+    """``spec``'s version as the run ledger knew it before the pins (a queue upgraded from
+    schema 17 or older, with outputs under the version): the checkpoint sha256 of the earliest
+    run of that version that committed a batch of it, the rest of the identity taken from
+    ``spec`` (the ledger kept no more). None when no such run is recorded. Without it the
+    first run after the upgrade pinned whatever weights it brought, and refused the ones that
+    had scored the rows (an upgrade review)."""
+    r, b = schema.runs, schema.batches
+    earliest = (
+        sa.select(r.c.model_sha256, r.c.run_id, r.c.started_at)
+        .where(
+            r.c.queue == queue,
+            r.c.model_version == spec.version,  # a rollout run's candidate batches: not its
+            r.c.model_sha256.is_not(None),
+            sa.exists().where(b.c.run_id == r.c.run_id, b.c.model_version == spec.version),
+        )
+        .order_by(r.c.started_at)
+        .limit(1)
+    )
+    found = conn.execute(earliest).first()
+    if found is None:
+        return None
+    sha256, run_id, started_at = found
+    return identity(spec) | {"sha256": sha256, "first_run_id": run_id, "first_at": started_at}
 
 
 def _committed(conn: Connection, queue: str, version: str) -> bool:

@@ -11,6 +11,7 @@ the bf16 version, and nothing told them apart.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +161,34 @@ def test_migration_18_adds_the_pins_to_a_queue_of_version_17(
     enqueue(sqlite_url, config, ["a"])
     wiring.run_score(config, db_url=sqlite_url, limits=RunLimits())
     assert pinned(sqlite_url, config) == {"v1": "float32"}
+
+
+def test_a_queue_upgraded_with_outputs_keeps_the_checkpoint_its_run_ledger_recorded(
+    db_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    """Migration 18 starts with no pins. The first run after it pinned whatever weights it
+    brought under a version that had labelled rows with others, then refused the weights
+    that made them (an upgrade review). The run ledger kept each run's checkpoint sha256."""
+    from safetensors.torch import save_file
+
+    original = configured(tmp_path, ckpt)
+    enqueue(db_url, original, [f"a-{i}" for i in range(40)])
+    wiring.run_score(original, db_url=db_url, limits=RunLimits())
+    engine = engine_of(db_url, original)
+    with engine.begin() as conn:  # as a queue of schema 17 has it after migration 18
+        conn.execute(schema.model_versions.delete())
+    engine.dispose()
+
+    other = tmp_path / "other.safetensors"  # v1's name, other weights
+    save_file({}, str(other), metadata={"weights": "other"})
+    sha = hashlib.sha256(other.read_bytes()).hexdigest()
+    swapped = configured(tmp_path, (str(other), sha), checkpoint=str(other), sha256=sha)
+    (found,) = relabelled(swapped, db_url)  # at plan time, before any pin
+    assert f"first scored with sha256 {ckpt[1][:12]}" in found
+    later = [f"b-{i}" for i in range(40)]
+    enqueue(db_url, swapped, later)
+    with pytest.raises(errors.CheckpointError, match=f"first scored with sha256 {ckpt[1][:12]}"):
+        wiring.run_score(swapped, db_url=db_url, limits=RunLimits())
+    assert {states(db_url)[k] for k in later} == {int(models.State.READY)}
+    wiring.run_score(original, db_url=db_url, limits=RunLimits())  # its own weights: scored
+    assert sum(r["model_version"] == "v1" for r in outputs(tmp_path / "out")) == 80
