@@ -50,6 +50,10 @@ class ClaimPort(Protocol):
 
     def heartbeat(self, lease_id: str, lease_s: float) -> int: ...
 
+    def check_schema(self) -> None:
+        """Raise ``SchemaError`` once the store is no longer at this release's schema."""
+        ...
+
     def fail(
         self,
         lease_id: str,

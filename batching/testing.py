@@ -296,6 +296,9 @@ class InMemoryQueue:
             if r is not None and r.state is models.State.LEASED and r.lease_id == lease_id
         ]
 
+    def check_schema(self) -> None:
+        """Memory has no schema to migrate: always current."""
+
     def heartbeat(self, lease_id: str, lease_s: float) -> int:
         """Extend the lease; returns items extended (0: the lease was lost)."""
         with self._store.lock:

@@ -44,6 +44,10 @@ if TYPE_CHECKING:
     pass
 
 
+LIVE_S = 120.0
+"""A run whose heartbeat is this recent is a scorer alive now (heartbeats: a third of a lease)."""
+
+
 @app.command()
 @handle_errors
 def init(
@@ -54,14 +58,35 @@ def init(
             "--config", "-c", help="Pipeline YAML: its database.url is the default of --db."
         ),
     ] = None,
+    while_running: Annotated[
+        bool,
+        typer.Option(
+            "--while-running",
+            help="Upgrade even though scoring runs heartbeated in the last 2 min. Scorers of "
+            "this release and later stop at their next heartbeat once the schema changes; "
+            "older ones go on by the old schema's rules.",
+        ),
+    ] = False,
 ) -> None:
-    """Create or upgrade the queue schema (a second run changes nothing)."""
+    """Create or upgrade the queue schema (a second run changes nothing). An upgrade waits
+    for no one: stop the scorers, the API and producers first (docs/operations.md)."""
 
-    from batching.store import database
+    from batching.store import database, schema
 
     db, _ = target(db, None, config)
     queue = open_queue(db, create=True)
     database.check_intact(queue.engine)
+    with queue.read() as conn:
+        before = schema.current_version(conn)
+        upgrading = 0 < before < schema.SCHEMA_VERSION
+        live = schema.live_runs(conn, time.time(), LIVE_S) if upgrading else []
+    if live and not while_running:
+        shown = "; ".join(f"queue {q!r}: run {run}" for run, q, _ in live[:3])
+        raise errors.SchemaError(
+            f"{len(live)} scoring run(s) heartbeated in the last {LIVE_S:.0f} s ({shown}): "
+            "stop the scorers, the API and producers before an upgrade, or pass "
+            "--while-running; nothing was changed"
+        )
     result = queue.migrate()
     where = database.redact(db)
     if result.applied:

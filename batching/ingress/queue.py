@@ -372,6 +372,7 @@ class SqlQueue:
                 (:mod:`batching.ingress.controls`); nothing is enqueued.
         """
         with self.begin() as conn:
+            schema.require_current_to_write(conn)
             room = functools.partial(self._room(conn), {})
             done = self._write_records(conn, records, self.clock(), enqueue_run, room, on_progress)
             if done.inserted and self.dialect == "postgresql":
@@ -404,10 +405,13 @@ class SqlQueue:
 
         Raises:
             QueueError: the database failed; nothing is enqueued.
+            SchemaError: the database's schema is not this release's (migrated under a
+                running API); nothing is enqueued.
         """
         now = self.clock()
         out: list[models.EnqueueResult | errors.QueueFull | errors.InputError] = []
         with self.begin() as conn:
+            schema.require_current_to_write(conn)
             check = self._room(conn)
             added: collections.Counter[str] = collections.Counter()  # by the groups admitted
             for records in groups:

@@ -840,6 +840,7 @@ class Scorer(Generic[D]):
         while not self._stages_done.wait(interval):
             self.observer.heartbeat(self.clock())
             self._watch_forward()
+            self._watch_schema()
             with self._lock:
                 leases = list(self._leases)
             empty = {
@@ -855,6 +856,27 @@ class Scorer(Generic[D]):
                     extra={"action": "lease_lost", "lease_id": lease_id},
                 )
             missed = empty
+
+    def _watch_schema(self) -> None:
+        """Stop the run when the database's schema is no longer this release's: a newer
+        release migrated it under the run (an upgrade review: a scorer of an older release
+        went on claiming by its own rules beside the new one's range leases, and the new one
+        threw away 200 items of work on lost leases). Read once a heartbeat, idle or not; a
+        database that cannot be read now is the lease heartbeats' to report."""
+        if self._stop.is_set():
+            return
+        try:
+            self.queue.check_schema()
+        except errors.SchemaError as exc:
+            logger.error(
+                "database schema changed under the run; stopping it",
+                extra={"action": "schema_changed", "error": str(exc)},
+            )
+            if self._error is None:
+                self._error = exc
+            self._stop.set()
+        except errors.QueueError:
+            return
 
     def _watch_forward(self) -> None:
         """Stop the run when the pass in flight is past ``forward_timeout_s`` (``watchdog``).

@@ -1,8 +1,8 @@
 """Table definitions and versioned migrations for every ``batching_*`` SQL object.
 
-``migrate`` brings a database to :data:`SCHEMA_VERSION` one numbered step at a time, each in
-its own transaction, recording each step in ``batching_schema_version``; a second run is a
-no-op. ``require_current`` refuses to work on a database that is missing, older or newer.
+``migrate`` brings a database to :data:`SCHEMA_VERSION` one numbered step at a time, all in
+one transaction (all or none), recording each step in ``batching_schema_version``; a second
+run is a no-op. ``require_current`` refuses to work on a database that is missing, older or newer.
 
 Times are epoch seconds (double precision) taken from the application's clock, so the same
 statements run on SQLite and PostgreSQL and tests can drive time with a fake clock.
@@ -726,7 +726,11 @@ def migrate(engine: Engine, now: Callable[[], float]) -> MigrationResult:
     returns only after ``VACUUM FULL``), 4 rebuilds ``batching_items_archive``, 7 drops and
     builds an index of ``batching_items`` (PostgreSQL locks the table until it commits), 9
     rekeys ``batching_results`` (SQLite rebuilds it; PostgreSQL locks it while it rekeys), 14
-    builds an index of ``batching_items`` (PostgreSQL blocks writes to it until it commits).
+    builds an index of ``batching_items`` (PostgreSQL blocks writes to it until it commits),
+    15 adds columns to ``batching_items`` and fills one for every live row under the table's
+    lock (~30 s for 500k items on PostgreSQL), 17 builds an index of ``batching_items``.
+    Writers of this release and later hold this lock shared (``require_current_to_write``):
+    the migration waits for their transactions, and theirs begun meanwhile wait for it.
     """
     with engine.begin() as conn:
         _lock(conn)
@@ -753,6 +757,38 @@ def migrate(engine: Engine, now: Callable[[], float]) -> MigrationResult:
 def _lock(conn: Connection) -> None:
     if conn.dialect.name == "postgresql":
         conn.execute(sa.text("SELECT pg_advisory_xact_lock(7271101)"))
+
+
+def live_runs(conn: Connection, now: float, within_s: float) -> list[tuple[str, str, float]]:
+    """Runs still ``running`` whose heartbeat is at most ``within_s`` old: (run id, queue,
+    heartbeat) of scorers alive now, which an upgrade should wait for (``batching init``).
+    None on a database without heartbeats yet (before migration 8)."""
+    if current_version(conn) < 8:
+        return []
+    r = runs.c
+    alive = sa.select(r.run_id, r.queue, r.heartbeat_at).where(
+        r.state == "running", r.heartbeat_at >= now - within_s
+    )
+    return [(str(a), str(b), float(c)) for a, b, c in conn.execute(alive.order_by(r.queue))]
+
+
+def require_current_to_write(conn: Connection) -> None:
+    """``require_current`` at the start of a write transaction, after (PostgreSQL) a SHARED
+    hold of the migration's lock: a migration waits for the writes begun before it, and a
+    write begun during it waits for it to commit, then reads the version it left. Checked
+    only once, before the transaction, an older release's enqueue waited out a migration on
+    the table's lock and then wrote rows the new schema had to fill (an upgrade review).
+    Costs a statement (two on PostgreSQL) a write transaction, not a row."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock_shared(7271101)"))
+    version = int(conn.execute(_MAX_VERSION).scalar() or 0)
+    if version > SCHEMA_VERSION:
+        raise errors.SchemaError(_too_new(version))
+    if version < SCHEMA_VERSION:
+        require_current(conn)  # its message names the fix
+
+
+_MAX_VERSION = sa.select(sa.func.max(schema_version.c.version))
 
 
 def _too_new(version: int) -> str:

@@ -140,15 +140,17 @@ def make_config(tmp_path: Path, ckpt: tuple[str, str], **kw: Any) -> cfg.Pipelin
 
 def enqueue(url: str, config: cfg.PipelineConfig, keys: list[str], tenant: str = "t") -> None:
     queue = build.open_queue(config, url, create=True)
-    queue.migrate()
     records = [
         ingest.record_from_mapping(
             {"item_key": k, "tenant": tenant, "payload": {"x": [1.0, 2.0, 3.0, 4.0]}}, k
         )
         for k in keys
     ]
-    queue.enqueue(records)
-    queue.engine.dispose()
+    try:
+        queue.migrate()
+        queue.enqueue(records)
+    finally:
+        queue.engine.dispose()
 
 
 def outputs(root: Path) -> list[dict[str, Any]]:

@@ -86,6 +86,9 @@ class InMemoryQueue:
                 items.append(row.item._replace(attempts=row.attempts))
             return models.Claim(lease_id, tuple(items), now + lease_s)
 
+    def check_schema(self) -> None:
+        """No schema in memory: always current."""
+
     def heartbeat(self, lease_id: str, lease_s: float) -> int:
         self.heartbeats[lease_id] += 1
         return len(self._held(lease_id, None))
