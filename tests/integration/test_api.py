@@ -750,3 +750,41 @@ def test_no_body_or_path_gets_a_500_and_every_error_is_one_json_line(
     assert g.status_code in {200, 404, 422}, g.text
     if g.status_code >= 400:
         assert_error(g, g.status_code)
+
+
+def test_large_bodies_are_read_one_at_a_time(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 16 MiB body of tiny JSON values peaks at ~1 GB as objects; six at once took 2.5 GB
+    and held another tenant's GET for 17.6 s (a security review)."""
+    real = api_app._records
+    inside, most, lock = [0], [0], threading.Lock()
+
+    def slow(settings_: Any, tenant: str, body: Any) -> Any:
+        if len(body.get("items", ())) > 1:  # the large ones
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.3)
+            with lock:
+                inside[0] -= 1
+        return real(settings_, tenant, body)
+
+    monkeypatch.setattr(api_app, "_records", slow)
+    large = [json.dumps({"items": [item(f"big{i}-{k}") for k in range(250)]}) for i in range(4)]
+    assert min(map(len, large)) > api_app.INLINE_BYTES
+    answers: list[int] = []
+
+    def post(body: str) -> None:
+        headers = {**A, "content-type": "application/json"}
+        answers.append(client.post(ITEMS, content=body, headers=headers).status_code)
+
+    threads = [threading.Thread(target=post, args=(body,)) for body in large]
+    for t in threads:
+        t.start()
+    small = client.post(ITEMS, json=item("small"), headers=B)  # read inline, not behind them
+    for t in threads:
+        t.join()
+    assert answers == [201] * 4
+    assert most[0] == 1
+    assert small.status_code == 201
