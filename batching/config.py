@@ -63,6 +63,17 @@ MAX_ITEM_BYTES = 64 * 2**20
 """The ceiling of ``model.max_item_bytes``: no item's payload is larger, whatever the config."""
 
 
+def reserved_table(name: str) -> str | None:
+    """Why ``name`` cannot be a results table (the queue's own tables; ``pg_`` and
+    ``sqlite_`` names, the databases' own catalogs: ``pg_class`` passed every check and the
+    run failed as a bug), or None."""
+    if name.lower() in QUEUE_TABLES:
+        return f"{name} is one of the queue's own tables; name another"
+    if name.lower().startswith(("pg_", "sqlite_")):
+        return f"{name}: names starting with pg_ or sqlite_ are the database's own; name another"
+    return None
+
+
 def check_identifier(value: str, what: str) -> str:
     """Return ``value`` if it is a safe SQL identifier, else raise ``ConfigError`` naming ``what``."""
     if not _IDENTIFIER.match(value):
@@ -508,8 +519,9 @@ class OutputConfig(_Model):
                 "table must be a SQL identifier (a letter or _, then letters, digits, _; "
                 "at most 63)"
             )
-        if value.lower() in QUEUE_TABLES:
-            raise ValueError(f"table {value} is one of the queue's own tables; name another")
+        problem = reserved_table(value)
+        if problem is not None:
+            raise ValueError(f"table {problem}")
         return value
 
     @field_validator("url")
@@ -638,7 +650,10 @@ class LineageConfig(_Model):
 
 
 def _is_http_url(url: str) -> bool:
-    """Whether ``url`` is ``http(s)://host[:port][/path]``, as the lineage transport needs."""
+    """Whether ``url`` is ``http(s)://host[:port][/path]``, as the lineage transport needs
+    (no white space: ``http://h:1/ extra`` passed, and the push failed as a bug)."""
+    if any(c.isspace() for c in url):
+        return False
     try:
         parts = urlsplit(url)
         _ = parts.port  # raises on a port that is not a number in range

@@ -92,11 +92,9 @@ def output_target(config: cfg.PipelineConfig, output: str | None) -> registry.Ta
     if out.kind == "sql":
         table = output or out.table
         cfg.check_identifier(table, "--output (SQL table)")
-        if table.lower() in cfg.QUEUE_TABLES:
-            raise errors.ConfigError(
-                f"--output {table} is one of the queue's own tables; give a results table "
-                "of its own"
-            )
+        problem = cfg.reserved_table(table)
+        if problem is not None:
+            raise errors.ConfigError(f"--output {problem}")
         return registry.Target("sql", table, url=out.url)
     where = output or out.path
     if "://" not in where:  # a local folder: relative to the config's (--output: the cwd's)

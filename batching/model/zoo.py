@@ -35,6 +35,7 @@ import importlib
 import io
 import logging
 import pickle
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -341,7 +342,9 @@ def _deserialize(data: bytes, path: Path) -> object:
 
 def _torch_load_weights(data: bytes, path: Path) -> object:
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # "Detected pickle protocol 4": two lines before ours
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         # The weights-only unpickler names the class it will not build ("Unsupported global");
         # any other complaint (an unknown opcode, a truncated stream) is a damaged file.

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import math
+import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -203,6 +204,17 @@ def test_checkpoint_needing_unpickling_is_refused_without_running_code(
     torch.save({"model": payload()}, path)
     with pytest.raises(errors.CheckpointError, match="arbitrary unpickling"):
         probe_runner("build_probe", (path, sha256_of(path)))
+    assert not EXPLOITED.exists()
+
+
+def test_a_plain_pickle_of_protocol_4_is_refused_in_one_line(tmp_path: Path) -> None:
+    """torch warned first ("Detected pickle protocol 4"): two lines before the refusal."""
+    EXPLOITED.unlink(missing_ok=True)
+    path = tmp_path / "model.pt"
+    with path.open("wb") as f:
+        pickle.dump({"model": Evil()}, f, protocol=4)
+    with pytest.raises(errors.CheckpointError, match=r"model\.pt is not a readable torch"):
+        probe_runner("build_probe", (path, sha256_of(path)))  # a warning would fail it here
     assert not EXPLOITED.exists()
 
 

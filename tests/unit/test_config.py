@@ -61,6 +61,14 @@ def test_shipped_configs_load(name: str) -> None:
             "output.table: Value error, table batching_items is one of the queue's own tables",
         ),
         (
+            {"model": MODEL, "metrics": {"pushgateway_url": "http://u:s3cr3t@h:9091/ extra"}},
+            "metrics.pushgateway_url: pushgateway_url 'http://u:***@h:9091/ extra' is not a URL",
+        ),
+        (  # passed every check and failed the run as a bug (a security review)
+            {"model": MODEL, "output": {"table": "pg_class"}},
+            "output.table: Value error, table pg_class: names starting with pg_ or sqlite_ are",
+        ),
+        (
             {"model": MODEL, "batching": {"length_buckets": [32, 16]}},
             "length_buckets must be strictly increasing",
         ),
