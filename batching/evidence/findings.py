@@ -283,7 +283,10 @@ def _batch_findings(
         b.state == models.BatchState.COMMITTED
     ):  # in the dataset: only the ledger's mark is pending
         kind, severity = Kind.UNPUBLISHED, Severity.INFO
-        msg = "published; its ledger mark is pending (recorded with the scorer's next commit)"
+        msg = (
+            "published; its ledger mark is pending (a scorer's next start or commit on the "
+            "queue records it, as does `batching reconcile --repair`)"
+        )
     else:
         return []
     keys = tuple(sorted(keys_by_batch.get(b.batch_id, ())))
