@@ -14,8 +14,8 @@ they are right even when no scorer runs.
 * the last reconcile (``batching.evidence.reconcile.remember``): findings by class and
   severity, when it ran and when it was last clean.
 
-A database error at scrape time is logged and shows as ``batching_exporter_up 0``; the
-exporter keeps serving.
+A database error at scrape time, or a schema that is not this release's, is logged and
+shows as ``batching_exporter_up 0``; the exporter keeps serving.
 """
 
 from __future__ import annotations
@@ -105,6 +105,10 @@ class TableCollector(Collector):
     def _read(self) -> Iterator[GaugeMetricFamily]:
         now = self.clock()
         database.require_file_still_there(self.queue.engine)  # else: old figures, up 1
+        # A database of another schema (not yet migrated, or by a newer release): its
+        # scorers refuse to start while the figures read here looked normal (an upgrade
+        # review); up 0 pages as BatchingExporterDown, the log says which versions.
+        self.queue.check_schema()
         live = self.queue.stats(all_queues=True, done=False)
         with self._reading:
             known = {k[0] for k in self._seen} | {g.queue for g in live.groups}

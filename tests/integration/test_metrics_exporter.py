@@ -286,6 +286,25 @@ def test_a_sqlite_file_moved_under_the_exporter_shows_up_0(
         queue.engine.dispose()
 
 
+def test_a_database_of_another_schema_shows_up_0(db_url: str, clock: FakeClock) -> None:
+    """Its figures looked normal while every scorer refused the database (an upgrade
+    review: an exporter against a database not yet migrated, or migrated by a newer
+    release)."""
+    queue = workload(db_url, clock)
+    collector = TableCollector(cfg(), queue, clock)
+    try:
+        assert pick(scrape_of(collector), "batching_exporter_up") == {UP: 1.0}
+        with queue.engine.begin() as conn:
+            conn.execute(
+                schema.schema_version.insert().values(
+                    version=schema.SCHEMA_VERSION + 1, description="newer", applied_at=0.0
+                )
+            )
+        assert scrape_of(collector) == {UP: 0.0}
+    finally:
+        queue.engine.dispose()
+
+
 UP = ("batching_exporter_up", (("environment", "it"),))
 
 
