@@ -473,7 +473,7 @@ class ParquetSink(sinks.FencedSink):
         return tuple(removed), tuple(in_flight)
 
     def _rewrite(self, row: Any, kept: pa.Table, old: Path) -> str | None:
-        """Commit ``kept`` as a new batch replacing ``row``; quarantine the old file. None when
+        """Commit ``kept`` as a new batch replacing ``row``, then quarantine the old file. None when
         another repair superseded ``row`` first (its staged file is then deleted)."""
         new_id = str(uuid.uuid4())
         index = kept.schema.get_field_index("batch_id")
@@ -499,8 +499,12 @@ class ParquetSink(sinks.FencedSink):
                 extra={"action": "repair_skipped", "batch_id": row.batch_id},
             )
             return None
-        self.layout.quarantine_file(old)
+        # The new file first: between the two renames a reader sees the kept rows twice
+        # (the same values; a dead repair leaves the old file an orphan, which reconcile
+        # sets aside), never without them. The other order hid every row of the old file
+        # meanwhile, duplicate or not (a consumer review).
         self._publish(new_id, rel, staged)
+        self.layout.quarantine_file(old)
         return new_id
 
     # -- reconcile's parts -----------------------------------------------------------------

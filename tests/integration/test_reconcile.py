@@ -175,6 +175,36 @@ def test_a_scorer_starting_during_a_duplicate_repair_keeps_its_rewrite(
     assert sorted(table["item_key"].to_pylist()) == ["d1", "d2", "d3"]
 
 
+def test_a_reader_during_a_duplicate_repair_never_misses_the_rows_it_keeps(
+    queue: q.SqlQueue,
+    sink: parquet.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The repair set the old file aside before it published the new one: a reader between
+    the two saw none of the old file's rows, duplicate or not (a consumer review: 10 keys
+    that were never duplicates vanished for that moment)."""
+    commit_a_duplicate(queue, sink, clock)  # d1 first with d2, then with d3: d3 is kept
+    aside = parquet.ParquetLayout.quarantine_file
+    seen: list[list[str]] = []
+
+    def set_aside_then_read(self: parquet.ParquetLayout, path: Path) -> Any:
+        out = aside(self, path)
+        table = ds.dataset(root, format="parquet", partitioning="hive").to_table()
+        seen.append(sorted(table["item_key"].to_pylist()))
+        return out
+
+    monkeypatch.setattr(parquet.ParquetLayout, "quarantine_file", set_aside_then_read)
+    report = run(queue, root, clock, repair=True)
+    assert [r.action for r in report.repairs] == ["drop_duplicates"]
+    (during,) = seen
+    assert sorted(during) == ["d1", "d2", "d3"]
+    monkeypatch.undo()
+    table = ds.dataset(root, format="parquet", partitioning="hive").to_table()
+    assert sorted(table["item_key"].to_pylist()) == ["d1", "d2", "d3"]
+
+
 def test_two_repairs_of_one_duplicate_at_once_rewrite_it_once(
     queue: q.SqlQueue,
     sink: parquet.ParquetSink,
