@@ -316,7 +316,11 @@ def replay(
     ] = None,
     output: Annotated[
         Path | None,
-        typer.Option("--output", help="Side dataset folder (default: outputs/replay)."),
+        typer.Option(
+            "--output",
+            help="Side dataset folder (default: replays, in the working folder: outputs/replay "
+            "was inside the default output dataset).",
+        ),
     ] = None,
     dataset: Annotated[
         str | None,
@@ -341,7 +345,7 @@ def replay(
     from batching.compose import replay as replays
 
     cfg = load(config)
-    folder = output if output is not None else Path("outputs") / "replay"
+    folder = output if output is not None else Path("replays")
     report = replays.replay(
         cfg, db, run_id, output=folder.resolve(), model_version=model_version, dataset=dataset
     )
