@@ -639,11 +639,14 @@ def _fill_route_buckets(conn: Connection, chunk: int = 5000) -> None:
     t = items
     todo = sa.and_(t.c.route_bucket.is_(None), t.c.state.not_in((2, 5)))
     update = t.update().where(t.c.id == sa.bindparam("rid")).values(route_bucket=sa.bindparam("b"))
+    after = 0  # by id: each chunk starts past the last, not over the done rows again
     while True:
-        rows = conn.execute(sa.select(t.c.id, t.c.item_key).where(todo).limit(chunk)).all()
+        page = sa.select(t.c.id, t.c.item_key).where(todo, t.c.id > after).order_by(t.c.id)
+        rows = conn.execute(page.limit(chunk)).all()
         if not rows:
             return
         conn.execute(update, [{"rid": i, "b": bucket(k)} for i, k in rows])
+        after = rows[-1][0]
 
 
 def _v16(conn: Connection) -> None:

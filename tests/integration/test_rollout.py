@@ -1044,8 +1044,9 @@ def test_scorers_pinned_to_one_version_each_claim_only_its_items(
 
 
 def test_migration_15_gives_the_items_already_queued_their_route_bucket(
-    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(schema._fill_route_buckets, "__defaults__", (7,))  # several pages
     config = make_config(tmp_path, ckpt)
     enqueue(sqlite_url, config, [f"k-{i}" for i in range(50)])
     engine = database.create_engine(sqlite_url)
