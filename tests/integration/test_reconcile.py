@@ -186,16 +186,16 @@ def test_a_reader_during_a_duplicate_repair_never_misses_the_rows_it_keeps(
     the two saw none of the old file's rows, duplicate or not (a consumer review: 10 keys
     that were never duplicates vanished for that moment)."""
     commit_a_duplicate(queue, sink, clock)  # d1 first with d2, then with d3: d3 is kept
-    aside = parquet.ParquetLayout.quarantine_file
+    aside = parquet_layout.ParquetLayout.quarantine_file
     seen: list[list[str]] = []
 
-    def set_aside_then_read(self: parquet.ParquetLayout, path: Path) -> Any:
+    def set_aside_then_read(self: parquet_layout.ParquetLayout, path: Path) -> Any:
         out = aside(self, path)
         table = ds.dataset(root, format="parquet", partitioning="hive").to_table()
         seen.append(sorted(table["item_key"].to_pylist()))
         return out
 
-    monkeypatch.setattr(parquet.ParquetLayout, "quarantine_file", set_aside_then_read)
+    monkeypatch.setattr(parquet_layout.ParquetLayout, "quarantine_file", set_aside_then_read)
     report = run(queue, root, clock, repair=True)
     assert [r.action for r in report.repairs] == ["drop_duplicates"]
     (during,) = seen
