@@ -36,7 +36,7 @@ from batching import errors, models, ports
 from batching.compose.inplace import shard_table
 from batching.ingress import queue as q
 from batching.ingress import shards
-from batching.loop import breaker, watchdog
+from batching.loop import breaker, scorer, watchdog
 from batching.loop import stats as run_stats
 from batching.model import rows as rows_
 from batching.outputs import contract as sinks
@@ -80,6 +80,7 @@ class ShardScorer:
         self._on_progress = on_progress
         self._wait = wait_for_work or time.sleep
         self._stop = threading.Event()
+        self._schema_changed: errors.SchemaError | None = None  # see _watch_schema
         self._done = threading.Event()  # the heartbeat's: leases are kept until the end
         self._verified = shards.Verified()
         self._held: set[str] = set()
@@ -170,6 +171,8 @@ class ShardScorer:
             self.outputs.flush()
             self.stats.finished_at = time.time()
             self.observer.finished(self.stats.finished_at)
+        if self._schema_changed is not None:  # stopped claiming for it; the shard held went back
+            raise self._schema_changed
         return self.stats
 
     # -- the steps ------------------------------------------------------------------------
@@ -359,6 +362,7 @@ class ShardScorer:
         while not self._done.wait(every):
             if self._watch.overdue() is not None:
                 self._hung_found()
+            self._watch_schema()
             self.observer.heartbeat(time.time())
             with self._beating:  # a hung shard's settle waits for the beat to finish
                 with self._lock:
@@ -368,6 +372,16 @@ class ShardScorer:
                         self.queue.heartbeat(lease, self._lease_s)
                     except errors.QueueError:
                         logger.warning("heartbeat failed", extra={"action": "heartbeat_failed"})
+
+    def _watch_schema(self) -> None:
+        """Stop claiming once the database's schema is no longer this release's (a newer one
+        migrated it under the run), as the scoring loop's heartbeat does; ``run`` then raises
+        the ``SchemaError``. A database that cannot be read now is the lease beats' to say."""
+        if self._schema_changed is not None:
+            return
+        self._schema_changed = scorer.schema_changed(self.queue)
+        if self._schema_changed is not None:
+            self._stop.set()
 
     def _hung_error(self) -> errors.ForwardHung:
         return self._hung or errors.ForwardHung("a forward pass was declared hung")

@@ -217,6 +217,7 @@ def cancel_items(
     actor, reason = check_actor(actor), check_reason(reason, "cancel")
     note = f"cancelled by {actor}: {reason}"[:2000]
     with begin(engine) as conn:
+        schema.require_current_to_write(conn)
         lock_ranges(conn, queue, exclusive=False)
         counts = [_cancel_where(conn, queue, where, now, note) for where in wheres]
         result = CancelResult(sum(c for c, _ in counts), sum(f for _, f in counts))

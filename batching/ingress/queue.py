@@ -1639,6 +1639,7 @@ class SqlQueue:
         if enqueue_run is not None:
             where.append(_T.c.enqueue_run == enqueue_run)
         with self.begin() as conn:
+            schema.require_current_to_write(conn)
             stmt = (
                 sa.update(_T)
                 .where(*where)
@@ -1685,6 +1686,7 @@ class SqlQueue:
             more = True
             while more:  # a transaction per chunk: no long write lock, no list of every id
                 with self.begin() as conn:
+                    schema.require_current_to_write(conn)  # archives by this schema's columns
                     # The rows first, locked (PostgreSQL): a reconcile requeueing one of them
                     # between the statements below would leave a ready item without its payload.
                     # Not inside a range lease still held: SQLite gives the highest ids out

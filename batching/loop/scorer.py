@@ -865,18 +865,11 @@ class Scorer(Generic[D]):
         database that cannot be read now is the lease heartbeats' to report."""
         if self._stop.is_set():
             return
-        try:
-            self.queue.check_schema()
-        except errors.SchemaError as exc:
-            logger.error(
-                "database schema changed under the run; stopping it",
-                extra={"action": "schema_changed", "error": str(exc)},
-            )
+        changed = schema_changed(self.queue)
+        if changed is not None:
             if self._error is None:
-                self._error = exc
+                self._error = changed
             self._stop.set()
-        except errors.QueueError:
-            return
 
     def _watch_forward(self) -> None:
         """Stop the run when the pass in flight is past ``forward_timeout_s`` (``watchdog``).
@@ -1021,3 +1014,20 @@ class Scorer(Generic[D]):
             if not isinstance(self._error, errors.ForwardHung):  # why the run stopped
                 self._error = exc
             self._stop.set()
+
+
+def schema_changed(queue: ports.ClaimPort) -> errors.SchemaError | None:
+    """The ``SchemaError`` when ``queue``'s database is no longer at this release's schema
+    (logged: the run stops for it), else None; a database that cannot be read now is None
+    (the lease heartbeats report that). The scoring loop's and the shard scorer's heartbeat."""
+    try:
+        queue.check_schema()
+    except errors.SchemaError as exc:
+        logger.error(
+            "database schema changed under the run; stopping it",
+            extra={"action": "schema_changed", "error": str(exc)},
+        )
+        return exc
+    except errors.QueueError:
+        return None
+    return None

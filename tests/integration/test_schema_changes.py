@@ -130,3 +130,45 @@ def test_a_running_scorer_stops_once_a_newer_release_migrates_its_database(
     assert isinstance(error, errors.SchemaError)
     assert f"version {NEWER}, newer than this batching" in str(error)
     assert {states(db_url)[k] for k in keys} == {int(models.State.DONE)}
+
+
+def test_a_running_bulk_in_place_run_stops_once_a_newer_release_migrates_its_database(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """The shard scorer beats on its own thread: it must watch the schema as the scoring
+    loop does (a review of the first version, which only the loop did)."""
+    from batching.compose import inplace
+    from tests.integration.test_inplace import config as inplace_config
+    from tests.integration.test_inplace import migrate, write_dataset
+
+    c = inplace_config(tmp_path, heartbeat_s=0.2)
+    migrate(sqlite_url, c)
+    write_dataset(tmp_path / "in", files=1, rows=1000, group=100)
+    found, _ = inplace.enqueue_shards(c, sqlite_url, tmp_path / "in", rows_per_shard=100)
+    outcome: list[BaseException | None] = []
+    scored = threading.Event()
+
+    def scorer() -> None:
+        try:
+            wiring.run_score(
+                c,
+                db_url=sqlite_url,
+                limits=RunLimits(until_empty=False, max_seconds=60),
+                in_place=inplace.InPlace.of(found),
+                on_progress=lambda *_: scored.set(),
+            )
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=scorer)
+    thread.start()
+    assert scored.wait(30)
+    engine = database.create_engine(sqlite_url)
+    with engine.begin() as conn:
+        record_newer(conn)
+    engine.dispose()
+    thread.join(30)
+    assert not thread.is_alive()  # not its 60 s
+    (error,) = outcome
+    assert isinstance(error, errors.SchemaError)
