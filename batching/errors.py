@@ -107,6 +107,11 @@ class PolicyError(BatchingError):
     """The batching policy breaks the latency objective or the device budget."""
 
 
+class Busy(BatchingError):
+    """Refused for now, nothing changed: what it must not run beside is still running (live
+    scorers during an upgrade); the message says what to stop, or how long to wait."""
+
+
 class NothingSucceeded(BatchingError):
     """A scoring run failed items and committed none (each dead with its reason, or retried
     later): a run to look at, not a green one; the message says where the reasons are."""
@@ -126,6 +131,7 @@ USAGE_ERRORS: tuple[type[BatchingError], ...] = (
     PolicyError,
     SchemaError,  # a database not (yet) at this version: like a missing file, run init
     QueueFull,  # refused, not failed: nothing was enqueued; retry later or raise the cap
+    Busy,  # refused, not failed: nothing was changed; stop what runs, or wait
 )
 
 

@@ -4,6 +4,7 @@ in :mod:`batching.cli.status`, the controls, ``batching queue ...``, in
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -44,8 +45,11 @@ if TYPE_CHECKING:
     pass
 
 
-LIVE_S = 120.0
-"""A run whose heartbeat is this recent is a scorer alive now (heartbeats: a third of a lease)."""
+LIVE_S = 600.0
+"""A run whose heartbeat is this recent may be a scorer alive now: its heartbeats come every
+third of its lease, and the shipped configs lease for up to 300 s (a 2 min window missed a
+scorer between two beats of 100 s). A run killed without its end counts this long after its
+last beat; ``--while-running`` goes on regardless."""
 
 
 @app.command()
@@ -62,7 +66,7 @@ def init(
         bool,
         typer.Option(
             "--while-running",
-            help="Upgrade even though scoring runs heartbeated in the last 2 min. Scorers of "
+            help="Upgrade even though scoring runs heartbeated in the last 10 min. Scorers of "
             "this release and later stop at their next heartbeat once the schema changes; "
             "older ones go on by the old schema's rules.",
         ),
@@ -82,10 +86,13 @@ def init(
         live = schema.live_runs(conn, time.time(), LIVE_S) if upgrading else []
     if live and not while_running:
         shown = "; ".join(f"queue {q!r}: run {run}" for run, q, _ in live[:3])
-        raise errors.SchemaError(
-            f"{len(live)} scoring run(s) heartbeated in the last {LIVE_S:.0f} s ({shown}): "
-            "stop the scorers, the API and producers before an upgrade, or pass "
-            "--while-running; nothing was changed"
+        latest = max(at for _, _, at in live)
+        wait_s = max(1, math.ceil(latest + LIVE_S - time.time()))
+        raise errors.Busy(
+            f"{len(live)} scoring run(s) heartbeated in the last {LIVE_S / 60:.0f} min "
+            f"({shown}): stop the scorers, the API and producers before an upgrade (a scorer "
+            f"killed without its end counts for {wait_s} s more), or pass --while-running; "
+            "nothing was changed"
         )
     result = queue.migrate()
     where = database.redact(db)

@@ -22,7 +22,7 @@ def at_version_17_with_a_live_run(folder: Path) -> None:
         conn.execute(
             schema.runs.insert().values(
                 run_id="r-alive", flow="score", queue="online", state="running",
-                started_at=time.time() - 60, heartbeat_at=time.time() - 5,
+                started_at=time.time() - 60, heartbeat_at=time.time() - 5,  # within 10 min
             )
         )  # fmt: skip
     engine.dispose()
@@ -33,8 +33,9 @@ def test_init_refuses_to_upgrade_under_a_live_scorer_and_changes_nothing(tmp_pat
     r = batching("init", "--db", DB, cwd=tmp_path)
     assert r.rc == 2
     line = one_error_line(r)
-    assert "1 scoring run(s) heartbeated in the last 120 s (queue 'online': run r-alive)" in line
+    assert "1 scoring run(s) heartbeated in the last 10 min (queue 'online': run r-alive)" in line
     assert "stop the scorers, the API and producers before an upgrade" in line
+    assert "(a scorer killed without its end counts for 59" in line  # 600 s after its beat
     assert "--while-running; nothing was changed" in line
     engine = database.create_engine(f"sqlite:///{tmp_path / 'queue.db'}")
     with engine.connect() as conn:
