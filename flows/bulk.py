@@ -123,7 +123,7 @@ def bulk(
                     expected = found["ready"] + enqueued["inserted"]
             limits = run_stats.RunLimits(max_seconds=max_seconds)
             outcome = score_queue(cfg, db, output, limits, expected, workers, in_place=source)
-        fail_if_nothing_succeeded(outcome.summary)
+        fail_if_nothing_succeeded(cfg, db, flow_run_id(), outcome.summary)
         if source is not None and source.plan is not None and max_seconds is None:
             left = inplace.left_of(cfg, db or cfg.database.url, source.plan)
             if left.rows:  # the dataset is not scored whole: the flow run fails, saying why

@@ -195,13 +195,28 @@ def this_attempt() -> run_record.Attempt:
     return run_record.Attempt(number, retried)
 
 
-def fail_if_nothing_succeeded(summary: Mapping[str, object]) -> None:
+def fail_if_nothing_succeeded(
+    cfg: config.PipelineConfig, db_url: str | None, run_id: str, summary: Mapping[str, object]
+) -> None:
     """Fail the flow run, as ``batching score`` exits 1, when the run failed items and
     committed none: such a run ended Completed, green on every dashboard, while each of its
-    items went dead (``outcomes.nothing_succeeded``). Before the backlog check: a backlog
-    event would start another run to fail the same way."""
-    if (why := outcomes.nothing_succeeded(summary)) is not None:
-        raise errors.NothingSucceeded(why)
+    items went dead (``outcomes.nothing_succeeded``). ``summary`` is the last attempt's; a
+    retried run whose earlier attempt committed items (the run ledger counts every attempt's)
+    succeeded. Before the backlog check: a backlog event would start another run to fail the
+    same way."""
+    why = outcomes.nothing_succeeded(summary)
+    if why is None:
+        return
+    try:
+        queue = build.open_queue(cfg, settings.db_url(db_url) or cfg.database.url)
+        try:
+            if run_ledger.RunLedger(queue).committed(run_id) > 0:
+                return
+        finally:
+            queue.engine.dispose()
+    except errors.BatchingError:  # the ledger cannot say otherwise: the summary stands
+        pass
+    raise errors.NothingSucceeded(why)
 
 
 def require_workers(
@@ -428,7 +443,7 @@ def score(
         limits = run_stats.RunLimits(max_seconds=max_seconds, max_items=max_items)
         with slots.gpu_slot(gpu_slot, gpu_slot_wait_s):
             outcome = score_queue(cfg, db, output, limits, expected, workers, model_version)
-        fail_if_nothing_succeeded(outcome.summary)
+        fail_if_nothing_succeeded(cfg, db, flow_run_id(), outcome.summary)
         backlog = check_backlog(cfg, db)
         stats = outcome.workers.stats()
         sla = events.sla_missed(cfg, flow_run_id(), stats.latencies_s if stats else ())

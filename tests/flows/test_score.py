@@ -443,3 +443,24 @@ def test_a_run_whose_every_item_fails_fails_the_flow_run_as_the_cli_exits_1(
     with pytest.raises(errors.NothingSucceeded, match="committed nothing and 5 item"):
         run.state.result()
     assert pipeline.by_state()["dead"] == 5
+
+
+def test_a_retried_run_whose_earlier_attempt_committed_is_not_failed_for_its_last(
+    tmp_path: Any,
+) -> None:
+    """The flow judges the last attempt's summary; a retry that committed nothing after an
+    attempt that committed items failed the run while its ledger row said completed (a
+    review). The run ledger counts every attempt's rows."""
+    from batching.compose import run as wiring
+    from batching.config import load_config
+    from batching.loop.stats import RunLimits
+    from flows.score import fail_if_nothing_succeeded
+
+    pipeline = make_pipeline(tmp_path, 20)
+    cfg = load_config(pipeline.config, pipeline.overrides)
+    earlier = wiring.run_score(cfg, db_url=pipeline.db_url, limits=RunLimits())
+    assert earlier.summary["items_committed"] == 20
+    last = {"items_committed": 0, "items_failed": 3}  # the retry's own summary
+    fail_if_nothing_succeeded(cfg, pipeline.db_url, earlier.run_id, last)
+    with pytest.raises(errors.NothingSucceeded, match="committed nothing and 3 item"):
+        fail_if_nothing_succeeded(cfg, pipeline.db_url, "0" * 32, last)
