@@ -461,7 +461,7 @@ class BatchingPolicy(_Model):
 
 _CREDENTIAL = re.compile(
     r"(?i)(secret|password|token|credential|sas|access_key|account_key|master_key|private_key"
-    r"|certificate|connection_string)"
+    r"|client_certificate|connection_string)"
 )
 
 

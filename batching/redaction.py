@@ -24,7 +24,7 @@ _SPACE = r"[ \t\n\r\f\v]"  # what libpq takes for a space (C isspace)
 # object stores take (an Azure connection string's AccountKey=, azure_storage_master_key)
 _SECRET_WORD = (
     r"(?:passw(?:or)?d|pwd|secret|token|api_?key|signature|sig"
-    r"|(?:access|account|master|private)_?key|certificate|connection_?string)"
+    r"|(?:access|account|master|private)_?key|client_?certificate|connection_?string)"
 )
 _SECRET_PAIR = re.compile(
     # a URL query's pair: the value runs to the next '&' (a raw space is part of it)

@@ -40,7 +40,8 @@ def parse(text: str, source: str) -> Tokens:
     """Tokens from ``token=tenant`` entries separated by commas or new lines (blank entries
     and ``#`` comment lines skipped). The tenant follows the LAST ``=``: a base64 token ends
     in ``=`` padding (split at the first, such a token was refused and a shorter one bound to
-    a tenant named ``==acme``, without a word); so a tenant cannot hold ``=``.
+    a tenant named ``==acme``, without a word); so a tenant cannot hold ``=``, and an entry
+    with ``=`` inside its token part (``tok=team=a``) is refused, not read one way or another.
 
     Args:
         text: the entries.
@@ -60,6 +61,11 @@ def parse(text: str, source: str) -> Tokens:
         where = f"{source}: entry {n}" + (f" (line {line})" if len(lines) > 1 else "")
         if not sep or not token or not tenant:
             raise errors.ConfigError(f"{where} is not token=tenant; write each as TOKEN=TENANT")
+        if "=" in token.rstrip("="):  # tok=team=a: token "tok" of tenant "team=a", or not?
+            raise errors.ConfigError(
+                f"{where} has '=' inside its token (only a token's trailing padding may be "
+                "'='); a tenant cannot hold '=': rename it"
+            )
         if len(token) < MIN_TOKEN_CHARS:
             raise errors.ConfigError(
                 f"{where}: the token is shorter than {MIN_TOKEN_CHARS} characters; use a "

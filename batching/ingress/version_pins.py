@@ -92,11 +92,14 @@ def conflicts(conn: Connection, queue: str, specs: Mapping[str, ModelSpec]) -> l
 
 def _history(conn: Connection, queue: str, spec: ModelSpec) -> dict[str, Any] | None:
     """``spec``'s version as the run ledger knew it before the pins (a queue upgraded from
-    schema 17 or older, with outputs under the version): the checkpoint sha256 of the earliest
+    schema 17 or older, with outputs under the version): the checkpoint sha256 of the LATEST
     run of that version that committed a batch of it, the rest of the identity taken from
     ``spec`` (the ledger kept no more). None when no such run is recorded. Without it the
     first run after the upgrade pinned whatever weights it brought, and refused the ones that
-    had scored the rows (an upgrade review)."""
+    had scored the rows (an upgrade review). The latest, not the first: before the pins a
+    name could change weights, and the earliest would refuse the weights in production the
+    moment after the upgrade. A rollout candidate's runs are not in the ledger by version
+    (a run records its stable version), so a candidate's first pin is its config's."""
     r, b = schema.runs, schema.batches
     earliest = (
         sa.select(r.c.model_sha256, r.c.run_id, r.c.started_at)
@@ -106,7 +109,7 @@ def _history(conn: Connection, queue: str, spec: ModelSpec) -> dict[str, Any] | 
             r.c.model_sha256.is_not(None),
             sa.exists().where(b.c.run_id == r.c.run_id, b.c.model_version == spec.version),
         )
-        .order_by(r.c.started_at)
+        .order_by(r.c.started_at.desc())
         .limit(1)
     )
     found = conn.execute(earliest).first()

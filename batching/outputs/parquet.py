@@ -500,8 +500,8 @@ class ParquetSink(sinks.FencedSink):
             )
             return None
         # The new file first: between the two renames a reader sees the kept rows twice
-        # (the same values; a dead repair leaves the old file an orphan, which reconcile
-        # sets aside), never without them. The other order hid every row of the old file
+        # (the same values; a repair that dies there leaves the old file an orphan, which
+        # reconcile reports and `reconcile --repair` sets aside), never without them. The other order hid every row of the old file
         # meanwhile, duplicate or not (a consumer review).
         self._publish(new_id, rel, staged)
         self.layout.quarantine_file(old)

@@ -771,8 +771,9 @@ def test_large_bodies_are_read_one_at_a_time(
         return real(settings_, tenant, body)
 
     monkeypatch.setattr(api_app, "_records", slow)
+    monkeypatch.setattr(api_app, "LARGE_BYTES", 80 * 1024)
     large = [json.dumps({"items": [item(f"big{i}-{k}") for k in range(250)]}) for i in range(4)]
-    assert min(map(len, large)) > api_app.INLINE_BYTES
+    assert min(map(len, large)) > api_app.LARGE_BYTES
     answers: list[int] = []
 
     def post(body: str) -> None:

@@ -33,6 +33,9 @@ def test_a_base64_token_keeps_its_padding() -> None:
     known = tokens.parse(f"{token}=acme", "BATCHING_API_TOKENS")
     assert known.tenant_of(token) == "acme"
     assert known.tenant_of(token.rstrip("=")) is None
+    with pytest.raises(errors.ConfigError, match="has '=' inside its token") as info:
+        tokens.parse(f"{T1}=team=a", "BATCHING_API_TOKENS")  # read as tenant "team=a" before
+    assert T1 not in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -200,6 +200,17 @@ def test_output_settings_of_another_kind_or_secrets_are_refused(
     assert "s3cr3t" not in str(info.value)
 
 
+def test_a_delta_output_keeps_storage_options_that_are_not_credentials() -> None:
+    """ALLOW_INVALID_CERTIFICATES (MinIO, self-signed) is a switch, not a certificate."""
+    output = {
+        "kind": "delta",
+        "path": "s3://b/t",
+        "storage_options": {"ALLOW_INVALID_CERTIFICATES": "true", "AWS_REGION": "eu-west-1"},
+    }
+    cfg = config.parse_config({"model": MODEL, "output": output})
+    assert cfg.output.storage_options["ALLOW_INVALID_CERTIFICATES"] == "true"
+
+
 def test_a_delta_output_keeps_its_storage_options() -> None:
     cfg = config.parse_config(
         {
