@@ -444,12 +444,12 @@ class Scorer(Generic[D]):
         for item in part.items:
             by_lease.setdefault(leases[item.id], []).append(item)
         for lease_id, items in by_lease.items():
+            self._forget(lease_id, items)  # before they can be claimed again (see _forget)
             res = self.queue.fail(
                 lease_id, {i.id: reason for i in items}, retry=True, model_version=version
             )
             self.stats.failed += res.retried + res.dead
             self.observer.failed(items, retry=True, model_version=version)
-            self._forget(lease_id, items)
         self._claim_wanted.set()
 
     def _expire(self, late: list[Late]) -> None:
@@ -723,7 +723,13 @@ class Scorer(Generic[D]):
                     extra={"action": "reconnect", "lease_id": lease_id},
                 )
                 self._unsettled = True
-                self.outputs.recover()
+                try:
+                    self.outputs.recover()
+                except errors.Disconnected:  # cut again: the run's end settles it (_settle)
+                    logger.warning(
+                        "database connection lost again; the batch is settled at the run's end",
+                        extra={"action": "reconnect", "lease_id": lease_id},
+                    )
                 return
             except (errors.SinkError, errors.QueueError):
                 # The output or the database failed, not these items: give them back without
@@ -750,6 +756,7 @@ class Scorer(Generic[D]):
         """Commit one lease's scored items and fail its failed ones; returns sink commits made."""
         made = 0
         ok, outputs, held = part.scored()
+        lost = False
         if ok:
             try:
                 committed = self.outputs.commit(
@@ -762,10 +769,7 @@ class Scorer(Generic[D]):
                 )
                 self.stats.lease_lost += len(ok)
                 self.observer.lease_lost(len(ok))
-                # Items of the batch the lease still holds (claimed into it later than those
-                # that expired) go back now, not when the run ends: its heartbeats would keep
-                # them leased, and nobody would commit them.
-                self._release_held(lease_id, models.item_column(ok, "id"))
+                lost = True
             else:
                 done = self.clock()
                 self.stats.bytes_written += committed.n_bytes or 0
@@ -776,6 +780,12 @@ class Scorer(Generic[D]):
                 self.stats.latencies_s.extend(map(since, models.item_column(ok, "enqueued_at")))
                 self.observer.committed(ok, done, part.model_version)
                 made = 1
+        self._forget(lease_id, held)  # before any goes back to ready (see _forget)
+        if lost:
+            # Items of the batch the lease still holds (claimed into it later than those
+            # that expired) go back now, not when the run ends: its heartbeats would keep
+            # them leased, and nobody would commit them.
+            self._release_held(lease_id, models.item_column(ok, "id"))
         for failures, retry in ((part.failures, True), (part.undecodable, False)):
             if failures:
                 res = self.queue.fail(
@@ -784,7 +794,6 @@ class Scorer(Generic[D]):
                 self.stats.failed += res.retried + res.dead
                 failed = [i for i in held if i.id in failures]
                 self.observer.failed(failed, retry=retry, model_version=part.model_version)
-        self._forget(lease_id, held)
         return made
 
     def _release_held(self, lease_id: str, ids: Sequence[int]) -> None:
@@ -801,6 +810,7 @@ class Scorer(Generic[D]):
         the fenced release leaves it alone)."""
         for lease_id, part in parts:
             held = part.scored()[2]
+            self._forget(lease_id, held)  # before they can be claimed again (see _forget)
             try:
                 self.stats.released += self.queue.release(lease_id, models.item_column(held, "id"))
                 self.observer.released(held)
@@ -810,9 +820,13 @@ class Scorer(Generic[D]):
                     extra={"action": "release_failed", "lease_id": lease_id},
                     exc_info=True,
                 )
-            self._forget(lease_id, held)
 
     def _forget(self, lease_id: str, items: Sequence[models.WorkItem]) -> None:
+        """Stop tracking ``items`` under ``lease_id``. Called BEFORE they go back to ready
+        (release, fail): a claim adds to the open lease, so once ready it may take them again
+        under this very lease id, and a forget after that deleted the new claim's entries
+        (a chaos review: KeyError in the dispatch and the shutdown after connections were
+        cut mid-commit)."""
         ids = models.item_column(items, "id")
         with self._lock:
             owners = map(self._item_lease.get, ids)
@@ -944,10 +958,10 @@ class Scorer(Generic[D]):
                 for item in batch.items:
                     by_lease.setdefault(self._item_lease[item.id], []).append(item.id)
             for lease_id, ids in by_lease.items():
-                self.stats.released += self.queue.release(lease_id, ids)
                 given = [i for i in batch.items if i.id in set(ids)]
+                self._forget(lease_id, given)  # before they can be claimed again
+                self.stats.released += self.queue.release(lease_id, ids)
                 self.observer.released(given)
-                self._forget(lease_id, given)
         if self.stats.released:
             logger.info(
                 "items released", extra={"action": "release", "n_items": self.stats.released}
@@ -980,6 +994,7 @@ class Scorer(Generic[D]):
             ids_by_lease.setdefault(lease_id, []).append(item_id)
         for lease_id, ids in ids_by_lease.items():
             mine = set(ids)
+            self._forget(lease_id, [i for i in job.batch.items if i.id in mine])  # see _forget
             try:
                 self.stats.released += self.queue.release(lease_id, ids)
                 self.observer.released([i for i in job.batch.items if i.id in mine])
@@ -989,7 +1004,6 @@ class Scorer(Generic[D]):
                     extra={"action": "release_failed", "lease_id": lease_id},
                     exc_info=True,
                 )
-            self._forget(lease_id, [i for i in job.batch.items if i.id in mine])
 
     def _settle(self) -> None:
         """After a commit cut off midway: once every lease of the run is committed or given

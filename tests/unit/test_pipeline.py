@@ -817,3 +817,74 @@ def test_summary_rows_show_milliseconds_of_stage_time_not_zero() -> None:
     rows = dict(run_stats.summary_rows(summary))
     assert rows["busy s: forward"] == "0.00123"
     assert rows["busy s: commit"] == "12.3"
+
+
+class ClaimsAgainOnRelease(InMemoryQueue):
+    """Runs ``hook`` (once) right after a release, before any other thread may claim: a
+    claim landing in that moment, deterministically."""
+
+    hook: Callable[[], object] | None = None
+
+    def __init__(self, clock: FakeClock, *, max_attempts: int = 3) -> None:
+        super().__init__(clock, max_attempts=max_attempts)
+        self.gate = threading.RLock()  # the releasing thread's hook re-enters it
+
+    def claim(self, n: int, **kwargs: Any) -> models.Claim:
+        with self.gate:
+            return super().claim(n, **kwargs)
+
+    def release(self, lease_id: str, ids: Sequence[int] | None = None) -> int:
+        with self.gate:
+            n = super().release(lease_id, ids)
+            hook, self.hook = self.hook, None
+            if hook is not None:
+                hook()
+            return n
+
+
+def test_items_given_back_and_claimed_again_into_the_same_lease_stay_tracked() -> None:
+    """A claim adds to the open lease, so items given back can be claimed again under the
+    very same lease id before the scorer stops tracking them; it then forgot the new claim's
+    items, and the dispatch (or the shutdown) failed with KeyError (a chaos review, after
+    connections were cut mid-commit)."""
+    r = rig(keys(4), max_batch_size=4, claim_size=2, queue_class=ClaimsAgainOnRelease)
+    queue = r.queue
+    assert isinstance(queue, ClaimsAgainOnRelease)
+    lost: list[Scored] = []
+    claimed_again: list[int] = []
+
+    def claim_now() -> None:  # a claim landing inside the give-back, into the open lease
+        before = set(r.scorer._item_lease)
+        r.scorer._claim(run_stats.RunLimits())
+        claimed_again.extend(set(r.scorer._item_lease) - before)
+
+    def first_claim_expired(batch: Scored) -> None:
+        if not lost:
+            lost.append(batch)
+            with queue._lock:
+                for item in batch.items[:2]:  # taken from the lease (reaped, then dead)
+                    row = queue.rows[item.id]
+                    row.state, row.lease_id = models.State.DEAD, None
+            queue.hook = claim_now
+
+    commit_part = r.scorer._commit_lease_part
+    untracked: list[int] = []
+
+    looked: list[bool] = []
+
+    def commit_then_look(*args: Any, **kwargs: Any) -> int:
+        made = commit_part(*args, **kwargs)
+        if claimed_again and not looked:  # right after the commit the claim landed in
+            looked.append(True)
+            with r.scorer._lock:
+                untracked.extend(i for i in claimed_again if i not in r.scorer._item_lease)
+        return made
+
+    r.sink.before_commit = first_claim_expired
+    r.scorer._commit_lease_part = commit_then_look  # type: ignore[method-assign]
+    stats = r.scorer.run()
+    assert lost
+    assert stats.lease_lost >= 4
+    assert claimed_again  # the claim took the items given back...
+    assert looked
+    assert untracked == []  # ...and the scorer still knows whose they are
