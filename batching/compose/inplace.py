@@ -365,7 +365,7 @@ def refuse_shards(queue: q.SqlQueue) -> None:
     found = sa.select(t.c.id).where(
         t.c.queue == queue.queue, t.c.lane == shards.LANE, t.c.state == int(models.State.READY)
     )
-    with queue.engine.connect() as conn:
+    with queue.read() as conn:  # database errors as the queue's (a raw one read as a bug)
         if conn.execute(found.limit(1)).first() is not None:
             raise errors.ConfigError(
                 f"queue {queue.queue!r} holds input shards (lane 'shard'); score them with "

@@ -288,7 +288,14 @@ _RESTARTING = (
     "the database system is starting up",
     "the database system is shutting down",
     "the database system is in recovery mode",
+    "the database system is not yet accepting connections",  # after a crash (restart -m immediate)
     "server closed the connection unexpectedly",
+    # a session ended by the server (pg_terminate_backend: SQLSTATE 57P01, a shutdown:
+    # 57P02, a crash: 57P03), reported as a plain failure when the pool had not yet marked the
+    # connection invalid: the run failed where a retry on a new connection gets through
+    "terminating connection due to administrator command",
+    "terminating connection due to unexpected postmaster exit",
+    "terminating connection because of crash of another server process",
 )
 _NOT_A_DATABASE = (  # a URL that names something else: what to give instead
     (("file is not a database",), "the path names a file that is not SQLite; check it"),
