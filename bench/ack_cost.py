@@ -14,12 +14,12 @@ as a spread rather than as a difference.
 from __future__ import annotations
 
 import argparse
-import gc
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
+import queue_bench  # bench/ is on the path (this script's folder)
 import sqlalchemy as sa
 
 from batching import models
@@ -64,21 +64,9 @@ def measure(
         for index in drop:
             conn.exec_driver_sql(f"DROP INDEX {index}")
     queue.enqueue(records)
-    n, done, claim_s, ack_s = len(records), 0, 0.0, 0.0
-    gc.freeze()
+    n = len(records)
     cpu, wall = time.process_time(), time.perf_counter()
-    try:
-        while done < n:
-            started = time.perf_counter()
-            claim = queue.claim(16_384, lease_s=600, columns=True)
-            claim_s += time.perf_counter() - started
-            ids = models.item_column(claim.items, "id")
-            started = time.perf_counter()
-            for k in range(0, len(ids), 2048):
-                done += queue.ack(claim.lease_id, ids[k : k + 2048])
-            ack_s += time.perf_counter() - started
-    finally:
-        gc.unfreeze()
+    claim_s, ack_s = queue_bench.claim_and_ack(queue, n, 16_384)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     engine.dispose()
     return tuple(x / n * 1e6 for x in (claim_s, ack_s, wall, cpu))  # type: ignore[return-value]
