@@ -8,7 +8,9 @@ cap (each one enqueued: 201), then with the queue closed (``batching queue cap -
 each one refused: 429), and reads the API process's CPU (user + system, ``/proc``) around
 each. Payloads are the config's workload's reference inputs (W2 token ids for online.yaml,
 W1 vectors for tabular.yaml). One request at a time pays a group commit each: the cost of a
-request on its own, not under a load that groups them.
+request on its own, not under a load that groups them. Each round ends with as many GETs of
+``/healthz`` and of an item that does not exist (a 404 after the token check): the
+framework's own cost a request, with the API's CPU and the median wall time of each.
 """
 
 from __future__ import annotations
@@ -77,6 +79,22 @@ def burst(
     return codes, (_cpu_s(pid) - cpu) / n * 1e3
 
 
+def gets(port: int, pid: int, path: str, n: int) -> tuple[int, float, float]:
+    """GET ``path`` ``n`` times; the last status, the API's CPU ms and the median ms a request."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    walls, status = [], 0
+    cpu = _cpu_s(pid)
+    for _ in range(n):
+        start = time.perf_counter()
+        conn.request("GET", path, headers=headers)
+        response = conn.getresponse()
+        response.read()
+        walls.append(time.perf_counter() - start)
+        status = response.status
+    return status, (_cpu_s(pid) - cpu) / n * 1e3, sorted(walls)[n // 2] * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -112,6 +130,11 @@ def main() -> None:
                         port, api.pid, cfg.queue.name, payloads, f"{tag}{r}", args.requests
                     )
                     print(f"round {r} {tag}: statuses {codes}, API CPU {ms:.2f} ms a request")
+                for path in ("/healthz", f"/v1/queues/{cfg.queue.name}/items/absent"):
+                    status, ms, wall = gets(port, api.pid, path, args.requests)
+                    print(
+                        f"round {r} GET {path}: {status}, API CPU {ms:.2f} ms, median {wall:.2f} ms"
+                    )
         finally:
             api.send_signal(signal.SIGINT)
             api.wait(30)

@@ -260,12 +260,13 @@ def _handlers(app: FastAPI) -> None:
 _BEARER = HTTPBearer(auto_error=False, description="a token of `BATCHING_API_TOKENS`")
 
 
-def _tenant(
+async def _tenant(
     request: Request, _shown: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)]
 ) -> str:
     """The tenant of the request's bearer token; 401 without a known one. (``_BEARER`` puts
     the scheme in the OpenAPI schema, so a generated client sends the token; the header is
-    read here, for this API's own 401 messages.)"""
+    read here, for this API's own 401 messages.) ``async`` because it never blocks: FastAPI
+    runs a plain ``def`` dependency in its thread pool, a thread hop per request each."""
     authorization = request.headers.get("authorization")
     scheme, _, token = (authorization or "").partition(" ")
     challenge = {"WWW-Authenticate": "Bearer"}
@@ -283,7 +284,7 @@ Tenant = Annotated[str, Depends(_tenant)]
 QueueName = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[^\x00/]+$")]
 
 
-def _served(request: Request, queue: QueueName, _tenant: Tenant) -> str:
+async def _served(request: Request, queue: QueueName, _tenant: Tenant) -> str:
     """The path's queue, when it is the one this API serves (its config's ``queue.name``:
     its item limits, its output read back); else 404, after the token is checked. Any other
     queue's items were enqueued and never read back (the wrong output), or never scored."""
@@ -316,7 +317,7 @@ WaitS = Annotated[
 
 def _routes(app: FastAPI, settings: Settings) -> None:
     @app.get("/healthz", summary="The process is up.")
-    def healthz() -> dict[str, bool]:
+    async def healthz() -> dict[str, bool]:
         return {"ok": True}
 
     if settings.metrics is not None:
