@@ -37,13 +37,13 @@ resources. ``docs/operations.md#alerts`` maps each event to its Prometheus alert
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from prefect.events import emit_event
 from prefect.utilities.urls import url_for
 
 from batching import config, models
+from batching.loop.stats import Samples
 
 BACKLOG = "batching.queue.backlog"
 RECONCILE_FAILED = "batching.reconcile.failed"
@@ -153,13 +153,13 @@ def latency_objective(cfg: config.PipelineConfig) -> float:
 
 
 def sla_missed(
-    cfg: config.PipelineConfig, flow_run_id: str, latencies_s: Sequence[float]
+    cfg: config.PipelineConfig, flow_run_id: str, latencies_s: Samples
 ) -> dict[str, Any] | None:
     """The ``batching.run.sla_missed`` payload of a run whose items took ``latencies_s``
     (enqueue to commit, one per item committed) when more of them than the error budget
     (1 - ``latency_objective``) took over ``latency_slo_s``; else None."""
     committed = len(latencies_s)
-    late = sum(1 for s in latencies_s if s > cfg.latency_slo_s)
+    late = latencies_s.count_above(cfg.latency_slo_s)
     objective = latency_objective(cfg)
     budget = 1.0 - objective
     ratio = late / committed if committed else 0.0
@@ -177,7 +177,7 @@ def sla_missed(
         "latency_objective": objective,
         "error_budget": budget,
         "burn_rate": ratio / budget,
-        "latency_max_s": max(latencies_s),
+        "latency_max_s": latencies_s.max,
     }
 
 

@@ -446,5 +446,7 @@ def score(
         fail_if_nothing_succeeded(cfg, db, flow_run_id(), outcome.summary)
         backlog = check_backlog(cfg, db)
         stats = outcome.workers.stats()
-        sla = events.sla_missed(cfg, flow_run_id(), stats.latencies_s if stats else ())
+        sla = events.sla_missed(
+            cfg, flow_run_id(), stats.latencies_s if stats else run_stats.Samples()
+        )
         return outcome.summary | {BACKLOG_KEY: backlog, SLA_KEY: sla}

@@ -76,7 +76,9 @@ class ShardScorer:
         self.config, self.queue, self.runner, self.outputs = config, queue, runner, outputs
         self.observer = observer or ports.NoObserver()
         self.pause_queue = pause_queue
-        self.stats = run_stats.RunStats(started_at=time.time())
+        self.stats = run_stats.RunStats(
+            started_at=time.time(), latencies_s=run_stats.Samples([config.latency_slo_s])
+        )
         self._on_progress = on_progress
         self._wait = wait_for_work or time.sleep
         self._stop = threading.Event()
@@ -253,8 +255,8 @@ class ShardScorer:
         if scored.whole_error is not None:  # the model failed, not the rows
             self._release_failed(claim, item, scored)
             return None
-        self.stats.batch_sizes.extend(scored.sizes)
-        self.stats.service_s.append(scored.service_s)
+        self.stats.batch_sizes.update(scored.sizes)
+        self.stats.service_s.add(scored.service_s)
         self.stats.real_tokens += scored.real_tokens
         self.stats.padded_tokens += scored.padded_tokens
         self.stats.add_device_time([item], self.outputs.model_version, scored.service_s)
@@ -293,7 +295,7 @@ class ShardScorer:
         self.stats.commits += 1
         self.stats.bytes_written += result.n_bytes or 0
         self.stats.by_version[self.outputs.model_version] += ok
-        self.stats.latencies_s.append(time.time() - item.enqueued_at)
+        self.stats.latencies_s.add(time.time() - item.enqueued_at)
         self.observer.commit_timed(time.perf_counter() - started)
         self.observer.committed([item], time.time(), self.outputs.model_version)
         if failed:

@@ -53,7 +53,7 @@ from batching.config import PipelineConfig
 from batching.loop import breaker, watchdog
 from batching.loop.routes import Router, ShadowRows
 from batching.loop.stages import END, D, Dispatched, End, LeasePart, Scored, by_lease, has_deadline
-from batching.loop.stats import Progress, RunLimits, RunStats
+from batching.loop.stats import Progress, RunLimits, RunStats, Samples
 from batching.policy.adaptive import SloController
 from batching.policy.batcher import Late, MicroBatcher, ServiceTime
 from batching.ports import Clock
@@ -155,7 +155,7 @@ class Scorer(Generic[D]):
         self._error: BaseException | None = None
         # Jobs a stage could not hand on after another failed: released at the shutdown.
         self._stranded: list[Dispatched[D] | Scored] = []
-        self.stats = RunStats(started_at=clock())
+        self.stats = RunStats(started_at=clock(), latencies_s=Samples([config.latency_slo_s]))
         self.breaker: breaker.Breaker[Scored] = breaker.Breaker(config.breaker)
         # A pass that never returns: found by the heartbeat (``watchdog``), settled at the end.
         self._watch: watchdog.ForwardWatch[Dispatched[D]] = watchdog.ForwardWatch(
@@ -737,9 +737,9 @@ class Scorer(Generic[D]):
                 self._give_back(parts[n:])
                 raise
         for job in jobs:
-            self.stats.batch_sizes.append(len(job.batch))
+            self.stats.batch_sizes[len(job.batch)] += 1
             self.stats.reasons[job.batch.reason] += 1
-            self.stats.service_s.append(job.result.service_s)
+            self.stats.service_s.add(job.result.service_s)
             self.stats.real_tokens += job.result.real_tokens
             self.stats.padded_tokens += job.result.padded_tokens
             self.observer.batch_committed(job.batch, job.result)

@@ -1,5 +1,6 @@
 """A scoring run's limits and stats: when it stops (:class:`RunLimits`), what it counted
-(:class:`RunStats`), and its summary as a closing table (:func:`summary_rows`)."""
+(:class:`RunStats`, its samples in bounded memory: :class:`Samples`), and its summary as a
+closing table (:func:`summary_rows`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import NotRequired, TypedDict
 
 from batching import models, outcomes
+from batching.loop.samples import Samples, rank
+
+__all__ = ["Progress", "RunLimits", "RunStats", "RunSummary", "Samples", "summary_rows"]
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,10 @@ class RunStats:
     isolated: int = 0  # suspects claimed in isolation rounds (``batching.crashes``)
     claimed: int = 0
     commits: int = 0
-    batch_sizes: list[int] = field(default_factory=list)
-    latencies_s: list[float] = field(default_factory=list)
-    service_s: list[float] = field(default_factory=list)
+    # bounded: a count by size, and samples (:class:`Samples`); the SLO's count stays exact
+    batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
+    latencies_s: Samples = field(default_factory=Samples)
+    service_s: Samples = field(default_factory=Samples)
     real_tokens: int = 0
     padded_tokens: int = 0
     bytes_written: int = 0
@@ -147,8 +152,8 @@ class RunStats:
     def summary(self) -> RunSummary:
         """The run summary: items, batches, batch sizes, padding efficiency, latency, items/s."""
         elapsed = max((self.finished_at or time.time()) - self.started_at, 1e-9)
-        sizes = sorted(self.batch_sizes)
-        lat = sorted(self.latencies_s)
+        sizes, lat = self.batch_sizes, self.latencies_s
+        batches = sizes.total()
         summary: RunSummary = {
             "items_committed": self.committed,
             "items_failed": self.failed,
@@ -156,19 +161,19 @@ class RunStats:
             "lease_lost_items": self.lease_lost,
             "items_isolated": self.isolated,
             "items_expired": self.expired,
-            "batches": len(sizes),
+            "batches": batches,
             "commits": self.commits,
-            "batch_size_mean": sum(sizes) / len(sizes) if sizes else 0.0,
-            "batch_size_p50": _pct(sizes, 50),
-            "batch_size_p99": _pct(sizes, 99),
+            "batch_size_mean": sum(k * n for k, n in sizes.items()) / batches if batches else 0.0,
+            "batch_size_p50": _pct_counts(sizes, 50),
+            "batch_size_p99": _pct_counts(sizes, 99),
             "padding_efficiency": self.real_tokens / self.padded_tokens
             if self.padded_tokens
             else 1.0,
             "items_per_s": self.committed / elapsed,
-            "latency_p50_s": _pct(lat, 50),
-            "latency_p99_s": _pct(lat, 99),
-            "latency_max_s": lat[-1] if lat else 0.0,
-            "service_s_mean": sum(self.service_s) / len(self.service_s) if self.service_s else 0.0,
+            "latency_p50_s": lat.quantile(50),
+            "latency_p99_s": lat.quantile(99),
+            "latency_max_s": lat.max,
+            "service_s_mean": self.service_s.mean,
             "release_reasons": dict(self.reasons),
             "elapsed_s": elapsed,
             # Where the time went: seconds each stage was busy (stages overlap, so these can
@@ -276,11 +281,17 @@ def summary_rows(summary: Mapping[str, object]) -> list[tuple[str, str]]:
     return rows
 
 
-def _pct(sorted_values: list[float] | list[int], p: float) -> float:
-    if not sorted_values:
+def _pct_counts(counts: Mapping[int, int], p: float) -> float:
+    """Percentile ``p`` of values given as value -> how many times."""
+    n = sum(counts.values())
+    if not n:
         return 0.0
-    k = min(len(sorted_values) - 1, max(0, round(p / 100 * (len(sorted_values) - 1))))
-    return float(sorted_values[k])
+    k, seen = rank(n, p), 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen > k:
+            return float(value)
+    return float(max(counts))
 
 
 Progress = Callable[[RunStats], None]

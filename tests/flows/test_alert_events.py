@@ -19,6 +19,7 @@ from prefect.events.schemas.automations import EventTrigger
 
 from batching import config
 from batching.ingress import ingest
+from batching.loop.stats import Samples
 from batching.model import workloads
 from flows import alerts, events
 from flows import score as score_module
@@ -104,14 +105,18 @@ def test_a_run_within_its_objective_emits_no_sla_missed_and_a_clean_reconcile_sa
 
 def test_the_sla_payload_is_none_up_to_the_error_budget_and_set_past_it() -> None:
     cfg = config.load_config(TABULAR)  # latency_slo_s 0.5, objective 0.99: 1 % may be late
-    within = [0.1] * 99 + [0.6]
+    within = Samples()
+    within.extend([0.1] * 99 + [0.6])
     assert events.sla_missed(cfg, "r", within) is None
-    assert events.sla_missed(cfg, "r", []) is None
-    payload = events.sla_missed(cfg, "r", [0.1] * 98 + [0.6, 0.7])
+    assert events.sla_missed(cfg, "r", Samples()) is None
+    late = Samples([cfg.latency_slo_s], keep=7)  # folded into 1% bins past 7 samples
+    late.extend([0.1] * 97 + [0.4999, 0.5001, 0.7])  # the count over the SLO stays exact
+    payload = events.sla_missed(cfg, "r", late)
     assert payload is not None
     assert payload["items_late"] == 2
     assert payload["ratio"] == 0.02
     assert payload["burn_rate"] == pytest.approx(2.0)
+    assert payload["latency_max_s"] == 0.7
 
 
 @flow

@@ -327,10 +327,10 @@ def test_until_empty_commits_every_item_exactly_once() -> None:
     assert r.sink.keys() == Counter(keys(10))
     assert r.queue.keys(models.State.DONE) == set(keys(10))
     assert (stats.claimed, stats.committed, stats.failed, stats.released) == (10, 10, 0, 0)
-    assert sum(stats.batch_sizes) == 10
+    assert sum(size * n for size, n in stats.batch_sizes.items()) == 10
     assert max(stats.batch_sizes) <= 4
     assert r.progress == sorted(r.progress)
-    assert len(r.progress) == len(stats.batch_sizes)
+    assert len(r.progress) == stats.batch_sizes.total()
     assert r.progress[-1] == 10
     assert stats.bytes_written == 100
     assert stats.finished_at == r.clock()
@@ -375,7 +375,7 @@ def test_a_commit_interval_gathers_the_batches_scored_meanwhile_and_the_end_clos
     r = interval_rig(30.0)
     stats = run_within(r)
     assert r.sink.keys() == Counter(keys(12))
-    assert stats.batch_sizes == [4, 4, 4]
+    assert stats.batch_sizes == Counter({4: 3})
     assert stats.commits == 1
 
 
@@ -665,7 +665,7 @@ def test_a_lost_lease_is_counted_not_committed_and_its_items_are_scored_again() 
 def test_claims_add_to_the_lease_held_so_a_batch_spanning_them_commits_once() -> None:
     r = rig(keys(6), max_batch_size=6, claim_size=2)
     stats = r.scorer.run()
-    assert stats.batch_sizes == [6]
+    assert stats.batch_sizes == Counter({6: 1})
     assert len({b.lease_id for b in r.sink.batches}) == 1
     assert stats.commits == 1
     assert r.queue.keys(models.State.DONE) == set(keys(6))
@@ -724,7 +724,7 @@ def test_a_batch_holding_two_leases_commits_each_lease_part_separately() -> None
         ("lease-2", ["b1"]),
         ("lease-2", ["b2", "b3"]),
     ]
-    assert stats.batch_sizes == [2, 2, 2]
+    assert stats.batch_sizes == Counter({2: 3})
     assert stats.committed == 6
 
 
@@ -757,8 +757,8 @@ def test_a_failing_sink_flush_is_logged_and_the_run_still_completes() -> None:
 )
 def test_summary_percentiles(values: list[float], p50: float, p99: float) -> None:
     stats = run_stats.RunStats(started_at=100.0, finished_at=110.0)
-    stats.latencies_s = list(values)
-    stats.batch_sizes = [round(v) for v in reversed(values)]  # summary sorts them
+    stats.latencies_s = run_stats.Samples.of(values)
+    stats.batch_sizes = Counter(round(v) for v in reversed(values))
     s = stats.summary()
     assert (s["latency_p50_s"], s["latency_p99_s"]) == (p50, p99)
     assert s["latency_max_s"] == (max(values) if values else 0.0)
@@ -767,8 +767,8 @@ def test_summary_percentiles(values: list[float], p50: float, p99: float) -> Non
 
 def test_summary_numbers() -> None:
     stats = run_stats.RunStats(started_at=100.0, finished_at=104.0, committed=40, failed=2)
-    stats.batch_sizes = [8, 16, 16]
-    stats.service_s = [0.1, 0.2, 0.3]
+    stats.batch_sizes = Counter([8, 16, 16])
+    stats.service_s = run_stats.Samples.of([0.1, 0.2, 0.3])
     stats.real_tokens, stats.padded_tokens = 30, 40
     stats.reasons.update(["size", "size", "wait"])
     s = stats.summary()
@@ -794,16 +794,17 @@ def test_run_stats_measure_latency_from_enqueue_on_the_injected_clock() -> None:
     r.queue.add(keys(4))
     clock.advance(2.5)
     stats = r.scorer.run()
-    assert stats.latencies_s == [2.5] * 4
+    lat = stats.latencies_s
+    assert (len(lat), lat.quantile(0), lat.max) == (4, 2.5, 2.5)
     assert stats.reasons == Counter({"size": 1})
-    assert stats.service_s == [0.01]
+    assert (len(stats.service_s), stats.service_s.mean) == (1, 0.01)
 
 
 # ----------------------------------------------------------------------------- pacing
 
 
 def test_summary_rows_are_one_list_for_the_cli_and_the_artifact() -> None:
-    stats = run_stats.RunStats(started_at=0.0, committed=4, commits=1, batch_sizes=[4])
+    stats = run_stats.RunStats(started_at=0.0, committed=4, commits=1, batch_sizes=Counter([4]))
     stats.finished_at = 2.0
     rows = dict(run_stats.summary_rows({**stats.summary(), "lineage_failures": 0}))
     assert (rows["items committed"], rows["batches"], rows["commits"]) == ("4", "1", "1")

@@ -18,7 +18,7 @@ from batching import errors
 from batching.loop.pipes import Outbox as _Outbox
 from batching.loop.pipes import Watch as _Watch
 from batching.loop.pipes import WorkerReport
-from batching.loop.stats import RunLimits, RunStats
+from batching.loop.stats import RunLimits, RunStats, Samples
 from batching.loop.workers import WorkersOutcome, share_limits
 from tests.conftest import KeptRecords
 
@@ -64,8 +64,8 @@ def test_merged_counters_add_up_and_the_run_spans_first_start_to_last_finish() -
         failed=1,
         claimed=4,
         commits=1,
-        batch_sizes=[3],
-        latencies_s=[0.1, 0.2, 0.3],
+        batch_sizes=Counter([3]),
+        latencies_s=Samples.of([0.1, 0.2, 0.3]),
         real_tokens=5,
         padded_tokens=6,
         bytes_written=100,
@@ -77,15 +77,16 @@ def test_merged_counters_add_up_and_the_run_spans_first_start_to_last_finish() -
         committed=2,
         claimed=2,
         commits=2,
-        batch_sizes=[1, 1],
+        batch_sizes=Counter([1, 1]),
         reasons=Counter(size=1, wait=1),
     )
     b.stage_s["claim"] = 0.5
     a.stage_s["claim"] = 0.25
     total = RunStats.merged([a, b])
     assert (total.committed, total.failed, total.claimed, total.commits) == (5, 1, 6, 3)
-    assert sorted(total.batch_sizes) == [1, 1, 3]
-    assert total.latencies_s == [0.1, 0.2, 0.3]
+    assert total.batch_sizes == Counter({1: 2, 3: 1})
+    lat = total.latencies_s
+    assert (len(lat), lat.quantile(0), lat.quantile(100)) == (3, 0.1, 0.3)
     assert total.reasons == Counter(size=2, wait=1)
     assert total.stage_s["claim"] == 0.75
     assert (total.started_at, total.finished_at) == (10.0, 14.0)
