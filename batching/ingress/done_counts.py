@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 
 from batching import models
 from batching.ingress.queue import SqlQueue
@@ -93,7 +93,7 @@ class DoneCounts:
 def filled(
     stats: models.QueueStats,
     counts: dict[tuple[str, str, str], int] | None,
-    seen: set[tuple[str, str, str]],
+    seen: Set[tuple[str, str, str]],
 ) -> models.QueueStats:
     """``stats`` of the live states (``done=False``) with the done ``counts`` filled in (None:
     none finished yet), and a group of zeros for each (queue, lane, tenant) in ``seen`` or

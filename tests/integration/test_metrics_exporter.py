@@ -152,6 +152,37 @@ def test_done_items_are_counted_beside_the_scrapes_not_in_them(
     assert q1.stats().by_state["done"] == 3
 
 
+def test_a_tenant_whose_items_were_all_purged_drops_out_once_a_done_count_lands(
+    db_url: str, clock: FakeClock
+) -> None:
+    """Every (queue, lane, tenant) ever shown was kept as zeros for the process's life: with
+    many short-lived tenants, each scrape walked all of them (a soak review)."""
+    queue = SqlQueue(database.create_engine(db_url), "q1", clock=clock)
+    queue.enqueue(records("z", 2, "z"))
+    claim = queue.claim(2, lease_s=60)
+    queue.ack(claim.lease_id, [i.id for i in claim.items])
+    queue.enqueue(records("a", 1, "a"))
+    collector = TableCollector(cfg(), queue, clock, done_every_s=60)
+
+    def tenants() -> set[str]:
+        found = pick(scrape_of(collector), "batching_queue_items")
+        return {dict(k[1])["tenant"] for k in found}
+
+    try:
+        tenants()  # the first count starts
+        assert collector.done.wait(30)
+        assert tenants() == {"a", "z"}  # z: 2 done
+        clock.advance(1)
+        assert queue.purge(0) == 2
+        assert tenants() == {"a", "z"}  # the last count still has z's done items
+        clock.advance(61)
+        tenants()  # due: starts a count
+        assert collector.done.wait(30)
+        assert tenants() == {"a"}
+    finally:
+        queue.engine.dispose()
+
+
 def test_a_failing_done_count_is_tried_every_done_every_not_at_each_scrape(
     q1: SqlQueue, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -313,7 +313,9 @@ def test_the_scorer_reports_to_its_observer_what_its_stats_count() -> None:
     r.scorer.observer = rec
     stats = r.scorer.run()
     assert by_tenant(rec, "batching_items_committed_total") == {"default": stats.committed}
-    assert sum(samples(rec, "batching_batch_size_items_count").values()) == stats.batch_sizes.total()
+    assert (
+        sum(samples(rec, "batching_batch_size_items_count").values()) == stats.batch_sizes.total()
+    )
     assert sum(samples(rec, "batching_commit_seconds_count").values()) >= 1
     assert list(samples(rec, "batching_run_active").values()) == [0]
 
