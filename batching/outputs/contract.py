@@ -252,8 +252,10 @@ class Sink(Protocol):
         """The ledger rows (``schema.batches``) whose outputs this sink judges."""
         ...
 
-    def survey(self) -> facts.Survey:
-        """What a reader sees now; called before the ledger is read."""
+    def survey(self, since: float | None = None) -> facts.Survey:
+        """What a reader sees now; called before the ledger is read. ``since``: only what was
+        written since then need be listed (a sink that lists files may skip older
+        partitions; a scoped reconcile looks for orphans there only); None: everything."""
         ...
 
     def observe(

@@ -347,7 +347,7 @@ class DeltaSink(outbox.OutboxSink):
 
     # -- reconcile ---------------------------------------------------------------------------
 
-    def survey(self) -> facts.Survey:
+    def survey(self, since: float | None = None) -> facts.Survey:
         """Nothing to list first: a batch is in the table only after its ledger row commits,
         so a batch the table shows without a row in reconcile's snapshot is looked up again."""
         return facts.Survey()

@@ -53,6 +53,8 @@ from batching.outputs.parquet_layout import (
 from batching.store import schema
 
 logger = logging.getLogger(__name__)
+
+_DAY_S = 86_400.0
 _B = schema.batches
 
 
@@ -279,10 +281,13 @@ class ParquetSink(sinks.FencedSink):
         """Every Parquet batch: one written to another dataset root is found in ``inspect``."""
         return _B.c.sink == self.kind
 
-    def survey(self) -> facts.Survey:
-        """The files a reader's glob sees, and the staging folder, listed now."""
+    def survey(self, since: float | None = None) -> facts.Survey:
+        """The files a reader's glob sees, and the staging folder, listed now; with ``since``,
+        only the ``date=`` partitions from the day before it on (a batch's partition is the day
+        it was scored, before its commit)."""
+        after = None if since is None else since - _DAY_S
         with sinks.translate_errors(f"cannot list {self.layout.root}"):
-            visible = tuple(str(self.layout.root / p) for p in self.layout.visible_files())
+            visible = tuple(str(self.layout.root / p) for p in self.layout.visible_files(after))
             return facts.Survey(visible, tuple(self.layout.staging_files()))
 
     def visible_after(self, after: str | None) -> Iterator[str]:

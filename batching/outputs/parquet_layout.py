@@ -81,11 +81,18 @@ class ParquetLayout:
         """The staging file of a batch; its name carries the lease that may commit it."""
         return self.staging / f"{batch_id}.{lease_id}{STAGING_SUFFIX}"
 
-    def visible_files(self) -> list[str]:
-        """Every ``*.parquet`` file a reader's glob sees, as POSIX paths relative to the root."""
+    def visible_files(self, since: float | None = None) -> list[str]:
+        """Every ``*.parquet`` file a reader's glob sees, as POSIX paths relative to the root;
+        with ``since``, only those in the ``date=`` partitions of its UTC day and after."""
         if not self.root.is_dir():
             return []
-        found = (p for p in self.root.rglob("*.parquet") if p.is_file())
+        folders = [self.root]
+        if since is not None:
+            first = "date=" + datetime.fromtimestamp(since, UTC).date().isoformat()
+            folders = [
+                p for p in self.root.iterdir() if p.name.startswith("date=") and p.name >= first
+            ]
+        found = (p for f in folders for p in f.rglob("*.parquet") if p.is_file())
         return sorted(p.relative_to(self.root).as_posix() for p in found)
 
     def walk_visible(self, after: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:

@@ -122,7 +122,7 @@ class SqlSink(sinks.FencedSink):
     def owns(self) -> sa.ColumnElement[bool]:
         return sa.and_(_B.c.sink == self.kind, _B.c.path == self.table_name)
 
-    def survey(self) -> facts.Survey:
+    def survey(self, since: float | None = None) -> facts.Survey:
         return facts.Survey()
 
     def observe(
@@ -265,7 +265,7 @@ class WarehouseSqlSink(outbox.OutboxSink):
     def maintain(self, *, vacuum_retention_h: float | None = None) -> dict[str, object]:
         return {}
 
-    def survey(self) -> facts.Survey:
+    def survey(self, since: float | None = None) -> facts.Survey:
         return facts.Survey()
 
     def inspect(

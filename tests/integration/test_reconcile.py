@@ -522,6 +522,30 @@ def test_run_and_since_limit_the_ledger_window(
     assert (missing.kind, missing.item_keys) == (Kind.MISSING_FILE, ("a",))
 
 
+def test_a_window_or_a_run_lists_only_the_partitions_it_can_have_written(
+    queue: q.SqlQueue, sink: parquet.ParquetSink, root: Path, clock: FakeClock
+) -> None:
+    """A scoped check listed (and looked up in the ledger) every file ever written: an hourly
+    window grew as slow as the whole dataset (a soak review). It lists the ``date=``
+    partitions from the day before its window on; an orphan older than that is the
+    unscoped check's, one inside is found."""
+    batch = commit(queue, sink, ["a"], clock, run_id="run-1")
+    live = root / path_of(queue, batch)
+    old = root / "date=2001-01-01" / live.parent.name / "part-lost.parquet"
+    old.parent.mkdir(parents=True)
+    shutil.copy(live, old)
+    since = clock() - 60
+    assert run(queue, root, clock, since=since).findings == ()
+    assert run(queue, root, clock, run_id="run-1").findings == ()
+    (orphan,) = run(queue, root, clock).findings
+    assert (orphan.kind, orphan.files) == (Kind.ORPHAN_FILE, (str(old),))
+    recent = live.with_name("part-lost.parquet")
+    shutil.move(old, recent)
+    for scoped in ({"since": since}, {"run_id": "run-1"}):
+        (orphan,) = run(queue, root, clock, **scoped).findings
+        assert (orphan.kind, orphan.files) == (Kind.ORPHAN_FILE, (str(recent),))
+
+
 def test_two_queues_sharing_a_sql_results_table_keep_and_reconcile_their_own_outputs(
     queue: q.SqlQueue, clock: FakeClock
 ) -> None:
