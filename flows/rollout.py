@@ -67,7 +67,7 @@ def rollout_guard(
     with logs.to_prefect(flow_run_id()):
         credentials.refuse_passwords(db_url=db_url, overrides=overrides)
         cfg = settings.load(config or settings.ONLINE, overrides)
-        db = credentials.db_url(db_url, db_url_secret)
+        db = settings.db_url(credentials.db_url(db_url, db_url_secret))  # or $BATCHING_DB_URL
         seen, change = judge_rollout(cfg, db, dry_run)
         publish_status(cfg.name, seen)
         logger = get_run_logger()

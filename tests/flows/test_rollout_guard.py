@@ -8,6 +8,7 @@ import hashlib
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
@@ -85,11 +86,18 @@ def test_the_guard_flow_rolls_a_failing_candidate_back_and_says_so(tmp_path: Pat
     assert "max_error_rate" in (artifact.description or "")
 
 
-def test_the_guard_flow_leaves_a_healthy_candidate_alone(tmp_path: Path) -> None:
+def test_the_guard_flow_leaves_a_healthy_candidate_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pipeline = make_pipeline(tmp_path, 200)
     with_candidate(pipeline, tmp_path)  # the same model, another version name
     score(**pipeline.params())
-    result = rollout_guard(**pipeline.params())
+    # the database from the workers' environment, as every other flow takes it (the guard
+    # once failed every minute on the config's default file: a Prefect review)
+    overrides = dict(pipeline.overrides)
+    monkeypatch.setenv("BATCHING_DB_URL", overrides.pop("database")["url"])
+    monkeypatch.chdir(tmp_path)  # no ./batching.db to fall back on
+    result = rollout_guard(**pipeline.params(overrides=overrides))
     assert result["rolled_back"] is False
     assert result["guard"]["breach"] is None
     by_role = {v["role"]: v for v in result["versions"]}
