@@ -97,6 +97,30 @@ class WorkersScoreOutcome:
         return summary
 
 
+# Leases a failed attempt of a run in this process could not give back (its database cut
+# off): its retry (same run id, same process: a Prefect task retry) gives them back first.
+# Their items stayed leased until the lease expired, so a retry 5 s later claimed nothing
+# and the flow run ended Completed with the queue still leased (a Prefect review).
+_UNRELEASED: dict[str, set[str]] = {}
+_UNRELEASED_LOCK = threading.Lock()
+
+
+def _give_back_unreleased(queue: q.SqlQueue, run_id: str) -> None:
+    """Release, uncharged, the leases an earlier attempt of ``run_id`` could not (fenced by
+    lease id: one that expired and was claimed again is another lease and is untouched)."""
+    with _UNRELEASED_LOCK:
+        leases = sorted(_UNRELEASED.get(run_id, ()))
+    for lease_id in leases:
+        n = queue.release(lease_id)
+        logger.info(
+            "gave back %d item(s) an earlier attempt could not",
+            n,
+            extra={"action": "released_earlier_attempt", "lease_id": lease_id, "items": n},
+        )
+        with _UNRELEASED_LOCK:
+            _UNRELEASED.get(run_id, set()).discard(lease_id)
+
+
 def run_score(
     config: cfg.PipelineConfig,
     *,
@@ -167,6 +191,7 @@ def run_score(
         # Expired leases first (a scorer killed with items leased): the sweep below then
         # deletes their staging files rather than keep them as in flight.
         queue.release_expired(this_queue=True)
+        _give_back_unreleased(queue, run_id)
         recovered = sink.recover()
         profile = build.load_profile(config)
         ctx = context(sink=sink, checksum=runner.checksum)
@@ -235,6 +260,9 @@ def run_score(
             if refused is not None:  # acked, safe in the outbox, but not where readers look
                 raise errors.SinkError(refused)
         except BaseException as exc:
+            if scorer is not None and scorer.unreleased:
+                with _UNRELEASED_LOCK:
+                    _UNRELEASED.setdefault(run_id, set()).update(scorer.unreleased)
             done = scorer.stats if scorer is not None else None
             committed = before + (done.committed if done else 0)
             summary: Mapping[str, Any] = done.summary() if done else {}

@@ -80,6 +80,7 @@ class ShardScorer:
             started_at=time.time(), latencies_s=run_stats.Samples([config.latency_slo_s])
         )
         self._on_progress = on_progress
+        self.unreleased: set[str] = set()  # leases not given back: the database was cut off
         self._wait = wait_for_work or time.sleep
         self._stop = threading.Event()
         self._schema_changed: errors.SchemaError | None = None  # see _watch_schema
@@ -215,7 +216,8 @@ class ShardScorer:
         for lease in held:
             try:
                 self.queue.release(lease)
-            except errors.QueueError:
+            except errors.QueueError:  # the run's retry gives it back first (compose.run)
+                self.unreleased.add(lease)
                 logger.warning("release failed; the lease will expire", exc_info=True)
 
     def _give_back(self, ahead: cf.Future[_Fetched | None] | None) -> None:

@@ -140,6 +140,9 @@ class Scorer(Generic[D]):
         self._unsettled = False  # a commit was cut off: settle its batch again at the end
         self._batch_lock = threading.Lock()  # the batcher: claim thread adds, dispatcher polls
         self._leases: dict[str, int] = {}
+        # Leases whose items could not be given back (the database was cut off): the run's
+        # retry gives them back before it claims (``compose.run``), not their expiry.
+        self.unreleased: set[str] = set()
         self._open_lease: str | None = None  # claims add to it while it holds items
         self._open_lease_at = -math.inf  # when it was opened
         self._item_lease: dict[int, str] = {}
@@ -800,6 +803,7 @@ class Scorer(Generic[D]):
         try:
             self.stats.released += self.queue.release(lease_id, ids)
         except errors.QueueError:
+            self.unreleased.add(lease_id)
             logger.warning(
                 "items not released; they return when the lease expires",
                 extra={"action": "release_failed", "lease_id": lease_id},
@@ -815,6 +819,7 @@ class Scorer(Generic[D]):
                 self.stats.released += self.queue.release(lease_id, models.item_column(held, "id"))
                 self.observer.released(held)
             except errors.QueueError:
+                self.unreleased.add(lease_id)
                 logger.warning(
                     "items not released; they return when the lease expires",
                     extra={"action": "release_failed", "lease_id": lease_id},
@@ -999,6 +1004,7 @@ class Scorer(Generic[D]):
                 self.stats.released += self.queue.release(lease_id, ids)
                 self.observer.released([i for i in job.batch.items if i.id in mine])
             except errors.QueueError:
+                self.unreleased.add(lease_id)
                 logger.warning(
                     "items not released; they return when the lease expires",
                     extra={"action": "release_failed", "lease_id": lease_id},

@@ -29,6 +29,7 @@ import yaml
 from batching import config as cfg
 from batching import errors, models
 from batching.compose import build
+from batching.compose import record as run_record
 from batching.compose import run as wiring
 from batching.evidence import lineage, lineage_log
 from batching.evidence import reconcile as rc
@@ -509,6 +510,41 @@ def test_a_commit_the_database_refuses_gives_its_items_back_without_an_attempt(
     assert score(config, sqlite_url, None).summary["items_committed"] == n
     assert {r.state for r in items(sqlite_url).values()} == {models.State.DONE}
     assert reconcile(config, sqlite_url, "batching_results").clean
+
+
+def test_a_retry_gives_back_what_its_failed_attempt_could_not_before_it_claims(
+    sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The database refuses the commit, and then the give-back too (cut off): the items stay
+    # leased. The run's retry 5 s later (Prefect's, same run id, same process) claimed
+    # nothing until the leases expired, and the flow run ended Completed with the queue
+    # leased (a Prefect review). It gives them back first now, then scores them.
+    n = 24
+    config = load("tabular.yaml", tmp_path, output={"kind": "sql"}, batching={"max_batch_size": 8})
+    enqueue(sqlite_url, config, w1_records(n, tmp_path))
+    engine = database.create_engine(sqlite_url)
+    with engine.begin() as conn:
+        schema.ensure_results_table(conn, schema.results)
+        conn.exec_driver_sql(
+            "CREATE TRIGGER refuse BEFORE INSERT ON batching_results "
+            "BEGIN SELECT RAISE(ABORT, 'disk full'); END"
+        )
+
+    def cut_off(*_args: Any, **_kwargs: Any) -> int:
+        raise errors.Disconnected("connection to the database lost")
+
+    run_id = lineage.new_run_id()
+    with monkeypatch.context() as patch:
+        patch.setattr(q.SqlQueue, "release", cut_off)
+        with pytest.raises(errors.QueueError, match="disk full"):
+            score(config, sqlite_url, None, run_id=run_id)
+    assert {r.state for r in items(sqlite_url).values()} == {models.State.LEASED}
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP TRIGGER refuse")
+    engine.dispose()
+    retry = score(config, sqlite_url, None, run_id=run_id, attempt=run_record.Attempt(2))
+    assert retry.summary["items_committed"] == n
+    assert {(r.state, r.attempts) for r in items(sqlite_url).values()} == {(models.State.DONE, 1)}
 
 
 def test_a_run_that_fails_its_checks_is_on_record_in_lineage(
