@@ -96,14 +96,23 @@ def by_cost(items: Sequence[models.WorkItem], seconds: float) -> dict[str, float
     return {t: seconds * c / total for t, c in shares.items()} if total else {}
 
 
-def nothing_succeeded(summary: Mapping[str, object]) -> str | None:
+def nothing_succeeded(summary: Mapping[str, object], queue: str | None = None) -> str | None:
     """Why a run that committed nothing and failed items is a failed run, or None: the
     CLI exits 1 and the flows fail with it (``errors.NothingSucceeded``). Such a run had
-    ended green while every item was dead-lettered."""
+    ended green while every item was dead-lettered. Names the commonest reasons the run
+    saw (``failure_reasons``), so the run's message says what to fix."""
     failed = int(str(summary.get("items_failed") or 0))
     if summary.get("items_committed") or not failed:
         return None
+    reasons = summary.get("failure_reasons")
+    why = (
+        "; ".join(f"{n} x {reason}" for reason, n in list(reasons.items())[:3])
+        if isinstance(reasons, Mapping) and reasons
+        else "see each item's last_error"
+    )
+    where = f" in queue {queue!r}" if queue else ""
     return (
-        f"the run committed nothing and {failed} item(s) failed (retried, or dead with their "
-        "reason): `batching reconcile -c CONFIG --json` counts the dead by reason"
+        f"the run committed nothing and {failed} item(s) failed{where} (retried, or dead with "
+        f"their reason): {why}; `batching status -q {queue or 'QUEUE'}` shows where they are, "
+        "`batching redrive` sends dead items back once fixed"
     )

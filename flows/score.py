@@ -204,7 +204,7 @@ def fail_if_nothing_succeeded(
     retried run whose earlier attempt committed items (the run ledger counts every attempt's)
     succeeded. Before the backlog check: a backlog event would start another run to fail the
     same way."""
-    why = outcomes.nothing_succeeded(summary)
+    why = outcomes.nothing_succeeded(summary, cfg.queue.name)
     if why is None:
         return
     try:

@@ -181,7 +181,7 @@ def bulk(
             lineage_config=lineage_settings(cfg),
             in_place=scored,
         )
-    failed = nothing_succeeded(outcome.summary)
+    failed = nothing_succeeded(outcome.summary, cfg.queue.name)
     incomplete = left()
     if as_json:
         doc = score_doc(cfg, outcome, errors=[*filter(None, [failed]), *incomplete])

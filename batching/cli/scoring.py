@@ -187,7 +187,7 @@ def score(
             lineage_config=lineage_config,
             model_version=model_version,
         )
-    failed = nothing_succeeded(outcome.summary)
+    failed = nothing_succeeded(outcome.summary, cfg.queue.name)
     if as_json:
         emit_json(score_doc(cfg, outcome, errors=[failed] if failed else []))
     else:
@@ -315,7 +315,7 @@ def _score_workers(
             highlight=False,
         )
     if as_json:
-        failed = [] if outcome.exit_code else [nothing_succeeded(result.summary)]
+        failed = [] if outcome.exit_code else [nothing_succeeded(result.summary, cfg.queue.name)]
         emit_json(
             score_doc(
                 cfg, result, outcome.reports, [*outcome.errors(), *filter(None, failed), *more]
@@ -329,7 +329,7 @@ def _score_workers(
         flag(err, "error", message)
     if outcome.exit_code:
         raise typer.Exit(outcome.exit_code)
-    exit_if_nothing_succeeded(nothing_succeeded(result.summary))
+    exit_if_nothing_succeeded(nothing_succeeded(result.summary, cfg.queue.name))
     for message in more:
         flag(err, "error", message)
         raise typer.Exit(1)

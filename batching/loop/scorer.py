@@ -452,6 +452,7 @@ class Scorer(Generic[D]):
                 lease_id, {i.id: reason for i in items}, retry=True, model_version=version
             )
             self.stats.failed += res.retried + res.dead
+            self.stats.count_failures([reason] * len(items))
             self.observer.failed(items, retry=True, model_version=version)
         self._claim_wanted.set()
 
@@ -795,6 +796,7 @@ class Scorer(Generic[D]):
                     lease_id, failures, retry=retry, model_version=part.model_version
                 )
                 self.stats.failed += res.retried + res.dead
+                self.stats.count_failures(failures.values())
                 failed = [i for i in held if i.id in failures]
                 self.observer.failed(failed, retry=retry, model_version=part.model_version)
         return made

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NotRequired, TypedDict
 
@@ -62,6 +62,7 @@ class RunSummary(TypedDict):
     cpu_threads: NotRequired[int]  # torch's, on CPU: a replay scores with as many
     attempt: NotRequired[int]
     run_items_committed: NotRequired[int]
+    failure_reasons: NotRequired[dict[str, int]]  # the most frequent, when items failed
 
 
 # RunStats fields that add up across scorers (RunStats.merged).
@@ -83,7 +84,12 @@ _ADDITIVE = (
     "bytes_written",
     "breaker_trips",
     "expired",
+    "failure_reasons",
 )
+
+_REASONS_KEPT = 32  # distinct failure reasons a run counts; the rest under ``_OTHER_REASONS``
+_OTHER_REASONS = "(other reasons)"
+_REASON_CHARS = 300
 
 
 @dataclass
@@ -114,6 +120,9 @@ class RunStats:
     shadowed: int = 0
     shadow_failed: int = 0
     reasons: collections.Counter[str] = field(default_factory=collections.Counter)
+    # why items failed (the model's or the input's error, as the queue records it): the run's
+    # failure message names the commonest, not only a count (a Prefect review)
+    failure_reasons: collections.Counter[str] = field(default_factory=collections.Counter)
     by_version: collections.Counter[str] = field(default_factory=collections.Counter)
     # Device seconds (forward time on the run's one device), by tenant (apportioned by cost)
     # and by model version: what the run cost, and whom.
@@ -187,10 +196,21 @@ class RunStats:
         }
         if self.adaptive:
             summary["adaptive"] = dict(self.adaptive)
+        if self.failure_reasons:
+            summary["failure_reasons"] = dict(self.failure_reasons.most_common(5))
         if self.shadowed or self.shadow_failed:
             summary["items_shadowed"] = self.shadowed
             summary["shadow_failed"] = self.shadow_failed
         return summary
+
+    def count_failures(self, reasons: Iterable[str]) -> None:
+        """Count items failed for ``reasons`` (one each), at most ``_REASONS_KEPT`` distinct."""
+        for reason in reasons:
+            text = reason[:_REASON_CHARS]
+            if text in self.failure_reasons or len(self.failure_reasons) < _REASONS_KEPT:
+                self.failure_reasons[text] += 1
+            else:
+                self.failure_reasons[_OTHER_REASONS] += 1
 
     def add_device_time(
         self, items: Sequence[models.WorkItem], version: str, seconds: float
@@ -231,6 +251,10 @@ def summary_rows(summary: Mapping[str, object]) -> list[tuple[str, str]]:
         ("elapsed (s)", f"{summary['elapsed_s']:.1f}"),
         ("release reasons", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "-"),
     ]
+    failures = summary.get("failure_reasons")
+    if isinstance(failures, Mapping) and failures:  # the commonest first
+        shown = "; ".join(f"{n} x {reason}" for reason, n in list(failures.items())[:3])
+        rows.insert(2, ("items failed, by reason", shown))
     if summary.get("items_isolated"):  # suspects of a lost worker, scored alone
         rows.insert(3, ("items scored in isolation", f"{summary['items_isolated']}"))
     if summary.get("items_expired"):  # expired unscored: late, or past their deadline

@@ -28,7 +28,8 @@ def test_a_score_run_whose_every_item_fails_exits_1(tmp_path: Path) -> None:
     doc = r.json()
     assert doc["ok"] is False
     assert doc["summary"]["items_failed"] == 5
-    assert "committed nothing and 5 item(s) failed" in doc["errors"][0]
+    assert "committed nothing and 5 item(s) failed in queue 'tabular'" in doc["errors"][0]
+    assert "5 x " in doc["errors"][0], doc["errors"][0]  # the reason, counted: what to fix
     path.write_text(
         "".join(
             json.dumps({"item_key": f"w{i}", "payload": {"x": [0.5] * 63}}) + "\n" for i in range(6)

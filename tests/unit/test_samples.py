@@ -73,3 +73,14 @@ def test_a_long_run_summary_reads_the_folded_samples() -> None:
     assert summary["latency_p99_s"] == pytest.approx(0.1, rel=0.005)
     assert summary["latency_max_s"] == 0.7
     assert stats.latencies_s.count_above(0.5) == 100
+
+
+def test_a_run_counts_its_failure_reasons_and_keeps_a_bounded_number() -> None:
+    stats = RunStats(started_at=0.0, finished_at=1.0, failed=40)
+    stats.count_failures(["bad shape"] * 5 + [f"unique {i}" for i in range(35)])
+    assert len(stats.failure_reasons) == 33  # 32 kept, the rest as one
+    assert stats.failure_reasons["(other reasons)"] == 4  # the 4 unique ones past 32
+    summary = stats.summary()
+    assert next(iter(summary["failure_reasons"].items())) == ("bad shape", 5)
+    merged = RunStats.merged([stats, stats])
+    assert merged.failure_reasons["bad shape"] == 10
