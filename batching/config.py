@@ -948,6 +948,8 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pi
         ) from None
     if data is None:
         data = {}
+    source = str(p)
     if overrides and isinstance(data, dict):
         data = _deep_merge(data, overrides)
-    return parse_config(data, source=str(p), base_dir=str(p.parent.resolve()))
+        source += " with its overrides"  # a bad key may be the overrides' (a flow parameter)
+    return parse_config(data, source=source, base_dir=str(p.parent.resolve()))

@@ -246,3 +246,13 @@ def test_the_config_hash_cannot_test_a_guess_of_a_password() -> None:
             {"model": MODEL, "database": {"url": "postgresql://scorer@db:5432/other"}}
         ).config_hash()
     )
+
+
+def test_a_bad_key_in_the_overrides_is_not_blamed_on_the_file_alone() -> None:
+    """A flow's ``overrides`` parameter with a typo was reported as the YAML file's line (a
+    Prefect review): the message says the overrides were merged in."""
+    path = REPO / "deployments" / "bulk.yaml"
+    with pytest.raises(
+        errors.ConfigError, match=r"bulk\.yaml with its overrides: .*max_batch_sizee"
+    ):
+        config.load_config(path, {"batching": {"max_batch_sizee": 8}})
