@@ -169,6 +169,18 @@ def test_a_tenant_named_other_is_never_labelled_apart() -> None:
     assert folder.labelled() == frozenset()
 
 
+def test_a_process_hands_out_a_bounded_number_of_tenant_labels_in_its_life() -> None:
+    """Each tenant that rose to the top kept its series for the process's life (a soak
+    review: 200 such tenants, 4,500 lines). Past 4 x N labels ever given, only a tenant
+    labelled before is promoted again; the rest count under ``other``."""
+    folder = TenantFolder(1)
+    for day in range(10):  # a new, busier tenant each day
+        folder.label(f"t{day}", 100 * (day + 1))
+    assert folder.labelled() == {"t3"}  # the fifth new tenant stays folded
+    assert folder.label("t9", 10_000) == "other"
+    assert folder.label("t0", 10_000) == "t0"  # labelled before: its series exist already
+
+
 @pytest.mark.parametrize(
     ("volumes", "top_n", "kept"),
     [
