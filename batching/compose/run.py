@@ -98,16 +98,19 @@ class WorkersScoreOutcome:
 
 
 # Leases a failed attempt of a run in this process could not give back (its database cut
-# off): its retry (same run id, same process: a Prefect task retry) gives them back first.
-# Their items stayed leased until the lease expired, so a retry 5 s later claimed nothing
-# and the flow run ended Completed with the queue still leased (a Prefect review).
+# off): its retry (the same parent run, a flow run, in the same process: a Prefect task retry
+# of a one-worker run) gives them back first. Their items stayed leased until the lease
+# expired, so a retry 5 s later claimed nothing and the flow run ended Completed with the
+# queue still leased (a Prefect review). A spawned worker's (``--workers`` > 1) are not kept:
+# they wait out their lease.
 _UNRELEASED: dict[str, set[str]] = {}
 _UNRELEASED_LOCK = threading.Lock()
 
 
 def _give_back_unreleased(queue: q.SqlQueue, run_id: str) -> None:
-    """Release, uncharged, the leases an earlier attempt of ``run_id`` could not (fenced by
-    lease id: one that expired and was claimed again is another lease and is untouched)."""
+    """Release, uncharged, the leases an earlier attempt of ``run_id`` (the flow run's id, or
+    the run's own without a parent) could not (fenced by lease id: one that expired and was
+    claimed again is another lease, untouched)."""
     with _UNRELEASED_LOCK:
         leases = sorted(_UNRELEASED.get(run_id, ()))
     for lease_id in leases:
@@ -118,7 +121,10 @@ def _give_back_unreleased(queue: q.SqlQueue, run_id: str) -> None:
             extra={"action": "released_earlier_attempt", "lease_id": lease_id, "items": n},
         )
         with _UNRELEASED_LOCK:
-            _UNRELEASED.get(run_id, set()).discard(lease_id)
+            left = _UNRELEASED.get(run_id, set())
+            left.discard(lease_id)
+            if not left:
+                _UNRELEASED.pop(run_id, None)
 
 
 def run_score(
@@ -191,7 +197,7 @@ def run_score(
         # Expired leases first (a scorer killed with items leased): the sweep below then
         # deletes their staging files rather than keep them as in flight.
         queue.release_expired(this_queue=True)
-        _give_back_unreleased(queue, run_id)
+        _give_back_unreleased(queue, parent[0] if parent else run_id)
         recovered = sink.recover()
         profile = build.load_profile(config)
         ctx = context(sink=sink, checksum=runner.checksum)
@@ -261,8 +267,9 @@ def run_score(
                 raise errors.SinkError(refused)
         except BaseException as exc:
             if scorer is not None and scorer.unreleased:
-                with _UNRELEASED_LOCK:
-                    _UNRELEASED.setdefault(run_id, set()).update(scorer.unreleased)
+                with _UNRELEASED_LOCK:  # by the flow run's id: each attempt's worker has its own
+                    key = parent[0] if parent else run_id
+                    _UNRELEASED.setdefault(key, set()).update(scorer.unreleased)
             done = scorer.stats if scorer is not None else None
             committed = before + (done.committed if done else 0)
             summary: Mapping[str, Any] = done.summary() if done else {}

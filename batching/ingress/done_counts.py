@@ -47,6 +47,11 @@ class DoneCounts:
         a count that keeps failing is tried every ``every_s``, not at every scrape."""
         return self.latest_at(now_too)[0]
 
+    def last(self) -> dict[tuple[str, str, str], int] | None:
+        """The last finished count (None before the first), starting nothing."""
+        with self._lock:
+            return self._counts
+
     def latest_at(
         self, now_too: bool = False
     ) -> tuple[dict[tuple[str, str, str], int] | None, float | None]:

@@ -112,13 +112,17 @@ class TableCollector(Collector):
         # review); up 0 pages as BatchingExporterDown, the log says which versions.
         self.queue.check_schema()
         live = self.queue.stats(all_queues=True, done=False)
+        # after the live read: a group it did not find live had no live item by now (a time
+        # read before it, under two overlapping scrapes, dropped a group a count had missed)
+        seen_at = self.clock()
         with self._reading:
             known = {k[0] for k in self._seen} | {g.queue for g in live.groups}
+            known |= {k[0] for k in (self.done.last() or {})}
             new = not set(self.queue.queue_names()) <= known  # its items done between scrapes
             counts, counted_at = self.done.latest_at(now_too=new)
             live_keys = {(g.queue, g.lane, g.tenant) for g in live.groups}
             for key in live_keys | self._live:  # its live items left before this scrape
-                self._seen[key] = now
+                self._seen[key] = seen_at
             self._live = live_keys
             if counts is not None and counted_at is not None:
                 # A group whose live items left before a count started that did not find it

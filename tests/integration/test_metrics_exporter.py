@@ -183,6 +183,33 @@ def test_a_tenant_whose_items_were_all_purged_drops_out_once_a_done_count_lands(
         queue.engine.dispose()
 
 
+def test_a_queue_of_done_items_only_is_counted_once_not_at_every_scrape(
+    db_url: str, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exporter started beside a drained queue: the queue is known from the done count once
+    that has landed (a review found every scrape starting another full count)."""
+    queue = SqlQueue(database.create_engine(db_url), "q1", clock=clock)
+    queue.enqueue(records("d", 3, "a"))
+    claim = queue.claim(3, lease_s=60)
+    queue.ack(claim.lease_id, [i.id for i in claim.items])
+    counted: list[int] = []
+    real = queue.done_counts
+
+    def counting(**kw: bool) -> dict[tuple[str, str, str], int]:
+        counted.append(1)
+        return real(**kw)
+
+    monkeypatch.setattr(queue, "done_counts", counting)
+    collector = TableCollector(cfg(), queue, clock, done_every_s=300)
+    try:
+        for _ in range(10):
+            scrape_of(collector)
+            assert collector.done.wait(30)
+        assert len(counted) == 1
+    finally:
+        queue.engine.dispose()
+
+
 def test_a_failing_done_count_is_tried_every_done_every_not_at_each_scrape(
     q1: SqlQueue, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

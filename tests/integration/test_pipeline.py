@@ -534,16 +534,30 @@ def test_a_retry_gives_back_what_its_failed_attempt_could_not_before_it_claims(
         raise errors.Disconnected("connection to the database lost")
 
     run_id = lineage.new_run_id()
+
+    def attempt(number: int) -> wiring.WorkersScoreOutcome:
+        """The flow's score-queue task: one worker in process, a new worker run each time."""
+        done = wiring.run_score_workers(
+            config,
+            1,
+            db_url=sqlite_url,
+            run_id=run_id,
+            attempt=run_record.Attempt(number),
+            in_process=True,
+        )
+        if (error := done.workers.error()) is not None:
+            raise error
+        return done
+
     with monkeypatch.context() as patch:
         patch.setattr(q.SqlQueue, "release", cut_off)
         with pytest.raises(errors.QueueError, match="disk full"):
-            score(config, sqlite_url, None, run_id=run_id)
+            attempt(1)
     assert {r.state for r in items(sqlite_url).values()} == {models.State.LEASED}
     with engine.begin() as conn:
         conn.exec_driver_sql("DROP TRIGGER refuse")
     engine.dispose()
-    retry = score(config, sqlite_url, None, run_id=run_id, attempt=run_record.Attempt(2))
-    assert retry.summary["items_committed"] == n
+    assert attempt(2).summary["items_committed"] == n
     assert {(r.state, r.attempts) for r in items(sqlite_url).values()} == {(models.State.DONE, 1)}
 
 
