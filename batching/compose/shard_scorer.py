@@ -323,7 +323,7 @@ class ShardScorer:
         self.queue.fail(claim.lease_id, {item.id: reason}, retry=False)
         self.observer.failed([item], retry=False)
         self.stats.failed += int(item.cost)  # its rows: the summary says they were refused
-        self.stats.count_failures([reason])
+        self.stats.count_failures([reason], int(item.cost))
         with self._lock:
             self._held.discard(claim.lease_id)
         logger.error(reason, extra={"action": "shard_refused", "item_key": item.item_key})
@@ -346,7 +346,7 @@ class ShardScorer:
                 self._held.discard(claim.lease_id)
             self._trip(breaker.Trip((), tuple(scored.sizes), reason))
         self.queue.fail(claim.lease_id, {item.id: reason})
-        self.stats.count_failures([reason])
+        self.stats.count_failures([reason], int(item.cost))
         self.observer.failed([item], retry=True)
         with self._lock:
             self._held.discard(claim.lease_id)

@@ -203,14 +203,15 @@ class RunStats:
             summary["shadow_failed"] = self.shadow_failed
         return summary
 
-    def count_failures(self, reasons: Iterable[str]) -> None:
-        """Count items failed for ``reasons`` (one each), at most ``_REASONS_KEPT`` distinct."""
+    def count_failures(self, reasons: Iterable[str], weight: int = 1) -> None:
+        """Count items failed for ``reasons`` (``weight`` each: a shard's rows), at most
+        ``_REASONS_KEPT`` distinct."""
         for reason in reasons:
             text = reason[:_REASON_CHARS]
             if text in self.failure_reasons or len(self.failure_reasons) < _REASONS_KEPT:
-                self.failure_reasons[text] += 1
+                self.failure_reasons[text] += weight
             else:
-                self.failure_reasons[_OTHER_REASONS] += 1
+                self.failure_reasons[_OTHER_REASONS] += weight
 
     def add_device_time(
         self, items: Sequence[models.WorkItem], version: str, seconds: float

@@ -84,3 +84,30 @@ def test_a_run_counts_its_failure_reasons_and_keeps_a_bounded_number() -> None:
     assert next(iter(summary["failure_reasons"].items())) == ("bad shape", 5)
     merged = RunStats.merged([stats, stats])
     assert merged.failure_reasons["bad shape"] == 10
+
+
+def test_negative_samples_clock_skew_fold_by_their_own_bins() -> None:
+    values = [-1.0 + i / 20_000 for i in range(10_000)] + [0.0] * 100
+    s = Samples(keep=500)
+    s.extend(values)
+    for p in (1, 25, 50, 75, 99):
+        assert s.quantile(p) == pytest.approx(nearest_rank(values, p), rel=0.005)
+    assert (s.quantile(0), s.quantile(100)) == (-1.0, 0.0)
+
+
+def test_a_nan_or_infinite_sample_is_dropped_not_fatal() -> None:
+    s = Samples(keep=4)
+    s.extend([0.1, float("nan"), 0.2, float("inf"), 0.3, -float("inf")])
+    s.extend([0.4] * 4)
+    assert (len(s), s.max) == (7, 0.4)
+    assert s.quantile(50) == pytest.approx(0.4, rel=0.005)
+
+
+def test_a_threshold_not_every_folded_part_counted_is_not_kept_as_exact() -> None:
+    counted = Samples([0.5], keep=10)
+    counted.extend([0.4] * 100)
+    uncounted = Samples(keep=10)
+    uncounted.extend([0.4] * 100)
+    total = counted + uncounted
+    assert total.thresholds == ()
+    assert total.count_above(0.5) == 0
