@@ -480,6 +480,19 @@ def test_the_sql_sink_commits_each_item_exactly_once(db_url: str, tmp_path: Path
     assert reconcile(config, db_url, "batching_results").clean
 
 
+def refuse_results(url: str) -> sa.engine.Engine:
+    """The SQL results table refusing every insert (a trigger named ``refuse``: a real
+    database error at step 2 of the commit); drop the trigger through the engine returned."""
+    engine = database.create_engine(url)
+    with engine.begin() as conn:
+        schema.ensure_results_table(conn, schema.results)
+        conn.exec_driver_sql(
+            "CREATE TRIGGER refuse BEFORE INSERT ON batching_results "
+            "BEGIN SELECT RAISE(ABORT, 'disk full'); END"
+        )
+    return engine
+
+
 def test_a_commit_the_database_refuses_gives_its_items_back_without_an_attempt(
     sqlite_url: str, tmp_path: Path
 ) -> None:
@@ -494,13 +507,7 @@ def test_a_commit_the_database_refuses_gives_its_items_back_without_an_attempt(
     records = [dataclasses.replace(r, max_attempts=1) for r in w1_records(n, tmp_path)]
     assert queue.enqueue(records).inserted == n
     queue.engine.dispose()
-    engine = database.create_engine(sqlite_url)
-    with engine.begin() as conn:
-        schema.ensure_results_table(conn, schema.results)
-        conn.exec_driver_sql(
-            "CREATE TRIGGER refuse BEFORE INSERT ON batching_results "
-            "BEGIN SELECT RAISE(ABORT, 'disk full'); END"
-        )
+    engine = refuse_results(sqlite_url)
     with pytest.raises(errors.QueueError, match="disk full"):
         score(config, sqlite_url, None)
     assert {(r.state, r.attempts) for r in items(sqlite_url).values()} == {(models.State.READY, 0)}
@@ -522,13 +529,7 @@ def test_a_retry_gives_back_what_its_failed_attempt_could_not_before_it_claims(
     n = 24
     config = load("tabular.yaml", tmp_path, output={"kind": "sql"}, batching={"max_batch_size": 8})
     enqueue(sqlite_url, config, w1_records(n, tmp_path))
-    engine = database.create_engine(sqlite_url)
-    with engine.begin() as conn:
-        schema.ensure_results_table(conn, schema.results)
-        conn.exec_driver_sql(
-            "CREATE TRIGGER refuse BEFORE INSERT ON batching_results "
-            "BEGIN SELECT RAISE(ABORT, 'disk full'); END"
-        )
+    engine = refuse_results(sqlite_url)
 
     def cut_off(*_args: Any, **_kwargs: Any) -> int:
         raise errors.Disconnected("connection to the database lost")
