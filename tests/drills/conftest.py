@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from batching import config as cfg
 from batching import models
 from batching.ingress.queue import SqlQueue
-from batching.metrics.exporter import exporter_registry
+from batching.metrics.exporter import TableCollector
 from batching.store import database
 from tests.integration.conftest import BATCHING
 from tests.integration.test_pipeline import enqueue, items, w1_records, write_config
@@ -124,9 +124,11 @@ class Drill:
         assert self.config_path is not None
         config = cfg.load_config(self.config_path)
         queue = SqlQueue(database.create_engine(self.admin_url), config.queue.name)
+        collector = TableCollector(config, queue)
         try:
-            families = list(exporter_registry(config, queue).collect())
+            families = list(collector.collect())
         finally:
+            collector.done.wait(30)  # its first done count: not left holding a connection
             queue.engine.dispose()
         return metric_sum(families, name, **labels)
 

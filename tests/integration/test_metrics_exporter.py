@@ -18,7 +18,7 @@ from batching.evidence import reconcile_result
 from batching.evidence.findings import Finding, Kind, Report, Severity
 from batching.ingress import controls
 from batching.ingress.queue import SqlQueue
-from batching.metrics.exporter import TableCollector, exporter_registry
+from batching.metrics.exporter import TableCollector
 from batching.store import database, schema
 from batching.testing import FakeClock
 
@@ -37,11 +37,14 @@ def cfg(top_tenants: int = 20) -> config.PipelineConfig:
 
 
 def scrape(c: config.PipelineConfig, queue: SqlQueue) -> dict[Key, float]:
-    out = {}
-    for family in exporter_registry(c, queue, queue.clock).collect():
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+    """One scrape by a new exporter, then its first done count waited for: left running,
+    the count's connection outlived the test's engine and was charged to a later test as a
+    leak (a ResourceWarning at another test's teardown)."""
+    collector = TableCollector(c, queue, queue.clock)
+    try:
+        return scrape_of(collector)
+    finally:
+        assert collector.done.wait(30)
 
 
 def pick(found: dict[Key, float], name: str, **labels: str) -> dict[Key, float]:
@@ -341,6 +344,7 @@ def test_a_sqlite_file_moved_under_the_exporter_shows_up_0(
         path.rename(tmp_path / "moved.db")
         assert scrape_of(collector) == {UP: 0.0}
     finally:
+        collector.done.wait(30)  # its first done count, not left holding a connection
         queue.engine.dispose()
 
 
@@ -360,6 +364,7 @@ def test_a_database_of_another_schema_shows_up_0(db_url: str, clock: FakeClock) 
             )
         assert scrape_of(collector) == {UP: 0.0}
     finally:
+        collector.done.wait(30)  # its first done count, not left holding a connection
         queue.engine.dispose()
 
 
