@@ -96,6 +96,11 @@ def by_cost(items: Sequence[models.WorkItem], seconds: float) -> dict[str, float
     return {t: seconds * c / total for t, c in shares.items()} if total else {}
 
 
+def reasons_line(reasons: Mapping[str, int], most: int = 3) -> str:
+    """The first ``most`` failure reasons of a run (commonest first), each with its count."""
+    return "; ".join(f"{n} x {reason}" for reason, n in list(reasons.items())[:most])
+
+
 def nothing_succeeded(summary: Mapping[str, object], queue: str | None = None) -> str | None:
     """Why a run that committed nothing and failed items is a failed run, or None: the
     CLI exits 1 and the flows fail with it (``errors.NothingSucceeded``). Such a run had
@@ -106,7 +111,7 @@ def nothing_succeeded(summary: Mapping[str, object], queue: str | None = None) -
         return None
     reasons = summary.get("failure_reasons")
     why = (
-        "; ".join(f"{n} x {reason}" for reason, n in list(reasons.items())[:3])
+        reasons_line(reasons)
         if isinstance(reasons, Mapping) and reasons
         else "see each item's last_error"
     )

@@ -254,8 +254,7 @@ def summary_rows(summary: Mapping[str, object]) -> list[tuple[str, str]]:
     ]
     failures = summary.get("failure_reasons")
     if isinstance(failures, Mapping) and failures:  # the commonest first
-        shown = "; ".join(f"{n} x {reason}" for reason, n in list(failures.items())[:3])
-        rows.insert(2, ("items failed, by reason", shown))
+        rows.insert(2, ("items failed, by reason", outcomes.reasons_line(failures)))
     if summary.get("items_isolated"):  # suspects of a lost worker, scored alone
         rows.insert(3, ("items scored in isolation", f"{summary['items_isolated']}"))
     if summary.get("items_expired"):  # expired unscored: late, or past their deadline
