@@ -20,7 +20,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -97,14 +97,21 @@ class WorkersScoreOutcome:
         return summary
 
 
-# Leases a failed attempt of a run in this process could not give back (its database cut
-# off): its retry (the same parent run, a flow run, in the same process: a Prefect task retry
-# of a one-worker run) gives them back first. Their items stayed leased until the lease
-# expired, so a retry 5 s later claimed nothing and the flow run ended Completed with the
-# queue still leased (a Prefect review). A spawned worker's (``--workers`` > 1) are not kept:
-# they wait out their lease.
+# Leases a failed attempt of a run could not give back (its database cut off): its retry
+# (the same parent run, a flow run, in the same process: a Prefect task retry) gives them
+# back first. Their items stayed leased until the lease expired, so a retry 5 s later
+# claimed nothing and the flow run ended Completed with the queue still leased (a Prefect
+# review). A spawned worker (``--workers`` > 1) reports its own to the parent, which keeps
+# them here; a worker killed outright reports none, and its leases wait out their expiry.
 _UNRELEASED: dict[str, set[str]] = {}
 _UNRELEASED_LOCK = threading.Lock()
+
+
+def _keep_unreleased(run_id: str, leases: Collection[str]) -> None:
+    """Keep ``leases`` for the next attempt of ``run_id`` (the flow run's id) to give back."""
+    if leases:
+        with _UNRELEASED_LOCK:
+            _UNRELEASED.setdefault(run_id, set()).update(leases)
 
 
 def _give_back_unreleased(queue: q.SqlQueue, run_id: str) -> None:
@@ -266,10 +273,8 @@ def run_score(
             if refused is not None:  # acked, safe in the outbox, but not where readers look
                 raise errors.SinkError(refused)
         except BaseException as exc:
-            if scorer is not None and scorer.unreleased:
-                with _UNRELEASED_LOCK:  # by the flow run's id: each attempt's worker has its own
-                    key = parent[0] if parent else run_id
-                    _UNRELEASED.setdefault(key, set()).update(scorer.unreleased)
+            if scorer is not None:  # by the flow run's id: each attempt's worker has its own
+                _keep_unreleased(parent[0] if parent else run_id, scorer.unreleased)
             done = scorer.stats if scorer is not None else None
             committed = before + (done.committed if done else 0)
             summary: Mapping[str, Any] = done.summary() if done else {}
@@ -464,6 +469,7 @@ def run_score_workers(
         queue = build.open_queue(config, res.db_url)
         queue.check_schema()
         emitter.spool = build.make_spool(queue.engine, emitter.config)  # a database that works
+        _give_back_unreleased(queue, run_id)  # an earlier attempt's workers could not
         sink = build.open_sink(queue, res, read_only=True)  # its dataset, for lineage
         ctx = build.scoring_context(config, res, run_id, sink=sink, lineage_config=lineage_config)
         ctx = in_place.context(ctx) if in_place is not None else ctx
@@ -510,6 +516,7 @@ def run_score_workers(
                     **each,
                 )
             )
+            _keep_unreleased(run_id, {x for r in outcome.reports for x in r.unreleased})
         except BaseException as exc:
             counted = {"items_committed": counts[0], "items_failed": counts[1]}
             record.fail(exc, [ctx.outputs[0].with_stats(before + counts[0])], counted)

@@ -81,6 +81,8 @@ class WorkerReport:
     error_type: str | None = None  # the exception's class name, to raise it again here
     died: bool = False  # exited without a report (killed): its run was never closed
     committed: int = 0  # when it died: the items its last progress report had committed
+    # leases it could not give back (its database cut off): the run's retry releases them
+    unreleased: tuple[str, ...] = ()
 
 
 class Watch:

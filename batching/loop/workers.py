@@ -301,6 +301,12 @@ def run_workers(
     return WorkersOutcome(reports)
 
 
+def _unreleased(scorers: Sequence[Stoppable]) -> tuple[str, ...]:
+    """The leases a failed worker's scorers could not give back (their database cut off),
+    for the parent to release at the run's retry: this process's memory of them ends here."""
+    return tuple(sorted({lease for s in scorers for lease in getattr(s, "unreleased", ())}))
+
+
 def _work(index: int, job: _Job, conn: worker_pipes.Pipe) -> None:
     """A worker process: one whole scoring run, reported back over ``conn``."""
     outbox = worker_pipes.Outbox(conn)
@@ -364,12 +370,17 @@ def _score(index: int, job: _Job, outbox: worker_pipes.Outbox) -> None:
     except errors.BatchingError as exc:
         code = 2 if isinstance(exc, errors.USAGE_ERRORS) else 1
         kind = type(exc).__name__
-        report = worker_pipes.WorkerReport(index, error=str(exc), exit_code=code, error_type=kind)
+        report = worker_pipes.WorkerReport(
+            index, error=str(exc), exit_code=code, error_type=kind, unreleased=_unreleased(scorers)
+        )
         outbox.put(("report", index, report))
         return
     except BaseException as exc:  # not ours: one line to the parent and to its log
         logger.exception("worker %d failed", index)
-        report = worker_pipes.WorkerReport(index, error=f"{type(exc).__name__}: {exc}", exit_code=1)
+        error = f"{type(exc).__name__}: {exc}"
+        report = worker_pipes.WorkerReport(
+            index, error=error, exit_code=1, unreleased=_unreleased(scorers)
+        )
         outbox.put(("report", index, report))
         return
     report = worker_pipes.WorkerReport(

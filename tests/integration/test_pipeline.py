@@ -562,6 +562,49 @@ def test_a_retry_gives_back_what_its_failed_attempt_could_not_before_it_claims(
     assert {(r.state, r.attempts) for r in items(sqlite_url).values()} == {(models.State.DONE, 1)}
 
 
+def test_a_retry_gives_back_what_its_failed_spawned_workers_could_not(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    # As above with two spawned workers, where the database cuts the give-back off for real
+    # (triggers refuse every release: a range's delete, a leased item's return). A worker's
+    # memory of its leases ends with its process, so it reports them, and the parent's next
+    # attempt gives them back before its workers claim: everything commits in that attempt,
+    # each item on its one attempt, not after the 300 s lease.
+    n = 24
+    config = load("tabular.yaml", tmp_path, output={"kind": "sql"}, batching={"max_batch_size": 8})
+    enqueue(sqlite_url, config, w1_records(n, tmp_path))
+    engine = refuse_results(sqlite_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE TRIGGER cut_ranges BEFORE DELETE ON batching_ranges "
+            "BEGIN SELECT RAISE(ABORT, 'connection lost'); END"
+        )
+        conn.exec_driver_sql(
+            "CREATE TRIGGER cut_items BEFORE UPDATE OF state ON batching_items "
+            f"WHEN OLD.state = {int(models.State.LEASED)} AND NEW.state = {int(models.State.READY)} "
+            "BEGIN SELECT RAISE(ABORT, 'connection lost'); END"
+        )
+    run_id = lineage.new_run_id()
+
+    def attempt(number: int) -> wiring.WorkersScoreOutcome:
+        return wiring.run_score_workers(
+            config, 2, db_url=sqlite_url, run_id=run_id, attempt=run_record.Attempt(number)
+        )
+
+    first = attempt(1)
+    assert isinstance(first.workers.error(), errors.QueueError)
+    assert sum(len(r.unreleased) for r in first.workers.reports) >= 1
+    assert open_queue(sqlite_url, config).stats().by_state["leased"] == n
+    with engine.begin() as conn:
+        for trigger in ("refuse", "cut_ranges", "cut_items"):
+            conn.exec_driver_sql(f"DROP TRIGGER {trigger}")
+    engine.dispose()
+    second = attempt(2)
+    assert second.workers.error() is None
+    assert second.summary["items_committed"] == n
+    assert {(r.state, r.attempts) for r in items(sqlite_url).values()} == {(models.State.DONE, 1)}
+
+
 def test_a_run_that_fails_its_checks_is_on_record_in_lineage(
     sqlite_url: str, tmp_path: Path
 ) -> None:
