@@ -99,7 +99,8 @@ class Stack:
             if response.status_code != 503 or not delay:
                 break
             time.sleep(delay)
-        response.raise_for_status()
+        if response.is_error:  # what the server refused, and why, in the failure
+            raise AssertionError(f"POST {path}: {response.status_code} {response.text[:2000]}")
         return response.json() if response.content else None
 
     def deployments(self) -> dict[str, dict[str, Any]]:

@@ -8,7 +8,8 @@
    automations: the score run, whose items waited for the server longer than the online
    config's 1 s SLO, emits ``batching.run.sla_missed`` and the SLA-missed automation POSTs to
    a local webhook (naming the queue and the miss ratio); a ``batching.reconcile.failed`` and
-   a ``batching.queue.backlog`` event do the same through theirs.
+   a ``batching.queue.backlog`` event do the same through theirs; a batching flow run whose
+   heartbeats stop is marked Crashed by the zombie-runs automation (its window shortened).
 3. ``prefect deploy --all --prefect-file deployments/prefect.yaml`` registers the same
    deployments on a process work pool, with their triggers.
 
@@ -23,7 +24,7 @@ import signal
 import threading
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from batching.config import load_config
 from batching.evidence import lineage_log
 from batching.ingress import ingest
 from batching.model import workloads
+from flows import alerts
 from tests.conftest import REPO, wait_for
 from tests.e2e.prefect_stack import Stack
 
@@ -105,6 +107,7 @@ def score_reconcile_and_alert(stack: Stack, tmp_path: Path, hook: Webhook) -> No
     check_sla_missed(hook, score_run["id"])
     check_alert(stack, hook)
     check_backlog(stack, hook)
+    check_zombie(stack, hook)
 
 
 def check_lineage(stack: Stack, score_id: str, reconcile_id: str) -> None:
@@ -220,6 +223,67 @@ def check_backlog(stack: Stack, hook: Webhook) -> None:
     stack.post("/events", [event])
     body = posted(hook, "batching: queue text has a backlog (depth, age)")
     assert "6000 items ready (alert at 5000), the oldest waiting 75.0 s" in body["text"]
+
+
+def check_zombie(stack: Stack, hook: Webhook) -> None:
+    """The zombie-runs automation, as created by ``flows.alerts`` but its 600 s window cut to
+    10 s, Prefect's least (a copy beside it): a batching flow run whose heartbeats stopped is marked Crashed,
+    and the webhook is told; a batching run that completed after its heartbeat, and another
+    project's silent run, are left alone."""
+    (shipped,) = [
+        a for a in stack.post("/automations/filter", {}) if a["name"] == "batching-zombie-runs"
+    ]
+    (block,) = {a["block_document_id"] for a in shipped["actions"] if "block_document_id" in a}
+    fast = alerts.load_automation(AUTOMATIONS / "zombie-runs.yaml", uuid.UUID(block))
+    fast.name, fast.trigger.within = "batching-zombie-runs-fast", timedelta(seconds=10)  # type: ignore[union-attr]
+    fast_id = stack.post("/automations/", fast.model_dump(mode="json"))["id"]
+    (ours,) = stack.post("/flows/filter", {"flows": {"name": {"any_": ["batching-score"]}}})
+    theirs = stack.post("/flows/", {"name": "another-project"})
+
+    def running(flow: dict[str, Any]) -> dict[str, Any]:
+        run = stack.post("/flow_runs/", {"flow_id": flow["id"], "state": {"type": "RUNNING"}})
+        stack.post(
+            "/events",
+            [
+                {
+                    "id": str(uuid.uuid4()),
+                    "occurred": datetime.now(UTC).isoformat(),
+                    "event": "prefect.flow-run.heartbeat",
+                    "resource": {
+                        "prefect.resource.id": f"prefect.flow-run.{run['id']}",
+                        "prefect.resource.name": run["name"],
+                    },
+                    "related": [
+                        {
+                            "prefect.resource.id": f"prefect.flow.{flow['id']}",
+                            "prefect.resource.role": "flow",
+                            "prefect.resource.name": flow["name"],
+                        }
+                    ],
+                }
+            ],
+        )
+        return dict(run)
+
+    zombie, finished, other = running(ours), running(ours), running(theirs)
+    stack.post(
+        f"/flow_runs/{finished['id']}/set_state", {"state": {"type": "COMPLETED"}, "force": True}
+    )
+    crashed = wait_for(
+        lambda: r if (r := stack.flow_run(zombie["id"]))["state"]["type"] == "CRASHED" else None,
+        90,
+        "the silent run to be marked Crashed",
+    )
+    assert "No heartbeat for 600 s" in crashed["state"]["message"]
+    title = f"batching: flow run {zombie['name']} went silent and was marked Crashed"
+    assert "its deployment schedules runs again" in posted(hook, title)["text"]
+    time.sleep(15)  # past another window: the others had longer to fire than the zombie
+    assert stack.flow_run(finished["id"])["state"]["type"] == "COMPLETED"
+    assert stack.flow_run(other["id"])["state"]["type"] == "RUNNING"
+    assert not [
+        b for b in hook.bodies if {finished["name"], other["name"]} & set(b["title"].split())
+    ]
+    stack.http.delete(f"/automations/{fast_id}").raise_for_status()
 
 
 def check_deploy(stack: Stack) -> None:

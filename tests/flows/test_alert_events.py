@@ -13,15 +13,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prefect import flow
-from prefect.events.actions import SendNotification
+from prefect import Flow, flow
+from prefect.client.schemas.objects import StateType
+from prefect.events.actions import ChangeFlowRunState, SendNotification
 from prefect.events.schemas.automations import EventTrigger
+from prefect.events.schemas.events import ResourceSpecification
 
 from batching import config
 from batching.ingress import ingest
 from batching.loop.stats import Samples
 from batching.model import workloads
 from flows import alerts, events
+from flows import bulk as bulk_module
+from flows import maintain as maintain_module
+from flows import reconcile as reconcile_module
+from flows import rollout as rollout_module
 from flows import score as score_module
 from flows.reconcile import reconcile
 from flows.score import score
@@ -234,10 +240,37 @@ def test_every_automation_file_is_an_automation_prefect_accepts(path: Path) -> N
     block = uuid.uuid4()
     automation = alerts.load_automation(path, block)
     assert automation.name.startswith("batching-")
-    (action,) = automation.actions
-    assert isinstance(action, SendNotification)
+    (action,) = [a for a in automation.actions if isinstance(a, SendNotification)]
     assert action.block_document_id == block
     assert "docs/operations.md#" in action.body or path.name == "reconcile-failed.yaml"
+
+
+def test_the_zombie_automation_crashes_the_silent_runs_of_every_flow_of_this_project() -> None:
+    # A flow added to flows/ and left out of the list would stay Running after its host died.
+    automation = alerts.load_automation(alerts.AUTOMATIONS / "zombie-runs.yaml", uuid.uuid4())
+    trigger = automation.trigger
+    assert isinstance(trigger, EventTrigger)
+    assert trigger.posture == "Proactive"
+    assert trigger.after == {"prefect.flow-run.heartbeat"}
+    ends = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
+    assert trigger.expect == {"prefect.flow-run.heartbeat", *ends}
+    related = trigger.match_related
+    assert isinstance(related, ResourceSpecification)
+    ours = {
+        f.name
+        for module in (score_module, bulk_module, reconcile_module, maintain_module, rollout_module)
+        for f in vars(module).values()
+        if isinstance(f, Flow)
+    }
+    assert set(related.root["prefect.resource.name"]) == ours
+    assert [a.type for a in automation.actions] == ["change-flow-run-state", "send-notification"]
+    (crash,) = [a for a in automation.actions if isinstance(a, ChangeFlowRunState)]
+    assert crash.state == StateType.CRASHED
+    # the window outlasts several beats of the shipped heartbeat (deployments/prefect*.yaml)
+    for name in ("prefect.yaml", "prefect-gpu.yaml"):
+        shipped = (REPO / "deployments" / name).read_text()
+        assert 'PREFECT_FLOWS_HEARTBEAT_FREQUENCY: "60"' in shipped, name
+    assert trigger.within.total_seconds() >= 5 * 60
 
 
 def test_each_paging_symptom_has_an_automation() -> None:
