@@ -70,11 +70,14 @@ class QueueFull(QueueError):
         message: str | None = None,
         *,
         reason: Literal["depth_cap", "tenant_share"] = "depth_cap",
+        room: int | None = None,
     ) -> None:
         """``reason``: ``"depth_cap"`` (the queue is full) or ``"tenant_share"`` (the tenant
-        holds its share of the cap while others wait)."""
+        holds its share of the cap while others wait). ``room``: new items the cap had room
+        for when it refused (0 or less: none at all; None: not known)."""
         super().__init__(message)
         self.reason = reason
+        self.room = room
 
 
 class LeaseLost(BatchingError):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import socket
@@ -36,7 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from batching import errors, models
-from batching.api import requests, tokens, wakeup, writer
+from batching.api import door, requests, tokens, wakeup, writer
 from batching.api.results import TERMINAL, ItemView, Results
 from batching.ingress import ingest
 from batching.ingress.watch import CommitWatch
@@ -119,6 +120,7 @@ def create_app(settings: Settings) -> FastAPI:
             backstop_s=backstop_s,
         )
         app.state.waiters = waiters
+        app.state.door = door.Door(functools.partial(_commit_mark, settings.results, watch))
         app.state.large_bodies = asyncio.Semaphore(1)  # see post_items
         if app.state.writer.closed:  # served again after a shutdown
             app.state.writer = _writer(settings)
@@ -136,6 +138,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.settings = settings
     app.state.writer = _writer(settings)
+    app.state.door = door.Door(None)  # the lifespan's sees commits
     _handlers(app)
     _routes(app, settings)
     return app
@@ -356,6 +359,10 @@ def _routes(app: FastAPI, settings: Settings) -> None:
     ) -> JSONResponse:
         ends = time.monotonic() + wait_s
         raw = await _read_body(request, settings.max_body_bytes)
+        entry: door.Door = request.app.state.door
+        if (shut := entry.refusal(queue, tenant)) is not None:  # full: the body is not parsed
+            _observe(settings, queue, tenant, f"shed_{shut.reason}", 1)  # its items unknown: one
+            raise shut
         if len(raw) <= INLINE_BYTES:  # cheaper here than the hop to a thread
             records = _records(settings, tenant, _json_of(raw))
         elif len(raw) <= LARGE_BYTES:
@@ -374,6 +381,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
                 doc, created = await asyncio.wrap_future(post.answer)
             except errors.QueueFull as full:
                 _observe(settings, queue, tenant, f"shed_{full.reason}", len(records))
+                entry.close(queue, tenant, full)
                 raise
             new = sum(1 for item in doc["items"] if item["created"])
             _observe(settings, queue, tenant, "enqueued", new)
@@ -424,6 +432,14 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (503, "the database or the output cannot be reached"),
     )
 }
+
+
+def _commit_mark(results: Results, watch: CommitWatch | None) -> object:
+    """What moves when a batch commits, for the door (``door.Door``): the ledger's last row
+    on SQLite, the commit watch's generation on PostgreSQL (it wakes on acks); None: unknown."""
+    if results.engine.dialect.name == "sqlite":
+        return results.acked()  # None until the first batch: a mark too
+    return watch.mark() if watch is not None else None
 
 
 def _observe(settings: Settings, queue: str, tenant: str, outcome: str, n: int) -> None:

@@ -93,6 +93,7 @@ def over_share(
                 f"ready or leased + {n} new > {share:.0f} of cap {cap}, shared by {len(active)} "
                 f"tenants); nothing was enqueued: retry later",
                 reason="tenant_share",
+                room=int(max(share, 1.0)) - have,
             )
 
 
@@ -101,5 +102,6 @@ def queue_full(queue: str, depth_now: int, adding: int, cap: int) -> errors.Queu
     return errors.QueueFull(
         f"queue {queue!r} is at its depth cap ({depth_now} items ready or leased + at least "
         f"{adding} new > cap {cap}); nothing was enqueued: retry later or raise the cap with "
-        f"`batching queue cap {queue} --max-depth N`"
+        f"`batching queue cap {queue} --max-depth N`",
+        room=cap - depth_now,
     )

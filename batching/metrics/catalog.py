@@ -228,7 +228,8 @@ EXPORTER: tuple[Metric, ...] = (
 
 API_OUTCOMES = ("enqueued", "duplicate", "shed_depth_cap", "shed_tenant_share")
 """The ``outcome`` label of ``batching_api_items_total``: new, its key already queued, or
-refused with 429 (the queue at its depth cap, or the tenant at its share of it)."""
+refused with 429 (the queue at its depth cap, or the tenant at its share of it; a POST
+refused unread while either is full, ``batching.api.door``, counts as one item)."""
 
 API: tuple[Metric, ...] = (
     Metric(

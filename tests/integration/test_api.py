@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from batching.api import app as api_app
+from batching.api import door, tokens
 from batching.api import results as results_module
-from batching.api import tokens
 from batching.api.results import Results
 from batching.cli import api as api_cli
 from batching.compose import build
@@ -254,7 +254,40 @@ def test_a_queue_at_its_depth_cap_answers_429_with_retry_after(config_path: Path
         full = capped.post(ITEMS, json=item("c"), headers=A)
         assert "depth cap" in assert_error(full, 429, "QueueFull")
         assert full.headers["retry-after"] == "7"
+        # Full to the last item: the door refuses the next POSTs unread, a resend too ...
+        again = capped.post(ITEMS, json=item("a"), headers=A)
+        assert assert_error(again, 429, "QueueFull") == assert_error(full, 429, "QueueFull")
+        assert again.headers["retry-after"] == "7"
+        assert capped.app.state.door.refused == 1  # type: ignore[attr-defined]
+        time.sleep(door.HOLD_S + 0.05)  # ... for a while: then the writer looks again
         assert capped.post(ITEMS, json=item("a"), headers=A).status_code == 200  # nothing new
+
+
+def test_a_full_queue_refuses_posts_at_the_door_until_a_batch_commits(config_path: Path) -> None:
+    # Past capacity a refusal cost the API as much CPU as an admission. Once the writer finds
+    # the queue with no room, POSTs are refused before their bodies are parsed, until a
+    # batch commits (a real scorer's: the SQLite ledger's last row, PostgreSQL's ack notify),
+    # not on a timer: the hold here is an hour.
+    from batching.compose import run as wiring
+    from batching.loop import stats
+
+    for capped in make_client(config_path):
+        state = capped.app.state  # type: ignore[attr-defined]
+        state.door.hold_s = 3600.0
+        engine = state.settings.results.engine
+        controls.set_max_depth(engine, "tabular", 2, actor="test", reason=None, now=time.time())
+        assert (
+            capped.post(ITEMS, json={"items": [item("a"), item("b")]}, headers=A).status_code == 201
+        )
+        assert_error(capped.post(ITEMS, json=item("c"), headers=A), 429, "QueueFull")
+        for key in ("d", "e", "f"):
+            assert_error(capped.post(ITEMS, json=item(key), headers=B), 429, "QueueFull")
+        assert state.door.refused == 3
+        wiring.run_score(load_config(config_path), limits=stats.RunLimits(until_empty=True))
+        assert capped.post(ITEMS, json=item("c"), headers=A).status_code == 201  # room again
+        assert state.door.refused == 3
+        got = capped.get(f"{ITEMS}/d", headers=B)  # refused unread: never enqueued
+        assert got.status_code == 404
 
 
 def test_the_api_counts_what_each_post_did_on_its_own_metrics(config_path: Path) -> None:
