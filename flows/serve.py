@@ -117,6 +117,8 @@ def _serve(limit: int, supervisor: int, grace_s: float) -> None:
     threading.Thread(target=_stop_if_orphaned, args=(supervisor, grace_s), daemon=True).start()
     # Each run is a subprocess that inherits this: its `batching` records reach the UI.
     os.environ.setdefault(logs.EXTRA_LOGGERS_ENV, logs.LIBRARY)
+    # A heartbeat a minute, as prefect.yaml's: the zombie-runs automation's 600 s window.
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "60")
 
     from prefect import serve
 

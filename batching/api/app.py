@@ -361,7 +361,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         raw = await _read_body(request, settings.max_body_bytes)
         entry: door.Door = request.app.state.door
         if (shut := entry.refusal(queue, tenant)) is not None:  # full: the body is not parsed
-            _observe(settings, queue, tenant, f"shed_{shut.reason}", 1)  # its items unknown: one
+            _observe(settings, queue, tenant, f"shed_{shut.reason}", door.items_in(raw))
             raise shut
         if len(raw) <= INLINE_BYTES:  # cheaper here than the hop to a thread
             records = _records(settings, tenant, _json_of(raw))
@@ -376,12 +376,13 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         keys = dict.fromkeys(r.item_key for r in records) if wait_s > 0 else {}
         futures = {k: waiters.register(queue, k) for k in keys}  # before the writer reads
         try:
+            mark = entry.mark()  # before the writer looks: a commit meanwhile opens the door
             post = request.app.state.writer.submit(queue, tenant, records)
             try:
                 doc, created = await asyncio.wrap_future(post.answer)
             except errors.QueueFull as full:
                 _observe(settings, queue, tenant, f"shed_{full.reason}", len(records))
-                entry.close(queue, tenant, full)
+                entry.close(queue, tenant, full, mark)
                 raise
             new = sum(1 for item in doc["items"] if item["created"])
             _observe(settings, queue, tenant, "enqueued", new)

@@ -77,6 +77,8 @@ def over_share(
     depths: Mapping[str, int],
     added: Mapping[str, int],
     weights: Mapping[str, float],
+    *,
+    depth: int | None = None,
 ) -> None:
     """Raise ``QueueFull`` for a tenant whose items (ready, leased and just added) would pass
     its share of ``cap``: ``cap`` x its weight / the weights of the tenants with items (1.0
@@ -93,8 +95,17 @@ def over_share(
                 f"ready or leased + {n} new > {share:.0f} of cap {cap}, shared by {len(active)} "
                 f"tenants); nothing was enqueued: retry later",
                 reason="tenant_share",
-                room=int(max(share, 1.0)) - have,
+                room=_share_room(cap, depth, share, have),
             )
+
+
+def _share_room(cap: int, depth: int | None, share: float, have: int) -> int | None:
+    """Items the tenant's share still had room for, as the API's door reads it (0 or less:
+    not even one); None when a one-item enqueue would not meet the share rule at all (it
+    binds past half the cap only: ``depth`` is the queue's, the tenant's new items aside)."""
+    if depth is None or 2 * (depth + 1) <= cap:
+        return None
+    return int(max(share, 1.0)) - have
 
 
 def queue_full(queue: str, depth_now: int, adding: int, cap: int) -> errors.QueueFull:

@@ -537,7 +537,7 @@ class SqlQueue:
                 raise admission.queue_full(self.queue, depth, n, cap)
             if 2 * (depth + n) > cap:
                 now = collections.Counter(depths) + collections.Counter(earlier)
-                admission.over_share(self.queue, cap, now, added, self.tenant_weights)
+                admission.over_share(self.queue, cap, now, added, self.tenant_weights, depth=depth)
 
         return check
 

@@ -37,6 +37,8 @@ import logging
 import sqlite3
 import threading
 import time
+import urllib.parse
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -120,7 +122,8 @@ class SqliteChanges:
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:
-            conn = sqlite3.connect(self._database, **self._options)
+            database, options = _never_creating(self._database, self._options)
+            conn = sqlite3.connect(database, **options)
             conn.isolation_level = None  # autocommit: no transaction is ever left open
             self._conn = conn
         return self._conn
@@ -131,6 +134,17 @@ class SqliteChanges:
                 self._conn.close()
         self._conn = None
         self._seen = None
+
+
+def _never_creating(database: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``sqlite3.connect``'s arguments for ``database`` opened read-write, never created: a
+    watch that reconnected to a file deleted under the API made a new empty one there, so
+    the writer's check that its file is still in place passed, and POSTs were acknowledged
+    into the unlinked file, lost with the process (``test_api``'s unlinked-file test)."""
+    if options.get("uri") or database in ("", ":memory:"):
+        return database, options  # a URI of the user's own, or no file
+    path = Path(database).absolute()
+    return f"file:{urllib.parse.quote(str(path))}?mode=rw", {**options, "uri": True}
 
 
 class CommitWatch:

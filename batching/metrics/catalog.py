@@ -229,7 +229,7 @@ EXPORTER: tuple[Metric, ...] = (
 API_OUTCOMES = ("enqueued", "duplicate", "shed_depth_cap", "shed_tenant_share")
 """The ``outcome`` label of ``batching_api_items_total``: new, its key already queued, or
 refused with 429 (the queue at its depth cap, or the tenant at its share of it; a POST
-refused unread while either is full, ``batching.api.door``, counts as one item)."""
+refused unread while either is full, ``batching.api.door``, counts its body's item keys)."""
 
 API: tuple[Metric, ...] = (
     Metric(

@@ -252,7 +252,9 @@ def test_the_zombie_automation_crashes_the_silent_runs_of_every_flow_of_this_pro
     assert isinstance(trigger, EventTrigger)
     assert trigger.posture == "Proactive"
     assert trigger.after == {"prefect.flow-run.heartbeat"}
-    ends = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
+    ends = {
+        f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed", "TimedOut")
+    }
     assert trigger.expect == {"prefect.flow-run.heartbeat", *ends}
     related = trigger.match_related
     assert isinstance(related, ResourceSpecification)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batching import errors
-from batching.api.door import Door
+from batching.api.door import Door, items_in
 from batching.ingress import admission
 
 
@@ -25,10 +25,11 @@ def test_a_queue_with_no_room_is_refused_until_its_mark_moves() -> None:
     mark, clock = [7], Clock()
     door = Door(lambda: mark[0], hold_s=1.0, clock=clock)
     assert door.refusal("q", "a") is None
-    door.close("q", "a", full())
+    door.close("q", "a", full(), door.mark())
     refused = door.refusal("q", "a")
     assert isinstance(refused, errors.QueueFull)
-    assert str(refused) == str(full())
+    assert "queue 'q' is at its depth cap" in str(refused)
+    assert "+" not in str(refused)  # no counts of the POST that met the cap: not this one's
     assert refused.room == 0
     assert door.refusal("q", "a") is not refused  # each answer its own exception
     assert door.refusal("other", "a") is None  # only the queue found full
@@ -42,7 +43,7 @@ def test_a_queue_with_no_room_is_refused_until_its_mark_moves() -> None:
 def test_the_hold_reopens_a_queue_whose_mark_never_moves() -> None:
     clock = Clock()
     door = Door(lambda: 1, hold_s=0.25, clock=clock)
-    door.close("q", "a", full())
+    door.close("q", "a", full(), door.mark())
     clock.now += 0.2
     assert door.refusal("q", "a") is not None
     clock.now += 0.05
@@ -54,12 +55,12 @@ def test_a_tenant_with_no_room_in_its_share_is_refused_alone() -> None:
     door = Door(lambda: mark[0], clock=Clock())
     admission_refusal = None
     try:
-        admission.over_share("q", 10, {"a": 5, "b": 1}, {"a": 1}, {})
+        admission.over_share("q", 10, {"a": 5, "b": 1}, {"a": 1}, {}, depth=6)
     except errors.QueueFull as exc:
         admission_refusal = exc
     assert admission_refusal is not None
     assert admission_refusal.room == 0  # 5 of a share of 5
-    door.close("q", "a", admission_refusal)
+    door.close("q", "a", admission_refusal, door.mark())
     refused = door.refusal("q", "a")
     assert refused is not None
     assert refused.reason == "tenant_share"
@@ -78,7 +79,7 @@ def test_a_tenant_with_no_room_in_its_share_is_refused_alone() -> None:
 )
 def test_only_a_queue_without_room_for_one_item_is_shut(refusal: errors.QueueFull) -> None:
     door = Door(lambda: 1)
-    door.close("q", "a", refusal)
+    door.close("q", "a", refusal, door.mark())
     assert door.refusal("q", "a") is None
 
 
@@ -87,14 +88,52 @@ def test_a_mark_that_fails_opens_the_door() -> None:
         raise OSError("database gone")
 
     door = Door(broken, clock=Clock())
-    door.close("q", "a", full())
+    door.close("q", "a", full(), door.mark())
     assert door.refusal("q", "a") is None  # the writer looks (and answers what is wrong)
 
 
 def test_without_a_mark_the_hold_alone_reopens() -> None:
     clock = Clock()
     door = Door(None, hold_s=0.25, clock=clock)
-    door.close("q", "a", full())
+    door.close("q", "a", full(), door.mark())
     assert door.refusal("q", "a") is not None
     clock.now += 0.25
     assert door.refusal("q", "a") is None
+
+
+def test_a_commit_while_the_writer_looked_opens_the_door_at_once() -> None:
+    mark = [1]
+    door = Door(lambda: mark[0], clock=Clock())
+    sent = door.mark()  # the request goes to the writer ...
+    mark[0] = 2  # ... a batch commits while it counts ...
+    door.close("q", "a", full(), sent)  # ... and it refuses on the count made before
+    assert door.refusal("q", "a") is None
+
+
+def test_a_large_post_past_half_the_cap_does_not_shut_a_tenant_out_of_one_item() -> None:
+    # The share rule binds past half the cap only: a POST of 10 that crosses it is refused
+    # at the share, while one item, under half the cap, is admitted; the door stays open.
+    try:
+        admission.over_share(
+            "q", 40, {"alpha": 10, "beta": 1}, {"alpha": 10}, {"beta": 3.0}, depth=11
+        )
+    except errors.QueueFull as exc:
+        refusal = exc
+    assert refusal.reason == "tenant_share"
+    assert refusal.room is None
+    door = Door(lambda: 1)
+    door.close("q", "alpha", refusal, door.mark())
+    assert door.refusal("q", "alpha") is None
+
+
+@pytest.mark.parametrize(
+    ("body", "items"),
+    [
+        (b'{"item_key": "a", "payload": {"x": [1]}}', 1),
+        (b'{"items": [{"item_key":"a"}, {"item_key" : "b"}, {"item_key":\n"c"}]}', 3),
+        (b'{"items": [{"payload": {"text": "item_key"}}]}', 1),  # a value, not a key: one at least
+        (b"", 1),
+    ],
+)
+def test_a_post_refused_unread_counts_its_items_by_their_keys(body: bytes, items: int) -> None:
+    assert items_in(body) == items
