@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from batching import errors
@@ -40,9 +42,12 @@ def test_a_queue_with_no_room_is_refused_until_its_mark_moves() -> None:
     assert door.refused == 3
 
 
-def test_the_hold_reopens_a_queue_whose_mark_never_moves() -> None:
+@pytest.mark.parametrize("mark", [lambda: 1, None], ids=["mark never moves", "no mark"])
+def test_the_hold_alone_reopens_a_queue_whose_mark_does_not_move(
+    mark: Callable[[], object] | None,
+) -> None:
     clock = Clock()
-    door = Door(lambda: 1, hold_s=0.25, clock=clock)
+    door = Door(mark, hold_s=0.25, clock=clock)
     door.close("q", "a", full(), door.mark())
     clock.now += 0.2
     assert door.refusal("q", "a") is not None
@@ -53,12 +58,9 @@ def test_the_hold_reopens_a_queue_whose_mark_never_moves() -> None:
 def test_a_tenant_with_no_room_in_its_share_is_refused_alone() -> None:
     mark = [1]
     door = Door(lambda: mark[0], clock=Clock())
-    admission_refusal = None
-    try:
+    with pytest.raises(errors.QueueFull) as refused_at:
         admission.over_share("q", 10, {"a": 5, "b": 1}, {"a": 1}, {}, depth=6)
-    except errors.QueueFull as exc:
-        admission_refusal = exc
-    assert admission_refusal is not None
+    admission_refusal = refused_at.value
     assert admission_refusal.room == 0  # 5 of a share of 5
     door.close("q", "a", admission_refusal, door.mark())
     refused = door.refusal("q", "a")
@@ -92,15 +94,6 @@ def test_a_mark_that_fails_opens_the_door() -> None:
     assert door.refusal("q", "a") is None  # the writer looks (and answers what is wrong)
 
 
-def test_without_a_mark_the_hold_alone_reopens() -> None:
-    clock = Clock()
-    door = Door(None, hold_s=0.25, clock=clock)
-    door.close("q", "a", full(), door.mark())
-    assert door.refusal("q", "a") is not None
-    clock.now += 0.25
-    assert door.refusal("q", "a") is None
-
-
 def test_a_commit_while_the_writer_looked_opens_the_door_at_once() -> None:
     mark = [1]
     door = Door(lambda: mark[0], clock=Clock())
@@ -113,12 +106,11 @@ def test_a_commit_while_the_writer_looked_opens_the_door_at_once() -> None:
 def test_a_large_post_past_half_the_cap_does_not_shut_a_tenant_out_of_one_item() -> None:
     # The share rule binds past half the cap only: a POST of 10 that crosses it is refused
     # at the share, while one item, under half the cap, is admitted; the door stays open.
-    try:
+    with pytest.raises(errors.QueueFull) as refused_at:
         admission.over_share(
             "q", 40, {"alpha": 10, "beta": 1}, {"alpha": 10}, {"beta": 3.0}, depth=11
         )
-    except errors.QueueFull as exc:
-        refusal = exc
+    refusal = refused_at.value
     assert refusal.reason == "tenant_share"
     assert refusal.room is None
     door = Door(lambda: 1)
