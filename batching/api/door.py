@@ -8,7 +8,7 @@ writer finds the queue with no room at all (or a tenant with none left in its sh
 it), :class:`Door` refuses the queue's (the tenant's) next POSTs with that same refusal,
 their bodies read but not parsed, until there may be room again: a batch committed since
 (``mark`` changed) or ``hold_s`` passed. Only an ack makes room (ready and leased items both
-count against the cap; a dead or expired item, a cap raised, or another tenant's items
+count against the cap; a dead, expired or cancelled item, a cap raised, or another tenant's items
 leaving and so widening a share, free it too, and wait at most ``hold_s``).
 
 So a POST refused here might have fitted after all in two cases only: its keys were all
