@@ -59,7 +59,7 @@ class Door:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._mark, self.hold_s, self._clock = mark, hold_s, clock
-        self._shut: dict[str, tuple[errors.QueueFull, object, float]] = {}
+        self._shut: dict[tuple[str, str | None], tuple[errors.QueueFull, object, float]] = {}
         self.refused = 0  # POSTs refused here (for tests and logs)
 
     def mark(self) -> object:
@@ -71,16 +71,15 @@ class Door:
         shut the queue when its cap had no room at all, or the tenant's way in when its share
         had none."""
         if refusal.room is not None and refusal.room <= 0:
-            if refusal.reason == "depth_cap":
-                key, said = (
-                    queue,
-                    (
-                        f"queue {queue!r} is at its depth cap; nothing was enqueued: retry after "
-                        f"Retry-After or raise the cap with `batching queue cap {queue} --max-depth N`"
-                    ),
+            key: tuple[str, str | None]
+            if refusal.reason == "depth_cap":  # the whole queue
+                key = (queue, None)
+                said = (
+                    f"queue {queue!r} is at its depth cap; nothing was enqueued: retry after "
+                    f"Retry-After or raise the cap with `batching queue cap {queue} --max-depth N`"
                 )
-            else:
-                key = f"{queue}\0{tenant}"
+            else:  # this tenant's way in
+                key = (queue, tenant)
                 said = (
                     f"tenant {tenant!r} is at its share of queue {queue!r}'s depth cap; nothing "
                     "was enqueued: retry after Retry-After"
@@ -92,7 +91,7 @@ class Door:
         """The refusal to answer ``tenant``'s POST to ``queue`` with now, or None to let it in."""
         if not self._shut:
             return None
-        for key in (queue, f"{queue}\0{tenant}"):
+        for key in ((queue, None), (queue, tenant)):
             shut = self._shut.get(key)
             if shut is None:
                 continue
