@@ -287,6 +287,7 @@ def rig(
     commit_interval_s: float = 0.0,
     heartbeat_s: float | None = None,
     queue_class: type[InMemoryQueue] | None = None,
+    service_time: Callable[[int, int], float] | None = None,
     **batching: Any,
 ) -> Rig:
     clock = clock or FakeClock()
@@ -309,6 +310,7 @@ def rig(
         clock=clock,
         on_progress=lambda stats: progress.append(stats.committed),
         wait_for_work=wait,
+        service_time=service_time,
     )
     made = Rig(clock, queue, runner, sink, scorer, progress, waits)
     return made
@@ -319,6 +321,44 @@ def keys(n: int, prefix: str = "k") -> list[str]:
 
 
 # ----------------------------------------------------------------------------- limits
+
+
+def test_the_next_adaptive_batch_is_not_cut_before_the_pass_ahead_of_it_has_begun() -> None:
+    """Under the adaptive rule the next batch grows while the model is busy. The forward
+    stage takes a batch from the hand-off, then tells the controller when that pass will end;
+    in between, the hand-off is empty and the controller still holds the last pass's end. A
+    batch cut then went at once and waited a whole pass in the hand-off. Here the forward
+    stage is held in that moment while three more items are claimed: none is cut before the
+    pass has begun."""
+    r = rig(
+        keys(4),
+        on_wait=lambda _: time.sleep(0.001),
+        service_time=lambda n, cost: 1.0,  # a pass predicted to take 1 s of the fake clock
+        adaptive=True,
+        max_batch_size=4,
+        claim_size=4,
+    )
+    controller = r.scorer.controller
+    assert controller is not None
+    forward_started = controller.forward_started
+    cut_meanwhile: list[int] = []
+
+    def held(n_items: int, cost: int, at: float) -> None:
+        if not cut_meanwhile:  # the first pass, taken and not yet told
+            r.queue.add(keys(3, "later"))
+            limit = time.monotonic() + 10
+            while r.scorer.stats.claimed < 7 and time.monotonic() < limit:
+                time.sleep(0.001)
+            time.sleep(0.1)  # the dispatcher looks every poll_s (1 ms): a hundred chances
+            cut_meanwhile.append(r.runner.decoded)
+        forward_started(n_items, cost, at)
+
+    controller.forward_started = held  # type: ignore[method-assign]
+    stats = r.scorer.run(run_stats.RunLimits(until_empty=False, max_items=7))
+    assert cut_meanwhile == [1]
+    assert r.runner.sizes == [4, 3]
+    assert r.sink.keys() == Counter(keys(4) + keys(3, "later"))
+    assert (stats.claimed, stats.committed) == (7, 7)
 
 
 def test_until_empty_commits_every_item_exactly_once() -> None:
