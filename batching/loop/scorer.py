@@ -133,10 +133,11 @@ class Scorer(Generic[D]):
         self._stages_done = threading.Event()
         self._wake = threading.Event()  # new items, a free forward stage, or claims over
         self._claim_wanted = threading.Event()  # a batch left the batcher
-        # A batch is in the hand-off and its forward pass has not started: the model is not
-        # free, though the hand-off may already be empty (the forward stage took it and has
-        # not yet told the controller). Cut nothing meanwhile.
-        self._handing = threading.Event()
+        # Batches handed to the forward stage whose pass has not begun (a rollout's route
+        # hands off a batch's parts one after another): the model is not free while any is,
+        # though the hand-off may already be empty (the forward stage took one and has not
+        # yet told the controller). Cut nothing meanwhile. Guarded by ``_lock``.
+        self._handing = 0
         self._claims_over = threading.Event()
         self._exhausted = False  # the last claim found nothing ready
         # Suspects (items of a lost worker) wait: claim them alone once nothing is in flight.
@@ -303,7 +304,9 @@ class Scorer(Generic[D]):
         # model's, so the next batch was cut at once, as the pass began, and waited a whole
         # pass in the hand-off while the items arriving meanwhile waited for the pass after
         # (a fifth of W2's batches at 50-90% load).
-        return self._to_forward.empty() and not self._handing.is_set()
+        with self._lock:
+            handing = self._handing
+        return handing == 0 and self._to_forward.empty()
 
     def _dry_flush(self) -> bool:
         # The last claim found the queue empty: nothing more is coming to wait for, so the
@@ -436,7 +439,8 @@ class Scorer(Generic[D]):
                 part_leases = leases
             pass_id = f"{self._pass_prefix}-{next(self._pass_n)}"  # the ledger records its items
             part = dataclasses.replace(part, pass_id=pass_id)
-            self._handing.set()
+            with self._lock:
+                self._handing += 1
             self._put(self._to_forward, Dispatched(part, part_leases, decoded))
         return True
 
@@ -511,7 +515,7 @@ class Scorer(Generic[D]):
         return END
 
     def _idle(self) -> None:
-        # The model is busy: even a due batch waits (no spinning) until the forward stage takes
+        # The model is busy: even a due batch waits (no spinning) until the forward stage begins
         # its next batch. Otherwise sleep until the next batch is due, new items arrive, or
         # poll_s passes.
         pause = self.config.queue.poll_s
@@ -539,7 +543,8 @@ class Scorer(Generic[D]):
                 controller.forward_started(len(batch), cost, self.clock())
             # the pass has begun (and the controller knows its predicted end): the dispatcher
             # may cut and decode the next batch
-            self._handing.clear()
+            with self._lock:
+                self._handing -= 1
             self._wake.set()
             started = time.perf_counter()
             runner = self.router.runner_for(batch)
