@@ -133,11 +133,6 @@ class Scorer(Generic[D]):
         self._stages_done = threading.Event()
         self._wake = threading.Event()  # new items, a free forward stage, or claims over
         self._claim_wanted = threading.Event()  # a batch left the batcher
-        # Batches handed to the forward stage whose pass has not begun (a rollout's route
-        # hands off a batch's parts one after another): the model is not free while any is,
-        # though the hand-off may already be empty (the forward stage took one and has not
-        # yet told the controller). Cut nothing meanwhile. Guarded by ``_lock``.
-        self._handing = 0
         self._claims_over = threading.Event()
         self._exhausted = False  # the last claim found nothing ready
         # Suspects (items of a lost worker) wait: claim them alone once nothing is in flight.
@@ -292,21 +287,11 @@ class Scorer(Generic[D]):
             self._wake.clear()  # before looking: a wake-up after this line is not lost
             over = self._claims_over.is_set()
             flush = over or self._isolating or self._bulk_ready() or self._dry_flush()
-            if self._forward_free() and self._dispatch(flush=flush):
+            if self._to_forward.empty() and self._dispatch(flush=flush):
                 continue
             if over and self._pending() == 0:
                 return
             self._idle()
-
-    def _forward_free(self) -> bool:
-        # Not merely an empty hand-off: between taking a batch and telling the controller
-        # (its predicted end), the forward stage looked free with the last pass's end as the
-        # model's, so the next batch was cut at once, as the pass began, and waited a whole
-        # pass in the hand-off while the items arriving meanwhile waited for the pass after
-        # (a fifth of W2's batches at 50-90% load).
-        with self._lock:
-            handing = self._handing
-        return handing == 0 and self._to_forward.empty()
 
     def _dry_flush(self) -> bool:
         # The last claim found the queue empty: nothing more is coming to wait for, so the
@@ -439,8 +424,6 @@ class Scorer(Generic[D]):
                 part_leases = leases
             pass_id = f"{self._pass_prefix}-{next(self._pass_n)}"  # the ledger records its items
             part = dataclasses.replace(part, pass_id=pass_id)
-            with self._lock:
-                self._handing += 1
             self._put(self._to_forward, Dispatched(part, part_leases, decoded))
         return True
 
@@ -515,11 +498,11 @@ class Scorer(Generic[D]):
         return END
 
     def _idle(self) -> None:
-        # The model is busy: even a due batch waits (no spinning) until the forward stage begins
+        # The model is busy: even a due batch waits (no spinning) until the forward stage takes
         # its next batch. Otherwise sleep until the next batch is due, new items arrive, or
         # poll_s passes.
         pause = self.config.queue.poll_s
-        if self._forward_free():
+        if self._to_forward.empty():
             with self._batch_lock:
                 wake = self.batcher.next_deadline()
             if wake is not None:
@@ -532,8 +515,8 @@ class Scorer(Generic[D]):
     def _forward_loop(self) -> None:
         while True:
             job = self._get(self._to_forward, on_idle=self._settle_when_idle)
+            self._wake.set()  # the forward stage is free: the dispatcher may decode the next
             if isinstance(job, End):
-                self._wake.set()
                 self._settle_held()
                 self._put(self._to_commit, END)
                 return
@@ -541,11 +524,6 @@ class Scorer(Generic[D]):
             if controller is not None:
                 cost = max(models.item_column(batch.items, "cost"))
                 controller.forward_started(len(batch), cost, self.clock())
-            # the pass has begun (and the controller knows its predicted end): the dispatcher
-            # may cut and decode the next batch
-            with self._lock:
-                self._handing -= 1
-            self._wake.set()
             started = time.perf_counter()
             runner = self.router.runner_for(batch)
             # what ran it, for the watchdog's probe: the route may change while it hangs

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import Counter
@@ -288,7 +287,6 @@ def rig(
     commit_interval_s: float = 0.0,
     heartbeat_s: float | None = None,
     queue_class: type[InMemoryQueue] | None = None,
-    service_time: Callable[[int, int], float] | None = None,
     **batching: Any,
 ) -> Rig:
     clock = clock or FakeClock()
@@ -311,7 +309,6 @@ def rig(
         clock=clock,
         on_progress=lambda stats: progress.append(stats.committed),
         wait_for_work=wait,
-        service_time=service_time,
     )
     made = Rig(clock, queue, runner, sink, scorer, progress, waits)
     return made
@@ -322,74 +319,6 @@ def keys(n: int, prefix: str = "k") -> list[str]:
 
 
 # ----------------------------------------------------------------------------- limits
-
-
-def held_rig() -> Rig:
-    """Four items, one batch of them, the adaptive rule predicting a pass of 1 s."""
-    return rig(
-        keys(4),
-        on_wait=lambda _: time.sleep(0.001),
-        service_time=lambda n, cost: 1.0,  # a pass predicted to take 1 s of the fake clock
-        adaptive=True,
-        max_batch_size=4,
-        claim_size=4,
-    )
-
-
-def decoded_while_held(r: Rig, nth_pass: int) -> list[int]:
-    """Hold the forward stage's ``nth_pass`` after it took that pass's batch and before it
-    told the controller, while three more items are claimed; the batches decoded by then."""
-    controller = r.scorer.controller
-    assert controller is not None
-    forward_started = controller.forward_started
-    passes: list[int] = []
-    decoded: list[int] = []
-
-    def held(n_items: int, cost: int, at: float) -> None:
-        passes.append(n_items)
-        if len(passes) == nth_pass:
-            r.queue.add(keys(3, "later"))
-            limit = time.monotonic() + 10
-            while r.scorer.stats.claimed < 7 and time.monotonic() < limit:
-                time.sleep(0.001)
-            time.sleep(0.1)  # the dispatcher looks every poll_s (1 ms): a hundred chances
-            decoded.append(r.runner.decoded)
-        forward_started(n_items, cost, at)
-
-    controller.forward_started = held  # type: ignore[method-assign]
-    stats = r.scorer.run(run_stats.RunLimits(until_empty=False, max_items=7))
-    assert r.sink.keys() == Counter(keys(4) + keys(3, "later"))
-    assert (stats.claimed, stats.committed) == (7, 7)
-    return decoded
-
-
-def test_the_next_adaptive_batch_is_not_cut_before_the_pass_ahead_of_it_has_begun() -> None:
-    """Under the adaptive rule the next batch grows while the model is busy. The forward
-    stage takes a batch from the hand-off, then tells the controller when that pass will end;
-    in between, the hand-off is empty and the controller still holds the last pass's end. A
-    batch cut then went at once and waited a whole pass in the hand-off. Here the forward
-    stage is held in that moment while three more items are claimed: none is cut before the
-    pass has begun."""
-    r = held_rig()
-    assert decoded_while_held(r, nth_pass=1) == [1]
-    assert r.runner.sizes == [4, 3]
-
-
-def test_nor_before_the_last_part_of_a_batch_a_route_split_has_begun() -> None:
-    """A rollout's route splits a batch by model version and hands off its parts one after
-    another: the model is busy until the last of them has begun."""
-    r = held_rig()
-
-    def halves(batch: models.Batch) -> list[models.Batch]:
-        half = (len(batch) + 1) // 2
-        return [
-            dataclasses.replace(batch, items=batch.items[:half]),
-            dataclasses.replace(batch, items=batch.items[half:]),
-        ]
-
-    r.scorer.router.split = halves  # type: ignore[method-assign]
-    assert decoded_while_held(r, nth_pass=2) == [2]  # the first batch's two parts
-    assert r.runner.sizes == [2, 2, 2, 1]
 
 
 def test_until_empty_commits_every_item_exactly_once() -> None:
