@@ -49,6 +49,7 @@ import asyncio
 import collections
 import contextlib
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -671,9 +672,12 @@ def start_ours(
     api_cpus = overrides.pop("api_cpus", args.api_cpus)  # where the processes run, not config
     scorer_cpus = overrides.pop("scorer_cpus", args.scorer_cpus)
     api_nice = overrides.pop("api_nice", args.api_nice)
+    env = project_env({"BATCHING_API_TOKENS": ",".join(f"{t}={n}" for n, t in TOKENS.items())})
+    if args.sim_accel and workload == "w2":
+        overrides = sim_accel_model(run_dir) | overrides
+        env["PYTHONPATH"] = os.pathsep.join((str(ROOT / "bench"), env["PYTHONPATH"]))
     config, data = write_config(workload, args.configs[workload], run_dir, db_url, overrides)
     cli = [sys.executable, "-m", "batching.cli"]
-    env = project_env({"BATCHING_API_TOKENS": ",".join(f"{t}={n}" for n, t in TOKENS.items())})
     subprocess.run([*cli, "init", "--db", db_url], check=True, env=env, capture_output=True)
     port = free_port()
     api_on = ["taskset", "-c", str(api_cpus)] if api_cpus is not None else []
@@ -698,6 +702,23 @@ def start_ours(
     return Target("batching", workload, variant, slo_s, call), Ours(
         config, db_url, queue, slo_s, cli, env, base, payloads, backlog
     )
+
+
+def sim_accel_model(run_dir: Path) -> dict[str, Any]:
+    """The overrides that put W2's simulated accelerator (``bench/sim_accel.py``) in place of
+    the model: its factory and an empty checkpoint, pinned (it has no weights)."""
+    from safetensors.torch import save_file
+
+    path = run_dir / "sim-accel-w2.safetensors"
+    if not path.exists():
+        save_file({}, str(path))
+    return {
+        "model.name": "sim_accel:build_text",
+        "model.version": "sim-accel-w2",
+        "model.checkpoint": str(path),
+        "model.sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "model.device": "cpu",
+    }
 
 
 async def drain_capacity(
@@ -1450,6 +1471,13 @@ def main() -> int:
     p.add_argument("--wait-s", type=float, default=5.0, help="long-poll wait of one GET")
     p.add_argument("--pg", metavar="ADMIN_URL", help="PostgreSQL (scratch database) not SQLite")
     p.add_argument("--no-noisy", dest="noisy", action="store_false")
+    p.add_argument(
+        "--sim-accel",
+        action="store_true",
+        help="ours, W2: a simulated accelerator in place of the model (bench/sim_accel.py: "
+        "W2's CPU profile's pass times, asleep, no CPU), to see the scheduler and the "
+        "ingress without the model on the host's cores; peers are left out",
+    )
     p.add_argument("--max-connections", type=int, default=4000)
     p.add_argument(
         "--client",
@@ -1476,6 +1504,9 @@ def main() -> int:
     args.variants = dict(args.variant or [("", {})])
     args.configs = {**CONFIGS, **{k: Path(v) for k, v in args.config.items()}}
     args.capacity = {k: float(v) for k, v in args.capacity.items()}
+    if args.sim_accel and any(s in PEERS for s in args.systems):
+        print("--sim-accel: the peers run the real model; running without them", file=sys.stderr)
+        args.systems = [s for s in args.systems if s not in PEERS]
     if any(s in PEERS for s in args.systems) and not args.dry_run:
         if args.peers is None or not (args.peers / "workloads.py").exists():
             print(

@@ -7,12 +7,21 @@ one GPU. With it, N scorer processes on a 2-core machine measure the queue and c
 (claims, acks, decode, output files), not N models fighting over two cores.
 
 The timings can be changed per process with ``SIM_ACCEL_BASE_S`` and ``SIM_ACCEL_ROW_S``.
+
+``build_text`` is the same for W2 (``bench/online_bench.py --sim-accel``): token ids and a
+padding mask in, 256 floats an item out, a pass as long as W2's CPU service profile
+(``deployments/profiles/w2-text-cpu.json``) predicts for its size and padded length, times
+``SIM_ACCEL_W2_SCALE`` (default 1: the CPU's pace without its cores), asleep. Over HTTP it
+shows what the scheduler and the ingress do when the model does not share the host's cores.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -31,6 +40,37 @@ class SimulatedAccelerator(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         time.sleep(BASE_S + PER_ROW_S * x.shape[0])
         return torch.zeros((x.shape[0], 1), dtype=torch.float32)
+
+
+W2_PROFILE = Path(__file__).resolve().parents[1] / "deployments/profiles/w2-text-cpu.json"
+W2_SCALE = float(os.environ.get("SIM_ACCEL_W2_SCALE", "1.0"))
+
+
+@functools.cache
+def _w2_seconds() -> Callable[[int, int], float]:
+    from batching.plan.profile import ServiceProfile  # the library beside this script
+
+    return ServiceProfile.load(W2_PROFILE).predict
+
+
+class SimulatedTextAccelerator(nn.Module):
+    """W2's interface (``[batch, length]`` int64 ids and a padding mask -> ``[batch, 256]``
+    floats), a pass as long as W2's CPU profile predicts, asleep."""
+
+    batching_input = "tokens"
+    batching_vocab_size = 30000  # zoo.W2_VOCAB_SIZE
+    batching_output_dim = 256  # zoo.W2_D_MODEL
+
+    def forward(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        n, length = tokens.shape
+        predict = _w2_seconds()
+        time.sleep(W2_SCALE * predict(int(n), int(length)))
+        return torch.zeros((n, self.batching_output_dim), dtype=torch.float32)
+
+
+def build_text() -> nn.Module:
+    """The factory of W2's simulated accelerator: ``sim_accel:build_text``."""
+    return SimulatedTextAccelerator()
 
 
 def build() -> nn.Module:
