@@ -60,6 +60,10 @@ from batching.ports import Clock
 
 logger = logging.getLogger(__name__)
 J = TypeVar("J", Dispatched, Scored)  # type: ignore[type-arg]
+CLAIM_LEAD_MIN_S = 0.002
+"""The least time before a batch is cut that a held claim goes (``Scorer._claim_hold_s``)."""
+CLAIM_HOLD_MAX_S = 0.25
+"""The longest a held claim waits before it looks again (a long pass is held in steps)."""
 
 
 class Scorer(Generic[D]):
@@ -169,6 +173,7 @@ class Scorer(Generic[D]):
         self._shadow_hung = False  # a shadow pass hung: no more shadowing this run
         self.pause_queue = pause_queue
         self._paused = False  # a claim found the queue paused (``models.Claim.paused``)
+        self._claim_s: float | None = None  # a claim's seconds, moving average (_claim_lead_s)
 
     @property
     def runner(self) -> ports.RunnerPort[D]:
@@ -264,6 +269,11 @@ class Scorer(Generic[D]):
                     self._claim_wanted.wait(self.config.queue.poll_s)
                     self._claim_wanted.clear()
                     continue
+                hold_s = self._claim_hold_s()
+                if hold_s > 0:
+                    self._claim_wanted.wait(hold_s)
+                    self._claim_wanted.clear()
+                    continue
                 got = self._claim(limits)
                 self._exhausted = not got
                 self._wake.set()
@@ -281,6 +291,32 @@ class Scorer(Generic[D]):
         finally:
             self._claims_over.set()
             self._wake.set()
+
+    def _claim_hold_s(self) -> float:
+        """Seconds to hold the next claim: online, under the adaptive rule, while the model is
+        busy with a pass that ends later than a claim and a decode from now. The next batch is
+        cut as that pass ends (``SloController.due``), so an item claimed any earlier waits
+        in the batcher all the same; claimed on each enqueue's commit instead, as they came,
+        a scorer at half its capacity made ~1.6 claims an arrival, each a write transaction,
+        the largest part of its CPU beside the model's (docs/design.md, "Claims paced by the
+        pass"). The claim goes ``_claim_lead_s`` before the predicted cut; a pass that runs
+        past its prediction holds nothing. 0: claim now."""
+        ctrl = self.controller
+        if (
+            ctrl is None
+            or self.config.profile != "online"
+            or self._isolating
+            or not self._watch.in_flight  # by the clock alone, a step back would hold claims
+        ):
+            return 0.0
+        # the cut goes a decode ahead of the pass's end: of what is pending and one more
+        size = min(self.config.batching.max_batch_size, self._pending() + 1)
+        cut_at = ctrl.busy_until - ctrl.lead_s(size)
+        return min(CLAIM_HOLD_MAX_S, max(0.0, cut_at - self._claim_lead_s() - self.clock()))
+
+    def _claim_lead_s(self) -> float:
+        # twice a claim's recent time (EWMA), and never under CLAIM_LEAD_MIN_S
+        return max(CLAIM_LEAD_MIN_S, 2.0 * (self._claim_s or 0.0))
 
     def _dispatch_loop(self) -> None:
         while not self._stop.is_set() and self._error is None:
@@ -351,7 +387,11 @@ class Scorer(Generic[D]):
             lease_id=None if self._isolating else open_lease,
             pin=self.pin,
         )
-        self.stats.stage_s["claim"] += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.stats.stage_s["claim"] += took
+        self._claim_s = (
+            took if self._claim_s is None else self._claim_s + 0.2 * (took - self._claim_s)
+        )
         if claim.paused != self._paused:  # once per change, not once per poll
             logger.warning(
                 "queue paused; waiting for `batching queue resume`"

@@ -81,6 +81,11 @@ class ForwardWatch(Generic[J]):
         with self._lock:
             self._flight = (self._clock(), job, threading.get_ident())
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a pass is running now (started, not finished)."""
+        return self._flight is not None
+
     def finished(self) -> bool:
         """The pass returned; True when it had been declared hung (drop its result: its
         batch is the watchdog's to settle)."""

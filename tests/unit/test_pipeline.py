@@ -889,3 +889,95 @@ def test_items_given_back_and_claimed_again_into_the_same_lease_stay_tracked() -
     assert claimed_again  # the claim took the items given back...
     assert looked
     assert untracked == []  # ...and the scorer still knows whose they are
+
+
+# ----------------------------------------------------------------------------- claims paced
+
+
+def paced_rig(**batching: Any) -> Rig:
+    r = rig(keys(4), adaptive=True, **batching)
+    r.scorer._claim_s = 0.004  # a claim's recent time: the lead is twice it
+    r.scorer._watch.started(object())  # type: ignore[arg-type]  # a pass in flight
+    return r
+
+
+def test_a_claim_waits_while_the_pass_in_flight_is_far_from_its_end() -> None:
+    r = paced_rig()
+    ctrl = r.scorer.controller
+    assert ctrl is not None
+    now = r.clock()
+    ctrl.busy_until = now + 0.100  # the next batch is cut as this pass ends
+    ctrl.decoded(4, 0.004)  # 1 ms an item: the cut goes a decode ahead of the end
+    hold = r.scorer._claim_hold_s()
+    # claimed twice a claim's time before the cut: the items are in the batcher by then
+    assert hold == pytest.approx(0.100 - 0.001 - 2 * 0.004)
+    r.clock.advance(hold)
+    assert r.scorer._claim_hold_s() == 0.0  # the lead reached: claim now
+
+
+def test_a_claim_goes_at_once_when_the_model_is_idle_or_the_pass_ran_late() -> None:
+    r = paced_rig()
+    ctrl = r.scorer.controller
+    assert ctrl is not None
+    assert r.scorer._claim_hold_s() == 0.0  # nothing ever ran
+    ctrl.busy_until = r.clock() - 0.010  # past its predicted end, still running or not
+    assert r.scorer._claim_hold_s() == 0.0
+    ctrl.busy_until = r.clock() + 0.005  # ends within the lead: no time to hold
+    assert r.scorer._claim_hold_s() == 0.0
+    ctrl.busy_until = r.clock() + 0.100
+    assert r.scorer._claim_hold_s() > 0
+    r.scorer._watch.finished()  # no pass in flight: a busy_until ahead of the clock is a
+    assert r.scorer._claim_hold_s() == 0.0  # step back of the clock, not a pass to wait for
+
+
+def test_a_long_pass_holds_its_claim_in_steps() -> None:
+    r = paced_rig()
+    assert r.scorer.controller is not None
+    r.scorer.controller.busy_until = r.clock() + 60.0
+    assert r.scorer._claim_hold_s() == pipeline.CLAIM_HOLD_MAX_S
+
+
+def test_claims_are_not_held_without_the_adaptive_rule_in_bulk_or_in_isolation() -> None:
+    fixed = rig(keys(4))
+    assert fixed.scorer.controller is None
+    assert fixed.scorer._claim_hold_s() == 0.0
+    bulk = paced_rig()
+    bulk.scorer.config = bulk.scorer.config.model_copy(update={"profile": "bulk"})
+    assert bulk.scorer.controller is not None
+    bulk.scorer.controller.busy_until = bulk.clock() + 1.0
+    assert bulk.scorer._claim_hold_s() == 0.0  # throughput: claims run ahead
+    suspects = paced_rig()
+    assert suspects.scorer.controller is not None
+    suspects.scorer.controller.busy_until = suspects.clock() + 1.0
+    assert suspects.scorer._claim_hold_s() > 0
+    suspects.scorer._isolating = True  # an isolation round claims when the rest committed
+    assert suspects.scorer._claim_hold_s() == 0.0
+
+
+class Ticking(FakeClock):
+    """A clock that moves 1 ms each time it is read."""
+
+    def __call__(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+def test_a_held_claim_goes_once_its_hold_is_over_and_scores_every_item_once() -> None:
+    r = rig(keys(4), clock=Ticking(), adaptive=True)
+    r.scorer._claim_s = 0.004
+    ctrl = r.scorer.controller
+    assert ctrl is not None
+    end = ctrl.busy_until = r.clock() + 0.050  # a pass in flight when the run starts: held
+    r.scorer._watch.started(object())  # type: ignore[arg-type]
+    claims: list[float] = []
+    claim = r.queue.claim
+
+    def timed_claim(*args: Any, **kwargs: Any) -> models.Claim:
+        claims.append(r.clock.now)
+        return claim(*args, **kwargs)
+
+    r.queue.claim = timed_claim  # type: ignore[method-assign]
+    stats = r.scorer.run(run_stats.RunLimits(until_empty=True))
+    assert stats.committed == 4
+    assert r.sink.keys() == Counter({k: 1 for k in keys(4)})
+    assert claims[0] >= end - 2 * 0.004  # not before twice a claim's time before its end
