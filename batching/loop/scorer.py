@@ -305,6 +305,9 @@ class Scorer(Generic[D]):
         if (
             ctrl is None
             or self.config.profile != "online"
+            # under ``score`` an item whose own deadline passes while it waits in the table
+            # is expired by the next claim, where claimed at once it would be scored late
+            or self.config.queue.late_policy != "expire"
             or self._isolating
             or not self._watch.in_flight  # by the clock alone, a step back would hold claims
         ):
@@ -389,9 +392,10 @@ class Scorer(Generic[D]):
         )
         took = time.perf_counter() - started
         self.stats.stage_s["claim"] += took
-        self._claim_s = (
-            took if self._claim_s is None else self._claim_s + 0.2 * (took - self._claim_s)
-        )
+        if claim.items:  # a claim that finds nothing reads, and is no guide to one that writes
+            self._claim_s = (
+                took if self._claim_s is None else self._claim_s + 0.2 * (took - self._claim_s)
+            )
         if claim.paused != self._paused:  # once per change, not once per poll
             logger.warning(
                 "queue paused; waiting for `batching queue resume`"
@@ -585,6 +589,7 @@ class Scorer(Generic[D]):
             if controller is not None:
                 controller.forward_done(len(batch), cost, forward_s, self.clock(), batch.formed_at)
                 self._wake.set()  # the model is free: the next batch may go now
+                self._claim_wanted.set()  # a claim held for a pass that ended early goes now
             self._hand_on(Scored(job.batch, job.leases, result))
 
     def _shadow(

@@ -894,8 +894,16 @@ def test_items_given_back_and_claimed_again_into_the_same_lease_stay_tracked() -
 # ----------------------------------------------------------------------------- claims paced
 
 
+def expiring(r: Rig) -> Rig:
+    """``r`` under ``late_policy: expire``, which claims are paced under (read live)."""
+    cfg = r.scorer.config
+    queue = cfg.queue.model_copy(update={"late_policy": "expire"})
+    r.scorer.config = cfg.model_copy(update={"queue": queue})
+    return r
+
+
 def paced_rig(**batching: Any) -> Rig:
-    r = rig(keys(4), adaptive=True, **batching)
+    r = expiring(rig(keys(4), adaptive=True, **batching))
     r.scorer._claim_s = 0.004  # a claim's recent time: the lead is twice it
     r.scorer._watch.started(object())  # type: ignore[arg-type]  # a pass in flight
     return r
@@ -954,6 +962,48 @@ def test_claims_are_not_held_without_the_adaptive_rule_in_bulk_or_in_isolation()
     assert suspects.scorer._claim_hold_s() == 0.0
 
 
+def test_claims_are_not_held_under_late_policy_score() -> None:
+    # An item whose own deadline passed while it waited in the table is expired by the next
+    # claim; claimed at once, ``score`` scores it late, as that policy promises.
+    r = paced_rig()
+    assert r.scorer.controller is not None
+    r.scorer.controller.busy_until = r.clock() + 1.0
+    assert r.scorer._claim_hold_s() > 0
+    cfg = r.scorer.config
+    r.scorer.config = cfg.model_copy(
+        update={"queue": cfg.queue.model_copy(update={"late_policy": "score"})}
+    )
+    assert r.scorer._claim_hold_s() == 0.0
+
+
+def test_a_claim_that_finds_nothing_does_not_shorten_the_lead() -> None:
+    r = paced_rig()
+    r.scorer._claim(run_stats.RunLimits())  # takes the four items: a write
+    after_write = r.scorer._claim_s
+    assert after_write is not None
+    assert after_write != 0.004
+    r.scorer._claim(run_stats.RunLimits())  # finds nothing: a read
+    assert r.scorer._claim_s == after_write
+
+
+def test_the_end_of_a_pass_wakes_a_held_claim() -> None:
+    # A pass that ends before its prediction: the claim held for it goes then, not at the
+    # predicted cut (up to CLAIM_HOLD_MAX_S later, with the model idle meanwhile).
+    r = expiring(rig(keys(4), adaptive=True))
+    woken_by: list[str] = []
+    wanted = r.scorer._claim_wanted
+    set_wanted = wanted.set
+
+    def record() -> None:
+        woken_by.append(threading.current_thread().name)
+        set_wanted()
+
+    wanted.set = record  # type: ignore[method-assign]
+    stats = r.scorer.run(run_stats.RunLimits(until_empty=True))
+    assert stats.committed == 4
+    assert "forward" in woken_by
+
+
 class Ticking(FakeClock):
     """A clock that moves 1 ms each time it is read."""
 
@@ -963,7 +1013,7 @@ class Ticking(FakeClock):
 
 
 def test_a_held_claim_goes_once_its_hold_is_over_and_scores_every_item_once() -> None:
-    r = rig(keys(4), clock=Ticking(), adaptive=True)
+    r = expiring(rig(keys(4), clock=Ticking(), adaptive=True))
     r.scorer._claim_s = 0.004
     ctrl = r.scorer.controller
     assert ctrl is not None
