@@ -293,14 +293,15 @@ class Scorer(Generic[D]):
             self._wake.set()
 
     def _claim_hold_s(self) -> float:
-        """Seconds to hold the next claim: online, under the adaptive rule, while the model is
-        busy with a pass that ends later than a claim and a decode from now. The next batch is
-        cut as that pass ends (``SloController.due``), so an item claimed any earlier waits
-        in the batcher all the same; claimed on each enqueue's commit instead, as they came,
-        a scorer at half its capacity made ~1.6 claims an arrival, each a write transaction,
-        the largest part of its CPU beside the model's (docs/design.md, "Claims paced by the
-        pass"). The claim goes ``_claim_lead_s`` before the predicted cut; a pass that runs
-        past its prediction holds nothing. 0: claim now."""
+        """Seconds to hold the next claim: online, under the adaptive rule and ``late_policy:
+        expire``, while the model is busy with a pass that ends later than a claim and a
+        decode from now. The next batch is cut as that pass ends (``SloController.due``), so
+        an item claimed any earlier waits in the batcher all the same; claimed on each
+        enqueue's commit instead, as they came, a scorer at half its capacity made ~1.7
+        claims an arrival (0.8 with items), the largest part of its CPU beside the model's
+        (docs/design.md, "Claims paced by the pass"). The claim goes ``_claim_lead_s``
+        before the predicted cut; a pass that runs past its prediction holds nothing.
+        0: claim now."""
         ctrl = self.controller
         if (
             ctrl is None
