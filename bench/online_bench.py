@@ -49,7 +49,6 @@ import asyncio
 import collections
 import contextlib
 import gzip
-import hashlib
 import json
 import math
 import os
@@ -707,16 +706,15 @@ def start_ours(
 def sim_accel_model(run_dir: Path) -> dict[str, Any]:
     """The overrides that put W2's simulated accelerator (``bench/sim_accel.py``) in place of
     the model: its factory and an empty checkpoint, pinned (it has no weights)."""
-    from safetensors.torch import save_file
+    sys.path.insert(0, str(ROOT / "bench"))
+    import sim_accel
 
-    path = run_dir / "sim-accel-w2.safetensors"
-    if not path.exists():
-        save_file({}, str(path))
+    path, sha256 = sim_accel.checkpoint(run_dir)
     return {
         "model.name": "sim_accel:build_text",
         "model.version": "sim-accel-w2",
-        "model.checkpoint": str(path),
-        "model.sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "model.checkpoint": path,
+        "model.sha256": sha256,
         "model.device": "cpu",
     }
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
 import os
 import tempfile
@@ -37,7 +36,6 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import sim_accel  # bench/ is on the path (this script's folder); scorers import it by name
-from safetensors.torch import save_file
 
 from batching import models
 from batching.compose import build, inplace
@@ -109,12 +107,6 @@ class CpuSampler:
         before = max((s for s in self.samples if s[0] <= start), default=self.samples[0])
         after = min((s for s in self.samples if s[0] >= end), default=self.samples[-1])
         return after[1] - before[1], after[2] - before[2]
-
-
-def _checkpoint(tmp: Path) -> tuple[str, str]:
-    path = tmp / "sim.safetensors"
-    save_file({}, str(path))  # the simulated model has no weights: an empty, pinned file
-    return str(path), hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _config(url: str, tmp: Path, tag: str, ckpt: tuple[str, str], batch: int) -> Any:
@@ -224,7 +216,7 @@ def main() -> None:
     results: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        ckpt = _checkpoint(tmp)
+        ckpt = sim_accel.checkpoint(tmp)
         written = workloads.write_w1_parquet(tmp / "w1.parquet", args.items)
         records = ingest.read_records(written) if args.per_row else []
         dataset = tmp / "w1-groups.parquet"  # row groups small enough for every scorer a shard

@@ -18,13 +18,17 @@ shows what the scheduler and the ingress do when the model does not share the ho
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
+
+from batching.model.zoo import W2_D_MODEL, W2_VOCAB_SIZE  # the library beside this script
 
 BASE_S = float(os.environ.get("SIM_ACCEL_BASE_S", "0.005"))  # per forward pass
 PER_ROW_S = float(os.environ.get("SIM_ACCEL_ROW_S", "0.000002"))  # per row of the batch
@@ -48,7 +52,7 @@ W2_SCALE = float(os.environ.get("SIM_ACCEL_W2_SCALE", "1.0"))
 
 @functools.cache
 def _w2_seconds() -> Callable[[int, int], float]:
-    from batching.plan.profile import ServiceProfile  # the library beside this script
+    from batching.plan.profile import ServiceProfile
 
     return ServiceProfile.load(W2_PROFILE).predict
 
@@ -58,14 +62,23 @@ class SimulatedTextAccelerator(nn.Module):
     floats), a pass as long as W2's CPU profile predicts, asleep."""
 
     batching_input = "tokens"
-    batching_vocab_size = 30000  # zoo.W2_VOCAB_SIZE
-    batching_output_dim = 256  # zoo.W2_D_MODEL
+    batching_vocab_size = W2_VOCAB_SIZE
+    batching_output_dim = W2_D_MODEL
 
     def forward(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
         n, length = tokens.shape
         predict = _w2_seconds()
         time.sleep(W2_SCALE * predict(int(n), int(length)))
         return torch.zeros((n, self.batching_output_dim), dtype=torch.float32)
+
+
+def checkpoint(folder: Path) -> tuple[str, str]:
+    """An empty safetensors file in ``folder`` (a simulated model has no weights) and its
+    sha256, for the config to pin: (path, sha256)."""
+    path = folder / "sim-accel.safetensors"
+    if not path.exists():
+        save_file({}, str(path))
+    return str(path), hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def build_text() -> nn.Module:
