@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
+import orjson
 from fastapi import Depends, FastAPI, Path, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -49,10 +50,10 @@ MAX_WAIT_S = 30.0
 """The longest long poll (``wait_s``)."""
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 INLINE_BYTES = 64 * 1024
+"""A POST body up to this size is parsed on the event loop, a larger one in a thread."""
 LARGE_BYTES = 1024 * 1024
 """Bodies past this are read one at a time (``post_items``); those between INLINE_BYTES and
 this side by side, so a tenant's 70 KiB request never waits behind another's 16 MiB ones."""
-"""A POST body up to this size is parsed on the event loop, a larger one in a thread."""
 
 
 Observe = Callable[[str, str, str, int], None]
@@ -96,6 +97,16 @@ class ApiError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.kind, self.message, self.headers = status, kind, message, headers
+
+
+class ItemsResponse(JSONResponse):
+    """An items document, encoded by orjson: a W2 result (256 floats) took json.dumps ~8% of
+    the event loop's time at 92 requests a second. Its floats are finite (the runner fails a
+    row with a non-finite output, so none is committed); a SQL output's column names are a
+    ``str`` subclass, which orjson takes as keys only with ``OPT_NON_STR_KEYS``."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
 
 
 def error_response(
@@ -393,7 +404,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         finally:
             for key, future in futures.items():
                 waiters.cancel(queue, key, future)
-        return JSONResponse(doc, 201 if created else 200)
+        return ItemsResponse(doc, 201 if created else 200)
 
     @app.get(
         "/v1/queues/{queue}",
@@ -417,7 +428,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         request: Request, queue: Served, item_key: ItemKey, tenant: Tenant, wait_s: WaitS = 0.0
     ) -> JSONResponse:
         view = await _wait(settings, request.app.state.waiters, queue, item_key, tenant, wait_s)
-        return JSONResponse(view.doc())
+        return ItemsResponse(view.doc())
 
 
 _NOT_SERVED = "a queue this API does not serve (only its config's queue.name)"

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batching import errors, models
+from batching.api import results
 from batching.api.results import ItemView, Results
 from batching.store import database
 
@@ -167,8 +168,14 @@ class Writer:
         q.max_attempts = self.max_attempts
         run = f"api-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:8]}"
         self.groups += 1
+        keys = [r.item_key for p in posts for r in p.records]
+        views: dict[str, ItemView] = {}
         try:
-            outcomes = q.enqueue_each([p.records for p in posts], enqueue_run=run)
+            outcomes = q.enqueue_each(
+                [p.records for p in posts],
+                enqueue_run=run,
+                then=lambda conn: views.update(results.states(conn, queue, keys)),
+            )
             # SQLite: committed to the file at its path, not to one deleted or moved under
             # this process's connection (written where no scorer reads, lost with it): 503
             database.require_file_still_there(self.results.engine)
@@ -189,29 +196,25 @@ class Writer:
             inserted += outcome.inserted
             duplicates.extend(outcome.duplicates)
         if admitted:
-            self._answer(queue, admitted, models.EnqueueResult(inserted, tuple(duplicates)))
+            done = models.EnqueueResult(inserted, tuple(duplicates))
+            _answer(admitted, done, views)
 
-    def _answer(self, queue: str, posts: list[Post], done: models.EnqueueResult) -> None:
-        """Each request's items, ``created`` for the first request of the group sending a key
-        the transaction inserted."""
-        keys = [r.item_key for p in posts for r in p.records]
-        sent, dupes = collections.Counter(keys), collections.Counter(done.duplicates)
-        new = {k for k, n in sent.items() if dupes[k] < n}
-        try:
-            views = self.results.states(queue, keys)
-        except errors.BatchingError as exc:
-            for post in posts:
-                _resolve(post, exc)
-            return
-        for post in posts:  # another tenant's key was refused in the transaction (KeyTaken)
-            items, any_new = [], False
-            for r in post.records:
-                created = r.item_key in new
-                new.discard(r.item_key)
-                any_new = any_new or created
-                if r.item_key in views:
-                    items.append(posted(views[r.item_key], created))
-            _resolve(post, ({"items": items}, any_new))
+
+def _answer(posts: list[Post], done: models.EnqueueResult, views: dict[str, ItemView]) -> None:
+    """Each request's items as the transaction read them (``views``), ``created`` for the
+    first request of the group sending a key the transaction inserted."""
+    sent = collections.Counter(r.item_key for p in posts for r in p.records)
+    dupes = collections.Counter(done.duplicates)
+    new = {k for k, n in sent.items() if dupes[k] < n}
+    for post in posts:  # another tenant's key was refused in the transaction (KeyTaken)
+        items, any_new = [], False
+        for r in post.records:
+            created = r.item_key in new
+            new.discard(r.item_key)
+            any_new = any_new or created
+            if r.item_key in views:
+                items.append(posted(views[r.item_key], created))
+        _resolve(post, ({"items": items}, any_new))
 
 
 def posted(view: ItemView, created: bool) -> dict[str, Any]:

@@ -388,6 +388,7 @@ class SqlQueue:
         groups: Sequence[Sequence[models.EnqueueRecord]],
         *,
         enqueue_run: str | None = None,
+        then: Callable[[Connection], object] | None = None,
     ) -> list[models.EnqueueResult | errors.QueueFull | errors.InputError]:
         """Enqueue several requests' records in ONE transaction, each group admitted or
         refused on its own, in order: a group that would take the queue past its depth cap
@@ -401,7 +402,9 @@ class SqlQueue:
         The HTTP ingress writes the requests waiting at one moment this way: at the cap one
         transaction answers them all, where refusing a group whole and retrying its halves
         took up to twice as many transactions as requests, and the ingress fell behind just
-        when the queue was full.
+        when the queue was full. ``then`` is called with the connection last, inside the
+        transaction (the ingress reads its answer there: a read transaction of its own after
+        the commit cost it a connection, a BEGIN and a COMMIT more a group).
 
         Raises:
             QueueError: the database failed; nothing is enqueued.
@@ -431,6 +434,8 @@ class SqlQueue:
             inserted = added.total()
             if inserted and self.dialect == "postgresql":
                 conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, self.queue)))
+            if then is not None:
+                then(conn)
         logger.info(
             "items enqueued",
             extra={"action": "enqueue", "queue": self.queue, "n_items": inserted},

@@ -217,15 +217,16 @@ def test_an_item_a_range_holds_reads_as_leased_over_http(queue: q.SqlQueue) -> N
     queue.enqueue([tensor(f"k{i}") for i in range(3)])
     claim = queue.claim(2, lease_s=30, columns=True)
     assert len(ranges(queue)) == 1
-    reader = results.Results(queue.engine, target=None)  # type: ignore[arg-type]
-    views = reader.states(queue.queue, ["k0", "k1", "k2"])
+    with queue.read() as conn:
+        views = results.states(conn, queue.queue, ["k0", "k1", "k2"])
     assert {k: v.state for k, v in views.items()} == {
         "k0": models.State.LEASED,
         "k1": models.State.LEASED,
         "k2": models.State.READY,
     }
     queue.ack(claim.lease_id, [i.id for i in claim.items])
-    assert reader.states(queue.queue, ["k0"])["k0"].state is models.State.DONE
+    with queue.read() as conn:
+        assert results.states(conn, queue.queue, ["k0"])["k0"].state is models.State.DONE
 
 
 def test_acks_of_a_range_in_any_order_and_shape(queue: q.SqlQueue) -> None:
