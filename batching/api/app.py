@@ -71,11 +71,13 @@ class Settings:
     written in groups (``writer``): up to ``group_max_records`` records a transaction,
     lingering ``group_linger_s`` for more. ``observe`` hears each POST's outcome;
     ``metrics`` (the exposition and its content type) is served on ``GET /metrics``.
+    ``fits``: a payload the model cannot take is refused with 422 (``requests.records``).
     """
 
     results: Results
     tokens: tokens.Tokens
     limits: ingest.ItemLimits = field(default_factory=ingest.ItemLimits)
+    fits: requests.Fits | None = None
     max_attempts: int = 5
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     retry_after_s: int = 1
@@ -491,7 +493,7 @@ def _records(settings: Settings, tenant: str, body: Any) -> list[models.EnqueueR
     """A body's records, validated (before the request joins a group: its errors are its own);
     the writer (``writer.Writer``) enqueues them."""
     try:
-        return requests.records(body, tenant, settings.limits)
+        return requests.records(body, tenant, settings.limits, settings.fits)
     except RecursionError:
         raise errors.InputError("body: nested too deeply; flatten the payload") from None
 

@@ -13,6 +13,7 @@ import base64
 import binascii
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 from batching import errors, models
@@ -43,13 +44,23 @@ class TenantMismatch(errors.InputError):
     """An item names a tenant other than its token's: a client enqueues as its own tenant."""
 
 
-def records(body: Any, tenant: str, limits: ingest.ItemLimits) -> list[models.EnqueueRecord]:
+Fits = Callable[[models.Payload], str | None]
+"""Why the model's decode would fail a payload, or None (``payloads.fit_error`` of the
+config's model, bound by the CLI)."""
+
+
+def records(
+    body: Any, tenant: str, limits: ingest.ItemLimits, fits: Fits | None = None
+) -> list[models.EnqueueRecord]:
     """The records of a request body, each bound to ``tenant`` (the token's).
 
     Args:
         body: the parsed JSON document.
         tenant: the token's tenant: an item without ``tenant`` gets it.
         limits: the model's item limits (``ingest.ItemLimits``).
+        fits: refuses a payload the model cannot take (its input length, its vocabulary),
+            with the reason its decode would give; None: such an item is accepted and fails
+            dead at decode.
 
     Returns:
         At least one record, keys distinct, in the body's order.
@@ -69,14 +80,16 @@ def records(body: Any, tenant: str, limits: ingest.ItemLimits) -> list[models.En
             raise errors.InputError(
                 f"body: {len(items)} items, more than {MAX_ITEMS} in one request; split it"
             )
-        found = [_record(obj, tenant, limits, f"items[{n}]") for n, obj in enumerate(items)]
+        found = [_record(obj, tenant, limits, fits, f"items[{n}]") for n, obj in enumerate(items)]
     else:
-        found = [_record(body, tenant, limits, "body")]
+        found = [_record(body, tenant, limits, fits, "body")]
     _check_unique(found)
     return found
 
 
-def _record(obj: Any, tenant: str, limits: ingest.ItemLimits, where: str) -> models.EnqueueRecord:
+def _record(
+    obj: Any, tenant: str, limits: ingest.ItemLimits, fits: Fits | None, where: str
+) -> models.EnqueueRecord:
     if not isinstance(obj, dict):
         raise errors.InputError(f"{where}: expected a JSON object with item_key and payload")
     given = obj.get("tenant", tenant)
@@ -94,6 +107,11 @@ def _record(obj: Any, tenant: str, limits: ingest.ItemLimits, where: str) -> mod
         cost = record.cost if "cost" in obj else max(1, math.prod(tensor.shape or (1,)))
         record = dataclasses.replace(record, payload=tensor, cost=cost)
     ingest.check_limits(record, limits, where)
+    if fits is not None and (reason := fits(record.payload)) is not None:
+        raise errors.InputError(
+            f"{where}: item {record.item_key!r} does not fit the model: {reason}; "
+            "send the payload the config's model takes"
+        )
     return record
 
 

@@ -4,13 +4,15 @@ environment: ``BATCHING_API_TOKENS`` (``TOKEN=TENANT`` pairs, comma-separated) o
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from batching import errors
+from batching import errors, models
 from batching.cli.common import (
     ConfigOption,
     DbOverride,
@@ -101,7 +103,8 @@ def serve_api(
 
     Tokens come from BATCHING_API_TOKENS (TOKEN=TENANT pairs, comma-separated) or
     BATCHING_API_TOKENS_FILE (one pair a line); each token enqueues and reads as its tenant
-    only. Items are held to the config's model.max_item_* limits; results are read from the
+    only. Items are held to the config's model.max_item_* limits and refused (422) when the
+    model cannot take their payload (input length, vocabulary); results are read from the
     config's output (or --output: the one the scorers were given). See docs/howto/http.md.
     """
     from batching.api import app as api_app
@@ -119,6 +122,7 @@ def serve_api(
         results,
         known,
         ingest.ItemLimits.of(cfg.model),
+        fits=_fits(cfg.model.name),
         max_attempts=cfg.queue.max_attempts,
         max_body_bytes=max_body_bytes,
         retry_after_s=retry_after_s,
@@ -136,3 +140,25 @@ def serve_api(
         api_app.serve(application(settings, cfg.metrics.environment), sock)
     finally:
         results.close()
+
+
+def _fits(name: str) -> Callable[[models.Payload], str | None] | None:
+    """The check of a payload against model ``name``'s input (``payloads.fit_error``), read
+    from the model built without weights; None, with a warning, when it cannot be built so
+    (the scorer's decode still fails such an item, with the same reason)."""
+    from batching.model import payloads, zoo
+
+    try:
+        info = zoo.describe_unloaded(name)
+    except errors.ConfigError as exc:
+        err.print(
+            f"warning: payloads are checked at decode only, not at the door: {exc}",
+            highlight=False,
+        )
+        return None
+    return functools.partial(
+        payloads.fit_error,
+        kind=info.input_kind,
+        input_dim=info.input_dim,
+        vocab_size=info.vocab_size,
+    )

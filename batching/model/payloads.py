@@ -24,6 +24,12 @@ from batching import errors, models
 
 FloatArray = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.int64]
+NOT_FINITE = (
+    "tensor payload holds a value that is not finite as float32 (NaN, inf, or beyond "
+    "+-3.4e38); send finite numbers"
+)
+"""A dense row that is not finite: its item's failure at decode (JSON values are refused
+as they are read, each with its own reason)."""
 
 
 def dense_rows(
@@ -177,6 +183,25 @@ def _int_array(value: object) -> npt.NDArray[Any] | None:
         return np.array(value)
     except (ValueError, TypeError, OverflowError):  # ragged or unconvertible
         return None
+
+
+def fit_error(
+    payload: models.Payload, kind: str, input_dim: int | None, vocab_size: int | None
+) -> str | None:
+    """Why the runner's decode would fail ``payload`` for a model of input ``kind`` (``dense``
+    of ``input_dim`` numbers, ``tokens`` below ``vocab_size``), or None: the decode's own
+    checks and words, so an item refused at the HTTP door reads as one failed at decode.
+    (Item limits, such as ``model.max_item_tokens``, are the ingress's own check.)"""
+    if kind == "dense":
+        assert input_dim is not None  # dense models always know it (zoo.describe)
+        blocks, failures = dense_rows([models.WorkItem(0, "", payload, 0.0)], input_dim)
+        if failures:
+            return failures[0]
+        return None if all(np.isfinite(rows).all() for _, rows in blocks) else NOT_FINITE
+    seq, reason = token_seq(payload)
+    if seq is None:
+        return reason or "payload has no tokens"
+    return reason or token_range_error(seq, vocab_size)
 
 
 def token_range_error(seq: IntArray, vocab_size: int | None) -> str | None:

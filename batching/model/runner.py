@@ -691,10 +691,7 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
-NOT_FINITE = (
-    "tensor payload holds a value that is not finite as float32 (NaN, inf, or beyond "
-    "+-3.4e38); send finite numbers"
-)
+NOT_FINITE = payloads.NOT_FINITE
 
 
 def _dense_decoded(

@@ -179,6 +179,21 @@ def build(name: str) -> tuple[nn.Module, ModelInfo]:
     return model, describe(model, name)
 
 
+def describe_unloaded(name: str) -> ModelInfo:
+    """How the model ``name`` is fed, read from one built on PyTorch's meta device: no
+    checkpoint read and no memory for its parameters (the HTTP ingress checks payloads
+    against it, in a process that never scores).
+
+    Raises:
+        ConfigError: as ``build``; also a factory that cannot build on the meta device (one
+            that reads weights while it builds, say).
+    """
+    check_name(name)
+    with torch.device("meta"):
+        model = BUILTINS[name].factory() if name in BUILTINS else _call_factory(name)
+    return describe(model, name)
+
+
 def check_name(name: str) -> None:
     """Raise ``ConfigError`` unless ``name`` is built in or looks like a factory."""
     if name not in BUILTINS and ":" not in name:

@@ -80,6 +80,11 @@ def test_http_in_result_out_with_the_scorer_killed_in_between(tmp_path: Path) ->
     procs = [api]
     try:
         wait_for(lambda: _up(base, api), 60, "the API to answer /healthz")
+        status, refused = call(  # W1 takes 64 numbers: refused at the door, not dead later
+            base, "POST", "/v1/queues/tabular/items", {"item_key": "x", "payload": {"x": [1]}}
+        )
+        assert (status, refused["error"]["kind"]) == (422, "InputError"), refused
+        assert "does not fit the model" in refused["error"]["message"]
         first = start(
             [sys.executable, str(DIE_ON), victim_key, "kill", "--", *score], tmp_path, env
         )

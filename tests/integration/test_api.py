@@ -238,6 +238,49 @@ def test_an_item_past_the_model_limits_is_refused_as_a_file_record_is(config_pat
         )
 
 
+def test_a_payload_the_model_cannot_take_is_422_and_its_request_writes_nothing(
+    config_path: Path,
+) -> None:
+    """The CLI binds the config's model's input (W1: 64 numbers) to the door: a payload the
+    decode would fail is refused with the decode's reason, and a request holding one is
+    refused whole."""
+    wide = np.zeros(65, dtype="<f4")
+    tensor = {
+        "dtype": "float32",
+        "shape": [65],
+        "data_b64": base64.b64encode(wide.tobytes()).decode(),
+    }
+    for checked in make_client(config_path, fits=api_cli._fits("w1-mlp")):
+        short = {"item_key": "short", "payload": {"x": [0.5] * 63}}
+        assert assert_error(checked.post(ITEMS, json=short, headers=A), 422, "InputError") == (
+            "body: item 'short' does not fit the model: \"x\" must be a list of 64 numbers, "
+            "got a list of 63; send the payload the config's model takes"
+        )
+        mixed = {"items": [item("fine"), {"item_key": "wide", "payload": {"tensor": tensor}}]}
+        message = assert_error(checked.post(ITEMS, json=mixed, headers=A), 422, "InputError")
+        assert message.startswith("items[1]: item 'wide' does not fit the model: tensor ")
+        assert checked.get(f"{ITEMS}/fine", headers=A).status_code == 404
+        assert checked.post(ITEMS, json=item("fine"), headers=A).status_code == 201
+
+
+def build_needs_its_weights() -> Any:
+    """A factory that reads a weight while it builds: it cannot build on the meta device."""
+    from torch import nn
+
+    model = nn.Linear(64, 1)
+    float(model.weight.detach().sum())
+    return model
+
+
+def test_a_model_that_cannot_build_without_weights_is_checked_at_decode_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert api_cli._fits(f"{__name__}:build_needs_its_weights") is None
+    said = capsys.readouterr().err
+    assert "payloads are checked at decode only" in said
+    assert "cannot be called on meta tensors" in said, said
+
+
 def test_a_body_past_the_size_limit_is_413(config_path: Path) -> None:
     for small in make_client(config_path, max_body_bytes=2048):
         big = {"items": [item(f"k{i}") for i in range(20)]}

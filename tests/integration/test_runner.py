@@ -18,7 +18,7 @@ from torch import nn
 
 from batching import errors, models
 from batching.config import ModelSpec
-from batching.model import runner, zoo
+from batching.model import payloads, runner, zoo
 from batching.plan.profile import ServiceProfile
 
 POISON = 999.0
@@ -409,6 +409,56 @@ def test_token_decode_failures_fail_alone(w2: runner.TorchRunner) -> None:
     assert set(result.outputs) == {0}
     assert set(result.failures) == set(range(10, 18))
     assert "[1, 30000)" in result.failures[11]
+
+
+def test_the_doors_fit_check_says_what_decode_says(
+    w1: runner.TorchRunner, w2: runner.TorchRunner
+) -> None:
+    """``payloads.fit_error`` (the HTTP ingress's 422) refuses exactly the payloads the model's
+    decode fails, with the same words, from a model built without its weights."""
+    good = np.random.default_rng(4).standard_normal((1, 64), dtype=np.float32)[0]
+    dense = [
+        json_item(0, {"x": good.tolist()}),
+        tensor_item(1, good),
+        tensor_item(2, good.astype(np.float64)),
+        item(10, models.Payload(b"{not json")),
+        json_item(11, {"y": [0.0] * 64}),
+        json_item(12, {"x": [0.0] * 63}),
+        json_item(13, {"x": ["a"] * 64}),
+        json_item(14, [0.0] * 64),
+        tensor_item(15, good, dtype="bfloat16"),
+        tensor_item(16, good[:63]),
+        tensor_item(17, good.astype(np.bool_)),
+        tensor_item(18, np.where(np.arange(64) == 3, np.inf, good)),
+        item(19, models.Payload(good.tobytes(), models.PayloadFormat.TENSOR)),
+    ]
+    seq = token_lists([6])[0]
+    tokens = [
+        json_item(0, {"tokens": seq.tolist()}),
+        tensor_item(1, seq.astype(np.int32)),
+        json_item(10, {"tokens": [0, 5, 7]}),
+        json_item(11, {"tokens": [5, zoo.W2_VOCAB_SIZE]}),
+        json_item(12, {"tokens": []}),
+        json_item(13, {"tokens": [1.5, 2]}),
+        json_item(14, {"tokens": [[1, 2], [3]]}),
+        tensor_item(15, seq.astype(np.float32)),
+        json_item(16, {"tokens": "abc"}),
+        json_item(17, {"x": [1]}),
+    ]
+    for loaded, items in ((w1, dense), (w2, tokens)):
+        info = zoo.describe_unloaded(loaded.model_name)
+        assert (info.input_kind, info.input_dim, info.vocab_size) == (
+            loaded.input_kind,
+            loaded.input_dim,
+            loaded.vocab_size,
+        )
+        decoded = {i.id: loaded.decode([i]).failures.get(i.id) for i in items}
+        at_door = {
+            i.id: payloads.fit_error(i.payload, info.input_kind, info.input_dim, info.vocab_size)
+            for i in items
+        }
+        assert at_door == decoded
+        assert {i for i, why in at_door.items() if why is None} == {0, 1, 2} & set(at_door)
 
 
 def test_poison_item_fails_alone_and_batch_mates_score(probe_ckpt: tuple[Path, str]) -> None:
