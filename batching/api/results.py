@@ -47,6 +47,7 @@ TERMINAL = frozenset(
 )
 """States an item never leaves: a long poll ends there."""
 _CHUNK = 500
+_BATCH_CHUNK = 16
 CACHED_BATCHES = 256
 CACHED_BYTES = 64 * 1024 * 1024
 """Batches whose rows a ``Results`` keeps, at most (a client often reads a result twice: the
@@ -194,13 +195,21 @@ class Results:
             if v.state == models.State.DONE and v.batch_id is not None:
                 by_batch.setdefault(v.batch_id, []).append(v.item_key)
         rows: dict[str, tuple[dict[str, Any] | None, str]] = {}
-        held = {b: c for b, keys in by_batch.items() if (c := self._cached(b, keys)) is not None}
-        for batch, body in _batches(conn, [b for b in by_batch if b not in held]):
+
+        def take(batch_id: str, version: str, found: Mapping[str, dict[str, Any]]) -> None:
+            rows.update({k: (found.get(k), version) for k in by_batch[batch_id]})
+
+        unread = []
+        for batch_id, keys in by_batch.items():
+            cached = self._cached(batch_id, keys)
+            if cached is None:
+                unread.append(batch_id)
+            else:
+                take(batch_id, *cached)
+        for batch, body in _batches(conn, unread):  # a few at a time: their rows are let go
             keys = by_batch[batch.batch_id]
             found = self._read(conn, batch, body, keys, queue)
-            held[batch.batch_id] = self._cache(batch.batch_id, str(batch.model_version), found)
-        for batch_id, (version, found) in held.items():
-            rows.update({k: (found.get(k), version) for k in by_batch[batch_id]})
+            take(batch.batch_id, *self._cache(batch.batch_id, str(batch.model_version), found))
         return [
             v
             if v.item_key not in rows
@@ -382,15 +391,16 @@ _BATCHES = (
 )
 
 
-def _batches(conn: Connection, batch_ids: Sequence[str]) -> list[tuple[Row[Any], bytes | None]]:
-    """The ledger row and outbox body of each of ``batch_ids`` that has a ledger row."""
-    found: list[tuple[Row[Any], bytes | None]] = []
-    for start in range(0, len(batch_ids), _CHUNK):
-        binds = {"b_ids": list(batch_ids[start : start + _CHUNK])}
-        for row in conn.execute(_BATCHES, binds):
+def _batches(conn: Connection, batch_ids: Sequence[str]) -> Iterator[tuple[Row[Any], bytes | None]]:
+    """The ledger row and outbox body of each of ``batch_ids`` that has a ledger row, read
+    ``_BATCH_CHUNK`` at a time: a wake-up over a backlog of outbox batches (each body a
+    batch's rows) holds a few bodies, not all of them (600 such batches read at once peaked
+    at 170 MiB against 75 read one by one)."""
+    for start in range(0, len(batch_ids), _BATCH_CHUNK):
+        binds = {"b_ids": list(batch_ids[start : start + _BATCH_CHUNK])}
+        for row in conn.execute(_BATCHES, binds).all():  # whole: the caller reads on conn
             body = row.outbox_body
-            found.append((row, None if body is None else bytes(body)))
-    return found
+            yield row, None if body is None else bytes(body)
 
 
 class _Rows(Mapping[str, dict[str, Any]]):

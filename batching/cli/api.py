@@ -98,6 +98,14 @@ def serve_api(
         float,
         typer.Option(min=0.0, help="Wait this long for more POSTs before writing a group."),
     ] = 0.0,
+    check_payloads: Annotated[
+        bool,
+        typer.Option(
+            help="Refuse (422) a payload no model version of the config can take; loads torch "
+            "(~250 MB more memory, ~2 s more to start). --no-check-payloads: such items are "
+            "admitted and fail dead at decode."
+        ),
+    ] = True,
 ) -> None:
     """Serve the HTTP ingress: POST items to a queue, GET their state and committed result.
 
@@ -122,7 +130,7 @@ def serve_api(
         results,
         known,
         ingest.ItemLimits.of(cfg.model),
-        fits=_fits(cfg.model.name),
+        fits=_fits(cfg) if check_payloads else None,
         max_attempts=cfg.queue.max_attempts,
         max_body_bytes=max_body_bytes,
         retry_after_s=retry_after_s,
@@ -142,23 +150,25 @@ def serve_api(
         results.close()
 
 
-def _fits(name: str) -> Callable[[models.Payload], str | None] | None:
-    """The check of a payload against model ``name``'s input (``payloads.fit_error``), read
-    from the model built without weights; None, with a warning, when it cannot be built so
-    (the scorer's decode still fails such an item, with the same reason)."""
+def _fits(cfg: Any) -> Callable[[models.Payload], str | None] | None:
+    """The check of a payload against the inputs of the config's model versions (a queue may
+    be routed to any of them by a rollout): it fits when one of them takes it
+    (``payloads.fit_any_error``). Read from each model built without weights; None, with a
+    warning, when one cannot be built so (the scorer's decode still fails such an item,
+    with the same reason)."""
     from batching.model import payloads, zoo
 
-    try:
-        info = zoo.describe_unloaded(name)
-    except errors.ConfigError as exc:
-        err.print(
-            f"warning: payloads are checked at decode only, not at the door: {exc}",
-            highlight=False,
-        )
-        return None
-    return functools.partial(
-        payloads.fit_error,
-        kind=info.input_kind,
-        input_dim=info.input_dim,
-        vocab_size=info.vocab_size,
-    )
+    contracts: list[payloads.Contract] = []
+    for name in dict.fromkeys(spec.name for spec in cfg.registry().values()):
+        try:
+            info = zoo.describe_unloaded(name)
+        except errors.ConfigError as exc:
+            err.print(
+                f"warning: payloads are checked at decode only, not at the door: {exc}",
+                highlight=False,
+            )
+            return None
+        contract = (info.input_kind, info.input_dim, info.vocab_size)
+        if contract not in contracts:
+            contracts.append(contract)
+    return functools.partial(payloads.fit_any_error, contracts=tuple(contracts))

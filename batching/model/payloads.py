@@ -204,6 +204,22 @@ def fit_error(
     return reason or token_range_error(seq, vocab_size)
 
 
+Contract = tuple[str, int | None, int | None]
+"""How a model is fed: (input kind, input_dim, vocab_size), as ``fit_error`` takes them."""
+
+
+def fit_any_error(payload: models.Payload, contracts: Sequence[Contract]) -> str | None:
+    """None when ``payload`` fits one of ``contracts`` (the versions a queue may be routed
+    to), else why it does not fit the first."""
+    first: str | None = None
+    for kind, input_dim, vocab_size in contracts:
+        reason = fit_error(payload, kind, input_dim, vocab_size)
+        if reason is None:
+            return None
+        first = first or reason
+    return first
+
+
 def token_range_error(seq: IntArray, vocab_size: int | None) -> str | None:
     low, high = int(seq.min()), int(seq.max())
     if low < 1 or (vocab_size is not None and high >= vocab_size):

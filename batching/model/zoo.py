@@ -189,8 +189,10 @@ def describe_unloaded(name: str) -> ModelInfo:
             that reads weights while it builds, say).
     """
     check_name(name)
+    # Imported first, on the default device: a module's own tensors are not left on meta.
+    factory = BUILTINS[name].factory if name in BUILTINS else _factory(name)
     with torch.device("meta"):
-        model = BUILTINS[name].factory() if name in BUILTINS else _call_factory(name)
+        model = _call_factory(name, factory)
     return describe(model, name)
 
 
@@ -223,8 +225,9 @@ def _factory(name: str) -> Callable[[], Any]:
     return cast("Callable[[], Any]", factory)
 
 
-def _call_factory(name: str) -> nn.Module:
-    factory = _factory(name)
+def _call_factory(name: str, factory: Callable[[], Any] | None = None) -> nn.Module:
+    """The module ``name``'s factory (``factory``: imported already) returns."""
+    factory = factory or _factory(name)
     try:
         model = factory()
     except Exception as exc:  # the user's code: one line, not their traceback

@@ -250,7 +250,7 @@ def test_a_payload_the_model_cannot_take_is_422_and_its_request_writes_nothing(
         "shape": [65],
         "data_b64": base64.b64encode(wide.tobytes()).decode(),
     }
-    for checked in make_client(config_path, fits=api_cli._fits("w1-mlp")):
+    for checked in make_client(config_path, fits=api_cli._fits(load_config(config_path))):
         short = {"item_key": "short", "payload": {"x": [0.5] * 63}}
         assert assert_error(checked.post(ITEMS, json=short, headers=A), 422, "InputError") == (
             "body: item 'short' does not fit the model: \"x\" must be a list of 64 numbers, "
@@ -272,10 +272,36 @@ def build_needs_its_weights() -> Any:
     return model
 
 
+def build_narrow() -> Any:
+    """A dense model of 32 inputs (another version a queue may be routed to)."""
+    from torch import nn
+
+    return nn.Linear(32, 1)
+
+
+def factory_version(name: str, version: str) -> dict[str, Any]:
+    return {"name": f"{__name__}:{name}", "version": version, "sha256": "0" * 64}
+
+
+def test_a_payload_fits_when_one_model_version_takes_it(tmp_path: Path, db_url: str) -> None:
+    """A rollout may route the queue to any version of the registry: the door admits what
+    one of them takes, and refuses the rest with the config's model's reason."""
+    path = write_config(tmp_path, db_url, model_versions=[factory_version("build_narrow", "n1")])
+    for checked in make_client(path, fits=api_cli._fits(load_config(path))):
+        for key, n in (("w1", 64), ("narrow", 32)):
+            body = {"item_key": key, "payload": {"x": [0.5] * n}}
+            assert checked.post(ITEMS, json=body, headers=A).status_code == 201
+        odd = {"item_key": "odd", "payload": {"x": [0.5] * 10}}
+        message = assert_error(checked.post(ITEMS, json=odd, headers=A), 422, "InputError")
+        assert '"x" must be a list of 64 numbers, got a list of 10' in message
+
+
 def test_a_model_that_cannot_build_without_weights_is_checked_at_decode_only(
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, db_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert api_cli._fits(f"{__name__}:build_needs_its_weights") is None
+    versions = [factory_version("build_needs_its_weights", "w1")]
+    path = write_config(tmp_path, db_url, model_versions=versions)
+    assert api_cli._fits(load_config(path)) is None
     said = capsys.readouterr().err
     assert "payloads are checked at decode only" in said
     assert "cannot be called on meta tensors" in said, said
