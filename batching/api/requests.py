@@ -45,8 +45,8 @@ class TenantMismatch(errors.InputError):
 
 
 Fits = Callable[[models.Payload], str | None]
-"""Why the model's decode would fail a payload, or None (``payloads.fit_error`` of the
-config's model, bound by the CLI)."""
+"""Why the model's decode would fail a payload, or None (``payloads.fit_any_error`` of the
+config's model versions, bound by the CLI)."""
 
 
 def records(
