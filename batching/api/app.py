@@ -207,7 +207,10 @@ def serve(app: FastAPI, sock: socket.socket) -> None:
     # 89k objects, 150 ms of 344k with torch, measured), stalling every request meanwhile.
     gc.collect()
     gc.freeze()
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        gc.unfreeze()
 
 
 # -- errors -------------------------------------------------------------------------------------

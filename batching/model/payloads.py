@@ -210,14 +210,28 @@ Contract = tuple[str, int | None, int | None]
 
 def fit_any_error(payload: models.Payload, contracts: Sequence[Contract]) -> str | None:
     """None when ``payload`` fits one of ``contracts`` (the versions a queue may be routed
-    to), else why it does not fit the first."""
-    first: str | None = None
+    to), else why it does not fit: the first contract's reason among those of the kind the
+    payload looks meant for (token ids, or numbers), else the first's."""
+    reasons: list[tuple[str, str]] = []
     for kind, input_dim, vocab_size in contracts:
         reason = fit_error(payload, kind, input_dim, vocab_size)
         if reason is None:
             return None
-        first = first or reason
-    return first
+        reasons.append((kind, reason))
+    meant = _meant_kind(payload)
+    return next((r for k, r in reasons if k == meant), reasons[0][1] if reasons else None)
+
+
+def _meant_kind(payload: models.Payload) -> str:
+    """``tokens`` for a JSON object with ``tokens`` or an integer tensor, else ``dense``."""
+    if payload.format == models.PayloadFormat.TENSOR:
+        integer = payload.dtype is not None and payload.dtype.lstrip("<>=|")[:1] in ("i", "u")
+        return "tokens" if integer else "dense"
+    try:
+        doc = orjson.loads(payload.data)
+    except ValueError:
+        return "dense"
+    return "tokens" if isinstance(doc, dict) and "tokens" in doc else "dense"
 
 
 def token_range_error(seq: IntArray, vocab_size: int | None) -> str | None:

@@ -193,7 +193,14 @@ def describe_unloaded(name: str) -> ModelInfo:
     factory = BUILTINS[name].factory if name in BUILTINS else _factory(name)
     with torch.device("meta"):
         model = _call_factory(name, factory)
-    return describe(model, name)
+    try:
+        return describe(model, name)
+    except errors.ConfigError:
+        raise
+    except Exception as exc:  # a declaration read from a weight, say (meta has no values)
+        raise errors.ConfigError(
+            f"model {name!r} cannot be described without its weights: {errors.one_line(exc)}"
+        ) from None
 
 
 def check_name(name: str) -> None:

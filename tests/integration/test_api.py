@@ -296,15 +296,62 @@ def test_a_payload_fits_when_one_model_version_takes_it(tmp_path: Path, db_url: 
         assert '"x" must be a list of 64 numbers, got a list of 10' in message
 
 
-def test_a_model_that_cannot_build_without_weights_is_checked_at_decode_only(
-    tmp_path: Path, db_url: str, capsys: pytest.CaptureFixture[str]
+def test_a_payload_no_version_takes_is_told_the_reason_of_its_own_kind(
+    tmp_path: Path, db_url: str
 ) -> None:
-    versions = [factory_version("build_needs_its_weights", "w1")]
-    path = write_config(tmp_path, db_url, model_versions=versions)
+    """W1 (numbers) with W2 (token ids) as another version: token ids past W2's vocabulary
+    are told W2's reason, not that W1 wants "x"."""
+    from batching.model import zoo
+
+    w2 = {"name": "w2-text", "version": "w2", "sha256": zoo.BUILTINS["w2-text"].sha256}
+    path = write_config(tmp_path, db_url, model_versions=[w2])
+    for checked in make_client(path, fits=api_cli._fits(load_config(path))):
+        ok = {"item_key": "ok", "payload": {"tokens": [1, 2]}}
+        assert checked.post(ITEMS, json=ok, headers=A).status_code == 201
+        far = {"item_key": "far", "payload": {"tokens": [1, 40000]}}
+        message = assert_error(checked.post(ITEMS, json=far, headers=A), 422, "InputError")
+        assert "token ids must be in [1, 30000)" in message, message
+
+
+class _DeclaredFromWeight:
+    """A module whose input length is read from a weight: it cannot be described on meta."""
+
+    @staticmethod
+    def build() -> Any:
+        import torch
+        from torch import nn
+
+        class Model(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.dim = nn.Parameter(torch.tensor(64.0), requires_grad=False)
+                self.linear = nn.Linear(64, 1)
+
+            @property
+            def batching_input_dim(self) -> int:
+                return int(self.dim.item())
+
+        return Model()
+
+
+build_declared_from_weight = _DeclaredFromWeight.build
+
+
+@pytest.mark.parametrize(
+    ("factory", "says"),
+    [
+        ("build_needs_its_weights", "cannot be called on meta tensors"),
+        ("build_declared_from_weight", "cannot be described without its weights"),
+    ],
+)
+def test_a_model_that_needs_its_weights_to_build_is_checked_at_decode_only(
+    tmp_path: Path, db_url: str, capsys: pytest.CaptureFixture[str], factory: str, says: str
+) -> None:
+    path = write_config(tmp_path, db_url, model_versions=[factory_version(factory, "v9")])
     assert api_cli._fits(load_config(path)) is None
     said = capsys.readouterr().err
     assert "payloads are checked at decode only" in said
-    assert "cannot be called on meta tensors" in said, said
+    assert says in said, said
 
 
 def test_a_body_past_the_size_limit_is_413(config_path: Path) -> None:
