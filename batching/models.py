@@ -65,6 +65,15 @@ class Payload(NamedTuple):
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
 
+    @property
+    def integer_tensor(self) -> bool:
+        """A tensor of integers (token ids, to a token model), whatever its byte order."""
+        return (
+            self.format == PayloadFormat.TENSOR
+            and self.dtype is not None
+            and self.dtype.lstrip("<>=|")[:1] in ("i", "u")
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class EnqueueRecord:

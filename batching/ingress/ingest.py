@@ -156,8 +156,7 @@ def _counts(payload: models.Payload) -> tuple[int, int]:
     JSON payload's list lengths (``tokens`` counted as token ids)."""
     if payload.format == models.PayloadFormat.TENSOR:
         n = math.prod(payload.shape or (0,))
-        integer = payload.dtype is not None and payload.dtype.lstrip("<>=|")[:1] in ("i", "u")
-        return (n if integer else 0), n
+        return (n if payload.integer_tensor else 0), n
     doc = json.loads(payload.data)
     if isinstance(doc, list):
         return 0, len(doc)

@@ -225,8 +225,7 @@ def fit_any_error(payload: models.Payload, contracts: Sequence[Contract]) -> str
 def _meant_kind(payload: models.Payload) -> str:
     """``tokens`` for a JSON object with ``tokens`` or an integer tensor, else ``dense``."""
     if payload.format == models.PayloadFormat.TENSOR:
-        integer = payload.dtype is not None and payload.dtype.lstrip("<>=|")[:1] in ("i", "u")
-        return "tokens" if integer else "dense"
+        return "tokens" if payload.integer_tensor else "dense"
     try:
         doc = orjson.loads(payload.data)
     except ValueError:
