@@ -373,7 +373,8 @@ def _doc(action: str, queue: str, changed: bool, control: Any, **extra: Any) -> 
 
 
 def control_lines(controls_by_queue: dict[str, Any], depths: dict[str, int]) -> list[str]:
-    """``batching status``'s lines for paused and capped queues (none for the others)."""
+    """``batching status``'s lines for paused and capped queues, and for those whose ledger
+    retention purged (none for the others)."""
     lines = []
     for name, c in sorted(controls_by_queue.items()):
         if c.paused:
@@ -385,5 +386,10 @@ def control_lines(controls_by_queue: dict[str, Any], depths: dict[str, int]) -> 
             lines.append(
                 f"queue {name!r} depth cap {c.max_depth} items ready or leased "
                 f"(now {depths.get(name, 0)})"
+            )
+        if c.ledger_horizon is not None:
+            lines.append(
+                f"queue {name!r} ledger kept from {when(c.ledger_horizon)} "
+                "(`batching purge --ledger`): older outputs are not judged for orphans"
             )
     return lines

@@ -278,13 +278,23 @@ def purge(
     archive: Annotated[
         bool, typer.Option(help="Copy to batching_items_archive before deleting.")
     ] = False,
+    ledger: Annotated[
+        bool,
+        typer.Option(
+            "--ledger",
+            help="Then delete the batch ledger's rows committed before the UTC midnight at or "
+            "before --older-than ago that no item or outbox row needs (the ledger horizon).",
+        ),
+    ] = False,
     actor: ActorOption = None,
     reason: ReasonOption = None,
 ) -> None:
     """Remove done and cancelled items older than --older-than (7d by default).
 
-    Keep at least the reconcile window: reconcile cannot prove what is gone. Recorded in the
-    queue's audit with --actor and --reason."""
+    Keep at least the reconcile window: reconcile cannot prove what is gone. With --ledger,
+    the ledger rows of batches none of whose items is left go too, up to a UTC midnight (the
+    horizon): reconcile then no longer reports orphan or duplicate outputs scored before that
+    day. Recorded in the queue's audit with --actor and --reason."""
     from batching.cli.controls import acting
     from batching.ingress import controls
 
@@ -298,3 +308,12 @@ def purge(
         warn_unknown_queue(q)
     verb = "archived" if archive else "deleted"
     out.print(f"{verb} {n} done or cancelled item(s) older than {older_than} from queue {queue!r}")
+    if ledger:
+        from batching.store import retention
+
+        rows, horizon = q.purge_ledger(age_s, actor=who, reason=reason)
+        out.print(
+            f"deleted {rows} ledger row(s) of queue {queue!r} committed before "
+            f"{retention.day(horizon)} 00:00 UTC that no item needs; reconcile judges no "
+            f"orphan or duplicate output scored before that day"
+        )

@@ -58,8 +58,8 @@ def status(
     their items' cost) and by model version, from the run ledger.
 
     --json: by_state, oldest_ready_age_s, expired_leases, groups, backoff, and controls (by
-    queue: paused, paused_at, paused_by, reason, max_depth); with --costs, costs (runs,
-    device_s, by_tenant, by_model_version)."""
+    queue: paused, paused_at, paused_by, reason, max_depth, ledger_horizon); with --costs,
+    costs (runs, device_s, by_tenant, by_model_version)."""
     from dataclasses import asdict
 
     from batching.cli.controls import control_lines

@@ -37,7 +37,7 @@ from batching.ingress import queue as q
 from batching.ingress import shards
 from batching.loop.stages import INEXACT
 from batching.outputs import ledger, outbox, registry
-from batching.store import schema
+from batching.store import retention, schema
 
 SKIPPED_SHOWN = 20  # purged keys named in the report (all are counted)
 _B = schema.batches
@@ -133,9 +133,11 @@ def replay(
         with queue.read() as conn:
             rows = _run_batches(conn, queue.queue, run_id)
             if not rows:
+                at = retention.horizon(conn, queue.queue)
+                kept = "" if at is None else f" since {retention.day(at)} (`purge --ledger`)"
                 raise errors.InputError(
                     f"run {run_id} committed no batch in queue {queue.queue!r} of "
-                    f"{queue.url}; check the run id (`batching status`, the lineage log)"
+                    f"{queue.url}{kept}; check the run id (`batching status`, the lineage log)"
                 )
             if _scored_in_place(conn, rows):
                 raise errors.InputError(

@@ -53,6 +53,7 @@ class QueueControl:
     paused_by: str | None = None
     reason: str | None = None
     max_depth: int | None = None
+    ledger_horizon: float | None = None  # ``batching purge --ledger`` (store.retention)
 
 
 @dataclass(frozen=True)
@@ -310,6 +311,7 @@ def _control(row: Any) -> QueueControl:
         paused_by=row.paused_by,
         reason=row.pause_reason,
         max_depth=None if row.max_depth is None else int(row.max_depth),
+        ledger_horizon=row.ledger_horizon,
     )
 
 

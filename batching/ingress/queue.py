@@ -44,7 +44,7 @@ from sqlalchemy.engine import Connection, Engine
 from batching import crashes, errors, models, routing, tenant_share
 from batching.ingress import admission, controls, pg_bulk, sqlite_bulk, sqlite_claim, watch
 from batching.ports import Clock
-from batching.store import database, schema, sqlite
+from batching.store import database, retention, schema, sqlite
 
 logger = logging.getLogger(__name__)
 
@@ -1712,6 +1712,64 @@ class SqlQueue:
                 controls.record(conn, self.queue, "purge", actor, self.clock(), reason, detail)
         logger.info("items purged", extra={"action": "purge", "n_items": n, "archived": archive})
         return n
+
+    def purge_ledger(
+        self, older_than_s: float, *, actor: str | None = None, reason: str | None = None
+    ) -> tuple[int, float]:
+        """Delete the batch ledger's rows of this queue committed before the UTC midnight at
+        or before now - age (the horizon) that nothing needs: ``published``, no item row
+        pointing at them (purge those first) and no outbox row; returns (rows deleted, the
+        horizon). The horizon is recorded in the queue's controls, in the transaction that
+        deletes the first row, and never moves back (``batching.store.retention`` says what
+        readers make of it). Pages by ``(committed_at, batch_id)``: a row kept is read once."""
+        horizon = retention.midnight(self.clock() - older_than_s)
+        b, now = schema.batches, self.clock()
+        unneeded = sa.and_(
+            b.c.state == models.BatchState.PUBLISHED.value,
+            ~sa.exists().where(_T.c.batch_id == b.c.batch_id),
+            ~sa.exists().where(schema.outbox.c.batch_id == b.c.batch_id),
+        )
+        page = sa.select(b.c.committed_at, b.c.batch_id).where(
+            b.c.queue == self.queue, b.c.committed_at < horizon
+        )
+        after: tuple[float, str] | None = None
+        n, recorded = 0, False
+        while True:
+            with self.begin() as conn:
+                schema.require_current_to_write(conn)
+                q = page
+                if after is not None:
+                    q = q.where(sa.tuple_(b.c.committed_at, b.c.batch_id) > sa.tuple_(*after))
+                rows = conn.execute(
+                    q.order_by(b.c.committed_at, b.c.batch_id).limit(_PURGE_CHUNK)
+                ).all()
+                if rows:
+                    ids = [r.batch_id for r in rows]
+                    gone = int(
+                        conn.execute(sa.delete(b).where(b.c.batch_id.in_(ids), unneeded)).rowcount
+                    )
+                    if gone and not recorded:  # with the first rows gone: never one without
+                        self._raise_horizon(conn, horizon, now)
+                        recorded = True
+                    n += gone
+                    after = (rows[-1].committed_at, rows[-1].batch_id)
+            if len(rows) < _PURGE_CHUNK:
+                break
+        if actor is not None:
+            detail = {"ledger_rows": n, "horizon": retention.day(horizon)}
+            with self.begin() as conn:
+                controls.record(conn, self.queue, "purge", actor, self.clock(), reason, detail)
+        logger.info(
+            "ledger rows purged",
+            extra={"action": "purge_ledger", "n_batches": n, "horizon": retention.day(horizon)},
+        )
+        return n, horizon
+
+    def _raise_horizon(self, conn: Connection, horizon: float, now: float) -> None:
+        controls.locked_row(conn, self.queue, now)
+        before = retention.horizon(conn, self.queue)
+        if before is None or before < horizon:
+            controls.update_row(conn, self.queue, {"ledger_horizon": horizon}, now)
 
     def _purge_rows(self, conn: Connection, ids: list[int], *, archive: bool) -> int:
         """Archive (if asked), then delete these items and their payloads; returns how many."""

@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from batching import errors
-from batching.store import schema
+from batching.store import retention, schema
 
 if TYPE_CHECKING:
     from batching.config import ModelSpec
@@ -65,7 +65,7 @@ def pin(engine: Engine, queue: str, spec: ModelSpec, *, run_id: str, now: float)
             conn.execute(sa.update(_P).where(*where).values(**earlier))
         row = conn.execute(sa.select(_P).where(*where)).one()
         problem = _differs(queue, spec, row._mapping)
-        if problem is not None and not _committed(conn, queue, spec.version):
+        if problem is not None and not _committed(conn, queue, spec.version, row.first_at):
             conn.execute(sa.update(_P).where(*where).values(**mine))
             return
     if problem is not None:
@@ -86,7 +86,7 @@ def conflicts(conn: Connection, queue: str, specs: Mapping[str, ModelSpec]) -> l
     return [
         problem
         for version, problem in found
-        if problem is not None and _committed(conn, queue, version)
+        if problem is not None and _committed(conn, queue, version, pins[version]["first_at"])
     ]
 
 
@@ -119,9 +119,13 @@ def _history(conn: Connection, queue: str, spec: ModelSpec) -> dict[str, Any] | 
     return identity(spec) | {"sha256": sha256, "first_run_id": run_id, "first_at": started_at}
 
 
-def _committed(conn: Connection, queue: str, version: str) -> bool:
+def _committed(conn: Connection, queue: str, version: str, first_at: Any) -> bool:
     """Whether the ledger holds a batch of ``version`` for ``queue`` (read only when an
-    identity differs: the ledger has no index by version)."""
+    identity differs: the ledger has no index by version), or the version was pinned before
+    the ledger's horizon (its batches' rows may be ones retention purged)."""
+    at = retention.horizon(conn, queue)
+    if at is not None and float(first_at) < at:
+        return True
     b = schema.batches
     found = sa.select(b.c.batch_id).where(b.c.queue == queue, b.c.model_version == version)
     return conn.execute(found.limit(1)).first() is not None

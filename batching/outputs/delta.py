@@ -60,6 +60,7 @@ from batching import errors, facts, models, naming, ports
 from batching.outputs import contract as sinks
 from batching.outputs import ledger, outbox
 from batching.redaction import redact_url
+from batching.store import retention
 
 logger = logging.getLogger(__name__)
 
@@ -371,8 +372,9 @@ class DeltaSink(outbox.OutboxSink):
                     "output.path or --output",
                 )
             found: dict[str, list[str]] = {}
+            days: dict[str, str] = {}
         else:
-            found = self._keys_by_batch(rows)
+            found, days = self._keys_by_batch(rows)
         batches = []
         for row in rows:
             if row.state == models.BatchState.COMMITTED and row.batch_id not in found:
@@ -383,7 +385,7 @@ class DeltaSink(outbox.OutboxSink):
         return facts.OutputFacts(
             batches=tuple(batches),
             done=tuple(done),
-            orphan_batches=tuple(sorted(self._orphans(unknown))),
+            orphan_batches=tuple(sorted(self._orphans(unknown, days))),
         )
 
     @property
@@ -476,19 +478,27 @@ class DeltaSink(outbox.OutboxSink):
             counts |= dict(zip(got["batch_id"].to_pylist(), got["n"].to_pylist(), strict=True))
         return counts
 
-    def _keys_by_batch(self, rows: Sequence[Row[Any]]) -> dict[str, list[str]]:
-        """Item keys per batch in the partitions (days) the ledger rows were scored in."""
+    def _keys_by_batch(
+        self, rows: Sequence[Row[Any]]
+    ) -> tuple[dict[str, list[str]], dict[str, str]]:
+        """Item keys per batch in the partitions (days) the ledger rows were scored in, and
+        each batch's last day there."""
         days = sorted({_day(t) for r in rows for t in (r.committed_at - 3600, r.committed_at)})
         if not days:
-            return {}
+            return {}, {}
         within = ", ".join(sql_literal(d) for d in days)
-        got = self._query(f"SELECT batch_id, item_key FROM t WHERE date IN ({within})")
+        got = self._query(f"SELECT batch_id, item_key, date FROM t WHERE date IN ({within})")
         out: dict[str, list[str]] = {}
-        for batch_id, key in zip(
-            got["batch_id"].to_pylist(), got["item_key"].to_pylist(), strict=True
+        last: dict[str, str] = {}
+        for batch_id, key, day in zip(
+            got["batch_id"].to_pylist(),
+            got["item_key"].to_pylist(),
+            got["date"].to_pylist(),
+            strict=True,
         ):
             out.setdefault(batch_id, []).append(key)
-        return out
+            last[batch_id] = max(last.get(batch_id, day), day)
+        return out, last
 
     def _batch_facts(self, row: Row[Any], keys: list[str] | None) -> facts.BatchFacts:
         def found(where: str, problem: str | None = None, got: Any = None) -> facts.BatchFacts:
@@ -511,12 +521,20 @@ class DeltaSink(outbox.OutboxSink):
             return found("dataset", f"{len(keys)} rows in the table, ledger says {row.n_rows}")
         return found("dataset", None, frozenset(keys))
 
-    def _orphans(self, batch_ids: set[str]) -> list[str]:
+    def _orphans(self, batch_ids: set[str], days: Mapping[str, str]) -> list[str]:
         """Those of ``batch_ids`` with no live ledger row now (a batch committed after the
-        snapshot has one by the time its rows are in the table)."""
+        snapshot has one by the time its rows are in the table), but for one without a row
+        whose rows are all in days before the ledger horizon's (its row may be one retention
+        purged: ``batching.store.retention``)."""
         with self.fence.read() as conn:
             states = ledger.states(conn, batch_ids)
-        return [b for b in batch_ids if states.get(b) not in models.LIVE_BATCH_STATES]
+            at = retention.horizon(conn, self.fence.queue)
+        return [
+            b
+            for b in batch_ids
+            if states.get(b) not in models.LIVE_BATCH_STATES
+            and not (b not in states and retention.excused(days[b], at))
+        ]
 
 
 def _delta_rows(table: pa.Table, model_version: str) -> pa.Table:

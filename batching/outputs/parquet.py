@@ -50,7 +50,7 @@ from batching.outputs.parquet_layout import (
     rewrite_in_flight,
     unsafe_row,
 )
-from batching.store import schema
+from batching.store import retention, schema
 
 logger = logging.getLogger(__name__)
 
@@ -308,11 +308,21 @@ class ParquetSink(sinks.FencedSink):
     def observe(
         self, conn: Connection, survey: facts.Survey, rows: Sequence[Row[Any]]
     ) -> facts.Observed:
-        """The ledger state of each visible file; each staging file's batch and lease."""
+        """The ledger state of each visible file; each staging file's batch and lease. A file
+        without a ledger row in a ``date=`` partition before the ledger horizon's day is left
+        out: its row may be one retention purged (``batching.store.retention``)."""
+        visible = self._visible_states(conn, survey.visible)
+        at = retention.horizon(conn, self.fence.queue)
+        kept = {p: s for p, s in visible.items() if s is not None or not self._excused(p, at)}
         return facts.Observed(
-            visible=self._visible_states(conn, survey.visible),
+            visible=kept,
             staging=tuple(self._staging_facts(conn, survey.staged)),
+            output_empty=False if len(kept) < len(visible) else None,
         )
+
+    def _excused(self, path: str, at: float | None) -> bool:
+        first = Path(path).relative_to(self.layout.root).parts[0]
+        return first.startswith("date=") and retention.excused(first.removeprefix("date="), at)
 
     def inspect(
         self,

@@ -32,7 +32,7 @@ from batching import config, errors, facts, models, naming, outcomes, ports
 from batching.outputs import contract as sinks
 from batching.outputs import ledger, outbox
 from batching.redaction import redact_url
-from batching.store import database, schema
+from batching.store import database, retention, schema
 
 logger = logging.getLogger(__name__)
 _B = schema.batches
@@ -219,23 +219,34 @@ class WarehouseSqlSink(outbox.OutboxSink):
         """Raise ``SinkError`` (the insert rolls back) when keys of this batch are held by
         batches this queue's ledger does not know: another queue database writing the same
         queue name into this table. Its rows were dropped, its items acked, and reconcile
-        said clean (the keys were there), while readers got the other deployment's scores."""
+        said clean (the keys were there), while readers got the other deployment's scores.
+
+        A key scored before the ledger horizon's day by a batch whose row retention purged
+        (``batching.store.retention``) is this queue's: the producer resent it after its
+        purge, and readers keep its first score, as the insert left it."""
         t = self._table
         others: dict[str, str] = {}
+        scored: dict[str, float] = {}
         for start in range(0, len(rows), _CHUNK):
             chunk = rows[start : start + _CHUNK]
-            q = sa.select(t.c.item_key, t.c.batch_id).where(
+            q = sa.select(t.c.item_key, t.c.batch_id, t.c.scored_at).where(
                 t.c.queue == chunk[0]["queue"],
                 t.c.model_version == chunk[0]["model_version"],
                 t.c.item_key.in_([r["item_key"] for r in chunk]),
                 t.c.batch_id != batch_id,
             )
-            others.update({str(k): str(b) for k, b in conn.execute(q)})
+            for key, other, at in conn.execute(q):
+                others[str(key)], scored[str(key)] = str(other), float(at)
         if not others:
             return
         with self.fence.read() as queue_db:
             known = set(ledger.states(queue_db, sorted(set(others.values()))))
-        foreign = {k: b for k, b in others.items() if b not in known}
+            at = retention.horizon(queue_db, self.fence.queue)
+        foreign = {
+            k: b
+            for k, b in others.items()
+            if b not in known and not retention.excused(retention.day(scored[k]), at)
+        }
         if foreign:
             key, other = next(iter(sorted(foreign.items())))
             raise errors.SinkError(

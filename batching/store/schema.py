@@ -363,11 +363,14 @@ queue_controls = sa.Table(
     sa.Column("max_depth", sa.BigInteger),
     sa.Column("updated_at", sa.Float, nullable=False),
     sa.Column("route", sa.Text),
+    sa.Column("ledger_horizon", sa.Float),
 )
 """A queue's controls (migration 13): paused (every claim reads this row by its key), and
 its depth cap (enqueue refuses past it); no row: not paused, no cap. Its ``route``
 (migration 15; JSON, ``batching.routing.Route``): which model version scores which items,
-read by every claim with ``paused``; none: the scorer's configured version scores all."""
+read by every claim with ``paused``; none: the scorer's configured version scores all. Its
+``ledger_horizon`` (migration 19; a UTC midnight, epoch s): the ledger's rows committed before
+it may be purged (``batching.store.retention``); none: the whole ledger is kept."""
 
 queue_audit = sa.Table(
     "batching_queue_audit",
@@ -664,6 +667,10 @@ def _v18(conn: Connection) -> None:
     _add_column(conn, runs.name, "output", "TEXT")
 
 
+def _v19(conn: Connection) -> None:
+    _add_column(conn, queue_controls.name, "ledger_horizon", "FLOAT")
+
+
 def _add_column(conn: Connection, table: str, column: str, sql_type: str) -> None:
     if column not in {c["name"] for c in sa.inspect(conn).get_columns(table)}:
         conn.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}"))
@@ -697,6 +704,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         "each model version's identity, pinned when it first scores; runs record their output",
         _v18,
     ),
+    Migration(19, "queues record the ledger's retention horizon", _v19),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

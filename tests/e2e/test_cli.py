@@ -1013,6 +1013,32 @@ def test_purge_removes_old_done_items_only(ws: Path) -> None:
     one_error_line(bad)
 
 
+def test_purge_ledger_deletes_the_rows_of_old_batches_and_status_shows_the_horizon(
+    ws: Path,
+) -> None:
+    """The ledger's rows go with --ledger only, after their items, up to a UTC midnight."""
+    import sqlite3
+
+    with sqlite3.connect(ws / "queue.db") as db:  # scored three days ago, as far as it knows
+        db.execute("UPDATE batching_batches SET committed_at = committed_at - 3 * 86400")
+        db.execute("UPDATE batching_items SET finished_at = finished_at - 3 * 86400")
+        (batches,) = db.execute("SELECT count(*) FROM batching_batches").fetchone()
+    items_only = batching("purge", "--db", DB, "-q", "tabular", "--older-than", "1d", cwd=ws)
+    assert items_only.rc == 0, items_only.err
+    assert "ledger" not in items_only.out
+    r = batching("purge", "--db", DB, "-q", "tabular", "--older-than", "1d", "--ledger", cwd=ws)
+    assert r.rc == 0, r.err
+    day = re.search(r"committed before (\d{4}-\d{2}-\d{2}) 00:00 UTC", r.out)
+    assert day is not None, r.out
+    assert f"deleted {batches} ledger row(s) of queue 'tabular'" in r.out
+    with sqlite3.connect(ws / "queue.db") as db:
+        assert db.execute("SELECT count(*) FROM batching_batches").fetchone() == (0,)
+    shown = batching("status", "--db", DB, "-q", "tabular", cwd=ws)
+    assert f"queue 'tabular' ledger kept from {day[1]} 00:00:00 UTC" in shown.out
+    as_json = batching("status", "--db", DB, "-q", "tabular", "--json", cwd=ws).json()
+    assert as_json["controls"]["tabular"]["ledger_horizon"] is not None
+
+
 def test_demo_scores_both_workloads_and_shows_committed_outputs(tmp_path: Path) -> None:
     """The README's first command ends in `batching demo`: it must work in an empty folder."""
     import pyarrow.dataset as ds

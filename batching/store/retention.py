@@ -1,0 +1,60 @@
+"""The batch ledger's retention horizon (migration 19).
+
+The ledger (``batching_batches``) gains a row with every commit, and reconcile needs a
+commit's row for as long as its output exists: without retention it grows with commits for
+ever (an online queue at low load commits each item alone: ~1.7M rows a day at 20 requests
+a second). ``batching purge --ledger`` therefore deletes the rows of a queue committed before
+a UTC midnight, the **horizon** H, that nothing needs any more: ``published``, no item row
+pointing at them (retention purged those first) and no outbox row. H is recorded in the
+queue's row of ``batching_queue_controls`` in the transaction that deletes the first of
+them, and never moves back.
+
+What the horizon means to the readers of the ledger:
+
+* A batch's output is in the UTC day it was scored in (a Parquet ``date=`` partition, a
+  Delta ``date``, a SQL row's ``scored_at``), which is no later than the day its row was
+  committed in. So an output in a day before H's that no ledger row names may be one whose
+  row retention deleted: reconcile does not call it an orphan (:func:`excused`). From H's
+  day on, every output still has its row, and one without is an orphan as ever.
+* A version pinned before H may have committed outputs whose rows are gone: it counts as
+  committed (``batching.ingress.version_pins``).
+
+The cost: orphans and duplicates of outputs scored before H's day are no longer found
+(everything committed since is judged as before). Keep the horizon behind the reconcile
+window, and behind the full sweep's last finished pass.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from batching.store import schema
+
+DAY_S = 86400.0
+
+
+def midnight(epoch_s: float) -> float:
+    """The UTC midnight at or before ``epoch_s``."""
+    return math.floor(epoch_s / DAY_S) * DAY_S
+
+
+def day(epoch_s: float) -> str:
+    """``epoch_s``'s UTC day, ``YYYY-MM-DD`` (the form of a ``date=`` partition)."""
+    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%d")
+
+
+def horizon(conn: Connection, queue: str) -> float | None:
+    """The queue's ledger horizon, read in ``conn``'s transaction; None: nothing purged."""
+    c = schema.queue_controls.c
+    found = conn.execute(sa.select(c.ledger_horizon).where(c.queue == queue)).scalar()
+    return None if found is None else float(found)
+
+
+def excused(scored_day: str, at: float | None) -> bool:
+    """Whether an output of UTC day ``scored_day`` (``YYYY-MM-DD``) that no ledger row names
+    may be one whose row retention deleted: the day is before the horizon ``at``'s."""
+    return at is not None and scored_day < day(at)
