@@ -312,8 +312,10 @@ def purge(
         from batching.store import retention
 
         rows, horizon = q.purge_ledger(age_s, actor=who, reason=reason)
-        out.print(
-            f"deleted {rows} ledger row(s) of queue {queue!r} committed before "
-            f"{retention.day(horizon)} 00:00 UTC that no item needs; reconcile judges no "
-            f"orphan or duplicate output scored before that day"
+        kept = (
+            "the ledger is whole"
+            if horizon is None
+            else f"ledger kept from {retention.day(horizon)} 00:00 UTC: reconcile judges no "
+            "orphan or duplicate output scored before that day"
         )
+        out.print(f"deleted {rows} ledger row(s) of queue {queue!r} that no item needs; {kept}")

@@ -46,7 +46,7 @@ from batching.evidence.findings import (
 from batching.facts import BatchFacts, DoneItem, ListedOutput, StagingFile
 from batching.outputs import contract as sinks
 from batching.outputs import ledger
-from batching.store import schema
+from batching.store import retention, schema
 
 logger = logging.getLogger(__name__)
 
@@ -321,10 +321,25 @@ class _Repairer:
 
     def duplicate(self, f: Finding) -> list[Repair]:
         loser = f.batch_ids[0]
+        winners = {}
+        for key, winner in f.details["winner_by_key"].items():
+            while winner in self.rewritten:
+                winner = self.rewritten[winner]
+            winners[key] = winner
         with self.queue.begin() as conn:
-            for key, winner in f.details["winner_by_key"].items():
-                while winner in self.rewritten:
-                    winner = self.rewritten[winner]
+            # The first copy's row may be one `purge --ledger` deleted since the findings
+            # were read (no item pointed at it): an item pointed there now would read as a
+            # lost write and be scored a third time (a review). After the hold, the row is
+            # there and the purge sees the item, or it is gone and both copies stay.
+            retention.hold(conn, self.queue.queue)
+            states = ledger.states(conn, set(winners.values()))
+            if any(states.get(w) not in models.LIVE_BATCH_STATES for w in winners.values()):
+                logger.warning(
+                    "duplicate left: its first copy's ledger row was purged meanwhile",
+                    extra={"action": "repair_skipped", "batch_id": loser},
+                )
+                return []
+            for key, winner in winners.items():
                 conn.execute(
                     _I.update()
                     .where(_I.c.batch_id == loser, _I.c.item_key == key)

@@ -1715,11 +1715,11 @@ class SqlQueue:
 
     def purge_ledger(
         self, older_than_s: float, *, actor: str | None = None, reason: str | None = None
-    ) -> tuple[int, float]:
+    ) -> tuple[int, float | None]:
         """Delete the batch ledger's rows of this queue committed before the UTC midnight at
         or before now - age (the horizon) that nothing needs: ``published``, no item row
         pointing at them (purge those first) and no outbox row; returns (rows deleted, the
-        horizon). The horizon is recorded in the queue's controls, in the transaction that
+        queue's horizon now: None while no row was ever purged). The horizon is recorded in the queue's controls, in the transaction that
         deletes the first row, and never moves back (``batching.store.retention`` says what
         readers make of it). Pages by ``(committed_at, batch_id)``: a row kept is read once."""
         horizon = retention.midnight(self.clock() - older_than_s)
@@ -1737,6 +1737,7 @@ class SqlQueue:
         while True:
             with self.begin() as conn:
                 schema.require_current_to_write(conn)
+                retention.hold(conn, self.queue)  # a repair re-pointing items takes turns
                 q = page
                 if after is not None:
                     q = q.where(sa.tuple_(b.c.committed_at, b.c.batch_id) > sa.tuple_(*after))
@@ -1763,7 +1764,8 @@ class SqlQueue:
             "ledger rows purged",
             extra={"action": "purge_ledger", "n_batches": n, "horizon": retention.day(horizon)},
         )
-        return n, horizon
+        with self.read() as conn:
+            return n, retention.horizon(conn, self.queue)
 
     def _raise_horizon(self, conn: Connection, horizon: float, now: float) -> None:
         controls.locked_row(conn, self.queue, now)

@@ -528,7 +528,7 @@ class DeltaSink(outbox.OutboxSink):
         purged: ``batching.store.retention``)."""
         with self.fence.read() as conn:
             states = ledger.states(conn, batch_ids)
-            at = retention.horizon(conn, self.fence.queue)
+            at = retention.horizon(conn, None)  # any queue's: queues may share a table
         return [
             b
             for b in batch_ids

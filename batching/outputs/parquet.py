@@ -312,7 +312,7 @@ class ParquetSink(sinks.FencedSink):
         without a ledger row in a ``date=`` partition before the ledger horizon's day is left
         out: its row may be one retention purged (``batching.store.retention``)."""
         visible = self._visible_states(conn, survey.visible)
-        at = retention.horizon(conn, self.fence.queue)
+        at = retention.horizon(conn, None)  # any queue's: queues may share a dataset
         kept = {p: s for p, s in visible.items() if s is not None or not self._excused(p, at)}
         return facts.Observed(
             visible=kept,

@@ -35,6 +35,7 @@ from sqlalchemy.engine import Connection
 from batching.store import schema
 
 DAY_S = 86400.0
+_LOCK_SPACE = 7271103  # pg_advisory_xact_lock(this, hashtext(queue)): purge and repairs
 
 
 def midnight(epoch_s: float) -> float:
@@ -47,11 +48,28 @@ def day(epoch_s: float) -> str:
     return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%d")
 
 
-def horizon(conn: Connection, queue: str) -> float | None:
-    """The queue's ledger horizon, read in ``conn``'s transaction; None: nothing purged."""
+def horizon(conn: Connection, queue: str | None) -> float | None:
+    """The queue's ledger horizon, read in ``conn``'s transaction; None: nothing purged.
+
+    ``queue`` None: the latest of every queue's, for an output's readers: queues of one
+    database may share an output, and a file (a Delta row) names no queue by its path, so
+    one queue's purged rows would read as orphans to the other's reconcile (a review)."""
     c = schema.queue_controls.c
-    found = conn.execute(sa.select(c.ledger_horizon).where(c.queue == queue)).scalar()
+    q = sa.select(sa.func.max(c.ledger_horizon))
+    found = conn.execute(q if queue is None else q.where(c.queue == queue)).scalar()
     return None if found is None else float(found)
+
+
+def hold(conn: Connection, queue: str) -> None:
+    """Take turns, until ``conn``'s transaction ends, with a purge of ``queue``'s ledger: a
+    repair pointing an item at a batch checks the batch's row is still there after this,
+    and the purge sees the item after it (PostgreSQL: an advisory lock; SQLite: the
+    writer lock already does)."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(
+            sa.text("SELECT pg_advisory_xact_lock(:space, hashtext(:queue))"),
+            {"space": _LOCK_SPACE, "queue": queue},
+        )
 
 
 def excused(scored_day: str, at: float | None) -> bool:

@@ -1028,9 +1028,9 @@ def test_purge_ledger_deletes_the_rows_of_old_batches_and_status_shows_the_horiz
     assert "ledger" not in items_only.out
     r = batching("purge", "--db", DB, "-q", "tabular", "--older-than", "1d", "--ledger", cwd=ws)
     assert r.rc == 0, r.err
-    day = re.search(r"committed before (\d{4}-\d{2}-\d{2}) 00:00 UTC", r.out)
+    day = re.search(r"ledger kept from (\d{4}-\d{2}-\d{2}) 00:00 UTC", r.out)
     assert day is not None, r.out
-    assert f"deleted {batches} ledger row(s) of queue 'tabular'" in r.out
+    assert f"deleted {batches} ledger row(s) of queue 'tabular' that no item needs" in r.out
     with sqlite3.connect(ws / "queue.db") as db:
         assert db.execute("SELECT count(*) FROM batching_batches").fetchone() == (0,)
     shown = batching("status", "--db", DB, "-q", "tabular", cwd=ws)

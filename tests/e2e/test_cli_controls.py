@@ -40,6 +40,7 @@ def test_pause_cap_cancel_resume_and_their_audit(tmp_path: Path) -> None:
         "paused_by": "alice",
         "reason": "bad model",
         "max_depth": None,
+        "ledger_horizon": None,
     }
 
     config = write_config(tmp_path, queue={"name": "tab"})

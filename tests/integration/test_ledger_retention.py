@@ -51,8 +51,8 @@ def across_midnight(queue: q.SqlQueue, sink: sinks.Sink, clock: FakeClock) -> tu
     new = commit(queue, sink, ["c"], clock)
     clock.advance(2 * DAY)
     assert queue.purge(DAY) == 3
-    gone, horizon = queue.purge_ledger(2 * DAY, actor="ops", reason="retention")
-    assert (gone, horizon) == (1, retention.midnight(clock() - 2 * DAY))
+    horizon = retention.midnight(clock() - 2 * DAY)
+    assert queue.purge_ledger(2 * DAY, actor="ops", reason="retention") == (1, horizon)
     assert retention.day(horizon) > retention.day(old.scored_at)
     assert [r.batch_id for r in ledger(queue)] == [new.batch_id]
     return old, new
@@ -104,7 +104,7 @@ def test_only_rows_nothing_needs_go_and_the_horizon_never_moves_back(
     assert queue.purge(DAY) == 1
     earlier = retention.midnight(clock() - 2 * DAY)
     assert earlier < horizon
-    assert queue.purge_ledger(2 * DAY) == (1, earlier)
+    assert queue.purge_ledger(2 * DAY) == (1, horizon)
     assert controls.state(queue.engine, queue.queue).ledger_horizon == horizon  # not back
 
 
@@ -113,7 +113,7 @@ def test_nothing_deleted_records_no_horizon(
 ) -> None:
     commit(queue, sink, ["a"], clock)  # its item is kept: its row is needed
     clock.advance(3 * DAY)
-    assert queue.purge_ledger(DAY) == (0, retention.midnight(clock() - DAY))
+    assert queue.purge_ledger(DAY) == (0, None)
     with queue.engine.connect() as conn:
         assert retention.horizon(conn, queue.queue) is None
 
@@ -224,3 +224,57 @@ def test_a_version_pinned_before_the_horizon_keeps_its_identity(
     bf16 = configured(tmp_path, ckpt, dtype="bfloat16").model
     with pytest.raises(errors.CheckpointError, match="first scored with dtype float32"):
         version_pins.pin(queue.engine, queue.queue, bf16, run_id="r2", now=clock())
+
+
+@pytest.mark.parametrize("kind", ["parquet", "delta"])
+def test_one_queues_purge_leaves_another_queue_sharing_its_output_clean(
+    queue: q.SqlQueue, tmp_path: Path, clock: FakeClock, kind: str
+) -> None:
+    """Queues of one database may share a dataset: the other queue's reconcile (and its
+    full sweep) read the purged rows' outputs too (a review)."""
+    other = q.SqlQueue(queue.engine, "other", clock=clock)
+
+    def open_sink(owner: q.SqlQueue) -> sinks.Sink:
+        if kind == "delta":
+            return delta.DeltaSink(owner, str(tmp_path / "table"))
+        return parquet.ParquetSink(owner, tmp_path / "out")
+
+    commit(queue, open_sink(queue), ["a"], clock)
+    commit(other, open_sink(other), ["b"], clock)
+    clock.advance(3 * DAY)
+    commit(other, open_sink(other), ["c"], clock)
+    assert queue.purge(DAY) == 1
+    assert queue.purge_ledger(DAY)[0] == 1
+    assert rc.reconcile(other, open_sink(other), now=clock()).findings == ()
+    assert sw.sweep(other, open_sink(other), now=clock()).findings == ()
+
+
+def test_a_duplicate_repair_after_the_first_copys_row_was_purged_leaves_both(
+    queue: q.SqlQueue,
+    sink: parquet.ParquetSink,
+    root: Path,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The purge lands between the sweep's snapshot and its repair: pointing the item at the
+    purged row read as a lost write and scored it a third time (a review)."""
+    first = commit(queue, sink, ["k"], clock)
+    clock.advance(3 * DAY)
+    assert queue.purge(DAY) == 1  # k's item goes: first's row is not needed any more
+    second = commit(queue, sink, ["k"], clock)  # the producer resends k
+    found = sw.sweep(queue, parquet.ParquetSink(queue, root), now=clock())
+    assert [f.kind for f in found.findings] == [Kind.DUPLICATE]
+    repair = rc._HANDLERS[Kind.DUPLICATE]
+
+    def purge_lands_first(self: Any, f: rc.Finding) -> list[rc.Repair]:
+        assert queue.purge_ledger(DAY)[0] == 1
+        return repair(self, f)
+
+    monkeypatch.setitem(rc._HANDLERS, Kind.DUPLICATE, purge_lands_first)
+    swept = sw.sweep(queue, parquet.ParquetSink(queue, root), now=clock(), repair=True)
+    assert swept.repairs == ()
+    assert {r.batch_id for r in ledger(queue)} == {second.batch_id}
+    with queue.engine.connect() as conn:
+        assert conn.execute(sa.select(schema.items.c.batch_id)).scalars().all() == [second.batch_id]
+    assert rc.reconcile(queue, parquet.ParquetSink(queue, root), now=clock()).findings == ()
+    assert first.batch_id != second.batch_id
