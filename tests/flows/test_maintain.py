@@ -3,9 +3,16 @@ checkpointed by a flow run, a Parquet output left alone."""
 
 from __future__ import annotations
 
+import json
+import sqlite3
+import time
 from pathlib import Path
 
+import pytest
+
+from batching import errors
 from batching.outputs.delta import DeltaSink
+from batching.store import retention
 from flows.maintain import maintain
 from flows.score import score
 from tests.flows.support import make_pipeline
@@ -32,3 +39,30 @@ def test_the_maintain_flow_leaves_a_parquet_output_alone(tmp_path: Path) -> None
     files = sorted(pipeline.output.rglob("*.parquet"))
     assert maintain(**pipeline.params()) == {}
     assert sorted(pipeline.output.rglob("*.parquet")) == files
+
+
+def test_the_maintain_flow_purges_items_then_the_ledger_when_asked(tmp_path: Path) -> None:
+    pipeline = make_pipeline(tmp_path, 50, batching={"max_batch_size": 16, "claim_size": 16})
+    scored = score(**pipeline.params())
+    assert maintain(**pipeline.params()) == {}  # no retention unless asked
+    with sqlite3.connect(pipeline.db_file) as db:  # scored three days ago, as it knows
+        db.execute("UPDATE batching_batches SET committed_at = committed_at - 3 * 86400")
+        db.execute("UPDATE batching_items SET finished_at = finished_at - 3 * 86400")
+    done = maintain(**pipeline.params(purge_older_than_h=24, purge_ledger=True))
+    day = retention.day(retention.midnight(time.time() - 86400))
+    assert done == {
+        "items_purged": 50,
+        "ledger_rows_purged": scored["commits"],
+        "ledger_horizon": day,
+    }
+    with sqlite3.connect(pipeline.db_file) as db:
+        assert db.execute("SELECT count(*) FROM batching_batches").fetchone() == (0,)
+        audit = db.execute("SELECT actor, detail FROM batching_queue_audit").fetchall()
+    assert [(actor, json.loads(detail).get("ledger_rows")) for actor, detail in audit] == [
+        ("batching-maintain", None),
+        ("batching-maintain", scored["commits"]),
+    ]
+    with pytest.raises(errors.ConfigError, match="purge_ledger needs purge_older_than_h"):
+        maintain(**pipeline.params(purge_ledger=True))
+    with pytest.raises(errors.ConfigError, match="positive number of hours"):
+        maintain(**pipeline.params(purge_older_than_h=float("nan")))
