@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 NOTIFY_CHANNEL = watch.ITEMS_CHANNEL
 _ENQUEUE_CHUNK = 1000
 _PURGE_CHUNK = 10_000  # items archived and deleted per statement
+_LEDGER_PAGE = 2_000  # ledger rows read (and deleted) a transaction: ~50 ms of SQLite's lock
 _REAP_LIMIT = 5000  # expired leases returned by one claim (the next claim takes the rest)
 _T = schema.items
 _P = schema.payloads
@@ -1742,7 +1743,7 @@ class SqlQueue:
                 if after is not None:
                     q = q.where(sa.tuple_(b.c.committed_at, b.c.batch_id) > sa.tuple_(*after))
                 rows = conn.execute(
-                    q.order_by(b.c.committed_at, b.c.batch_id).limit(_PURGE_CHUNK)
+                    q.order_by(b.c.committed_at, b.c.batch_id).limit(_LEDGER_PAGE)
                 ).all()
                 if rows:
                     ids = [r.batch_id for r in rows]
@@ -1754,7 +1755,7 @@ class SqlQueue:
                         recorded = True
                     n += gone
                     after = (rows[-1].committed_at, rows[-1].batch_id)
-            if len(rows) < _PURGE_CHUNK:
+            if len(rows) < _LEDGER_PAGE:
                 break
         if actor is not None:
             detail = {"ledger_rows": n, "horizon": retention.day(horizon)}

@@ -278,3 +278,24 @@ def test_a_duplicate_repair_after_the_first_copys_row_was_purged_leaves_both(
         assert conn.execute(sa.select(schema.items.c.batch_id)).scalars().all() == [second.batch_id]
     assert rc.reconcile(queue, parquet.ParquetSink(queue, root), now=clock()).findings == ()
     assert first.batch_id != second.batch_id
+
+
+def test_the_purge_pages_past_rows_it_keeps(
+    queue: q.SqlQueue, sink: parquet.ParquetSink, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages of two rows: the kept ones (still named by an item) are read once and passed."""
+    monkeypatch.setattr(q, "_LEDGER_PAGE", 2)
+    batches = []
+    for n in range(7):
+        batches.append(commit(queue, sink, [f"k{n}"], clock))
+        clock.advance(1)
+    clock.advance(3 * DAY)
+    with queue.begin() as conn:  # k1 and k4 stay: their rows are needed
+        conn.execute(
+            schema.items.update()
+            .where(schema.items.c.item_key.in_(["k1", "k4"]))
+            .values(finished_at=clock())
+        )
+    assert queue.purge(DAY) == 5
+    assert queue.purge_ledger(DAY)[0] == 5
+    assert {r.batch_id for r in ledger(queue)} == {batches[1].batch_id, batches[4].batch_id}
