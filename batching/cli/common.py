@@ -286,6 +286,17 @@ def run(command_line: typer.Typer, *, as_json: bool) -> NoReturn:
     command line raises before any command runs (an unknown option, a missing argument, a
     value of the wrong type), is ONE line on stderr naming the fix, not Click's usage box;
     with ``as_json`` (``--json``) also a JSON error document (``kind`` ``UsageError``)."""
+    not_text = next((a for a in sys.argv[1:] if not _utf8(a)), None)
+    if not_text is not None:  # before any command runs: nothing half-applied
+        shown = os.fsencode(not_text).decode("utf-8", "backslashreplace")  # as typed: \xff
+        message = (
+            f"the argument '{shown}' holds bytes that are not UTF-8 text; "
+            "give names, keys, reasons and paths as UTF-8"
+        )
+        flag(err, "error", message)
+        if as_json:
+            emit_json(error_doc("UsageError", message, 2))
+        sys.exit(2)
     try:
         code = command_line(standalone_mode=False)
     except typer_exceptions.TyperException as exc:
@@ -304,6 +315,17 @@ def run(command_line: typer.Typer, *, as_json: bool) -> NoReturn:
     except typer_exceptions.Abort:
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _utf8(arg: str) -> bool:
+    """Whether a command-line argument is text: bytes the OS could not decode arrive as lone
+    surrogates, and a name, reason or key holding one failed only where it was written
+    (``purge --actor`` after its items were deleted, found by a review)."""
+    try:
+        arg.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _fail(kind: str, message: str, code: int, as_json: bool) -> NoReturn:
@@ -367,6 +389,10 @@ def warn_unknown_queue(q: Any, *, controls_too: bool = False, refuse: str | None
         err.print(f"warning: {said}", highlight=False)
 
 
+MAX_DURATION_S = 36500 * 86400.0
+"""The longest duration an option takes (100 years): a cutoff that far back is still a date."""
+
+
 def parse_duration(text: str, name: str) -> float:
     """``90s``/``30m``/``12h``/``7d`` to seconds; ``ConfigError`` otherwise. The unit is
     required: a bare ``7`` was taken as seconds, and ``purge --older-than 7`` from an operator
@@ -388,4 +414,6 @@ def parse_duration(text: str, name: str) -> float:
         ) from None
     if value < 0:
         raise errors.ConfigError(f"{name} must not be negative, got {text!r}")
+    if value * units[unit] > MAX_DURATION_S:  # a cutoff past year 1 failed as a date later
+        raise errors.ConfigError(f"{name} must be at most 36500d, got {text!r}")
     return value * units[unit]

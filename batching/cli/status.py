@@ -46,8 +46,9 @@ def status(
         ),
     ] = False,
     since: Annotated[
-        str, typer.Option("--since", help="With --costs: runs that ended this long ago (24h).")
-    ] = "24h",
+        str | None,
+        typer.Option("--since", help="With --costs: runs that ended this long ago (24h)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Queue depth by state, lane and tenant, oldest ready age, controls; --costs: device time.
@@ -69,6 +70,9 @@ def status(
         raise errors.InputError("--all and --queue together: give one (--all: every queue)")
     if costs and all_queues:
         raise errors.InputError("--costs is per queue: give --queue NAME rather than --all")
+    if since is not None and not costs:
+        raise errors.InputError("--since applies to --costs: add --costs, or leave --since out")
+    since = since or "24h"
     window_s = parse_duration(since, "--since") if costs else 0.0
     url, queue = target(db, queue, config)
     q = open_queue(url, queue)

@@ -1039,6 +1039,30 @@ def test_purge_ledger_deletes_the_rows_of_old_batches_and_status_shows_the_horiz
     assert as_json["controls"]["tabular"]["ledger_horizon"] is not None
 
 
+def test_an_argument_that_is_not_utf8_is_refused_before_anything_is_done(ws: Path) -> None:
+    """`purge --actor` with a byte that is not UTF-8 deleted the items, then failed writing
+    its audit row (a review): every argument is checked before any command runs."""
+    before = status(ws)
+    for extra in (["--actor", os.fsdecode(b"ops\xff")], ["--reason", os.fsdecode(b"r\xfe")]):
+        r = batching("purge", "--db", DB, "-q", "tabular", "--older-than", "0s", *extra, cwd=ws)
+        assert r.rc == 2, r.err
+        assert "holds bytes that are not UTF-8 text" in one_error_line(r)
+        assert "'ops\\xff'" in r.err or "'r\\xfe'" in r.err
+    assert status(ws) == before
+    as_json = batching("status", "--db", DB, "-q", os.fsdecode(b"q\xff"), "--json", cwd=ws)
+    assert as_json.rc == 2
+    assert as_json.json()["error"]["kind"] == "UsageError"
+
+
+def test_audit_limits_and_status_since_without_costs_are_refused(ws: Path) -> None:
+    huge = batching("queue", "audit", "tabular", "--db", DB, "--limit", "9" * 21, cwd=ws)
+    assert huge.rc == 2
+    assert "the audit limit must be 1 to 1,000,000" in one_error_line(huge)
+    since = batching("status", "--db", DB, "-q", "tabular", "--since", "1d", cwd=ws)
+    assert since.rc == 2
+    assert "--since applies to --costs" in one_error_line(since)
+
+
 def test_demo_scores_both_workloads_and_shows_committed_outputs(tmp_path: Path) -> None:
     """The README's first command ends in `batching demo`: it must work in an empty folder."""
     import pyarrow.dataset as ds

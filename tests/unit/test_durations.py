@@ -34,3 +34,12 @@ def test_a_number_without_its_unit_is_refused(text: str) -> None:
     seven seconds."""
     with pytest.raises(errors.ConfigError, match=r"--older-than .* needs a unit: write .*s, .*d"):
         parse_duration(text, "--older-than")
+
+
+@pytest.mark.parametrize("text", ["36501d", "99999999999d", "1e300s"])
+def test_a_duration_past_a_century_is_refused(text: str) -> None:
+    """`purge --older-than 99999999999d --ledger` purged items, then failed turning its
+    cutoff into a date (a review): no cutoff that far back is meant."""
+    with pytest.raises(errors.ConfigError, match="must be at most 36500d"):
+        parse_duration(text, "--older-than")
+    assert parse_duration("36500d", "--older-than") == 36500 * 86400
