@@ -7,6 +7,10 @@ that day on still is."""
 from __future__ import annotations
 
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -299,3 +303,57 @@ def test_the_purge_pages_past_rows_it_keeps(
     assert queue.purge(DAY) == 5
     assert queue.purge_ledger(DAY)[0] == 5
     assert {r.batch_id for r in ledger(queue)} == {batches[1].batch_id, batches[4].batch_id}
+
+
+def test_a_purge_killed_part_way_leaves_no_row_gone_without_its_horizon(
+    queue: q.SqlQueue,
+) -> None:
+    """SIGKILL of ``purge_ledger`` in a process of its own, after its first pages: what is
+    gone went with the horizon recorded, and a purge run again finishes the rest."""
+    now, total = time.time(), 60_000
+    rows = [
+        {
+            "batch_id": str(uuid.uuid4()),
+            "run_id": "r",
+            "queue": queue.queue,
+            "lease_id": "l",
+            "model_version": "v1",
+            "sink": "sql",
+            "path": "batching_results",
+            "n_rows": 1,
+            "state": models.BatchState.PUBLISHED.value,
+            "committed_at": now - 10 * DAY + n,
+        }
+        for n in range(total)
+    ]
+    with queue.begin() as conn:
+        conn.execute(schema.batches.insert(), rows)
+    url = queue.engine.url.render_as_string(hide_password=False)
+    code = (
+        "import sys; from batching.ingress import queue as q; from batching.store import "
+        "database; q.SqlQueue(database.create_engine(sys.argv[1]), sys.argv[2])"
+        ".purge_ledger(86400.0)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, url, queue.queue])
+    try:
+        left = total
+        deadline = time.monotonic() + 60
+        while left == total and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.005)
+            with queue.engine.connect() as conn:
+                left = conn.execute(
+                    sa.select(sa.func.count()).select_from(schema.batches)
+                ).scalar_one()
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the purge ended before it was killed"
+    with queue.engine.connect() as conn:
+        left = conn.execute(sa.select(sa.func.count()).select_from(schema.batches)).scalar_one()
+        horizon = retention.horizon(conn, queue.queue)
+    assert 0 < left < total
+    assert horizon == retention.midnight(time.time() - DAY)
+
+    again = q.SqlQueue(queue.engine, queue.queue)  # the wall clock, as the killed one's
+    assert again.purge_ledger(DAY) == (left, horizon)
+    assert ledger(queue) == []
