@@ -114,14 +114,21 @@ def maintain(
         cfg = settings.load(config or settings.ONLINE, overrides)
         _check_retention(purge_older_than_h, purge_ledger)
         db = credentials.db_url(db_url, db_url_secret)
-        done = maintain_outputs(cfg, db, output, vacuum_retention_h)
-        get_run_logger().info(
-            "maintained the %s output: %s", cfg.output.kind, done or "nothing to do"
-        )
+        failed: errors.BatchingError | None = None
+        try:
+            done = maintain_outputs(cfg, db, output, vacuum_retention_h)
+        except errors.BatchingError as exc:  # the queue's retention does not wait on it
+            failed, done = exc, {}
+        else:
+            get_run_logger().info(
+                "maintained the %s output: %s", cfg.output.kind, done or "nothing to do"
+            )
         if purge_older_than_h is not None:
             purged = purge_queue(cfg, db, purge_older_than_h, purge_ledger)
             get_run_logger().info("purged queue %r: %s", cfg.queue.name, purged)
             done = {**done, **purged}
+        if failed is not None:  # the run fails for it, after the retention ran
+            raise failed
         return done
 
 
@@ -133,7 +140,8 @@ def _check_retention(older_than_h: float | None, ledger: bool) -> None:
                 "after their items, e.g. purge_older_than_h: 720"
             )
         return
-    if not (math.isfinite(older_than_h) and older_than_h > 0):
+    if not (math.isfinite(older_than_h) and 0 < older_than_h * 3600 <= retention.MAX_AGE_S):
         raise errors.ConfigError(
-            f"purge_older_than_h must be a positive number of hours, got {older_than_h!r}"
+            f"purge_older_than_h must be a positive number of hours up to "
+            f"{retention.MAX_AGE_S / 3600:.0f}, got {older_than_h!r}"
         )

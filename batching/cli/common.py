@@ -318,13 +318,15 @@ def run(command_line: typer.Typer, *, as_json: bool) -> NoReturn:
 
 
 def _utf8(arg: str) -> bool:
-    """Whether a command-line argument is text: bytes the OS could not decode arrive as lone
-    surrogates, and a name, reason or key holding one failed only where it was written
-    (``purge --actor`` after its items were deleted, found by a review)."""
+    """Whether a command-line argument is text, or names a file or folder that exists: bytes
+    the OS could not decode arrive as lone surrogates, and a name, reason or key holding one
+    failed only where it was written (``purge --actor`` after its items were deleted, found
+    by a review). A path opens as it is (a second review: ``enqueue recs-\\xe9.jsonl``)."""
     try:
         arg.encode("utf-8")
     except UnicodeEncodeError:
-        return False
+        value = arg.partition("=")[2] if arg.startswith("--") else arg
+        return bool(value) and os.path.exists(value)
     return True
 
 
@@ -389,10 +391,6 @@ def warn_unknown_queue(q: Any, *, controls_too: bool = False, refuse: str | None
         err.print(f"warning: {said}", highlight=False)
 
 
-MAX_DURATION_S = 36500 * 86400.0
-"""The longest duration an option takes (100 years): a cutoff that far back is still a date."""
-
-
 def parse_duration(text: str, name: str) -> float:
     """``90s``/``30m``/``12h``/``7d`` to seconds; ``ConfigError`` otherwise. The unit is
     required: a bare ``7`` was taken as seconds, and ``purge --older-than 7`` from an operator
@@ -414,6 +412,8 @@ def parse_duration(text: str, name: str) -> float:
         ) from None
     if value < 0:
         raise errors.ConfigError(f"{name} must not be negative, got {text!r}")
-    if value * units[unit] > MAX_DURATION_S:  # a cutoff past year 1 failed as a date later
+    from batching.store.retention import MAX_AGE_S
+
+    if value * units[unit] > MAX_AGE_S:  # a cutoff past year 1 failed as a date
         raise errors.ConfigError(f"{name} must be at most 36500d, got {text!r}")
     return value * units[unit]

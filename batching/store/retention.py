@@ -35,6 +35,9 @@ from sqlalchemy.engine import Connection
 from batching.store import schema
 
 DAY_S = 86400.0
+MAX_AGE_S = 36500 * DAY_S
+"""The longest age a purge (or any duration option) takes, 100 years: a cutoff that far back
+is still a date (``99999999999d`` passed and failed turning into one, half-way through)."""
 _LOCK_SPACE = 7271103  # pg_advisory_xact_lock(this, hashtext(queue)): purge and repairs
 
 

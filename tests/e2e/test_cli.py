@@ -1049,6 +1049,17 @@ def test_an_argument_that_is_not_utf8_is_refused_before_anything_is_done(ws: Pat
         assert "holds bytes that are not UTF-8 text" in one_error_line(r)
         assert "'ops\\xff'" in r.err or "'r\\xfe'" in r.err
     assert status(ws) == before
+    named = ws / os.fsdecode(b"recs-\xe9.jsonl")  # a path is not text: it opens as it is
+    workloads.write_lines(named, workloads.w1_json_lines(3, prefix="latin"))
+    ok = subprocess.run(  # bytes out: the command says the file's name as it is
+        [BATCHING, "enqueue", str(named), "--db", DB, "-q", "tabular"],
+        cwd=ws,
+        capture_output=True,
+        timeout=300,
+        check=False,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert b"recs-\xe9.jsonl: committed 3 new item(s)" in ok.stdout
     as_json = batching("status", "--db", DB, "-q", os.fsdecode(b"q\xff"), "--json", cwd=ws)
     assert as_json.rc == 2
     assert as_json.json()["error"]["kind"] == "UsageError"

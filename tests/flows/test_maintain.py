@@ -64,5 +64,20 @@ def test_the_maintain_flow_purges_items_then_the_ledger_when_asked(tmp_path: Pat
     ]
     with pytest.raises(errors.ConfigError, match="purge_ledger needs purge_older_than_h"):
         maintain(**pipeline.params(purge_ledger=True))
-    with pytest.raises(errors.ConfigError, match="positive number of hours"):
-        maintain(**pipeline.params(purge_older_than_h=float("nan")))
+    for bad in (float("nan"), 0.0, 1e9):  # 1e9 h: a cutoff no date can hold
+        with pytest.raises(errors.ConfigError, match="positive number of hours up to 876000"):
+            maintain(**pipeline.params(purge_older_than_h=bad))
+
+
+def test_the_maintain_flow_purges_when_the_outputs_housekeeping_fails(tmp_path: Path) -> None:
+    """The queue's retention does not wait on the output: the run fails after it."""
+    pipeline = make_pipeline(tmp_path, 20)
+    score(**pipeline.params())
+    with sqlite3.connect(pipeline.db_file) as db:
+        db.execute("UPDATE batching_items SET finished_at = finished_at - 3 * 86400")
+    not_a_table = tmp_path / "a-file"
+    not_a_table.write_text("not a Delta table")
+    pipeline.overrides["output"] = {"kind": "delta", "path": str(not_a_table)}
+    with pytest.raises(errors.SinkError):
+        maintain(**pipeline.params(purge_older_than_h=24))
+    assert pipeline.by_state()["done"] == 0
