@@ -185,6 +185,12 @@ EXPORTER: tuple[Metric, ...] = (
     Metric("batching_queue_paused", "gauge", E, "1 while the queue is paused."),
     Metric("batching_queue_max_depth", "gauge", E, "The queue's depth cap (absent: no cap)."),
     Metric(
+        "batching_queue_ledger_horizon_timestamp_seconds",
+        "gauge",
+        E,
+        "The queue's ledger horizon: ledger rows committed before it were purged (absent: none).",
+    ),
+    Metric(
         "batching_queue_age_bound_seconds",
         "gauge",
         E,

@@ -7,7 +7,8 @@ they are right even when no scorer runs.
   indexes; done items are counted in the background, at most every ``done_every_s``
   (:class:`DoneCounts`): that count reads every done item, seconds for ten million, and a
   scrape that waited for it would time out on an old queue;
-* the queue controls (``batching queue pause``, ``cap``): paused, depth cap;
+* the queue controls (``batching queue pause``, ``cap``): paused, depth cap; the ledger's
+  horizon (``batching purge --ledger``);
 * the config: the queue's age bound (``backlog_alert_age_s``), ``latency_slo_s``,
   ``latency_objective``;
 * the lineage spool's backlog;
@@ -172,12 +173,15 @@ class TableCollector(Collector):
     def _controls(self, queues: list[str]) -> Iterator[GaugeMetricFamily]:
         rows = controls.states(self.queue.engine)  # queues without a row: not paused, no cap
         paused, depth = _family("batching_queue_paused"), _family("batching_queue_max_depth")
+        horizon = _family("batching_queue_ledger_horizon_timestamp_seconds")
         for q in sorted(set(queues) | set(rows)):
             row = rows.get(q)
             paused.add_metric([self.env, q], float(row is not None and row.paused))
             if row is not None and row.max_depth is not None:
                 depth.add_metric([self.env, q], float(row.max_depth))
-        yield from (paused, depth)
+            if row is not None and row.ledger_horizon is not None:
+                horizon.add_metric([self.env, q], row.ledger_horizon)
+        yield from (paused, depth, horizon)
 
     def _objectives(self) -> Iterator[GaugeMetricFamily]:
         labels = [self.env, self.config.queue.name]

@@ -286,6 +286,16 @@ def test_pause_and_cap_show_once_set_and_default_before(q1: SqlQueue) -> None:
     assert pick(after, "batching_queue_max_depth") == {("batching_queue_max_depth", e1): 100.0}
 
 
+def test_the_ledger_horizon_shows_once_a_purge_recorded_it(q1: SqlQueue) -> None:
+    name = "batching_queue_ledger_horizon_timestamp_seconds"
+    assert pick(scrape(cfg(), q1), name) == {}
+    with q1.begin() as conn:  # as purge_ledger records it, with its first rows gone
+        controls.locked_row(conn, "q1", 1.0)
+        controls.update_row(conn, "q1", {"ledger_horizon": 86400.0}, 1.0)
+    e1 = (("environment", "it"), ("queue", "q1"))
+    assert pick(scrape(cfg(), q1), name) == {(name, e1): 86400.0}
+
+
 def test_the_lineage_spool_backlog_shows(q1: SqlQueue, clock: FakeClock) -> None:
     t = schema.lineage_spool
     row: dict[str, Any] = {"run_id": "r", "event_type": "START", "event_time": "t", "body": "{}"}
