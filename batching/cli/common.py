@@ -25,6 +25,7 @@ from rich.progress import Progress, ProgressColumn
 from rich.text import Text
 
 from batching import errors
+from batching.cli import argv
 from batching.redaction import redact_url
 
 P = ParamSpec("P")
@@ -286,16 +287,11 @@ def run(command_line: typer.Typer, *, as_json: bool) -> NoReturn:
     command line raises before any command runs (an unknown option, a missing argument, a
     value of the wrong type), is ONE line on stderr naming the fix, not Click's usage box;
     with ``as_json`` (``--json``) also a JSON error document (``kind`` ``UsageError``)."""
-    not_text = next((a for a in sys.argv[1:] if not _utf8(a)), None)
-    if not_text is not None:  # before any command runs: nothing half-applied
-        shown = os.fsencode(not_text).decode("utf-8", "backslashreplace")  # as typed: \xff
-        message = (
-            f"the argument '{shown}' holds bytes that are not UTF-8 text; "
-            "give names, keys, reasons and paths as UTF-8"
-        )
-        flag(err, "error", message)
+    refused = argv.not_text(sys.argv[1:])
+    if refused is not None:  # before any command runs: nothing half-applied
+        flag(err, "error", refused)
         if as_json:
-            emit_json(error_doc("UsageError", message, 2))
+            emit_json(error_doc("UsageError", refused, 2))
         sys.exit(2)
     try:
         code = command_line(standalone_mode=False)
@@ -315,19 +311,6 @@ def run(command_line: typer.Typer, *, as_json: bool) -> NoReturn:
     except typer_exceptions.Abort:
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
-
-
-def _utf8(arg: str) -> bool:
-    """Whether a command-line argument is text, or names a file or folder that exists: bytes
-    the OS could not decode arrive as lone surrogates, and a name, reason or key holding one
-    failed only where it was written (``purge --actor`` after its items were deleted, found
-    by a review). A path opens as it is (a second review: ``enqueue recs-\\xe9.jsonl``)."""
-    try:
-        arg.encode("utf-8")
-    except UnicodeEncodeError:
-        value = arg.partition("=")[2] if arg.startswith("--") else arg
-        return bool(value) and os.path.exists(value)
-    return True
 
 
 def _fail(kind: str, message: str, code: int, as_json: bool) -> NoReturn:
@@ -412,8 +395,6 @@ def parse_duration(text: str, name: str) -> float:
         ) from None
     if value < 0:
         raise errors.ConfigError(f"{name} must not be negative, got {text!r}")
-    from batching.store.retention import MAX_AGE_S
-
-    if value * units[unit] > MAX_AGE_S:  # a cutoff past year 1 failed as a date
+    if value * units[unit] > 36500 * 86400:  # store.retention.MAX_AGE_S (a test binds them)
         raise errors.ConfigError(f"{name} must be at most 36500d, got {text!r}")
     return value * units[unit]

@@ -6,6 +6,7 @@ import pytest
 
 from batching import errors
 from batching.cli.common import parse_duration
+from batching.store import retention
 
 
 @pytest.mark.parametrize(
@@ -42,4 +43,4 @@ def test_a_duration_past_a_century_is_refused(text: str) -> None:
     cutoff into a date (a review): no cutoff that far back is meant."""
     with pytest.raises(errors.ConfigError, match="must be at most 36500d"):
         parse_duration(text, "--older-than")
-    assert parse_duration("36500d", "--older-than") == 36500 * 86400
+    assert parse_duration("36500d", "--older-than") == retention.MAX_AGE_S  # the flows' cap
