@@ -38,6 +38,16 @@ def scratch(url: str | None, folder: Path) -> tuple[str, str | None]:
     return target.render_as_string(hide_password=False), name
 
 
+def drop_scratch(url: str | None, name: str | None) -> None:
+    """Drop the scratch database :func:`scratch` made beside ``url``'s (SQLite: nothing)."""
+    if url is None or name is None:
+        return
+    admin = sa.create_engine(database.normalize_url(url), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}"))
+    admin.dispose()
+
+
 def median_ms(queue: q.SqlQueue, prefix: str, n: int) -> float:
     times = []
     for k in range(n):
@@ -75,13 +85,7 @@ def main() -> int:
             plain = median_ms(queue, "p", args.enqueues)
         finally:
             engine.dispose()
-            if name is not None and args.db:
-                admin = sa.create_engine(
-                    database.normalize_url(args.db), isolation_level="AUTOCOMMIT"
-                )
-                with admin.connect() as conn:
-                    conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}"))
-                admin.dispose()
+            drop_scratch(args.db, name)
     print(
         f"{engine.dialect.name}, {args.items} ready items: one-item enqueue, median of "
         f"{args.enqueues}: {capped:.2f} ms with a cap, {plain:.2f} ms without"

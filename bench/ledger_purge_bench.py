@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import sqlalchemy as sa
-from cap_bench import scratch  # bench/ is on the path (this script's folder)
+from cap_bench import drop_scratch, scratch  # bench/ is on the path (this script's folder)
 from sqlalchemy.engine import Connection
 
 from batching import models
@@ -117,13 +117,7 @@ def main() -> int:
                 remaining = left.scalar_one()
         finally:
             engine.dispose()
-            if name is not None and args.db:
-                admin = sa.create_engine(
-                    database.normalize_url(args.db), isolation_level="AUTOCOMMIT"
-                )
-                with admin.connect() as conn:
-                    conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}"))
-                admin.dispose()
+            drop_scratch(args.db, name)
     print(
         f"{engine.dialect.name}: {args.rows} ledger rows ({named} named by an item), purge "
         f"older than {args.older_than_days:g} d: {deleted} deleted in {wall:.2f} s "
