@@ -11,10 +11,12 @@ Prints the median of ``--enqueues`` one-item enqueues each way, for the commit b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -38,14 +40,26 @@ def scratch(url: str | None, folder: Path) -> tuple[str, str | None]:
     return target.render_as_string(hide_password=False), name
 
 
-def drop_scratch(url: str | None, name: str | None) -> None:
-    """Drop the scratch database :func:`scratch` made beside ``url``'s (SQLite: nothing)."""
-    if url is None or name is None:
-        return
-    admin = sa.create_engine(database.normalize_url(url), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}"))
-    admin.dispose()
+@contextlib.contextmanager
+def scratch_queue(admin_url: str | None, queue: str) -> Iterator[q.SqlQueue]:
+    """A migrated queue in a fresh database (:func:`scratch`), disposed of and (PostgreSQL)
+    dropped afterwards."""
+    with tempfile.TemporaryDirectory() as tmp:
+        url, name = scratch(admin_url, Path(tmp))
+        engine = database.create_engine(url)
+        try:
+            found = q.SqlQueue(engine, queue)
+            found.migrate()
+            yield found
+        finally:
+            engine.dispose()
+            if admin_url is not None and name is not None:
+                admin = sa.create_engine(
+                    database.normalize_url(admin_url), isolation_level="AUTOCOMMIT"
+                )
+                with admin.connect() as conn:
+                    conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}"))
+                admin.dispose()
 
 
 def median_ms(queue: q.SqlQueue, prefix: str, n: int) -> float:
@@ -66,26 +80,17 @@ def main() -> int:
     p.add_argument("--enqueues", type=int, default=50, help="one-item enqueues each way")
     p.add_argument("--db", help="PostgreSQL admin URL (a scratch database); default SQLite")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        url, name = scratch(args.db, Path(tmp))
-        engine = database.create_engine(url)
-        try:
-            queue = q.SqlQueue(engine, "capq")
-            queue.migrate()
-            queue.enqueue(
-                models.EnqueueRecord(f"k{i}", models.Payload(b"{}"), tenant=f"t{i % 4}")
-                for i in range(args.items)
-            )
-            cap = 10 * args.items
-            controls.set_max_depth(engine, "capq", cap, actor="bench", reason=None, now=time.time())
-            capped = median_ms(queue, "c", args.enqueues)
-            controls.set_max_depth(
-                engine, "capq", None, actor="bench", reason=None, now=time.time()
-            )
-            plain = median_ms(queue, "p", args.enqueues)
-        finally:
-            engine.dispose()
-            drop_scratch(args.db, name)
+    with scratch_queue(args.db, "capq") as queue:
+        engine = queue.engine
+        queue.enqueue(
+            models.EnqueueRecord(f"k{i}", models.Payload(b"{}"), tenant=f"t{i % 4}")
+            for i in range(args.items)
+        )
+        cap = 10 * args.items
+        controls.set_max_depth(engine, "capq", cap, actor="bench", reason=None, now=time.time())
+        capped = median_ms(queue, "c", args.enqueues)
+        controls.set_max_depth(engine, "capq", None, actor="bench", reason=None, now=time.time())
+        plain = median_ms(queue, "p", args.enqueues)
     print(
         f"{engine.dialect.name}, {args.items} ready items: one-item enqueue, median of "
         f"{args.enqueues}: {capped:.2f} ms with a cap, {plain:.2f} ms without"

@@ -16,19 +16,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import sqlalchemy as sa
-from cap_bench import drop_scratch, scratch  # bench/ is on the path (this script's folder)
+from cap_bench import scratch_queue  # bench/ is on the path (this script's folder)
 from sqlalchemy.engine import Connection
 
 from batching import models
 from batching.ingress import queue as q
-from batching.store import database, retention, schema
+from batching.store import retention, schema
 
 
 def fill(queue: q.SqlQueue, rows: int, kept: float, now: float, days: float) -> int:
@@ -90,34 +88,26 @@ def main() -> int:
     p.add_argument("--older-than-days", type=float, default=3.0, help="the purge's age")
     p.add_argument("--db", help="PostgreSQL admin URL (a scratch database); default SQLite")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        url, name = scratch(args.db, Path(tmp))
-        engine = database.create_engine(url)
-        try:
-            queue = q.SqlQueue(engine, "ledgerq")
-            queue.migrate()
-            now = time.time()
-            named = fill(queue, args.rows, args.kept, now, args.days)
-            pages: list[float] = []
-            begin = queue.begin
+    with scratch_queue(args.db, "ledgerq") as queue:
+        engine = queue.engine
+        named = fill(queue, args.rows, args.kept, time.time(), args.days)
+        pages: list[float] = []
+        begin = queue.begin
 
-            @contextlib.contextmanager
-            def timed_begin() -> Iterator[Connection]:
-                started = time.perf_counter()
-                with begin() as conn:
-                    yield conn
-                pages.append(time.perf_counter() - started)
-
-            queue.begin = timed_begin  # type: ignore[method-assign]
+        @contextlib.contextmanager
+        def timed_begin() -> Iterator[Connection]:
             started = time.perf_counter()
-            deleted, horizon = queue.purge_ledger(args.older_than_days * 86400)
-            wall = time.perf_counter() - started
-            with engine.connect() as conn:
-                left = conn.execute(sa.select(sa.func.count()).select_from(schema.batches))
-                remaining = left.scalar_one()
-        finally:
-            engine.dispose()
-            drop_scratch(args.db, name)
+            with begin() as conn:
+                yield conn
+            pages.append(time.perf_counter() - started)
+
+        queue.begin = timed_begin  # type: ignore[method-assign]
+        started = time.perf_counter()
+        deleted, horizon = queue.purge_ledger(args.older_than_days * 86400)
+        wall = time.perf_counter() - started
+        with engine.connect() as conn:
+            left = conn.execute(sa.select(sa.func.count()).select_from(schema.batches))
+            remaining = left.scalar_one()
     print(
         f"{engine.dialect.name}: {args.rows} ledger rows ({named} named by an item), purge "
         f"older than {args.older_than_days:g} d: {deleted} deleted in {wall:.2f} s "
