@@ -671,6 +671,7 @@ def start_ours(
     api_cpus = overrides.pop("api_cpus", args.api_cpus)  # where the processes run, not config
     scorer_cpus = overrides.pop("scorer_cpus", args.scorer_cpus)
     api_nice = overrides.pop("api_nice", args.api_nice)
+    api_workers = int(overrides.pop("api_workers", 1))
     env = project_env({"BATCHING_API_TOKENS": ",".join(f"{t}={n}" for n, t in TOKENS.items())})
     if args.sim_accel and workload == "w2":
         overrides = sim_accel_model(run_dir) | overrides
@@ -683,7 +684,8 @@ def start_ours(
     api_on += ["nice", "-n", str(int(api_nice))] if api_nice else []
     procs.spawn(
         f"api-{tag}",
-        [*api_on, *cli, "api", "-c", str(config), "--db", db_url, "--port", str(port)],
+        [*api_on, *cli, "api", "-c", str(config), "--db", db_url, "--port", str(port)]
+        + (["--workers", str(api_workers)] if api_workers > 1 else []),
         env=env,
     )
     score_on = ["taskset", "-c", str(scorer_cpus)] if scorer_cpus is not None else []
@@ -1379,8 +1381,9 @@ def _progress(row: dict[str, Any]) -> str:
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     """NAME:key=value,key=value (values YAML: true, 0.05, expire); the keys ``api_cpus`` and
-    ``scorer_cpus`` place the variant's processes (taskset -c), and ``api_nice`` lowers the
-    API's CPU priority (nice -n), instead of setting config."""
+    ``scorer_cpus`` place the variant's processes (taskset -c), ``api_nice`` lowers the
+    API's CPU priority (nice -n) and ``api_workers`` serves the API from that many processes
+    (``batching api --workers``), instead of setting config."""
     name, _, rest = text.partition(":")
     overrides = {}
     for pair in filter(None, rest.split(",")):
@@ -1423,7 +1426,7 @@ def main() -> int:
         type=parse_variant,
         help="NAME:key=value,... config overrides of one run of ours (repeatable; "
         "default one run of the config as shipped); api_cpus=0,scorer_cpus=1 pin its processes, "
-        "api_nice=10 lowers the API's priority",
+        "api_nice=10 lowers the API's priority, api_workers=2 serves it from two processes",
     )
     p.add_argument("--config", type=parse_pairs, default={}, help="w2=PATH,w1=PATH")
     p.add_argument(

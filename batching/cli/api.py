@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,6 +21,7 @@ from batching.cli.common import (
     OutputOverride,
     app,
     err,
+    flag,
     handle_errors,
     load,
 )
@@ -70,11 +73,29 @@ def application(settings: Any, environment: str) -> Any:
     import dataclasses
 
     from batching.api import app as api_app
+    from batching.cli import api_workers
     from batching.metrics.api_items import ApiMetrics
 
-    metrics = ApiMetrics(environment)
+    metrics = ApiMetrics(environment, os.environ.get(api_workers.METRICS_DIR_ENV))
     counted = dataclasses.replace(settings, observe=metrics.observe, metrics=metrics.exposition)
     return api_app.create_app(counted)
+
+
+@dataclass(frozen=True)
+class _Serving:
+    """What each API process is given: the checked config and where it reads and writes
+    (``build.checked``), the tokens, and the command's options. Pickled to each worker of
+    ``--workers``, so every worker serves the same config and tokens, read once."""
+
+    cfg: Any
+    db_url: str
+    target: Any
+    known: Any
+    max_body_bytes: int
+    retry_after_s: int
+    group_max_records: int
+    group_linger_s: float
+    check_payloads: bool
 
 
 @app.command("api")
@@ -85,6 +106,15 @@ def serve_api(
     output: OutputOverride = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=64,
+            help="Processes serving the port, each one core's worth of requests; a worker "
+            "that dies is replaced, and /metrics sums them all.",
+        ),
+    ] = 1,
     max_body_bytes: Annotated[
         int, typer.Option(min=1024, help="Largest request body; larger gets 413.")
     ] = 16 * 1024 * 1024,
@@ -116,38 +146,102 @@ def serve_api(
     config's output (or --output: the one the scorers were given). See docs/howto/http.md.
     """
     from batching.api import app as api_app
-    from batching.api.results import Results
     from batching.compose import build
-    from batching.ingress import ingest
     from batching.store import database
 
     known = tokens_from_env()
     cfg = load(config)
     res = build.checked(cfg, db, output)  # the scorers' --output: results are read there
-    results = Results(database.create_engine(res.db_url), res.target, cfg.queue.tenant_weights)
-    results.queue(cfg.queue.name).check_schema()
-    settings = api_app.Settings(
-        results,
+    serving = _Serving(
+        cfg,
+        res.db_url,
+        res.target,
         known,
-        ingest.ItemLimits.of(cfg.model),
-        fits=_fits(cfg) if check_payloads else None,
-        max_attempts=cfg.queue.max_attempts,
-        max_body_bytes=max_body_bytes,
-        retry_after_s=retry_after_s,
-        group_max_records=group_max_records,
-        group_linger_s=group_linger_s,
-        queue=cfg.queue.name,
+        max_body_bytes,
+        retry_after_s,
+        group_max_records,
+        group_linger_s,
+        check_payloads,
     )
+    where = f"http://{host}:{port} (database {database.redact(res.db_url)})"
+    if workers == 1:
+        settings = _settings(serving)
+        sock = api_app.bind(host, port)
+        err.print(
+            f"serving {len(known)} token(s) on {where}; docs at /docs, metrics at /metrics",
+            highlight=False,
+        )
+        try:
+            api_app.serve(application(settings, cfg.metrics.environment), sock)
+        finally:
+            settings.results.close()
+        return
+    from batching.cli import api_workers
+
+    _settings(serving, fits=False).results.close()  # the schema checked before any worker
     sock = api_app.bind(host, port)
     err.print(
-        f"serving {len(known)} token(s) on http://{host}:{port} (database "
-        f"{database.redact(res.db_url)}); docs at /docs, metrics at /metrics",
+        f"serving {len(known)} token(s) on {where} with {workers} worker processes; docs at "
+        "/docs, metrics at /metrics",
         highlight=False,
     )
+    say = functools.partial(err.print, highlight=False)
+    code = api_workers.serve(workers, _serve_worker, (serving, sock, os.getpid()), say)
+    if code:
+        raise typer.Exit(code)
+
+
+def _settings(serving: _Serving, *, fits: bool = True) -> Any:
+    """The application's settings for ``serving``, its results open (close them), the
+    queue's schema checked."""
+    from batching.api import app as api_app
+    from batching.api.results import Results
+    from batching.ingress import ingest
+    from batching.store import database
+
+    cfg = serving.cfg
+    results = Results(
+        database.create_engine(serving.db_url), serving.target, cfg.queue.tenant_weights
+    )
     try:
-        api_app.serve(application(settings, cfg.metrics.environment), sock)
-    finally:
+        results.queue(cfg.queue.name).check_schema()
+    except BaseException:
         results.close()
+        raise
+    return api_app.Settings(
+        results,
+        serving.known,
+        ingest.ItemLimits.of(cfg.model),
+        fits=_fits(cfg) if fits and serving.check_payloads else None,
+        max_attempts=cfg.queue.max_attempts,
+        max_body_bytes=serving.max_body_bytes,
+        retry_after_s=serving.retry_after_s,
+        group_max_records=serving.group_max_records,
+        group_linger_s=serving.group_linger_s,
+        queue=cfg.queue.name,
+    )
+
+
+def _serve_worker(serving: _Serving, sock: socket.socket, parent: int) -> None:
+    """One worker of ``batching api --workers N`` (a spawned process): serve on ``sock``
+    until SIGTERM, or until ``parent`` (the supervisor's pid) dies. A ``BatchingError`` is one line on stderr and exit 2 or 1, as the
+    command's own."""
+    from batching.api import app as api_app
+    from batching.cli import api_workers
+
+    api_workers.die_with_parent(parent)
+    try:
+        settings = _settings(serving)
+    except errors.USAGE_ERRORS as exc:
+        flag(err, "error", str(exc))
+        raise SystemExit(2) from None
+    except errors.BatchingError as exc:
+        flag(err, "error", str(exc))
+        raise SystemExit(1) from None
+    try:
+        api_app.serve(application(settings, serving.cfg.metrics.environment), sock)
+    finally:
+        settings.results.close()
 
 
 def _fits(cfg: Any) -> Callable[[models.Payload], str | None] | None:
