@@ -78,6 +78,7 @@ def bulk(
         int,
         typer.Option(
             min=1,
+            max=128,
             help="Scorer processes side by side, each claiming a shard at a time (as score "
             "--workers).",
         ),
@@ -110,6 +111,7 @@ def bulk(
 
     cfg = load(config)
     db_url = db or cfg.database.url
+    inplace.refuse_before_queueing(cfg, db, output)  # a refused run queues nothing
     planning = progress_bar(
         TextColumn("fingerprinting input"),
         BarColumn(),

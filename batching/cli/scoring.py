@@ -90,6 +90,7 @@ def score(
         int,
         typer.Option(
             min=1,
+            max=128,
             help="Scorer processes to run side by side: one lineage run, each worker its "
             "child job <name>.worker-<i>; torch threads are split between them. --max-items "
             "is shared out between them.",

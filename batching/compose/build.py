@@ -180,6 +180,11 @@ def open_sink(
 def load_profile(config: cfg.PipelineConfig) -> ServiceProfile | None:
     """The measured service profile named by the config, or None when it has none yet."""
     path = config.resolve(config.service_profile)
+    if path is not None and path.is_dir():
+        raise errors.ConfigError(
+            f"service_profile {path} is a folder; name the profile's JSON file (written by "
+            "`batching profile`)"
+        )
     if path is None or not path.is_file():
         return None
     return ServiceProfile.load(path)

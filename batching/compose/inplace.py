@@ -119,6 +119,26 @@ class InPlace:
         return replace(ctx, inputs=inputs, outputs=(out, *ctx.outputs[1:]))
 
 
+def refuse_before_queueing(
+    config: cfg.PipelineConfig, db_url: str | None, output: str | None
+) -> None:
+    """What would refuse the scoring run, checked before any shard is queued (a refused
+    ``bulk --in-place`` queued its shards first and left them behind): the database and the
+    output folder (``build.checked``), the pinned checkpoint's digest (read, not loaded) and
+    the service profile.
+
+    Raises:
+        ConfigError, CheckpointError: naming the input and the fix; nothing is queued.
+    """
+    from batching.model import zoo
+
+    build.checked(config, db_url, output)
+    spec = config.model
+    path = zoo.checkpoint_path(spec.name, spec.checkpoint, Path(config.base_dir))
+    zoo.read_pinned(path, spec.sha256)
+    build.load_profile(config)
+
+
 def enqueue_shards(
     config: cfg.PipelineConfig,
     db_url: str,

@@ -156,10 +156,14 @@ class ServiceProfile:
                 f"{source}: points must be a list of measurements; re-run `batching profile`"
             )
         try:
+            parsed = tuple(_point(p, n) for n, p in enumerate(points))
+            model = data.get("model")
+            if not isinstance(model, dict) or not {"name", "version"} <= set(model):
+                raise ValueError("model must be an object with name and version")
             return cls(
-                points=tuple(_point(p, n) for n, p in enumerate(points)),
-                model_name=str(data["model"]["name"]),
-                model_version=str(data["model"]["version"]),
+                points=parsed,
+                model_name=str(model["name"]),
+                model_version=str(model["version"]),
                 device=str(data["device"]),
                 input_kind=str(data.get("input_kind", "dense")),
                 torch_version=str(data.get("torch_version", "")),
@@ -187,9 +191,9 @@ class ServiceProfile:
             raise errors.ConfigError(
                 f"{p}: cannot read service profile ({exc.strerror}); run `batching profile`"
             ) from None
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             raise errors.ConfigError(
-                f"{p}: service profile is not valid JSON; re-run `batching profile`"
+                f"{p}: service profile is not valid JSON in UTF-8; re-run `batching profile`"
             ) from None
         if not isinstance(data, dict):
             raise errors.ConfigError(f"{p}: service profile must be a JSON object")

@@ -108,3 +108,43 @@ def test_a_bulk_in_place_run_that_leaves_dead_shards_says_so(tmp_path: Path) -> 
                  cwd=tmp_path)  # fmt: skip
     assert r.rc == 1, (r.out, r.err)
     assert "error: 200 of 250 input rows have no output yet: 200 in dead shards" in r.err
+
+
+def test_a_bulk_in_place_run_refused_at_its_start_queues_nothing(tmp_path: Path) -> None:
+    """An output that is a file, a checkpoint of another digest and a service profile that is
+    not UTF-8 are refused before any shard is queued (the shards were queued first, and a
+    refused run left them ready behind it: a sweep found it)."""
+    import sqlite3
+
+    import yaml
+
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    folder = tmp_path / "input"
+    folder.mkdir()
+    rows = pa.table({"payload": pa.array([[0.5] * 64] * 10, type=pa.list_(pa.float32(), 64))})
+    pq.write_table(rows, folder / "part-0.parquet")
+    data = yaml.safe_load((DEPLOYMENTS / "tabular-inplace.yaml").read_text())
+    data["service_profile"] = str(DEPLOYMENTS / data["service_profile"])
+    wrong_sha = {**data, "model": {**data["model"], "sha256": "0" * 64}}
+    (tmp_path / "profile.json").write_bytes(b"\xff\xfe{}")
+    bad_profile = {**data, "service_profile": str(tmp_path / "profile.json")}
+    (tmp_path / "a-file").write_text("")
+    cases = [
+        (data, ["--output", "a-file"], "cannot be created"),
+        (wrong_sha, [], "but the config pins " + "0" * 64),
+        (bad_profile, [], "service profile is not valid JSON in UTF-8"),
+    ]
+    for k, (doc, extra, says) in enumerate(cases):
+        config = tmp_path / f"config-{k}.yaml"
+        config.write_text(yaml.safe_dump(doc))
+        r = batching(
+            "bulk", str(folder), "-c", str(config), "--in-place", "--db", DB, *extra, cwd=tmp_path
+        )
+        assert r.rc == 2, (k, r.err)
+        assert says in r.err, (k, r.err)
+        assert len(r.err.strip().splitlines()) == 1, r.err
+        with sqlite3.connect(tmp_path / "queue.db") as db:
+            assert db.execute("SELECT count(*) FROM batching_items").fetchone() == (0,), k
+    r = batching("check", "-c", str(tmp_path / "config-2.yaml"), cwd=tmp_path)
+    assert r.rc == 2, r.err
+    assert "service profile is not valid JSON in UTF-8" in r.err
