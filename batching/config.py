@@ -947,6 +947,11 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pi
             f"{p}: a key that is a list or a mapping; a config's keys are names"
         ) from None
     if data is None:
+        if not overrides:
+            raise errors.ConfigError(
+                f"{p}: the file is empty; a config names at least its model (start from one of "
+                "deployments/*.yaml)"
+            )
         data = {}
     source = str(p)
     if overrides and isinstance(data, dict):

@@ -17,6 +17,7 @@ BatchingError
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 
@@ -142,3 +143,17 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
     """``Type: message`` on one line (whitespace collapsed), cut to ``limit`` characters."""
     text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# A Rust backtrace frame as RUST_BACKTRACE=1 appends it to delta-rs's messages: "  12: name"
+# and its "at file:line" continuation.
+_FRAME = re.compile(r"^\s+(\d+: |at \S)")
+
+
+def native_text(exc: BaseException) -> str:
+    """A native library's message (delta-rs, object-store, Arrow) as one plain line: without
+    the Rust backtrace ``RUST_BACKTRACE`` adds (18 lines on a message that was one), terminal
+    colours, or object-store's "↳" arrows between its causes."""
+    lines = [line for line in str(exc).splitlines() if not _FRAME.match(line)]
+    return " ".join(_ANSI.sub("", " ".join(lines)).replace("↳", "").split())

@@ -119,6 +119,14 @@ def start(
             "for every tenant",
             param_hint="--tenants",
         )
+    odd = next((t for t in names if len(t) > 200 or not t.isprintable()), None)
+    if odd is not None:  # no item's tenant could be it: items hold names of 200 at most
+        raise typer.BadParameter(
+            f"{odd[:40]!r}{'...' if len(odd) > 40 else ''} is not a tenant name (at most 200 "
+            "printable characters); give "
+            "the tenants' names as items carry them",
+            param_hint="--tenants",
+        )
     if percent is None:
         if not names and not shadow:
             raise errors.InputError("give --percent (0-100), --tenants, or --shadow")
@@ -193,7 +201,9 @@ def rollback(
 def status(
     config: ConfigOption,
     db: DbOverride = None,
-    history: Annotated[int, typer.Option("--history", min=0, help="Route changes shown.")] = 10,
+    history: Annotated[
+        int, typer.Option("--history", min=0, max=10_000, help="Route changes shown.")
+    ] = 10,
     output: ShadowBeside = None,
     as_json: JsonOption = False,
 ) -> None:

@@ -120,12 +120,13 @@ def _verify(config: cfg.PipelineConfig, version: str) -> None:
 def promote(
     config: cfg.PipelineConfig, db_url: str | None, *, actor: str, reason: str
 ) -> rollout.Change:
-    """Make the candidate stable (``rollout.promote``)."""
+    """Make the candidate stable (``rollout.promote``), if this config lists it."""
+    listed = tuple(config.registry())
     return _changed(
         config,
         db_url,
         lambda queue: rollout.promote(
-            queue.engine, queue.queue, actor=actor, reason=reason, now=queue.clock()
+            queue.engine, queue.queue, actor=actor, reason=reason, now=queue.clock(), listed=listed
         ),
     )
 

@@ -68,7 +68,7 @@ def summarize_run(
     """
     runs: dict[str, list[Mapping[str, Any]]] = {}
     for event in events:
-        runs.setdefault(str(event.get("run", {}).get("runId")), []).append(event)
+        runs.setdefault(str(_obj(event.get("run")).get("runId")), []).append(event)
     if run_id is None and runs:
         run_id = max(runs, key=lambda r: max(_event_ts(e) for e in runs[r]))
     chosen = sorted(runs.get(run_id or "", []), key=_event_ts)
@@ -84,14 +84,14 @@ def _event_ts(event: Mapping[str, Any]) -> float:
 
 def _summary(events: list[Mapping[str, Any]]) -> dict[str, Any]:
     last = events[-1]
-    job = last.get("job", {})
-    run_facets = _merged(e.get("run", {}).get("facets") for e in events)
+    job = _obj(last.get("job"))
+    run_facets = _merged(_obj(e.get("run")).get("facets") for e in events)
     ends = [e for e in events if e.get("eventType") in ("COMPLETE", "FAIL", "ABORT")]
     started, ended = events[0].get("eventTime"), ends[-1].get("eventTime") if ends else None
     return {
         "run_id": last["run"]["runId"],
         "job": {"namespace": job.get("namespace"), "name": job.get("name")},
-        "parent": _parent(run_facets.get("parent")),
+        "parent": _parent(_obj(run_facets.get("parent"))),
         "state": last.get("eventType"),
         "event_types": [e.get("eventType") for e in events],
         "started_at": started,
@@ -100,11 +100,17 @@ def _summary(events: list[Mapping[str, Any]]) -> dict[str, Any]:
         "inputs": _datasets(events, "inputs", "inputFacets", "inputStatistics"),
         "outputs": _datasets(events, "outputs", "outputFacets", "outputStatistics"),
         "run_facets": sorted(run_facets),
-        "job_facets": sorted(_merged(e.get("job", {}).get("facets") for e in events)),
-        "error": run_facets.get("errorMessage", {}).get("message"),
-        "model": _strip_base(run_facets.get("batching_model")),
-        "config_hash": run_facets.get("batching_config", {}).get("configHash"),
+        "job_facets": sorted(_merged(_obj(e.get("job")).get("facets") for e in events)),
+        "error": _obj(run_facets.get("errorMessage")).get("message"),
+        "model": _strip_base(_obj(run_facets.get("batching_model"))),
+        "config_hash": _obj(run_facets.get("batching_config")).get("configHash"),
     }
+
+
+def _obj(value: Any) -> Mapping[str, Any]:
+    """``value`` if it is a JSON object, else an empty one: a facet, or a part of one, of
+    another shape (a hand-edited or foreign log) reads as absent, never as a crash."""
+    return value if isinstance(value, dict) else {}
 
 
 def _merged(facet_maps: Iterable[Any]) -> dict[str, Any]:
@@ -114,17 +120,17 @@ def _merged(facet_maps: Iterable[Any]) -> dict[str, Any]:
     return merged
 
 
-def _parent(facet: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def _parent(facet: Mapping[str, Any]) -> dict[str, Any] | None:
     if not facet:
         return None
-    job = facet.get("job", {})
+    job = _obj(facet.get("job"))
     return {
-        "run_id": facet.get("run", {}).get("runId"),
+        "run_id": _obj(facet.get("run")).get("runId"),
         "job": f"{job.get('namespace')}/{job.get('name')}",
     }
 
 
-def _strip_base(facet: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def _strip_base(facet: Mapping[str, Any]) -> dict[str, Any] | None:
     return {k: v for k, v in facet.items() if not k.startswith("_")} if facet else None
 
 
@@ -137,8 +143,8 @@ def _datasets(
             if not isinstance(ds, dict):
                 continue
             entry = found.setdefault((ds.get("namespace"), ds.get("name")), {"facets": set()})
-            entry["facets"] |= set(ds.get("facets") or {}) | set(ds.get(io_key) or {})
-            stats = (ds.get(io_key) or {}).get(stats_key) or {}
+            entry["facets"] |= set(_obj(ds.get("facets"))) | set(_obj(ds.get(io_key)))
+            stats = _obj(_obj(ds.get(io_key)).get(stats_key))
             pairs = (("row_count", stats.get("rowCount")), ("size_bytes", stats.get("size")))
             entry |= {k: v for k, v in pairs if v is not None}
     return [

@@ -41,7 +41,7 @@ RANGE_LOCK_SPACE = 7271102  # PostgreSQL: pg_advisory_xact_lock(this, hashtext(q
 _KEY_CHUNK = 1000  # keys per cancel statement (one transaction for all)
 _AUDIT_KEYS = 20  # keys of a cancel listed in its audit row (the count is always there)
 _MAX_DEPTH = 2**62
-_MAX_AUDIT = 1_000_000  # audit rows a listing shows at most (a larger --limit overflowed)
+MAX_AUDIT = 1_000_000  # audit rows a listing shows at most (a larger --limit overflowed)
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,8 @@ def states(engine: Engine) -> dict[str, QueueControl]:
 
 def audit(engine: Engine, queue: str | None = None, limit: int = 50) -> list[AuditRow]:
     """The latest ``limit`` audit rows (of ``queue``, or of every queue), oldest first."""
-    if not 1 <= limit <= _MAX_AUDIT:
-        raise errors.InputError(f"the audit limit must be 1 to {_MAX_AUDIT:,}, got {limit}")
+    if not 1 <= limit <= MAX_AUDIT:
+        raise errors.InputError(f"the audit limit must be 1 to {MAX_AUDIT:,}, got {limit}")
     q = sa.select(_A).order_by(_A.c.id.desc()).limit(limit)
     if queue is not None:
         q = q.where(_A.c.queue == queue)

@@ -19,7 +19,7 @@ Scorers read the route in every claim's transaction (``queue._LOOK``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -113,11 +113,21 @@ def start(
     return _change(engine, queue, "rollout-start", change, actor, reason, now)
 
 
-def promote(engine: Engine, queue: str, *, actor: str, reason: str, now: float) -> Change:
-    """Make the candidate the stable version for every item.
+def promote(
+    engine: Engine,
+    queue: str,
+    *,
+    actor: str,
+    reason: str,
+    now: float,
+    listed: Collection[str] | None = None,
+) -> Change:
+    """Make the candidate the stable version for every item. ``listed``: the versions the
+    promoting config's registry lists; a candidate outside them is refused (the scorers
+    running that config would fail at their first batch).
 
     Raises:
-        InputError: the queue has no candidate.
+        InputError: the queue has no candidate, or it is not ``listed``.
     """
 
     def change(before: Route | None) -> Route:
@@ -125,6 +135,12 @@ def promote(engine: Engine, queue: str, *, actor: str, reason: str, now: float) 
             raise errors.InputError(
                 f"queue {queue!r} has no candidate to promote; start one with "
                 "`batching rollout start`"
+            )
+        if listed is not None and before.candidate not in listed:
+            raise errors.InputError(
+                f"queue {queue!r}'s candidate {before.candidate!r} is not in this config's "
+                f"registry (it lists {', '.join(sorted(listed))}); promote with the config "
+                "the scorers run, or add the version under model_versions; nothing changed"
             )
         return Route(before.candidate)
 
@@ -172,7 +188,7 @@ def history(engine: Engine, queue: str, limit: int = 20) -> list[controls.AuditR
     """The latest ``limit`` route changes of ``queue``, oldest first."""
     if limit < 1:
         return []
-    rows = controls.audit(engine, queue, limit=max(limit * 10, 100))
+    rows = controls.audit(engine, queue, limit=min(max(limit * 10, 100), controls.MAX_AUDIT))
     return [r for r in rows if r.action in ACTIONS][-limit:]
 
 

@@ -233,7 +233,9 @@ def _delta_files(table: Path) -> tuple[list[Path], str]:
         features = set(dt.protocol().reader_features or ())
         uris = dt.file_uris()
     except Exception as exc:  # deltalake raises its own kinds: every one is a bad input here
-        raise errors.InputError(f"{table}: not a readable Delta table ({exc})") from None
+        raise errors.InputError(
+            f"{table}: not a readable Delta table ({errors.native_text(exc)})"
+        ) from None
     if "deletionVectors" in features:
         raise errors.InputError(
             f"{table}: the table may use deletion vectors (rows deleted without rewriting "

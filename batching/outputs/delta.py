@@ -42,7 +42,6 @@ import contextlib
 import logging
 import math
 import os
-import re
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -114,13 +113,9 @@ def _translated(what: str) -> Iterator[None]:
     try:
         yield
     except (DeltaError, OSError, pa.ArrowException) as exc:
-        # object-store errors come as several lines with terminal colour codes ("\x1b[31m↳"):
-        # one line, plain (found by a review)
-        plain = " ".join(_ANSI.sub("", str(exc)).replace("↳", "").split())
-        raise errors.SinkError(f"{what}: {redact_url(plain)}") from exc
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+        # object-store errors come as several lines with terminal colour codes ("\x1b[31m↳"),
+        # and RUST_BACKTRACE adds a backtrace: one line, plain (found by reviews)
+        raise errors.SinkError(f"{what}: {redact_url(errors.native_text(exc))}") from exc
 
 
 _FILE_FIX = (
@@ -320,7 +315,7 @@ class DeltaSink(outbox.OutboxSink):
                     "" if hours == vacuum_retention_h else f" (rounded up to {hours}h)"
                 )
                 raise errors.ConfigError(
-                    f"--vacuum-retention {asked}: {' '.join(str(exc).split())}; give the "
+                    f"--vacuum-retention {asked}: {errors.native_text(exc)}; give the "
                     "table's minimum or more (nothing was done)"
                 ) from None
         with _translated(f"cannot maintain the Delta table {self._shown}"):
@@ -460,7 +455,7 @@ class DeltaSink(outbox.OutboxSink):
                 raise
             except Exception as exc:  # DataFusion's own, a plain Exception: a file it read
                 raise errors.SinkError(
-                    f"cannot read the Delta table {shown}: {redact_url(' '.join(str(exc).split()))}"
+                    f"cannot read the Delta table {shown}: {redact_url(errors.native_text(exc))}"
                     f"{_FILE_FIX if 'parquet' in str(exc).lower() else ''}"
                 ) from exc
 

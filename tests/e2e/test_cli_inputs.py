@@ -336,3 +336,27 @@ def test_an_unexpected_error_is_one_line_without_credentials(
     monkeypatch.setenv("BATCHING_DEBUG", "1")
     debug = CliRunner().invoke(cli.app, ["lineage", "--events", str(events)])
     assert isinstance(debug.exception, RuntimeError)
+
+
+def test_rollout_status_bounds_its_history_by_its_own_name(tmp_path: Path) -> None:
+    """``--history 100001`` said "the audit limit must be 1 to 1,000,000, got 1000010": an
+    internal name and ten times the number given (a sweep)."""
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    config = write_config(tmp_path)
+    r = batching("rollout", "status", "-c", str(config), "--history", "100001", cwd=tmp_path)
+    assert r.rc == 2
+    line = one_error_line(r)
+    assert "'--history'" in line
+    assert "less than or equal to 10000" in line
+    ok = batching("rollout", "status", "-c", str(config), "--history", "10000", cwd=tmp_path)
+    assert ok.rc == 0, ok.err
+
+
+@pytest.mark.parametrize("name", ["t" * 201, "a\x01b"])
+def test_rollout_start_refuses_a_tenant_no_item_can_carry(tmp_path: Path, name: str) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    config = write_config(tmp_path)
+    args = ["rollout", "start", "-c", str(config), "--candidate", "x", "--reason", "r"]
+    r = batching(*args, "--tenants", f"acme,{name}", cwd=tmp_path)
+    assert r.rc == 2
+    assert "is not a tenant name (at most 200 printable characters)" in one_error_line(r)

@@ -553,6 +553,25 @@ def test_a_rollback_after_a_promote_says_how_to_go_back(
         rollouts.rollback(config, sqlite_url, actor="o", reason="regressed")
 
 
+def test_a_promote_by_a_config_that_does_not_list_the_candidate_changes_nothing(
+    sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    """The scorers of a config without the candidate would fail at their first batch once it
+    is stable; ``rollout start`` refuses such a version, and promote succeeded (a sweep)."""
+    config = make_config(tmp_path, ckpt)
+    enqueue(sqlite_url, config, ["a"])
+    rollouts.start(config, sqlite_url, candidate="v2", percent=10, actor="o", reason="r")
+    without = config.model_copy(update={"model_versions": []})
+    with pytest.raises(errors.InputError, match=r"candidate 'v2' is not in this config's regi"):
+        rollouts.promote(without, sqlite_url, actor="o", reason="good")
+    seen = rollouts.status(config, sqlite_url, 10, None)
+    route = seen.route
+    assert route is not None
+    assert (route.stable, route.candidate) == ("v1", "v2")
+    assert [h.action for h in seen.history] == ["rollout-start"]
+    rollouts.promote(config, sqlite_url, actor="o", reason="good")  # the config that lists it
+
+
 def test_tenants_that_name_no_tenant_are_refused(
     sqlite_url: str, tmp_path: Path, ckpt: tuple[str, str]
 ) -> None:

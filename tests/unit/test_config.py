@@ -256,3 +256,11 @@ def test_a_bad_key_in_the_overrides_is_not_blamed_on_the_file_alone() -> None:
         errors.ConfigError, match=r"bulk\.yaml with its overrides: .*max_batch_sizee"
     ):
         config.load_config(path, {"batching": {"max_batch_sizee": 8}})
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n", "---\n"])
+def test_an_empty_config_file_says_it_is_empty(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(errors.ConfigError, match=r"empty\.yaml: the file is empty; a config"):
+        config.load_config(path)

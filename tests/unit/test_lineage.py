@@ -603,6 +603,29 @@ EVENTS = [
 ]
 
 
+@pytest.mark.parametrize("bad", ["a string", ["a", "list"], 7, None])
+def test_summarize_run_reads_a_facet_of_another_shape_as_absent(bad: object) -> None:
+    """A hand-edited or foreign log: ``batching lineage --events`` crashed with "unexpected
+    AttributeError" on a facet, or a part of one, that is not a JSON object (a sweep)."""
+    odd = ev(
+        RUN_ID,
+        "COMPLETE",
+        "2030-01-01T00:00:01+00:00",
+        outputs=[{"namespace": "file", "name": "/o", "facets": bad, "outputFacets": bad}],
+        run_facets={
+            "batching_model": bad,
+            "batching_config": bad,
+            "errorMessage": bad,
+            "parent": {"run": bad, "job": bad},
+        },
+    )
+    summary = lineage_log.summarize_run([odd], RUN_ID)
+    assert summary is not None
+    assert (summary["model"], summary["config_hash"], summary["error"]) == (None, None, None)
+    assert summary["parent"] == {"run_id": None, "job": "None/None"}
+    assert summary["outputs"] == [{"namespace": "file", "name": "/o", "facets": []}]
+
+
 def test_summarize_run_by_id() -> None:
     summary = lineage_log.summarize_run(EVENTS, RUN_ID)
     assert summary == {
