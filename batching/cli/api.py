@@ -76,7 +76,7 @@ def application(settings: Any, environment: str) -> Any:
     from batching.cli import api_workers
     from batching.metrics.api_items import ApiMetrics
 
-    metrics = ApiMetrics(environment, os.environ.get(api_workers.METRICS_DIR_ENV))
+    metrics = ApiMetrics(environment, os.environ.get(api_workers.SUMMED_ENV))
     counted = dataclasses.replace(settings, observe=metrics.observe, metrics=metrics.exposition)
     return api_app.create_app(counted)
 
@@ -186,7 +186,7 @@ def serve_api(
         highlight=False,
     )
     say = functools.partial(err.print, highlight=False)
-    code = api_workers.serve(workers, _serve_worker, (serving, sock, os.getpid()), say)
+    code = api_workers.serve(workers, _serve_worker, (serving, sock, os.getpid()), say, sock)
     if code:
         raise typer.Exit(code)
 

@@ -9,12 +9,17 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import sqlite3
 import subprocess
+import sys
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,7 +60,10 @@ def stopped(pid: int) -> Iterator[None]:
 def enqueued(base: str) -> float:
     """The items /metrics says were enqueued (``batching_api_items_total``)."""
     with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
-        text = r.read().decode()
+        return enqueued_in(r.read().decode())
+
+
+def enqueued_in(text: str) -> float:
     found = re.findall(
         r'^batching_api_items_total\{[^}]*outcome="enqueued"[^}]*\} (\S+)$', text, re.M
     )
@@ -158,7 +166,9 @@ def test_workers_out_of_range_exit_2(tmp_path: Path) -> None:
 
 def test_workers_stop_when_their_parent_is_killed(tmp_path: Path) -> None:
     """A supervisor killed outright (SIGKILL, an OOM kill) leaves no worker serving its port."""
-    api, _ = start_two_workers(tmp_path)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    api, _ = start_two_workers(tmp_path, TMPDIR=str(scratch))
     try:
         workers = workers_of(api.pid)
         api.kill()
@@ -177,3 +187,80 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_ctrl_c_drains_quietly_refusing_new_connections_and_exits_130(tmp_path: Path) -> None:
+    """Ctrl-C reaches the whole process group. Each worker printed a traceback and the parent
+    exited 0, and while the workers drained, a new connection was held unanswered (the
+    parent kept its copy of the socket) instead of refused (a review)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    api, base = start_two_workers(tmp_path, TMPDIR=str(scratch))
+    port = int(base.rsplit(":", 1)[1])
+    answers: list[tuple[int, Any]] = []
+    try:
+        post(base, range(1))  # no scorer: its long poll waits out wait_s
+        waiting = threading.Thread(
+            target=lambda: answers.append(
+                call(base, "GET", "/v1/queues/tabular/items/w-0?wait_s=6")
+            )
+        )
+        waiting.start()
+        time.sleep(1.0)
+        os.killpg(api.pid, signal.SIGINT)
+        wait_for(lambda: _refused(port), 5, "new connections to be refused while draining")
+        assert waiting.is_alive()  # the long poll in flight is still being answered
+        waiting.join(30)
+        assert api.wait(60) == 130
+        _, err = api.communicate()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(api.pid, signal.SIGKILL)
+        if api.returncode is None:
+            api.communicate()
+    assert len(answers) == 1
+    assert answers[0][0] == 200, answers
+    assert answers[0][1]["state"] == "ready"
+    assert "Traceback" not in err, err
+    assert "KeyboardInterrupt" not in err, err
+    assert not list(scratch.glob("batching-api-metrics-*"))
+
+
+def _refused(port: int) -> bool | None:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return None
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return None
+
+
+def test_one_process_serves_its_own_counts_beside_a_users_multiprocess_folder(
+    tmp_path: Path,
+) -> None:
+    """``PROMETHEUS_MULTIPROC_DIR`` set for other processes: a single ``batching api`` summed
+    that folder into its /metrics, the other app's series included (a review)."""
+    folder = tmp_path / "prom"
+    folder.mkdir()
+    other = "from prometheus_client import Counter; Counter('other_app_requests', 'x').inc(5)"
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(folder)}
+    subprocess.run([sys.executable, "-c", other], env=env, check=True)
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    config = write_config(tmp_path)
+    env |= {"BATCHING_API_TOKENS": f"{TOKEN}=acme"}
+    env.pop("BATCHING_DB_URL", None)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    args = [BATCHING, "api", "-c", str(config), "--port", str(port), "--no-check-payloads"]
+    api = start(args, tmp_path, env)
+    try:
+        wait_for(lambda: _up(base, api), 90, "the API to answer /healthz")
+        post(base, range(2))
+        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    finally:
+        os.killpg(api.pid, signal.SIGKILL)
+        api.communicate()
+    assert "other_app_requests" not in text
+    assert enqueued_in(text) == 2
