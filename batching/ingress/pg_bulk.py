@@ -51,6 +51,15 @@ _UNNEST = sa.text(
     f" SELECT * FROM unnest({', '.join(f'CAST(:{c} AS {t}[])' for c, t in COLUMNS)})"
     " ON CONFLICT (queue, item_key) DO NOTHING RETURNING item_key, id"
 )
+# A few rows (an API request) and their bodies in ONE statement: one round trip, where the
+# unnest and then a COPY of the bodies took three or four (a COPY is a start, its data and
+# its end), and each request of an API group paid them all.
+_UNNEST_WITH_BODIES = sa.text(
+    f"WITH new AS ({_UNNEST.text}), bodies AS (INSERT INTO batching_payloads (id, payload)"
+    " SELECT new.id, b.payload FROM new JOIN unnest(CAST(:b_keys AS text[]),"
+    " CAST(:b_bodies AS bytea[])) AS b(item_key, payload) USING (item_key))"
+    " SELECT item_key, id FROM new"
+)
 _STAGE = "batching_enqueue_stage"
 # No constraints or defaults (LIKE ... INCLUDING DEFAULTS would draw ids from the items'
 # sequence for the staged rows): the columns alone.
@@ -85,6 +94,22 @@ def insert_new(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> dict[str,
         for r in rows:
             copy.write_row([r[c] for c in names])
     return {key: id_ for key, id_ in conn.execute(_FROM_STAGE)}
+
+
+def insert_new_with_bodies(
+    conn: Connection, rows: Sequence[Mapping[str, Any]], bodies: Mapping[str, bytes]
+) -> dict[str, int]:
+    """:func:`insert_new` and the new items' bodies (``bodies`` by key): a chunk of a few rows
+    in one statement, a larger one by ``COPY`` (:func:`copy_bodies`)."""
+    if len(rows) < STAGE_MIN:
+        arrays: dict[str, Any] = {c: [r[c] for r in rows] for c, _ in COLUMNS}
+        keys = [r["item_key"] for r in rows]
+        arrays |= {"b_keys": keys, "b_bodies": [bodies[k] for k in keys]}
+        return {key: id_ for key, id_ in conn.execute(_UNNEST_WITH_BODIES, arrays)}
+    ids = insert_new(conn, rows)
+    if ids:
+        copy_bodies(conn, [(i, bodies[k]) for k, i in ids.items()])
+    return ids
 
 
 def _raw_cursor(conn: Connection) -> Any:

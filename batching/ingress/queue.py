@@ -509,12 +509,13 @@ class SqlQueue:
     ) -> None:
         """Insert one chunk of distinct records; counts into ``written``, ``dupes`` and
         ``added`` (inserted by tenant)."""
-        ids = self._insert_new(conn, rows)
+        if self.dialect == "postgresql":  # COPY through a staging table, or one statement
+            ids = pg_bulk.insert_new_with_bodies(conn, rows, bodies)
+        else:  # the driver's executemany
+            ids = sqlite_bulk.insert_new(conn, rows)
+            if ids:
+                sqlite_bulk.insert_bodies(conn, ((i, bodies[k]) for k, i in ids.items()))
         added.update(r["tenant"] for r in rows if r["item_key"] in ids)
-        if ids and self.dialect == "postgresql":
-            pg_bulk.copy_bodies(conn, [(i, bodies[k]) for k, i in ids.items()])
-        elif ids:
-            sqlite_bulk.insert_bodies(conn, ((i, bodies[k]) for k, i in ids.items()))
         written[0] += len(rows)
         written[1] += len(ids)
         dupes.extend(r["item_key"] for r in rows if r["item_key"] not in ids)
@@ -572,14 +573,6 @@ class SqlQueue:
             "enqueue_run": enqueue_run,
             "route_bucket": routing.bucket(rec.item_key),
         }
-
-    def _insert_new(self, conn: Connection, chunk: list[dict[str, Any]]) -> dict[str, int]:
-        """Insert the rows whose key is new; returns their ids by key. PostgreSQL: by
-        ``COPY`` through a staging table (:mod:`~batching.ingress.pg_bulk`); SQLite: by the
-        driver's ``executemany`` (:mod:`~batching.ingress.sqlite_bulk`)."""
-        if self.dialect == "postgresql":
-            return pg_bulk.insert_new(conn, chunk)
-        return sqlite_bulk.insert_new(conn, chunk)
 
     # -- claim -------------------------------------------------------------------------------
 
