@@ -133,10 +133,10 @@ class Supervisor:
         """Start the workers, replace those that die, and on :meth:`stop` stop them all.
         Returns the exit code: 0, or when every worker kept dying at its start, 2 if the
         last one said its input was bad (exit 2), else 1."""
-        for slot in range(self.n):
-            self._launch(slot)
         code = 0
-        try:
+        try:  # the workers started so far are stopped, even if starting one fails
+            for slot in range(self.n):
+                self._launch(slot)
             while not self._stop.is_set():
                 now = self._clock()
                 due = min(self._retry_at.values(), default=now + 0.5)

@@ -190,3 +190,18 @@ def test_a_metrics_folder_left_by_a_killed_parent_is_removed_by_the_next(
     assert not left.exists()
     assert live.exists()
     assert other.exists()
+
+
+def test_a_worker_that_cannot_be_started_stops_those_already_started() -> None:
+    h = Harness({}, step_s=1.0)
+    started = h.start
+
+    def start(slot: int) -> FakeWorker:
+        if slot == 1:
+            raise OSError("Resource temporarily unavailable")
+        return started(slot)
+
+    h.supervisor._start = start
+    with pytest.raises(OSError, match="Resource temporarily"):
+        h.supervisor.run()
+    assert [(slot, w.terminated) for slot, w in h.started] == [(0, True)]
