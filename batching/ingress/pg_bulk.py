@@ -10,7 +10,8 @@ where one ``unnest`` of column arrays took 20.5 (psycopg sends arrays as text th
 parses). Bodies, most of the bytes and with no conflict to skip, go straight to
 ``batching_payloads`` by ``COPY``. All of it runs in the caller's transaction: nothing is
 visible before the enqueue commits. A chunk of a few rows (one API request) skips the staging
-table: the unnest is cheaper there than a ``COPY`` round trip.
+table and the bodies' ``COPY``: one ``unnest`` statement writes its items and bodies, cheaper
+there than the round trips of a ``COPY``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("route_bucket", "int4"),
 )
 _NAMES = ", ".join(c for c, _ in COLUMNS)
-_UNNEST = sa.text(
+_UNNEST = (
     f"INSERT INTO batching_items ({_NAMES})"
     f" SELECT * FROM unnest({', '.join(f'CAST(:{c} AS {t}[])' for c, t in COLUMNS)})"
     " ON CONFLICT (queue, item_key) DO NOTHING RETURNING item_key, id"
@@ -55,7 +56,7 @@ _UNNEST = sa.text(
 # unnest and then a COPY of the bodies took three or four (a COPY is a start, its data and
 # its end), and each request of an API group paid them all.
 _UNNEST_WITH_BODIES = sa.text(
-    f"WITH new AS ({_UNNEST.text}), bodies AS (INSERT INTO batching_payloads (id, payload)"
+    f"WITH new AS ({_UNNEST}), bodies AS (INSERT INTO batching_payloads (id, payload)"
     " SELECT new.id, b.payload FROM new JOIN unnest(CAST(:b_keys AS text[]),"
     " CAST(:b_bodies AS bytea[])) AS b(item_key, payload) USING (item_key))"
     " SELECT item_key, id FROM new"
@@ -79,34 +80,27 @@ STAGE_MIN = 64  # rows in a chunk from which the staging table pays for its COPY
 CHUNK = 5000  # rows an enqueue writes a statement (1000: 16.5 us a row to insert; 5000: 11.8)
 
 
-def insert_new(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
-    """Insert the rows whose ``(queue, item_key)`` is new; their ids by key.
+def insert_new(
+    conn: Connection, rows: Sequence[Mapping[str, Any]], bodies: Mapping[str, bytes]
+) -> dict[str, int]:
+    """Insert the rows whose ``(queue, item_key)`` is new, and their bodies (``bodies`` by
+    key); the new ids by key. A chunk of a few rows in one statement; a larger one by
+    ``COPY`` through the staging table, its bodies by ``COPY`` (:func:`copy_bodies`).
 
     ``rows`` are ``SqlQueue._row`` dicts with distinct keys (an enqueue drops repeats first).
     """
-    if len(rows) < STAGE_MIN:
-        arrays = {c: [r[c] for r in rows] for c, _ in COLUMNS}
-        return {key: id_ for key, id_ in conn.execute(_UNNEST, arrays)}
-    conn.execute(_CREATE_STAGE)
     names = [c for c, _ in COLUMNS]
+    if len(rows) < STAGE_MIN:
+        arrays: dict[str, Any] = {c: [r[c] for r in rows] for c in names}
+        keys = arrays["item_key"]
+        arrays |= {"b_keys": keys, "b_bodies": [bodies[k] for k in keys]}
+        return {key: id_ for key, id_ in conn.execute(_UNNEST_WITH_BODIES, arrays)}
+    conn.execute(_CREATE_STAGE)
     with _raw_cursor(conn) as cur, cur.copy(_COPY_STAGE) as copy:
         copy.set_types([t for _, t in COLUMNS])
         for r in rows:
             copy.write_row([r[c] for c in names])
-    return {key: id_ for key, id_ in conn.execute(_FROM_STAGE)}
-
-
-def insert_new_with_bodies(
-    conn: Connection, rows: Sequence[Mapping[str, Any]], bodies: Mapping[str, bytes]
-) -> dict[str, int]:
-    """:func:`insert_new` and the new items' bodies (``bodies`` by key): a chunk of a few rows
-    in one statement, a larger one by ``COPY`` (:func:`copy_bodies`)."""
-    if len(rows) < STAGE_MIN:
-        arrays: dict[str, Any] = {c: [r[c] for r in rows] for c, _ in COLUMNS}
-        keys = [r["item_key"] for r in rows]
-        arrays |= {"b_keys": keys, "b_bodies": [bodies[k] for k in keys]}
-        return {key: id_ for key, id_ in conn.execute(_UNNEST_WITH_BODIES, arrays)}
-    ids = insert_new(conn, rows)
+    ids = {key: id_ for key, id_ in conn.execute(_FROM_STAGE)}
     if ids:
         copy_bodies(conn, [(i, bodies[k]) for k, i in ids.items()])
     return ids

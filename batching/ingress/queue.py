@@ -510,7 +510,7 @@ class SqlQueue:
         """Insert one chunk of distinct records; counts into ``written``, ``dupes`` and
         ``added`` (inserted by tenant)."""
         if self.dialect == "postgresql":  # COPY through a staging table, or one statement
-            ids = pg_bulk.insert_new_with_bodies(conn, rows, bodies)
+            ids = pg_bulk.insert_new(conn, rows, bodies)
         else:  # the driver's executemany
             ids = sqlite_bulk.insert_new(conn, rows)
             if ids:
