@@ -117,7 +117,10 @@ def test_prometheus_scrapes_the_scorer_and_the_exporter_and_agrees_with_the_data
         "score", "-c", cfg, "--max-seconds", "300", "--metrics-port", str(scorer_port),
         "--json", cwd=ws,
     )  # fmt: skip
-    exporter = spawn("metrics", "serve", "-c", cfg, "--port", str(exporter_port), cwd=ws)
+    # --done-every 1s: a done count taken while the scorer drains is not served for 5 minutes
+    exporter = spawn(
+        "metrics", "serve", "-c", cfg, "--port", str(exporter_port), "--done-every", "1s", cwd=ws
+    )
     server = prometheus(
         {"scorer": [f"127.0.0.1:{scorer_port}"], "exporter": [f"127.0.0.1:{exporter_port}"]}
     )
@@ -127,7 +130,8 @@ def test_prometheus_scrapes_the_scorer_and_the_exporter_and_agrees_with_the_data
     def settled() -> bool:
         seen = server.value('sum(batching_items_committed_total{environment="e2e"})')
         ready = server.value('sum(batching_queue_items{state="ready"})')
-        return seen == committed and ready == 0.0
+        n_done = server.value('sum(batching_queue_items{state="done"})')
+        return seen == committed and ready == 0.0 and n_done == committed
 
     wait_for(settled, 60, "Prometheus to scrape the drained queue")
     by_tenant = {
