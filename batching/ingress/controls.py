@@ -108,6 +108,14 @@ def audit(engine: Engine, queue: str | None = None, limit: int = 50) -> list[Aud
     ]
 
 
+def last_at(engine: Engine, action: str) -> dict[str, float]:
+    """When each queue's latest audit row of ``action`` was written (a ``purge`` of items or
+    of the ledger: the retention's heartbeat, recorded even when it deleted nothing)."""
+    q = sa.select(_A.c.queue, sa.func.max(_A.c.at)).where(_A.c.action == action)
+    with connect(engine) as conn:
+        return {queue: float(at) for queue, at in conn.execute(q.group_by(_A.c.queue))}
+
+
 # -- change -----------------------------------------------------------------------------------
 
 

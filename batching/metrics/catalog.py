@@ -191,6 +191,13 @@ EXPORTER: tuple[Metric, ...] = (
         "The queue's ledger horizon: ledger rows committed before it were purged (absent: none).",
     ),
     Metric(
+        "batching_queue_retention_last_run_timestamp_seconds",
+        "gauge",
+        E,
+        "When the queue's retention (batching purge, the maintain flow) last ran, whether or "
+        "not it deleted anything (absent: never).",
+    ),
+    Metric(
         "batching_queue_age_bound_seconds",
         "gauge",
         E,

@@ -8,7 +8,7 @@ they are right even when no scorer runs.
   (:class:`DoneCounts`): that count reads every done item, seconds for ten million, and a
   scrape that waited for it would time out on an old queue;
 * the queue controls (``batching queue pause``, ``cap``): paused, depth cap; the ledger's
-  horizon (``batching purge --ledger``);
+  horizon (``batching purge --ledger``) and when the retention last ran (its audit rows);
 * the config: the queue's age bound (``backlog_alert_age_s``), ``latency_slo_s``,
   ``latency_objective``;
 * the lineage spool's backlog;
@@ -172,16 +172,20 @@ class TableCollector(Collector):
 
     def _controls(self, queues: list[str]) -> Iterator[GaugeMetricFamily]:
         rows = controls.states(self.queue.engine)  # queues without a row: not paused, no cap
+        purged = controls.last_at(self.queue.engine, "purge")
         paused, depth = _family("batching_queue_paused"), _family("batching_queue_max_depth")
         horizon = _family("batching_queue_ledger_horizon_timestamp_seconds")
-        for q in sorted(set(queues) | set(rows)):
+        retention = _family("batching_queue_retention_last_run_timestamp_seconds")
+        for q in sorted(set(queues) | set(rows) | set(purged)):
             row = rows.get(q)
             paused.add_metric([self.env, q], float(row is not None and row.paused))
             if row is not None and row.max_depth is not None:
                 depth.add_metric([self.env, q], float(row.max_depth))
             if row is not None and row.ledger_horizon is not None:
                 horizon.add_metric([self.env, q], row.ledger_horizon)
-        yield from (paused, depth, horizon)
+            if q in purged:
+                retention.add_metric([self.env, q], purged[q])
+        yield from (paused, depth, horizon, retention)
 
     def _objectives(self) -> Iterator[GaugeMetricFamily]:
         labels = [self.env, self.config.queue.name]

@@ -296,6 +296,23 @@ def test_the_ledger_horizon_shows_once_a_purge_recorded_it(q1: SqlQueue) -> None
     assert pick(scrape(cfg(), q1), name) == {(name, e1): 86400.0}
 
 
+def test_the_retention_last_run_shows_each_purge_even_one_that_deleted_nothing(
+    q1: SqlQueue, clock: FakeClock
+) -> None:
+    name = "batching_queue_retention_last_run_timestamp_seconds"
+    assert pick(scrape(cfg(), q1), name) == {}
+    # nothing is old enough: no item, no ledger row goes, and each run still counts
+    assert q1.purge(86400.0, actor="it", reason="nightly") == 0
+    e1, e2 = (("environment", "it"), ("queue", "q1")), (("environment", "it"), ("queue", "q2"))
+    assert pick(scrape(cfg(), q1), name) == {(name, e1): clock()}
+    clock.advance(60)
+    q2 = SqlQueue(q1.engine, "q2", clock=clock)
+    assert q2.purge_ledger(86400.0, actor="it", reason="nightly") == (0, None)
+    clock.advance(60)
+    q1.purge(86400.0)  # no actor: not recorded, not a run of the retention
+    assert pick(scrape(cfg(), q1), name) == {(name, e1): clock() - 120, (name, e2): clock() - 60}
+
+
 def test_the_lineage_spool_backlog_shows(q1: SqlQueue, clock: FakeClock) -> None:
     t = schema.lineage_spool
     row: dict[str, Any] = {"run_id": "r", "event_type": "START", "event_time": "t", "body": "{}"}

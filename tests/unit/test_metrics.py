@@ -67,6 +67,7 @@ CONTRACT: dict[str, set[str]] = {
             "batching_queue_paused",
             "batching_queue_max_depth",
             "batching_queue_ledger_horizon_timestamp_seconds",
+            "batching_queue_retention_last_run_timestamp_seconds",
             "batching_queue_age_bound_seconds",
             "batching_latency_slo_seconds",
             "batching_latency_objective_ratio",
