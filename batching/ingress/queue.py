@@ -1703,7 +1703,8 @@ class SqlQueue:
         if actor is not None:
             detail = {"purged": n, "older_than_s": older_than_s, "archived": archive}
             with self.begin() as conn:
-                controls.record(conn, self.queue, "purge", actor, self.clock(), reason, detail)
+                if n or self._known(conn):
+                    controls.record(conn, self.queue, "purge", actor, self.clock(), reason, detail)
         logger.info("items purged", extra={"action": "purge", "n_items": n, "archived": archive})
         return n
 
@@ -1753,13 +1754,24 @@ class SqlQueue:
         if actor is not None:
             detail = {"ledger_rows": n, "horizon": retention.day(horizon)}
             with self.begin() as conn:
-                controls.record(conn, self.queue, "purge", actor, self.clock(), reason, detail)
+                if n or self._known(conn):
+                    controls.record(conn, self.queue, "purge", actor, self.clock(), reason, detail)
         logger.info(
             "ledger rows purged",
             extra={"action": "purge_ledger", "n_batches": n, "horizon": retention.day(horizon)},
         )
         with self.read() as conn:
             return n, retention.horizon(conn, self.queue)
+
+    def _known(self, conn: Connection) -> bool:
+        """Whether this queue has an item, a control or an audit row. A purge is recorded
+        (the retention's heartbeat, ``batching_queue_retention_last_run_timestamp_seconds``)
+        only for a queue that has: a mistyped queue would otherwise get a retention that ran
+        once, and a stale-retention alert a day later."""
+        return any(
+            conn.execute(sa.select(t.c.queue).where(t.c.queue == self.queue).limit(1)).first()
+            for t in (_T, schema.queue_controls, schema.queue_audit)
+        )
 
     def _raise_horizon(self, conn: Connection, horizon: float, now: float) -> None:
         controls.locked_row(conn, self.queue, now)

@@ -310,6 +310,9 @@ def test_the_retention_last_run_shows_each_purge_even_one_that_deleted_nothing(
     assert q2.purge_ledger(86400.0, actor="it", reason="nightly") == (0, None)
     clock.advance(60)
     q1.purge(86400.0)  # no actor: not recorded, not a run of the retention
+    typo = SqlQueue(q1.engine, "q1-typo", clock=clock)  # no item, control or audit row
+    assert typo.purge(86400.0, actor="it", reason="nightly") == 0
+    assert typo.purge_ledger(86400.0, actor="it", reason="nightly") == (0, None)
     assert pick(scrape(cfg(), q1), name) == {(name, e1): clock() - 120, (name, e2): clock() - 60}
 
 
