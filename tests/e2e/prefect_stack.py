@@ -77,18 +77,25 @@ class Stack:
         except httpx.HTTPError:
             return False
 
-    def stop(self, proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is None:
+    def stop(self, *procs: subprocess.Popen[bytes]) -> None:
+        """SIGINT to every one of ``procs`` still running, then each waited for within one
+        20 s grace (a Prefect worker can take most of it), the rest killed: one after
+        another, two workers' graces cost a test 40 s of its teardown."""
+        running = [p for p in procs if p.poll() is None]
+        for proc in running:
             os.killpg(proc.pid, signal.SIGINT)
+        deadline = time.monotonic() + 20
+        for proc in running:
             try:
-                proc.wait(20)
+                proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
 
     def close(self) -> None:
-        for proc in reversed(self.procs):
-            self.stop(proc)
+        """What ran against the server stopped together, then the server (started first)."""
+        self.stop(*self.procs[1:])
+        self.stop(*self.procs[:1])
         self.http.close()
 
     def post(self, path: str, body: Any) -> Any:
