@@ -99,7 +99,7 @@ def bulk(
     """
     if not in_place:
         raise typer.BadParameter(
-            "only in-place bulk runs are offered here; add --in-place (or enqueue rows with "
+            "bulk scores a dataset in place only; add --in-place (or enqueue its rows with "
             "`batching enqueue` and run `batching score`)",
             param_hint="--in-place",
         )

@@ -108,6 +108,8 @@ def lineage(
             "the log its runs write)"
         )
     path = events or _events_from_config(config, output)
+    if path.is_dir():
+        raise errors.InputError(f"{path}: a folder, not a lineage event log; give its JSONL file")
     if not path.is_file():
         fix = "check the path" if events else "run `batching score` first or pass --events"
         raise errors.InputError(f"{path}: no lineage event log; {fix}")

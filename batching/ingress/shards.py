@@ -179,6 +179,8 @@ def plan(
             raise errors.InputError(f"{src}: no .parquet file in this folder")
     elif src.is_file():
         files, root = [src], src.parent
+    elif src.exists():  # a device, a pipe
+        raise errors.InputError(f"{src}: not a file or a folder; give a Parquet or Delta input")
     else:
         raise errors.InputError(f"{src}: no such file or folder; give a Parquet or Delta input")
     shards: list[Shard] = []

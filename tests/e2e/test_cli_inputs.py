@@ -300,6 +300,9 @@ def test_a_file_that_is_no_event_log_gets_one_line_not_a_wall(tmp_path: Path) ->
     missing = batching("lineage", "--events", str(tmp_path / "nope.jsonl"), cwd=tmp_path)
     assert missing.rc == 2
     assert "no lineage event log; check the path" in missing.err  # not "pass --events"
+    folder = batching("lineage", "--events", str(tmp_path), cwd=tmp_path)
+    assert folder.rc == 2
+    assert "a folder, not a lineage event log; give its JSONL file" in one_error_line(folder)
 
 
 def test_an_async_database_driver_is_refused_naming_the_one_to_use(tmp_path: Path) -> None:

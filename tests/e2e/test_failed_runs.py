@@ -148,3 +148,11 @@ def test_a_bulk_in_place_run_refused_at_its_start_queues_nothing(tmp_path: Path)
     r = batching("check", "-c", str(tmp_path / "config-2.yaml"), cwd=tmp_path)
     assert r.rc == 2, r.err
     assert "service profile is not valid JSON in UTF-8" in r.err
+    good = str(tmp_path / "config-0.yaml")
+    for args, says in (
+        (["/dev/null", "--in-place"], "/dev/null: not a file or a folder; give a Parquet or Delta"),
+        ([str(folder)], "bulk scores a dataset in place only; add --in-place"),
+    ):
+        r = batching("bulk", *args, "-c", good, "--db", DB, cwd=tmp_path)
+        assert r.rc == 2, r.err
+        assert says in " ".join(r.err.split()), r.err
