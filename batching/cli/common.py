@@ -350,18 +350,18 @@ def warn_unknown_tenant(q: Any, tenant: str | None, states: tuple[str, ...]) -> 
 
 
 def warn_unknown_queue(q: Any, *, controls_too: bool = False, refuse: str | None = None) -> None:
-    """Warn that ``q``'s queue has no items, naming those that do: a mistyped ``-q`` would
-    otherwise look like an idle queue (zeros, exit 0). ``controls_too`` (the queue
-    controls): a queue with a control (paused, capped) before any item is known too.
+    """Warn that ``q``'s queue has no item, control or audit row (a typo), naming those that
+    have: a mistyped ``-q`` would otherwise look like an idle queue (zeros, exit 0).
+    ``controls_too`` (the queue controls): "no items and no control yet".
     ``refuse``: raise ``InputError`` instead, naming this flag as the way to go on (a pause
     or a cap of a typo applied to a queue nobody uses, and the real one went on unpaused)."""
-    names = set(q.queue_names())
-    has = "no items"
-    if controls_too:
-        from batching.ingress import controls
+    from batching.ingress import controls
 
-        names |= set(controls.states(q.engine))
-        has = "no items and no control yet"
+    acted_on = set(controls.states(q.engine)) | controls.audited_queues(q.engine)
+    if not controls_too and q.queue in acted_on:  # emptied by a purge, or capped before
+        return
+    names = set(q.queue_names()) | acted_on  # the queues an operator knows, items or not
+    has = "no items and no control yet" if controls_too else "no items"
     if q.queue not in names:
         said = (
             f"queue {q.queue!r} has {has}; queues in this database: "

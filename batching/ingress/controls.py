@@ -108,6 +108,12 @@ def audit(engine: Engine, queue: str | None = None, limit: int = 50) -> list[Aud
     ]
 
 
+def audited_queues(engine: Engine) -> set[str]:
+    """Every queue with an audit row: one acted on before (paused, purged empty, ...)."""
+    with connect(engine) as conn:
+        return set(conn.execute(sa.select(_A.c.queue).distinct()).scalars())
+
+
 def last_at(engine: Engine, action: str) -> dict[str, float]:
     """When each queue's latest audit row of ``action`` was written (a ``purge`` of items or
     of the ledger: the retention's heartbeat, recorded even when it deleted nothing)."""

@@ -1653,7 +1653,7 @@ class SqlQueue:
                 )
             )
             n = conn.execute(stmt).rowcount
-            if actor is not None:
+            if actor is not None and (n or self._known(conn)):  # a typo's: no audit row
                 detail = {
                     "redriven": n,
                     "states": [s.name.lower() for s in states],
@@ -1764,10 +1764,11 @@ class SqlQueue:
             return n, retention.horizon(conn, self.queue)
 
     def _known(self, conn: Connection) -> bool:
-        """Whether this queue has an item, a control or an audit row. A purge is recorded
-        (the retention's heartbeat, ``batching_queue_retention_last_run_timestamp_seconds``)
-        only for a queue that has: a mistyped queue would otherwise get a retention that ran
-        once, and a stale-retention alert a day later."""
+        """Whether this queue has an item, a control or an audit row. A redrive or a purge
+        that moved nothing is recorded only for a queue that has: a mistyped queue would
+        otherwise become one acted on (no longer called a typo), and a purge's row is the
+        retention's heartbeat (``batching_queue_retention_last_run_timestamp_seconds``: a
+        stale-retention alert a day later)."""
         return any(
             conn.execute(sa.select(t.c.queue).where(t.c.queue == self.queue).limit(1)).first()
             for t in (_T, schema.queue_controls, schema.queue_audit)

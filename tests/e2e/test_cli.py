@@ -1142,6 +1142,13 @@ def test_a_queue_without_items_names_the_queues_there(tmp_path: Path) -> None:
         assert "queue 'tabluar' has no items; queues in this database: tabular" in r.err
     r = batching("redrive", "--db", DB, "-q", "tabular", cwd=tmp_path)
     assert "warning" not in r.err, "a real queue with nothing to redrive is not a typo"
+    # A queue with a control or an audit row and no item (capped first, or purged empty) is
+    # no typo, and is among the queues a typo's warning names.
+    cap = ("queue", "cap", "capped", "--max-depth", "5", "--new", "--db", DB)
+    assert batching(*cap, cwd=tmp_path).rc == 0
+    assert "warning" not in batching("status", "--db", DB, "-q", "capped", cwd=tmp_path).err
+    r = batching("status", "--db", DB, "-q", "tabluar", cwd=tmp_path)
+    assert "queues in this database: capped, tabular" in r.err
 
 
 def test_maintain_compacts_a_delta_output_and_says_a_parquet_one_needs_nothing(
