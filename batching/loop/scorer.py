@@ -398,10 +398,13 @@ class Scorer(Generic[D]):
                 took if self._claim_s is None else self._claim_s + 0.2 * (took - self._claim_s)
             )
         if claim.paused != self._paused:  # once per change, not once per poll
+            paused = (
+                "queue paused; this run ends once its batches are done (--until-empty)"
+                if limits.until_empty
+                else "queue paused; waiting for `batching queue resume`"
+            )
             logger.warning(
-                "queue paused; waiting for `batching queue resume`"
-                if claim.paused
-                else "queue resumed; claiming",
+                paused if claim.paused else "queue resumed; claiming",
                 extra={"action": "queue_paused" if claim.paused else "queue_resumed"},
             )
         self._paused = claim.paused

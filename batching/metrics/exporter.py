@@ -264,7 +264,11 @@ def exporter_registry(
     clock: Callable[[], float] = time.time,
     done_every_s: float = DONE_EVERY_S,
 ) -> CollectorRegistry:
-    """A registry holding only the :class:`TableCollector` (no process metrics)."""
+    """A registry holding only the :class:`TableCollector` (no process metrics), its first
+    done count started now: a scrape seconds later finds it finished (on any queue but a
+    huge one), where a queue whose items are all done had no series before it."""
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(TableCollector(config, queue, clock, done_every_s))
+    collector = TableCollector(config, queue, clock, done_every_s)
+    collector.done.latest()
+    reg.register(collector)
     return reg

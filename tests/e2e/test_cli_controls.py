@@ -48,6 +48,8 @@ def test_pause_cap_cancel_resume_and_their_audit(tmp_path: Path) -> None:
     assert idle.rc == 0, idle.err
     assert document(idle)["summary"]["items_committed"] == 0
     assert "note: queue 'tab' is paused (by alice: bad model)" in idle.err
+    assert "this run ends once its batches are done" in idle.err  # not "waiting"
+    assert "waiting for `batching queue resume`" not in idle.err
 
     capped = queue("cap", "tab", "--max-depth", "6", "--reason", "backlog", cwd=tmp_path)
     assert (capped["depth"], capped["control"]["max_depth"]) == (6, 6)  # type: ignore[index]

@@ -500,6 +500,7 @@ def test_a_scorer_paused_mid_run_finishes_its_batches_waits_and_resumes(
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr
+    assert "queue paused; waiting for `batching queue resume`" in stderr  # --max-seconds: waits
     assert_done_once(sqlite_url, tmp_path / "outputs", {f"w1-{i}" for i in range(n)})
     engine = database.create_engine(sqlite_url)
     with engine.connect() as conn:
