@@ -94,7 +94,10 @@ def iter_records(
     if p.is_dir():
         raise errors.InputError(f"{p}: is a folder; give a .jsonl or .parquet file")
     if not p.is_file():
-        raise errors.InputError(f"{p}: no such file; give a .jsonl or .parquet file")
+        what = "not a file (a pipe or a device)" if p.exists() else "no such file"
+        if str(path) == "-":
+            what = "standard input is not read (a file is enqueued whole, or not at all)"
+        raise errors.InputError(f"{p}: {what}; give a .jsonl or .parquet file")
     limits = limits or ItemLimits()
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):

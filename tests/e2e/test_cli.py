@@ -811,6 +811,19 @@ def test_an_empty_file_enqueues_nothing_and_says_so(tmp_path: Path) -> None:
     assert "warning: empty.jsonl holds no records; nothing to enqueue" in r.err
 
 
+def test_enqueue_names_what_it_was_given_when_that_is_no_file(tmp_path: Path) -> None:
+    assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
+    for arg, says in (
+        ("-", "-: standard input is not read (a file is enqueued whole, or not at all)"),
+        ("/dev/null", "/dev/null: not a file (a pipe or a device)"),
+        ("nope.jsonl", "nope.jsonl: no such file"),
+        (".", ".: is a folder"),
+    ):
+        r = batching("enqueue", arg, "--db", DB, cwd=tmp_path)
+        assert r.rc == 2, r.err
+        assert f"{says}; give a .jsonl or .parquet file" in one_error_line(r)
+
+
 def test_a_postgresql_database_that_does_not_exist_is_named_with_the_fix(
     pg_url: str, tmp_path: Path
 ) -> None:
