@@ -179,7 +179,6 @@ def serve_api(
     from batching.cli import api_workers
 
     _settings(serving, fits=False).results.close()  # the schema checked before any worker
-    serving = _fits_once(serving)
     sock = api_app.bind(host, port)
     err.print(
         f"serving {len(known)} token(s) on {where} with {workers} worker processes; docs at "
@@ -243,17 +242,6 @@ def _serve_worker(serving: _Serving, sock: socket.socket, parent: int) -> None:
         api_app.serve(application(settings, serving.cfg.metrics.environment), sock)
     finally:
         settings.results.close()
-
-
-def _fits_once(serving: _Serving) -> _Serving:
-    """``serving`` for the workers of ``--workers``: the payload check built once here, so a
-    model that cannot be described without its weights is one warning, not one a worker
-    (each then serves without the check)."""
-    import dataclasses
-
-    if serving.check_payloads and _fits(serving.cfg) is None:
-        return dataclasses.replace(serving, check_payloads=False)
-    return serving
 
 
 def _fits(cfg: Any) -> Callable[[models.Payload], str | None] | None:

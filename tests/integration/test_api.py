@@ -354,23 +354,6 @@ def test_a_model_that_needs_its_weights_to_build_is_checked_at_decode_only(
     assert says in said, said
 
 
-def test_workers_are_given_the_payload_check_built_once(
-    tmp_path: Path, db_url: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """``--workers``: the parent builds the check (and warns) once; its workers are told to
-    serve without it rather than each warning again."""
-    versions = [factory_version("build_needs_its_weights", "v9")]
-    cfg = load_config(write_config(tmp_path, db_url, model_versions=versions))
-    serving = api_cli._Serving(cfg, db_url, None, {}, 1, 1, 1, 0.0, True)
-    assert not api_cli._fits_once(serving).check_payloads
-    assert capsys.readouterr().err.count("payloads are checked at decode only") == 1
-    fine = api_cli._Serving(
-        load_config(write_config(tmp_path, db_url)), db_url, None, {}, 1, 1, 1, 0.0, True
-    )
-    assert api_cli._fits_once(fine) is fine
-    assert capsys.readouterr().err == ""
-
-
 def test_a_body_past_the_size_limit_is_413(config_path: Path) -> None:
     for small in make_client(config_path, max_body_bytes=2048):
         big = {"items": [item(f"k{i}") for i in range(20)]}
