@@ -350,17 +350,14 @@ def warn_unknown_tenant(q: Any, tenant: str | None, states: tuple[str, ...]) -> 
 
 
 def warn_unknown_queue(q: Any, *, controls_too: bool = False, refuse: str | None = None) -> None:
-    """Warn that ``q``'s queue has no item, control or audit row (a typo), naming those that
-    have: a mistyped ``-q`` would otherwise look like an idle queue (zeros, exit 0).
-    ``controls_too`` (the queue controls): "no items and no control yet".
-    ``refuse``: raise ``InputError`` instead, naming this flag as the way to go on (a pause
-    or a cap of a typo applied to a queue nobody uses, and the real one went on unpaused)."""
+    """Warn that ``q``'s queue has no items, naming the queues there: a mistyped ``-q`` would
+    otherwise look like an idle queue (zeros, exit 0). A queue with a control or an audit row
+    (emptied by a purge) is known. ``controls_too`` (a pause, a cap): known by its items or
+    control only, as an audit row alone (a typo's cancel) must not let a typo be paused."""
     from batching.ingress import controls
 
-    acted_on = set(controls.states(q.engine)) | controls.audited_queues(q.engine)
-    if not controls_too and q.queue in acted_on:  # emptied by a purge, or capped before
-        return
-    names = set(q.queue_names()) | acted_on  # the queues an operator knows, items or not
+    names = set(q.queue_names()) | set(controls.states(q.engine))
+    names |= set() if controls_too else set(controls.last_at(q.engine))  # audited
     has = "no items and no control yet" if controls_too else "no items"
     if q.queue not in names:
         said = (

@@ -99,13 +99,12 @@ def serve(
     batching_exporter_up 0; the exporter keeps serving.
     """
     from batching.compose import build
-    from batching.metrics import exporter, publish
+    from batching.metrics import exporter
 
     every_s = parse_duration(done_every, "--done-every")
     cfg = load(config)
     queue = build.open_queue(cfg, build.resolve(cfg, db, None).db_url)
-    registry = exporter.exporter_registry(cfg, queue, done_every_s=every_s)
-    server = publish.serve(port, registry, addr=addr, option="--port")
+    server, _ = exporter.serve(cfg, queue, port, addr=addr, done_every_s=every_s)
     out.print(f"serving metrics on http://{addr}:{port}/metrics", highlight=False)
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -108,16 +108,20 @@ def audit(engine: Engine, queue: str | None = None, limit: int = 50) -> list[Aud
     ]
 
 
-def audited_queues(engine: Engine) -> set[str]:
-    """Every queue with an audit row: one acted on before (paused, purged empty, ...)."""
-    with connect(engine) as conn:
-        return set(conn.execute(sa.select(_A.c.queue).distinct()).scalars())
+def known(conn: Connection, queue: str) -> bool:
+    """Whether ``queue`` has an audit row, a control or an item (small tables first). An
+    action that changed nothing is recorded for such a queue only: not for a typo."""
+    return any(
+        conn.execute(sa.select(t.c.queue).where(t.c.queue == queue).limit(1)).first()
+        for t in (_A, _C, _T)
+    )
 
 
-def last_at(engine: Engine, action: str) -> dict[str, float]:
-    """When each queue's latest audit row of ``action`` was written (a ``purge`` of items or
-    of the ledger: the retention's heartbeat, recorded even when it deleted nothing)."""
-    q = sa.select(_A.c.queue, sa.func.max(_A.c.at)).where(_A.c.action == action)
+def last_at(engine: Engine, action: str | None = None) -> dict[str, float]:
+    """When each queue's latest audit row (of ``action``) was written (``purge``: the
+    retention's heartbeat, recorded even when it deleted nothing)."""
+    q = sa.select(_A.c.queue, sa.func.max(_A.c.at))
+    q = q if action is None else q.where(_A.c.action == action)
     with connect(engine) as conn:
         return {queue: float(at) for queue, at in conn.execute(q.group_by(_A.c.queue))}
 
@@ -240,7 +244,8 @@ def cancel_items(
         detail = asdict(result) | {"tenant": tenant, "enqueue_run": enqueue_run}
         if keys is not None:
             detail |= {"n_keys": len(keys), "keys": list(keys[:_AUDIT_KEYS])}
-        record(conn, queue, "cancel", actor, now, reason, detail)
+        if result.cancelled or result.in_flight or known(conn, queue):  # a typo's: no row
+            record(conn, queue, "cancel", actor, now, reason, detail)
     logger.info(
         "items cancelled",
         extra={"action": "queue_cancel", "queue": queue, "actor": actor, **asdict(result)},

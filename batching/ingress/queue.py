@@ -1653,7 +1653,9 @@ class SqlQueue:
                 )
             )
             n = conn.execute(stmt).rowcount
-            if actor is not None and (n or self._known(conn)):  # a typo's: no audit row
+            if actor is not None and (
+                n or controls.known(conn, self.queue)
+            ):  # a typo's: no audit row
                 detail = {
                     "redriven": n,
                     "states": [s.name.lower() for s in states],
@@ -1703,7 +1705,7 @@ class SqlQueue:
         if actor is not None:
             detail = {"purged": n, "older_than_s": older_than_s, "archived": archive}
             with self.begin() as conn:
-                if n or self._known(conn):
+                if n or controls.known(conn, self.queue):
                     controls.record(conn, self.queue, "purge", actor, self.clock(), reason, detail)
         logger.info("items purged", extra={"action": "purge", "n_items": n, "archived": archive})
         return n
@@ -1754,7 +1756,7 @@ class SqlQueue:
         if actor is not None:
             detail = {"ledger_rows": n, "horizon": retention.day(horizon)}
             with self.begin() as conn:
-                if n or self._known(conn):
+                if n or controls.known(conn, self.queue):
                     controls.record(conn, self.queue, "purge", actor, self.clock(), reason, detail)
         logger.info(
             "ledger rows purged",
@@ -1762,17 +1764,6 @@ class SqlQueue:
         )
         with self.read() as conn:
             return n, retention.horizon(conn, self.queue)
-
-    def _known(self, conn: Connection) -> bool:
-        """Whether this queue has an item, a control or an audit row. A redrive or a purge
-        that moved nothing is recorded only for a queue that has: a mistyped queue would
-        otherwise become one acted on (no longer called a typo), and a purge's row is the
-        retention's heartbeat (``batching_queue_retention_last_run_timestamp_seconds``: a
-        stale-retention alert a day later)."""
-        return any(
-            conn.execute(sa.select(t.c.queue).where(t.c.queue == self.queue).limit(1)).first()
-            for t in (_T, schema.queue_controls, schema.queue_audit)
-        )
 
     def _raise_horizon(self, conn: Connection, horizon: float, now: float) -> None:
         controls.locked_row(conn, self.queue, now)

@@ -39,7 +39,7 @@ from batching.evidence import reconcile_result, spool
 from batching.ingress import controls
 from batching.ingress.done_counts import DoneCounts, filled
 from batching.ingress.queue import SqlQueue
-from batching.metrics import catalog
+from batching.metrics import catalog, publish
 from batching.metrics.tenants import fold, top_tenants
 from batching.store import database, schema
 
@@ -258,17 +258,25 @@ class TableCollector(Collector):
         yield from (f_find, f_last, f_clean)
 
 
-def exporter_registry(
+def serve(
     config: PipelineConfig,
     queue: SqlQueue,
-    clock: Callable[[], float] = time.time,
+    port: int,
+    *,
+    addr: str,
     done_every_s: float = DONE_EVERY_S,
-) -> CollectorRegistry:
-    """A registry holding only the :class:`TableCollector` (no process metrics), its first
-    done count started now: a scrape seconds later finds it finished (on any queue but a
-    huge one), where a queue whose items are all done had no series before it."""
+) -> tuple[publish.Server, TableCollector]:
+    """Serve a :class:`TableCollector` alone (no process metrics) on ``addr:port``, then
+    start its first done count: a scrape seconds later finds it finished (on any queue but a
+    huge one), where a queue whose items are all done has no series before it. After the
+    bind: an exporter that cannot take its port (restarted in a loop) starts no count.
+
+    Raises:
+        ConfigError: the port or address cannot be bound (``--port``).
+    """
+    collector = TableCollector(config, queue, done_every_s=done_every_s)
     reg = CollectorRegistry(auto_describe=False)
-    collector = TableCollector(config, queue, clock, done_every_s)
-    collector.done.latest()
     reg.register(collector)
-    return reg
+    server = publish.serve(port, reg, addr=addr, option="--port")
+    collector.done.latest()
+    return server, collector

@@ -5,6 +5,7 @@ enqueue past the cap exits 2 with one line (``--json``: a QueueFull error docume
 from __future__ import annotations
 
 import getpass
+import sqlite3
 from pathlib import Path
 
 from batching.model import workloads
@@ -105,6 +106,16 @@ def test_a_pause_or_cap_of_a_queue_with_no_items_and_no_control_is_refused_as_a_
     assert batching("init", "--db", DB, cwd=tmp_path).rc == 0
     jsonl = workloads.write_lines(tmp_path / "w1.jsonl", workloads.w1_json_lines(2))
     assert batching("enqueue", str(jsonl), "--db", DB, "-q", "tab", cwd=tmp_path).rc == 0
+    # A cancel of the typo first (a warning, exit 0) leaves no audit row that would make it
+    # a known queue, and an audit row alone would not: the pause below is still refused.
+    cancel = ("cancel", "tba", "--key", "k1", "--reason", "oops", "--db", DB)
+    assert batching("queue", *cancel, cwd=tmp_path).rc == 0
+    assert queue("audit", "tba", cwd=tmp_path)["rows"] == []
+    with sqlite3.connect(tmp_path / "queue.db") as db:  # as an older release's cancel left it
+        db.execute(
+            "INSERT INTO batching_queue_audit (queue, action, actor, at, reason, detail) "
+            "VALUES ('tba', 'cancel', 'bob', 1.0, 'oops', '{}')"
+        )
     for args in (("pause", "tba", "--reason", "incident"), ("cap", "atb", "--max-depth", "5")):
         r = batching("queue", *args, "--db", DB, cwd=tmp_path)
         assert r.rc == 2, r.err
@@ -112,7 +123,8 @@ def test_a_pause_or_cap_of_a_queue_with_no_items_and_no_control_is_refused_as_a_
         assert "queues in this database: tab" in r.err
         assert "(a typo?); nothing changed" in r.err
         assert "add --new" in r.err
-        assert queue("audit", args[1], cwd=tmp_path)["rows"] == []
+        rows = queue("audit", args[1], cwd=tmp_path)["rows"]
+        assert [r["action"] for r in rows] in ([], ["cancel"]), rows  # nothing changed
         new = batching("queue", *args, "--new", "--db", DB, cwd=tmp_path)
         assert (new.rc, new.err) == (0, "")
     r = batching("queue", "pause", "tab", "--reason", "incident", "--db", DB, cwd=tmp_path)

@@ -6,6 +6,7 @@ lineage spool and the last reconcile show, and a database that fails at scrape t
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,14 +14,16 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from batching import config, models
+from batching import config, errors, models
 from batching.evidence import reconcile_result
 from batching.evidence.findings import Finding, Kind, Report, Severity
 from batching.ingress import controls
 from batching.ingress.queue import SqlQueue
+from batching.metrics import exporter
 from batching.metrics.exporter import TableCollector
 from batching.store import database, schema
 from batching.testing import FakeClock
+from tests import prometheus as prom
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -314,6 +317,24 @@ def test_the_retention_last_run_shows_each_purge_even_one_that_deleted_nothing(
     assert typo.purge(86400.0, actor="it", reason="nightly") == 0
     assert typo.purge_ledger(86400.0, actor="it", reason="nightly") == (0, None)
     assert pick(scrape(cfg(), q1), name) == {(name, e1): clock() - 120, (name, e2): clock() - 60}
+
+
+def test_the_exporter_starts_its_first_done_count_once_it_serves(q1: SqlQueue) -> None:
+    """A queue whose items are all done has no series before the first count: it starts
+    with the server, so Prometheus' first scrape finds it (a review)."""
+    server, collector = exporter.serve(cfg(), q1, prom.free_port(), addr="127.0.0.1")
+    try:
+        assert collector.done.wait(30)
+        assert collector.done.last() is not None  # started by serve, not by a scrape
+    finally:
+        server.close()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    try:
+        with pytest.raises(errors.ConfigError, match="choose a free port"):
+            exporter.serve(cfg(), q1, taken.getsockname()[1], addr="127.0.0.1")
+    finally:
+        taken.close()
 
 
 def test_the_lineage_spool_backlog_shows(q1: SqlQueue, clock: FakeClock) -> None:
