@@ -124,6 +124,7 @@ def test_a_pause_or_cap_of_a_queue_with_no_items_and_no_control_is_refused_as_a_
         assert "(a typo?); nothing changed" in r.err
         assert "add --new" in r.err
         rows = queue("audit", args[1], cwd=tmp_path)["rows"]
+        assert isinstance(rows, list)
         assert [r["action"] for r in rows] in ([], ["cancel"]), rows  # nothing changed
         new = batching("queue", *args, "--new", "--db", DB, cwd=tmp_path)
         assert (new.rc, new.err) == (0, "")
