@@ -109,8 +109,7 @@ def audit(engine: Engine, queue: str | None = None, limit: int = 50) -> list[Aud
 
 
 def known(conn: Connection, queue: str) -> bool:
-    """Whether ``queue`` has an audit row, a control or an item (small tables first). An
-    action that changed nothing is recorded for such a queue only: not for a typo."""
+    """Whether ``queue`` has an audit row, a control or an item (small tables first)."""
     return any(
         conn.execute(sa.select(t.c.queue).where(t.c.queue == queue).limit(1)).first()
         for t in (_A, _C, _T)
@@ -118,8 +117,7 @@ def known(conn: Connection, queue: str) -> bool:
 
 
 def last_at(engine: Engine, action: str | None = None) -> dict[str, float]:
-    """When each queue's latest audit row (of ``action``) was written (``purge``: the
-    retention's heartbeat, recorded even when it deleted nothing)."""
+    """When each queue's latest audit row (of ``action``; ``purge``: the heartbeat) was."""
     q = sa.select(_A.c.queue, sa.func.max(_A.c.at))
     q = q if action is None else q.where(_A.c.action == action)
     with connect(engine) as conn:
@@ -244,8 +242,8 @@ def cancel_items(
         detail = asdict(result) | {"tenant": tenant, "enqueue_run": enqueue_run}
         if keys is not None:
             detail |= {"n_keys": len(keys), "keys": list(keys[:_AUDIT_KEYS])}
-        if result.cancelled or result.in_flight or known(conn, queue):  # a typo's: no row
-            record(conn, queue, "cancel", actor, now, reason, detail)
+        changed = bool(result.cancelled or result.in_flight)
+        record(conn, queue, "cancel", actor, now, reason, detail, changed=changed)
     logger.info(
         "items cancelled",
         extra={"action": "queue_cancel", "queue": queue, "actor": actor, **asdict(result)},
@@ -363,14 +361,13 @@ def update_row(conn: Connection, queue: str, values: dict[str, Any], now: float)
 
 
 def record(
-    conn: Connection,
-    queue: str,
-    action: str,
-    actor: str,
-    now: float,
-    reason: str | None,
-    detail: dict[str, Any],
-) -> None:
+    conn: Connection, queue: str, action: str, actor: str, now: float, reason: str | None,
+    detail: dict[str, Any], *, changed: bool = True,
+) -> None:  # fmt: skip
+    """The audit row of ``action``; of one that ``changed`` nothing, only for a known queue
+    (a typo's would make it one acted on, and a purge's row is the retention's heartbeat)."""
+    if not changed and not known(conn, queue):
+        return
     values = {"queue": queue, "action": action, "actor": actor, "at": now, "reason": reason}
     conn.execute(_A.insert().values(detail=json.dumps(detail, sort_keys=True), **values))
 

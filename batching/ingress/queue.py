@@ -1653,16 +1653,17 @@ class SqlQueue:
                 )
             )
             n = conn.execute(stmt).rowcount
-            if actor is not None and (
-                n or controls.known(conn, self.queue)
-            ):  # a typo's: no audit row
+            if actor is not None:
                 detail = {
                     "redriven": n,
                     "states": [s.name.lower() for s in states],
                     "tenant": tenant,
                     "enqueue_run": enqueue_run,
                 }
-                controls.record(conn, self.queue, "redrive", actor, self.clock(), reason, detail)
+                now = self.clock()
+                controls.record(
+                    conn, self.queue, "redrive", actor, now, reason, detail, changed=n > 0
+                )
         logger.info("items redriven", extra={"action": "redrive", "n_items": n})
         return n
 
@@ -1705,8 +1706,10 @@ class SqlQueue:
         if actor is not None:
             detail = {"purged": n, "older_than_s": older_than_s, "archived": archive}
             with self.begin() as conn:
-                if n or controls.known(conn, self.queue):
-                    controls.record(conn, self.queue, "purge", actor, self.clock(), reason, detail)
+                now = self.clock()
+                controls.record(
+                    conn, self.queue, "purge", actor, now, reason, detail, changed=n > 0
+                )
         logger.info("items purged", extra={"action": "purge", "n_items": n, "archived": archive})
         return n
 
@@ -1756,8 +1759,10 @@ class SqlQueue:
         if actor is not None:
             detail = {"ledger_rows": n, "horizon": retention.day(horizon)}
             with self.begin() as conn:
-                if n or controls.known(conn, self.queue):
-                    controls.record(conn, self.queue, "purge", actor, self.clock(), reason, detail)
+                now = self.clock()
+                controls.record(
+                    conn, self.queue, "purge", actor, now, reason, detail, changed=n > 0
+                )
         logger.info(
             "ledger rows purged",
             extra={"action": "purge_ledger", "n_batches": n, "horizon": retention.day(horizon)},
