@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from batching import errors, models
 from batching.api import door, requests, tokens, wakeup, writer
@@ -48,6 +49,8 @@ from batching.store import database
 logger = logging.getLogger(__name__)
 
 MAX_WAIT_S = 30.0
+BODY_STALL_S = 30.0
+"""The longest a request's body may pause between bytes before it is refused with 408."""
 """The longest long poll (``wait_s``)."""
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 INLINE_BYTES = 64 * 1024
@@ -200,7 +203,16 @@ def serve(app: FastAPI, sock: socket.socket) -> None:
     SIGTERM."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            # Past the longest long poll, the requests still in flight are cut: a client
+            # that stopped sending its body held a SIGTERM'd API open until it hung up.
+            timeout_graceful_shutdown=int(MAX_WAIT_S) + 5,
+        )
+    )
     # What is alive now (FastAPI, pydantic, SQLAlchemy; torch, where payloads are checked) is
     # frozen out of the cyclic GC for the server's life, as the scorer does for a run: each
     # collection of the oldest generation walked it all again, with the GIL held (40 ms of
@@ -439,6 +451,8 @@ def _routes(app: FastAPI, settings: Settings) -> None:
     async def get_item(
         request: Request, queue: Served, item_key: ItemKey, tenant: Tenant, wait_s: WaitS = 0.0
     ) -> JSONResponse:
+        # A file gone from its path: no answer from the unlinked one a pooled connection reads.
+        database.require_file_still_there(settings.results.engine)
         view = await _wait(settings, request.app.state.waiters, queue, item_key, tenant, wait_s)
         return ItemsResponse(view.doc())
 
@@ -480,11 +494,25 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     if declared.isdigit() and int(declared) > max_bytes:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_big
-        chunks.append(chunk)
+    loop = asyncio.get_running_loop()
+    try:
+        # A client that stops sending its body is cut after BODY_STALL_S without a byte:
+        # before, it held its connection (and a SIGTERM'd API) open for as long as it liked.
+        async with asyncio.timeout(BODY_STALL_S) as stall:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise too_big
+                chunks.append(chunk)
+                stall.reschedule(loop.time() + BODY_STALL_S)
+    except TimeoutError:
+        raise ApiError(
+            408, "RequestTimeout", f"no byte of the body for {BODY_STALL_S:g} s; send it whole"
+        ) from None
+    except ClientDisconnect:  # the client's doing, not a bug: nobody reads the answer
+        raise ApiError(
+            400, "ClientDisconnect", "the client left before its body was sent"
+        ) from None
     return b"".join(chunks)
 
 

@@ -7,7 +7,7 @@ never puts a token in a message or a log.
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batching import errors
 
@@ -20,7 +20,7 @@ MIN_TOKEN_CHARS = 16
 class Tokens:
     """Tokens and the tenant each is bound to; :meth:`tenant_of` is the only look-up."""
 
-    _pairs: tuple[tuple[bytes, str], ...]
+    _pairs: tuple[tuple[bytes, str], ...] = field(repr=False)  # a repr never shows a token
 
     def __len__(self) -> int:
         return len(self._pairs)

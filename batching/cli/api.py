@@ -5,6 +5,7 @@ environment: ``BATCHING_API_TOKENS`` (``TOKEN=TENANT`` pairs, comma-separated) o
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -230,6 +231,9 @@ def _serve_worker(serving: _Serving, sock: socket.socket, parent: int) -> None:
     from batching.cli import api_workers
 
     api_workers.die_with_parent(parent)
+    from batching.logs import configure_logging  # a spawned process: its log, as the parent's
+
+    configure_logging(logging.DEBUG if os.environ.get("BATCHING_DEBUG") else logging.WARNING)
     try:
         settings = _settings(serving)
     except errors.USAGE_ERRORS as exc:

@@ -454,11 +454,15 @@ class SqlQueue:
         tenant_of = {r.item_key: r.tenant for r in records}
         keys = sorted(set(duplicates))
         for at in range(0, len(keys), 500):  # within every database's bound-parameter limit
+            # Read whole before raising: a cursor left open by the raise (its rows held by
+            # the traceback) kept the API writer's SQLite connection on an old snapshot, and
+            # its every write after another process's commit failed "database is locked"
+            # (found by a review: one 409 of several keys, then every POST 503).
             rows = conn.execute(
                 sa.select(_T.c.item_key, _T.c.tenant).where(
                     _T.c.queue == self.queue, _T.c.item_key.in_(keys[at : at + 500])
                 )
-            )
+            ).all()
             for key, tenant in rows:
                 if tenant != tenant_of[key]:
                     raise errors.KeyTaken(key, self.queue)

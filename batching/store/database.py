@@ -104,7 +104,7 @@ def create_engine(url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
     try:
         if backend == "sqlite":
             engine = sa.create_engine(parsed, pool_size=4, max_overflow=8)
-            sqlite.configure(engine, sqlite_busy_timeout_ms)
+            sqlite.configure(engine, sqlite_busy_timeout_ms, file)
             return engine
         return sa.create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4)
     except (ImportError, exc.ArgumentError, TypeError, ValueError) as e:  # no driver, bad options

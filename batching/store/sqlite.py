@@ -18,6 +18,7 @@ import os
 import sqlite3
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -217,9 +218,10 @@ def _lock_for(engine: Engine, wait_s: float) -> _WriterLock:
         return lock
 
 
-def configure(engine: Engine, busy_timeout_ms: int) -> None:
+def configure(engine: Engine, busy_timeout_ms: int, file: Path | None = None) -> None:
     """Set up a SQLite engine: pragmas on connect, ``BEGIN IMMEDIATE`` or deferred on begin,
-    and the busy timeout as the longest wait for the writer lock file."""
+    the busy timeout as the longest wait for the writer lock file, and (``file``: the
+    database's path) a pooled connection to a file since replaced at that path given up."""
     _lock_for(engine, busy_timeout_ms / 1000)
 
     @event.listens_for(engine, "connect")
@@ -242,6 +244,41 @@ def configure(engine: Engine, busy_timeout_ms: int) -> None:
         # transactions begin deferred: a WAL snapshot that never waits for writers.
         read_only = conn.get_execution_options().get(READ_ONLY, False)
         conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+    if file is not None:  # after the pragmas: the connection has made its file by then
+        _follow_the_path(engine, file)
+
+
+def _follow_the_path(engine: Engine, file: Path) -> None:
+    """Connections use the file now at ``file``. An open connection keeps the file it opened,
+    so after a backup was restored there (or `batching init` made a new one) a long-lived
+    process (the API) acknowledged writes into the replaced file, lost with the process,
+    while readers read the new one (found by a review). Each connection records its file's
+    identity; one checked out from the pool after the path changed is replaced by a new
+    connection (SQLAlchemy retries a checkout that raises ``DisconnectionError``). A path
+    with no file is left to ``database.require_file_still_there``: a connection opened there
+    would create an empty database. A ``stat`` a checkout."""
+
+    @event.listens_for(engine, "connect")
+    def _remember(_dbapi_conn: Any, record: Any) -> None:
+        record.info[_FILE_ID] = _identity(file)
+
+    @event.listens_for(engine, "checkout")
+    def _check(_dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        now = _identity(file)
+        if now is not None and now != record.info.get(_FILE_ID):
+            raise sa.exc.DisconnectionError(f"the SQLite file {file} was replaced")
+
+
+_FILE_ID = "batching_file_id"
+
+
+def _identity(file: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(file)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _is_queue(cur: Any) -> bool:

@@ -832,6 +832,32 @@ def test_readyz_is_503_once_the_sqlite_file_is_gone(tmp_path: Path, sqlite_url: 
         assert assert_error(lost, 503, "QueueError") == message
 
 
+def test_a_restored_sqlite_file_is_the_one_written_after_it(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    """A backup restored over the file under a running API (as the 503 above asks): the
+    API's pooled connections kept the replaced file, a POST answered 201 went into it and
+    was lost, and a GET answered from the gone file's rows (found by a review)."""
+    import sqlite3
+
+    db = tmp_path / "queue.db"
+    for c in make_client(write_config(tmp_path, sqlite_url)):
+        assert c.post(ITEMS, json=item("before"), headers=A).status_code == 201
+        with sqlite3.connect(db) as src, sqlite3.connect(tmp_path / "backup.db") as dst:
+            src.backup(dst)
+        assert c.post(ITEMS, json=item("after-backup"), headers=A).status_code == 201
+        for name in ("queue.db", "queue.db-wal", "queue.db-shm"):
+            (tmp_path / name).unlink(missing_ok=True)
+        assert_error(c.get(f"{ITEMS}/before", headers=A), 503, "QueueError")  # not the old rows
+        (tmp_path / "backup.db").rename(db)  # the restore
+        assert c.get("/readyz").json() == {"ok": True}
+        assert c.post(ITEMS, json=item("restored"), headers=A).status_code == 201
+        assert c.get(f"{ITEMS}/after-backup", headers=A).status_code == 404  # not in the backup
+        with sqlite3.connect(db) as conn:
+            keys = {k for (k,) in conn.execute("SELECT item_key FROM batching_items")}
+        assert keys == {"before", "restored"}
+
+
 def test_a_key_with_a_slash_reads_back(client: TestClient) -> None:
     assert client.post(ITEMS, json=item("tenant/a/b"), headers=A).status_code == 201
     got = client.get(f"{ITEMS}/tenant%2Fa%2Fb?wait_s=0", headers=A)

@@ -568,6 +568,28 @@ def test_enqueue_each_refuses_a_group_holding_another_tenants_key_whole(
     assert rows == {"theirs": "B", "mine": "A", "new-2": "A"}
 
 
+def test_a_refused_group_of_several_keys_leaves_the_connection_fresh(
+    queue: q.SqlQueue, db_url: str
+) -> None:
+    """A group refused for another tenant's keys (several of them: the read found more rows
+    than it had looked at) must not leave its read open: the refusal, kept by the caller as
+    the API keeps it, held the cursor, the connection stayed on its old snapshot, and on
+    SQLite every write after another process's commit failed "database is locked"."""
+    keys = [f"k{i}" for i in range(5)]
+    queue.enqueue([rec(k, tenant="A") for k in keys])
+    out = queue.enqueue_each([[rec(k, tenant="B") for k in keys]])
+    assert isinstance(out[0], errors.KeyTaken)
+    other_process = database.create_engine(db_url)
+    try:
+        with other_process.begin() as conn:  # someone else commits meanwhile (a scorer)
+            conn.execute(sa.update(schema.items).values(priority=schema.items.c.priority))
+    finally:
+        other_process.dispose()
+    after = queue.enqueue_each([[rec("later", tenant="B")]])
+    assert after == [models.EnqueueResult(1, ())]
+    assert out[0].key == "k0"  # the refusal is still held here
+
+
 # ----------------------------------------------------------------------------- migration 17
 
 

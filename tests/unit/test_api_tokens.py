@@ -4,8 +4,10 @@ never holds a token."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,6 +26,57 @@ def test_tokens_parse_commas_and_lines_and_each_is_bound_to_its_tenant() -> None
     assert known.tenant_of("t" * 19) is None
     assert known.tenant_of(T1 + "x") is None
     assert known.tenant_of("") is None
+
+
+def test_a_repr_of_the_tokens_shows_none() -> None:
+    known = tokens.parse(f"{T1}=acme", "BATCHING_API_TOKENS")
+    assert T1 not in repr(known)
+    assert T1 not in str(known)
+
+
+def test_a_client_that_leaves_mid_body_is_its_own_400_not_a_bug() -> None:
+    """A client that hung up before its body was sent went to the "(a bug)" handler, with a
+    traceback in the log (found by a review)."""
+    from starlette.requests import ClientDisconnect
+
+    from batching.api import app
+
+    class Leaving:
+        def __init__(self) -> None:
+            self.headers = {"content-length": "1000"}
+
+        async def stream(self) -> Any:
+            yield b"x" * 11
+            raise ClientDisconnect()
+
+    with pytest.raises(app.ApiError) as info:
+        asyncio.run(app._read_body(Leaving(), 10_000))  # type: ignore[arg-type]
+    assert info.value.status == 400
+
+
+def test_a_body_that_stops_coming_is_refused_with_408(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that sent part of its body and then nothing held its connection open for
+    as long as it liked, and a SIGTERM'd API with it (found by a review)."""
+    from batching.api import app
+
+    monkeypatch.setattr(app, "BODY_STALL_S", 0.5)
+
+    class Slow:
+        def __init__(self, stall_s: float) -> None:
+            self.headers = {"content-length": "1000"}
+            self.stall_s = stall_s
+
+        async def stream(self) -> Any:
+            for _ in range(4):  # bytes keep coming, 0.8 s in all: each starts the wait again
+                await asyncio.sleep(0.2)
+                yield b"x"
+            await asyncio.sleep(self.stall_s)
+            yield b"y"
+
+    assert asyncio.run(app._read_body(Slow(0.0), 10_000)) == b"xxxxy"  # type: ignore[arg-type]
+    with pytest.raises(app.ApiError) as info:
+        asyncio.run(app._read_body(Slow(10.0), 10_000))  # type: ignore[arg-type]
+    assert (info.value.status, info.value.kind) == (408, "RequestTimeout")
 
 
 def test_a_base64_token_keeps_its_padding() -> None:
