@@ -41,6 +41,7 @@ QUEUE_TABLES = frozenset(
         "batching_items",
         "batching_items_archive",
         "batching_lineage_spool",
+        "batching_meta",
         "batching_model_versions",
         "batching_outbox",
         "batching_payloads",

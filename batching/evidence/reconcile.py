@@ -106,8 +106,9 @@ def gather(
 
     Raises:
         ConfigError: the sink refuses to judge (a Parquet root without any file while the
-            ledger has live batches, unless ``dataset_lost``).
+            ledger has live batches, unless ``dataset_lost``; another database's output).
     """
+    sink.check_owner()  # another database's output: its files are not this ledger's to judge
     scope = _Scope(queue.queue, sink.owns(), since, run_id, now)
     fresh_statistics(queue)
     # A scoped check lists only what its window (or run) can have written: listing and

@@ -135,10 +135,12 @@ def sweep(
 
     Raises:
         QueueError: the database failed. SinkError: the output could not be read or changed.
-        ConfigError: the sink refuses to judge (see ``dataset_lost``).
+        ConfigError: the sink refuses to judge (see ``dataset_lost``; another database's
+            output).
     """
     if page_size < 1 or item_page_size < 1:
         raise ValueError("page_size and item_page_size must be at least 1")
+    sink.check_owner()  # as reconcile: another database's output is not judged here
     name = rc.sweep_name(queue.queue, sink)
     rc.fresh_statistics(queue)
     state, carried = _start(queue, name, now, restart=restart)

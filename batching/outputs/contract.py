@@ -233,6 +233,11 @@ class Sink(Protocol):
         """Raise ``SinkError`` when the output cannot be written (checked before a run claims)."""
         ...
 
+    def check_owner(self) -> None:
+        """Raise ``ConfigError`` when the output is another database's (reconcile, before it
+        judges; a scorer's ``preflight`` records this database as a new output's owner)."""
+        ...
+
     def recover(self) -> outcomes.RecoverResult:
         """Finish what a crash interrupted: roll ``committed`` batches forward, clear staging."""
         ...
@@ -346,6 +351,9 @@ class FencedSink:
     def unpublished(self) -> str | None:
         """None: a commit publishes (a deferred publish mark is recorded later)."""
         return None
+
+    def check_owner(self) -> None:
+        """Nothing to check: a table's rows are keyed by queue and version."""
 
 
 @dataclass

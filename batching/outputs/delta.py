@@ -115,7 +115,23 @@ def _translated(what: str) -> Iterator[None]:
     except (DeltaError, OSError, pa.ArrowException) as exc:
         # object-store errors come as several lines with terminal colour codes ("\x1b[31m↳"),
         # and RUST_BACKTRACE adds a backtrace: one line, plain (found by reviews)
-        raise errors.SinkError(f"{what}: {redact_url(errors.native_text(exc))}") from exc
+        text = redact_url(errors.native_text(exc))
+        raise errors.SinkError(f"{what}: {text}{_log_fix(text)}") from exc
+
+
+def _log_fix(text: str) -> str:
+    """What to do about a damaged checkpoint (a walk-through truncated one and got the
+    reader's words alone), or nothing for other errors. A Parquet error of delta-rs's kernel
+    is the log's (its checkpoint); a data file's comes as an "External error" naming it."""
+    lower = text.lower()
+    kernel = lower.startswith("kernel error") and "parquet error" in lower
+    if "checkpoint" not in lower and not kernel:
+        return ""
+    return (
+        "; the table's checkpoint in _delta_log is damaged or missing: move the damaged "
+        "*.checkpoint.parquet and _delta_log/_last_checkpoint out of _delta_log (the JSON "
+        "commits rebuild the table), then `batching maintain -c CONFIG` writes a new one"
+    )
 
 
 _FILE_FIX = (
@@ -165,6 +181,7 @@ class DeltaSink(outbox.OutboxSink):
         """Create the table if it does not exist yet (once; two scorers at once: one wins)."""
         if self._created:
             return
+        self.check_owner()
         with _translated(f"cannot create the Delta table {self._shown}"):
             if _is_local(self.uri):
                 Path(self.uri).mkdir(parents=True, exist_ok=True)
@@ -177,6 +194,26 @@ class DeltaSink(outbox.OutboxSink):
                 storage_options=self.storage_options or None,
             )
         self._created = True
+
+    def check_owner(self) -> None:
+        """Refuse a local folder that holds files but no Delta table (a Parquet output's, say):
+        the table was created in it, and its files and the other output's mixed in the same
+        partition folders (found by a walk-through that changed only ``output.kind``).
+
+        Raises:
+            ConfigError: it is such a folder.
+        """
+        folder = Path(self.uri)
+        if not _is_local(self.uri) or not folder.is_dir() or (folder / "_delta_log").exists():
+            return  # a table, or one another scorer is creating now
+        with _translated(f"cannot list {self._shown}"):
+            other = next((p.name for p in folder.iterdir()), None)
+        if other is not None:
+            raise errors.ConfigError(
+                f"output {self._shown} is not a Delta table (no _delta_log) and is not empty "
+                f"(it holds {other}); give output.path an empty or new folder, or set "
+                "output.kind to what is there"
+            )
 
     def exists(self) -> bool:
         """Whether the table exists (it is created by the first write)."""

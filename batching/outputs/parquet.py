@@ -45,6 +45,7 @@ from batching.outputs.parquet_layout import (
     REWRITE,
     ParquetLayout,
     check_file,
+    check_owner,
     fsync_dir,
     parse_staging_name,
     rewrite_in_flight,
@@ -202,10 +203,12 @@ class ParquetSink(sinks.FencedSink):
     # -- life cycle ------------------------------------------------------------------------
 
     def preflight(self) -> None:
-        """Write and drop an unnamed file where this sink stages its files.
+        """Write and drop an unnamed file where this sink stages its files, and record this
+        database as the dataset's owner unless another one is.
 
         Raises:
             SinkError: the staging folder is not writable.
+            ConfigError: the dataset is another database's, or a Delta table.
         """
         self._ensure_folders()
         folder = self.layout.staging
@@ -216,6 +219,21 @@ class ParquetSink(sinks.FencedSink):
             raise errors.SinkError(
                 f"output location {folder} is not writable ({exc.strerror}); fix its permissions"
             ) from None
+        self._check_owner(claim=True)
+
+    def check_owner(self) -> None:
+        """Refuse a dataset another database's scorers write (``parquet_layout.OWNER_FILE``).
+
+        Raises:
+            ConfigError: it is another database's, or a Delta table.
+        """
+        if self.layout.root.is_dir():
+            self._check_owner(claim=False)
+
+    def _check_owner(self, *, claim: bool) -> None:
+        with self.fence.read() as conn:
+            mine = schema.database_id(conn)
+        check_owner(self.layout.root, mine, claim=claim)
 
     def recover(self) -> outcomes.RecoverResult:
         """Finish what a crash interrupted (call at scorer start-up).

@@ -5,6 +5,7 @@ Layout::
     <root>/date=YYYY-MM-DD/model_version=<v>/part-<batch_id>.parquet   committed, published
     <root>.staging/<batch_id>.<lease_id>.parquet.tmp                   written, not yet published
     <root>.quarantine/<relative path>                                  moved aside by reconcile
+    <root>/_batching_database.json                                     the database it answers to
 
 Staging and quarantine are siblings of the root: outside it, so no reader's
 ``root/**/*.parquet`` glob sees them (DuckDB's does not skip ``_`` or ``.`` folders), and on the
@@ -15,10 +16,12 @@ Hive partition columns: they live in the path, not in the file.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -267,3 +270,70 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# ----------------------------------------------------------------------------- its owner
+
+OWNER_FILE = "_batching_database.json"
+"""In the dataset root: the id of the queue database whose ledger the dataset's files answer
+to, written by the first scorer to use the root. A second database's scorer (another
+``batching.db``, a rollout walk-through's own database) writing into the same root mixed two
+ledgers' files: each database's reconcile took the other's files for orphans, and its
+``--repair`` set them aside (found by a walk-through); its start-up swept the other's staging
+files. Readers skip it: it is not ``*.parquet``, and pyarrow and Spark skip names that begin
+with ``_``."""
+
+
+def _owner_of(root: Path) -> str | None:
+    """The database id recorded in ``root``, or None (no file yet: an older release's dataset,
+    or nothing written)."""
+    path = root / OWNER_FILE
+    try:
+        found = json.loads(path.read_text(encoding="utf-8")).get("database_id")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as exc:
+        raise errors.SinkError(
+            f"cannot read {path} ({exc}); it names the database this dataset's files answer "
+            "to: restore it, or delete it if this database wrote every file here"
+        ) from None
+    return str(found) if found else None
+
+
+def check_owner(root: Path, database_id: str, *, claim: bool) -> None:
+    """Refuse ``root`` when another database owns it; with ``claim``, record ``database_id``
+    as its owner if none is (atomically: two scorers claiming at once, one wins).
+
+    Raises:
+        ConfigError: another database owns it, or it is a Delta table.
+        SinkError: the owner file cannot be read or written.
+    """
+    if (root / "_delta_log").is_dir():
+        raise errors.ConfigError(
+            f"output {root} is a Delta table (it has _delta_log); a Parquet output needs a "
+            "folder of its own: set output.kind: delta, or another output.path"
+        )
+    owner = _owner_of(root)
+    if owner is None and claim:
+        tmp = root / f".{OWNER_FILE}.{uuid.uuid4().hex}.tmp"
+        note = {
+            "database_id": database_id,
+            "about": "the batching database this dataset's files answer to",
+        }
+        with sinks.translate_errors(f"cannot record the owner of {root}"):
+            tmp.write_text(json.dumps(note) + "\n", encoding="utf-8")
+            try:
+                os.link(tmp, root / OWNER_FILE)  # fails when another claim got there first
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink(missing_ok=True)
+            fsync_dir(root)
+        owner = _owner_of(root)
+    if owner is not None and owner != database_id:
+        raise errors.ConfigError(
+            f"output {root} holds the outputs of another queue database (its {OWNER_FILE} "
+            f"names {owner}; this database is {database_id}): two databases' ledgers cannot "
+            "share one dataset. Give this config an output.path of its own (or --output); "
+            f"if the other database is gone for good, move its files aside first"
+        )

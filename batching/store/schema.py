@@ -14,6 +14,7 @@ is written against the tables as declared here, and ``migrate`` applies them in 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -352,6 +353,17 @@ sweeps = sa.Table(
 """Where a full reconcile sweep of one output is (migration 12): a sweep stopped part way
 resumes after its cursor."""
 
+meta = sa.Table(
+    "batching_meta",
+    metadata,
+    sa.Column("name", sa.String(100), primary_key=True),
+    sa.Column("value", sa.Text, nullable=False),
+)
+"""Facts about the database itself (migration 20): ``database_id``, drawn when the database
+was made (or upgraded to 20), which a Parquet dataset records as the database its files
+answer to (``parquet_layout.OWNER_FILE``)."""
+DATABASE_ID = "database_id"
+
 queue_controls = sa.Table(
     "batching_queue_controls",
     metadata,
@@ -671,6 +683,18 @@ def _v19(conn: Connection) -> None:
     _add_column(conn, queue_controls.name, "ledger_horizon", "FLOAT")
 
 
+def _v20(conn: Connection) -> None:
+    meta.create(conn, checkfirst=True)
+    held = sa.select(meta.c.value).where(meta.c.name == DATABASE_ID)
+    if conn.execute(held).first() is None:  # drawn once: a database keeps its id
+        conn.execute(meta.insert().values(name=DATABASE_ID, value=str(uuid.uuid4())))
+
+
+def database_id(conn: Connection) -> str:
+    """This database's id (migration 20; the schema is current where this is called)."""
+    return str(conn.execute(sa.select(meta.c.value).where(meta.c.name == DATABASE_ID)).scalar())
+
+
 def _add_column(conn: Connection, table: str, column: str, sql_type: str) -> None:
     if column not in {c["name"] for c in sa.inspect(conn).get_columns(table)}:
         conn.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}"))
@@ -705,6 +729,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         _v18,
     ),
     Migration(19, "queues record the ledger's retention horizon", _v19),
+    Migration(20, "the database's own id, which an output dataset records as its owner", _v20),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -118,3 +118,88 @@ def test_a_second_queue_database_writing_the_same_warehouse_table_is_refused(
         runs = conn.execute(sa.text("SELECT DISTINCT run_id FROM results_wh")).scalars().all()
     engine.dispose()
     assert len(runs) == 1  # the first deployment's rows, untouched
+
+
+def test_a_second_queue_database_writing_the_same_parquet_dataset_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Two queue databases, one Parquet root (a walk-through's second database kept the
+    shipped output.path): each one's reconcile took the other's files for orphans and its
+    --repair set them aside. The first scorer records its database as the dataset's owner;
+    the second database's scorer and reconcile are refused before they touch anything."""
+    root = tmp_path / "scores"
+    config = make_config(tmp_path, {"kind": "parquet", "path": str(root)})
+    first, second = (f"sqlite:///{tmp_path / name}" for name in ("a.db", "b.db"))
+    for url in (first, second):
+        enqueue(url, config, 20)
+    wiring.run_score(config, db_url=first, limits=RunLimits())
+    files = sorted(root.rglob("*.parquet"))
+    assert files
+    assert json.loads((root / "_batching_database.json").read_text())["database_id"]
+    with pytest.raises(errors.ConfigError, match=r"holds the outputs of another queue database"):
+        wiring.run_score(config, db_url=second, limits=RunLimits())
+    assert states(second) == {int(models.State.READY): 20}
+    for url, refused in ((second, True), (first, False)):
+        queue = build.open_queue(config, url)
+        sink = build.open_sink(queue, build.resolve(config, url, None), read_only=True)
+        try:
+            if refused:
+                with pytest.raises(errors.ConfigError, match=r"output\.path of its own"):
+                    rc.reconcile(queue, sink, now=queue.clock(), repair=True)
+            else:
+                assert rc.reconcile(queue, sink, now=queue.clock()).clean
+        finally:
+            queue.engine.dispose()
+    assert sorted(root.rglob("*.parquet")) == files  # nothing set aside
+    # An output of its own: the second database scores.
+    own = make_config(tmp_path, {"kind": "parquet", "path": str(tmp_path / "scores-b")})
+    wiring.run_score(own, db_url=second, limits=RunLimits())
+    assert states(second) == {int(models.State.DONE): 20}
+
+
+def test_parquet_and_delta_outputs_refuse_each_others_folders(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """An output.kind changed and output.path kept: each sink wrote its files into the
+    other's partition folders (found by a walk-through)."""
+    parquet_root, delta_root = tmp_path / "pq", tmp_path / "dl"
+    as_parquet = make_config(tmp_path, {"kind": "parquet", "path": str(parquet_root)})
+    as_delta = make_config(tmp_path, {"kind": "delta", "path": str(delta_root)})
+    enqueue(sqlite_url, as_parquet, 40)
+    wiring.run_score(as_parquet, db_url=sqlite_url, limits=RunLimits(max_items=10))
+    wiring.run_score(as_delta, db_url=sqlite_url, limits=RunLimits(max_items=10))
+    before = {root: sorted(root.rglob("*")) for root in (parquet_root, delta_root)}
+    into_parquet = make_config(tmp_path, {"kind": "delta", "path": str(parquet_root)})
+    with pytest.raises(errors.ConfigError, match=r"is not a Delta table .* not empty"):
+        wiring.run_score(into_parquet, db_url=sqlite_url, limits=RunLimits())
+    into_delta = make_config(tmp_path, {"kind": "parquet", "path": str(delta_root)})
+    with pytest.raises(errors.ConfigError, match=r"is a Delta table"):
+        wiring.run_score(into_delta, db_url=sqlite_url, limits=RunLimits())
+    assert before == {root: sorted(root.rglob("*")) for root in (parquet_root, delta_root)}
+    assert states(sqlite_url)[int(models.State.READY)] == 20
+
+
+def test_a_damaged_delta_checkpoint_is_named_with_its_fix(sqlite_url: str, tmp_path: Path) -> None:
+    """A truncated checkpoint gave reconcile the reader's words alone ("Corrupt footer"), and
+    with it moved out, "a _last_checkpoint hint" (found by a walk-through). The message now
+    says what to move; doing so, the table reads again from its JSON commits."""
+    table = tmp_path / "dl"
+    config = make_config(tmp_path, {"kind": "delta", "path": str(table)})
+    enqueue(sqlite_url, config, 20)
+    wiring.run_score(config, db_url=sqlite_url, limits=RunLimits())
+    queue = build.open_queue(config, sqlite_url)
+    try:
+        sink = build.open_sink(queue, build.resolve(config, sqlite_url, None))
+        sink.maintain()
+        (checkpoint,) = (table / "_delta_log").glob("*.checkpoint.parquet")
+        with checkpoint.open("r+b") as f:
+            f.truncate(100)
+        with pytest.raises(errors.SinkError, match=r"checkpoint in _delta_log is damaged"):
+            rc.reconcile(queue, sink, now=queue.clock())
+        aside = tmp_path / "aside"
+        aside.mkdir()
+        for moved in (checkpoint, table / "_delta_log" / "_last_checkpoint"):
+            moved.rename(aside / moved.name)
+        assert rc.reconcile(queue, sink, now=queue.clock()).clean
+    finally:
+        queue.engine.dispose()

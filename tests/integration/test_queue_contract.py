@@ -776,6 +776,22 @@ def test_migration_12_adds_the_lineage_spool_and_sweep_cursors(queue: q.SqlQueue
     assert queue.migrate().applied is False
 
 
+def test_migration_20_gives_the_database_an_id_that_stays(queue: q.SqlQueue) -> None:
+    """The id a Parquet dataset records as its owner: drawn once, by a new database or the
+    upgrade, kept by every later ``migrate``; another database draws its own."""
+    with queue.engine.connect() as conn:
+        made = schema.database_id(conn)
+    rewind(queue, 20, "DROP TABLE batching_meta")
+    assert queue.migrate().to_version == schema.SCHEMA_VERSION
+    with queue.engine.connect() as conn:
+        upgraded = schema.database_id(conn)
+    assert queue.migrate().applied is False
+    with queue.engine.connect() as conn:
+        assert schema.database_id(conn) == upgraded
+    assert len({made, upgraded}) == 2
+    assert all(len(i) == 36 for i in (made, upgraded))
+
+
 @pytest.mark.parametrize("columns", [False, True], ids=["item-lease", "range-lease"])
 def test_a_claim_with_nothing_to_do_takes_no_write_lock_and_skips_nothing(
     queue: q.SqlQueue, clock: FakeClock, columns: bool
