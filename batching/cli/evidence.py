@@ -25,6 +25,7 @@ from batching.cli.common import (
     out,
     parse_duration,
     plain,
+    warn_unknown_queue,
 )
 
 if TYPE_CHECKING:
@@ -252,6 +253,7 @@ def reconcile(
     if full:
         try:
             queue.check_schema()
+            warn_unknown_queue(queue)  # a typo would sweep nothing and say clean
             sink = build.open_sink(queue, res, read_only=True)
             swept = full_sweep.run(
                 queue,
@@ -271,6 +273,8 @@ def reconcile(
         queue.check_schema()
         if run is not None:
             _check_run(queue, run, res.db_url)
+        else:
+            warn_unknown_queue(queue)  # a typo would judge nothing and say clean
         check = functools.partial(
             rc.reconcile,
             queue,

@@ -355,6 +355,11 @@ def replay(
     from batching.compose import replay as replays
 
     cfg = load(config)
+    if dataset is not None and "://" not in dataset and not Path(dataset).expanduser().exists():
+        raise errors.InputError(
+            f"--dataset {dataset}: no such folder; give the folder the run was given as "
+            "`score --output`, or leave --dataset out for the config's output"
+        )
     folder = output if output is not None else Path("replays")
     report = replays.replay(
         cfg, db, run_id, output=folder.resolve(), model_version=model_version, dataset=dataset

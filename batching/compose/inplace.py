@@ -343,15 +343,20 @@ def refuse_changed(conn: sa.Connection, queue: str, found: shards.Plan) -> None:
     for shard in found.shards:
         rel, digest, cut = _parts(shard.key)
         planned.setdefault((rel, digest), set()).add(cut)
+    planned_names = {rel for rel, _ in planned}
     for (rel, digest), groups in sorted(planned.items()):
         path = found.root / rel
         if rel in digests and digests[rel] != digest:
             raise errors.InputError(
-                f"{path}: changed since its shards were queued (sha256 {digests[rel]}... "
-                f"then, {digest}... now); write changed data under a new file name, or score "
-                "it into another queue"
+                f"{path}: the queue holds shards of {rel!r} with other contents (sha256 "
+                f"{digests[rel]}... then, {digest}... now): the file changed since, or this "
+                "is another dataset with a file of that name; write changed data under a new "
+                "file name, or score another dataset into another queue"
             )
-        if digest in names and rel not in names[digest]:
+        # The same bytes under another name: the input given through another folder, unless
+        # the name it is queued under is in this input too (an identical copy beside it,
+        # which a first run takes as two files: a later one must as well).
+        if digest in names and rel not in names[digest] and not names[digest] & planned_names:
             raise errors.InputError(
                 f"{path}: the same file (sha256 {digest}...) is queued as "
                 f"{', '.join(map(repr, sorted(names[digest])))}; "

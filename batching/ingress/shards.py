@@ -241,7 +241,8 @@ def _delta_files(table: Path) -> tuple[list[Path], str]:
     if "deletionVectors" in features:
         raise errors.InputError(
             f"{table}: the table may use deletion vectors (rows deleted without rewriting "
-            "their files); run OPTIMIZE/PURGE to rewrite them, or score a copy"
+            "their files), which in-place scoring does not read; score a copy written "
+            "without them (e.g. its rows read and written to a new table)"
         )
     files = sorted(Path(urllib.parse.unquote(u.removeprefix("file://"))) for u in uris)  # %-encoded
     if not files:

@@ -1155,6 +1155,12 @@ def test_a_queue_without_items_names_the_queues_there(tmp_path: Path) -> None:
         assert "queue 'tabluar' has no items; queues in this database: tabular" in r.err
     r = batching("redrive", "--db", DB, "-q", "tabular", cwd=tmp_path)
     assert "warning" not in r.err, "a real queue with nothing to redrive is not a typo"
+    # reconcile of a config whose queue.name is a typo: it judged nothing and said clean
+    shipped = (REPO / "deployments" / "tabular.yaml").read_text()
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(shipped.replace("  name: tabular\n", "  name: tabluar\n", 1))
+    r = batching("reconcile", "-c", str(typo), "--db", DB, "--output", "out", cwd=tmp_path)
+    assert "queue 'tabluar' has no items; queues in this database: tabular" in r.err
     # A queue with a control or an audit row and no item (capped first, or purged empty) is
     # no typo, and is among the queues a typo's warning names.
     cap = ("queue", "cap", "capped", "--max-depth", "5", "--new", "--db", DB)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -219,7 +220,7 @@ def test_a_changed_file_is_refused_not_half_scored(sqlite_url: str, tmp_path: Pa
     assert len(dead) == 2
     assert all("changed since it was planned" in r.last_error for r in dead)
     assert outcome.summary["items_failed"] == 400  # the refused rows are said, not hidden
-    with pytest.raises(errors.InputError, match=r"part-1\.parquet: changed since its shards"):
+    with pytest.raises(errors.InputError, match=r"part-1\.parquet: the queue holds shards of "):
         inplace.enqueue_shards(c, sqlite_url, tmp_path / "in", rows_per_shard=200)
 
 
@@ -247,6 +248,24 @@ def test_rows_already_queued_in_other_shards_are_refused_not_scored_twice(
     )
     assert outcome.summary["items_committed"] == 400
     assert once_each(outputs(tmp_path / "out")) == 400
+
+
+def test_an_identical_copy_added_to_the_folder_later_is_a_file_of_its_own(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """A byte-identical file added beside one already queued (an unchanged daily export) was
+    refused as "the same file queued as" the first, and so was every later run of the
+    folder, while both present from the first run were taken: the order of arrival decided."""
+    c = config(tmp_path)
+    migrate(sqlite_url, c)
+    folder = tmp_path / "in"
+    write_dataset(folder, files=1, rows=200, group=100)
+    inplace.enqueue_shards(c, sqlite_url, folder, rows_per_shard=100)
+    shutil.copy2(folder / "part-0.parquet", folder / "copy.parquet")
+    _, queued = inplace.enqueue_shards(c, sqlite_url, folder, rows_per_shard=100)
+    assert (queued.inserted, len(queued.duplicates)) == (2, 2)
+    _, again = inplace.enqueue_shards(c, sqlite_url, folder, rows_per_shard=100)
+    assert (again.inserted, len(again.duplicates)) == (0, 4)
 
 
 def test_a_row_the_model_refuses_fails_alone(sqlite_url: str, tmp_path: Path) -> None:

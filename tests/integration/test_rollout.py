@@ -1080,3 +1080,15 @@ def test_migration_15_gives_the_items_already_queued_their_route_bucket(
     queue.engine.dispose()
     assert rows
     assert all(b == bucket(k) for k, b in rows)
+
+
+def test_the_plan_check_warns_of_a_candidate_whose_fit_it_could_not_check(
+    tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    """A factory that raises cannot be built without weights, so its checkpoint's fit is not
+    checked: the check passed it without a word (found by a walk-through); the scorer then
+    failed every item routed to it."""
+    broken = make_config(tmp_path, ckpt, candidate="build_unbuildable")
+    (said,) = [w for w in checks.check_config(broken).warnings if "could not be built" in w]
+    assert "version 'v2'" in said
+    assert not [w for w in checks.check_config(make_config(tmp_path, ckpt)).warnings if "v2" in w]

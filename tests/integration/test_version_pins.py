@@ -78,6 +78,12 @@ def test_a_version_that_committed_outputs_keeps_its_identity(
 
     (found,) = relabelled(bf16, db_url)  # the same, at plan time
     assert "'v1'" in found
+
+    # A factory name mistyped under that version is that mistake, not a changed identity
+    # (the run pinned before it loaded, and sent the user to rename the version).
+    typo = configured(tmp_path, ckpt, name="tests.integration.test_rollout:nothere")
+    with pytest.raises(errors.ConfigError, match=r"cannot be imported"):
+        wiring.run_score(typo, db_url=db_url, limits=RunLimits())
     assert relabelled(fp32, db_url) == []
 
     renamed = configured(tmp_path, ckpt, dtype="bfloat16", version="v1-bf16")  # the fix
