@@ -832,6 +832,8 @@ def _format_validation(source: str, exc: ValidationError) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "model_type" and err.get("input") is None:  # "queue:" and nothing
             msg = "an empty section; give its settings or remove it"
+        elif err["type"] == "model_type":  # "model: w2-text": not a class name, the fix
+            msg = f"a section of settings, not {err.get('input')!r}; indent its settings under it"
         parts.append(f"{loc}: {msg}")
     parts += [_unknown_settings(section, names) for section, names in unknown.items()]
     return f"{source}: " + "; ".join(parts)

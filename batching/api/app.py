@@ -48,9 +48,9 @@ from batching.store import database
 
 logger = logging.getLogger(__name__)
 
-MAX_WAIT_S = 30.0
 BODY_STALL_S = 30.0
 """The longest a request's body may pause between bytes before it is refused with 408."""
+MAX_WAIT_S = 30.0
 """The longest long poll (``wait_s``)."""
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 INLINE_BYTES = 64 * 1024
@@ -441,6 +441,7 @@ def _routes(app: FastAPI, settings: Settings) -> None:
         responses={404: {"description": _NOT_SERVED}, **_ERRORS},
     )
     def get_queue(queue: Served, tenant: Tenant) -> dict[str, Any]:
+        database.require_file_still_there(settings.results.engine)  # as an item's GET
         return settings.results.stats(queue, tenant)
 
     @app.get(

@@ -49,8 +49,10 @@ QUICK_S = 10.0
 MAX_QUICK = 3
 MAX_BACKOFF_S = 30.0
 """The longest pause before a worker that keeps dying at its start is started again."""
-GRACE_S = 30.0
-"""How long a worker has to finish its requests after SIGTERM before it is killed."""
+GRACE_S = 40.0
+"""How long a worker has to finish its requests after SIGTERM before it is killed: past its
+own uvicorn's 35 s (``batching.api.app.serve``: the longest long poll, 30 s, and then some),
+so a poll begun just before the signal is answered, not killed at its end."""
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 """Where ``prometheus_client`` keeps a process's series in multiprocess mode (read at import)."""
 SUMMED_ENV = "BATCHING_API_METRICS_DIR"

@@ -349,11 +349,12 @@ def warn_unknown_tenant(q: Any, tenant: str | None, states: tuple[str, ...]) -> 
         )
 
 
-def warn_unknown_queue(q: Any, *, controls_too: bool = False, refuse: str | None = None) -> None:
-    """Warn that ``q``'s queue has no items, naming the queues there: a mistyped ``-q`` would
-    otherwise look like an idle queue (zeros, exit 0). A queue with a control or an audit row
-    (emptied by a purge) is known. ``controls_too`` (a pause, a cap): known by its items or
-    control only, as an audit row alone (a typo's cancel) must not let a typo be paused."""
+def warn_unknown_queue(
+    q: Any, *, controls_too: bool = False, refuse: str | None = None
+) -> str | None:
+    """Warn (and return the warning) that ``q``'s queue has no items, naming the queues there:
+    a typo looked like an idle queue. A queue with a control or an audit row (purged) is known;
+    ``controls_too`` (pause, cap): by items or control only (a typo's audit row: not paused)."""
     from batching.ingress import controls
 
     names = set(q.queue_names()) | set(controls.states(q.engine))
@@ -369,6 +370,8 @@ def warn_unknown_queue(q: Any, *, controls_too: bool = False, refuse: str | None
                 f"{said}; nothing changed: to control a queue before its first item, add {refuse}"
             )
         err.print(f"warning: {said}", highlight=False)
+        return said
+    return None
 
 
 def parse_duration(text: str, name: str) -> float:

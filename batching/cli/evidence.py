@@ -253,7 +253,7 @@ def reconcile(
     if full:
         try:
             queue.check_schema()
-            warn_unknown_queue(queue)  # a typo would sweep nothing and say clean
+            unknown = warn_unknown_queue(queue)  # a typo would sweep nothing and say clean
             sink = build.open_sink(queue, res, read_only=True)
             swept = full_sweep.run(
                 queue,
@@ -267,14 +267,15 @@ def reconcile(
             )
         finally:
             queue.engine.dispose()
-        findings_view.show(swept, None, as_json=as_json)
+        findings_view.show(swept, None, as_json=as_json, unknown_queue=unknown)
         return
     try:
         queue.check_schema()
+        unknown = None
         if run is not None:
             _check_run(queue, run, res.db_url)
         else:
-            warn_unknown_queue(queue)  # a typo would judge nothing and say clean
+            unknown = warn_unknown_queue(queue)  # a typo would judge nothing and say clean
         check = functools.partial(
             rc.reconcile,
             queue,
@@ -288,7 +289,7 @@ def reconcile(
         after = check(now=time.time(), repair=False) if repair else None
     finally:
         queue.engine.dispose()
-    findings_view.show(report, after, as_json=as_json)
+    findings_view.show(report, after, as_json=as_json, unknown_queue=unknown)
 
 
 def _check_run(queue: Any, run: str, db_url: str) -> None:

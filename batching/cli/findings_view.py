@@ -23,13 +23,20 @@ _NOT_REPAIRED = frozenset({"sla_miss", "other_dataset", "unsafe_path"})
 _SHOW_KEYS = 5
 
 
-def show(report: Report, after: Report | None, *, as_json: bool) -> None:
+def show(
+    report: Report, after: Report | None, *, as_json: bool, unknown_queue: str | None = None
+) -> None:
     """Print a report (and what a repair left); exit 1 unless clean. The queue's items not
     done (``Report.not_done``) are said beside the verdict: a "clean" with a dead scorer's
-    shard still leased read as the whole dataset scored."""
+    shard still leased read as the whole dataset scored. ``unknown_queue``: the warning that
+    the queue has no items here (a typo's "clean" judged nothing), kept in the JSON too."""
     if as_json:
         doc = report.to_dict() | ({"after_repair": after.to_dict()} if after else {})
+        doc |= {"unknown_queue": unknown_queue} if unknown_queue else {}
         sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    elif unknown_queue:
+        print_report(report)
+        out.print(f"judged nothing: {unknown_queue}", highlight=False)
     else:
         print_report(report)
         if after is not None:

@@ -46,7 +46,8 @@ def check_config(config: cfg.PipelineConfig, db_url: str | None = None) -> polic
         except (errors.ConfigError, errors.CheckpointError) as exc:
             if version == config.model.version:
                 raise
-            raise type(exc)(f"model_versions {version!r}: {exc}") from None
+            said = str(exc).replace("model.checkpoint", "its checkpoint")  # not `model`'s
+            raise type(exc)(f"model_versions {version!r}: {said}") from None
         own_profile = config.resolve(spec.service_profile)
         if own_profile is not None and not own_profile.is_file():
             raise errors.ConfigError(

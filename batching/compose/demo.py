@@ -79,7 +79,8 @@ def run_demo(
             f"enqueued {result.inserted} request(s) from {file} into queue {cfg.queue.name!r} ({len(result.duplicates)} already there)"
         )
         queue.engine.dispose()
-        target = workdir / "outputs" / cfg.queue.name
+        # A Delta demo after a Parquet one in the same --dir writes beside it, not into it.
+        target = workdir / "outputs" / (cfg.queue.name + ("" if sink == "parquet" else f"-{sink}"))
         where = "batching_results" if sink == "sql" else str(target)
         # Text: a spinner reads a str as markup whatever the console says
         with out.status(Text(f"scoring queue {cfg.queue.name!r} with {cfg.model.name}")):

@@ -193,13 +193,16 @@ def run_score(
         database.bound_idle_transactions(queue.engine)  # a frozen scorer's locks: 60 s at most
         queue.check_schema()
         emitter.spool = build.make_spool(queue.engine, emitter.config)  # a database that works
-        from batching.model.runner import TorchRunner  # torch: only what scores loads it
+        from batching.model import zoo  # torch: only what scores loads it
+        from batching.model.runner import TorchRunner
 
-        # Loaded before its version is pinned: a factory that cannot be imported is that
-        # error, not a changed identity of a version with outputs (found by a walk-through).
-        runner = TorchRunner.load(config.model, base_dir=config.base_dir)
+        # A factory that cannot be imported is that error, not a changed identity of a
+        # version with outputs (found by a walk-through); a changed identity is refused
+        # before a load that may take minutes.
+        zoo.require_importable(config.model.name)
         pin_version = _version_pinner(queue, run_id)
         pin_version(config.model)  # a version name is a promise about its outputs
+        runner = TorchRunner.load(config.model, base_dir=config.base_dir)
         runner.warmup()
         sink = build.open_sink(queue, res, scorer=True)
         sink.preflight()  # an output that cannot be written fails the run before it claims

@@ -409,13 +409,22 @@ def shape_of(name: str) -> ModelInfo | None:
     Raises:
         ConfigError: ``name`` is neither built in nor an importable factory.
     """
-    if name not in BUILTINS:
-        _factory(name)
+    require_importable(name)
     try:
         with torch.device("meta"):
             return build(name)[1]
     except Exception:
         return None
+
+
+def require_importable(name: str) -> None:
+    """Import ``name``'s factory (a model not built in), without building it.
+
+    Raises:
+        ConfigError: it cannot be imported.
+    """
+    if name not in BUILTINS:
+        _factory(name)
 
 
 def check_fits(name: str, state: dict[str, torch.Tensor], path: Path) -> bool:

@@ -42,6 +42,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -59,7 +60,7 @@ from batching import errors, facts, models, naming, ports
 from batching.outputs import contract as sinks
 from batching.outputs import ledger, outbox
 from batching.redaction import redact_url
-from batching.store import retention
+from batching.store import retention, schema
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,11 @@ _FILE_FIX = (
 )
 
 
+OWNER_NOTE = "batching: the outputs of queue database {}"
+"""A batching Delta table's description: the database its rows answer to (schema 20)."""
+_OWNER = re.compile(r"batching: the outputs of queue database [0-9a-f-]{36}")
+
+
 def sql_literal(value: str) -> str:
     """``value`` as a SQL string literal for a delta-rs predicate."""
     return "'" + value.replace("'", "''") + "'"
@@ -181,7 +187,8 @@ class DeltaSink(outbox.OutboxSink):
         """Create the table if it does not exist yet (once; two scorers at once: one wins)."""
         if self._created:
             return
-        self.check_owner()
+        self._refuse_a_folder_of_files()
+        note = self._owner_note()
         with _translated(f"cannot create the Delta table {self._shown}"):
             if _is_local(self.uri):
                 Path(self.uri).mkdir(parents=True, exist_ok=True)
@@ -190,19 +197,52 @@ class DeltaSink(outbox.OutboxSink):
                 SCHEMA,
                 mode="ignore",
                 partition_by=PARTITIONS,
+                description=note,
                 configuration={"delta.setTransactionRetentionDuration": TXN_RETENTION},
                 storage_options=self.storage_options or None,
             )
         self._created = True
 
     def check_owner(self) -> None:
-        """Refuse a local folder that holds files but no Delta table (a Parquet output's, say):
-        the table was created in it, and its files and the other output's mixed in the same
-        partition folders (found by a walk-through that changed only ``output.kind``).
+        """Refuse a table another queue database writes (its description names it: two
+        databases' reconciles each took the other's rows for orphans, and their repairs
+        deleted them all; found by a review), and a local folder that holds files but no
+        Delta table (a Parquet output's: the table was created in it, and both outputs'
+        files mixed in the same partition folders; found by a walk-through).
 
         Raises:
-            ConfigError: it is such a folder.
+            ConfigError: either.
         """
+        self._refuse_a_folder_of_files()
+        if self.exists():
+            self._refuse_foreign(self.table())
+
+    def _owner_note(self) -> str:
+        with self.fence.read() as conn:
+            return OWNER_NOTE.format(schema.database_id(conn))
+
+    def _refuse_foreign(self, table: DeltaTable, *, claim: bool = False) -> None:
+        """Refuse ``table`` when its description names another database; with ``claim``,
+        describe a table with no description as this database's (an older release's table:
+        one commit), then read it again (of two claims at once, the last one's stands, and
+        the other is refused)."""
+        mine = self._owner_note()
+        with _translated(f"cannot read the Delta table {self._shown}"):
+            said = table.metadata().description or ""
+        if not said and claim:
+            with _translated(f"cannot describe the Delta table {self._shown}"):
+                table.alter.set_table_description(mine)
+            said = self.table().metadata().description or ""
+        owner = _OWNER.search(said)
+        if owner is not None and owner.group(0) != mine:
+            raise errors.ConfigError(
+                f"output {self._shown} holds the outputs of another queue database (its "
+                f"description: {said!r}; this database's: {mine!r}): two databases' ledgers "
+                "cannot share one table. Give this config an output.path of its own (or "
+                "--output); if the other database is gone for good, move the table aside"
+            )
+
+    def _refuse_a_folder_of_files(self) -> None:
         folder = Path(self.uri)
         if not _is_local(self.uri) or not folder.is_dir() or (folder / "_delta_log").exists():
             return  # a table, or one another scorer is creating now
@@ -291,10 +331,12 @@ class DeltaSink(outbox.OutboxSink):
     # -- life cycle ------------------------------------------------------------------------
 
     def preflight(self) -> None:
-        """The table opens, and a local one's folder takes a file.
+        """The table opens, is a batching output of this queue database (a table of an older
+        release is described as this database's), and a local one's folder takes a file.
 
         Raises:
-            SinkError: it does not.
+            SinkError: it does not open, is not a batching output, or takes no file.
+            ConfigError: it is another queue database's.
         """
         self._ensure_table()
         table = self.table()
@@ -308,6 +350,7 @@ class DeltaSink(outbox.OutboxSink):
                 f"{partitions or 'nothing'}{', without ' + ', '.join(lacking) if lacking else ''}"
                 "): give output.path a table of its own"
             )
+        self._refuse_foreign(table, claim=True)
         if _is_local(self.uri):
             try:
                 with tempfile.TemporaryFile(dir=self.uri):

@@ -210,6 +210,8 @@ class ParquetSink(sinks.FencedSink):
             SinkError: the staging folder is not writable.
             ConfigError: the dataset is another database's, or a Delta table.
         """
+        if self.layout.root.is_dir():  # another's, or a Delta table: refused before a mkdir
+            self._check_owner(claim=False)
         self._ensure_folders()
         folder = self.layout.staging
         try:

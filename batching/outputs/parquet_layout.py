@@ -15,6 +15,8 @@ Hive partition columns: they live in the path, not in the file.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -286,18 +288,67 @@ with ``_``."""
 
 def _owner_of(root: Path) -> str | None:
     """The database id recorded in ``root``, or None (no file yet: an older release's dataset,
-    or nothing written)."""
+    or nothing written).
+
+    Raises:
+        SinkError: the file is there and cannot be read, or names no database.
+    """
     path = root / OWNER_FILE
     try:
-        found = json.loads(path.read_text(encoding="utf-8")).get("database_id")
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, AttributeError) as exc:
+    except PermissionError as exc:
         raise errors.SinkError(
-            f"cannot read {path} ({exc}); it names the database this dataset's files answer "
-            "to: restore it, or delete it if this database wrote every file here"
+            f"cannot read {path} ({exc.strerror}); give this user read access to the dataset"
         ) from None
-    return str(found) if found else None
+    except OSError as exc:
+        raise errors.SinkError(f"cannot read {path} ({exc.strerror or exc})") from None
+    try:
+        found = json.loads(text).get("database_id")
+    except (ValueError, AttributeError):
+        found = None
+    if not found:  # an empty file would otherwise stop every claim, and refuse nobody
+        raise errors.SinkError(
+            f"{path} names no database (damaged); it records which database this dataset's "
+            "files answer to: delete it, and the next scorer records its own"
+        )
+    return str(found)
+
+
+def _claim(root: Path, database_id: str) -> None:
+    """Write ``root``'s owner file unless one is there: written whole and fsynced, then
+    linked into place, so a reader never sees it half written and of two claims at once one
+    wins. Where the filesystem has no hard links (vfat, some network mounts), created
+    exclusively and written in place instead."""
+    note = {"database_id": database_id, "about": "the batching database these files answer to"}
+    body = (json.dumps(note) + "\n").encode("utf-8")
+    target = root / OWNER_FILE
+    tmp = root / f".{OWNER_FILE}.{uuid.uuid4().hex}.tmp"
+    with sinks.translate_errors(f"cannot record the owner of {root}"):
+        try:
+            _write_synced(tmp, body, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            try:
+                os.link(tmp, target)
+            except FileExistsError:
+                pass  # another claim got there first: its owner is read next
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.ENOSYS, errno.EXDEV):
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    _write_synced(target, body, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(root)
+
+
+def _write_synced(path: Path, body: bytes, flags: int) -> None:
+    fd = os.open(path, flags, 0o644)
+    try:
+        os.write(fd, body)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def check_owner(root: Path, database_id: str, *, claim: bool) -> None:
@@ -315,25 +366,12 @@ def check_owner(root: Path, database_id: str, *, claim: bool) -> None:
         )
     owner = _owner_of(root)
     if owner is None and claim:
-        tmp = root / f".{OWNER_FILE}.{uuid.uuid4().hex}.tmp"
-        note = {
-            "database_id": database_id,
-            "about": "the batching database this dataset's files answer to",
-        }
-        with sinks.translate_errors(f"cannot record the owner of {root}"):
-            tmp.write_text(json.dumps(note) + "\n", encoding="utf-8")
-            try:
-                os.link(tmp, root / OWNER_FILE)  # fails when another claim got there first
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink(missing_ok=True)
-            fsync_dir(root)
+        _claim(root, database_id)
         owner = _owner_of(root)
     if owner is not None and owner != database_id:
         raise errors.ConfigError(
             f"output {root} holds the outputs of another queue database (its {OWNER_FILE} "
             f"names {owner}; this database is {database_id}): two databases' ledgers cannot "
             "share one dataset. Give this config an output.path of its own (or --output); "
-            f"if the other database is gone for good, move its files aside first"
+            "if the other database is gone for good, move the dataset aside"
         )

@@ -229,7 +229,8 @@ def require_file_still_there(engine: Engine) -> None:
     path = _sqlite_file(engine.url)
     if path is not None and not path.exists():
         raise errors.QueueError(  # no path: /readyz answers anyone
-            "the SQLite database file is gone from its path; restore it or run `batching init`"
+            "the SQLite database file is gone from its path; restore it (remove its old -wal "
+            "and -shm first: SQLite would apply them to the copy) or run `batching init`"
         )
 
 

@@ -359,9 +359,9 @@ meta = sa.Table(
     sa.Column("name", sa.String(100), primary_key=True),
     sa.Column("value", sa.Text, nullable=False),
 )
-"""Facts about the database itself (migration 20): ``database_id``, drawn when the database
-was made (or upgraded to 20), which a Parquet dataset records as the database its files
-answer to (``parquet_layout.OWNER_FILE``)."""
+"""Facts about the database itself (migration 20): ``database_id``, from the time the
+database was made, which an output records as the database its files answer to
+(``parquet_layout.OWNER_FILE``, a Delta table's description)."""
 DATABASE_ID = "database_id"
 
 queue_controls = sa.Table(
@@ -686,8 +686,20 @@ def _v19(conn: Connection) -> None:
 def _v20(conn: Connection) -> None:
     meta.create(conn, checkfirst=True)
     held = sa.select(meta.c.value).where(meta.c.name == DATABASE_ID)
-    if conn.execute(held).first() is None:  # drawn once: a database keeps its id
-        conn.execute(meta.insert().values(name=DATABASE_ID, value=str(uuid.uuid4())))
+    if conn.execute(held).first() is None:
+        conn.execute(meta.insert().values(name=DATABASE_ID, value=_id_of_creation(conn)))
+
+
+def _id_of_creation(conn: Connection) -> str:
+    """The database's id, from when migration 1 made it (its recorded time), not drawn at
+    random: a backup taken before an upgrade to 20, restored (the documented roll-back) and
+    upgraded again, is the same database and must get the same id, or its own dataset would
+    refuse it (found by a review). Two databases made in the same microsecond would share
+    one; a copy of a database shares it, as it shares its ledger."""
+    first = conn.execute(
+        sa.select(schema_version.c.applied_at).where(schema_version.c.version == 1)
+    ).scalar()
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"batching-database:{float(first or 0.0)!r}"))
 
 
 def database_id(conn: Connection) -> str:

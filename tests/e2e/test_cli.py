@@ -1161,6 +1161,11 @@ def test_a_queue_without_items_names_the_queues_there(tmp_path: Path) -> None:
     typo.write_text(shipped.replace("  name: tabular\n", "  name: tabluar\n", 1))
     r = batching("reconcile", "-c", str(typo), "--db", DB, "--output", "out", cwd=tmp_path)
     assert "queue 'tabluar' has no items; queues in this database: tabular" in r.err
+    assert "judged nothing: queue 'tabluar' has no items" in r.out
+    r = batching(
+        "reconcile", "-c", str(typo), "--db", DB, "--output", "out", "--json", cwd=tmp_path
+    )
+    assert json.loads(r.out)["unknown_queue"].startswith("queue 'tabluar' has no items")
     # A queue with a control or an audit row and no item (capped first, or purged empty) is
     # no typo, and is among the queues a typo's warning names.
     cap = ("queue", "cap", "capped", "--max-depth", "5", "--new", "--db", DB)

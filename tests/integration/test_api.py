@@ -849,6 +849,7 @@ def test_a_restored_sqlite_file_is_the_one_written_after_it(
         for name in ("queue.db", "queue.db-wal", "queue.db-shm"):
             (tmp_path / name).unlink(missing_ok=True)
         assert_error(c.get(f"{ITEMS}/before", headers=A), 503, "QueueError")  # not the old rows
+        assert_error(c.get(ITEMS.rsplit("/", 1)[0], headers=A), 503, "QueueError")  # its counts
         (tmp_path / "backup.db").rename(db)  # the restore
         assert c.get("/readyz").json() == {"ok": True}
         assert c.post(ITEMS, json=item("restored"), headers=A).status_code == 201

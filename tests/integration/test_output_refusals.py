@@ -22,6 +22,7 @@ from batching.ingress import ingest
 from batching.loop.stats import RunLimits
 from batching.store import database, schema
 from tests.conftest import REPO
+from tests.integration.outputs_read import delta_rows
 
 
 def make_config(tmp_path: Path, output: dict[str, Any]) -> cfg.PipelineConfig:
@@ -203,3 +204,69 @@ def test_a_damaged_delta_checkpoint_is_named_with_its_fix(sqlite_url: str, tmp_p
         assert rc.reconcile(queue, sink, now=queue.clock()).clean
     finally:
         queue.engine.dispose()
+
+
+def test_the_owner_file_is_written_without_hard_links_and_a_damaged_one_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vfat and some network mounts have no hard links: the claim fell over there, and no
+    run scored (found by a review); it now creates the file exclusively instead. An empty
+    owner file (a power loss before its write reached the disk) stopped every claim and
+    refused nobody: it is named, with the fix."""
+    import errno
+    import os
+
+    from batching.outputs import parquet_layout
+
+    def no_links(*_: Any) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    root = tmp_path / "vfat"
+    root.mkdir()
+    parquet_layout.check_owner(root, "db-a", claim=True)
+    assert json.loads((root / parquet_layout.OWNER_FILE).read_text())["database_id"] == "db-a"
+    parquet_layout.check_owner(root, "db-a", claim=True)  # its own: again fine
+    with pytest.raises(errors.ConfigError, match="names db-a; this database is db-b"):
+        parquet_layout.check_owner(root, "db-b", claim=True)
+    assert [p.name for p in root.iterdir()] == [parquet_layout.OWNER_FILE]  # no tmp left
+    (root / parquet_layout.OWNER_FILE).write_text("")
+    with pytest.raises(errors.SinkError, match=r"names no database \(damaged\).*delete it"):
+        parquet_layout.check_owner(root, "db-a", claim=True)
+
+
+def test_a_second_queue_database_writing_the_same_delta_table_is_refused(
+    tmp_path: Path,
+) -> None:
+    """As for Parquet, with a Delta table: both databases' rows went in, and each one's
+    reconcile --repair deleted the other's until the table held none (found by a review).
+    The table's description names the database it answers to; a table of an older release
+    (no description) is described by the next scorer."""
+    table = tmp_path / "dl"
+    config = make_config(tmp_path, {"kind": "delta", "path": str(table)})
+    first, second, third = (f"sqlite:///{tmp_path / n}" for n in ("a.db", "b.db", "c.db"))
+    for url in (first, second, third):
+        enqueue(url, config, 20)
+    wiring.run_score(config, db_url=first, limits=RunLimits())
+    from deltalake import DeltaTable
+
+    said = DeltaTable(str(table)).metadata().description
+    assert said is not None
+    assert said.startswith("batching: the outputs of queue database ")
+    with pytest.raises(errors.ConfigError, match=r"holds the outputs of another queue database"):
+        wiring.run_score(config, db_url=second, limits=RunLimits())
+    assert states(second) == {int(models.State.READY): 20}
+    queue = build.open_queue(config, second)
+    try:
+        sink = build.open_sink(queue, build.resolve(config, second, None), read_only=True)
+        with pytest.raises(errors.ConfigError, match=r"output\.path of its own"):
+            rc.reconcile(queue, sink, now=queue.clock(), repair=True)
+    finally:
+        queue.engine.dispose()
+    assert len(delta_rows(str(table))) == 20
+    # An older release's table (no description): the next scorer describes it as its own.
+    DeltaTable(str(table)).alter.set_table_description("")
+    wiring.run_score(config, db_url=first, limits=RunLimits())
+    assert DeltaTable(str(table)).metadata().description == said
+    with pytest.raises(errors.ConfigError, match=r"holds the outputs of another queue database"):
+        wiring.run_score(config, db_url=third, limits=RunLimits())

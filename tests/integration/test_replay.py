@@ -177,3 +177,7 @@ def test_the_replay_command_says_what_it_found_in_one_line_each(
         assert refused.stderr.count("\n") == 1
         assert says in refused.stderr
     assert not list((tmp_path / "out").rglob("replay=*"))  # nothing written into the dataset
+    nowhere = [*args, "--output", str(tmp_path / "r2"), "--dataset", str(tmp_path / "nowhere")]
+    refused = subprocess.run(nowhere, capture_output=True, text=True)
+    assert (refused.returncode, refused.stderr.count("\n")) == (2, 1), refused.stderr
+    assert "--dataset" in refused.stderr

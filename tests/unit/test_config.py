@@ -101,6 +101,7 @@ def test_shipped_configs_load(name: str) -> None:
         ),
         ({}, "model: Field required"),
         ({"model": MODEL, "queue": None}, "queue: an empty section; give its settings or remove"),
+        ({"model": "w2-text"}, "model: a section of settings, not 'w2-text'; indent its"),
         ({"model": {**MODEL, "checkpoint": ""}}, "model.checkpoint: String should have at least 1"),
         ({"model": MODEL, "output": {"path": ""}}, "output.path: String should have at least 1"),
         ({"model": MODEL, "lineage": {"path": ""}}, "lineage.path: String should have at least 1"),
