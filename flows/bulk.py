@@ -110,6 +110,7 @@ def bulk(
         db = credentials.db_url(db_url, db_url_secret)
         # The slot first: a run that cannot have it (none by that name, or held past
         # gpu_slot_wait_s) queued its file anyway, for whichever scorer came next (a review).
+        slots.require_one_scorer(gpu_slot, workers)
         with slots.gpu_slot(gpu_slot, gpu_slot_wait_s):
             with before_scoring(cfg, db, output):
                 require_workers(workers)

@@ -438,6 +438,7 @@ def score(
         db = credentials.db_url(db_url, db_url_secret)
         with before_scoring(cfg, db, output):
             require_workers(workers, max_items, max_seconds)
+            slots.require_one_scorer(gpu_slot, workers)
             found = validate_preconditions(cfg, db, output)
         expected = min(found["ready"], max_items or found["ready"])
         limits = run_stats.RunLimits(max_seconds=max_seconds, max_items=max_items)

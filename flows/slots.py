@@ -32,18 +32,38 @@ logger = logging.getLogger("batching.flows.slots")
 LEASE_S = 300.0  # a dead holder's slot comes back after this long
 
 
+def require_one_scorer(name: str | None, workers: int) -> None:
+    """A GPU slot is one GPU, for one scorer process: ``workers`` > 1 under a slot put two
+    scorers on one GPU without a word (found by a walk-through).
+
+    Raises:
+        ConfigError: a slot and more than one worker.
+    """
+    if name is not None and workers > 1:
+        raise errors.ConfigError(
+            f"workers {workers} with gpu_slot {name!r}: a GPU slot is one GPU, for one scorer "
+            "process; give each GPU its own slot and deployment (workers: 1)"
+        )
+
+
 @contextlib.contextmanager
 def gpu_slot(name: str | None, wait_s: float | None = None) -> Iterator[None]:
     """Hold the Prefect global concurrency limit ``name`` (one slot) for the block; nothing
     when ``name`` is None.
 
     Raises:
-        ConfigError: no global concurrency limit is named ``name``, or the slot stayed taken
-            for ``wait_s`` seconds.
+        ConfigError: ``name`` is empty or no global concurrency limit, ``wait_s`` is not
+            above 0, or the slot stayed taken for ``wait_s`` seconds.
     """
     if name is None:
         yield
         return
+    if not name.strip():  # Prefect answered an empty name with a raw 405
+        raise errors.ConfigError(
+            "gpu_slot is empty; name a Prefect global concurrency limit, or leave it unset"
+        )
+    if wait_s is not None and not wait_s > 0:  # 0 timed out even with the slot free
+        raise errors.ConfigError(f"gpu_slot_wait_s must be > 0 (or none), got {wait_s!r}")
     from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
     from prefect.concurrency.sync import concurrency
 
@@ -53,7 +73,7 @@ def gpu_slot(name: str | None, wait_s: float | None = None) -> Iterator[None]:
             "gpu_slot is set but CUDA_VISIBLE_DEVICES is not: the slot does not choose a device",
             extra={"action": "gpu_slot_without_device", "gpu_slot": name},
         )
-    logger.info("taking GPU slot", extra={"action": "gpu_slot_wait", "gpu_slot": name})
+    logger.info("taking GPU slot %s", name, extra={"action": "gpu_slot_wait", "gpu_slot": name})
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(
@@ -71,11 +91,14 @@ def gpu_slot(name: str | None, wait_s: float | None = None) -> Iterator[None]:
         except ConcurrencySlotAcquisitionError:
             require_slot(name)  # deleted since the check: say so, with the fix
             raise
-        logger.info("holding GPU slot", extra={"action": "gpu_slot_held", "gpu_slot": name})
+        logger.info(
+            "holding GPU slot %s", name, extra={"action": "gpu_slot_held", "gpu_slot": name}
+        )
         _warn_without_cuda(name)
         held.callback(
             logger.info,
-            "GPU slot released",
+            "GPU slot %s released",
+            name,
             extra={"action": "gpu_slot_released", "gpu_slot": name},
         )
         yield

@@ -62,6 +62,25 @@ def test_a_bulk_run_that_cannot_have_its_slot_queues_nothing(tmp_path: Path, slo
     assert sum(pipeline.by_state().values()) == 0  # nothing queued
 
 
+def test_slot_settings_that_cannot_work_fail_the_run_before_it_claims(
+    tmp_path: Path, slot: str
+) -> None:
+    """A walk-through: a wait of 0 (or below) timed out with the slot free and said another
+    run held it; an empty name got Prefect's raw 405; two workers under one slot put two
+    scorers on one GPU without a word."""
+    pipeline = make_pipeline(tmp_path, 10)
+    for given, says in (
+        ({"gpu_slot": slot, "gpu_slot_wait_s": 0}, "gpu_slot_wait_s must be > 0 (or none), got 0"),
+        ({"gpu_slot": slot, "gpu_slot_wait_s": -1}, "gpu_slot_wait_s must be > 0 (or none)"),
+        ({"gpu_slot": " "}, "gpu_slot is empty; name a Prefect global concurrency limit"),
+        ({"gpu_slot": slot, "workers": 2}, f"workers 2 with gpu_slot {slot!r}: a GPU slot is"),
+    ):
+        state = score(**pipeline.params(**given), return_state=True)
+        assert state.is_failed(), given
+        assert says in str(state.message), (given, state.message)
+    assert pipeline.by_state()["ready"] == 10  # nothing claimed
+
+
 def test_a_slot_that_lets_two_runs_in_is_refused(tmp_path: Path) -> None:
     name = f"gpu-test-{uuid.uuid4().hex[:8]}"
     with get_client(sync_client=True) as client:
