@@ -138,6 +138,8 @@ def _gateway(url: str) -> tuple[str, Any]:
 
 PUSH_EVERY_S = 30.0
 """While a run runs, its series are pushed this often (``metrics.pushgateway_url``)."""
+_START_CHECK_S = 0.1
+"""How often the first push looks for the run's start."""
 
 
 @contextmanager
@@ -150,16 +152,27 @@ def pushing(
     for one that died (its last push was the previous run's, inactive). A failed push is
     logged once until one succeeds again, and tried at the next beat.
 
-    The first push is at once: a process starts its counters at zero, and a run whose
-    counters replaced the last run's only when they were already higher was read by
-    Prometheus as a continuation (``rate`` undercounted it) rather than a reset."""
+    The first push is as soon as the run says it started (``batching_run_active`` 1, within
+    ``every_s`` at most): a process starts its counters at zero, and a run whose counters
+    replaced the last run's only when they were already higher was read by Prometheus as a
+    continuation (``rate`` undercounted it) rather than a reset. Pushed at once, before the
+    run had made its series, the group was empty: a run that hung or died in its first
+    ``every_s`` was never seen active, and its counters read as new series (found by a
+    review)."""
     stop = threading.Event()
     beat: threading.Thread | None = None
     if config.metrics.pushgateway_url:
+        labels = {"environment": config.metrics.environment, "queue": config.queue.name}
+
+        def started() -> bool:
+            return reg.get_sample_value("batching_run_active", labels) == 1
 
         def run() -> None:
             failing = False
-            while True:  # at once, then every every_s
+            waited = 0.0
+            while not started() and waited < every_s and not stop.wait(_START_CHECK_S):
+                waited += _START_CHECK_S
+            while True:  # then every every_s
                 problem = _push(config, reg)
                 if problem is not None and not failing:
                     logger.warning(problem, extra={"action": "metrics_publish_failed"})

@@ -106,14 +106,22 @@ def test_environments_and_scorers_sharing_a_gateway_keep_their_own_groups(
     ]
 
 
-def test_a_run_is_pushed_as_it_starts(gateway: Gateway) -> None:
-    """Its counters start at zero: pushed at once, Prometheus sees the reset from the last
-    run's values; pushed first when already past them, it read a continuation and rate()
-    undercounted the run."""
+def test_a_run_is_pushed_as_soon_as_it_starts(gateway: Gateway) -> None:
+    """Its counters start at zero: pushed early, Prometheus sees the reset from the last
+    run's values (pushed first when already past them, it read a continuation and rate()
+    undercounted the run). Pushed at once, before the run made its labelled series, the
+    group was empty (found by a review): a run that hung or died in its first 30 s was never
+    seen active. So the first push waits for the run's ``batching_run_active`` 1."""
+    cfg = gateway.config()
     reg = CollectorRegistry()
-    Gauge("batching_run_active", "a run is active", registry=reg)
-    with publish.pushing(gateway.config(), reg, every_s=3600):
+    active = Gauge("batching_run_active", "a run is active", ("environment", "queue"), registry=reg)
+    with publish.pushing(cfg, reg, every_s=3600):
+        time.sleep(0.3)
+        assert gateway.puts == []  # nothing of the run yet: no empty group
+        active.labels(cfg.metrics.environment, cfg.queue.name).set(1)
         deadline = time.monotonic() + 10
         while not gateway.puts and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(gateway.puts) == 1
+    assert b"batching_run_active{" in gateway.puts[0][2]
+    assert b"} 1.0" in gateway.puts[0][2]
