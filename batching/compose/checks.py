@@ -71,6 +71,7 @@ def check_config(config: cfg.PipelineConfig, db_url: str | None = None) -> polic
         *unchecked,
         *_ignored_output_settings(config.output),
         *_unwritable_metrics_file(config),
+        *_slow_heartbeat(config),
     ]
     held = _largest_checkpoints(config, 3)
     device = profile.device_memory_bytes if profile is not None else None
@@ -82,6 +83,23 @@ def check_config(config: cfg.PipelineConfig, db_url: str | None = None) -> polic
             "version and the route's two; list fewer versions or smaller ones"
         )
     return replace(report, errors=tuple(found), warnings=tuple(warned))
+
+
+HEARTBEAT_ALERT_S = 300.0
+"""BatchingRunNoHeartbeat's silence (deployments/monitoring/alerts.yml; a test binds them)."""
+
+
+def _slow_heartbeat(config: cfg.PipelineConfig) -> list[str]:
+    """A beat as slow as the heartbeat alert's 5 min: an idle, healthy scorer pages (a
+    review: ``lease_s`` of 900 s and more, no ``heartbeat_s``)."""
+    beat = config.queue.effective_heartbeat_s
+    if beat < HEARTBEAT_ALERT_S:
+        return []
+    return [
+        f"queue.heartbeat_s: a run beats every {beat:g} s, and BatchingRunNoHeartbeat pages "
+        f"after {HEARTBEAT_ALERT_S:g} s without one: an idle scorer would page; set "
+        "queue.heartbeat_s under 300"
+    ]
 
 
 def _unwritable_metrics_file(config: cfg.PipelineConfig) -> list[str]:

@@ -1092,3 +1092,18 @@ def test_the_plan_check_warns_of_a_candidate_whose_fit_it_could_not_check(
     (said,) = [w for w in checks.check_config(broken).warnings if "could not be built" in w]
     assert "version 'v2'" in said
     assert not [w for w in checks.check_config(make_config(tmp_path, ckpt)).warnings if "v2" in w]
+
+
+def test_the_plan_check_warns_of_a_beat_as_slow_as_the_heartbeat_alert(
+    tmp_path: Path, ckpt: tuple[str, str]
+) -> None:
+    """A review: with lease_s of 900 s and no heartbeat_s, a run beats every 300 s, and an
+    idle, healthy scorer pages BatchingRunNoHeartbeat."""
+    raw = settings(tmp_path, ckpt)
+    raw["queue"] = {**raw.get("queue", {}), "lease_s": 900}
+    slow = cfg.load_config(REPO / "deployments" / "tabular.yaml", raw)
+    (said,) = [w for w in checks.check_config(slow).warnings if "heartbeat_s" in w]
+    assert "beats every 300 s" in said
+    raw["queue"]["heartbeat_s"] = 240
+    fine = cfg.load_config(REPO / "deployments" / "tabular.yaml", raw)
+    assert not [w for w in checks.check_config(fine).warnings if "heartbeat_s" in w]

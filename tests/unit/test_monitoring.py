@@ -156,3 +156,12 @@ def test_the_dashboard_slices_by_environment_queue_and_tenant() -> None:
     for expr in dashboard_exprs(board):
         if NAME.search(expr) and "label_values(" not in expr:
             assert "$environment" in expr, expr
+
+
+def test_the_plan_checks_heartbeat_bound_is_the_alerts() -> None:
+    """``batching check`` warns of a beat as slow as BatchingRunNoHeartbeat's silence: the
+    two numbers must stay one."""
+    from batching.compose import checks
+
+    (rule,) = [a for a in alerts() if a["alert"] == "BatchingRunNoHeartbeat"]
+    assert f"> {checks.HEARTBEAT_ALERT_S:g}" in rule["expr"]
