@@ -289,6 +289,7 @@ class SqlQueue:
         self._rng = rng or random.Random()
         self.tenant_weights = dict(tenant_weights or {})  # the depth cap's shares (1.0 unlisted)
         self._url = engine.url.render_as_string(hide_password=True)
+        self._database_id: str | None = None
         self._fair = (
             tenant_share.FairShare(self.tenant_weights, max_tenant_wait_s) if fair_share else None
         )
@@ -301,6 +302,15 @@ class SqlQueue:
     def url(self) -> str:
         """The database's URL, its password masked."""
         return self._url
+
+    @property
+    def database_id(self) -> str:
+        """The database's id (``schema.database_id``), read once: what an output records as
+        its owner (a scorer's preflight and a reconcile each asked twice)."""
+        if self._database_id is None:
+            with self.read() as conn:
+                self._database_id = schema.database_id(conn)
+        return self._database_id
 
     @contextlib.contextmanager
     def begin(self) -> Iterator[Connection]:

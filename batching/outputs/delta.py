@@ -60,7 +60,7 @@ from batching import errors, facts, models, naming, ports
 from batching.outputs import contract as sinks
 from batching.outputs import ledger, outbox
 from batching.redaction import redact_url
-from batching.store import retention, schema
+from batching.store import retention
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +218,7 @@ class DeltaSink(outbox.OutboxSink):
             self._refuse_foreign(self.table())
 
     def _owner_note(self) -> str:
-        with self.fence.read() as conn:
-            return OWNER_NOTE.format(schema.database_id(conn))
+        return OWNER_NOTE.format(self.fence.database_id)
 
     def _refuse_foreign(self, table: DeltaTable, *, claim: bool = False) -> None:
         """Refuse ``table`` when its description names another database; with ``claim``,

@@ -233,9 +233,7 @@ class ParquetSink(sinks.FencedSink):
             self._check_owner(claim=False)
 
     def _check_owner(self, *, claim: bool) -> None:
-        with self.fence.read() as conn:
-            mine = schema.database_id(conn)
-        check_owner(self.layout.root, mine, claim=claim)
+        check_owner(self.layout.root, self.fence.database_id, claim=claim)
 
     def recover(self) -> outcomes.RecoverResult:
         """Finish what a crash interrupted (call at scorer start-up).
